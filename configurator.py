@@ -1,0 +1,116 @@
+"""
+nanoGPT's "Poor Man's Configurator", made strict. Every entry point declares its settings and defaults
+as a dict and calls configure():
+
+$ python train.py config/override_file.py --batch_size=32
+
+config/override_file.py is plain Python whose top-level assignments override the defaults; then each
+--key=value overrides again (values parsed with ast.literal_eval, else kept as strings). Unlike
+nanoGPT, nothing is exec'd into the caller's globals, an unknown key or a value of the wrong type is an
+error that names it, and errors end in one sentence and exit code 2 instead of a traceback.
+
+Usage:
+    from configurator import configure
+    config = configure({'batch_size': 12, 'out_dir': 'out'}, doc=__doc__)   # reads sys.argv[1:]
+"""
+
+import ast
+import difflib
+import os
+import sys
+import types
+
+
+class ConfigError(Exception):
+    """ A bad config file or command-line argument; the message says which and what to do. """
+
+
+def _closest(key, valid):
+    close = difflib.get_close_matches(key, list(valid), n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def _check_type(key, value, default, source):
+    """ Return value if it fits the default's type (an int where a float is expected is fine). """
+    if default is None or value is None:
+        return value
+    expected = type(default)
+    if expected is float and type(value) is int:
+        return float(value)
+    if type(value) is not expected:
+        raise ConfigError(f"{source}: {key} expects {expected.__name__}, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def _read_config_file(path):
+    """ The top-level settings assigned by a Python config file, run in its own namespace. """
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} not found; pass an existing file such as "
+                          f"config/train_shakespeare_char.py")
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    namespace = {"__file__": os.path.abspath(path), "__name__": "__config__"}
+    try:
+        exec(compile(source, path, "exec"), namespace)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path} has a syntax error on line {e.lineno}: {e.msg}") from None
+    # keep plain settings; skip imports, helpers and dunders
+    return source, {k: v for k, v in namespace.items()
+                    if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
+
+
+def parse_config(defaults, argv):
+    """ defaults overridden by argv (config files and --key=value, in order); raises ConfigError. """
+    config = dict(defaults)
+    for arg in argv:
+        if not arg.startswith("--"):
+            # assume it's the name of a config file
+            source, settings = _read_config_file(arg)
+            print(f"Overriding config with {arg}:")
+            print(source)
+            for key, value in settings.items():
+                if key not in defaults:
+                    raise ConfigError(f"unknown setting '{key}' in {arg}{_closest(key, defaults)}")
+                config[key] = _check_type(key, value, defaults[key], arg)
+        else:
+            # assume it's a --key=value argument
+            if "=" not in arg:
+                raise ConfigError(f"malformed argument '{arg}': use --key=value")
+            key, val = arg[2:].split("=", 1)
+            if key not in defaults:
+                raise ConfigError(f"unknown setting '{key}'{_closest(key, defaults)}")
+            try:
+                # attempt to eval it it (e.g. if bool, number, or etc)
+                attempt = ast.literal_eval(val)
+            except (SyntaxError, ValueError):
+                # if that goes wrong, just use the string
+                attempt = val
+            if isinstance(defaults[key], str) and not isinstance(attempt, str):
+                attempt = val  # --out_dir=123 means the string '123'
+            config[key] = _check_type(key, attempt, defaults[key], f"--{key}")
+            print(f"Overriding: {key} = {config[key]!r}")
+    return config
+
+
+def format_settings(defaults):
+    width = max(len(k) for k in defaults) if defaults else 0
+    return "\n".join(f"  --{k.ljust(width)} = {v!r}" for k, v in defaults.items())
+
+
+def configure(defaults, argv=None, doc=None):
+    """
+    parse_config on sys.argv[1:] for a script: -h/--help prints the doc and every setting with its default;
+    a ConfigError is printed as one line and the process exits with code 2.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        if doc:
+            print(doc.strip() + "\n")
+        print("settings (config files and --key=value override them, in order):")
+        print(format_settings(defaults))
+        sys.exit(0)
+    try:
+        return parse_config(defaults, argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

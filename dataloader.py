@@ -1,0 +1,92 @@
+"""
+The token-window loader: random (B, T) windows from a memmapped uint16 token file, like nanoGPT's
+get_batch, with explicit state so runs resume exactly and DDP ranks stride one shared stream.
+
+Every process draws the same sequence of micro-batch offsets from its own seeded torch.Generator; micro-
+batch k belongs to rank k % world_size. So the global batch of an optimizer step is the same for any
+world size: 2 ranks x 2 accumulation steps see exactly the micro-batches 1 rank x 4 steps sees.
+
+Usage:
+    from dataloader import TokenWindowLoader, dataset_dir
+    loader = TokenWindowLoader(os.path.join(dataset_dir('shakespeare_char'), 'train.bin'), batch_size=12,
+                               block_size=64, seed=1337, rank=0, world_size=1, device='cpu')
+    x, y = loader.next_batch()          # (B, T) int64 inputs and targets shifted by one
+    state = loader.state_dict()         # resume later with loader.load_state_dict(state)
+"""
+
+import os
+
+import numpy as np
+import torch
+
+from runtime import UserError
+
+REPO_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def dataset_dir(dataset):
+    """ data/<dataset> (relative to the working directory, like nanoGPT, else to this repo), or a path. """
+    for candidate in (dataset, os.path.join('data', dataset), os.path.join(REPO_DIR, 'data', dataset)):
+        if os.path.isdir(candidate) and os.path.exists(os.path.join(candidate, 'train.bin')):
+            return candidate
+    return os.path.join('data', dataset)
+
+
+def open_tokens(path, dataset=None):
+    """ The uint16 token file as a read-only memmap, with a clear error when it is missing. """
+    if not os.path.exists(path):
+        hint = f"run python data/{dataset}/prepare.py first" if dataset else "prepare the dataset first"
+        raise UserError(f"no token file at {path}; {hint}")
+    if os.path.getsize(path) % 2:
+        raise UserError(f"{path} has an odd number of bytes, so it is not a uint16 token file; re-run prepare.py")
+    return np.memmap(path, dtype=np.uint16, mode='r')
+
+
+class TokenWindowLoader:
+
+    def __init__(self, path, batch_size, block_size, seed=1337, rank=0, world_size=1, device='cpu',
+                 dataset=None):
+        self.path, self.batch_size, self.block_size = path, batch_size, block_size
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.seed = seed
+        n = len(open_tokens(path, dataset))
+        if n <= block_size:
+            raise UserError(f"{path} has only {n} tokens, fewer than block_size+1 ({block_size + 1}); "
+                            f"use a smaller --block_size or more data")
+        self.num_tokens = n
+        self.generator = torch.Generator()
+        self.reset()
+        self._offsets = np.arange(block_size + 1, dtype=np.int64)
+        self._pin = 'cuda' in str(device)
+
+    def reset(self):
+        """ Back to the start of the stream (evaluation calls this to see the same batches every time). """
+        self.generator.manual_seed(self.seed)
+        self.micro_step = 0  # global micro-batch counter, shared by all ranks
+
+    def next_batch(self):
+        # draw micro-batches from the shared stream until one belongs to this rank
+        while True:
+            ix = torch.randint(self.num_tokens - self.block_size, (self.batch_size,), generator=self.generator)
+            mine = self.micro_step % self.world_size == self.rank
+            self.micro_step += 1
+            if mine:
+                break
+        # We recreate np.memmap every batch to avoid a memory leak, as per
+        # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122
+        data = np.memmap(self.path, dtype=np.uint16, mode='r')
+        window = torch.from_numpy(data[ix.numpy()[:, None] + self._offsets].astype(np.int64))  # (B, T+1)
+        x, y = window[:, :-1], window[:, 1:]
+        if self._pin:
+            # pin arrays x,y, which allows us to move them to GPU asynchronously (non_blocking=True)
+            x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        else:
+            x, y = x.contiguous().to(self.device), y.contiguous().to(self.device)
+        return x, y
+
+    def state_dict(self):
+        return {'generator': self.generator.get_state(), 'micro_step': self.micro_step, 'seed': self.seed}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state['generator'])
+        self.micro_step = int(state['micro_step'])

