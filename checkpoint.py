@@ -81,8 +81,10 @@ def load_checkpoint(path, map_location='cpu'):
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, foreign pickle, ... all mean the file can't be used
-        raise UserError(f"checkpoint {path} is corrupt or not a safe checkpoint ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200] if str(e) else ''}); use another checkpoint") from None
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or ['']
+        detail = next((ln for ln in lines if 'Unsupported global' in ln), lines[0])[:200]
+        raise UserError(f"checkpoint {path} is corrupt or not a safe checkpoint ({type(e).__name__}: {detail}); "
+                        f"use another checkpoint") from None
     if not isinstance(ckpt, dict) or 'model' not in ckpt or 'model_args' not in ckpt:
         raise UserError(f"checkpoint {path} has no 'model'/'model_args' entries; is it a nanoGPT checkpoint?")
     return ckpt

@@ -3,7 +3,7 @@ The token-window loader: random (B, T) windows from a memmapped uint16 token fil
 get_batch, with explicit state so runs resume exactly and DDP ranks stride one shared stream.
 
 Every process draws the same sequence of micro-batch offsets from its own seeded torch.Generator; micro-
-batch k belongs to rank k % world_size. So the global batch of an optimizer step is the same for any
+batch k belongs to rank k % world_size (each call to next_batch consumes world_size micro-batches). So the global batch of an optimizer step is the same for any
 world size: 2 ranks x 2 accumulation steps see exactly the micro-batches 1 rank x 4 steps sees.
 
 Usage:
@@ -65,13 +65,13 @@ class TokenWindowLoader:
         self.micro_step = 0  # global micro-batch counter, shared by all ranks
 
     def next_batch(self):
-        # draw micro-batches from the shared stream until one belongs to this rank
-        while True:
-            ix = torch.randint(self.num_tokens - self.block_size, (self.batch_size,), generator=self.generator)
-            mine = self.micro_step % self.world_size == self.rank
-            self.micro_step += 1
-            if mine:
-                break
+        # draw the next world_size micro-batches of the shared stream and keep this rank's one, so every
+        # rank's generator stays in the same state (any rank's state_dict resumes all of them)
+        for r in range(self.world_size):
+            draw = torch.randint(self.num_tokens - self.block_size, (self.batch_size,), generator=self.generator)
+            if r == self.rank:
+                ix = draw
+        self.micro_step += self.world_size
         # We recreate np.memmap every batch to avoid a memory leak, as per
         # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122
         data = np.memmap(self.path, dtype=np.uint16, mode='r')

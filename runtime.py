@@ -149,7 +149,7 @@ def git_commit():
 
 def provenance(device):
     """ What produced a run: versions, commit and device, printed at start-up and kept in checkpoints. """
-    info = {'torch': torch.__version__, 'python': sys.version.split()[0], 'git_commit': git_commit(),
+    info = {'torch': str(torch.__version__), 'python': sys.version.split()[0], 'git_commit': git_commit(),
             'device': str(device), 'num_threads': torch.get_num_threads()}
     if device_type_of(device) == 'cuda':
         info['gpu'] = torch.cuda.get_device_name(torch.device(device))
