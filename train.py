@@ -134,8 +134,8 @@ def build_model(cfg, data_meta, resume_ckpt):
     return model
 
 
-def main():
-    cfg = configure(DEFAULTS, doc=__doc__)
+def main(argv=None):
+    cfg = configure(DEFAULTS, argv, doc=__doc__)
     if cfg['compile'] not in (None, True, False):
         raise UserError(f"compile must be True, False or None (auto), got {cfg['compile']!r}")
     if cfg['init_from'] == 'resume' and not os.path.exists(os.path.join(cfg['out_dir'], 'ckpt.pt')):

@@ -1,0 +1,72 @@
+"""
+Plot a training run's metrics.jsonl (written by train.py into its out_dir) to a PNG: training loss per
+iteration, train/val loss at each evaluation, and the learning rate.
+
+Usage:
+$ python scripts/plot_metrics.py --out_dir=out-shakespeare-char            # writes out-shakespeare-char/metrics.png
+$ python scripts/plot_metrics.py --out_dir=out --output=loss.png
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configurator import configure  # noqa: E402
+from runtime import UserError, run_main  # noqa: E402
+
+DEFAULTS = dict(out_dir='out', output='')
+
+
+def read_metrics(path):
+    """ (iteration records, eval records); a resumed run logs some iterations twice: the last one wins. """
+    if not os.path.exists(path):
+        raise UserError(f"no metrics file at {path}; train.py writes one into its out_dir")
+    iters, evals = {}, {}
+    with open(path, encoding='utf-8') as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                raise UserError(f"{path} line {lineno} is not JSON; is it a train.py metrics file?") from None
+            (evals if rec.get('type') == 'eval' else iters)[rec['iter']] = rec
+    return [iters[k] for k in sorted(iters)], [evals[k] for k in sorted(evals)]
+
+
+def plot(metrics_path, png_path):
+    import matplotlib
+    matplotlib.use('Agg')  # no display needed
+    import matplotlib.pyplot as plt
+    iters, evals = read_metrics(metrics_path)
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={'height_ratios': [3, 1]})
+    if iters:
+        ax_loss.plot([r['iter'] for r in iters], [r['loss'] for r in iters], lw=0.8, alpha=0.6, label='train (per iter)')
+        ax_lr.plot([r['iter'] for r in iters], [r['lr'] for r in iters], color='tab:gray')
+    if evals:
+        ax_loss.plot([r['iter'] for r in evals], [r['train_loss'] for r in evals], 'o-', label='train (eval)')
+        ax_loss.plot([r['iter'] for r in evals], [r['val_loss'] for r in evals], 'o-', label='val (eval)')
+    ax_loss.set_ylabel('loss')
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    ax_lr.set_ylabel('learning rate')
+    ax_lr.set_xlabel('iteration')
+    ax_lr.grid(alpha=0.3)
+    fig.suptitle(os.path.dirname(os.path.abspath(metrics_path)))
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return len(iters), len(evals)
+
+
+def main():
+    cfg = configure(DEFAULTS, doc=__doc__)
+    png = cfg['output'] or os.path.join(cfg['out_dir'], 'metrics.png')
+    n_iter, n_eval = plot(os.path.join(cfg['out_dir'], 'metrics.jsonl'), png)
+    print(f"plotted {n_iter} iterations and {n_eval} evaluations to {png}")
+
+
+if __name__ == '__main__':
+    run_main(main)

@@ -1,0 +1,102 @@
+"""configurator.py: nanoGPT's UX (config file, then --key=value), but strict and with clear errors."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configurator import ConfigError, parse_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULTS = dict(batch_size=12, learning_rate=6e-4, out_dir='out', compile=None, decay_lr=True, betas=(0.9, 0.95))
+
+
+def test_file_then_overrides_in_order(tmp_path):
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("import time\nbatch_size = 64\nout_dir = 'out-' + 'x'\n_private = 3\n")
+    cfg = parse_config(DEFAULTS, [str(cfg_file), "--batch_size=32", "--learning_rate=1e-3"])
+    assert cfg["batch_size"] == 32  # the command line comes after the file
+    assert cfg["out_dir"] == "out-x"
+    assert cfg["learning_rate"] == 1e-3
+    assert cfg["decay_lr"] is True
+
+
+def test_values_parsed_like_nanogpt():
+    cfg = parse_config(DEFAULTS, ["--decay_lr=False", "--out_dir=my run", "--compile=True", "--betas=(0.8, 0.9)"])
+    assert cfg["decay_lr"] is False and cfg["out_dir"] == "my run" and cfg["compile"] is True
+    assert cfg["betas"] == (0.8, 0.9)
+    # a string setting keeps a numeric-looking value as the string the user typed
+    assert parse_config(DEFAULTS, ["--out_dir=123"])["out_dir"] == "123"
+    # an int where a float is expected is fine, and becomes a float
+    lr = parse_config(DEFAULTS, ["--learning_rate=1"])["learning_rate"]
+    assert lr == 1.0 and isinstance(lr, float)
+
+
+def test_unknown_key_names_it_and_suggests():
+    with pytest.raises(ConfigError, match=r"unknown setting 'batch_sise'.*did you mean batch_size"):
+        parse_config(DEFAULTS, ["--batch_sise=3"])
+
+
+def test_unknown_key_in_file(tmp_path):
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("learning_rat = 1e-3\n")
+    with pytest.raises(ConfigError, match=r"unknown setting 'learning_rat' in .*c.py.*learning_rate"):
+        parse_config(DEFAULTS, [str(cfg_file)])
+
+
+def test_wrong_type_names_key_expected_and_given(tmp_path):
+    with pytest.raises(ConfigError, match=r"batch_size expects int, got float"):
+        parse_config(DEFAULTS, ["--batch_size=3.5"])
+    with pytest.raises(ConfigError, match=r"decay_lr expects bool, got str"):
+        parse_config(DEFAULTS, ["--decay_lr=maybe"])
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("batch_size = '12'\n")
+    with pytest.raises(ConfigError, match=r"batch_size expects int, got str"):
+        parse_config(DEFAULTS, [str(cfg_file)])
+
+
+def test_malformed_and_missing(tmp_path):
+    with pytest.raises(ConfigError, match="malformed argument '--batch_size'"):
+        parse_config(DEFAULTS, ["--batch_size"])
+    with pytest.raises(ConfigError, match="config file .*nope.py not found"):
+        parse_config(DEFAULTS, [str(tmp_path / "nope.py")])
+    bad = tmp_path / "bad.py"
+    bad.write_text("batch_size = (\n")
+    with pytest.raises(ConfigError, match="syntax error on line"):
+        parse_config(DEFAULTS, [str(bad)])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--n_layr=4"], "unknown setting 'n_layr' (did you mean n_layer"),
+    (["--batch_size=x"], "batch_size expects int, got str"),
+    (["--max_iters"], "malformed argument"),
+    (["config/does_not_exist.py"], "not found"),
+])
+def test_cli_errors_are_one_line_exit_2(args, message):
+    r = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0  # one line
+
+
+def test_help_lists_settings():
+    r = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    assert "--gradient_accumulation_steps" in r.stdout and "torchrun" in r.stdout
+
+
+def test_shipped_configs_are_valid():
+    """ Every config/*.py that train.py reads parses against train.py's settings. """
+    import train
+    names = ["train_shakespeare_char.py", "train_shakespeare_char_cpu.py", "train_gpt2.py", "finetune_shakespeare.py",
+             "eval_gpt2.py", "eval_gpt2_medium.py", "eval_gpt2_large.py", "eval_gpt2_xl.py"]
+    for name in names:
+        cfg = parse_config(train.DEFAULTS, [os.path.join(REPO, "config", name)])
+        assert cfg["out_dir"]
+    cpu = parse_config(train.DEFAULTS, [os.path.join(REPO, "config", "train_shakespeare_char_cpu.py")])
+    laptop = dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128, max_iters=2000,
+                  lr_decay_iters=2000, dropout=0.0, eval_iters=20, log_interval=1)
+    assert {k: cpu[k] for k in laptop} == laptop
+    xl = parse_config(train.DEFAULTS, [os.path.join(REPO, "config", "eval_gpt2_xl.py")])
+    assert xl["init_from"] == "gpt2-xl" and xl["eval_only"] is True

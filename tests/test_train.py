@@ -1,0 +1,280 @@
+"""train.py: learning, exact resume, atomic checkpoints, DDP on CPU, init_from, compile, wandb, NaN and signals."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint as checkpoint_mod
+import train
+from checkpoint import load_checkpoint, save_checkpoint
+from model import NANOGPT_MODEL_ARGS, GPT, GPTConfig
+from runtime import UserError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 20
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """ A tiny learnable character dataset: a repeating 20-symbol pattern with a little noise. """
+    d = tmp_path_factory.mktemp("tiny_ds")
+    rng = np.random.default_rng(0)
+    tokens = np.tile(np.arange(VOCAB), 3000)
+    noise = rng.random(tokens.size) < 0.05
+    tokens[noise] = rng.integers(0, VOCAB, noise.sum())
+    tokens[:54000].astype(np.uint16).tofile(d / "train.bin")
+    tokens[54000:].astype(np.uint16).tofile(d / "val.bin")
+    stoi = {chr(97 + i): i for i in range(VOCAB)}
+    (d / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": VOCAB, "stoi": stoi,
+                                             "itos": {i: c for c, i in stoi.items()}}))
+    return str(d)
+
+
+def tiny_args(dataset, out_dir, **overrides):
+    settings = dict(dataset=dataset, out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32, block_size=16,
+                    batch_size=4, gradient_accumulation_steps=2, max_iters=12, eval_interval=6, eval_iters=4,
+                    log_interval=1, warmup_iters=2, lr_decay_iters=12, learning_rate=1e-2, min_lr=1e-3,
+                    dropout=0.1, device='cpu', compile=False)
+    settings.update(overrides)
+    return [f"--{k}={v}" for k, v in settings.items()]
+
+
+def run_train(capsys, args):
+    train.main(args)
+    out = capsys.readouterr().out
+    return out
+
+
+def iter_losses(out):
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^iter (\d+): loss (\S+),", out, re.M)}
+
+
+def eval_losses(out):
+    return [(int(m.group(1)), float(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"^step (\d+): train loss (\S+), val loss (\S+)$", out, re.M)]
+
+
+def test_loss_decreases_and_nanogpt_lines(dataset, tmp_path, capsys):
+    out = run_train(capsys, tiny_args(dataset, tmp_path, max_iters=24, eval_interval=12, lr_decay_iters=24))
+    assert "tokens per iteration will be: 128" in out  # 2 accumulation x 4 batch x 16 block
+    evals = eval_losses(out)
+    assert [e[0] for e in evals] == [0, 12, 24]
+    assert evals[-1][2] < evals[0][2] - 1.0  # val loss fell by more than a nat
+    assert re.search(r"^iter 23: loss \d+\.\d{4}, time \d+\.\d{2}ms, mfu -?\d+\.\d{2}%$", out, re.M)
+    assert f"saving checkpoint to {tmp_path}" in out
+    # the metrics file: one JSON line per logged iteration and per evaluation
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    iters = [r for r in records if r["type"] == "iter"]
+    assert len(iters) == 25 and {"iter", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "time_ms"} <= set(iters[0])
+    assert len([r for r in records if r["type"] == "eval"]) == 3
+
+
+def test_checkpoint_is_nanogpt_compatible_and_weights_only(dataset, tmp_path, capsys):
+    run_train(capsys, tiny_args(dataset, tmp_path))
+    ckpt = torch.load(tmp_path / "ckpt.pt", map_location="cpu", weights_only=True)
+    for key in ("model", "optimizer", "model_args", "iter_num", "best_val_loss", "config"):
+        assert key in ckpt
+    assert tuple(sorted(ckpt["model_args"])) == tuple(sorted(NANOGPT_MODEL_ARGS))
+    assert not any(k.startswith("_orig_mod.") or k.startswith("module.") for k in ckpt["model"])
+    assert ckpt["iter_num"] == 12 and ckpt["config"]["dataset"] == dataset
+    assert ckpt["tokenizer"]["kind"] == "char" and ckpt["tokenizer"]["vocab_size"] == VOCAB
+    # what nanoGPT's sample.py does with it: GPTConfig(**model_args), strip prefixes, load_state_dict
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    summary = json.load(open(tmp_path / "ckpt.json"))
+    assert summary["iter_num"] == 12 and summary["model_args"]["n_layer"] == 2
+
+
+def test_resume_is_exact(dataset, tmp_path, capsys):
+    """ Interrupted at a checkpoint and resumed: the same iteration losses, bitwise (CPU, fp32, eager). """
+    full = run_train(capsys, tiny_args(dataset, tmp_path / "full", max_iters=12))
+    part1 = run_train(capsys, tiny_args(dataset, tmp_path / "split", max_iters=6))
+    part2 = run_train(capsys, tiny_args(dataset, tmp_path / "split", max_iters=12, init_from="resume"))
+    reference = iter_losses(full)
+    resumed = {**iter_losses(part1), **iter_losses(part2)}  # resume restarts at iter 6 (the checkpoint)
+    assert min(iter_losses(part2)) == 6
+    assert resumed == reference
+    assert eval_losses(part2)[-1] == eval_losses(full)[-1]
+
+
+def test_atomic_checkpoint_survives_crash_mid_save(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=10))
+    good = {"model": model.state_dict(), "model_args": model.config.model_args(), "iter_num": 1}
+    save_checkpoint(good, str(path))
+    real_save = torch.save
+
+    def crashing_save(obj, f):
+        real_save(obj, f)
+        f.write(b"partial")
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(checkpoint_mod.torch, "save", crashing_save)
+    with pytest.raises(OSError, match="simulated"):
+        save_checkpoint(dict(good, iter_num=2), str(path))
+    monkeypatch.undo()
+    assert load_checkpoint(str(path))["iter_num"] == 1  # the old checkpoint is intact
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.json", "ckpt.pt"]  # no temp files left behind
+
+
+def test_corrupt_and_unsafe_checkpoints_are_refused(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="corrupt"):
+        load_checkpoint(str(path))
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+    torch.save({"model": {}, "model_args": {}, "x": Evil()}, path)
+    with pytest.raises(UserError, match="not a safe checkpoint"):
+        load_checkpoint(str(path))
+    assert not (tmp_path / "pwned").exists()
+    with pytest.raises(UserError, match="no checkpoint at"):
+        load_checkpoint(str(tmp_path / "missing.pt"))
+
+
+def test_nan_loss_stops_without_overwriting(dataset, tmp_path, capsys, monkeypatch):
+    run_train(capsys, tiny_args(dataset, tmp_path, max_iters=6))
+    calls = {"n": 0}
+    real_forward = GPT.forward
+
+    def poisoned_forward(self, idx, targets=None, kv_cache=None):
+        logits, loss = real_forward(self, idx, targets, kv_cache)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] > 4 and loss is not None:
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned_forward)
+    with pytest.raises(UserError, match=r"loss is nan at iter \d+; stopping without saving"):
+        train.main(tiny_args(dataset, tmp_path, max_iters=12, init_from="resume"))
+    # the last good checkpoint (iter 6, re-saved on resume) is still there and finite
+    ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert ckpt["iter_num"] == 6
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_missing_dataset_and_resume_errors(tmp_path):
+    with pytest.raises(UserError, match=r"no token file at .*run python data/nope/prepare.py"):
+        train.main(["--dataset=nope", f"--out_dir={tmp_path}", "--device=cpu", "--compile=False"])
+    with pytest.raises(UserError, match="there is no checkpoint"):
+        train.main([f"--out_dir={tmp_path / 'empty'}", "--init_from=resume", "--device=cpu"])
+
+
+def test_init_from_local_hf_dir(dataset, tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    hf_dir = tmp_path / "hf"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=VOCAB + 5)).save_pretrained(hf_dir)
+    out = run_train(capsys, tiny_args(dataset, tmp_path / "out", init_from=str(hf_dir), max_iters=6, eval_interval=3))
+    assert "Initializing from OpenAI GPT-2 weights" in out
+    ckpt = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))
+    assert ckpt["model_args"]["block_size"] == 16  # cropped from 32
+    assert ckpt["model_args"]["vocab_size"] == VOCAB + 5 and ckpt["model_extra_args"]["gelu"] == "tanh"
+    evals = eval_losses(out)
+    assert evals[-1][2] < evals[0][2]
+
+
+def test_resume_from_nanogpt_checkpoint(dataset, tmp_path, capsys):
+    """ A checkpoint as nanoGPT writes it (compiled: '_orig_mod.' keys; no loader/RNG/tokenizer state). """
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=VOCAB, bias=False))
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+    ckpt = {"model": {"_orig_mod." + k: v for k, v in model.state_dict().items()}, "optimizer": optimizer.state_dict(),
+            "model_args": model.config.model_args(), "iter_num": 6, "best_val_loss": torch.tensor(3.0),
+            "config": {"dataset": "shakespeare_char"}}
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    train.main(tiny_args(dataset, tmp_path, init_from="resume", max_iters=8))
+    captured = capsys.readouterr()
+    assert "no data-loader state" in captured.err
+    assert iter_losses(captured.out).keys() == {6, 7, 8}
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equals_one_with_double_accumulation(dataset, tmp_path):
+    common = tiny_args(dataset, tmp_path, gradient_accumulation_steps=4, max_iters=6, eval_interval=6, dropout=0.0)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one = subprocess.run([sys.executable, "train.py", *common, f"--out_dir={tmp_path / 'one'}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "train.py", *common, f"--out_dir={tmp_path / 'two'}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = iter_losses(one.stdout), iter_losses(two.stdout)
+    assert a.keys() == b.keys() == set(range(7))
+    for k in a:
+        assert abs(float(a[k]) - float(b[k])) < 2e-4, (k, a[k], b[k])
+    assert "tokens per iteration will be: 256" in two.stdout
+    sd1 = load_checkpoint(str(tmp_path / "one" / "ckpt.pt"))["model"]
+    sd2 = load_checkpoint(str(tmp_path / "two" / "ckpt.pt"))["model"]
+    for k in sd1:
+        torch.testing.assert_close(sd1[k], sd2[k], atol=1e-5, rtol=1e-4)
+    # gradient accumulation that doesn't divide by the number of processes is one clear error
+    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "train.py", *common, "--gradient_accumulation_steps=3", f"--out_dir={tmp_path / 'bad'}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert bad.returncode != 0
+    assert "gradient_accumulation_steps (3) must be divisible by the number of processes (2)" in bad.stderr
+
+
+@pytest.mark.slow
+def test_sigint_saves_and_resumes(dataset, tmp_path):
+    args = tiny_args(dataset, tmp_path, max_iters=100000, lr_decay_iters=100000, eval_interval=100000)
+    proc = subprocess.Popen([sys.executable, "-u", "train.py", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen = ""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        seen += line
+        if line.startswith("iter 3:"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    seen += out
+    assert proc.returncode == 0, err[-2000:]
+    assert "finishing this iteration" in err
+    m = re.search(r"saving checkpoint to .* \(interrupted at iter (\d+)\)", seen)
+    assert m, seen[-2000:]
+    stopped_at = int(m.group(1))
+    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == stopped_at
+    resumed = subprocess.run([sys.executable, "train.py", *args, "--init_from=resume",
+                              f"--max_iters={stopped_at + 2}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert min(iter_losses(resumed.stdout)) == stopped_at
+
+
+@pytest.mark.slow
+def test_compile_on_cpu(dataset, tmp_path, capsys):
+    pytest.importorskip("torch._inductor")
+    out = run_train(capsys, tiny_args(dataset, tmp_path, compile=True, max_iters=3, eval_interval=3, dropout=0.0))
+    assert "compiling the model" in out
+    ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert not any("_orig_mod" in k for k in ckpt["model"])
+    assert eval_losses(out)[-1][2] < eval_losses(out)[0][2]
+
+
+@pytest.mark.slow
+def test_wandb_offline(dataset, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_train(capsys, tiny_args(dataset, tmp_path, wandb_log=True, max_iters=2, eval_interval=2))
+    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run")]
+    assert runs, os.listdir(tmp_path / "wandb")
+
+
+def test_plot_metrics(dataset, tmp_path, capsys):
+    run_train(capsys, tiny_args(dataset, tmp_path, max_iters=4, eval_interval=2))
+    r = subprocess.run([sys.executable, "scripts/plot_metrics.py", f"--out_dir={tmp_path}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "plotted 5 iterations and 3 evaluations" in r.stdout
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
