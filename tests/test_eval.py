@@ -1,0 +1,321 @@
+"""
+eval.py: each task against an independent computation (transformers' GPT-2 on the same weights for
+HellaSwag; per-token hand loops for loss and LAMBADA), DDP equal to one process, and clear errors.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from checkpoint import save_checkpoint
+from eval import (evaluate, hellaswag_examples, loss_windows, read_jsonl, score_examples)
+from model import GPT, GPTConfig
+from runtime import UserError
+from tokenizer import CharTokenizer, GPT2Tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHARS = "abcdefgh é\n"
+
+
+def tiny_gpt(vocab_size, block_size=16, seed=0, gelu='tanh'):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=block_size, vocab_size=vocab_size,
+                         gelu=gelu)).eval()
+
+
+def cfg(**kw):
+    c = dict(data_file='', dataset='', split='val', stride=0, batch_size=4, max_examples=0, compile=False)
+    c.update(kw)
+    return c
+
+
+def info(tok):
+    return {'tokenizer': tok.meta(), 'checkpoint': None, 'source': 'test'}
+
+
+def write_jsonl(path, records):
+    with open(path, 'w', encoding='utf-8') as f:
+        for r in records:
+            f.write(json.dumps(r) + '\n')
+    return str(path)
+
+
+def save_ckpt(model, tok, out_dir, dataset='x'):
+    save_checkpoint({'model': model.state_dict(), 'optimizer': {}, 'model_args': model.config.model_args(),
+                     'model_extra_args': model.config.model_extra_args(), 'iter_num': 0, 'best_val_loss': 1e9,
+                     'config': {'dataset': dataset}, 'tokenizer': tok.meta()}, os.path.join(out_dir, 'ckpt.pt'))
+
+
+def run_eval(args, torchrun=False):
+    cmd = ([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2'] if torchrun
+           else [sys.executable]) + ['eval.py', '--device=cpu'] + args
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+
+# -----------------------------------------------------------------------------
+# HellaSwag
+
+HELLASWAG = [
+    {'ctx': 'A man is sitting on a roof. He', 'endings': ['is using wrap to wrap a pair of skis.',
+     'is ripping level tiles off.', "is holding a rubik's cube.", 'starts pulling up roofing on a roof.'],
+     'label': 3},
+    {'ctx': 'The cat', 'endings': ['sat.', 'sat on the mat and looked out of the window for a long time.',
+     'ran', 'jumped over the quick brown fox, twice']},
+    # a context longer than block_size: the row is cropped from the left
+    {'ctx': 'Then, the man writes over the snow covering the window of a car, and a woman wearing winter '
+            'clothes smiles. Then', 'endings': [', the man adds wax to the windshield and cuts it.',
+            ', a person board a ski lift, while two men supporting the head of the person wearing winter '
+            'clothes snow as the we girls sled.', ', the man puts on a christmas coat, knitted with netting.',
+            ', the man continues removing the snow on his car.']},
+    {'ctx': 'Hello', 'endings': [' world', 'there', 'world, how are you doing today my friend?']},
+]
+
+
+def hf_reference_losses(hf, tok, record, block_size):
+    """ Per ending (sum, mean) loss with transformers' model, each sequence alone (no batching, no padding). """
+    ctx = tok.encode_ordinary(record['ctx'])
+    out = []
+    for ending in record['endings']:
+        end = tok.encode_ordinary(' ' + ending)
+        full = (ctx + end)[-(block_size + 1):]
+        n = min(len(end), len(full) - 1)
+        with torch.no_grad():
+            logits = hf(torch.tensor([full[:-1]])).logits[0]
+        logp = F.log_softmax(logits.double(), dim=-1)
+        nll = -logp[torch.arange(len(full) - 1), torch.tensor(full[1:])][-n:]
+        out.append((nll.sum().item(), nll.mean().item()))
+    return out
+
+
+@pytest.mark.slow
+def test_hellaswag_matches_transformers_reference(tmp_path):
+    from transformers import GPT2LMHeadModel
+    from export_hf import export
+    tok = GPT2Tokenizer()
+    model = tiny_gpt(50257, block_size=24)
+    export(model, tok.meta(), str(tmp_path / 'hf'))
+    hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / 'hf')).eval()
+
+    ref = [hf_reference_losses(hf, tok, r, 24) for r in HELLASWAG]
+    best_sum = [min(range(len(r)), key=lambda i: r[i][0]) for r in ref]
+    best_mean = [min(range(len(r)), key=lambda i: r[i][1]) for r in ref]
+    # the data is chosen so that total and per-token loss disagree somewhere: acc and acc_norm differ
+    assert best_sum != best_mean
+    # labels: right by total loss, right by mean loss, wrong for both, right for the first one
+    records = [dict(r) for r in HELLASWAG]
+    records[0]['label'] = best_sum[0]
+    records[1]['label'] = best_mean[1]
+    records[2]['label'] = next(i for i in range(4) if i not in (best_sum[2], best_mean[2]))
+    records[3]['label'] = best_sum[3]
+    acc = sum(r['label'] == b for r, b in zip(records, best_sum)) / len(records)
+    acc_norm = sum(r['label'] == b for r, b in zip(records, best_mean)) / len(records)
+    path = write_jsonl(tmp_path / 'hs.jsonl', records)
+
+    # batch sizes that put endings of different lengths (and of different examples) in one padded batch
+    for batch_size in (1, 3, 16):
+        result = evaluate(model, 'hellaswag', cfg(data_file=path, batch_size=batch_size), info(tok), 'cpu')
+        assert result['metrics'] == {'acc': acc, 'acc_norm': acc_norm}
+        assert result['num_examples'] == 4
+
+    # per ending, the scores themselves: only the ending tokens, cropped rows included
+    rows, offsets, _ = hellaswag_examples(read_jsonl(path, ('ctx', 'endings', 'label')), tok, 24)
+    assert max(len(t) for t, _ in rows) == 25  # the long context was cropped to block_size + 1
+    table = score_examples(model, rows, offsets, batch_size=5, device='cpu')
+    expected = torch.tensor([loss for r in ref for loss in r], dtype=torch.float64)
+    torch.testing.assert_close(table[:, 0], expected[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(table[:, 0] / table[:, 1], expected[:, 1], rtol=1e-5, atol=1e-5)
+    # endings longer than the block keep only their last block_size tokens
+    assert table[:, 1].tolist() == [min(len(tok.encode_ordinary(' ' + e)), 24) for r in records for e in r['endings']]
+
+    one = evaluate(model, 'hellaswag', cfg(data_file=path, max_examples=1), info(tok), 'cpu')
+    assert one['num_examples'] == 1 and one['metrics']['acc'] == 1.0
+
+
+# -----------------------------------------------------------------------------
+# LAMBADA
+
+def train_on(model, tok, text, steps=30):
+    """ A few optimizer steps on one repeated text, so the model's greedy continuations are predictable. """
+    ids = torch.tensor(tok.encode(text))
+    T = model.config.block_size
+    x = torch.stack([ids[i:i + T] for i in range(0, len(ids) - T - 1, 7)])
+    y = torch.stack([ids[i + 1:i + T + 1] for i in range(0, len(ids) - T - 1, 7)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def test_lambada_against_hand_computation(tmp_path):
+    tok = CharTokenizer.from_text(CHARS)
+    torch.manual_seed(3)
+    model = train_on(tiny_gpt(tok.vocab_size, block_size=16, seed=3), tok, "ab cd efg " * 12)
+    # the whole last word right; the first letters right but not the last; no pattern at all
+    hits = ["efg ab cd efg ab cd", "ab cd efg ab cd efg"]
+    wrong_last = "efg ab cd efg ab ce"
+    texts = hits + [wrong_last, 'abc defgh ab' * 3 + 'éa', 'h\ng ab']
+    path = write_jsonl(tmp_path / 'lambada.jsonl', [{'text': t} for t in texts])
+
+    nlls, greedy = [], []
+    for text in texts:
+        context, word = text.rsplit(' ', 1)
+        full = tok.encode(context + ' ' + word)
+        nll, ok = 0.0, True
+        start = max(0, len(full) - 17)  # the passage is cropped from the left to block_size + 1 tokens
+        for j in range(len(context), len(full)):  # each target char of ' ' + word, after everything before it
+            with torch.no_grad():
+                logits = model(torch.tensor([full[start:j]]))[0][0, -1].double()
+            nll -= F.log_softmax(logits, -1)[full[j]].item()
+            ok &= logits.argmax().item() == full[j]
+        nlls.append(nll)
+        greedy.append(ok)
+    assert greedy[:3] == [True, True, False]
+
+    result = evaluate(model, 'lambada', cfg(data_file=path, batch_size=2), info(tok), 'cpu')
+    assert result['metrics']['acc'] == pytest.approx(sum(greedy) / len(texts))
+    assert result['metrics']['ppl'] == pytest.approx(math.exp(sum(nlls) / len(texts)), rel=1e-6)
+    assert result['num_examples'] == 5
+
+
+# -----------------------------------------------------------------------------
+# loss over a token file
+
+@pytest.mark.parametrize('num_tokens,block_size,stride', [(50, 8, 0), (50, 8, 3), (9, 8, 0), (2, 8, 1), (37, 5, 5)])
+def test_loss_windows_score_every_token_once(num_tokens, block_size, stride):
+    seen = []
+    for begin, end, n_scored in loss_windows(num_tokens, block_size, stride):
+        assert 0 < end - begin <= block_size and 0 < n_scored <= end - begin
+        seen += list(range(end + 1 - n_scored, end + 1))  # target positions this window scores
+    assert seen == list(range(1, num_tokens))
+
+
+def test_loss_and_bits_per_byte_against_hand_computation(tmp_path):
+    tok = CharTokenizer.from_text(CHARS)
+    T = 8
+    model = tiny_gpt(tok.vocab_size, block_size=T, seed=1)
+    text = "abc défg h\naé" * 4
+    ids = tok.encode(text)
+    data_dir = tmp_path / 'tiny'
+    os.makedirs(data_dir)
+    np.array(ids, dtype=np.uint16).tofile(data_dir / 'val.bin')
+    with open(data_dir / 'meta.json', 'w') as f:
+        json.dump(tok.meta(), f)
+
+    def nll_of(j, start):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[start:j]]))[0][0, -1].double()
+        return -F.log_softmax(logits, -1)[ids[j]].item()
+
+    num_bytes = len(tok.decode(ids[1:]).encode('utf-8'))
+    assert num_bytes > len(ids) - 1  # 'é' is two bytes
+    for stride in (0, 3, 1):
+        S = stride or T
+        # target j sees the context from the start of the last window that scores it
+        starts = [0 if j <= T else math.ceil((j - T) / S) * S for j in range(1, len(ids))]
+        nll = sum(nll_of(j, s) for j, s in zip(range(1, len(ids)), starts))
+        result = evaluate(model, 'loss', cfg(data_file=str(data_dir / 'val.bin'), stride=stride, batch_size=3),
+                          info(tok), 'cpu')
+        m = result['metrics']
+        assert m['tokens'] == len(ids) - 1
+        assert m['loss'] == pytest.approx(nll / (len(ids) - 1), rel=1e-6)
+        assert m['perplexity'] == pytest.approx(math.exp(nll / (len(ids) - 1)), rel=1e-6)
+        assert m['bits_per_byte'] == pytest.approx(nll / math.log(2) / num_bytes, rel=1e-6)
+
+    # max_examples: only the first windows (non-overlapping: 2 windows = 2 * T targets)
+    result = evaluate(model, 'loss', cfg(data_file=str(data_dir / 'val.bin'), max_examples=2), info(tok), 'cpu')
+    assert result['num_examples'] == 2 and result['metrics']['tokens'] == 2 * T
+    nll = sum(nll_of(j, (j - 1) // T * T) for j in range(1, 2 * T + 1))
+    assert result['metrics']['loss'] == pytest.approx(nll / (2 * T), rel=1e-6)
+
+    with pytest.raises(UserError, match='stride'):
+        evaluate(model, 'loss', cfg(data_file=str(data_dir / 'val.bin'), stride=T + 1), info(tok), 'cpu')
+
+
+# -----------------------------------------------------------------------------
+# end to end: one command per task, DDP equals one process
+
+@pytest.mark.slow
+def test_cli_ddp_equals_single_process(tmp_path):
+    tok = CharTokenizer.from_text(CHARS)
+    model = tiny_gpt(tok.vocab_size, block_size=16, seed=2)
+    out_dir = str(tmp_path / 'out')
+    save_ckpt(model, tok, out_dir, dataset=str(tmp_path / 'ds'))
+    os.makedirs(tmp_path / 'ds')
+    rng = np.random.default_rng(0)
+    rng.integers(0, tok.vocab_size, 203).astype(np.uint16).tofile(tmp_path / 'ds' / 'val.bin')
+    np.zeros(20, dtype=np.uint16).tofile(tmp_path / 'ds' / 'train.bin')  # dataset_dir looks for train.bin
+    records = [{'ctx': 'abc de', 'endings': ['fg', 'a', 'hh gg', 'bad'], 'label': i % 4} for i in range(5)]
+    records += [{'ctx': 'h' * k + ' ab', 'endings': ['c' * k, 'd', 'e f'], 'label': k % 3} for k in range(1, 5)]
+    hs = write_jsonl(tmp_path / 'hs.jsonl', records)
+
+    results = {}
+    for task, extra in (('hellaswag', [f'--data_file={hs}', '--batch_size=3']),
+                        ('loss', ['--stride=5', '--batch_size=2'])):  # the dataset comes from the checkpoint
+        for ddp in (False, True):
+            out_file = str(tmp_path / f'{task}_{ddp}.json')
+            r = run_eval([f'--out_dir={out_dir}', f'--task={task}', f'--output_file={out_file}'] + extra, torchrun=ddp)
+            assert r.returncode == 0, r.stderr[-3000:]
+            line = json.loads(r.stdout.strip().splitlines()[-1])
+            assert line == json.load(open(out_file))  # the printed line and the file agree
+            results[task, ddp] = line
+    for task in ('hellaswag', 'loss'):
+        single, ddp = results[task, False], results[task, True]
+        assert single['num_examples'] == ddp['num_examples']
+        for key, value in single['metrics'].items():
+            # equal up to float32 rounding: a row's logits can differ in the last bits with the batch it is in
+            assert ddp['metrics'][key] == pytest.approx(value, rel=1e-6), key
+    assert results['hellaswag', False]['metrics'] == results['hellaswag', True]['metrics']
+    assert results['hellaswag', False]['num_examples'] == 9
+    assert results['loss', False]['metrics']['tokens'] == 202
+
+
+# -----------------------------------------------------------------------------
+# errors
+
+def test_cli_errors_unknown_task_and_missing_file(tmp_path):
+    r = run_eval(['--task=winogrande'])
+    assert r.returncode == 2 and "unknown task 'winogrande'" in r.stderr and 'Traceback' not in r.stderr
+    missing = str(tmp_path / 'nope.jsonl')
+    r = run_eval(['--task=hellaswag', f'--data_file={missing}'])
+    assert r.returncode == 2 and f'no data file at {missing}' in r.stderr and 'Traceback' not in r.stderr
+
+
+def test_missing_token_file_and_dataset(tmp_path):
+    tok = CharTokenizer.from_text(CHARS)
+    model = tiny_gpt(tok.vocab_size)
+    with pytest.raises(UserError, match='no token file'):
+        evaluate(model, 'loss', cfg(data_file=str(tmp_path / 'val.bin')), info(tok), 'cpu')
+    with pytest.raises(UserError, match='--dataset'):
+        evaluate(model, 'loss', cfg(), info(tok), 'cpu')  # no checkpoint config to take the dataset from
+
+
+def test_malformed_jsonl_names_the_line(tmp_path):
+    tok = CharTokenizer.from_text(CHARS)
+    model = tiny_gpt(tok.vocab_size)
+    path = tmp_path / 'bad.jsonl'
+    good = json.dumps({'ctx': 'ab', 'endings': ['c', 'd'], 'label': 0})
+    path.write_text(good + '\n\n' + '{"ctx": "ab", "endings": [\n')
+    with pytest.raises(UserError, match=r'line 3 is not valid JSON'):
+        evaluate(model, 'hellaswag', cfg(data_file=str(path)), info(tok), 'cpu')
+    path.write_text(good + '\n' + json.dumps({'ctx': 'ab', 'endings': ['c', 'd']}) + '\n')
+    with pytest.raises(UserError, match=r"line 2 has no 'label'"):
+        evaluate(model, 'hellaswag', cfg(data_file=str(path)), info(tok), 'cpu')
+    path.write_text(good + '\n' + json.dumps({'ctx': 'ab', 'endings': ['c', 'd'], 'label': 5}) + '\n')
+    with pytest.raises(UserError, match=r'line 2:'):
+        evaluate(model, 'hellaswag', cfg(data_file=str(path)), info(tok), 'cpu')
+    path.write_text(json.dumps({'text': 'ab c'}) + '\n' + json.dumps({'text': 'nospace'}) + '\n')
+    with pytest.raises(UserError, match=r'line 2:'):
+        evaluate(model, 'lambada', cfg(data_file=str(path)), info(tok), 'cpu')
+    with pytest.raises(UserError, match='unknown task'):
+        evaluate(model, 'piqa', cfg(data_file=str(path)), info(tok), 'cpu')
