@@ -1,0 +1,435 @@
+"""
+Tests for finetune.py (GPT-1-style supervised fine-tuning): each task format learns a small synthetic task
+from a tiny checkpoint made here, GPT-1's input transformations, the auxiliary LM loss over real tokens
+only, symmetric similarity, 2..5 choices, reload + predict, resume, DDP == 1 process, and bad input.
+
+Usage:
+    python -m pytest tests/test_finetune.py -q
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import finetune
+from checkpoint import load_checkpoint, load_model, save_checkpoint
+from model import GPT, GPTConfig
+from runtime import DistInfo, UserError
+from tokenizer import CharTokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALPHABET = "abcdefghijklmnopqrstuvwxyz ."
+LETTERS = "abcdef"
+SINGLE = DistInfo(False, 0, 0, 1, 'cpu')
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny models: a second intra-op thread only adds contention on a busy 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# -----------------------------------------------------------------------------
+# helpers: a tiny "pretrained" char checkpoint on disk, synthetic JSONL tasks
+
+def make_source(path, n_embd=32, block_size=64, seed=0):
+    """ A tiny random-init char GPT saved as a train.py-style checkpoint (the fine-tune's source). """
+    tok = CharTokenizer.from_text(ALPHABET)
+    torch.manual_seed(seed)
+    m = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=n_embd, block_size=block_size, vocab_size=tok.vocab_size,
+                      bias=False))
+    save_checkpoint({'model': m.state_dict(), 'optimizer': {}, 'model_args': m.config.model_args(),
+                     'model_extra_args': m.config.model_extra_args(), 'iter_num': 0, 'best_val_loss': 1e9,
+                     'config': {'dataset': 'x'}, 'tokenizer': tok.meta()}, os.path.join(path, 'ckpt.pt'))
+    return str(path)
+
+
+def _word(r):
+    return ''.join(r.choice('abcdefghijklmnop') for _ in range(r.randint(2, 4)))
+
+
+def gen_classification(r):
+    # which of two marker words the text contains
+    words = [_word(r) for _ in range(r.randint(2, 5))]
+    label = r.randint(0, 1)
+    words.insert(r.randint(0, len(words)), ['xyz', 'wvu'][label])
+    return {'text': ' '.join(words), 'label': ['pos', 'neg'][label]}
+
+
+def gen_entailment(r):
+    # whether the hypothesis repeats a word of the premise
+    a, b = r.sample('abcd', 2)
+    label = r.randint(0, 1)
+    hyp = r.choice([a, b]) if label else r.choice([c for c in 'abcd' if c not in (a, b)])
+    return {'premise': f"{a * 3} {b * 3}", 'hypothesis': hyp * 3, 'label': ['neutral', 'entailment'][label]}
+
+
+def gen_similarity(r):
+    # whether the two texts share their first word
+    label = r.randint(0, 1)
+    a = r.choice('xz')
+    b = a if label else ('z' if a == 'x' else 'x')
+    rest1, rest2 = ' '.join(r.sample(LETTERS, 2)), ' '.join(r.sample(LETTERS, 2))
+    return {'text1': f"{a * 3} {rest1}", 'text2': f"{b * 3} {rest2}", 'label': label}
+
+
+def gen_multiple_choice(r):
+    # which choice continues the context's pattern (2 to 5 choices)
+    n = r.randint(2, 5)
+    choices = r.sample(LETTERS, n)
+    label = r.randrange(n)
+    return {'context': ' '.join([choices[label]] * 4), 'choices': choices, 'label': label}
+
+
+GENERATORS = {'classification': gen_classification, 'entailment': gen_entailment, 'similarity': gen_similarity,
+              'multiple_choice': gen_multiple_choice}
+
+
+def write_jsonl(path, records):
+    with open(path, 'w', encoding='utf-8') as f:
+        for rec in records:
+            f.write(json.dumps(rec) + '\n')
+    return str(path)
+
+
+def make_task(tmp_path, task, n_train=512, n_val=100, seed=0):
+    r = random.Random(seed)
+    train = write_jsonl(tmp_path / f'{task}_train.jsonl', [GENERATORS[task](r) for _ in range(n_train)])
+    val = write_jsonl(tmp_path / f'{task}_val.jsonl', [GENERATORS[task](r) for _ in range(n_val)])
+    return train, val
+
+
+def config(**overrides):
+    cfg = dict(finetune.DEFAULTS, device='cpu', dropout=0.0, batch_size=16, learning_rate=3e-3, warmup_frac=0.1,
+               log_interval=1000)
+    cfg.update(overrides)
+    return cfg
+
+
+def run_script(args, env_extra=None, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS='1', **(env_extra or {}))
+    return subprocess.run([sys.executable, 'finetune.py'] + args, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def last_json(stdout):
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+SPECIAL = {'start': 100, 'delim': 101, 'extract': 102}
+
+
+# -----------------------------------------------------------------------------
+# each task format learns its synthetic task
+
+# the relation tasks (is a word repeated, are two words equal) need a wider model and more steps than
+# the marker-word task; each run is a few seconds
+@pytest.mark.slow
+@pytest.mark.parametrize('task,n_train,epochs', [('classification', 256, 2), ('entailment', 1024, 4),
+                                                 ('similarity', 1024, 3), ('multiple_choice', 512, 3)])
+def test_task_reaches_90_percent(tmp_path, task, n_train, epochs):
+    src = make_source(tmp_path / 'src', n_embd=64)
+    train, val = make_task(tmp_path, task, n_train=n_train)
+    res = finetune.finetune(config(task=task, init_from=src, out_dir=str(tmp_path / 'out'), train_file=train,
+                                   val_file=val, epochs=epochs), SINGLE)
+    assert res['task'] == task
+    assert res['val_acc'] >= 0.9, res
+    ckpt = load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))  # weights_only
+    assert ckpt['task'] == task and ckpt['val_acc'] == res['val_acc']
+    assert ckpt['model_args']['vocab_size'] == len(ALPHABET) + 3
+    assert ckpt['special_tokens'] == {'start': len(ALPHABET), 'delim': len(ALPHABET) + 1,
+                                      'extract': len(ALPHABET) + 2}
+    # the source checkpoint is untouched
+    assert load_checkpoint(os.path.join(src, 'ckpt.pt'))['model_args']['vocab_size'] == len(ALPHABET)
+
+
+# -----------------------------------------------------------------------------
+# input transformations, batching and the losses
+
+def test_input_transformations():
+    enc = lambda s: [ord(c) - ord('a') for c in s]  # noqa: E731
+    S, D, E = 100, 101, 102
+    assert finetune.encode_example(['ab'], 'classification', enc, SPECIAL, 16) == [[S, 0, 1, E]]
+    assert finetune.encode_example(['ab', 'c'], 'entailment', enc, SPECIAL, 16) == [[S, 0, 1, D, 2, E]]
+    assert finetune.encode_example(['ab', 'c'], 'similarity', enc, SPECIAL, 16) == \
+        [[S, 0, 1, D, 2, E], [S, 2, D, 0, 1, E]]
+    assert finetune.encode_example(['ab', 'c', 'd'], 'multiple_choice', enc, SPECIAL, 16) == \
+        [[S, 0, 1, D, 2, E], [S, 0, 1, D, 3, E]]
+
+
+def test_truncation_keeps_special_tokens_and_trims_the_longer_text():
+    enc = lambda s: [ord(c) - ord('a') for c in s]  # noqa: E731
+    (seq,) = finetune.encode_example(['abcdefghij', 'xyz'], 'entailment', enc, SPECIAL, 10)
+    assert len(seq) == 10
+    assert seq[0] == 100 and seq[-1] == 102 and seq.count(101) == 1
+    assert seq[1:seq.index(101)] == enc('abcd')  # the long premise lost its end...
+    assert seq[seq.index(101) + 1:-1] == enc('xyz')  # ...the short hypothesis kept everything
+    a, b = finetune.truncate_pair(list(range(8)), list(range(8)), 6)
+    assert (len(a), len(b)) == (3, 3)
+    # a multiple-choice context keeps its end (what the choices continue)
+    (seq, _) = finetune.encode_example(['abcdefghij', 'x', 'y'], 'multiple_choice', enc, SPECIAL, 8)
+    assert seq == [100] + enc('ghij') + [101, enc('x')[0], 102]
+    (seq,) = finetune.encode_example(['abcdefghij'], 'classification', enc, SPECIAL, 5)
+    assert seq == [100] + enc('abc') + [102]
+
+
+def test_special_tokens_grow_the_tied_embedding():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=10))
+    old = gpt.transformer.wte.weight.detach().clone()
+    special = finetune.add_special_tokens(gpt, None)
+    assert special == {'start': 10, 'delim': 11, 'extract': 12}
+    w = gpt.transformer.wte.weight
+    assert w.shape == (13, 16) and w is gpt.lm_head.weight
+    assert torch.equal(w[:10].detach(), old)
+    assert 0.0 < w[10:].detach().std() < 0.1  # N(0, 0.02) like the other rows
+
+
+def test_lm_loss_counts_only_real_tokens():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=10))
+    special = finetune.add_special_tokens(gpt, None)
+    model = finetune.FinetuneModel(gpt, finetune.TaskHead(16, 2), 'classification').eval()
+    seqs = [[[special['start'], 1, 2, 3, special['extract']]], [[special['start'], 4, special['extract']]]]
+    batch = finetune.make_batch(seqs, [0, 1], special, 'cpu')
+    # targets: the next text token; never padding, never a special token
+    assert batch['lm_targets'].tolist() == [[1, 2, 3, -1, -1], [4, -1, -1, -1, -1]]
+    assert batch['extract_pos'].tolist() == [4, 2]
+    logits, lm_sum = model(batch['idx'], batch['extract_pos'], batch['choice_mask'], batch['lm_targets'])
+    # the same sum computed row by row on the unpadded sequences
+    expected = 0.0
+    with torch.no_grad():
+        for row in seqs:
+            x = torch.tensor([row[0]])
+            lm_logits = gpt.lm_head(gpt.hidden_states(x))[0]
+            for t in range(len(row[0]) - 1):
+                if row[0][t + 1] < special['start']:
+                    expected += float(torch.nn.functional.cross_entropy(lm_logits[t:t + 1], x[0, t + 1:t + 2]))
+    assert lm_sum.item() == pytest.approx(expected, rel=1e-5)
+    # whatever sits in the padding changes neither the task logits nor the LM loss
+    idx2 = batch['idx'].clone()
+    idx2[1, 3:] = 7
+    logits2, lm_sum2 = model(idx2, batch['extract_pos'], batch['choice_mask'], batch['lm_targets'])
+    torch.testing.assert_close(logits2, logits)
+    torch.testing.assert_close(lm_sum2, lm_sum)
+
+
+def test_similarity_is_symmetric():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=32, vocab_size=10))
+    special = finetune.add_special_tokens(gpt, None)
+    model = finetune.FinetuneModel(gpt, finetune.TaskHead(16, 2), 'similarity').eval()
+    enc = lambda s: [int(c) for c in s]  # noqa: E731
+    ab = finetune.encode_example(['1234', '56'], 'similarity', enc, special, 32)
+    ba = finetune.encode_example(['56', '1234'], 'similarity', enc, special, 32)
+    b1 = finetune.make_batch([ab], None, special, 'cpu')
+    b2 = finetune.make_batch([ba], None, special, 'cpu')
+    l1, _ = model(b1['idx'], b1['extract_pos'], b1['choice_mask'])
+    l2, _ = model(b2['idx'], b2['extract_pos'], b2['choice_mask'])
+    torch.testing.assert_close(l1, l2)
+    # ...while one order alone is not symmetric: the sum is what makes it so
+    h1 = gpt.hidden_states(b1['idx'][:1])[0, -1]
+    h2 = gpt.hidden_states(b2['idx'][:1])[0, -1]
+    assert not torch.allclose(h1, h2)
+
+
+def test_multiple_choice_with_2_to_5_choices():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=10))
+    special = finetune.add_special_tokens(gpt, None)
+    model = finetune.FinetuneModel(gpt, finetune.TaskHead(16, 1, bias=False), 'multiple_choice').eval()
+    enc = lambda s: [int(c) for c in s]  # noqa: E731
+    examples = [finetune.encode_example(['123'] + [str(i) for i in range(n)], 'multiple_choice', enc, special, 32)
+                for n in (2, 3, 4, 5)]
+    batch = finetune.make_batch(examples, [0, 1, 2, 3], special, 'cpu')
+    logits, _ = model(batch['idx'], batch['extract_pos'], batch['choice_mask'])
+    assert logits.shape == (4, 5)
+    assert torch.isinf(logits).tolist() == [[n >= k for n in range(5)] for k in (2, 3, 4, 5)]
+    probs = torch.softmax(logits, -1)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4))
+    # a choice's score doesn't depend on the other examples or choices in the batch
+    alone = finetune.make_batch([examples[3][:2]], [0], special, 'cpu')
+    l_alone, _ = model(alone['idx'], alone['extract_pos'], alone['choice_mask'])
+    torch.testing.assert_close(l_alone[0], logits[3, :2])
+    loss = torch.nn.functional.cross_entropy(logits, batch['labels'])
+    assert torch.isfinite(loss)
+
+
+# -----------------------------------------------------------------------------
+# checkpoint: reload, predict, resume
+
+def test_checkpoint_reloads_and_predicts_the_same(tmp_path):
+    src = make_source(tmp_path / 'src')
+    train, val = make_task(tmp_path, 'classification', n_train=128, n_val=40)
+    out = tmp_path / 'out'
+    res = finetune.finetune(config(task='classification', init_from=src, out_dir=str(out), train_file=train,
+                                   val_file=val, epochs=1, predict_file=val), SINGLE)
+    ckpt = load_checkpoint(str(out / 'ckpt.pt'))
+    assert ckpt['label_map'] == {'neg': 0, 'pos': 1}
+    assert ckpt['tokenizer']['kind'] == 'char'
+    model = finetune.model_from_finetune_checkpoint(ckpt)
+    tok = CharTokenizer(ckpt['tokenizer']['stoi'])
+    examples = finetune.read_jsonl(val, 'classification')
+    encoded = finetune.encode_examples(examples, 'classification', tok, ckpt['special_tokens'], 64, val)
+    labels = finetune.label_ids(examples, 'classification', ckpt['label_map'], val)
+    correct, seen, _, preds = finetune.evaluate(model, encoded, labels, ckpt['special_tokens'], 8, 'cpu',
+                                                torch.autocast('cpu', enabled=False))
+    assert correct / seen == pytest.approx(res['val_acc'])
+    # the predictions written after training (by the reloaded best model) agree with these
+    written = [json.loads(line) for line in open(out / 'predictions.jsonl')]
+    id_to_label = {i: k for k, i in ckpt['label_map'].items()}
+    assert [w['prediction'] for w in written] == [id_to_label[p] for _, p, _ in preds]
+    # the file is still a plain GPT checkpoint for the other scripts (grown vocabulary, tied head)
+    gpt, info = load_model(str(out), device='cpu')
+    assert gpt.config.vocab_size == len(ALPHABET) + 3 and info['tokenizer']['kind'] == 'char'
+
+    # predict-only mode from the command line gives the same predictions
+    unlabeled = write_jsonl(tmp_path / 'unlabeled.jsonl', [{'text': json.loads(l)['text']} for l in open(val)])
+    p = run_script([f'--init_from={out}', f'--predict_file={unlabeled}', f'--predict_out={tmp_path / "p.jsonl"}',
+                    '--device=cpu'])
+    assert p.returncode == 0, p.stderr
+    assert [json.loads(l)['prediction'] for l in open(tmp_path / 'p.jsonl')] == [w['prediction'] for w in written]
+
+
+def test_resume_continues_exactly(tmp_path):
+    src = make_source(tmp_path / 'src')
+    train, val = make_task(tmp_path, 'classification', n_train=64, n_val=20)
+    common = dict(task='classification', init_from=src, train_file=train, val_file=val, decay_lr=False,
+                  dropout=0.1, batch_size=8)
+    finetune.finetune(config(out_dir=str(tmp_path / 'a'), epochs=2, **common), SINGLE)
+    finetune.finetune(config(out_dir=str(tmp_path / 'b'), epochs=1, **common), SINGLE)
+    res = finetune.finetune(config(out_dir=str(tmp_path / 'b'), epochs=2, **dict(common, init_from='resume')),
+                            SINGLE)
+    assert res['epochs'] == 2 and res['steps'] == 16
+    a = load_checkpoint(str(tmp_path / 'a' / finetune.LAST_CKPT))
+    b = load_checkpoint(str(tmp_path / 'b' / finetune.LAST_CKPT))
+    for k in a['model']:
+        torch.testing.assert_close(a['model'][k], b['model'][k], rtol=0, atol=0)
+    torch.testing.assert_close(a['head'], b['head'], rtol=0, atol=0)
+
+
+def test_init_from_out_dir_is_refused(tmp_path):
+    src = make_source(tmp_path / 'src')
+    train, val = make_task(tmp_path, 'classification', n_train=8, n_val=4)
+    with pytest.raises(UserError, match='overwrite'):
+        finetune.finetune(config(task='classification', init_from=src, out_dir=src, train_file=train), SINGLE)
+
+
+# -----------------------------------------------------------------------------
+# tokenizers: scratch with a char dataset, GPT-2 BPE from a (tiny) Hugging Face model
+
+def test_scratch_uses_the_dataset_char_vocabulary(tmp_path):
+    data = tmp_path / 'chardata'
+    data.mkdir()
+    tok = CharTokenizer.from_text(ALPHABET)
+    (data / 'meta.json').write_text(json.dumps(tok.meta()))
+    train, val = make_task(tmp_path, 'classification', n_train=32, n_val=8)
+    res = finetune.finetune(config(task='classification', init_from='scratch', dataset=str(data), n_layer=1, n_head=2,
+                                   n_embd=16, block_size=32, out_dir=str(tmp_path / 'out'), train_file=train,
+                                   val_file=val, epochs=1), SINGLE)
+    assert res['val_acc'] is not None
+    ckpt = load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))
+    assert ckpt['tokenizer']['kind'] == 'char'
+    assert ckpt['model_args']['vocab_size'] == len(ALPHABET) + 3
+    assert ckpt['source_model'] == 'scratch'
+
+
+def test_gpt2_bpe_model_from_a_local_hf_directory(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=64, vocab_size=50257))
+    hf.save_pretrained(tmp_path / 'hf')
+    train, val = make_task(tmp_path, 'entailment', n_train=16, n_val=8)
+    res = finetune.finetune(config(task='entailment', init_from=str(tmp_path / 'hf'), out_dir=str(tmp_path / 'out'),
+                                   train_file=train, val_file=val, epochs=1, batch_size=8), SINGLE)
+    assert res['val_acc'] is not None
+    ckpt = load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))
+    assert ckpt['tokenizer'] == {'kind': 'gpt2'}
+    assert ckpt['special_tokens'] == {'start': 50257, 'delim': 50258, 'extract': 50259}
+    assert ckpt['label_map'] == {'entailment': 0, 'neutral': 1}
+
+
+# -----------------------------------------------------------------------------
+# bad input: one clear line naming the problem
+
+def test_missing_field_names_field_and_line(tmp_path):
+    path = write_jsonl(tmp_path / 'bad.jsonl', [{'premise': 'a', 'hypothesis': 'b', 'label': 0},
+                                               {'premise': 'a', 'label': 1}])
+    with pytest.raises(UserError, match=r"line 2 has no 'hypothesis' field"):
+        finetune.read_jsonl(path, 'entailment')
+    path = write_jsonl(tmp_path / 'bad2.jsonl', [{'text': 'a'}])
+    with pytest.raises(UserError, match=r"line 1 has no 'label' field"):
+        finetune.read_jsonl(path, 'classification')
+    finetune.read_jsonl(path, 'classification', labeled=False)  # fine for predictions
+
+
+def test_unknown_val_label_and_empty_file(tmp_path):
+    src = make_source(tmp_path / 'src')
+    train = write_jsonl(tmp_path / 't.jsonl', [{'text': 'ab', 'label': 'x'}, {'text': 'cd', 'label': 'y'}])
+    val = write_jsonl(tmp_path / 'v.jsonl', [{'text': 'ab', 'label': 'x'}, {'text': 'cd', 'label': 'z'}])
+    with pytest.raises(UserError, match=r'v.jsonl line 2: unknown label "z"'):
+        finetune.finetune(config(task='classification', init_from=src, out_dir=str(tmp_path / 'o'),
+                                 train_file=train, val_file=val), SINGLE)
+    empty = tmp_path / 'empty.jsonl'
+    empty.write_text('\n')
+    with pytest.raises(UserError, match='has no examples'):
+        finetune.read_jsonl(str(empty), 'classification')
+    mc = write_jsonl(tmp_path / 'mc.jsonl', [{'context': 'a', 'choices': ['b', 'c'], 'label': 2}])
+    with pytest.raises(UserError, match='not a choice index'):
+        finetune.label_ids(finetune.read_jsonl(mc, 'multiple_choice'), 'multiple_choice', None, mc)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    src = make_source(tmp_path / 'src')
+    train = write_jsonl(tmp_path / 't.jsonl', [{'text': 'ab', 'label': 0}, {'txt': 'cd', 'label': 1}])
+    p = run_script(['--task=classification', f'--init_from={src}', f'--out_dir={tmp_path / "o"}',
+                    f'--train_file={train}', '--device=cpu'])
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == \
+        f"error: {train} line 2 has no 'text' field, which the classification task needs (fields: text, label)"
+    # a character the char model doesn't know names the line too
+    bad = write_jsonl(tmp_path / 'u.jsonl', [{'text': 'ab', 'label': 0}, {'text': 'AB', 'label': 1}])
+    p = run_script(['--task=classification', f'--init_from={src}', f'--out_dir={tmp_path / "o"}',
+                    f'--train_file={bad}', '--device=cpu'])
+    assert p.returncode == 2 and 'u.jsonl line 2:' in p.stderr and 'not in this model' in p.stderr
+
+
+# -----------------------------------------------------------------------------
+# DDP: 2 gloo processes == 1 process with the same global batch
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one(tmp_path):
+    src = make_source(tmp_path / 'src')
+    # 90 examples: the last step of each epoch is a partial global batch (and 90 is even, so the
+    # DistributedSampler adds no duplicate examples)
+    train, val = make_task(tmp_path, 'multiple_choice', n_train=90, n_val=31)
+    common = ['--task=multiple_choice', f'--init_from={src}', f'--train_file={train}', f'--val_file={val}',
+              '--device=cpu', '--dropout=0.0', '--epochs=2', '--learning_rate=3e-3', '--batch_size=8']
+    # global batch 16 both ways: 1 process x 8 examples x 2 accumulation steps; 2 processes x 8 x 1
+    one = run_script(common + [f'--out_dir={tmp_path / "one"}', '--gradient_accumulation_steps=2'])
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                          'finetune.py'] + common + [f'--out_dir={tmp_path / "two"}',
+                                                     '--gradient_accumulation_steps=2'],
+                         cwd=REPO, capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert two.returncode == 0, two.stderr
+    r1, r2 = last_json(one.stdout), last_json(two.stdout)
+    assert r1['steps'] == r2['steps'] == 2 * 6
+    assert r1['val_acc'] == r2['val_acc']
+    a = load_checkpoint(str(tmp_path / 'one' / finetune.LAST_CKPT))
+    b = load_checkpoint(str(tmp_path / 'two' / finetune.LAST_CKPT))
+    # equal up to float rounding: the gradient sums are added in another order (gloo all-reduce vs
+    # accumulation), and Adam's normalisation magnifies differences of near-zero gradients a little
+    for k in a['model']:
+        torch.testing.assert_close(a['model'][k], b['model'][k], rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(a['head'], b['head'], rtol=1e-3, atol=1e-4)
+    assert [h['train_loss'] for h in a['history']] == pytest.approx([h['train_loss'] for h in b['history']],
+                                                                     rel=1e-4)
