@@ -1,0 +1,203 @@
+"""
+Sample from a trained model: nanoGPT's sample.py, with a KV cache, all samples drawn as one batch,
+top-p (nucleus) sampling, an end-of-text stop, and streaming output.
+
+Usage:
+    python sample.py --out_dir=out-shakespeare-char
+    python sample.py --init_from=gpt2 --start="What is the answer to life?" --num_samples=3 --max_new_tokens=100
+    python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --num_samples=1   # streams
+    python sample.py --out_dir=out-shakespeare-char --mode=fast                               # much faster
+
+init_from: 'resume' (out_dir/ckpt.pt), a training out_dir or ckpt.pt, gpt2 / gpt2-medium / gpt2-large /
+gpt2-xl, or a local Hugging Face GPT-2 directory. nanoGPT's own checkpoints load too. Text is decoded with
+the checkpoint's tokenizer (a dataset's character vocabulary, else GPT-2 BPE). Each sample is printed
+followed by a line of '---------------'; with num_samples=1 the tokens appear as they are generated.
+The speed (tokens/s) is reported on stderr at the end.
+
+start: the prompt, or FILE:path to read it from a file. A prompt longer than the model's block_size is
+cropped to its last block_size tokens (with a warning).
+temperature: 0 means greedy decoding. top_k: keep the k most likely tokens (None: all). top_p: keep the
+smallest set of tokens whose probability reaches top_p (1.0: all). stop_at_eot: for GPT-2 BPE models,
+end a sample at <|endoftext|> (not printed).
+
+mode: what happens once a sample grows past the model's block_size (within the block both are exact and
+use the KV cache: the prompt is forwarded once, then one token per step):
+  exact (default)  every new token is predicted from the last block_size tokens, exactly like nanoGPT,
+                   so past the block each token costs a full forward of block_size tokens (no cache
+                   can help: GPT-2's absolute positions shift with the window).
+  fast             when the cache is full, keep the most recent block_size/2 tokens, re-prefill them and
+                   continue with the cache: each token then sees between block_size/2 and block_size
+                   tokens of context instead of always block_size, at ~2 token-forwards per new token
+                   instead of block_size. Output differs from nanoGPT's past the block.
+"""
+
+import codecs
+import sys
+import time
+
+import torch
+
+from checkpoint import load_model
+from configurator import configure
+from engine import MODES, generate_stream
+from runtime import UserError, autocast_context, enable_tf32, resolve_device, resolve_dtype, run_main
+from tokenizer import TokenizerError, load_tokenizer
+
+SEPARATOR = '---------------'
+
+DEFAULTS = dict(
+    init_from='resume',  # 'resume' (from out_dir), a ckpt.pt / out_dir, gpt2*, or a local HF GPT-2 directory
+    out_dir='out',  # ignored if init_from is not 'resume'
+    start="\n",  # or "<|endoftext|>" or etc. Can also specify a file, use as: "FILE:prompt.txt"
+    num_samples=10,  # number of samples to draw (all in one batch)
+    max_new_tokens=500,  # number of tokens generated in each sample
+    temperature=0.8,  # 1.0 = no change, < 1.0 = less random, > 1.0 = more random; 0 = greedy
+    top_k=200,  # retain only the top_k most likely tokens, clamp others to have 0 probability (None: off)
+    top_p=1.0,  # nucleus sampling: keep the most likely tokens up to this probability mass (1.0: off)
+    mode='exact',  # 'exact' (nanoGPT's results) or 'fast' (see above)
+    stop_at_eot=False,  # GPT-2 BPE models: end a sample at <|endoftext|>
+    seed=1337,
+    device='auto',  # 'auto', 'cpu', 'cuda', 'cuda:0', 'mps'
+    dtype='auto',  # 'auto' (bfloat16/float16 on GPUs, float32 on CPU), 'float32', 'bfloat16', 'float16'
+    attention='flash',  # 'flash' (scaled_dot_product_attention) or 'manual'
+    compile=False,  # use PyTorch 2.0 to compile the model (pays off on GPUs for long runs)
+)
+
+
+def read_start(start):
+    """ The prompt text: start itself, or the contents of the file named by FILE:path. """
+    if not start.startswith('FILE:'):
+        return start
+    path = start[len('FILE:'):]
+    try:
+        with open(path, 'r', encoding='utf-8') as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UserError(f"start=FILE:{path}: no such file; check the path of the prompt file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"start=FILE:{path} could not be read as UTF-8 text ({e}); pass a text file") from None
+
+
+def encode_prompt(tok, text, block_size, vocab_size):
+    """ The prompt's token ids, cropped to the last block_size tokens; errors name what to fix. """
+    try:
+        ids = tok.encode(text)
+    except TokenizerError as e:
+        raise UserError(f"start: {e}") from None
+    if not ids:
+        if tok.eot_token is None:
+            raise UserError("start is empty; give the model at least one character to start from")
+        ids = [tok.eot_token]  # GPT-2's unconditional samples start from <|endoftext|>
+    if max(ids) >= vocab_size:
+        raise UserError(f"the prompt has token id {max(ids)} but the model's vocabulary has only {vocab_size} "
+                        f"tokens; is this the right checkpoint for this tokenizer?")
+    if len(ids) > block_size:
+        print(f"warning: the prompt has {len(ids)} tokens, more than the model's block_size ({block_size}); "
+              f"using its last {block_size} tokens", file=sys.stderr)
+        ids = ids[-block_size:]
+    return ids
+
+
+class StreamDecoder:
+    """
+    Turns tokens into text as they arrive: a character per token for character models; for GPT-2 BPE the
+    token's bytes go through an incremental UTF-8 decoder, so a character split over several tokens is
+    printed once complete instead of as replacement characters.
+    """
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.utf8 = codecs.getincrementaldecoder('utf-8')(errors='replace') if tok.kind == 'gpt2' else None
+
+    def feed(self, token):
+        if self.utf8 is None:
+            return self.tok.decode([token])
+        return self.utf8.decode(self.tok.decode_bytes([token]))
+
+    def flush(self):
+        return self.utf8.decode(b'', final=True) if self.utf8 is not None else ''
+
+
+def main():
+    config = configure(DEFAULTS, doc=__doc__)
+    if config['mode'] not in MODES:
+        raise UserError(f"mode must be 'exact' or 'fast', got {config['mode']!r}")
+    if config['num_samples'] < 1 or config['max_new_tokens'] < 0:
+        raise UserError("num_samples must be >= 1 and max_new_tokens >= 0")
+    if config['temperature'] < 0:
+        raise UserError(f"temperature must be >= 0 (0 = greedy), got {config['temperature']}")
+    if config['top_k'] is not None and config['top_k'] < 1:
+        raise UserError(f"top_k must be >= 1 or None (no top-k), got {config['top_k']}")
+    top_p = config['top_p']
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UserError(f"top_p must be in (0, 1] (1.0 = off), got {top_p}")
+    if config['attention'] not in ('flash', 'manual'):
+        raise UserError(f"attention must be 'flash' or 'manual', got {config['attention']!r}")
+
+    device = resolve_device(config['device'])
+    dtype = resolve_dtype(config['dtype'], device)
+    torch.manual_seed(config['seed'])
+    if 'cuda' in device:
+        torch.cuda.manual_seed(config['seed'])
+        enable_tf32()
+    ctx = autocast_context(device, dtype)
+
+    model, info = load_model(config['init_from'], config['out_dir'], device)
+    model.eval()
+    model.set_attention(config['attention'])
+    tok = load_tokenizer(info['tokenizer'])
+    block_size, model_vocab = model.config.block_size, model.config.vocab_size
+    if tok.vocab_size > model_vocab:
+        raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model only {model_vocab}; "
+                        f"the checkpoint's tokenizer description does not match its model")
+    stop_token = None
+    if config['stop_at_eot']:
+        if tok.eot_token is None:
+            print("warning: stop_at_eot does nothing for a character-level model (it has no end-of-text "
+                  "token)", file=sys.stderr)
+        else:
+            stop_token = tok.eot_token
+    print(f"sampling {info['source']} on {device} ({dtype}), mode={config['mode']}", file=sys.stderr)
+    if config['compile']:
+        model = torch.compile(model, dynamic=True)  # the cache makes shapes change every step
+
+    # encode the beginning of the prompt
+    start_ids = encode_prompt(tok, read_start(config['start']), block_size, model_vocab)
+    num_samples, stream = config['num_samples'], config['num_samples'] == 1
+    x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...].repeat(num_samples, 1)
+    # one generator for the whole batch: the same seed gives the same samples
+    generator = torch.Generator(device=device).manual_seed(config['seed'])
+
+    # run generation
+    decoder = StreamDecoder(tok)
+    if stream:
+        sys.stdout.write(tok.decode(start_ids))
+        sys.stdout.flush()
+    steps = []  # (num_samples,) tokens per step; kept on the device until the end unless streaming
+    t0 = time.perf_counter()
+    for tokens in generate_stream(model, x, config['max_new_tokens'], temperature=config['temperature'],
+                                  top_k=config['top_k'], top_p=top_p, generator=generator, mode=config['mode'],
+                                  stop_token=stop_token, vocab_size=tok.vocab_size, ctx=ctx):
+        steps.append(tokens)
+        if stream and tokens[0].item() != stop_token:
+            sys.stdout.write(decoder.feed(tokens[0].item()))
+            sys.stdout.flush()
+    generated = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in range(num_samples)]
+    if stop_token is not None:  # a sample ends before its first end-of-text token
+        generated = [g[:g.index(stop_token)] if stop_token in g else g for g in generated]
+    dt = time.perf_counter() - t0  # .tolist() waited for the device
+
+    if stream:
+        print(decoder.flush())
+        print(SEPARATOR)
+    else:
+        for i in range(num_samples):
+            print(tok.decode(start_ids + generated[i]))
+            print(SEPARATOR)
+    sys.stdout.flush()
+    n = sum(len(g) for g in generated)
+    print(f"generated {n} tokens in {dt:.2f} s ({n / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    run_main(main)

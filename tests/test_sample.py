@@ -1,0 +1,264 @@
+"""
+sample.py end to end: tiny checkpoints trained here (a character model and a GPT-2 BPE one), run through
+the CLI, plus nanoGPT-format checkpoints, streaming, and the error messages.
+"""
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checkpoint import save_checkpoint
+from model import GPT, GPTConfig
+from tokenizer import CharTokenizer, GPT2Tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE = os.path.join(REPO, 'sample.py')
+SEP = '---------------'
+CHAR_TEXT = "abcd\n" * 200
+BPE_TEXT = "Hello world!<|endoftext|>" * 60
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """ Tiny models: a second intra-op thread only adds synchronisation (slow on a busy CPU). """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train_tiny(model, ids, max_steps, lr=1e-2, batch_size=16):
+    """ Fit a small model to a periodic token stream, so that its greedy continuations are predictable. """
+    torch.manual_seed(0)
+    data = torch.tensor(ids, dtype=torch.long)
+    bs = model.config.block_size
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(max_steps):
+        ix = torch.randint(len(data) - bs - 1, (batch_size,))
+        x = torch.stack([data[i:i + bs] for i in ix])
+        y = torch.stack([data[i + 1:i + 1 + bs] for i in ix])
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.05:
+            break
+    assert loss.item() < 0.1, "the tiny model failed to learn its periodic text"
+    return model.eval()
+
+
+def save(model, tok, path):
+    save_checkpoint({'model': model.state_dict(), 'optimizer': {}, 'model_args': model.config.model_args(),
+                     'model_extra_args': model.config.model_extra_args(), 'iter_num': 0, 'best_val_loss': 1e9,
+                     'config': {'dataset': 'tiny'}, 'tokenizer': tok.meta()}, str(path))
+
+
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory):
+    tok = CharTokenizer.from_text(CHAR_TEXT)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=tok.vocab_size))
+    train_tiny(model, tok.encode(CHAR_TEXT), max_steps=600)
+    out_dir = tmp_path_factory.mktemp("out-char")
+    save(model, tok, out_dir / "ckpt.pt")
+    return model, tok, out_dir
+
+
+@pytest.fixture(scope="module")
+def bpe_out_dir(tmp_path_factory):
+    tok = GPT2Tokenizer()
+    torch.manual_seed(0)
+    # the padded vocabulary, like nanoGPT's GPT-2 models; a block of 8 tokens, so samples run past it
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8, vocab_size=50304))
+    train_tiny(model, tok.encode(BPE_TEXT), max_steps=600, batch_size=8)
+    out_dir = tmp_path_factory.mktemp("out-bpe")
+    save(model, tok, out_dir / "ckpt.pt")
+    return out_dir
+
+
+def run_sample(*args, cwd=REPO):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, SAMPLE, *args], cwd=cwd, capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def samples_of(stdout):
+    """ The printed samples: the text before each separator line (dropping the configurator's lines). """
+    body = stdout.split("number of parameters", 1)[1].split("\n", 1)[1]
+    return body.split(SEP + "\n")[:-1]
+
+
+# -----------------------------------------------------------------------------
+# happy paths
+
+def test_char_model_end_to_end(char_model):
+    _, _, out_dir = char_model
+    # 30 new tokens with a 16-token block: past the block in both modes
+    for mode in ("exact", "fast"):
+        r = run_sample(f"--out_dir={out_dir}", "--device=cpu", "--num_samples=3", "--max_new_tokens=30",
+                       "--temperature=0", "--start=ab", f"--mode={mode}")
+        assert r.returncode == 0, r.stderr
+        assert samples_of(r.stdout) == ["ab" + ("cd\nab" * 6) + "\n"] * 3
+        assert "generated 90 tokens in" in r.stderr and "tokens/s)" in r.stderr
+
+
+def test_char_model_default_sampling_is_seeded(char_model):
+    _, _, out_dir = char_model
+    args = (f"--out_dir={out_dir}", "--device=cpu", "--max_new_tokens=40", "--temperature=2.0", "--top_k=None")
+    a, b = run_sample(*args), run_sample(*args)
+    assert a.returncode == 0, a.stderr
+    sa = samples_of(a.stdout)
+    assert len(sa) == 10 and all(s.startswith("\n") and len(s) == 1 + 40 + 1 for s in sa)  # + print's newline
+    assert sa == samples_of(b.stdout)  # same seed, same samples
+    assert len(set(sa)) > 1  # ten independent samples at a high temperature
+    c = run_sample(*args, "--seed=7")
+    assert samples_of(c.stdout) != sa
+
+
+@pytest.mark.slow  # trains a model with GPT-2's 50304-token vocabulary, then two runs of sample.py
+def test_bpe_model_end_to_end_and_stop_at_eot(bpe_out_dir):
+    r = run_sample(f"--out_dir={bpe_out_dir}", "--device=cpu", "--num_samples=2", "--max_new_tokens=12",
+                   "--temperature=0", "--start=Hello")
+    assert r.returncode == 0, r.stderr
+    assert samples_of(r.stdout) == ["Hello" + " world!<|endoftext|>Hello" * 3 + "\n"] * 2
+    assert "generated 24 tokens" in r.stderr
+    r = run_sample(f"--out_dir={bpe_out_dir}", "--device=cpu", "--num_samples=2", "--max_new_tokens=12",
+                   "--temperature=0", "--start=Hello", "--stop_at_eot=True")
+    assert r.returncode == 0, r.stderr
+    assert samples_of(r.stdout) == ["Hello world!\n"] * 2
+    assert "generated 4 tokens" in r.stderr  # ' world', '!' per sample; <|endoftext|> is not counted
+
+
+def test_nanogpt_checkpoint_with_meta_pkl(char_model, tmp_path):
+    model, tok, _ = char_model
+    # nanoGPT's format: compiled-model keys, no 'tokenizer' / 'model_extra_args', the vocabulary in
+    # data/<dataset>/meta.pkl relative to where sample.py runs
+    sd = {'_orig_mod.' + k: v for k, v in model.state_dict().items()}
+    ckpt = {'model': sd, 'optimizer': {}, 'model_args': model.config.model_args(), 'iter_num': 0,
+            'best_val_loss': 1.0, 'config': {'dataset': 'tinychar'}}
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    (tmp_path / "data" / "tinychar").mkdir(parents=True)
+    with open(tmp_path / "data" / "tinychar" / "meta.pkl", "wb") as f:
+        pickle.dump({'vocab_size': tok.vocab_size, 'itos': tok.itos, 'stoi': tok.stoi}, f)
+    r = run_sample("--out_dir=.", "--device=cpu", "--num_samples=1", "--max_new_tokens=8", "--temperature=0",
+                   "--start=c", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert samples_of(r.stdout) == ["cd\nabcd\na\n"]
+
+
+def test_help_explains_the_modes():
+    r = run_sample("--help")
+    assert r.returncode == 0
+    assert "exact (default)" in r.stdout and "fast" in r.stdout and "block_size/2" in r.stdout
+    assert "--top_p" in r.stdout and "--stop_at_eot" in r.stdout
+
+
+# -----------------------------------------------------------------------------
+# streaming (in process, to see each write)
+
+class RecordingStdout:
+    def __init__(self):
+        self.writes, self.flushes = [], 0
+
+    def write(self, s):
+        self.writes.append(s)
+
+    def flush(self):
+        self.flushes += 1
+
+    def text(self):
+        return "".join(self.writes)
+
+
+def run_in_process(monkeypatch, *args):
+    import sample
+    out = RecordingStdout()
+    monkeypatch.setattr(sys, "argv", ["sample.py", *args])
+    monkeypatch.setattr(sys, "stdout", out)
+    sample.run_main(sample.main)
+    return out
+
+
+def test_single_sample_streams_token_by_token(char_model, monkeypatch, capsys):
+    _, _, out_dir = char_model
+    out = run_in_process(monkeypatch, f"--out_dir={out_dir}", "--device=cpu", "--num_samples=1",
+                         "--max_new_tokens=20", "--temperature=0", "--start=ab")
+    text = out.text()
+    assert text.endswith("ab" + "cd\nab" * 4 + "\n" + SEP + "\n")
+    # every generated character was written and flushed on its own
+    i = out.writes.index("ab")
+    assert out.writes[i + 1:i + 21] == list(("cd\nab" * 4))
+    assert out.flushes >= 21
+
+
+def test_stream_decoder_never_splits_multibyte_characters():
+    from sample import StreamDecoder
+    tok = GPT2Tokenizer()
+    text = "héllo wörld 日本語 🙂 naïve"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split())  # some characters span several tokens
+    dec = StreamDecoder(tok)
+    pieces = [dec.feed(t) for t in ids] + [dec.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # a character model streams one character per token
+    ctok = CharTokenizer.from_text("ab\n")
+    cdec = StreamDecoder(ctok)
+    assert [cdec.feed(t) for t in ctok.encode("ba\n")] == ["b", "a", "\n"]
+
+
+# -----------------------------------------------------------------------------
+# bad input: one clear line on stderr, exit code 2, no traceback
+
+def expect_error(monkeypatch, capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        run_in_process(monkeypatch, *args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_unknown_characters_in_start_are_named(char_model, monkeypatch, capsys):
+    _, _, out_dir = char_model
+    err = expect_error(monkeypatch, capsys, f"--out_dir={out_dir}", "--device=cpu", "--start=abXzX")
+    assert "error:" in err and "2 character(s) not in this model's vocabulary" in err
+    assert "'X'" in err and "'z'" in err
+
+
+def test_long_prompt_is_cropped_with_a_warning(char_model, monkeypatch, capsys):
+    _, _, out_dir = char_model
+    out = run_in_process(monkeypatch, f"--out_dir={out_dir}", "--device=cpu", "--num_samples=1",
+                         "--max_new_tokens=5", "--temperature=0", "--start=" + "abcd\n" * 5 + "abc")
+    err = capsys.readouterr().err
+    assert "warning: the prompt has 28 tokens, more than the model's block_size (16)" in err
+    assert out.text().endswith(("abcd\n" * 5 + "abc")[-16:] + "d\nabc\n" + SEP + "\n")
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path, monkeypatch, capsys):
+    err = expect_error(monkeypatch, capsys, f"--out_dir={tmp_path / 'nothing'}", "--device=cpu")
+    assert "no checkpoint at" in err
+    (tmp_path / "ckpt.pt").write_bytes(b"definitely not a checkpoint")
+    err = expect_error(monkeypatch, capsys, f"--out_dir={tmp_path}", "--device=cpu")
+    assert "is corrupt" in err
+
+
+def test_start_file(char_model, tmp_path, monkeypatch, capsys):
+    _, _, out_dir = char_model
+    err = expect_error(monkeypatch, capsys, f"--out_dir={out_dir}", "--device=cpu",
+                       f"--start=FILE:{tmp_path / 'missing.txt'}")
+    assert "missing.txt: no such file" in err
+    (tmp_path / "prompt.txt").write_text("bc", encoding="utf-8")
+    out = run_in_process(monkeypatch, f"--out_dir={out_dir}", "--device=cpu", "--num_samples=1",
+                         "--max_new_tokens=4", "--temperature=0", f"--start=FILE:{tmp_path / 'prompt.txt'}")
+    assert out.text().endswith("bcd\nab\n" + SEP + "\n")
+
+
+def test_bad_settings(char_model, monkeypatch, capsys):
+    _, _, out_dir = char_model
+    for arg, msg in (("--mode=quick", "mode must be"), ("--top_p=1.5", "top_p must be"),
+                     ("--temperature=-1.0", "temperature must be"), ("--top_k=0", "top_k must be")):
+        assert msg in expect_error(monkeypatch, capsys, f"--out_dir={out_dir}", arg)
