@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 from checkpoint import atomic_write, load_model
 from configurator import configure
-from dataloader import dataset_dir, open_tokens
+from dataloader import dataset_dir, open_tokens, read_jsonl as read_jsonl_records
 from runtime import (UserError, autocast_context, destroy_distributed, init_distributed, provenance,
                      resolve_dtype, run_main)
 from tokenizer import load_tokenizer, read_dataset_meta
@@ -193,28 +193,8 @@ def loss_metrics(table, num_bytes):
 # multiple choice and last-word JSONL tasks
 
 def read_jsonl(path, required_keys):
-    """ [(line number, record)] of a JSONL file; a malformed line is an error that names it. """
-    if not os.path.exists(path):
-        raise UserError(f"no data file at {path}; pass --data_file=PATH to an existing JSONL file")
-    records = []
-    with open(path, encoding='utf-8') as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path} line {lineno} is not valid JSON ({e.msg}); fix or remove that line") from None
-            if not isinstance(record, dict):
-                raise UserError(f"{path} line {lineno} is not a JSON object; fix or remove that line")
-            missing = [k for k in required_keys if k not in record]
-            if missing:
-                raise UserError(f"{path} line {lineno} has no {', '.join(repr(k) for k in missing)}; "
-                                f"each line needs {', '.join(required_keys)}")
-            records.append((lineno, record))
-    if not records:
-        raise UserError(f"{path} has no examples; pass a non-empty JSONL file")
-    return records
+    """ [(line number, record)] of a JSONL task file; a malformed line is an error that names it. """
+    return read_jsonl_records(path, required_keys, "pass --data_file=PATH to an existing JSONL file")
 
 
 def hellaswag_examples(records, tokenizer, block_size, path='data'):

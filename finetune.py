@@ -45,7 +45,7 @@ from torch.utils.data import DistributedSampler
 
 from checkpoint import load_checkpoint, load_model, model_from_checkpoint, resolve_checkpoint_path, save_checkpoint
 from configurator import configure
-from dataloader import dataset_dir
+from dataloader import dataset_dir, read_jsonl as read_jsonl_records
 from model import GPT, GPTConfig
 from runtime import (UserError, autocast_context, destroy_distributed, device_type_of, init_distributed, provenance,
                      resolve_dtype, run_main)
@@ -119,45 +119,32 @@ def read_jsonl(path, task, labeled=True):
     """
     if not path:
         raise UserError(f"no file given for the {task} data; pass --train_file=... (and --val_file=...)")
-    if not os.path.isfile(path):
-        raise UserError(f"{path} does not exist; pass an existing JSONL file")
     examples = []
-    with open(path, encoding='utf-8') as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError as e:
-                raise UserError(f"{path} line {n} is not valid JSON ({e}); write one JSON object per line") from None
-            if not isinstance(rec, dict):
-                raise UserError(f"{path} line {n} is not a JSON object; write one object per line")
-            texts = []
-            for field in TASK_FIELDS[task]:
-                if field not in rec:
-                    raise UserError(f"{path} line {n} has no '{field}' field, which the {task} task needs "
-                                    f"(fields: {', '.join(TASK_FIELDS[task])}" + (", label)" if labeled else ")"))
-                value = rec[field]
-                if field == 'choices':
-                    if not isinstance(value, list) or len(value) < 2 or not all(isinstance(c, str) for c in value):
-                        raise UserError(f"{path} line {n}: 'choices' must be a list of at least two strings")
-                    texts.extend(value)
-                elif not isinstance(value, str):
-                    raise UserError(f"{path} line {n}: '{field}' must be a string, got {type(value).__name__}")
-                else:
-                    texts.append(value)
-            label = None
-            if labeled:
-                if 'label' not in rec:
-                    raise UserError(f"{path} line {n} has no 'label' field; every training/validation example "
-                                    f"needs one")
-                label = rec['label']
-                if isinstance(label, bool) or not isinstance(label, (int, str)):
-                    raise UserError(f"{path} line {n}: 'label' must be a class id (integer) or a string, "
-                                    f"got {json.dumps(label)}")
-            examples.append({'texts': texts, 'label': label, 'line': n, 'record': rec})
-    if not examples:
-        raise UserError(f"{path} has no examples; write one JSON object per line")
+    for n, rec in read_jsonl_records(path, missing_hint="pass an existing JSONL file"):
+        texts = []
+        for field in TASK_FIELDS[task]:
+            if field not in rec:
+                raise UserError(f"{path} line {n} has no '{field}' field, which the {task} task needs "
+                                f"(fields: {', '.join(TASK_FIELDS[task])}" + (", label)" if labeled else ")"))
+            value = rec[field]
+            if field == 'choices':
+                if not isinstance(value, list) or len(value) < 2 or not all(isinstance(c, str) for c in value):
+                    raise UserError(f"{path} line {n}: 'choices' must be a list of at least two strings")
+                texts.extend(value)
+            elif not isinstance(value, str):
+                raise UserError(f"{path} line {n}: '{field}' must be a string, got {type(value).__name__}")
+            else:
+                texts.append(value)
+        label = None
+        if labeled:
+            if 'label' not in rec:
+                raise UserError(f"{path} line {n} has no 'label' field; every training/validation example "
+                                f"needs one")
+            label = rec['label']
+            if isinstance(label, bool) or not isinstance(label, (int, str)):
+                raise UserError(f"{path} line {n}: 'label' must be a class id (integer) or a string, "
+                                f"got {json.dumps(label)}")
+        examples.append({'texts': texts, 'label': label, 'line': n, 'record': rec})
     return examples
 
 
