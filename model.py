@@ -345,7 +345,9 @@ class GPT(nn.Module):
                 sd[ours].copy_(src)
         return model
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, fused=None):
+        # fused=None: the fused AdamW kernel wherever this PyTorch has one (CUDA; CPU since 2.4), which
+        # is the same math in one kernel per step; False: PyTorch's default AdamW for the device
         # start with all of the candidate parameters that require grad
         param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
         # create optim groups. Any parameters that is 2D will be weight decayed, otherwise no.
@@ -360,7 +362,7 @@ class GPT(nn.Module):
         num_nodecay_params = sum(p.numel() for p in nodecay_params)
         print(f"num decayed parameter tensors: {len(decay_params)}, with {num_decay_params:,} parameters")
         print(f"num non-decayed parameter tensors: {len(nodecay_params)}, with {num_nodecay_params:,} parameters")
-        use_fused = fused_adamw_available(device_type)
+        use_fused = fused_adamw_available(device_type) if fused is None else bool(fused)
         extra_args = dict(fused=True) if use_fused else dict()
         optimizer = torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, **extra_args)
         print(f"using fused AdamW: {use_fused}")

@@ -12,6 +12,10 @@ $ torchrun --standalone --nproc_per_node=4 train.py
 To run with DDP on the CPU (gloo), example:
 $ torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py --device=cpu
 
+To shard the model, gradients and optimizer state over the processes instead (FSDP2; for models whose
+weights + AdamW state don't fit one GPU, e.g. finetuning gpt2-xl on 24 GB cards), example:
+$ torchrun --standalone --nproc_per_node=4 train.py config/finetune_shakespeare.py --parallelism=fsdp
+
 To run with DDP on 4 gpus across 2 nodes, example:
 - Run on the first (master) node with example IP 123.456.123.456:
 $ torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=123.456.123.456 --master_port=1234 train.py
@@ -40,8 +44,10 @@ from model import GPT, GPTConfig, device_peak_flops
 from runtime import (PTDTYPE, UserError, autocast_context, destroy_distributed, device_type_of, enable_tf32,
                      init_distributed, provenance, resolve_dtype, run_main)
 from tokenizer import read_dataset_meta
-from training import (GracefulExit, MetricsLogger, all_reduce_mean, gather_rng_states, get_lr, grad_sync_context,
-                      make_grad_scaler, optimizer_step, params_finite, set_rng_state, wrap_model)
+from training import (GracefulExit, MetricsLogger, all_reduce_mean, apply_cpu_threads, full_state_dicts,
+                      gather_rng_states, get_lr, grad_sync_context, load_optimizer_state, local_param_count,
+                      make_grad_scaler, optimizer_step, resolve_compile, set_rng_state, tune_cpu_threads,
+                      wrap_model)
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText
@@ -85,9 +91,11 @@ DEFAULTS = dict(
     min_lr=6e-5,  # minimum learning rate, should be ~= learning_rate/10 per Chinchilla
     # system
     backend='auto',  # 'auto' = nccl for CUDA, gloo for CPU; or 'nccl', 'gloo'
+    parallelism='ddp',  # under torchrun: 'ddp' (a full model copy per rank) or 'fsdp' (shard the model, FSDP2)
     device='auto',  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:N', 'mps'
     dtype='auto',  # 'auto' (bfloat16 if supported, else float16 on GPUs; float32 on CPU), 'float32', 'bfloat16', 'float16'
     compile=None,  # None = auto (on for CUDA); True/False to force; use PyTorch 2.0 to compile the model to be faster
+    num_threads=0,  # CPU threads for torch; 0 = auto (time all cores, half, ..., 1 on a batch; keep the fastest)
     seed=1337,
 )
 # -----------------------------------------------------------------------------
@@ -138,6 +146,10 @@ def main(argv=None):
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     if cfg['compile'] not in (None, True, False):
         raise UserError(f"compile must be True, False or None (auto), got {cfg['compile']!r}")
+    if cfg['parallelism'] not in ('ddp', 'fsdp'):
+        raise UserError(f"parallelism must be 'ddp' or 'fsdp', got {cfg['parallelism']!r}")
+    if cfg['num_threads'] < 0:
+        raise UserError(f"num_threads must be 0 (auto) or a positive number, got {cfg['num_threads']}")
     if cfg['init_from'] == 'resume' and not os.path.exists(os.path.join(cfg['out_dir'], 'ckpt.pt')):
         raise UserError(f"init_from=resume but there is no checkpoint at {os.path.join(cfg['out_dir'], 'ckpt.pt')}; "
                         f"check --out_dir or start with --init_from=scratch")
@@ -171,7 +183,11 @@ def train(cfg, dist_info):
         enable_tf32()
     dtype = resolve_dtype(cfg['dtype'], device)
     ctx = autocast_context(device, dtype)
-    compile_model = cfg['compile'] if cfg['compile'] is not None else device_type == 'cuda'
+    compile_model = resolve_compile(cfg['compile'], device_type)
+    # MFU against the whole device: on the CPU every core torch uses by default, whatever num_threads
+    peak_flops = device_peak_flops(device, PTDTYPE[dtype])
+    apply_cpu_threads(cfg['num_threads'], device_type)
+    fsdp = dist_info.ddp and cfg['parallelism'] == 'fsdp'
     if master_process:
         print("provenance: " + json.dumps(dict(provenance(device), dtype=dtype, compile=compile_model,
                                                world_size=dist_info.world_size)))
@@ -197,7 +213,8 @@ def train(cfg, dist_info):
         best_val_loss = float(resume_ckpt['best_val_loss'])
     model = build_model(cfg, data_meta, resume_ckpt)
     model.set_attention(cfg['attention'])
-    model.to(device)
+    if not fsdp:
+        model.to(device)  # FSDP moves the model itself, one shard at a time
     tokenizer_meta = (resume_ckpt or {}).get('tokenizer') or data_meta or {'kind': 'gpt2'}
     if cfg['init_from'] != 'scratch' and cfg['init_from'] != 'resume':
         tokenizer_meta = {'kind': 'gpt2'}
@@ -205,11 +222,26 @@ def train(cfg, dist_info):
     # initialize a GradScaler. If enabled=False scaler is a no-op
     scaler = make_grad_scaler(device_type, dtype)
 
+    # CPU threads: small models run faster on fewer threads than cores (per-op overhead), so time them;
+    # on a batch of the evaluation stream (reset before every evaluation), not the training stream
+    if device_type == 'cpu' and cfg['num_threads'] == 0:
+        threads, timings = tune_cpu_threads(model, *eval_loaders['train'].next_batch(), ctx)
+        if master_process and timings:
+            print(f"using {threads} CPU threads (fwd+bwd ms: "
+                  + ", ".join(f"{n} threads {t*1000:.1f}" for n, t in timings.items()) + ")")
+
+    # wrap (compile, DDP) or shard (FSDP) the model before the optimizer sees its parameters
+    raw_model = model  # the plain GPT (sharded in place under FSDP): checkpoints, MFU and attention settings
+    model = wrap_model(model, dist_info, compile_model, cfg['parallelism'])
+    if fsdp and master_process:
+        print(f"fsdp: this rank holds {local_param_count(raw_model):,} of "
+              f"{raw_model.get_num_params(non_embedding=False):,} parameters")
+
     # optimizer
-    optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], (cfg['beta1'], cfg['beta2']),
-                                           device_type)
+    optimizer = raw_model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
+                                               (cfg['beta1'], cfg['beta2']), device_type)
     if resume_ckpt is not None:
-        optimizer.load_state_dict(resume_ckpt['optimizer'])
+        load_optimizer_state(optimizer, resume_ckpt['optimizer'])
         if resume_ckpt.get('scaler'):
             scaler.load_state_dict(resume_ckpt['scaler'])
         if resume_ckpt.get('loader'):
@@ -222,9 +254,6 @@ def train(cfg, dist_info):
             set_rng_state(rng[dist_info.rank] if dist_info.rank < len(rng) else rng[0])
     resume_ckpt = None  # free up memory
 
-    raw_model = model  # the plain GPT: checkpoints, MFU and attention settings go through it
-    model = wrap_model(model, dist_info, compile_model)
-    peak_flops = device_peak_flops(device, PTDTYPE[dtype])
 
     # helps estimate an arbitrarily accurate loss over either split using many batches
     @torch.no_grad()
@@ -253,14 +282,15 @@ def train(cfg, dist_info):
     def save(loader_state, reason=''):
         """ Checkpoint from rank 0 (all ranks call this: RNG states are gathered from every rank). """
         rng_states = gather_rng_states(dist_info)
+        model_state, optimizer_state = full_state_dicts(raw_model, optimizer)  # FSDP: gathered on every rank
         if not master_process:
             return
-        if not params_finite(raw_model):
+        if not all(torch.isfinite(v).all() for v in model_state.values() if v.is_floating_point()):
             raise UserError(f"the model's weights are not finite at iter {iter_num}; not saving, so the last good "
                             f"checkpoint in {cfg['out_dir']} is kept. Lower the learning rate and resume")
         checkpoint = {
-            'model': raw_model.state_dict(),
-            'optimizer': optimizer.state_dict(),
+            'model': model_state,
+            'optimizer': optimizer_state,
             'model_args': raw_model.config.model_args(),
             'model_extra_args': raw_model.config.model_extra_args(),
             'iter_num': iter_num,

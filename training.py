@@ -14,7 +14,7 @@ import random
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -40,23 +40,181 @@ def make_grad_scaler(device_type, dtype):
     return torch.amp.GradScaler(device_type if device_type == 'cuda' else 'cpu', enabled=(dtype == 'float16'))
 
 
-def wrap_model(model, dist_info, compile_model=False):
-    """ torch.compile and/or DistributedDataParallel around a plain model; returns the model to train. """
+def resolve_compile(setting, device_type):
+    """
+    compile=None (auto) compiles on CUDA only: on the CPU the compile time (20-100 s on 2 cores) costs
+    about what it saves over a few thousand small-model iterations (measured with bench.py).
+    """
+    return setting if setting is not None else device_type == 'cuda'
+
+
+def wrap_model(model, dist_info, compile_model=False, parallelism='ddp'):
+    """
+    torch.compile and/or DistributedDataParallel around a plain model; returns the model to train.
+    parallelism='fsdp' (under torchrun) shards the model in place with FSDP2 instead of DDP, so create the
+    optimizer after this call: its parameters are the sharded ones.
+    """
+    distributed = dist_info is not None and dist_info.ddp
+    if distributed and parallelism == 'fsdp':
+        shard_model(model, dist_info)
+        if compile_model:
+            print("compiling the model... (takes a ~minute)")
+            model = torch.compile(model)
+        return model
     if compile_model:
         print("compiling the model... (takes a ~minute)")
         model = torch.compile(model)  # requires PyTorch 2.0
-    if dist_info.ddp:
+    if distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
         device_ids = [dist_info.local_rank] if 'cuda' in dist_info.device else None
         model = DDP(model, device_ids=device_ids)
     return model
 
 
+def shard_model(model, dist_info):
+    """
+    FSDP2: shard every Block, then the root (which keeps wte/lm_head, one tied parameter, plus wpe and
+    ln_f), over all ranks. Each rank then holds 1/world_size of every parameter, gradient and AdamW
+    state; a Block's full weights are all-gathered just for its forward and backward. FSDP also moves
+    the model to the device, one Block at a time, so the full model never has to fit there.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    # every rank seeded its own init (seed + rank); DDP broadcasts rank 0's weights, FSDP would shard
+    # each rank's own, so start from rank 0's (resumed or pretrained weights are the same everywhere)
+    with torch.no_grad():
+        for p in model.parameters():
+            buf = p.detach().to(dist_info.device)  # nccl needs the GPU; gloo works in place on the CPU
+            dist.broadcast(buf, src=0)
+            if buf.data_ptr() != p.data_ptr():
+                p.copy_(buf)
+    mesh = init_device_mesh(torch.device(dist_info.device).type, (dist_info.world_size,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def is_fsdp(model):
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(getattr(model, '_orig_mod', model), FSDPModule)
+
+
+def local_param_count(model):
+    """ The number of parameter values this rank stores (its shards under FSDP, all of them otherwise). """
+    from torch.distributed.tensor import DTensor
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+def full_state_dicts(model, optimizer):
+    """
+    The model and optimizer state dicts of the plain, unsharded model (what ckpt.pt holds, so sample.py
+    and a single-process or DDP resume read it unchanged). Under FSDP every shard is all-gathered, so
+    every rank must call this at the same point.
+    """
+    if not is_fsdp(model):
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.tensor import DTensor
+    gathered = {}  # id(DTensor) -> full CPU tensor, so the tied wte/lm_head weight stays one tensor
+
+    def full(t):
+        if not isinstance(t, DTensor):
+            return t.detach() if torch.is_tensor(t) else t
+        if id(t) not in gathered:
+            gathered[id(t)] = t.full_tensor().detach().cpu()
+        return gathered[id(t)]
+    model_state = {k: full(v) for k, v in model.state_dict(keep_vars=True).items()}
+    opt = optimizer.state_dict()  # AdamW's own format: state keyed by parameter index, values sharded
+    opt_state = {i: {k: full(v) for k, v in s.items()} for i, s in sorted(opt['state'].items())}
+    return model_state, {'state': opt_state, 'param_groups': opt['param_groups']}
+
+
+def load_optimizer_state(optimizer, state_dict):
+    """ optimizer.load_state_dict for a full (unsharded) state dict, sharding it for FSDP parameters. """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    params = [p for group in optimizer.param_groups for p in group['params']]
+    if any(isinstance(p, DTensor) for p in params):
+        state = {}
+        for i, s in sorted(state_dict['state'].items()):  # the same order on every rank: collectives
+            p = params[int(i)]
+            state[i] = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+                        if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.shape else v
+                        for k, v in s.items()}
+        state_dict = dict(state_dict, state=state)
+    optimizer.load_state_dict(state_dict)
+
+
+def apply_cpu_threads(num_threads, device_type):
+    """ num_threads > 0 fixes torch's CPU thread count; 0 keeps it (see tune_cpu_threads). Returns it. """
+    if num_threads < 0:
+        raise ValueError(f"num_threads must be >= 0, got {num_threads}")
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+    return torch.get_num_threads()
+
+
+def tune_cpu_threads(model, X, Y, ctx, repeats=3, max_flops=2e10):
+    """
+    Pick the fastest CPU thread count for this model and batch by timing a few forward/backward passes
+    with torch's default (one thread per core), half of it, ..., down to 1, and keep the fastest. Small
+    models are bound by per-op overhead, where extra OpenMP threads mostly wait on each other (and
+    collapse when the cores are shared with other processes); big ones (a forward/backward of more than
+    max_flops) keep every core without trying. The passes leave no trace: gradients are dropped and the
+    RNG restored.
+    Returns (threads, {threads: median seconds}).
+    """
+    import statistics
+    default = torch.get_num_threads()
+    candidates, n = [], default
+    while n >= 1:
+        candidates.append(n)
+        n = n // 2 if n > 1 else 0
+    if len(candidates) == 1 or 6 * model.get_num_params() * X.numel() > max_flops:
+        return default, {}
+    rng = torch.get_rng_state()
+
+    def fwd_bwd():
+        with ctx:
+            _, loss = model(X, Y)
+        loss.backward()
+
+    timings = {}
+    for n in candidates:
+        torch.set_num_threads(n)
+        fwd_bwd()  # warm-up (allocator, thread pool)
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fwd_bwd()
+            ts.append(time.perf_counter() - t0)
+        timings[n] = statistics.median(ts)
+    model.zero_grad(set_to_none=True)
+    torch.set_rng_state(rng)
+    best = min(timings, key=timings.get)
+    torch.set_num_threads(best)
+    return best, timings
+
+
+@contextmanager
 def grad_sync_context(model, sync):
-    """ Skip DDP's gradient all-reduce on all but the last micro-step of gradient accumulation. """
-    if not sync and hasattr(model, 'no_sync'):
-        return model.no_sync()
-    return nullcontext()
+    """
+    Skip the gradient communication on all but the last micro-step of gradient accumulation: DDP's
+    all-reduce (no_sync), or FSDP's reduce-scatter (gradients then accumulate unsharded on each rank).
+    """
+    if sync:
+        yield
+    elif hasattr(model, 'no_sync'):
+        with model.no_sync():
+            yield
+    elif hasattr(model, 'set_requires_gradient_sync'):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def optimizer_step(model, optimizer, scaler, grad_clip):
@@ -65,6 +223,8 @@ def optimizer_step(model, optimizer, scaler, grad_clip):
     if grad_clip != 0.0:
         scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        if hasattr(norm, 'full_tensor'):  # FSDP: a DTensor; the same total norm on every rank
+            norm = norm.full_tensor()
     # step the optimizer and scaler if training in fp16
     scaler.step(optimizer)
     scaler.update()

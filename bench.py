@@ -1,0 +1,207 @@
+"""
+A much shorter version of train.py for benchmarking: time the training step (forward, backward,
+optimizer) of any model size and batch on CPU, CUDA or MPS, like nanoGPT's bench.py but with the same
+model, data loader, optimizer and step code as train.py (nothing copied from it).
+
+Simple mode: burn-in steps, then timed steps; prints each step's loss and then
+    time per iteration: Xms, MFU: Y%
+plus the median step time, tokens/s and peak memory. MFU is measured against the peak FLOP/s of the
+device actually used (model.device_peak_flops; override with NANOGPT_PEAK_FLOPS=<FLOP/s>).
+Profiler mode (--profile=True): a torch.profiler trace in profile_dir (open it in chrome://tracing or
+TensorBoard) and a table of the most expensive ops.
+
+Usage:
+$ python bench.py                                             # GPT-2 124M, 12 x 1024, auto device/dtype
+$ python bench.py --device=cpu --dataset=shakespeare_char --block_size=64 --batch_size=12 \\
+      --n_layer=4 --n_head=4 --n_embd=128                     # nanoGPT's laptop model
+$ python bench.py --real_data=False --compile=True --dtype=bfloat16   # synthetic tokens, compiled
+$ python bench.py --profile=True                              # trace + top ops
+"""
+
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+from configurator import configure
+from dataloader import TokenWindowLoader, dataset_dir
+from model import cpu_peak_flops, device_peak_flops
+from runtime import PTDTYPE, UserError, autocast_context, device_type_of, enable_tf32, provenance, \
+    resolve_device, resolve_dtype, run_main
+from tokenizer import read_dataset_meta
+from training import apply_cpu_threads, make_grad_scaler, optimizer_step, resolve_compile, tune_cpu_threads, \
+    wrap_model
+from train import build_model
+
+# -----------------------------------------------------------------------------
+DEFAULTS = dict(
+    # data: real tokens from a prepared dataset (data/<dataset>/train.bin), or random tokens
+    real_data=True,
+    dataset='openwebtext',
+    batch_size=12,
+    block_size=1024,
+    # model (train.py's settings and defaults)
+    n_layer=12,
+    n_head=12,
+    n_embd=768,
+    dropout=0.0,
+    bias=False,
+    gelu='none',  # 'none' (exact erf GELU, nanoGPT) or 'tanh' (GPT-2's approximation)
+    attention='flash',  # 'flash' (scaled_dot_product_attention) or 'manual'
+    # optimizer step (train.py's)
+    fused=None,  # None = auto (fused AdamW where available); False = PyTorch's default AdamW for the device
+    learning_rate=1e-4,
+    weight_decay=1e-2,
+    grad_clip=1.0,
+    # system
+    device='auto',  # 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'
+    dtype='auto',  # 'auto' (bfloat16/float16 on GPUs, float32 on CPU), 'float32', 'bfloat16', 'float16'
+    compile=None,  # None = auto (as train.py), True/False to force
+    num_threads=0,  # CPU threads for torch; 0 = auto, as train.py (training.tune_cpu_threads)
+    seed=1337,
+    # what to measure
+    burnin=10,  # untimed steps first (compilation, allocator and cache warm-up)
+    steps=20,  # timed steps
+    profile=False,  # use pytorch profiler, or just simple benchmarking?
+    profile_dir='bench_log',
+)
+# -----------------------------------------------------------------------------
+
+
+def synchronize(device):
+    """ Wait for the device to finish queued work (a no-op on the CPU, which runs synchronously). """
+    device_type = device_type_of(device)
+    if device_type == 'cuda':
+        torch.cuda.synchronize(device)
+    elif device_type == 'mps':
+        torch.mps.synchronize()
+
+
+def peak_memory(device):
+    """ (label, bytes): allocator peak on CUDA/MPS, peak resident set size of the process on the CPU. """
+    device_type = device_type_of(device)
+    if device_type == 'cuda':
+        return 'peak CUDA memory allocated', torch.cuda.max_memory_allocated(device)
+    if device_type == 'mps':
+        return 'MPS driver memory', torch.mps.driver_allocated_memory()
+    scale = 1 if sys.platform == 'darwin' else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+    return 'peak process RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def main(argv=None):
+    cfg = configure(DEFAULTS, argv, doc=__doc__)
+    device = resolve_device(cfg['device'])
+    device_type = device_type_of(device)
+    if cfg['steps'] < 1 or cfg['burnin'] < 0:
+        raise UserError("steps must be >= 1 and burnin >= 0")
+    torch.manual_seed(cfg['seed'])
+    if device_type == 'cuda':
+        enable_tf32()
+    dtype = resolve_dtype(cfg['dtype'], device)
+    ctx = autocast_context(device, dtype)
+    compile_model = resolve_compile(cfg['compile'], device_type)
+    # MFU against the whole device: on the CPU every core torch uses by default, whatever num_threads
+    peak_flops = device_peak_flops(device, PTDTYPE[dtype])
+    apply_cpu_threads(cfg['num_threads'], device_type)
+
+    # data: the training loader of train.py, or random tokens of the same shape
+    data_meta = None
+    if cfg['real_data']:
+        data_dir = dataset_dir(cfg['dataset'])
+        data_meta = read_dataset_meta(data_dir)
+        loader = TokenWindowLoader(os.path.join(data_dir, 'train.bin'), cfg['batch_size'], cfg['block_size'],
+                                   seed=cfg['seed'], device=device, dataset=cfg['dataset'])
+        get_batch = loader.next_batch
+    else:
+        def get_batch():
+            x = torch.randint(50304, (cfg['batch_size'], cfg['block_size']), device=device)
+            return x, torch.roll(x, -1, dims=1)
+
+    model_cfg = dict(cfg, init_from='scratch')
+    model = build_model(model_cfg, data_meta, None)
+    model.set_attention(cfg['attention'])
+    model.to(device)
+    X, Y = get_batch()
+    if device_type == 'cpu' and cfg['num_threads'] == 0:
+        threads, timings = tune_cpu_threads(model, X, Y, ctx)
+        if timings:
+            print(f"using {threads} CPU threads (fwd+bwd ms: "
+                  + ", ".join(f"{n} threads {t*1000:.1f}" for n, t in timings.items()) + ")")
+    optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], (0.9, 0.95), device_type,
+                                           fused=cfg['fused'])
+    scaler = make_grad_scaler(device_type, dtype)
+    raw_model = model
+    model = wrap_model(model, None, compile_model)
+    print("provenance: " + str(dict(provenance(device), dtype=dtype, compile=compile_model,
+                                    threads=torch.get_num_threads(),
+                                    gelu=raw_model.config.gelu)))
+
+    def train_step(X, Y):
+        with ctx:
+            logits, loss = model(X, Y)
+        X, Y = get_batch()  # the next batch, fetched while an accelerator works on this one
+        scaler.scale(loss).backward()
+        optimizer_step(model, optimizer, scaler, cfg['grad_clip'])
+        return loss, X, Y
+
+    if cfg['profile']:
+        # useful docs on pytorch profiler:
+        # - tutorial https://pytorch.org/tutorials/intermediate/tensorboard_profiler_tutorial.html
+        # - api https://pytorch.org/docs/stable/profiler.html#torch.profiler.profile
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device_type == 'cuda':
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        wait, warmup, active = 5, 5, 5
+        with torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(cfg['profile_dir']),
+            record_shapes=False,
+            profile_memory=False,
+            with_stack=False,  # incurs an additional overhead, disable if not needed
+            with_flops=True,
+            with_modules=False,  # only for torchscript models atm
+        ) as prof:
+            for k in range(cfg['burnin'] + wait + warmup + active):
+                loss, X, Y = train_step(X, Y)
+                lossf = loss.item()
+                print(f"{k}/{cfg['burnin'] + wait + warmup + active} loss: {lossf:.4f}")
+                if k >= cfg['burnin']:
+                    prof.step()  # notify the profiler at end of each step
+        sort_by = 'self_cuda_time_total' if device_type == 'cuda' else 'self_cpu_time_total'
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=20))
+        print(f"trace written to {cfg['profile_dir']}/")
+        return
+
+    # simple benchmarking: burn-in, then timed steps (each one synchronized, so we also get a median)
+    times = []
+    for stage, num_steps in enumerate([cfg['burnin'], cfg['steps']]):  # burnin, then benchmark
+        for k in range(num_steps):
+            synchronize(device)
+            t0 = time.perf_counter()
+            loss, X, Y = train_step(X, Y)
+            lossf = loss.item()  # waits for the step, like nanoGPT's
+            t1 = time.perf_counter()
+            if stage == 1:
+                times.append(t1 - t0)
+            print(f"{k}/{num_steps} loss: {lossf:.4f}")
+    dt = sum(times) / len(times)
+    dt_median = statistics.median(times)
+    tokens_per_iter = cfg['batch_size'] * cfg['block_size']
+    mfu = raw_model.estimate_mfu(cfg['batch_size'], dt, peak_flops=peak_flops)
+    print(f"time per iteration: {dt*1000:.4f}ms, MFU: {mfu*100:.2f}%")
+    mem_label, mem_bytes = peak_memory(device)
+    cpu_cores = ''
+    if device_type == 'cpu' and not os.environ.get('NANOGPT_PEAK_FLOPS'):
+        cpu_cores = f", {round(peak_flops / cpu_peak_flops(1))} cores, {torch.get_num_threads()} threads used"
+    print(f"median time per iteration: {dt_median*1000:.4f}ms, tokens/s: {tokens_per_iter / dt_median:,.0f}, "
+          f"MFU (median): {raw_model.estimate_mfu(cfg['batch_size'], dt_median, peak_flops=peak_flops)*100:.2f}% "
+          f"of {peak_flops/1e12:.4g} TFLOP/s peak ({device}, {dtype}{cpu_cores}), "
+          f"{mem_label}: {mem_bytes / 2**20:,.0f} MiB")
+
+
+if __name__ == '__main__':
+    run_main(main)

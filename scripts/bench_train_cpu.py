@@ -1,0 +1,204 @@
+"""
+End-to-end CPU training speed: our train.py against a nanoGPT baseline, on nanoGPT's laptop command
+(shakespeare_char, block_size=64, batch_size=12, 4 layers x 4 heads x 128, dropout 0, no compile).
+
+nanoGPT itself is not a dependency, so the baseline (--mode=nanogpt) is nanoGPT's train.py training loop
+reproduced step for step on our model.py: exact erf GELU, scaled_dot_product_attention, the AdamW
+nanoGPT builds on the CPU (not fused; PyTorch's default there is the per-tensor for-loop), nanoGPT's
+get_batch (np.memmap recreated per batch, torch.stack of per-row slices), loss.item() every iteration
+(log_interval=1), torch's default thread count, checkpoints whenever val improves. Same model weights
+init, same schedule, same evaluation (eval_iters=20 every 250 iterations).
+
+--mode=compare (the default) runs the baseline and `python train.py config/train_shakespeare_char_cpu.py`
+as subprocesses, alternating them `rounds` times (so machine load hits both alike), parses their
+"iter N: ... time Xms" lines and prints the median ms/iter of each run, the ratio, and the final val loss.
+
+Usage:
+$ python scripts/bench_train_cpu.py                               # 2 rounds x 300 iterations each
+$ python scripts/bench_train_cpu.py --max_iters=2000 --rounds=1   # the full laptop run: speed + val loss
+$ python scripts/bench_train_cpu.py --mode=nanogpt --max_iters=50 # just the baseline loop
+"""
+
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from configurator import configure  # noqa: E402
+from runtime import run_main  # noqa: E402
+
+DEFAULTS = dict(
+    mode='compare',  # 'compare', 'nanogpt' (the baseline loop) or 'ours' (train.py)
+    max_iters=300,
+    rounds=2,
+    baseline_threads=0,  # torch threads for the baseline; 0 = torch's default, as nanoGPT
+    ours_args='',  # extra --key=value arguments for train.py, space-separated (e.g. '--num_threads=1')
+    out_dir='',  # '' = a temporary directory
+)
+
+# nanoGPT's laptop command (README): python train.py config/train_shakespeare_char.py --device=cpu
+# --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4
+# --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0
+LAPTOP = dict(eval_interval=250, eval_iters=20, log_interval=1, always_save_checkpoint=False,
+              dataset='shakespeare_char',
+              gradient_accumulation_steps=1, batch_size=12, block_size=64, n_layer=4, n_head=4, n_embd=128,
+              dropout=0.0, bias=False, learning_rate=1e-3, max_iters=2000, lr_decay_iters=2000, min_lr=1e-4,
+              beta1=0.9, beta2=0.99, warmup_iters=100, weight_decay=1e-1, grad_clip=1.0, decay_lr=True)
+ITER_LINE = re.compile(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms")
+EVAL_LINE = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
+
+
+def nanogpt_loop(max_iters, out_dir, threads):
+    """ nanoGPT's train.py main loop for the laptop command, single process, on the CPU. """
+    from model import GPT, GPTConfig
+    from tokenizer import read_dataset_meta
+    c = dict(LAPTOP, max_iters=max_iters)  # the schedule of the 2000-iteration run, cut short or not
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(1337)
+    data_dir = os.path.join(REPO, 'data', c['dataset'])
+    block_size, batch_size = c['block_size'], c['batch_size']
+
+    def get_batch(split):
+        # We recreate np.memmap every batch to avoid a memory leak, as nanoGPT does
+        data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
+        ix = torch.randint(len(data) - block_size, (batch_size,))
+        x = torch.stack([torch.from_numpy((data[i:i + block_size]).astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy((data[i + 1:i + 1 + block_size]).astype(np.int64)) for i in ix])
+        return x.to('cpu'), y.to('cpu')
+
+    vocab_size = int(read_dataset_meta(data_dir)['vocab_size'])  # nanoGPT reads meta.pkl
+    model = GPT(GPTConfig(n_layer=c['n_layer'], n_head=c['n_head'], n_embd=c['n_embd'], block_size=block_size,
+                          bias=c['bias'], vocab_size=vocab_size, dropout=c['dropout'], gelu='none'))
+    scaler = torch.amp.GradScaler('cpu', enabled=False)
+    # nanoGPT's configure_optimizers: fused only on CUDA, so PyTorch's default AdamW on the CPU
+    optimizer = model.configure_optimizers(c['weight_decay'], c['learning_rate'], (c['beta1'], c['beta2']), 'cpu',
+                                           fused=False)
+
+    @torch.no_grad()
+    def estimate_loss():
+        out = {}
+        model.eval()
+        for split in ['train', 'val']:
+            losses = torch.zeros(c['eval_iters'])
+            for k in range(c['eval_iters']):
+                X, Y = get_batch(split)
+                logits, loss = model(X, Y)
+                losses[k] = loss.item()
+            out[split] = losses.mean()
+        model.train()
+        return out
+
+    def get_lr(it):
+        if it < c['warmup_iters']:
+            return c['learning_rate'] * (it + 1) / (c['warmup_iters'] + 1)
+        if it > c['lr_decay_iters']:
+            return c['min_lr']
+        decay_ratio = (it - c['warmup_iters']) / (c['lr_decay_iters'] - c['warmup_iters'])
+        coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+        return c['min_lr'] + coeff * (c['learning_rate'] - c['min_lr'])
+
+    iter_num, best_val_loss = 0, 1e9
+    X, Y = get_batch('train')
+    t0 = time.time()
+    local_iter_num = 0
+    running_mfu = -1.0
+    while True:
+        lr = get_lr(iter_num) if c['decay_lr'] else c['learning_rate']
+        for param_group in optimizer.param_groups:
+            param_group['lr'] = lr
+        if iter_num % c['eval_interval'] == 0:
+            losses = estimate_loss()
+            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            if losses['val'] < best_val_loss or c['always_save_checkpoint']:
+                best_val_loss = losses['val']
+                if iter_num > 0:
+                    checkpoint = {'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
+                                  'model_args': model.config.model_args(), 'iter_num': iter_num,
+                                  'best_val_loss': best_val_loss, 'config': c}
+                    print(f"saving checkpoint to {out_dir}")
+                    torch.save(checkpoint, os.path.join(out_dir, 'ckpt.pt'))
+        for micro_step in range(c['gradient_accumulation_steps']):
+            logits, loss = model(X, Y)
+            loss = loss / c['gradient_accumulation_steps']
+            X, Y = get_batch('train')
+            scaler.scale(loss).backward()
+        if c['grad_clip'] != 0.0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), c['grad_clip'])
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        t1 = time.time()
+        dt = t1 - t0
+        t0 = t1
+        if iter_num % c['log_interval'] == 0:
+            lossf = loss.item() * c['gradient_accumulation_steps']
+            if local_iter_num >= 5:
+                mfu = model.estimate_mfu(c['batch_size'] * c['gradient_accumulation_steps'], dt)
+                running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
+            print(f"iter {iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%")
+        iter_num += 1
+        local_iter_num += 1
+        if iter_num > c['max_iters']:
+            break
+
+
+def run(cmd):
+    """ Run a training subprocess; returns (median ms/iter, last val loss, wall seconds). """
+    t = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.time() - t
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    times, val = [], None
+    for line in proc.stdout.splitlines():
+        m = ITER_LINE.match(line)
+        if m and int(m.group(1)) >= 5:  # like nanoGPT's MFU: let the loop settle first
+            times.append(float(m.group(3)))
+        m = EVAL_LINE.match(line)
+        if m:
+            val = float(m.group(3))
+    threads = re.search(r"using (\d+) CPU threads", proc.stdout)
+    return statistics.median(times), val, wall, threads.group(1) if threads else 'default'
+
+
+def main():
+    cfg = configure(DEFAULTS, doc=__doc__)
+    out_dir = cfg['out_dir'] or tempfile.mkdtemp(prefix='bench_train_cpu_')
+    os.makedirs(out_dir, exist_ok=True)
+    if cfg['mode'] == 'nanogpt':
+        nanogpt_loop(cfg['max_iters'], out_dir, cfg['baseline_threads'])
+        return
+    base_cmd = [sys.executable, os.path.abspath(__file__), '--mode=nanogpt', f"--max_iters={cfg['max_iters']}",
+                f"--baseline_threads={cfg['baseline_threads']}", f"--out_dir={os.path.join(out_dir, 'nanogpt')}"]
+    ours_cmd = [sys.executable, 'train.py', 'config/train_shakespeare_char_cpu.py', f"--max_iters={cfg['max_iters']}",
+                f"--out_dir={os.path.join(out_dir, 'ours')}"]
+    ours_cmd += cfg['ours_args'].split()
+    if cfg['mode'] == 'ours':
+        os.execv(sys.executable, ours_cmd)
+    print(f"load average before: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
+    results = {'nanogpt': [], 'ours': []}
+    for r in range(cfg['rounds']):
+        for name, cmd in (('nanogpt', base_cmd), ('ours', ours_cmd)):
+            ms, val, wall, threads = run(cmd)
+            results[name].append(ms)
+            print(f"round {r} {name:8s}: median {ms:7.2f} ms/iter, final val loss {val:.4f}, wall {wall:6.1f} s, "
+                  f"threads {threads}, load {os.getloadavg()[0]:.2f}", flush=True)
+    base, ours = statistics.median(results['nanogpt']), statistics.median(results['ours'])
+    print(f"nanoGPT baseline: {base:.2f} ms/iter, ours: {ours:.2f} ms/iter, speed-up {base / ours:.2f}x "
+          f"(median over rounds of per-run medians)")
+
+
+if __name__ == '__main__':
+    run_main(main)

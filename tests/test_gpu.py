@@ -1,0 +1,132 @@
+"""
+The CUDA paths, run by scripts/gpu_check.sh on a machine with a GPU (skipped without one, see conftest.py):
+bf16 and fp16 + GradScaler training, fused AdamW, torch.compile, nccl DDP and FSDP with 1 process,
+KV-cache sampling, and bench.py's MFU against the GPU's own peak.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import bench
+import train
+from checkpoint import load_checkpoint
+from engine import generate
+from model import GPT, GPTConfig, gpu_peak_flops
+
+pytestmark = pytest.mark.gpu
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 20
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu_ds")
+    rng = np.random.default_rng(0)
+    tokens = np.tile(np.arange(VOCAB), 3000)
+    noise = rng.random(tokens.size) < 0.05
+    tokens[noise] = rng.integers(0, VOCAB, noise.sum())
+    tokens[:54000].astype(np.uint16).tofile(d / "train.bin")
+    tokens[54000:].astype(np.uint16).tofile(d / "val.bin")
+    stoi = {chr(97 + i): i for i in range(VOCAB)}
+    (d / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": VOCAB, "stoi": stoi,
+                                             "itos": {i: c for c, i in stoi.items()}}))
+    return str(d)
+
+
+def args(dataset, out_dir, **overrides):
+    settings = dict(dataset=dataset, out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=64, block_size=32,
+                    batch_size=8, gradient_accumulation_steps=2, max_iters=20, eval_interval=10, eval_iters=4,
+                    log_interval=1, warmup_iters=2, lr_decay_iters=20, learning_rate=1e-2, min_lr=1e-3,
+                    dropout=0.0, device='cuda', compile=False)
+    settings.update(overrides)
+    return [f"--{k}={v}" for k, v in settings.items()]
+
+
+def iter_losses(out):
+    return [float(m.group(1)) for m in re.finditer(r"^iter \d+: loss (\S+),", out, re.M)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mixed_precision_training_learns(dataset, tmp_path, capsys, dtype):
+    if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bfloat16")
+    train.main(args(dataset, tmp_path, dtype=dtype))
+    out = capsys.readouterr().out
+    losses = iter_losses(out)
+    assert len(losses) == 21 and all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5
+    assert "using fused AdamW: True" in out
+    ck = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    if dtype == "float16":  # the GradScaler ran and its state is saved for resume
+        assert ck["scaler"] and ck["scaler"]["scale"] > 0
+    else:
+        assert ck["scaler"] is None
+    assert all(v.dtype == torch.float32 for v in ck["model"].values())  # master weights stay fp32
+
+
+def test_fused_adamw_matches_foreach_on_cuda():
+    torch.manual_seed(0)
+    a = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=VOCAB)).cuda()
+    b = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=VOCAB)).cuda()
+    b.load_state_dict(a.state_dict())
+    opt_a = a.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cuda')
+    opt_b = b.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cuda', fused=False)
+    assert opt_a.defaults['fused'] and not opt_b.defaults.get('fused')
+    x = torch.randint(VOCAB, (4, 32), device='cuda')
+    for _ in range(3):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            _, loss = model(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for (k, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_compile_trains(dataset, tmp_path, capsys):
+    train.main(args(dataset, tmp_path, compile=True, dtype='bfloat16' if torch.cuda.is_bf16_supported() else 'float16'))
+    out = capsys.readouterr().out
+    assert "compiling the model" in out
+    losses = iter_losses(out)
+    assert len(losses) == 21 and losses[-1] < losses[0] - 0.5
+    ck = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert not any(k.startswith("_orig_mod.") for k in ck["model"])
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_nccl_one_process(dataset, tmp_path, parallelism):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                        "train.py", *args(dataset, tmp_path, backend='nccl', parallelism=parallelism,
+                                          max_iters=10, eval_interval=5)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    losses = iter_losses(r.stdout)
+    assert len(losses) == 11 and losses[-1] < losses[0]
+    ck = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert all(type(v) is torch.Tensor for v in ck["model"].values())  # full tensors, never DTensors
+
+
+def test_kv_cache_sampling_on_cuda_equals_reference():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=VOCAB)).cuda().eval()
+    idx = torch.randint(VOCAB, (3, 5), device='cuda')
+    fast = generate(model, idx, 20, top_k=1)  # greedy: deterministic, comparable token for token
+    ref = model.generate(idx, 20, top_k=1)
+    assert fast.device.type == 'cuda' and torch.equal(fast, ref)
+
+
+def test_bench_on_cuda_reports_mfu_against_the_gpu(capsys, monkeypatch):
+    monkeypatch.delenv('NANOGPT_PEAK_FLOPS', raising=False)
+    bench.main(['--device=cuda', '--real_data=False', '--n_layer=2', '--n_head=2', '--n_embd=64', '--block_size=64',
+                '--batch_size=4', '--burnin=2', '--steps=3', '--compile=False'])
+    out = capsys.readouterr().out
+    assert re.search(r"^time per iteration: [\d.]+ms, MFU: [\d.]+%$", out, re.M)
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    m = re.search(r"of ([\d.]+) TFLOP/s peak \(cuda", out)
+    assert float(m.group(1)) == pytest.approx(gpu_peak_flops(torch.cuda.get_device_name(), dtype) / 1e12, rel=1e-3)
+    assert "peak CUDA memory allocated" in out
