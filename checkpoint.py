@@ -23,6 +23,7 @@ from runtime import UserError
 from tokenizer import read_dataset_meta
 
 GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
+HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for character-level models
 
 
 def _fsync_dir(path):
@@ -182,7 +183,15 @@ def load_model(init_from, out_dir='out', device='cpu', dropout=None):
             model = GPT.from_pretrained(init_from, override)
         except (OSError, ValueError) as e:
             raise UserError(str(e)) from None
-        info = {'tokenizer': {'kind': 'gpt2'}, 'checkpoint': None, 'source': init_from}
+        tokenizer_meta = {'kind': 'gpt2'}
+        meta_path = os.path.join(init_from, HF_TOKENIZER_META)
+        if os.path.isdir(init_from) and os.path.exists(meta_path):
+            try:
+                with open(meta_path, encoding='utf-8') as f:
+                    tokenizer_meta = json.load(f)
+            except (OSError, ValueError) as e:
+                raise UserError(f"{meta_path} is unreadable ({e}); re-export the model with export_hf.py") from None
+        info = {'tokenizer': tokenizer_meta, 'checkpoint': None, 'source': init_from}
     else:
         raise UserError(f"don't know how to load init_from='{init_from}': use resume (with --out_dir), a "
                         f"training out_dir or ckpt.pt, gpt2/gpt2-medium/gpt2-large/gpt2-xl, or a local "

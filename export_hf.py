@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from checkpoint import atomic_write, load_model
+from checkpoint import HF_TOKENIZER_META, atomic_write, load_model
 from configurator import configure
 from model import hf_key_map
 from runtime import UserError, run_main
@@ -144,6 +144,11 @@ def export(model, tokenizer_meta, hf_dir, source=''):
         write_gpt2_tokenizer(hf_dir, config.block_size)
     else:
         write_char_tokenizer(hf_dir, tokenizer_meta, config.block_size)
+        # our own tokenizer description too, so sample.py / eval.py / finetune.py --init_from=<hf_dir> decode
+        # with the character vocabulary instead of assuming GPT-2 BPE (checkpoint.HF_TOKENIZER_META)
+        meta = {'kind': 'char', 'vocab_size': len(tokenizer_meta['stoi']), 'stoi': dict(tokenizer_meta['stoi'])}
+        text = json.dumps(meta, ensure_ascii=False, indent=1)
+        atomic_write(os.path.join(hf_dir, HF_TOKENIZER_META), lambda f: f.write(text), binary=False)
     write_readme(hf_dir, source, config, kind)
     return hf_dir
 

@@ -25,8 +25,8 @@ def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
     # 1) linear warmup for warmup_iters steps
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
-    # 2) if it > lr_decay_iters, return min learning rate
-    if it > lr_decay_iters:
+    # 2) if it > lr_decay_iters, return min learning rate (also when there is no decay phase at all)
+    if it > lr_decay_iters or lr_decay_iters <= warmup_iters:
         return min_lr
     # 3) in between, use cosine decay down to min learning rate
     decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)

@@ -2,9 +2,11 @@
 Shared test set-up: the repository root on sys.path, no network for any library, and no process group
 left behind by a test (like litgpt's conftest).
 """
+import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,3 +38,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+TINY_VOCAB = 20
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    """ A tiny learnable character dataset (train.bin, val.bin, meta.json): a repeating 20-symbol pattern
+    with 5% noise, 54,000 train and 6,000 val tokens. Returns its directory (usable as --dataset). """
+    d = tmp_path_factory.mktemp("tiny_ds")
+    rng = np.random.default_rng(0)
+    tokens = np.tile(np.arange(TINY_VOCAB), 3000)
+    noise = rng.random(tokens.size) < 0.05
+    tokens[noise] = rng.integers(0, TINY_VOCAB, noise.sum())
+    tokens[:54000].astype(np.uint16).tofile(d / "train.bin")
+    tokens[54000:].astype(np.uint16).tofile(d / "val.bin")
+    stoi = {chr(97 + i): i for i in range(TINY_VOCAB)}
+    (d / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": TINY_VOCAB, "stoi": stoi,
+                                             "itos": {i: c for c, i in stoi.items()}}))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """ For tiny models a second intra-op thread only adds synchronisation (and stalls on a busy CPU). """
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

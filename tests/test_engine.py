@@ -11,13 +11,7 @@ from engine import (KVCache, generate, generate_stream, last_position_logits, ne
 from model import GPT, GPTConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """ These models are tiny: a second intra-op thread only adds synchronisation (slow on a busy CPU). """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def peaky_model(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, seed=0, attention='flash'):

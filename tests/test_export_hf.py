@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from checkpoint import save_checkpoint
+from checkpoint import load_model, save_checkpoint
 from export_hf import EXPORT_ACTIVATIONS, export, hf_state_dict
 from model import GPT, HF_ACTIVATIONS, GPTConfig
-from tokenizer import CharTokenizer, GPT2Tokenizer
+from tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,3 +142,8 @@ def test_char_model_export_with_char_tokenizer(tmp_path):
     idx = torch.tensor([ids])
     with torch.no_grad():
         torch.testing.assert_close(load_hf(hf_dir)(idx).logits, model(idx, idx)[0], rtol=1e-5, atol=1e-5)
+
+    # our scripts loading the exported directory decode with the character vocabulary, not GPT-2 BPE
+    _, info = load_model(hf_dir)
+    assert info['tokenizer']['kind'] == 'char'
+    assert load_tokenizer(info['tokenizer']).encode(text) == tok.encode(text)

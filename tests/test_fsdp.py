@@ -1,36 +1,22 @@
 """train.py --parallelism=fsdp (FSDP2) on the CPU with 2 gloo processes: same losses as DDP, half the
 parameters per rank, nanoGPT-format checkpoints that resume under FSDP and in a single process."""
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB = 20
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    """ A tiny learnable character dataset: a repeating 20-symbol pattern with a little noise. """
-    d = tmp_path_factory.mktemp("fsdp_ds")
-    rng = np.random.default_rng(0)
-    tokens = np.tile(np.arange(VOCAB), 2000)
-    noise = rng.random(tokens.size) < 0.05
-    tokens[noise] = rng.integers(0, VOCAB, noise.sum())
-    tokens[:36000].astype(np.uint16).tofile(d / "train.bin")
-    tokens[36000:].astype(np.uint16).tofile(d / "val.bin")
-    stoi = {chr(97 + i): i for i in range(VOCAB)}
-    (d / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": VOCAB, "stoi": stoi,
-                                             "itos": {i: c for c, i in stoi.items()}}))
-    return str(d)
+def dataset(tiny_dataset):
+    return tiny_dataset
 
 
 def args(dataset, out_dir, **overrides):

@@ -3,7 +3,6 @@ The CUDA paths, run by scripts/gpu_check.sh on a machine with a GPU (skipped wit
 bf16 and fp16 + GradScaler training, fused AdamW, torch.compile, nccl DDP and FSDP with 1 process,
 KV-cache sampling, and bench.py's MFU against the GPU's own peak.
 """
-import json
 import os
 import re
 import subprocess
@@ -25,18 +24,8 @@ VOCAB = 20
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpu_ds")
-    rng = np.random.default_rng(0)
-    tokens = np.tile(np.arange(VOCAB), 3000)
-    noise = rng.random(tokens.size) < 0.05
-    tokens[noise] = rng.integers(0, VOCAB, noise.sum())
-    tokens[:54000].astype(np.uint16).tofile(d / "train.bin")
-    tokens[54000:].astype(np.uint16).tofile(d / "val.bin")
-    stoi = {chr(97 + i): i for i in range(VOCAB)}
-    (d / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": VOCAB, "stoi": stoi,
-                                             "itos": {i: c for c, i in stoi.items()}}))
-    return str(d)
+def dataset(tiny_dataset):
+    return tiny_dataset
 
 
 def args(dataset, out_dir, **overrides):

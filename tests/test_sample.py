@@ -21,13 +21,7 @@ CHAR_TEXT = "abcd\n" * 200
 BPE_TEXT = "Hello world!<|endoftext|>" * 60
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """ Tiny models: a second intra-op thread only adds synchronisation (slow on a busy CPU). """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def train_tiny(model, ids, max_steps, lr=1e-2, batch_size=16):

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,19 +21,8 @@ VOCAB = 20
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    """ A tiny learnable character dataset: a repeating 20-symbol pattern with a little noise. """
-    d = tmp_path_factory.mktemp("tiny_ds")
-    rng = np.random.default_rng(0)
-    tokens = np.tile(np.arange(VOCAB), 3000)
-    noise = rng.random(tokens.size) < 0.05
-    tokens[noise] = rng.integers(0, VOCAB, noise.sum())
-    tokens[:54000].astype(np.uint16).tofile(d / "train.bin")
-    tokens[54000:].astype(np.uint16).tofile(d / "val.bin")
-    stoi = {chr(97 + i): i for i in range(VOCAB)}
-    (d / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": VOCAB, "stoi": stoi,
-                                             "itos": {i: c for c, i in stoi.items()}}))
-    return str(d)
+def dataset(tiny_dataset):
+    return tiny_dataset
 
 
 def tiny_args(dataset, out_dir, **overrides):
@@ -278,3 +266,14 @@ def test_plot_metrics(dataset, tmp_path, capsys):
     assert r.returncode == 0, r.stderr
     assert "plotted 5 iterations and 3 evaluations" in r.stdout
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lr_schedule():
+    from training import get_lr
+    lrs = [get_lr(it, 1e-3, 10, 100, 1e-4) for it in range(120)]
+    assert lrs[0] == pytest.approx(1e-3 / 11) and lrs[9] == pytest.approx(1e-3 * 10 / 11)  # linear warmup
+    assert lrs[10] == pytest.approx(1e-3)  # cosine starts at the max
+    assert lrs[55] == pytest.approx((1e-3 + 1e-4) / 2)  # halfway through the decay
+    assert all(a >= b for a, b in zip(lrs[10:101], lrs[11:101]))  # monotone decay
+    assert lrs[100] == pytest.approx(1e-4) and lrs[119] == 1e-4
+    assert get_lr(10, 1e-3, 10, 10, 1e-4) == 1e-4  # no decay phase: no division by zero
