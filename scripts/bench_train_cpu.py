@@ -44,6 +44,7 @@ DEFAULTS = dict(
     baseline_threads=0,  # torch threads for the baseline; 0 = torch's default, as nanoGPT
     ours_args='',  # extra --key=value arguments for train.py, space-separated (e.g. '--num_threads=1')
     out_dir='',  # '' = a temporary directory
+    dataset='shakespeare_char',  # a prepared dataset: name under data/ or a directory
 )
 
 # nanoGPT's laptop command (README): python train.py config/train_shakespeare_char.py --device=cpu
@@ -58,15 +59,16 @@ ITER_LINE = re.compile(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms")
 EVAL_LINE = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
 
 
-def nanogpt_loop(max_iters, out_dir, threads):
+def nanogpt_loop(max_iters, out_dir, threads, dataset='shakespeare_char'):
     """ nanoGPT's train.py main loop for the laptop command, single process, on the CPU. """
     from model import GPT, GPTConfig
     from tokenizer import read_dataset_meta
-    c = dict(LAPTOP, max_iters=max_iters)  # the schedule of the 2000-iteration run, cut short or not
+    from dataloader import dataset_dir
+    c = dict(LAPTOP, max_iters=max_iters, dataset=dataset)  # the schedule of the 2000-iteration run, cut short or not
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(1337)
-    data_dir = os.path.join(REPO, 'data', c['dataset'])
+    data_dir = dataset_dir(c['dataset'])
     block_size, batch_size = c['block_size'], c['batch_size']
 
     def get_batch(split):
@@ -178,12 +180,13 @@ def main():
     out_dir = cfg['out_dir'] or tempfile.mkdtemp(prefix='bench_train_cpu_')
     os.makedirs(out_dir, exist_ok=True)
     if cfg['mode'] == 'nanogpt':
-        nanogpt_loop(cfg['max_iters'], out_dir, cfg['baseline_threads'])
+        nanogpt_loop(cfg['max_iters'], out_dir, cfg['baseline_threads'], cfg['dataset'])
         return
     base_cmd = [sys.executable, os.path.abspath(__file__), '--mode=nanogpt', f"--max_iters={cfg['max_iters']}",
-                f"--baseline_threads={cfg['baseline_threads']}", f"--out_dir={os.path.join(out_dir, 'nanogpt')}"]
+                f"--baseline_threads={cfg['baseline_threads']}", f"--out_dir={os.path.join(out_dir, 'nanogpt')}",
+                f"--dataset={cfg['dataset']}"]
     ours_cmd = [sys.executable, 'train.py', 'config/train_shakespeare_char_cpu.py', f"--max_iters={cfg['max_iters']}",
-                f"--out_dir={os.path.join(out_dir, 'ours')}"]
+                f"--out_dir={os.path.join(out_dir, 'ours')}", f"--dataset={cfg['dataset']}"]
     ours_cmd += cfg['ours_args'].split()
     if cfg['mode'] == 'ours':
         os.execv(sys.executable, ours_cmd)

@@ -100,11 +100,10 @@ def test_tune_cpu_threads_picks_a_candidate_and_leaves_no_trace():
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(REPO, 'data', 'shakespeare_char', 'train.bin')),
-                    reason='needs data/shakespeare_char prepared')
-def test_nanogpt_baseline_loop_runs(tmp_path):
+def test_nanogpt_baseline_loop_runs(tmp_path, tiny_dataset):
     r = subprocess.run([sys.executable, 'scripts/bench_train_cpu.py', '--mode=nanogpt', '--max_iters=3',
-                        '--baseline_threads=1', f'--out_dir={tmp_path}'], cwd=REPO, capture_output=True,
+                        '--baseline_threads=1', f'--out_dir={tmp_path}',
+                        f'--dataset={tiny_dataset}'], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.search(r"^step 0: train loss [\d.]+, val loss [\d.]+$", r.stdout, re.M)
