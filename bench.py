@@ -28,12 +28,10 @@ import torch
 
 from configurator import configure
 from dataloader import TokenWindowLoader, dataset_dir
-from model import cpu_peak_flops, device_peak_flops
-from runtime import PTDTYPE, UserError, autocast_context, device_type_of, enable_tf32, provenance, \
-    resolve_device, resolve_dtype, run_main
+from model import cpu_peak_flops
+from runtime import UserError, device_type_of, provenance, resolve_device, run_main
 from tokenizer import read_dataset_meta
-from training import apply_cpu_threads, make_grad_scaler, optimizer_step, resolve_compile, tune_cpu_threads, \
-    wrap_model
+from training import compute_setup, make_grad_scaler, optimizer_step, tune_cpu_threads, wrap_model
 from train import build_model
 
 # -----------------------------------------------------------------------------
@@ -98,14 +96,7 @@ def main(argv=None):
     if cfg['steps'] < 1 or cfg['burnin'] < 0:
         raise UserError("steps must be >= 1 and burnin >= 0")
     torch.manual_seed(cfg['seed'])
-    if device_type == 'cuda':
-        enable_tf32()
-    dtype = resolve_dtype(cfg['dtype'], device)
-    ctx = autocast_context(device, dtype)
-    compile_model = resolve_compile(cfg['compile'], device_type)
-    # MFU against the whole device: on the CPU every core torch uses by default, whatever num_threads
-    peak_flops = device_peak_flops(device, PTDTYPE[dtype])
-    apply_cpu_threads(cfg['num_threads'], device_type)
+    dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg['dtype'], cfg['compile'], cfg['num_threads'])
 
     # data: the training loader of train.py, or random tokens of the same shape
     data_meta = None

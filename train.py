@@ -36,18 +36,15 @@ import time
 
 import torch
 
-from checkpoint import atomic_write, load_checkpoint, model_from_checkpoint, save_checkpoint, unwrap_model, \
-    is_hf_dir, GPT2_NAMES
+from checkpoint import GPT2_NAMES, atomic_write, is_hf_dir, load_checkpoint, model_from_checkpoint, save_checkpoint
 from configurator import configure
 from dataloader import TokenWindowLoader, dataset_dir
-from model import GPT, GPTConfig, device_peak_flops
-from runtime import (PTDTYPE, UserError, autocast_context, destroy_distributed, device_type_of, enable_tf32,
-                     init_distributed, provenance, resolve_dtype, run_main)
+from model import GPT, GPTConfig
+from runtime import UserError, destroy_distributed, device_type_of, init_distributed, provenance, run_main
 from tokenizer import read_dataset_meta
-from training import (GracefulExit, MetricsLogger, all_reduce_mean, apply_cpu_threads, full_state_dicts,
+from training import (GracefulExit, MetricsLogger, all_reduce_mean, compute_setup, full_state_dicts,
                       gather_rng_states, get_lr, grad_sync_context, load_optimizer_state, local_param_count,
-                      make_grad_scaler, optimizer_step, resolve_compile, set_rng_state, tune_cpu_threads,
-                      wrap_model)
+                      make_grad_scaler, optimizer_step, set_rng_state, tune_cpu_threads, wrap_model)
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText
@@ -179,14 +176,7 @@ def train(cfg, dist_info):
         print(f"tokens per iteration will be: {tokens_per_iter:,}")
         os.makedirs(cfg['out_dir'], exist_ok=True)
     torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank, data does not (see dataloader)
-    if device_type == 'cuda':
-        enable_tf32()
-    dtype = resolve_dtype(cfg['dtype'], device)
-    ctx = autocast_context(device, dtype)
-    compile_model = resolve_compile(cfg['compile'], device_type)
-    # MFU against the whole device: on the CPU every core torch uses by default, whatever num_threads
-    peak_flops = device_peak_flops(device, PTDTYPE[dtype])
-    apply_cpu_threads(cfg['num_threads'], device_type)
+    dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg['dtype'], cfg['compile'], cfg['num_threads'])
     fsdp = dist_info.ddp and cfg['parallelism'] == 'fsdp'
     if master_process:
         print("provenance: " + json.dumps(dict(provenance(device), dtype=dtype, compile=compile_model,

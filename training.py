@@ -40,6 +40,26 @@ def make_grad_scaler(device_type, dtype):
     return torch.amp.GradScaler(device_type if device_type == 'cuda' else 'cpu', enabled=(dtype == 'float16'))
 
 
+def compute_setup(device, dtype, compile_setting, num_threads):
+    """
+    Everything a run on `device` decides before building the model: TF32 on CUDA, the dtype ('auto'
+    resolved), the autocast context, whether to torch.compile, the device's peak FLOP/s for MFU, and the
+    CPU thread count. Returns (dtype, ctx, compile_model, peak_flops).
+    """
+    from model import device_peak_flops
+    from runtime import PTDTYPE, autocast_context, device_type_of, enable_tf32, resolve_dtype
+    device_type = device_type_of(device)
+    if device_type == 'cuda':
+        enable_tf32()
+    dtype = resolve_dtype(dtype, device)
+    ctx = autocast_context(device, dtype)
+    compile_model = resolve_compile(compile_setting, device_type)
+    # MFU against the whole device: on the CPU every core torch uses by default, whatever num_threads
+    peak_flops = device_peak_flops(device, PTDTYPE[dtype])
+    apply_cpu_threads(num_threads, device_type)
+    return dtype, ctx, compile_model, peak_flops
+
+
 def resolve_compile(setting, device_type):
     """
     compile=None (auto) compiles on CUDA only: on the CPU the compile time (20-100 s on 2 cores) costs
