@@ -29,7 +29,7 @@ def tiny_args(dataset, out_dir, **overrides):
     settings = dict(dataset=dataset, out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32, block_size=16,
                     batch_size=4, gradient_accumulation_steps=2, max_iters=12, eval_interval=6, eval_iters=4,
                     log_interval=1, warmup_iters=2, lr_decay_iters=12, learning_rate=1e-2, min_lr=1e-3,
-                    dropout=0.1, device='cpu', compile=False)
+                    dropout=0.1, device='cpu', compile=False, num_threads=1)  # fixed threads: bitwise runs
     settings.update(overrides)
     return [f"--{k}={v}" for k, v in settings.items()]
 
