@@ -32,8 +32,7 @@ from torch.nn import functional as F
 from checkpoint import atomic_write, load_model
 from configurator import configure
 from dataloader import dataset_dir, open_tokens, read_jsonl as read_jsonl_records
-from runtime import (UserError, autocast_context, destroy_distributed, init_distributed, provenance,
-                     resolve_dtype, run_main)
+from runtime import UserError, destroy_distributed, init_distributed, precision, provenance, run_main
 from tokenizer import load_tokenizer, read_dataset_meta
 
 DEFAULTS = dict(
@@ -334,14 +333,14 @@ def main():
     try:
         torch.manual_seed(cfg['seed'])
         device = dist_info.device
-        dtype = resolve_dtype(cfg['dtype'], device)
+        _, ctx = precision(device, cfg['dtype'])
         if dist_info.master:
             print(f"provenance: {json.dumps(provenance(device))}")
         model, info = load_model(cfg['init_from'], cfg['out_dir'], device)
         model.eval()
         if cfg['compile']:
             model = torch.compile(model)
-        result = evaluate(model, cfg['task'], cfg, info, device, autocast_context(device, dtype), dist_info,
+        result = evaluate(model, cfg['task'], cfg, info, device, ctx, dist_info,
                           progress=dist_info.master)
         if dist_info.master:
             line = json.dumps(result)

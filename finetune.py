@@ -47,11 +47,11 @@ from checkpoint import load_checkpoint, load_model, model_from_checkpoint, resol
 from configurator import configure
 from dataloader import dataset_dir, read_jsonl as read_jsonl_records
 from model import GPT, GPTConfig
-from runtime import (UserError, autocast_context, destroy_distributed, device_type_of, init_distributed, provenance,
-                     resolve_dtype, run_main)
+from runtime import UserError, destroy_distributed, device_type_of, init_distributed, precision, provenance, run_main
 from tokenizer import TokenizerError, load_tokenizer, read_dataset_meta
-from training import (GracefulExit, MetricsLogger, all_reduce_mean, gather_rng_states, get_lr, grad_sync_context,
-                      make_grad_scaler, optimizer_step, params_finite, set_rng_state, wrap_model)
+from training import (GracefulExit, MetricsLogger, accumulation_per_rank, all_reduce_sum, compute_setup,
+                      fit_block_size, gather_rng_states, get_lr, grad_sync_context, make_grad_scaler, optimizer_step,
+                      params_finite, set_rng_state, wrap_model)
 
 TASKS = ('classification', 'entailment', 'similarity', 'multiple_choice')
 # the JSONL fields holding each task's texts (the label is always 'label')
@@ -258,7 +258,9 @@ def make_batch(seqs_list, labels, special, device):
     choice_mask = torch.tensor([[j < len(seqs) for j in range(n_max)] for seqs in seqs_list], dtype=torch.bool)
     batch = {'idx': idx, 'extract_pos': extract_pos, 'lm_targets': targets, 'choice_mask': choice_mask,
              'labels': None if labels is None else torch.tensor(labels, dtype=torch.long)}
-    return {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
+    batch = {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
+    batch['n_lm_targets'] = int((targets != -1).sum())  # counted before the copy: no device sync later
+    return batch
 
 
 # -----------------------------------------------------------------------------
@@ -459,7 +461,7 @@ def predict_only(cfg, dist_info):
         return
     device = dist_info.device
     model.to(device)
-    ctx = autocast_context(device, resolve_dtype(cfg['dtype'], device))
+    _, ctx = precision(device, cfg['dtype'])
     out_path = cfg['predict_out'] or os.path.join(os.path.dirname(path), 'predictions.jsonl')
     write_predictions(model, ckpt, cfg, ckpt['special_tokens'], load_tokenizer(ckpt['tokenizer']), device, ctx,
                       cfg['predict_file'], out_path)
@@ -471,13 +473,8 @@ def finetune(cfg, dist_info):
     device = dist_info.device
     device_type = device_type_of(device)
     W = dist_info.world_size
-    accum = cfg['gradient_accumulation_steps']
-    if accum % W != 0:
-        raise UserError(f"gradient_accumulation_steps ({accum}) must be divisible by the number of processes "
-                        f"({W}); pick a multiple of {W}")
-    accum //= W  # per process, so the global batch (batch_size x gradient_accumulation_steps) stays the same
-    dtype = resolve_dtype(cfg['dtype'], device)
-    ctx = autocast_context(device, dtype)
+    accum = accumulation_per_rank(cfg['gradient_accumulation_steps'], dist_info)
+    dtype, ctx, compile_model, _ = compute_setup(device, cfg['dtype'], cfg['compile'], num_threads=0)
     if master:
         os.makedirs(cfg['out_dir'], exist_ok=True)
         print("provenance: " + json.dumps(dict(provenance(device), dtype=dtype, world_size=W)))
@@ -493,11 +490,7 @@ def finetune(cfg, dist_info):
     if resume and task != source_ckpt.get('task'):
         raise UserError(f"--task={task} but the fine-tune in {cfg['out_dir']} is {source_ckpt.get('task')}; "
                         f"drop --task to resume it")
-    if cfg['block_size'] and cfg['block_size'] < gpt.config.block_size:
-        gpt.crop_block_size(cfg['block_size'])
-    elif cfg['block_size'] > gpt.config.block_size:
-        raise UserError(f"block_size {cfg['block_size']} is larger than the model's {gpt.config.block_size}; "
-                        f"use --block_size={gpt.config.block_size} or less")
+    fit_block_size(gpt, cfg['block_size'])
     block_size = gpt.config.block_size
     if block_size < 5:
         raise UserError(f"block_size {block_size} is too small for the special tokens; use 16 or more")
@@ -530,7 +523,7 @@ def finetune(cfg, dist_info):
 
     optimizer = configure_optimizers(raw_model, cfg, device_type)
     scaler = make_grad_scaler(device_type, dtype)
-    model = wrap_model(raw_model, dist_info, cfg['compile'])
+    model = wrap_model(raw_model, dist_info, compile_model)
 
     # epochs over a DistributedSampler: one seeded permutation per epoch (the same on every rank and for
     # every world size); rank r takes positions r, r+W, ... of it, so the micro-batches of all ranks in
@@ -597,6 +590,7 @@ def finetune(cfg, dist_info):
     lm_w = cfg['lm_loss_weight']
     eval_bs = cfg['eval_batch_size'] or cfg['batch_size']
     interrupted = False
+    last_loss = None  # the train loss of the last logged step (every epoch's last step is logged)
     t0 = time.time()
     try:
         while epoch < cfg['epochs'] and not interrupted:
@@ -618,9 +612,10 @@ def finetune(cfg, dist_info):
                 # normalise by the counts of the whole global batch (all micro-batches, all ranks): the
                 # gradient is then exactly that of one big batch, for any world size and accumulation
                 n_ex = sum(b['labels'].numel() for b in batches)
-                n_tok = sum(int((b['lm_targets'] != -1).sum()) for b in batches)
-                n_ex, n_tok = (x * W for x in all_reduce_mean([float(n_ex), float(n_tok)], dist_info))
-                step_cls = step_lm = 0.0
+                n_tok = sum(b['n_lm_targets'] for b in batches)
+                n_ex, n_tok = all_reduce_sum([float(n_ex), float(n_tok)], dist_info)
+                step_cls = torch.zeros((), device=device)
+                step_lm = torch.zeros((), device=device)
                 for k, b in enumerate(batches):
                     with grad_sync_context(model, k == len(batches) - 1):
                         with ctx:
@@ -631,23 +626,25 @@ def finetune(cfg, dist_info):
                         if lm_w > 0:
                             lm_loss = lm_sum / max(n_tok, 1.0)
                             loss = loss + lm_w * lm_loss
-                            step_lm += lm_loss.item()
-                        step_cls += cls_loss.item()
+                            step_lm += lm_loss.detach()
+                        step_cls += cls_loss.detach()
                         # DDP averages gradients over the W ranks; scale up so they add up instead
                         scaler.scale(loss * W).backward()
                 grad_norm = optimizer_step(model, optimizer, scaler, cfg['grad_clip'])
                 iter_num += 1
                 step_in_epoch += 1
                 if iter_num % cfg['log_interval'] == 0 or step_in_epoch == steps_per_epoch:
-                    step_cls, step_lm = (x * W for x in all_reduce_mean([step_cls, step_lm], dist_info))
+                    # the step's losses summed over ranks (one sync, at log time only)
+                    step_cls, step_lm = all_reduce_sum([step_cls.item(), step_lm.item()], dist_info)
+                    last_loss = step_cls + lm_w * step_lm
                     if not math.isfinite(step_cls + step_lm):
                         raise UserError(f"the loss is {step_cls + step_lm} at step {iter_num}; lower the "
                                         f"learning rate (or use --dtype=float32)")
                     if master:
                         dt = time.time() - t0
-                        print(f"epoch {epoch} step {iter_num}/{total_steps}: loss {step_cls + lm_w * step_lm:.4f} "
+                        print(f"epoch {epoch} step {iter_num}/{total_steps}: loss {last_loss:.4f} "
                               f"(task {step_cls:.4f}, lm {step_lm:.4f}), lr {lr:.2e}, {dt:.1f}s")
-                        logger.log({'type': 'iter', 'iter': iter_num, 'epoch': epoch, 'loss': step_cls + lm_w * step_lm,
+                        logger.log({'type': 'iter', 'iter': iter_num, 'epoch': epoch, 'loss': last_loss,
                                     'task_loss': step_cls, 'lm_loss': step_lm, 'lr': lr,
                                     'grad_norm': float(grad_norm) if grad_norm is not None else None})
                 if exit_request.should_stop(dist_info):
@@ -660,11 +657,11 @@ def finetune(cfg, dist_info):
                 break
 
             # end of the epoch: accuracy on the val file (every rank a strided share), keep the best model
-            record = {'epoch': epoch, 'iter': iter_num, 'train_loss': step_cls + lm_w * step_lm}
+            record = {'epoch': epoch, 'iter': iter_num, 'train_loss': last_loss}
             if val_encoded is not None:
                 correct, seen, loss_sum, _ = evaluate(raw_model, val_encoded, val_labels, special, eval_bs, device,
                                                       ctx, range(dist_info.rank, len(val_encoded), W))
-                correct, seen, loss_sum = (x * W for x in all_reduce_mean([correct, seen, loss_sum], dist_info))
+                correct, seen, loss_sum = all_reduce_sum([correct, seen, loss_sum], dist_info)
                 record.update(val_acc=correct / seen, val_loss=loss_sum / seen)
                 if master:
                     print(f"epoch {epoch}: val accuracy {correct / seen:.4f} "

@@ -3,10 +3,9 @@ Device, dtype, autocast and torch.distributed set-up shared by every entry point
 scripts turn user errors into a single clear line.
 
 Usage:
-    from runtime import resolve_device, resolve_dtype, autocast_context, init_distributed, run_main
+    from runtime import init_distributed, precision, run_main
     dist_info = init_distributed(device='auto', backend='auto')   # torchrun or a single process
-    dtype = resolve_dtype('auto', dist_info.device)
-    ctx = autocast_context(dist_info.device, dtype)
+    dtype, ctx = precision(dist_info.device, 'auto')   # TF32 on CUDA, dtype, autocast context
 """
 
 import os
@@ -88,6 +87,14 @@ def autocast_context(device, dtype):
 def enable_tf32():
     torch.backends.cuda.matmul.allow_tf32 = True  # allow tf32 on matmul
     torch.backends.cudnn.allow_tf32 = True  # allow tf32 on cudnn
+
+
+def precision(device, dtype):
+    """ The numerics of a run on device: TF32 on CUDA, dtype ('auto' resolved) and its autocast context. """
+    if device_type_of(device) == 'cuda':
+        enable_tf32()
+    dtype = resolve_dtype(dtype, device)
+    return dtype, autocast_context(device, dtype)
 
 
 @dataclass

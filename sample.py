@@ -40,7 +40,7 @@ import torch
 from checkpoint import load_model
 from configurator import configure
 from engine import MODES, generate_stream
-from runtime import UserError, autocast_context, enable_tf32, resolve_device, resolve_dtype, run_main
+from runtime import UserError, precision, resolve_device, run_main
 from tokenizer import TokenizerError, load_tokenizer
 
 SEPARATOR = '---------------'
@@ -135,12 +135,10 @@ def main():
         raise UserError(f"attention must be 'flash' or 'manual', got {config['attention']!r}")
 
     device = resolve_device(config['device'])
-    dtype = resolve_dtype(config['dtype'], device)
+    dtype, ctx = precision(device, config['dtype'])
     torch.manual_seed(config['seed'])
     if 'cuda' in device:
         torch.cuda.manual_seed(config['seed'])
-        enable_tf32()
-    ctx = autocast_context(device, dtype)
 
     model, info = load_model(config['init_from'], config['out_dir'], device)
     model.eval()

@@ -42,9 +42,10 @@ from dataloader import TokenWindowLoader, dataset_dir
 from model import GPT, GPTConfig
 from runtime import UserError, destroy_distributed, device_type_of, init_distributed, provenance, run_main
 from tokenizer import read_dataset_meta
-from training import (GracefulExit, MetricsLogger, all_reduce_mean, compute_setup, full_state_dicts,
-                      gather_rng_states, get_lr, grad_sync_context, load_optimizer_state, local_param_count,
-                      make_grad_scaler, optimizer_step, set_rng_state, tune_cpu_threads, wrap_model)
+from training import (GracefulExit, MetricsLogger, accumulation_per_rank, all_reduce_mean, all_reduce_sum,
+                      compute_setup, fit_block_size, full_state_dicts, gather_rng_states, get_lr, grad_sync_context,
+                      load_optimizer_state, local_param_count, make_grad_scaler, optimizer_step, set_rng_state,
+                      tune_cpu_threads, wrap_model)
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText
@@ -127,11 +128,7 @@ def build_model(cfg, data_meta, resume_ckpt):
         raise UserError(f"unknown init_from '{init_from}': use scratch, resume, gpt2, gpt2-medium, gpt2-large, "
                         f"gpt2-xl or a local Hugging Face GPT-2 directory")
     # crop down the model block size if desired, using model surgery
-    if cfg['block_size'] < model.config.block_size:
-        model.crop_block_size(cfg['block_size'])
-    elif cfg['block_size'] > model.config.block_size:
-        raise UserError(f"block_size {cfg['block_size']} is larger than the model's {model.config.block_size}; "
-                        f"use --block_size={model.config.block_size} or less")
+    fit_block_size(model, cfg['block_size'])
     data_vocab = (data_meta or {}).get('vocab_size')
     if data_vocab and int(data_vocab) > model.config.vocab_size:
         raise UserError(f"the dataset's vocabulary ({data_vocab}) is larger than the model's "
@@ -163,14 +160,9 @@ def train(cfg, dist_info):
     master_process = dist_info.master
     device = dist_info.device
     device_type = device_type_of(device)
-    gradient_accumulation_steps = cfg['gradient_accumulation_steps']
-    if dist_info.ddp:
-        # world_size number of processes will be training simultaneously, so we can scale
-        # down the desired gradient accumulation iterations per process proportionally
-        if gradient_accumulation_steps % dist_info.world_size != 0:
-            raise UserError(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be divisible by the "
-                            f"number of processes ({dist_info.world_size}); pick a multiple of {dist_info.world_size}")
-        gradient_accumulation_steps //= dist_info.world_size
+    # world_size number of processes will be training simultaneously, so we can scale
+    # down the desired gradient accumulation iterations per process proportionally
+    gradient_accumulation_steps = accumulation_per_rank(cfg['gradient_accumulation_steps'], dist_info)
     tokens_per_iter = gradient_accumulation_steps * dist_info.world_size * cfg['batch_size'] * cfg['block_size']
     if master_process:
         print(f"tokens per iteration will be: {tokens_per_iter:,}")
@@ -258,10 +250,8 @@ def train(cfg, dist_info):
                 with ctx:
                     logits, loss = model(X, Y)
                 total += loss.double()
-            if dist_info.ddp:
-                import torch.distributed as dist
-                dist.all_reduce(total)
-            out[split] = (total / cfg['eval_iters']).item()
+            total, = all_reduce_sum([total.item()], dist_info)
+            out[split] = total / cfg['eval_iters']
         model.train()
         return out
 

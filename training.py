@@ -47,12 +47,9 @@ def compute_setup(device, dtype, compile_setting, num_threads):
     CPU thread count. Returns (dtype, ctx, compile_model, peak_flops).
     """
     from model import device_peak_flops
-    from runtime import PTDTYPE, autocast_context, device_type_of, enable_tf32, resolve_dtype
+    from runtime import PTDTYPE, device_type_of, precision
     device_type = device_type_of(device)
-    if device_type == 'cuda':
-        enable_tf32()
-    dtype = resolve_dtype(dtype, device)
-    ctx = autocast_context(device, dtype)
+    dtype, ctx = precision(device, dtype)
     compile_model = resolve_compile(compile_setting, device_type)
     # MFU against the whole device: on the CPU every core torch uses by default, whatever num_threads
     peak_flops = device_peak_flops(device, PTDTYPE[dtype])
@@ -75,16 +72,13 @@ def wrap_model(model, dist_info, compile_model=False, parallelism='ddp'):
     optimizer after this call: its parameters are the sharded ones.
     """
     distributed = dist_info is not None and dist_info.ddp
-    if distributed and parallelism == 'fsdp':
-        shard_model(model, dist_info)
-        if compile_model:
-            print("compiling the model... (takes a ~minute)")
-            model = torch.compile(model)
-        return model
+    fsdp = distributed and parallelism == 'fsdp'
+    if fsdp:
+        shard_model(model, dist_info)  # in place, before compile
     if compile_model:
         print("compiling the model... (takes a ~minute)")
         model = torch.compile(model)  # requires PyTorch 2.0
-    if distributed:
+    if distributed and not fsdp:
         from torch.nn.parallel import DistributedDataParallel as DDP
         device_ids = [dist_info.local_rank] if 'cuda' in dist_info.device else None
         model = DDP(model, device_ids=device_ids)
@@ -253,14 +247,42 @@ def optimizer_step(model, optimizer, scaler, grad_clip):
     return norm
 
 
-def all_reduce_mean(values, dist_info):
-    """ Mean over ranks of a list of floats (returns them unchanged in a single process). """
+def all_reduce_sum(values, dist_info):
+    """ Sum over ranks of a list of floats (returns them unchanged in a single process). """
     if not dist_info.ddp:
-        return values
+        return list(values)
     import torch.distributed as dist
     t = torch.tensor(values, dtype=torch.float64, device=dist_info.device)
     dist.all_reduce(t)
-    return (t / dist_info.world_size).tolist()
+    return t.tolist()
+
+
+def all_reduce_mean(values, dist_info):
+    """ Mean over ranks of a list of floats (returns them unchanged in a single process). """
+    return [v / dist_info.world_size for v in all_reduce_sum(values, dist_info)]
+
+
+def accumulation_per_rank(gradient_accumulation_steps, dist_info):
+    """
+    The micro-steps each of world_size processes runs, so that the global batch (batch_size x
+    gradient_accumulation_steps) is the same for any number of processes.
+    """
+    from runtime import UserError
+    w = dist_info.world_size
+    if gradient_accumulation_steps % w != 0:
+        raise UserError(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be divisible by the "
+                        f"number of processes ({w}); pick a multiple of {w}")
+    return gradient_accumulation_steps // w
+
+
+def fit_block_size(model, block_size):
+    """ Crop the model to block_size (model surgery) when it is smaller; a larger one is an error. 0 = keep. """
+    from runtime import UserError
+    if block_size and block_size < model.config.block_size:
+        model.crop_block_size(block_size)
+    elif block_size > model.config.block_size:
+        raise UserError(f"block_size {block_size} is larger than the model's {model.config.block_size}; "
+                        f"use --block_size={model.config.block_size} or less")
 
 
 def rng_state():
