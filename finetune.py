@@ -633,7 +633,8 @@ def finetune(cfg, dist_info):
                 grad_norm = optimizer_step(model, optimizer, scaler, cfg['grad_clip'])
                 iter_num += 1
                 step_in_epoch += 1
-                if iter_num % cfg['log_interval'] == 0 or step_in_epoch == steps_per_epoch:
+                log_step = iter_num % cfg['log_interval'] == 0 or step_in_epoch == steps_per_epoch
+                if log_step:
                     # the step's losses summed over ranks (one sync, at log time only)
                     step_cls, step_lm = all_reduce_sum([step_cls.item(), step_lm.item()], dist_info)
                     last_loss = step_cls + lm_w * step_lm
@@ -647,7 +648,7 @@ def finetune(cfg, dist_info):
                         logger.log({'type': 'iter', 'iter': iter_num, 'epoch': epoch, 'loss': last_loss,
                                     'task_loss': step_cls, 'lm_loss': step_lm, 'lr': lr,
                                     'grad_norm': float(grad_norm) if grad_norm is not None else None})
-                if exit_request.should_stop(dist_info):
+                if exit_request.should_stop(dist_info, sync_point=log_step):
                     interrupted = True
                     break
             if interrupted:

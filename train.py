@@ -351,7 +351,8 @@ def train(cfg, dist_info):
             t1 = time.time()
             dt = t1 - t0
             t0 = t1
-            if iter_num % cfg['log_interval'] == 0:
+            log_step = iter_num % cfg['log_interval'] == 0
+            if log_step:
                 # the mean loss of this step over all micro-batches and ranks (one sync, at log time only)
                 lossf, = all_reduce_mean([step_loss.item()], dist_info)
                 if not math.isfinite(lossf):
@@ -371,7 +372,7 @@ def train(cfg, dist_info):
             # termination conditions
             if iter_num > cfg['max_iters']:
                 break
-            if exit_request.should_stop(dist_info):
+            if exit_request.should_stop(dist_info, sync_point=log_step):  # DDP: checked at log steps
                 save(loader_state, reason=f"interrupted at iter {iter_num}")
                 if master_process:
                     print(f"stopped cleanly; continue with --init_from=resume --out_dir={cfg['out_dir']}")

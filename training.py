@@ -355,10 +355,16 @@ class GracefulExit:
         print(f"\nreceived {signal.Signals(signum).name}: finishing this iteration, then saving a checkpoint",
               file=sys.stderr, flush=True)
 
-    def should_stop(self, dist_info):
-        """ True on every rank as soon as any rank got a signal (all ranks must stop at the same step). """
+    def should_stop(self, dist_info, sync_point=True):
+        """
+        True on every rank once any rank got a signal (all ranks must stop at the same step). With several
+        processes that takes a collective and a host sync, so it is only asked at sync_point steps (the
+        loop's log steps, which sync anyway); a single process just reads its flag.
+        """
         if not dist_info.ddp:
             return self.requested
+        if not sync_point:
+            return False
         import torch.distributed as dist
         flag = torch.tensor([1.0 if self.requested else 0.0], device=dist_info.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

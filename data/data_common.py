@@ -185,6 +185,23 @@ def shakespeare_substitute(target_chars=TINY_SHAKESPEARE_CHARS, plays_dir=None):
     return "".join(parts)[:-1], used
 
 
+def shakespeare_settings(script_dir):
+    """ The settings (and defaults) of both Shakespeare prepare.py scripts; outputs go beside the script. """
+    return {
+        'input': '',         # a UTF-8 text file to use instead of tiny Shakespeare
+        'out_dir': script_dir,  # where train.bin, val.bin, meta (and a fetched input.txt) go
+        'url': TINY_SHAKESPEARE_URL,  # where to download tiny Shakespeare from ('' = never download)
+        'timeout': 10.0,     # seconds to wait for the download before using the offline substitute
+    }
+
+
+def shakespeare_text_for(config):
+    """ shakespeare_text for a prepare.py's settings, printing which source was used. """
+    text, source = shakespeare_text(config['out_dir'], config['input'], config['url'], config['timeout'])
+    print(f"using {source}")
+    return text
+
+
 def shakespeare_text(out_dir, input_path="", url=TINY_SHAKESPEARE_URL, timeout=10.0, download=download_text):
     """
     The text for the Shakespeare datasets and where it came from, in this order: --input, input.txt in

@@ -7,32 +7,23 @@ $ python scripts/plot_metrics.py --out_dir=out-shakespeare-char            # wri
 $ python scripts/plot_metrics.py --out_dir=out --output=loss.png
 """
 
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configurator import configure  # noqa: E402
-from runtime import UserError, run_main  # noqa: E402
+from dataloader import read_jsonl  # noqa: E402
+from runtime import run_main  # noqa: E402
 
 DEFAULTS = dict(out_dir='out', output='')
 
 
 def read_metrics(path):
     """ (iteration records, eval records); a resumed run logs some iterations twice: the last one wins. """
-    if not os.path.exists(path):
-        raise UserError(f"no metrics file at {path}; train.py writes one into its out_dir")
     iters, evals = {}, {}
-    with open(path, encoding='utf-8') as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                raise UserError(f"{path} line {lineno} is not JSON; is it a train.py metrics file?") from None
-            (evals if rec.get('type') == 'eval' else iters)[rec['iter']] = rec
+    for _, rec in read_jsonl(path, ('iter',), missing_hint="train.py writes one (metrics.jsonl) into its out_dir"):
+        (evals if rec.get('type') == 'eval' else iters)[rec['iter']] = rec
     return [iters[k] for k in sorted(iters)], [evals[k] for k in sorted(evals)]
 
 

@@ -21,18 +21,12 @@ import data_common as dc  # noqa: E402
 from configurator import configure  # noqa: E402
 from runtime import run_main  # noqa: E402
 
-defaults = {
-    'input': '',         # a UTF-8 text file to use instead of tiny Shakespeare
-    'out_dir': HERE,     # where train.bin, val.bin, meta.pkl, meta.json (and a fetched input.txt) go
-    'url': dc.TINY_SHAKESPEARE_URL,  # where to download tiny Shakespeare from ('' = never download)
-    'timeout': 10.0,     # seconds to wait for the download before using the offline substitute
-}
+defaults = dc.shakespeare_settings(HERE)  # --input, --out_dir, --url, --timeout
 
 
 def main():
     config = configure(defaults, doc=__doc__)
-    text, source = dc.shakespeare_text(config['out_dir'], config['input'], config['url'], config['timeout'])
-    print(f"using {source}")
+    text = dc.shakespeare_text_for(config)
     dc.prepare_char(text, config['out_dir'])
 
 
