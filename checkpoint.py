@@ -91,17 +91,6 @@ def load_checkpoint(path, map_location='cpu'):
     return ckpt
 
 
-def unwrap_model(model):
-    """ The plain GPT inside DDP / torch.compile wrappers, whose state_dict has no prefixes. """
-    while True:
-        if hasattr(model, '_orig_mod'):
-            model = model._orig_mod
-        elif hasattr(model, 'module') and isinstance(model.module, torch.nn.Module):
-            model = model.module
-        else:
-            return model
-
-
 def clean_state_dict(state_dict):
     """ Strip the '_orig_mod.' prefix nanoGPT's compiled checkpoints have and drop non-weight buffers. """
     out = {}

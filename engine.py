@@ -46,11 +46,6 @@ class KVCache:
         self.k = None
         self.v = None
 
-    @classmethod
-    def for_model(cls, model, max_len=None):
-        block_size = model.config.block_size
-        return cls(model.config.n_layer, block_size if max_len is None else min(max_len, block_size))
-
     def reset(self):
         """ Forget everything cached; the storage is kept and overwritten by the next prefill. """
         self.pos = 0
@@ -75,6 +70,16 @@ class KVCache:
         self.pos += T
 
 
+def check_sampling_args(temperature, top_k, top_p):
+    """ ValueError unless temperature >= 0, top_k is None or >= 1, and top_p is None or in (0, 1]. """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None (no top-k), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1.0 = off), got {top_p}")
+
+
 def next_token_probs(logits, temperature=1.0, top_k=None, top_p=None):
     """
     The distribution the next token is drawn from: logits (B, V) -> probabilities (B, V), float32.
@@ -83,12 +88,7 @@ def next_token_probs(logits, temperature=1.0, top_k=None, top_p=None):
     tokens whose probability reaches top_p (nucleus sampling), applied after top_k. temperature=0 means
     greedy: all the mass on the argmax.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be None or >= 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be None or in (0, 1], got {top_p}")
+    check_sampling_args(temperature, top_k, top_p)
     logits = logits.float()  # under autocast the logits may be bfloat16; sample in float32
     if temperature == 0:
         return F.one_hot(logits.argmax(dim=-1), logits.size(-1)).float()

@@ -475,9 +475,10 @@ def finetune(cfg, dist_info):
     W = dist_info.world_size
     accum = accumulation_per_rank(cfg['gradient_accumulation_steps'], dist_info)
     dtype, ctx, compile_model, _ = compute_setup(device, cfg['dtype'], cfg['compile'], num_threads=0)
+    run_provenance = dict(provenance(device), dtype=dtype, world_size=W)  # printed now, kept in checkpoints
     if master:
         os.makedirs(cfg['out_dir'], exist_ok=True)
-        print("provenance: " + json.dumps(dict(provenance(device), dtype=dtype, world_size=W)))
+        print("provenance: " + json.dumps(run_provenance))
 
     resume = cfg['init_from'] == 'resume'
     if cfg['task'] not in TASKS and not (resume and not cfg['task']):
@@ -566,7 +567,7 @@ def finetune(cfg, dist_info):
             'source_model': source_name,
             'iter_num': iter_num,
             'best_val_loss': 1e9,  # train.py's key, so generic tools can read the file; see val_acc
-            'provenance': provenance(device),
+            'provenance': run_provenance,
         }, **extra)
 
     def save_last(reason):

@@ -39,7 +39,7 @@ import torch
 
 from checkpoint import load_model
 from configurator import configure
-from engine import MODES, generate_stream
+from engine import MODES, check_sampling_args, generate_stream
 from runtime import UserError, precision, resolve_device, run_main
 from tokenizer import TokenizerError, load_tokenizer
 
@@ -124,13 +124,11 @@ def main():
         raise UserError(f"mode must be 'exact' or 'fast', got {config['mode']!r}")
     if config['num_samples'] < 1 or config['max_new_tokens'] < 0:
         raise UserError("num_samples must be >= 1 and max_new_tokens >= 0")
-    if config['temperature'] < 0:
-        raise UserError(f"temperature must be >= 0 (0 = greedy), got {config['temperature']}")
-    if config['top_k'] is not None and config['top_k'] < 1:
-        raise UserError(f"top_k must be >= 1 or None (no top-k), got {config['top_k']}")
     top_p = config['top_p']
-    if top_p is not None and not 0 < top_p <= 1:
-        raise UserError(f"top_p must be in (0, 1] (1.0 = off), got {top_p}")
+    try:
+        check_sampling_args(config['temperature'], config['top_k'], top_p)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     if config['attention'] not in ('flash', 'manual'):
         raise UserError(f"attention must be 'flash' or 'manual', got {config['attention']!r}")
 

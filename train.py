@@ -170,9 +170,10 @@ def train(cfg, dist_info):
     torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank, data does not (see dataloader)
     dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg['dtype'], cfg['compile'], cfg['num_threads'])
     fsdp = dist_info.ddp and cfg['parallelism'] == 'fsdp'
+    # what produced this run (versions, git commit, device): printed now, stored in every checkpoint
+    run_provenance = dict(provenance(device), dtype=dtype, compile=compile_model, world_size=dist_info.world_size)
     if master_process:
-        print("provenance: " + json.dumps(dict(provenance(device), dtype=dtype, compile=compile_model,
-                                               world_size=dist_info.world_size)))
+        print("provenance: " + json.dumps(run_provenance))
 
     # data: one shared random stream for training, fixed streams for evaluation
     data_dir = dataset_dir(cfg['dataset'])
@@ -280,7 +281,7 @@ def train(cfg, dist_info):
             'loader': loader_state,
             'rng': rng_states,
             'scaler': scaler.state_dict() if scaler.is_enabled() else None,
-            'provenance': provenance(device),
+            'provenance': run_provenance,
         }
         ckpt_path = os.path.join(cfg['out_dir'], 'ckpt.pt')
         if reason and not cfg['always_save_checkpoint'] and os.path.exists(ckpt_path):
