@@ -20,7 +20,7 @@ import torch
 
 from checkpoint import HF_TOKENIZER_META, atomic_write, load_model
 from configurator import configure
-from model import hf_key_map
+from model import EXPORT_ACTIVATIONS, hf_key_map
 from runtime import UserError, run_main
 from tokenizer import EOT_TEXT, packaged_gpt2_files
 
@@ -29,9 +29,6 @@ DEFAULTS = dict(
     out_dir='out',
     hf_dir='',  # where to write the Hugging Face directory; '' = <out_dir>/hf
 )
-
-# our GPTConfig.gelu -> transformers' activation_function (model.HF_ACTIVATIONS maps these back on import)
-EXPORT_ACTIVATIONS = {'tanh': 'gelu_new', 'none': 'gelu'}
 
 
 def hf_config(config, tokenizer_kind='gpt2'):

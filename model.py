@@ -422,6 +422,7 @@ class GPT(nn.Module):
 # export_hf.py (export). HF's GPT-2 uses Conv1D modules, whose weights are the transpose of nn.Linear's.
 
 HF_ACTIVATIONS = {'gelu_new': 'tanh', 'gelu_pytorch_tanh': 'tanh', 'gelu_fast': 'tanh', 'gelu': 'none'}
+EXPORT_ACTIVATIONS = {'tanh': 'gelu_new', 'none': 'gelu'}  # GPTConfig.gelu -> the name export_hf.py writes
 _HF_CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
 
 
