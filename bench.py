@@ -28,7 +28,7 @@ import torch
 
 from configurator import configure
 from dataloader import TokenWindowLoader, dataset_dir
-from model import cpu_peak_flops
+from model import cpu_peak
 from runtime import UserError, device_type_of, provenance, resolve_device, run_main
 from tokenizer import read_dataset_meta
 from training import compute_setup, make_grad_scaler, optimizer_step, tune_cpu_threads, wrap_model
@@ -96,6 +96,7 @@ def main(argv=None):
     if cfg['steps'] < 1 or cfg['burnin'] < 0:
         raise UserError("steps must be >= 1 and burnin >= 0")
     torch.manual_seed(cfg['seed'])
+    device_threads = torch.get_num_threads()  # the CPU's peak is for these (every core by default)
     dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg['dtype'], cfg['compile'], cfg['num_threads'])
 
     # data: the training loader of train.py, or random tokens of the same shape
@@ -187,7 +188,8 @@ def main(argv=None):
     mem_label, mem_bytes = peak_memory(device)
     cpu_cores = ''
     if device_type == 'cpu' and not os.environ.get('NANOGPT_PEAK_FLOPS'):
-        cpu_cores = f", {round(peak_flops / cpu_peak_flops(1))} cores, {torch.get_num_threads()} threads used"
+        cpu_cores = f", {device_threads} cores, {torch.get_num_threads()} threads used"
+        print(f"cpu peak: {cpu_peak(device_threads)[1]}")
     print(f"median time per iteration: {dt_median*1000:.4f}ms, tokens/s: {tokens_per_iter / dt_median:,.0f}, "
           f"MFU (median): {raw_model.estimate_mfu(cfg['batch_size'], dt_median, peak_flops=peak_flops)*100:.2f}% "
           f"of {peak_flops/1e12:.4g} TFLOP/s peak ({device}, {dtype}{cpu_cores}), "

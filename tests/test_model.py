@@ -364,6 +364,32 @@ def test_cpu_peak_flops_and_env_override(monkeypatch):
     assert device_peak_flops('cuda', torch.bfloat16) == 123e12  # wins before any device lookup
 
 
+def test_cpu_peak_is_never_below_what_a_matmul_reaches(monkeypatch):
+    """ Virtual machines report the base clock; when the cores turbo past it, the nominal peak is too low
+    and MFU would exceed 100%, so the peak is the larger of the nominal figure and a measured matmul. """
+    import model as model_module
+    monkeypatch.delenv('NANOGPT_PEAK_FLOPS', raising=False)
+    nominal = cpu_peak_flops(2)
+    monkeypatch.setattr(model_module, 'measured_matmul_flops', lambda n: nominal * 1.5)
+    peak, how = model_module.cpu_peak(2)
+    assert peak == nominal * 1.5 and 'measured 1024^3 fp32 matmul' in how and '2 cores' in how
+    monkeypatch.setattr(model_module, 'measured_matmul_flops', lambda n: nominal * 0.5)
+    assert model_module.cpu_peak(2)[0] == nominal
+    monkeypatch.setattr(model_module, 'measured_matmul_flops', lambda n: 7e15)
+    assert device_peak_flops('cpu') == 7e15
+
+
+def test_matmul_probe_leaves_threads_and_rng_alone():
+    from model import measured_matmul_flops
+    threads = torch.get_num_threads()
+    rng = torch.get_rng_state()
+    measured_matmul_flops.cache_clear()
+    flops = measured_matmul_flops(1, n=128, repeats=2)
+    assert flops > 1e8  # any CPU does more than 0.1 GFLOP/s
+    assert torch.get_num_threads() == threads
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
 def test_estimate_mfu(monkeypatch):
     cfg = tiny_config()
     model = GPT(cfg)
