@@ -45,7 +45,7 @@ from tokenizer import read_dataset_meta
 from training import (GracefulExit, MetricsLogger, accumulation_per_rank, all_reduce_mean, all_reduce_sum,
                       compute_setup, fit_block_size, full_state_dicts, gather_rng_states, get_lr, grad_sync_context,
                       load_optimizer_state, local_param_count, make_grad_scaler, optimizer_step, set_rng_state,
-                      tune_cpu_threads, wrap_model)
+                      thread_candidates, ThreadRetuner, tune_cpu_threads, wrap_model)
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText
@@ -207,11 +207,16 @@ def train(cfg, dist_info):
 
     # CPU threads: small models run faster on fewer threads than cores (per-op overhead), so time them;
     # on a batch of the evaluation stream (reset before every evaluation), not the training stream
+    # (and re-checked while training, as the machine's load changes: ThreadRetuner)
+    thread_retuner = None
     if device_type == 'cpu' and cfg['num_threads'] == 0:
+        candidates = thread_candidates()
         threads, timings = tune_cpu_threads(model, *eval_loaders['train'].next_batch(), ctx)
-        if master_process and timings:
-            print(f"using {threads} CPU threads (fwd+bwd ms: "
-                  + ", ".join(f"{n} threads {t*1000:.1f}" for n, t in timings.items()) + ")")
+        if timings:
+            thread_retuner = ThreadRetuner(candidates)
+            if master_process:
+                print(f"using {threads} CPU threads (fwd+bwd ms: "
+                      + ", ".join(f"{n} threads {t*1000:.1f}" for n, t in timings.items()) + ")")
 
     # wrap (compile, DDP) or shard (FSDP) the model before the optimizer sees its parameters
     raw_model = model  # the plain GPT (sharded in place under FSDP): checkpoints, MFU and attention settings
@@ -314,7 +319,8 @@ def train(cfg, dist_info):
                 param_group['lr'] = lr
 
             # evaluate the loss on train/val sets and write checkpoints
-            if iter_num % cfg['eval_interval'] == 0:
+            evaluated = iter_num % cfg['eval_interval'] == 0
+            if evaluated:
                 losses = estimate_loss()
                 if master_process:
                     print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
@@ -367,6 +373,10 @@ def train(cfg, dist_info):
                     logger.log({'type': 'iter', 'iter': iter_num, 'loss': lossf, 'lr': lr,
                                 'grad_norm': float(grad_norm) if grad_norm is not None else None,
                                 'time_ms': dt * 1000, 'tokens_per_sec': tokens_per_iter / dt, 'mfu': running_mfu})
+            if thread_retuner is not None and not evaluated and local_iter_num > 0:
+                message = thread_retuner.observe(dt)
+                if message and master_process:
+                    print(f"at iter {iter_num}, {message}")
             iter_num += 1
             local_iter_num += 1
 

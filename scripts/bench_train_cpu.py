@@ -11,12 +11,19 @@ init, same schedule, same evaluation (eval_iters=20 every 250 iterations).
 
 --mode=compare (the default) runs the baseline and `python train.py config/train_shakespeare_char_cpu.py`
 as subprocesses, alternating them `rounds` times (so machine load hits both alike), parses their
-"iter N: ... time Xms" lines and prints the median ms/iter of each run, the ratio, and the final val loss.
+"iter N: ... time Xms" lines and prints the median (and mean) ms/iter of each run, the ratio of the
+medians, and the final val loss.
+
+--mode=floor asks how fast this step could be at all: it records every matrix multiply of one training
+step (forward and backward) and replays them alone, timed alternately with whole steps of ours and of
+nanoGPT's loop in one process. The matmuls run at close to the CPU's best fp32 matmul speed already, so
+nanoGPT's time divided by theirs bounds the speed-up any fp32 implementation of this step can reach here.
 
 Usage:
 $ python scripts/bench_train_cpu.py                               # 2 rounds x 300 iterations each
 $ python scripts/bench_train_cpu.py --max_iters=2000 --rounds=1   # the full laptop run: speed + val loss
 $ python scripts/bench_train_cpu.py --mode=nanogpt --max_iters=50 # just the baseline loop
+$ python scripts/bench_train_cpu.py --mode=floor                  # matmul floor vs whole steps
 """
 
 import math
@@ -38,7 +45,7 @@ from configurator import configure  # noqa: E402
 from runtime import run_main  # noqa: E402
 
 DEFAULTS = dict(
-    mode='compare',  # 'compare', 'nanogpt' (the baseline loop) or 'ours' (train.py)
+    mode='compare',  # 'compare', 'nanogpt' (the baseline loop), 'ours' (train.py) or 'floor' (see below)
     max_iters=300,
     rounds=2,
     baseline_threads=0,  # torch threads for the baseline; 0 = torch's default, as nanoGPT
@@ -156,8 +163,97 @@ def nanogpt_loop(max_iters, out_dir, threads, dataset='shakespeare_char'):
             break
 
 
+def matmul_floor(rounds=3, steps=40, threads=0, dataset='shakespeare_char'):
+    """
+    How fast the laptop step could possibly be in fp32 on this CPU: the matrix multiplies of one training
+    step (recorded at the dispatcher, then replayed alone at the same shapes and layouts) against whole steps of ours
+    and of nanoGPT's loop, timed alternately in this process. The attention kernel's own products are not
+    counted, so the floor is a lower bound and the ceiling it implies an upper bound.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from model import GPT, GPTConfig, measured_matmul_flops
+    from tokenizer import read_dataset_meta
+    from dataloader import TokenWindowLoader, dataset_dir
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(1337)
+    c = LAPTOP
+    data_dir = dataset_dir(dataset)
+    vocab_size = int(read_dataset_meta(data_dir)['vocab_size'])
+    model = GPT(GPTConfig(n_layer=c['n_layer'], n_head=c['n_head'], n_embd=c['n_embd'], block_size=c['block_size'],
+                          bias=c['bias'], vocab_size=vocab_size, dropout=c['dropout']))
+    loader = TokenWindowLoader(os.path.join(data_dir, 'train.bin'), c['batch_size'], c['block_size'], seed=1337)
+    X, Y = loader.next_batch()
+    optimizers = {name: model.configure_optimizers(c['weight_decay'], 1e-4, (c['beta1'], c['beta2']), 'cpu',
+                                                   fused=fused) for name, fused in (('ours', True), ('nanogpt', False))}
+
+    def step(name):
+        _, loss = model(X, Y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c['grad_clip'])
+        optimizers[name].step()
+        optimizers[name].zero_grad(set_to_none=True)
+        if name == 'nanogpt':
+            loss.item()  # nanoGPT's log_interval=1
+
+    for name in optimizers:
+        step(name)
+
+    # record every matrix multiply of one step (backward's too) with its operands' shapes and layouts
+    aten = torch.ops.aten
+    kinds = (aten.mm.default, aten.bmm.default, aten.addmm.default)
+    recorded = []
+
+    class RecordMatmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in kinds:
+                recorded.append((func, [(t.shape, t.stride()) for t in args if torch.is_tensor(t)]))
+            return func(*args, **(kwargs or {}))
+
+    with RecordMatmuls():
+        step('ours')
+    replay, flops = [], 0
+    for func, operands in recorded:
+        tensors = [torch.empty_strided(shape, stride).normal_() for shape, stride in operands]
+        replay.append((func, tensors))
+        a_shape, b_shape = operands[-2][0], operands[-1][0]  # addmm's bias comes first
+        flops += 2 * math.prod(a_shape) * b_shape[-1]
+
+    def replay_all():
+        for func, tensors in replay:
+            func(*tensors)
+
+    def timed(fn, into):
+        fn()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            into.append(time.perf_counter() - t0)
+
+    timings = {'nanogpt': [], 'ours': [], 'matmuls': []}
+    for _ in range(rounds):
+        timed(lambda: step('nanogpt'), timings['nanogpt'])
+        timed(lambda: step('ours'), timings['ours'])
+        timed(replay_all, timings['matmuls'])
+    ms = {k: statistics.median(v) * 1000 for k, v in timings.items()}
+    reference = measured_matmul_flops(torch.get_num_threads())
+    rate = flops / (ms['matmuls'] / 1000)
+    print(f"one training step of nanoGPT's laptop model, {torch.get_num_threads()} threads, medians of "
+          f"{rounds} x {steps} alternating:")
+    print(f"  nanoGPT's step (for-loop AdamW, loss.item()): {ms['nanogpt']:7.2f} ms")
+    print(f"  ours (fused AdamW):                           {ms['ours']:7.2f} ms  ({ms['nanogpt'] / ms['ours']:.2f}x)")
+    print(f"  its {len(replay)} matmuls alone, replayed:            {ms['matmuls']:7.2f} ms  "
+          f"({flops / 1e9:.2f} GFLOP at {rate / 1e9:.0f} GFLOP/s, {100 * rate / reference:.0f}% of a "
+          f"1024^3 matmul's {reference / 1e9:.0f})")
+    rest = ms['nanogpt'] / 1.5 - ms['matmuls']
+    print(f"ceiling for any fp32 implementation at this matmul speed: {ms['nanogpt'] / ms['matmuls']:.2f}x "
+          f"nanoGPT; 1.5x leaves {rest:.2f} ms for everything else (ours spends "
+          f"{ms['ours'] - ms['matmuls']:.2f} ms, nanoGPT {ms['nanogpt'] - ms['matmuls']:.2f} ms)")
+    return dict(ms, count=len(replay), flops=flops)
+
+
 def run(cmd):
-    """ Run a training subprocess; returns (median ms/iter, last val loss, wall seconds). """
+    """ Run a training subprocess; returns (median ms/iter, mean ms/iter, last val loss, wall seconds, threads). """
     t = time.time()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     wall = time.time() - t
@@ -172,13 +268,16 @@ def run(cmd):
         if m:
             val = float(m.group(3))
     threads = re.search(r"using (\d+) CPU threads", proc.stdout)
-    return statistics.median(times), val, wall, threads.group(1) if threads else 'default'
+    return statistics.median(times), statistics.mean(times), val, wall, threads.group(1) if threads else 'default'
 
 
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     out_dir = cfg['out_dir'] or tempfile.mkdtemp(prefix='bench_train_cpu_')
     os.makedirs(out_dir, exist_ok=True)
+    if cfg['mode'] == 'floor':
+        matmul_floor(threads=cfg['baseline_threads'], dataset=cfg['dataset'])
+        return
     if cfg['mode'] == 'nanogpt':
         nanogpt_loop(cfg['max_iters'], out_dir, cfg['baseline_threads'], cfg['dataset'])
         return
@@ -194,9 +293,9 @@ def main():
     results = {'nanogpt': [], 'ours': []}
     for r in range(cfg['rounds']):
         for name, cmd in (('nanogpt', base_cmd), ('ours', ours_cmd)):
-            ms, val, wall, threads = run(cmd)
+            ms, mean, val, wall, threads = run(cmd)
             results[name].append(ms)
-            print(f"round {r} {name:8s}: median {ms:7.2f} ms/iter, final val loss {val:.4f}, wall {wall:6.1f} s, "
+            print(f"round {r} {name:8s}: median {ms:7.2f} ms/iter (mean {mean:7.2f}), final val loss {val:.4f}, wall {wall:6.1f} s, "
                   f"threads {threads}, load {os.getloadavg()[0]:.2f}", flush=True)
     base, ours = statistics.median(results['nanogpt']), statistics.median(results['ours'])
     print(f"nanoGPT baseline: {base:.2f} ms/iter, ours: {ours:.2f} ms/iter, speed-up {base / ours:.2f}x "
