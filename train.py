@@ -93,7 +93,7 @@ DEFAULTS = dict(
     device='auto',  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:N', 'mps'
     dtype='auto',  # 'auto' (bfloat16 if supported, else float16 on GPUs; float32 on CPU), 'float32', 'bfloat16', 'float16'
     compile=None,  # None = auto (on for CUDA); True/False to force; use PyTorch 2.0 to compile the model to be faster
-    num_threads=0,  # CPU threads for torch; 0 = auto (time all cores, half, ..., 1 on a batch; keep the fastest)
+    num_threads=0,  # CPU threads for torch; 0 = auto (time all cores, half, ..., 1; keep the fastest; re-check every 250 iters)
     seed=1337,
 )
 # -----------------------------------------------------------------------------
