@@ -18,11 +18,10 @@ import os
 
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT, GPT2_NAMES, GPTConfig
 from runtime import UserError
 from tokenizer import read_dataset_meta
 
-GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for character-level models
 
 

@@ -119,9 +119,7 @@ def last_position_logits(model, idx):
     if idx.size(1) < 2:
         return model(idx)[0]
     *lower_blocks, last_block = model.transformer.h
-    t = model.transformer
-    pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
-    x = t.drop(t.wte(idx) + t.wpe(pos))  # as in GPT.hidden_states
+    x = model.embed(idx)
     for block in lower_blocks:
         x = block(x)
     # the last block: keys/values of positions 0..T-2 (through its attention only), then the last
@@ -130,7 +128,7 @@ def last_position_logits(model, idx):
     last_block.attn(last_block.ln_1(x[:, :-1]), kv_cache=prefix)
     prefix.advance(idx.size(1) - 1)
     x = last_block(x[:, -1:], kv_cache=prefix)
-    return model.lm_head(t.ln_f(x))
+    return model.lm_head(model.transformer.ln_f(x))
 
 
 class _PrefixKV:

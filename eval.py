@@ -96,9 +96,8 @@ def score_rows(model, rows, indices, batch_size, device, ctx=nullcontext(), pad_
             idx[b, :n] = tokens[:-1]
             targets[b, n - n_target:n] = tokens[n + 1 - n_target:]
         idx, targets = idx.to(device), targets.to(device)
-        # with targets the model returns the logits of every position (without, only the last one's)
-        with ctx:
-            logits, _ = model(idx, targets)
+        with ctx:  # every position's logits; the per-token losses are computed below, not by the model
+            logits, _ = model(idx, all_positions=True)
         logits = logits.float()
         losses = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
                                  reduction='none').view(targets.shape)  # 0 where the target is -1

@@ -15,7 +15,6 @@ Usage:
 """
 
 import functools
-import inspect
 import math
 import os
 import platform
@@ -29,6 +28,7 @@ from torch.nn import functional as F
 # the keys of GPTConfig that nanoGPT's own GPTConfig knows; checkpoints store exactly these as
 # 'model_args' so that nanoGPT's sample.py can still build the model from our checkpoints
 NANOGPT_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout')
+GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')  # the OpenAI checkpoints from_pretrained knows
 
 
 class LayerNorm(nn.Module):
@@ -229,38 +229,40 @@ class GPT(nn.Module):
         """ Select the attention implementation: 'flash' (scaled_dot_product_attention) or 'manual'. """
         if path not in ('flash', 'manual'):
             raise ValueError(f"attention path must be 'flash' or 'manual', got {path!r}")
-        if path == 'flash' and not hasattr(F, 'scaled_dot_product_attention'):
-            raise ValueError("this PyTorch has no scaled_dot_product_attention; use 'manual'")
         for block in self.transformer.h:
             block.attn.flash = path == 'flash'
 
-    def hidden_states(self, idx, kv_cache=None):
-        """ The final (post ln_f) hidden states, (B, T, n_embd), for the tokens idx (B, T). """
-        device = idx.device
-        b, t = idx.size()
-        pos0 = kv_cache.pos if kv_cache is not None else 0
+    def embed(self, idx, pos0=0):
+        """ Token + position embeddings (after dropout) of the tokens idx (B, T) at positions pos0..pos0+T-1. """
+        t = idx.size(1)
         if pos0 + t > self.config.block_size:
             raise ValueError(f"Cannot forward sequence of length {pos0 + t}, "
                              f"block size is only {self.config.block_size}")
-        pos = torch.arange(pos0, pos0 + t, dtype=torch.long, device=device)  # shape (t)
-
-        # forward the GPT model itself
+        pos = torch.arange(pos0, pos0 + t, dtype=torch.long, device=idx.device)  # shape (t)
         tok_emb = self.transformer.wte(idx)  # token embeddings of shape (b, t, n_embd)
         pos_emb = self.transformer.wpe(pos)  # position embeddings of shape (t, n_embd)
-        x = self.transformer.drop(tok_emb + pos_emb)
+        return self.transformer.drop(tok_emb + pos_emb)
+
+    def hidden_states(self, idx, kv_cache=None):
+        """ The final (post ln_f) hidden states, (B, T, n_embd), for the tokens idx (B, T). """
+        t = idx.size(1)
+        # forward the GPT model itself
+        x = self.embed(idx, pos0=kv_cache.pos if kv_cache is not None else 0)
         for block in self.transformer.h:
             x = block(x, kv_cache=kv_cache)
         if kv_cache is not None:
             kv_cache.advance(t)  # every layer has written its keys/values for these t positions
         return self.transformer.ln_f(x)
 
-    def forward(self, idx, targets=None, kv_cache=None):
+    def forward(self, idx, targets=None, kv_cache=None, all_positions=False):
         x = self.hidden_states(idx, kv_cache=kv_cache)
-        if targets is not None:
-            # if we are given some desired targets also calculate the loss
+        if targets is not None or all_positions:
+            # the logits of every position; if we are given some desired targets also calculate the loss
             logits = self.lm_head(x)
-            # reshape, not view: targets may be a non-contiguous slice such as idx[:, 1:]
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            loss = None
+            if targets is not None:
+                # reshape, not view: targets may be a non-contiguous slice such as idx[:, 1:]
+                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         else:
             # inference-time mini-optimization: only forward the lm_head on the very last position
             logits = self.lm_head(x[:, [-1], :])  # note: using list [-1] to preserve the time dim
@@ -309,7 +311,7 @@ class GPT(nn.Module):
         if unknown:
             raise ValueError(f"only 'dropout' can be overridden when loading GPT-2 weights, got {sorted(unknown)}")
         is_local = os.path.isdir(model_type)
-        if not is_local and model_type not in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
+        if not is_local and model_type not in GPT2_NAMES:
             raise ValueError(f"unknown model {model_type!r}: use gpt2, gpt2-medium, gpt2-large, gpt2-xl "
                              "or the path of a local Hugging Face GPT-2 directory")
         from transformers import GPT2LMHeadModel
@@ -536,6 +538,7 @@ def measured_matmul_flops(num_threads, n=MATMUL_PROBE_SIZE, repeats=5):
     return 2 * n ** 3 / best
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_info():
     """ (vector ISA, clock in Hz) from /proc/cpuinfo and sysfs, with safe guesses where unreadable. """
     flags, mhz = set(), None
@@ -569,12 +572,5 @@ def _cpu_info():
 
 
 def fused_adamw_available(device_type):
-    """ Fused AdamW exists for CUDA since torch 2.0 and for CPU since torch 2.4. """
-    if 'fused' not in inspect.signature(torch.optim.AdamW).parameters:
-        return False
-    if device_type == 'cuda':
-        return True
-    if device_type == 'cpu':
-        major, minor = (int(x) for x in torch.__version__.split('.')[:2])
-        return (major, minor) >= (2, 4)
-    return False
+    """ Fused AdamW exists for CUDA since torch 2.0 and for CPU since torch 2.4 (we require >= 2.6). """
+    return device_type in ('cuda', 'cpu')

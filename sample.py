@@ -121,7 +121,7 @@ class StreamDecoder:
 def main():
     config = configure(DEFAULTS, doc=__doc__)
     if config['mode'] not in MODES:
-        raise UserError(f"mode must be 'exact' or 'fast', got {config['mode']!r}")
+        raise UserError(f"mode must be one of {', '.join(MODES)}, got {config['mode']!r}")
     if config['num_samples'] < 1 or config['max_new_tokens'] < 0:
         raise UserError("num_samples must be >= 1 and max_new_tokens >= 0")
     top_p = config['top_p']
@@ -175,8 +175,8 @@ def main():
                                   top_k=config['top_k'], top_p=top_p, generator=generator, mode=config['mode'],
                                   stop_token=stop_token, vocab_size=tok.vocab_size, ctx=ctx):
         steps.append(tokens)
-        if stream and tokens[0].item() != stop_token:
-            sys.stdout.write(decoder.feed(tokens[0].item()))
+        if stream and (token := tokens[0].item()) != stop_token:
+            sys.stdout.write(decoder.feed(token))
             sys.stdout.flush()
     generated = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in range(num_samples)]
     if stop_token is not None:  # a sample ends before its first end-of-text token

@@ -60,6 +60,25 @@ def tiny_dataset(tmp_path_factory):
     return str(d)
 
 
+@pytest.fixture(scope="session")
+def dataset(tiny_dataset):
+    """ The dataset train.py runs in the tests read (a test module may define its own). """
+    return tiny_dataset
+
+
+# a 2-layer model and a short schedule on the CPU: what train_args starts from
+TINY_RUN = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, gradient_accumulation_steps=2,
+                max_iters=12, eval_interval=6, eval_iters=4, log_interval=1, warmup_iters=2, lr_decay_iters=12,
+                learning_rate=1e-2, min_lr=1e-3, dropout=0.0, device='cpu', compile=False)
+
+
+def train_args(dataset, out_dir, **settings):
+    """ train.py's --key=value arguments for a tiny run on `dataset` into out_dir: TINY_RUN, then settings. """
+    run = dict(TINY_RUN, dataset=dataset, out_dir=str(out_dir))
+    run.update(settings)
+    return [f"--{k}={v}" for k, v in run.items()]
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """ For tiny models a second intra-op thread only adds synchronisation (and stalls on a busy CPU). """

@@ -1,5 +1,6 @@
 """train.py --parallelism=fsdp (FSDP2) on the CPU with 2 gloo processes: same losses as DDP, half the
 parameters per rank, nanoGPT-format checkpoints that resume under FSDP and in a single process."""
+import functools
 import os
 import re
 import shutil
@@ -10,23 +11,14 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
+from conftest import train_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def dataset(tiny_dataset):
-    return tiny_dataset
-
-
-def args(dataset, out_dir, **overrides):
-    # 4 micro-batches per step = 2 per rank: exercises FSDP's gradient accumulation without sync
-    settings = dict(dataset=dataset, out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32, block_size=16,
-                    batch_size=4, gradient_accumulation_steps=4, max_iters=6, eval_interval=3, eval_iters=4,
-                    log_interval=1, warmup_iters=2, lr_decay_iters=6, learning_rate=1e-2, min_lr=1e-3,
-                    dropout=0.0, bias=True, device='cpu', compile=False, always_save_checkpoint=True)
-    settings.update(overrides)
-    return [f"--{k}={v}" for k, v in settings.items()]
+# 4 micro-batches per step = 2 per rank: exercises FSDP's gradient accumulation without sync
+args = functools.partial(train_args, gradient_accumulation_steps=4, max_iters=6, eval_interval=3, lr_decay_iters=6,
+                         bias=True, always_save_checkpoint=True)
 
 
 def train(cmd_args, nproc=2):

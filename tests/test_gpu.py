@@ -3,6 +3,7 @@ The CUDA paths, run by scripts/gpu_check.sh on a machine with a GPU (skipped wit
 bf16 and fp16 + GradScaler training, fused AdamW, torch.compile, nccl DDP and FSDP with 1 process,
 KV-cache sampling, and bench.py's MFU against the GPU's own peak.
 """
+import functools
 import os
 import re
 import subprocess
@@ -15,26 +16,16 @@ import torch
 import bench
 import train
 from checkpoint import load_checkpoint
+from conftest import TINY_VOCAB as VOCAB, train_args
 from engine import generate
 from model import GPT, GPTConfig, gpu_peak_flops
 
 pytestmark = pytest.mark.gpu
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB = 20
 
 
-@pytest.fixture(scope="module")
-def dataset(tiny_dataset):
-    return tiny_dataset
-
-
-def args(dataset, out_dir, **overrides):
-    settings = dict(dataset=dataset, out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=64, block_size=32,
-                    batch_size=8, gradient_accumulation_steps=2, max_iters=20, eval_interval=10, eval_iters=4,
-                    log_interval=1, warmup_iters=2, lr_decay_iters=20, learning_rate=1e-2, min_lr=1e-3,
-                    dropout=0.0, device='cuda', compile=False)
-    settings.update(overrides)
-    return [f"--{k}={v}" for k, v in settings.items()]
+args = functools.partial(train_args, n_embd=64, block_size=32, batch_size=8, max_iters=20, eval_interval=10,
+                         lr_decay_iters=20, device='cuda')
 
 
 def iter_losses(out):

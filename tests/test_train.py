@@ -1,4 +1,5 @@
 """train.py: learning, exact resume, atomic checkpoints, DDP on CPU, init_from, compile, wandb, NaN and signals."""
+import functools
 import json
 import os
 import re
@@ -13,25 +14,14 @@ import torch
 import checkpoint as checkpoint_mod
 import train
 from checkpoint import load_checkpoint, save_checkpoint
+from conftest import TINY_VOCAB as VOCAB, train_args
 from model import NANOGPT_MODEL_ARGS, GPT, GPTConfig
 from runtime import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB = 20
 
 
-@pytest.fixture(scope="module")
-def dataset(tiny_dataset):
-    return tiny_dataset
-
-
-def tiny_args(dataset, out_dir, **overrides):
-    settings = dict(dataset=dataset, out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32, block_size=16,
-                    batch_size=4, gradient_accumulation_steps=2, max_iters=12, eval_interval=6, eval_iters=4,
-                    log_interval=1, warmup_iters=2, lr_decay_iters=12, learning_rate=1e-2, min_lr=1e-3,
-                    dropout=0.1, device='cpu', compile=False, num_threads=1)  # fixed threads: bitwise runs
-    settings.update(overrides)
-    return [f"--{k}={v}" for k, v in settings.items()]
+tiny_args = functools.partial(train_args, dropout=0.1, num_threads=1)  # fixed threads: bitwise runs
 
 
 def run_train(capsys, args):
