@@ -31,7 +31,8 @@ from dataloader import TokenWindowLoader, dataset_dir
 from model import cpu_peak
 from runtime import UserError, device_type_of, provenance, resolve_device, run_main
 from tokenizer import read_dataset_meta
-from training import compute_setup, make_grad_scaler, optimizer_step, tune_cpu_threads, wrap_model
+from training import (compute_setup, describe_thread_choice, make_grad_scaler, optimizer_step, tune_cpu_threads,
+                      wrap_model)
 from train import build_model
 
 # -----------------------------------------------------------------------------
@@ -120,15 +121,13 @@ def main(argv=None):
     if device_type == 'cpu' and cfg['num_threads'] == 0:
         threads, timings = tune_cpu_threads(model, X, Y, ctx)
         if timings:
-            print(f"using {threads} CPU threads (fwd+bwd ms: "
-                  + ", ".join(f"{n} threads {t*1000:.1f}" for n, t in timings.items()) + ")")
+            print(describe_thread_choice(threads, timings))
     optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], (0.9, 0.95), device_type,
                                            fused=cfg['fused'])
     scaler = make_grad_scaler(device_type, dtype)
     raw_model = model
     model = wrap_model(model, None, compile_model)
     print("provenance: " + str(dict(provenance(device), dtype=dtype, compile=compile_model,
-                                    threads=torch.get_num_threads(),
                                     gelu=raw_model.config.gelu)))
 
     def train_step(X, Y):

@@ -155,6 +155,27 @@ def is_hf_dir(path):
     return os.path.isdir(path) and os.path.exists(os.path.join(path, 'config.json'))
 
 
+def pretrained_model(init_from, dropout=None):
+    """ GPT.from_pretrained (gpt2* or a local Hugging Face directory), its errors as one UserError. """
+    override = {} if dropout is None else {'dropout': dropout}
+    try:
+        return GPT.from_pretrained(init_from, override)
+    except (OSError, ValueError) as e:
+        raise UserError(str(e)) from None
+
+
+def pretrained_tokenizer_meta(init_from):
+    """ The tokenizer of a pretrained model: GPT-2's, unless export_hf.py left a nanogpt_tokenizer.json. """
+    meta_path = os.path.join(init_from, HF_TOKENIZER_META)
+    if not (os.path.isdir(init_from) and os.path.exists(meta_path)):
+        return {'kind': 'gpt2'}
+    try:
+        with open(meta_path, encoding='utf-8') as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{meta_path} is unreadable ({e}); re-export the model with export_hf.py") from None
+
+
 def load_model(init_from, out_dir='out', device='cpu', dropout=None):
     """
     Build a model from any source. Returns (model on device, info) with info['tokenizer'] (a description
@@ -166,20 +187,8 @@ def load_model(init_from, out_dir='out', device='cpu', dropout=None):
         model = model_from_checkpoint(ckpt, dropout)
         info = {'tokenizer': checkpoint_tokenizer_meta(ckpt), 'checkpoint': ckpt, 'source': ckpt_path}
     elif init_from in GPT2_NAMES or is_hf_dir(init_from):
-        override = {} if dropout is None else {'dropout': dropout}
-        try:
-            model = GPT.from_pretrained(init_from, override)
-        except (OSError, ValueError) as e:
-            raise UserError(str(e)) from None
-        tokenizer_meta = {'kind': 'gpt2'}
-        meta_path = os.path.join(init_from, HF_TOKENIZER_META)
-        if os.path.isdir(init_from) and os.path.exists(meta_path):
-            try:
-                with open(meta_path, encoding='utf-8') as f:
-                    tokenizer_meta = json.load(f)
-            except (OSError, ValueError) as e:
-                raise UserError(f"{meta_path} is unreadable ({e}); re-export the model with export_hf.py") from None
-        info = {'tokenizer': tokenizer_meta, 'checkpoint': None, 'source': init_from}
+        model = pretrained_model(init_from, dropout)
+        info = {'tokenizer': pretrained_tokenizer_meta(init_from), 'checkpoint': None, 'source': init_from}
     else:
         raise UserError(f"don't know how to load init_from='{init_from}': use resume (with --out_dir), a "
                         f"training out_dir or ckpt.pt, gpt2/gpt2-medium/gpt2-large/gpt2-xl, or a local "

@@ -99,8 +99,8 @@ def format_settings(defaults):
 
 def configure(defaults, argv=None, doc=None):
     """
-    parse_config on sys.argv[1:] for a script: -h/--help prints the doc and every setting with its default;
-    a ConfigError is printed as one line and the process exits with code 2.
+    parse_config on sys.argv[1:] for a script: -h/--help prints the doc and every setting with its default.
+    A ConfigError propagates; runtime.run_main, around every script's main(), prints it as one line, exit 2.
     """
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -109,8 +109,4 @@ def configure(defaults, argv=None, doc=None):
         print("settings (config files and --key=value override them, in order):")
         print(format_settings(defaults))
         sys.exit(0)
-    try:
-        return parse_config(defaults, argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    return parse_config(defaults, argv)

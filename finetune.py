@@ -51,7 +51,7 @@ from runtime import UserError, destroy_distributed, device_type_of, init_distrib
 from tokenizer import TokenizerError, load_tokenizer, read_dataset_meta
 from training import (GracefulExit, MetricsLogger, accumulation_per_rank, all_reduce_sum, compute_setup,
                       fit_block_size, gather_rng_states, get_lr, grad_sync_context, make_grad_scaler, optimizer_step,
-                      params_finite, set_rng_state, wrap_model)
+                      restore_training_state, tensors_finite, wrap_model)
 
 TASKS = ('classification', 'entailment', 'similarity', 'multiple_choice')
 # the JSONL fields holding each task's texts (the label is always 'label')
@@ -474,7 +474,7 @@ def finetune(cfg, dist_info):
     device_type = device_type_of(device)
     W = dist_info.world_size
     accum = accumulation_per_rank(cfg['gradient_accumulation_steps'], dist_info)
-    dtype, ctx, compile_model, _ = compute_setup(device, cfg['dtype'], cfg['compile'], num_threads=0)
+    dtype, ctx, compile_model, _ = compute_setup(device, cfg['dtype'], cfg['compile'], num_threads=0, peak=False)
     run_provenance = dict(provenance(device), dtype=dtype, world_size=W)  # printed now, kept in checkpoints
     if master:
         os.makedirs(cfg['out_dir'], exist_ok=True)
@@ -539,15 +539,10 @@ def finetune(cfg, dist_info):
 
     epoch, step_in_epoch, iter_num, best_val_acc, best_epoch, history = 0, 0, 0, None, None, []
     if resume:
-        optimizer.load_state_dict(source_ckpt['optimizer'])
-        if source_ckpt.get('scaler'):
-            scaler.load_state_dict(source_ckpt['scaler'])
+        restore_training_state(source_ckpt, optimizer, scaler, dist_info)
         epoch, step_in_epoch = int(source_ckpt['epoch']), int(source_ckpt['step_in_epoch'])
         iter_num, best_val_acc = int(source_ckpt['iter_num']), source_ckpt.get('best_val_acc')
         best_epoch, history = source_ckpt.get('best_epoch'), list(source_ckpt.get('history') or [])
-        rng = source_ckpt.get('rng')
-        if rng:
-            set_rng_state(rng[dist_info.rank] if dist_info.rank < len(rng) else rng[0])
         if master:
             print(f"resuming the fine-tune at epoch {epoch}, step {step_in_epoch} of {steps_per_epoch}")
     source_name = (source_ckpt or {}).get('source_model', cfg['init_from']) if resume else cfg['init_from']
@@ -575,7 +570,7 @@ def finetune(cfg, dist_info):
         rng_states = gather_rng_states(dist_info)
         if not master:
             return
-        if not params_finite(raw_model):
+        if not tensors_finite(raw_model.parameters()):
             raise UserError(f"the weights are not finite at step {iter_num}; not saving. Lower the learning rate")
         save_checkpoint(checkpoint({'optimizer': optimizer.state_dict(), 'epoch': epoch,
                                     'step_in_epoch': step_in_epoch, 'best_val_acc': best_val_acc,

@@ -36,7 +36,8 @@ import time
 
 import torch
 
-from checkpoint import GPT2_NAMES, atomic_write, is_hf_dir, load_checkpoint, model_from_checkpoint, save_checkpoint
+from checkpoint import (GPT2_NAMES, atomic_write, is_hf_dir, load_checkpoint, model_from_checkpoint, pretrained_model,
+                        pretrained_tokenizer_meta, save_checkpoint)
 from configurator import configure
 from dataloader import TokenWindowLoader, dataset_dir
 from model import GPT, GPTConfig
@@ -44,8 +45,8 @@ from runtime import UserError, destroy_distributed, device_type_of, init_distrib
 from tokenizer import read_dataset_meta
 from training import (GracefulExit, MetricsLogger, accumulation_per_rank, all_reduce_mean, all_reduce_sum,
                       compute_setup, fit_block_size, full_state_dicts, gather_rng_states, get_lr, grad_sync_context,
-                      load_optimizer_state, local_param_count, make_grad_scaler, optimizer_step, set_rng_state,
-                      thread_candidates, ThreadRetuner, tune_cpu_threads, wrap_model)
+                      local_param_count, make_grad_scaler, optimizer_step, restore_training_state, tensors_finite,
+                      describe_thread_choice, ThreadRetuner, tune_cpu_threads, wrap_model)
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText
@@ -120,10 +121,7 @@ def build_model(cfg, data_meta, resume_ckpt):
                               dropout=cfg['dropout'], gelu=cfg['gelu']))
     elif init_from in GPT2_NAMES or is_hf_dir(init_from):
         print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
-        try:
-            model = GPT.from_pretrained(init_from, dict(dropout=cfg['dropout']))
-        except (OSError, ValueError) as e:
-            raise UserError(str(e)) from None
+        model = pretrained_model(init_from, cfg['dropout'])
     else:
         raise UserError(f"unknown init_from '{init_from}': use scratch, resume, gpt2, gpt2-medium, gpt2-large, "
                         f"gpt2-xl or a local Hugging Face GPT-2 directory")
@@ -142,8 +140,6 @@ def main(argv=None):
         raise UserError(f"compile must be True, False or None (auto), got {cfg['compile']!r}")
     if cfg['parallelism'] not in ('ddp', 'fsdp'):
         raise UserError(f"parallelism must be 'ddp' or 'fsdp', got {cfg['parallelism']!r}")
-    if cfg['num_threads'] < 0:
-        raise UserError(f"num_threads must be 0 (auto) or a positive number, got {cfg['num_threads']}")
     if cfg['init_from'] == 'resume' and not os.path.exists(os.path.join(cfg['out_dir'], 'ckpt.pt')):
         raise UserError(f"init_from=resume but there is no checkpoint at {os.path.join(cfg['out_dir'], 'ckpt.pt')}; "
                         f"check --out_dir or start with --init_from=scratch")
@@ -168,12 +164,9 @@ def train(cfg, dist_info):
         print(f"tokens per iteration will be: {tokens_per_iter:,}")
         os.makedirs(cfg['out_dir'], exist_ok=True)
     torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank, data does not (see dataloader)
-    dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg['dtype'], cfg['compile'], cfg['num_threads'])
+    dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg['dtype'], cfg['compile'], cfg['num_threads'],
+                                                          peak=master_process)  # only rank 0 reports MFU
     fsdp = dist_info.ddp and cfg['parallelism'] == 'fsdp'
-    # what produced this run (versions, git commit, device): printed now, stored in every checkpoint
-    run_provenance = dict(provenance(device), dtype=dtype, compile=compile_model, world_size=dist_info.world_size)
-    if master_process:
-        print("provenance: " + json.dumps(run_provenance))
 
     # data: one shared random stream for training, fixed streams for evaluation
     data_dir = dataset_dir(cfg['dataset'])
@@ -200,7 +193,7 @@ def train(cfg, dist_info):
         model.to(device)  # FSDP moves the model itself, one shard at a time
     tokenizer_meta = (resume_ckpt or {}).get('tokenizer') or data_meta or {'kind': 'gpt2'}
     if cfg['init_from'] != 'scratch' and cfg['init_from'] != 'resume':
-        tokenizer_meta = {'kind': 'gpt2'}
+        tokenizer_meta = pretrained_tokenizer_meta(cfg['init_from'])
 
     # initialize a GradScaler. If enabled=False scaler is a no-op
     scaler = make_grad_scaler(device_type, dtype)
@@ -210,13 +203,15 @@ def train(cfg, dist_info):
     # (and re-checked while training, as the machine's load changes: ThreadRetuner)
     thread_retuner = None
     if device_type == 'cpu' and cfg['num_threads'] == 0:
-        candidates = thread_candidates()
         threads, timings = tune_cpu_threads(model, *eval_loaders['train'].next_batch(), ctx)
         if timings:
-            thread_retuner = ThreadRetuner(candidates)
+            thread_retuner = ThreadRetuner(list(timings))  # the counts it timed
             if master_process:
-                print(f"using {threads} CPU threads (fwd+bwd ms: "
-                      + ", ".join(f"{n} threads {t*1000:.1f}" for n, t in timings.items()) + ")")
+                print(describe_thread_choice(threads, timings))
+    # what produced this run (versions, git commit, device, threads): printed now, stored in every checkpoint
+    run_provenance = dict(provenance(device), dtype=dtype, compile=compile_model, world_size=dist_info.world_size)
+    if master_process:
+        print("provenance: " + json.dumps(run_provenance))
 
     # wrap (compile, DDP) or shard (FSDP) the model before the optimizer sees its parameters
     raw_model = model  # the plain GPT (sharded in place under FSDP): checkpoints, MFU and attention settings
@@ -229,17 +224,12 @@ def train(cfg, dist_info):
     optimizer = raw_model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
                                                (cfg['beta1'], cfg['beta2']), device_type)
     if resume_ckpt is not None:
-        load_optimizer_state(optimizer, resume_ckpt['optimizer'])
-        if resume_ckpt.get('scaler'):
-            scaler.load_state_dict(resume_ckpt['scaler'])
+        restore_training_state(resume_ckpt, optimizer, scaler, dist_info)
         if resume_ckpt.get('loader'):
             train_loader.load_state_dict(resume_ckpt['loader'])
         elif master_process:
             print("warning: the checkpoint has no data-loader state (a nanoGPT checkpoint?); "
                   "the data order after resuming will differ from an uninterrupted run", file=sys.stderr)
-        rng = resume_ckpt.get('rng')
-        if rng:
-            set_rng_state(rng[dist_info.rank] if dist_info.rank < len(rng) else rng[0])
     resume_ckpt = None  # free up memory
 
 
@@ -271,7 +261,7 @@ def train(cfg, dist_info):
         model_state, optimizer_state = full_state_dicts(raw_model, optimizer)  # FSDP: gathered on every rank
         if not master_process:
             return
-        if not all(torch.isfinite(v).all() for v in model_state.values() if v.is_floating_point()):
+        if not tensors_finite(model_state.values()):
             raise UserError(f"the model's weights are not finite at iter {iter_num}; not saving, so the last good "
                             f"checkpoint in {cfg['out_dir']} is kept. Lower the learning rate and resume")
         checkpoint = {
@@ -366,7 +356,8 @@ def train(cfg, dist_info):
                     stop_non_finite(lossf)
                 if master_process:
                     if local_iter_num >= 5:  # let the training loop settle a bit
-                        mfu = raw_model.estimate_mfu(cfg['batch_size'] * gradient_accumulation_steps * dist_info.world_size, dt,
+                        # per device, as nanoGPT: this rank's tokens against one device's peak
+                        mfu = raw_model.estimate_mfu(cfg['batch_size'] * gradient_accumulation_steps, dt,
                                                      peak_flops=peak_flops)
                         running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
                     print(f"iter {iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%")

@@ -41,11 +41,12 @@ def make_grad_scaler(device_type, dtype):
     return torch.amp.GradScaler(device_type if device_type == 'cuda' else 'cpu', enabled=(dtype == 'float16'))
 
 
-def compute_setup(device, dtype, compile_setting, num_threads):
+def compute_setup(device, dtype, compile_setting, num_threads, peak=True):
     """
     Everything a run on `device` decides before building the model: TF32 on CUDA, the dtype ('auto'
-    resolved), the autocast context, whether to torch.compile, the device's peak FLOP/s for MFU, and the
-    CPU thread count. Returns (dtype, ctx, compile_model, peak_flops).
+    resolved), the autocast context, whether to torch.compile, the device's peak FLOP/s for MFU (None
+    with peak=False: on a CPU finding it runs a short matmul probe), and the CPU thread count.
+    Returns (dtype, ctx, compile_model, peak_flops).
     """
     from model import device_peak_flops
     from runtime import PTDTYPE, device_type_of, precision
@@ -53,8 +54,8 @@ def compute_setup(device, dtype, compile_setting, num_threads):
     dtype, ctx = precision(device, dtype)
     compile_model = resolve_compile(compile_setting, device_type)
     # MFU against the whole device: on the CPU every core torch uses by default, whatever num_threads
-    peak_flops = device_peak_flops(device, PTDTYPE[dtype])
-    apply_cpu_threads(num_threads, device_type)
+    peak_flops = device_peak_flops(device, PTDTYPE[dtype]) if peak else None
+    apply_cpu_threads(num_threads)
     return dtype, ctx, compile_model, peak_flops
 
 
@@ -160,13 +161,13 @@ def load_optimizer_state(optimizer, state_dict):
     optimizer.load_state_dict(state_dict)
 
 
-def apply_cpu_threads(num_threads, device_type):
-    """ num_threads > 0 fixes torch's CPU thread count; 0 keeps it (see tune_cpu_threads). Returns it. """
+def apply_cpu_threads(num_threads):
+    """ num_threads > 0 fixes torch's CPU thread count; 0 keeps it (see tune_cpu_threads). """
+    from runtime import UserError
     if num_threads < 0:
-        raise ValueError(f"num_threads must be >= 0, got {num_threads}")
+        raise UserError(f"num_threads must be 0 (auto) or a positive number, got {num_threads}")
     if num_threads > 0:
         torch.set_num_threads(num_threads)
-    return torch.get_num_threads()
 
 
 def thread_candidates():
@@ -213,6 +214,12 @@ def tune_cpu_threads(model, X, Y, ctx, repeats=3, max_flops=2e10):
     best = min(timings, key=timings.get)
     torch.set_num_threads(best)
     return best, timings
+
+
+def describe_thread_choice(threads, timings):
+    """ The line train.py and bench.py print after tune_cpu_threads (scripts/bench_train_cpu.py reads it). """
+    return (f"using {threads} CPU threads (fwd+bwd ms: "
+            + ", ".join(f"{n} threads {t * 1000:.1f}" for n, t in timings.items()) + ")")
 
 
 class ThreadRetuner:
@@ -371,6 +378,16 @@ def set_rng_state(state):
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def restore_training_state(ckpt, optimizer, scaler, dist_info):
+    """ On resume: the optimizer state (sharded for FSDP), the GradScaler's if saved, and this rank's RNGs. """
+    load_optimizer_state(optimizer, ckpt['optimizer'])
+    if ckpt.get('scaler'):
+        scaler.load_state_dict(ckpt['scaler'])
+    rng = ckpt.get('rng')
+    if rng:
+        set_rng_state(rng[dist_info.rank] if dist_info.rank < len(rng) else rng[0])
+
+
 def _python_rng_state():
     version, internal, gauss = random.getstate()
     return [version, list(internal), gauss]
@@ -392,8 +409,9 @@ def gather_rng_states(dist_info):
     return states
 
 
-def params_finite(model):
-    return all(torch.isfinite(p).all() for p in model.parameters())
+def tensors_finite(tensors):
+    """ Whether every floating-point tensor (weights before a checkpoint is written) is free of inf/nan. """
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 
 class GracefulExit:

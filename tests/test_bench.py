@@ -76,6 +76,12 @@ def test_missing_dataset_is_one_clear_error(tmp_path):
     assert r.returncode == 2 and 'prepare' in r.stderr and 'Traceback' not in r.stderr
 
 
+def test_negative_thread_count_is_one_clear_error():
+    from runtime import UserError
+    with pytest.raises(UserError, match=r"num_threads must be 0 \(auto\) or a positive number, got -1"):
+        bench.main(TINY + ['--num_threads=-1'])
+
+
 def test_profile_mode_writes_trace_and_top_ops(tmp_path, capsys):
     bench.main(TINY + ['--real_data=False', '--profile=True', f'--profile_dir={tmp_path / "trace"}', '--burnin=0'])
     out = capsys.readouterr().out

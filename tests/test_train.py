@@ -161,6 +161,20 @@ def test_init_from_local_hf_dir(dataset, tmp_path, capsys):
     assert evals[-1][2] < evals[0][2]
 
 
+def test_init_from_exported_char_model_keeps_its_tokenizer(dataset, tmp_path, capsys):
+    """ A character model exported by export_hf.py and trained further stays a character model: the
+    checkpoint's tokenizer is the exported one, not GPT-2's (else sample.py would decode it as BPE). """
+    from export_hf import export
+    from tokenizer import read_dataset_meta
+    meta = read_dataset_meta(dataset)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=VOCAB))
+    export(model, meta, str(tmp_path / "hf"))
+    run_train(capsys, tiny_args(dataset, tmp_path / "out", init_from=str(tmp_path / "hf"), max_iters=3, eval_interval=3))
+    ckpt = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))
+    assert ckpt["tokenizer"]["kind"] == "char" and ckpt["tokenizer"]["stoi"] == meta["stoi"]
+    assert json.load(open(tmp_path / "out" / "ckpt.json"))["tokenizer"]["kind"] == "char"
+
+
 def test_resume_from_nanogpt_checkpoint(dataset, tmp_path, capsys):
     """ A checkpoint as nanoGPT writes it (compiled: '_orig_mod.' keys; no loader/RNG/tokenizer state). """
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=VOCAB, bias=False))
