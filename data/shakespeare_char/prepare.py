@@ -18,16 +18,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # repo root, data/
 
 import data_common as dc  # noqa: E402
-from configurator import configure  # noqa: E402
 from runtime import run_main  # noqa: E402
-
-defaults = dc.shakespeare_settings(HERE)  # --input, --out_dir, --url, --timeout
 
 
 def main():
-    config = configure(defaults, doc=__doc__)
-    text = dc.shakespeare_text_for(config)
-    dc.prepare_char(text, config['out_dir'])
+    dc.shakespeare_main(HERE, __doc__, dc.prepare_char)  # settings: --input, --out_dir, --url, --timeout
 
 
 if __name__ == "__main__":
