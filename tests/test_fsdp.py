@@ -35,10 +35,10 @@ def iter_losses(out):
     return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^iter (\d+): loss (\S+),", out, re.M)}
 
 
-def assert_losses_close(a, b, keys):
+def assert_losses_close(a, b, keys, tol=2e-4):
     assert set(keys) <= a.keys() and set(keys) <= b.keys(), (a, b)
     for k in keys:
-        assert abs(a[k] - b[k]) < 2e-4, (k, a[k], b[k])
+        assert abs(a[k] - b[k]) < tol, (k, a[k], b[k])
 
 
 @pytest.mark.slow

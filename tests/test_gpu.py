@@ -91,6 +91,15 @@ def test_nccl_one_process(dataset, tmp_path, parallelism):
     assert all(type(v) is torch.Tensor for v in ck["model"].values())  # full tensors, never DTensors
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fsdp_equals_ddp_on_two_gpus(dataset, tmp_path):
+    """ tests/test_fsdp.py's check on nccl: 2 ranks, 2 micro-steps each, the same losses (fp32; TF32 matmuls). """
+    from test_fsdp import args as fsdp_args, assert_losses_close, iter_losses as losses_by_iter, train as torchrun
+    ddp = torchrun(fsdp_args(dataset, tmp_path / "ddp", device='cuda', dtype='float32'))
+    fsdp = torchrun(fsdp_args(dataset, tmp_path / "fsdp", device='cuda', dtype='float32', parallelism='fsdp'))
+    assert_losses_close(losses_by_iter(ddp), losses_by_iter(fsdp), range(7), tol=2e-3)
+
+
 def test_kv_cache_sampling_on_cuda_equals_reference():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=VOCAB)).cuda().eval()
