@@ -22,7 +22,7 @@ from checkpoint import HF_TOKENIZER_META, atomic_write, load_model
 from configurator import configure
 from model import EXPORT_ACTIVATIONS, hf_key_map
 from runtime import UserError, run_main
-from tokenizer import EOT_TEXT, packaged_gpt2_files
+from tokenizer import EOT_TEXT, CharTokenizer, packaged_gpt2_files
 
 DEFAULTS = dict(
     init_from='resume',  # 'resume' (ckpt.pt in out_dir), a training out_dir or a ckpt.pt file
@@ -95,14 +95,13 @@ def write_gpt2_tokenizer(hf_dir, block_size):
     tok.save_pretrained(hf_dir)
 
 
-def write_char_tokenizer(hf_dir, meta, block_size):
+def write_char_tokenizer(hf_dir, stoi, block_size):
     """
-    A character-level tokenizer.json: each character is one token (a WordLevel vocabulary over single
-    characters, split before every character, decoded by plain concatenation).
+    A character-level tokenizer.json for the vocabulary stoi (character -> id): each character is one token
+    (a WordLevel vocabulary over single characters, split before every character, decoded by concatenation).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    stoi = {str(ch): int(i) for ch, i in meta['stoi'].items()}
     # WordLevel needs an unknown token; reuse the first character so no id outside the model's vocabulary exists
     unk = min(stoi, key=stoi.get)
     tok = Tokenizer(models.WordLevel(vocab=stoi, unk_token=unk))
@@ -140,10 +139,11 @@ def export(model, tokenizer_meta, hf_dir, source=''):
     if kind == 'gpt2':
         write_gpt2_tokenizer(hf_dir, config.block_size)
     else:
-        write_char_tokenizer(hf_dir, tokenizer_meta, config.block_size)
+        tok = CharTokenizer(tokenizer_meta['stoi'])
+        write_char_tokenizer(hf_dir, tok.stoi, config.block_size)
         # our own tokenizer description too, so sample.py / eval.py / finetune.py --init_from=<hf_dir> decode
         # with the character vocabulary instead of assuming GPT-2 BPE (checkpoint.HF_TOKENIZER_META)
-        meta = {'kind': 'char', 'vocab_size': len(tokenizer_meta['stoi']), 'stoi': dict(tokenizer_meta['stoi'])}
+        meta = {'kind': 'char', 'vocab_size': tok.vocab_size, 'stoi': tok.stoi}
         text = json.dumps(meta, ensure_ascii=False, indent=1)
         atomic_write(os.path.join(hf_dir, HF_TOKENIZER_META), lambda f: f.write(text), binary=False)
     write_readme(hf_dir, source, config, kind)
