@@ -27,12 +27,13 @@ import time
 import torch
 
 from configurator import configure
-from dataloader import TokenWindowLoader, dataset_dir
-from model import cpu_peak
-from runtime import UserError, device_type_of, provenance, resolve_device, run_main
-from tokenizer import read_dataset_meta
-from training import (compute_setup, describe_thread_choice, make_grad_scaler, optimizer_step, tune_cpu_threads,
-                      wrap_model)
+from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
+from nanogpt_plus.hardware import cpu_peak
+from nanogpt_plus.parallel import wrap_model
+from nanogpt_plus.runtime import UserError, device_type_of, provenance, resolve_device, run_main
+from nanogpt_plus.threads import describe_thread_choice, tune_cpu_threads
+from nanogpt_plus.tokenizer import read_dataset_meta
+from nanogpt_plus.training import compute_setup, make_grad_scaler, optimizer_step
 from train import build_model
 
 # -----------------------------------------------------------------------------

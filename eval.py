@@ -29,11 +29,12 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from checkpoint import atomic_write, load_model
 from configurator import configure
-from dataloader import dataset_dir, open_tokens, read_jsonl as read_jsonl_records
-from runtime import UserError, destroy_distributed, init_distributed, precision, provenance, run_main
-from tokenizer import load_tokenizer, read_dataset_meta
+from nanogpt_plus.checkpoint import atomic_write, describe_source, init_model
+from nanogpt_plus.dataloader import dataset_dir, open_tokens
+from nanogpt_plus.dataloader import read_jsonl as read_jsonl_records
+from nanogpt_plus.runtime import UserError, destroy_distributed, init_distributed, precision, provenance, run_main
+from nanogpt_plus.tokenizer import load_tokenizer, read_dataset_meta
 
 DEFAULTS = dict(
     init_from='resume',  # 'resume' (ckpt.pt in out_dir), a training out_dir or ckpt.pt, gpt2*, or a local HF dir
@@ -335,7 +336,9 @@ def main():
         _, ctx = precision(device, cfg['dtype'])
         if dist_info.master:
             print(f"provenance: {json.dumps(provenance(device))}")
-        model, info = load_model(cfg['init_from'], cfg['out_dir'], device)
+        model, tokenizer_meta, ckpt = init_model(cfg['init_from'], cfg['out_dir'])
+        model.to(device)
+        info = {'tokenizer': tokenizer_meta, 'checkpoint': ckpt, 'source': describe_source(cfg['init_from'], cfg['out_dir'])}
         model.eval()
         if cfg['compile']:
             model = torch.compile(model)

@@ -18,11 +18,11 @@ import os
 
 import torch
 
-from checkpoint import HF_TOKENIZER_META, atomic_write, load_model
 from configurator import configure
 from model import EXPORT_ACTIVATIONS, hf_key_map
-from runtime import UserError, run_main
-from tokenizer import EOT_TEXT, CharTokenizer, packaged_gpt2_files
+from nanogpt_plus.checkpoint import HF_TOKENIZER_META, atomic_write, describe_source, init_model
+from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.tokenizer import EOT_TEXT, CharTokenizer, packaged_gpt2_files
 
 DEFAULTS = dict(
     init_from='resume',  # 'resume' (ckpt.pt in out_dir), a training out_dir or a ckpt.pt file
@@ -34,6 +34,7 @@ DEFAULTS = dict(
 def hf_config(config, tokenizer_kind='gpt2'):
     """ The transformers GPT2Config for our GPTConfig (vocab_size as trained, e.g. nanoGPT's padded 50304). """
     from transformers import GPT2Config
+
     # GPT-2 BPE models keep <|endoftext|> (50256) as bos/eos, like OpenAI's; a char vocabulary has no such token
     special = 50256 if tokenizer_kind == 'gpt2' else None
     return GPT2Config(
@@ -75,6 +76,7 @@ def write_gpt2_tokenizer(hf_dir, block_size):
     """
     import shutil
     import tempfile
+
     from transformers import GPT2TokenizerFast
     files = packaged_gpt2_files()
     if files is None:
@@ -102,6 +104,7 @@ def write_char_tokenizer(hf_dir, stoi, block_size):
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     # WordLevel needs an unknown token; reuse the first character so no id outside the model's vocabulary exists
     unk = min(stoi, key=stoi.get)
     tok = Tokenizer(models.WordLevel(vocab=stoi, unk_token=unk))
@@ -158,10 +161,11 @@ def _safetensors_bytes(tensors):
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     hf_dir = cfg['hf_dir'] or os.path.join(cfg['out_dir'], 'hf')
-    model, info = load_model(cfg['init_from'], cfg['out_dir'], device='cpu')
-    export(model, info['tokenizer'], hf_dir, source=info['source'])
+    model, tokenizer_meta, _ = init_model(cfg['init_from'], cfg['out_dir'])
+    source = describe_source(cfg['init_from'], cfg['out_dir'])
+    export(model, tokenizer_meta, hf_dir, source=source)
     files = sorted(os.listdir(hf_dir))
-    print(f"exported {info['source']} to {hf_dir}: {', '.join(files)}")
+    print(f"exported {source} to {hf_dir}: {', '.join(files)}")
     print(json.dumps({'hf_dir': hf_dir, 'files': files}))
 
 

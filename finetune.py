@@ -43,15 +43,17 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
-from checkpoint import load_checkpoint, load_model, model_from_checkpoint, resolve_checkpoint_path, save_checkpoint
 from configurator import configure
-from dataloader import dataset_dir, read_jsonl as read_jsonl_records
 from model import GPT, GPTConfig
-from runtime import UserError, destroy_distributed, device_type_of, init_distributed, precision, provenance, run_main
-from tokenizer import TokenizerError, load_tokenizer, read_dataset_meta
-from training import (GracefulExit, MetricsLogger, accumulation_per_rank, all_reduce_sum, compute_setup,
-                      fit_block_size, gather_rng_states, get_lr, grad_sync_context, make_grad_scaler, optimizer_step,
-                      restore_training_state, tensors_finite, wrap_model)
+from nanogpt_plus.checkpoint import checkpoint_path, init_model, load_checkpoint, model_from_checkpoint, save_checkpoint
+from nanogpt_plus.dataloader import dataset_dir
+from nanogpt_plus.dataloader import read_jsonl as read_jsonl_records
+from nanogpt_plus.parallel import accumulation_per_rank, all_reduce_sum, grad_sync_context, wrap_model
+from nanogpt_plus.runtime import (UserError, destroy_distributed, device_type_of, init_distributed, precision,
+                                  provenance, run_main)
+from nanogpt_plus.tokenizer import TokenizerError, load_tokenizer, read_dataset_meta
+from nanogpt_plus.training import (GracefulExit, MetricsLogger, compute_setup, fit_block_size, gather_rng_states,
+                                   get_lr, make_grad_scaler, optimizer_step, restore_training_state, tensors_finite)
 
 TASKS = ('classification', 'entailment', 'similarity', 'multiple_choice')
 # the JSONL fields holding each task's texts (the label is always 'label')
@@ -357,13 +359,12 @@ def load_source(cfg):
     if init_from == 'resume':
         ckpt = load_checkpoint(os.path.join(cfg['out_dir'], LAST_CKPT))
         return model_from_checkpoint(ckpt, dropout=cfg['dropout']), ckpt['tokenizer'], ckpt
-    source_path = resolve_checkpoint_path(init_from, cfg['out_dir'])
+    source_path = checkpoint_path(init_from, cfg['out_dir'])
     target = os.path.abspath(os.path.join(cfg['out_dir'], 'ckpt.pt'))
     if source_path is not None and os.path.abspath(source_path) == target:
         raise UserError(f"init_from {init_from} is the checkpoint in --out_dir, which fine-tuning would overwrite; "
                         f"pass a different --out_dir (or --init_from=resume to continue an interrupted fine-tune)")
-    gpt, info = load_model(init_from, cfg['out_dir'], 'cpu', dropout=cfg['dropout'])
-    return gpt, info['tokenizer'], info['checkpoint']
+    return init_model(init_from, cfg['out_dir'], dropout=cfg['dropout'])
 
 
 # -----------------------------------------------------------------------------
@@ -449,7 +450,7 @@ def main():
 
 def predict_only(cfg, dist_info):
     """ --predict_file with a fine-tuned checkpoint (init_from) and no --train_file: predictions only. """
-    path = resolve_checkpoint_path(cfg['init_from'], cfg['out_dir'])
+    path = checkpoint_path(cfg['init_from'], cfg['out_dir'])
     if path is None:
         raise UserError(f"--predict_file without --train_file needs --init_from to be a fine-tuned out_dir or "
                         f"ckpt.pt; {cfg['init_from']} is not one")

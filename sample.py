@@ -37,11 +37,11 @@ import time
 
 import torch
 
-from checkpoint import load_model
 from configurator import configure
-from engine import MODES, check_sampling_args, generate_stream
-from runtime import UserError, precision, resolve_device, run_main
-from tokenizer import TokenizerError, load_tokenizer
+from nanogpt_plus.checkpoint import describe_source, init_model
+from nanogpt_plus.engine import MODES, check_sampling_args, generate_stream
+from nanogpt_plus.runtime import UserError, precision, resolve_device, run_main
+from nanogpt_plus.tokenizer import TokenizerError, load_tokenizer
 
 SEPARATOR = '---------------'
 
@@ -138,10 +138,11 @@ def main():
     if 'cuda' in device:
         torch.cuda.manual_seed(config['seed'])
 
-    model, info = load_model(config['init_from'], config['out_dir'], device)
+    model, tokenizer_meta, _ = init_model(config['init_from'], config['out_dir'])
+    model.to(device)
     model.eval()
     model.set_attention(config['attention'])
-    tok = load_tokenizer(info['tokenizer'])
+    tok = load_tokenizer(tokenizer_meta)
     block_size, model_vocab = model.config.block_size, model.config.vocab_size
     if tok.vocab_size > model_vocab:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model only {model_vocab}; "
@@ -153,7 +154,7 @@ def main():
                   "token)", file=sys.stderr)
         else:
             stop_token = tok.eot_token
-    print(f"sampling {info['source']} on {device} ({dtype}), mode={config['mode']}", file=sys.stderr)
+    print(f"sampling {describe_source(config['init_from'], config['out_dir'])} on {device} ({dtype}), mode={config['mode']}", file=sys.stderr)
     if config['compile']:
         model = torch.compile(model, dynamic=True)  # the cache makes shapes change every step
 

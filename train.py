@@ -36,17 +36,18 @@ import time
 
 import torch
 
-from checkpoint import (GPT2_NAMES, atomic_write, is_hf_dir, load_checkpoint, model_from_checkpoint, pretrained_model,
-                        pretrained_tokenizer_meta, save_checkpoint)
 from configurator import configure
-from dataloader import TokenWindowLoader, dataset_dir
 from model import GPT, GPTConfig
-from runtime import UserError, destroy_distributed, device_type_of, init_distributed, provenance, run_main
-from tokenizer import read_dataset_meta
-from training import (GracefulExit, MetricsLogger, accumulation_per_rank, all_reduce_mean, all_reduce_sum,
-                      compute_setup, fit_block_size, full_state_dicts, gather_rng_states, get_lr, grad_sync_context,
-                      local_param_count, make_grad_scaler, optimizer_step, restore_training_state, tensors_finite,
-                      describe_thread_choice, ThreadRetuner, tune_cpu_threads, wrap_model)
+from nanogpt_plus.checkpoint import (GPT2_NAMES, atomic_write, is_hf_dir, load_checkpoint, model_from_checkpoint,
+                                     pretrained_model, pretrained_tokenizer_meta, save_checkpoint)
+from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
+from nanogpt_plus.parallel import (accumulation_per_rank, all_reduce_mean, all_reduce_sum, full_state_dicts,
+                                   grad_sync_context, local_param_count, wrap_model)
+from nanogpt_plus.runtime import UserError, destroy_distributed, device_type_of, init_distributed, provenance, run_main
+from nanogpt_plus.threads import ThreadRetuner, describe_thread_choice, tune_cpu_threads
+from nanogpt_plus.tokenizer import read_dataset_meta
+from nanogpt_plus.training import (GracefulExit, MetricsLogger, compute_setup, fit_block_size, gather_rng_states,
+                                   get_lr, make_grad_scaler, optimizer_step, restore_training_state, tensors_finite)
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText

@@ -9,19 +9,17 @@ Usage:
 """
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "data")]
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import data_common as dc  # noqa: E402
-from configurator import configure  # noqa: E402
-from runtime import UserError, run_main  # noqa: E402
-from tokenizer import get_gpt2_encoding  # noqa: E402
+from configurator import configure
+from nanogpt_plus import prepare as dc
+from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.tokenizer import get_gpt2_encoding
 
 defaults = {
     'size_mb': 50,         # size of the generated corpus

@@ -18,15 +18,12 @@ import os
 import sys
 import time
 
-# scripts/ is one level below the modules it benchmarks
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from configurator import configure  # noqa: E402
-from engine import generate  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from runtime import UserError, run_main  # noqa: E402
+from configurator import configure
+from model import GPT, GPTConfig
+from nanogpt_plus.engine import generate
+from nanogpt_plus.runtime import UserError, run_main
 
 DEFAULTS = dict(
     which='both',  # 'both', 'gpt2' (124M shape) or 'char' (shakespeare_char shape)
@@ -69,7 +66,7 @@ def bench_model(which, cfg):
     model = GPT(MODELS[which]).eval()
     block_size = model.config.block_size
     if which == 'gpt2':
-        from tokenizer import GPT2Tokenizer
+        from nanogpt_plus.tokenizer import GPT2Tokenizer
         prompt = GPT2Tokenizer().encode("Hello, I'm a language model,")
     else:
         prompt = [0]  # sample.py's default start "\n" is id 0 in shakespeare_char's vocabulary

@@ -36,13 +36,12 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from configurator import configure  # noqa: E402
-from runtime import run_main  # noqa: E402
+from configurator import configure
+from nanogpt_plus.runtime import run_main
 
 DEFAULTS = dict(
     mode='compare',  # 'compare', 'nanogpt' (the baseline loop), 'ours' (train.py) or 'floor' (see below)
@@ -69,8 +68,8 @@ EVAL_LINE = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
 def nanogpt_loop(max_iters, out_dir, threads, dataset='shakespeare_char'):
     """ nanoGPT's train.py main loop for the laptop command, single process, on the CPU. """
     from model import GPT, GPTConfig
-    from tokenizer import read_dataset_meta
-    from dataloader import dataset_dir
+    from nanogpt_plus.dataloader import dataset_dir
+    from nanogpt_plus.tokenizer import read_dataset_meta
     c = dict(LAPTOP, max_iters=max_iters, dataset=dataset)  # the schedule of the 2000-iteration run, cut short or not
     if threads:
         torch.set_num_threads(threads)
@@ -171,9 +170,11 @@ def matmul_floor(rounds=3, steps=40, threads=0, dataset='shakespeare_char'):
     counted, so the floor is a lower bound and the ceiling it implies an upper bound.
     """
     from torch.utils._python_dispatch import TorchDispatchMode
-    from model import GPT, GPTConfig, measured_matmul_flops
-    from tokenizer import read_dataset_meta
-    from dataloader import TokenWindowLoader, dataset_dir
+
+    from model import GPT, GPTConfig
+    from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
+    from nanogpt_plus.hardware import measured_matmul_flops
+    from nanogpt_plus.tokenizer import read_dataset_meta
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(1337)

@@ -22,12 +22,11 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, 'data')]
 
-import data_common as dc  # noqa: E402
-from configurator import configure  # noqa: E402
-from runtime import UserError, run_main  # noqa: E402
-from tokenizer import read_dataset_meta  # noqa: E402
+from configurator import configure
+from nanogpt_plus import prepare as dc
+from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.tokenizer import read_dataset_meta
 
 PLAYS = ('tragedies/macbeth', 'tragedies/hamlet', 'tragedies/othello', 'comedies/a-midsummer-night-s-dream')
 

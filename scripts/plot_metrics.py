@@ -8,13 +8,10 @@ $ python scripts/plot_metrics.py --out_dir=out --output=loss.png
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configurator import configure  # noqa: E402
-from dataloader import read_jsonl  # noqa: E402
-from runtime import run_main  # noqa: E402
+from configurator import configure
+from nanogpt_plus.dataloader import read_jsonl
+from nanogpt_plus.runtime import run_main
 
 DEFAULTS = dict(out_dir='out', output='')
 

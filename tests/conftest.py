@@ -1,17 +1,15 @@
 """
-Shared test set-up: the repository root on sys.path, no network for any library, and no process group
+Shared test set-up: no network for any library, and no process group
 left behind by a test (like litgpt's conftest).
 """
 import json
 import os
-import sys
+import re
 
 import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 # hermetic: Hugging Face libraries and wandb must never reach for the network inside the test suite
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -87,3 +85,27 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+ITER_LINE = re.compile(r"^iter (\d+): loss (\S+),", re.M)  # train.py's (and nanoGPT's) per-iteration line
+
+
+def iter_losses(out):
+    """ {iteration: loss} from train.py's `iter N: loss X, ...` lines. """
+    return {int(m.group(1)): float(m.group(2)) for m in ITER_LINE.finditer(out)}
+
+
+def assert_losses_close(a, b, keys, tol=2e-4):
+    """ The losses of iterations `keys` agree within tol in the two {iteration: loss} dicts. """
+    assert set(keys) <= a.keys() and set(keys) <= b.keys(), (a, b)
+    for k in keys:
+        assert abs(a[k] - b[k]) < tol, (k, a[k], b[k])
+
+
+def save_test_checkpoint(model, tokenizer_meta, path, dataset='x'):
+    """ A model saved the way train.py saves one (through the one checkpoint builder), at iteration 0. """
+    from nanogpt_plus.checkpoint import build_checkpoint, save_checkpoint
+    ckpt = build_checkpoint(model, iter_num=0, best_val_loss=1e9, config={'dataset': dataset},
+                            tokenizer=tokenizer_meta, provenance={}, optimizer={})
+    save_checkpoint(ckpt, str(path))
+    return str(path)

@@ -9,12 +9,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 
 import bench
 from model import GPT, GPTConfig
-from training import ThreadRetuner, thread_candidates, tune_cpu_threads
+from nanogpt_plus.threads import ThreadRetuner, thread_candidates, tune_cpu_threads
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--device=cpu', '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=4',
         '--burnin=2', '--steps=4', '--num_threads=1']
 
@@ -52,7 +52,7 @@ def test_cpu_mfu_is_against_the_cpu_peak(capsys, monkeypatch):
     bench.main(TINY + ['--real_data=False', '--fused=False'])
     out = capsys.readouterr().out
     assert 'using fused AdamW: False' in out
-    from model import cpu_peak, cpu_peak_flops
+    from nanogpt_plus.hardware import cpu_peak, cpu_peak_flops
     m = re.search(r"of ([\d.]+) TFLOP/s peak \(cpu, float32, (\d+) cores, 1 threads used\)", out)
     cores = int(m.group(2))
     assert cores == torch.get_num_threads()  # every core torch uses by default, not just the 1 used
@@ -77,7 +77,7 @@ def test_missing_dataset_is_one_clear_error(tmp_path):
 
 
 def test_negative_thread_count_is_one_clear_error():
-    from runtime import UserError
+    from nanogpt_plus.runtime import UserError
     with pytest.raises(UserError, match=r"num_threads must be 0 \(auto\) or a positive number, got -1"):
         bench.main(TINY + ['--num_threads=-1'])
 
@@ -211,7 +211,7 @@ def test_matmul_floor_replays_every_matmul_of_the_step(tiny_dataset, capsys):
         torch.set_num_threads(before)
     # 4 Linears per block + lm_head forward, each with two products backward (input and weight grads)
     assert result['count'] == 3 * (4 * 4 + 1)
-    from tokenizer import read_dataset_meta
+    from nanogpt_plus.tokenizer import read_dataset_meta
     c, vocab, tokens = module.LAPTOP, read_dataset_meta(tiny_dataset)['vocab_size'], 12 * 64
     params = 4 * 12 * c['n_embd'] ** 2 + vocab * c['n_embd']  # the matmul weights, lm_head = wte included
     assert result['flops'] == 6 * tokens * params

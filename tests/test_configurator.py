@@ -4,10 +4,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 
 from configurator import ConfigError, parse_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULTS = dict(batch_size=12, learning_rate=6e-4, out_dir='out', compile=None, decay_lr=True, betas=(0.9, 0.95))
 
 

@@ -12,13 +12,11 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "data"))
-
-import data_common as dc  # noqa: E402
-from runtime import UserError  # noqa: E402
-from tokenizer import get_gpt2_encoding, load_tokenizer, read_dataset_meta  # noqa: E402
+from nanogpt_plus import prepare as dc
+from nanogpt_plus.runtime import UserError
+from nanogpt_plus.tokenizer import get_gpt2_encoding, load_tokenizer, read_dataset_meta
 
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n" * 40
         + "First Citizen:\nYou are all resolved rather to die than to famish?\n")
@@ -281,7 +279,7 @@ def test_uint16_guard(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="100,277 tokens, more than uint16"):
         dc.check_vocab_fits(100277)
     # a tokenizer with a larger vocabulary is refused before any tokenizing or writing
-    import tokenizer
+    from nanogpt_plus import tokenizer
 
     class BigVocab:
         n_vocab = 100277

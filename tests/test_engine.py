@@ -6,10 +6,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from engine import (KVCache, generate, generate_stream, last_position_logits, next_token_probs,
-                    sample_next_token)
 from model import GPT, GPTConfig
-
+from nanogpt_plus.engine import (KVCache, generate, generate_stream, last_position_logits, next_token_probs,
+                                 sample_next_token)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

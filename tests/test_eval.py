@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import REPO, save_test_checkpoint
 
-from checkpoint import save_checkpoint
-from eval import (evaluate, hellaswag_examples, loss_windows, read_jsonl, score_examples)
+from eval import evaluate, hellaswag_examples, loss_windows, read_jsonl, score_examples
 from model import GPT, GPTConfig
-from runtime import UserError
-from tokenizer import CharTokenizer, GPT2Tokenizer
+from nanogpt_plus.runtime import UserError
+from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHARS = "abcdefgh é\n"
 
 
@@ -44,12 +43,6 @@ def write_jsonl(path, records):
         for r in records:
             f.write(json.dumps(r) + '\n')
     return str(path)
-
-
-def save_ckpt(model, tok, out_dir, dataset='x'):
-    save_checkpoint({'model': model.state_dict(), 'optimizer': {}, 'model_args': model.config.model_args(),
-                     'model_extra_args': model.config.model_extra_args(), 'iter_num': 0, 'best_val_loss': 1e9,
-                     'config': {'dataset': dataset}, 'tokenizer': tok.meta()}, os.path.join(out_dir, 'ckpt.pt'))
 
 
 def run_eval(args, torchrun=False):
@@ -97,6 +90,7 @@ def hf_reference_losses(hf, tok, record, block_size):
 @pytest.mark.slow
 def test_hellaswag_matches_transformers_reference(tmp_path):
     from transformers import GPT2LMHeadModel
+
     from export_hf import export
     tok = GPT2Tokenizer()
     model = tiny_gpt(50257, block_size=24)
@@ -250,7 +244,7 @@ def test_cli_ddp_equals_single_process(tmp_path):
     tok = CharTokenizer.from_text(CHARS)
     model = tiny_gpt(tok.vocab_size, block_size=16, seed=2)
     out_dir = str(tmp_path / 'out')
-    save_ckpt(model, tok, out_dir, dataset=str(tmp_path / 'ds'))
+    save_test_checkpoint(model, tok.meta(), os.path.join(out_dir, 'ckpt.pt'), dataset=str(tmp_path / 'ds'))
     os.makedirs(tmp_path / 'ds')
     rng = np.random.default_rng(0)
     rng.integers(0, tok.vocab_size, 203).astype(np.uint16).tofile(tmp_path / 'ds' / 'val.bin')

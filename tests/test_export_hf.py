@@ -9,13 +9,12 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, save_test_checkpoint
 
-from checkpoint import load_model, save_checkpoint
 from export_hf import EXPORT_ACTIVATIONS, export, hf_state_dict
 from model import GPT, HF_ACTIVATIONS, GPTConfig
-from tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from nanogpt_plus.checkpoint import init_model
+from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
 
 
 def tiny_gpt(seed=0, **kw):
@@ -30,12 +29,6 @@ def tiny_gpt(seed=0, **kw):
             elif name.endswith('.bias'):
                 p.normal_(0.0, 0.02)
     return model.eval()
-
-
-def save_ckpt(model, tok, out_dir):
-    save_checkpoint({'model': model.state_dict(), 'optimizer': {}, 'model_args': model.config.model_args(),
-                     'model_extra_args': model.config.model_extra_args(), 'iter_num': 0, 'best_val_loss': 1e9,
-                     'config': {'dataset': 'x'}, 'tokenizer': tok.meta()}, os.path.join(out_dir, 'ckpt.pt'))
 
 
 def load_hf(hf_dir):
@@ -102,7 +95,7 @@ def test_cli_export_gpt2_tokenizer_and_pipeline(tmp_path):
     from transformers import AutoTokenizer, pipeline
     model = tiny_gpt(vocab_size=50257)
     out_dir, hf_dir = tmp_path / 'out', tmp_path / 'hf'
-    save_ckpt(model, GPT2Tokenizer(), str(out_dir))
+    save_test_checkpoint(model, GPT2Tokenizer().meta(), os.path.join(out_dir, 'ckpt.pt'))
     r = subprocess.run([sys.executable, 'export_hf.py', f'--out_dir={out_dir}', f'--hf_dir={hf_dir}'],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -144,6 +137,6 @@ def test_char_model_export_with_char_tokenizer(tmp_path):
         torch.testing.assert_close(load_hf(hf_dir)(idx).logits, model(idx, idx)[0], rtol=1e-5, atol=1e-5)
 
     # our scripts loading the exported directory decode with the character vocabulary, not GPT-2 BPE
-    _, info = load_model(hf_dir)
-    assert info['tokenizer']['kind'] == 'char'
-    assert load_tokenizer(info['tokenizer']).encode(text) == tok.encode(text)
+    _, tokenizer_meta, _ = init_model(hf_dir)
+    assert tokenizer_meta['kind'] == 'char'
+    assert load_tokenizer(tokenizer_meta).encode(text) == tok.encode(text)

@@ -14,26 +14,20 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, save_test_checkpoint
 
 import finetune
-from checkpoint import load_checkpoint, load_model, save_checkpoint
 from model import GPT, GPTConfig
-from runtime import DistInfo, UserError
-from tokenizer import CharTokenizer
+from nanogpt_plus.checkpoint import init_model, load_checkpoint
+from nanogpt_plus.runtime import DistInfo, UserError
+from nanogpt_plus.tokenizer import CharTokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ."
 LETTERS = "abcdef"
 SINGLE = DistInfo(False, 0, 0, 1, 'cpu')
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny models: a second intra-op thread only adds contention on a busy 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # -----------------------------------------------------------------------------
@@ -45,9 +39,7 @@ def make_source(path, n_embd=32, block_size=64, seed=0):
     torch.manual_seed(seed)
     m = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=n_embd, block_size=block_size, vocab_size=tok.vocab_size,
                       bias=False))
-    save_checkpoint({'model': m.state_dict(), 'optimizer': {}, 'model_args': m.config.model_args(),
-                     'model_extra_args': m.config.model_extra_args(), 'iter_num': 0, 'best_val_loss': 1e9,
-                     'config': {'dataset': 'x'}, 'tokenizer': tok.meta()}, os.path.join(path, 'ckpt.pt'))
+    save_test_checkpoint(m, tok.meta(), os.path.join(path, 'ckpt.pt'))
     return str(path)
 
 
@@ -287,8 +279,8 @@ def test_checkpoint_reloads_and_predicts_the_same(tmp_path):
     id_to_label = {i: k for k, i in ckpt['label_map'].items()}
     assert [w['prediction'] for w in written] == [id_to_label[p] for _, p, _ in preds]
     # the file is still a plain GPT checkpoint for the other scripts (grown vocabulary, tied head)
-    gpt, info = load_model(str(out), device='cpu')
-    assert gpt.config.vocab_size == len(ALPHABET) + 3 and info['tokenizer']['kind'] == 'char'
+    gpt, tokenizer_meta, _ = init_model(str(out))
+    assert gpt.config.vocab_size == len(ALPHABET) + 3 and tokenizer_meta['kind'] == 'char'
 
     # predict-only mode from the command line gives the same predictions
     unlabeled = write_jsonl(tmp_path / 'unlabeled.jsonl', [{'text': json.loads(l)['text']} for l in open(val)])

@@ -9,12 +9,9 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, assert_losses_close, iter_losses, train_args
 
-from checkpoint import load_checkpoint, model_from_checkpoint
-from conftest import train_args
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from nanogpt_plus.checkpoint import load_checkpoint, model_from_checkpoint
 
 # 4 micro-batches per step = 2 per rank: exercises FSDP's gradient accumulation without sync
 args = functools.partial(train_args, gradient_accumulation_steps=4, max_iters=6, eval_interval=3, lr_decay_iters=6,
@@ -31,14 +28,6 @@ def train(cmd_args, nproc=2):
     return r.stdout
 
 
-def iter_losses(out):
-    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^iter (\d+): loss (\S+),", out, re.M)}
-
-
-def assert_losses_close(a, b, keys, tol=2e-4):
-    assert set(keys) <= a.keys() and set(keys) <= b.keys(), (a, b)
-    for k in keys:
-        assert abs(a[k] - b[k]) < tol, (k, a[k], b[k])
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ bf16 and fp16 + GradScaler training, fused AdamW, torch.compile, nccl DDP and FS
 KV-cache sampling, and bench.py's MFU against the GPU's own peak.
 """
 import functools
-import os
 import re
 import subprocess
 import sys
@@ -12,24 +11,23 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
+from conftest import TINY_VOCAB as VOCAB
+from conftest import assert_losses_close, iter_losses, train_args
 
 import bench
 import train
-from checkpoint import load_checkpoint
-from conftest import TINY_VOCAB as VOCAB, train_args
-from engine import generate
-from model import GPT, GPTConfig, gpu_peak_flops
+from model import GPT, GPTConfig
+from nanogpt_plus.checkpoint import load_checkpoint
+from nanogpt_plus.engine import generate
+from nanogpt_plus.hardware import gpu_peak_flops
 
 pytestmark = pytest.mark.gpu
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 args = functools.partial(train_args, n_embd=64, block_size=32, batch_size=8, max_iters=20, eval_interval=10,
                          lr_decay_iters=20, device='cuda')
 
-
-def iter_losses(out):
-    return [float(m.group(1)) for m in re.finditer(r"^iter \d+: loss (\S+),", out, re.M)]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -38,7 +36,7 @@ def test_mixed_precision_training_learns(dataset, tmp_path, capsys, dtype):
         pytest.skip("this GPU has no bfloat16")
     train.main(args(dataset, tmp_path, dtype=dtype))
     out = capsys.readouterr().out
-    losses = iter_losses(out)
+    losses = list(iter_losses(out).values())
     assert len(losses) == 21 and all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5
     assert "using fused AdamW: True" in out
     ck = load_checkpoint(str(tmp_path / "ckpt.pt"))
@@ -72,7 +70,7 @@ def test_compile_trains(dataset, tmp_path, capsys):
     train.main(args(dataset, tmp_path, compile=True, dtype='bfloat16' if torch.cuda.is_bf16_supported() else 'float16'))
     out = capsys.readouterr().out
     assert "compiling the model" in out
-    losses = iter_losses(out)
+    losses = list(iter_losses(out).values())
     assert len(losses) == 21 and losses[-1] < losses[0] - 0.5
     ck = load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert not any(k.startswith("_orig_mod.") for k in ck["model"])
@@ -85,7 +83,7 @@ def test_nccl_one_process(dataset, tmp_path, parallelism):
                                           max_iters=10, eval_interval=5)],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    losses = iter_losses(r.stdout)
+    losses = list(iter_losses(r.stdout).values())
     assert len(losses) == 11 and losses[-1] < losses[0]
     ck = load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert all(type(v) is torch.Tensor for v in ck["model"].values())  # full tensors, never DTensors
@@ -94,10 +92,11 @@ def test_nccl_one_process(dataset, tmp_path, parallelism):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_fsdp_equals_ddp_on_two_gpus(dataset, tmp_path):
     """ tests/test_fsdp.py's check on nccl: 2 ranks, 2 micro-steps each, the same losses (fp32; TF32 matmuls). """
-    from test_fsdp import args as fsdp_args, assert_losses_close, iter_losses as losses_by_iter, train as torchrun
+    from test_fsdp import args as fsdp_args
+    from test_fsdp import train as torchrun
     ddp = torchrun(fsdp_args(dataset, tmp_path / "ddp", device='cuda', dtype='float32'))
     fsdp = torchrun(fsdp_args(dataset, tmp_path / "fsdp", device='cuda', dtype='float32', parallelism='fsdp'))
-    assert_losses_close(losses_by_iter(ddp), losses_by_iter(fsdp), range(7), tol=2e-3)
+    assert_losses_close(iter_losses(ddp), iter_losses(fsdp), range(7), tol=2e-3)
 
 
 def test_kv_cache_sampling_on_cuda_equals_reference():

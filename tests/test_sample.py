@@ -9,12 +9,11 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, save_test_checkpoint
 
-from checkpoint import save_checkpoint
 from model import GPT, GPTConfig
-from tokenizer import CharTokenizer, GPT2Tokenizer
+from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(REPO, 'sample.py')
 SEP = '---------------'
 CHAR_TEXT = "abcd\n" * 200
@@ -44,12 +43,6 @@ def train_tiny(model, ids, max_steps, lr=1e-2, batch_size=16):
     return model.eval()
 
 
-def save(model, tok, path):
-    save_checkpoint({'model': model.state_dict(), 'optimizer': {}, 'model_args': model.config.model_args(),
-                     'model_extra_args': model.config.model_extra_args(), 'iter_num': 0, 'best_val_loss': 1e9,
-                     'config': {'dataset': 'tiny'}, 'tokenizer': tok.meta()}, str(path))
-
-
 @pytest.fixture(scope="module")
 def char_model(tmp_path_factory):
     tok = CharTokenizer.from_text(CHAR_TEXT)
@@ -57,7 +50,7 @@ def char_model(tmp_path_factory):
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=tok.vocab_size))
     train_tiny(model, tok.encode(CHAR_TEXT), max_steps=600)
     out_dir = tmp_path_factory.mktemp("out-char")
-    save(model, tok, out_dir / "ckpt.pt")
+    save_test_checkpoint(model, tok.meta(), out_dir / "ckpt.pt", dataset="tiny")
     return model, tok, out_dir
 
 
@@ -69,7 +62,7 @@ def bpe_out_dir(tmp_path_factory):
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8, vocab_size=50304))
     train_tiny(model, tok.encode(BPE_TEXT), max_steps=600, batch_size=8)
     out_dir = tmp_path_factory.mktemp("out-bpe")
-    save(model, tok, out_dir / "ckpt.pt")
+    save_test_checkpoint(model, tok.meta(), out_dir / "ckpt.pt", dataset="tiny")
     return out_dir
 
 

@@ -14,9 +14,9 @@ import socket
 
 import pytest
 
-import tokenizer
-from tokenizer import (CharTokenizer, GPT2Tokenizer, TokenizerError, get_gpt2_encoding, load_tokenizer,
-                       read_dataset_meta)
+from nanogpt_plus import tokenizer
+from nanogpt_plus.tokenizer import (CharTokenizer, GPT2Tokenizer, TokenizerError, get_gpt2_encoding, load_tokenizer,
+                                    read_dataset_meta)
 
 MIXED_TEXT = ("Hello world! Ünïcödé àccents, naïve café.\n"
               "emoji: 😀🚀👩‍👩‍👧 and CJK: 日本語のテキスト, 中文, 한국어\n\n"

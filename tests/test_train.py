@@ -10,16 +10,15 @@ import time
 
 import pytest
 import torch
+from conftest import REPO
+from conftest import TINY_VOCAB as VOCAB
+from conftest import iter_losses, train_args
 
-import checkpoint as checkpoint_mod
 import train
-from checkpoint import load_checkpoint, save_checkpoint
-from conftest import TINY_VOCAB as VOCAB, train_args
-from model import NANOGPT_MODEL_ARGS, GPT, GPTConfig
-from runtime import UserError
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from model import GPT, NANOGPT_MODEL_ARGS, GPTConfig
+from nanogpt_plus import checkpoint as checkpoint_mod
+from nanogpt_plus.checkpoint import load_checkpoint, save_checkpoint
+from nanogpt_plus.runtime import UserError
 
 tiny_args = functools.partial(train_args, dropout=0.1, num_threads=1)  # fixed threads: bitwise runs
 
@@ -29,9 +28,6 @@ def run_train(capsys, args):
     out = capsys.readouterr().out
     return out
 
-
-def iter_losses(out):
-    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^iter (\d+): loss (\S+),", out, re.M)}
 
 
 def eval_losses(out):
@@ -165,7 +161,7 @@ def test_init_from_exported_char_model_keeps_its_tokenizer(dataset, tmp_path, ca
     """ A character model exported by export_hf.py and trained further stays a character model: the
     checkpoint's tokenizer is the exported one, not GPT-2's (else sample.py would decode it as BPE). """
     from export_hf import export
-    from tokenizer import read_dataset_meta
+    from nanogpt_plus.tokenizer import read_dataset_meta
     meta = read_dataset_meta(dataset)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=VOCAB))
     export(model, meta, str(tmp_path / "hf"))
@@ -273,7 +269,7 @@ def test_plot_metrics(dataset, tmp_path, capsys):
 
 
 def test_lr_schedule():
-    from training import get_lr
+    from nanogpt_plus.training import get_lr
     lrs = [get_lr(it, 1e-3, 10, 100, 1e-4) for it in range(120)]
     assert lrs[0] == pytest.approx(1e-3 / 11) and lrs[9] == pytest.approx(1e-3 * 10 / 11)  # linear warmup
     assert lrs[10] == pytest.approx(1e-3)  # cosine starts at the max

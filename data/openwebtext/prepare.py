@@ -13,14 +13,12 @@ openwebtext: train.bin is ~17GB, val.bin ~8.5MB; train has ~9B tokens (9,035,582
 The map step caches its results in the Hugging Face datasets cache (--cache_dir), so a re-run is quick.
 """
 import os
-import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # repo root, data/
 
-import data_common as dc  # noqa: E402
-from configurator import configure  # noqa: E402
-from runtime import run_main  # noqa: E402
+from configurator import configure
+from nanogpt_plus import prepare as dc
+from nanogpt_plus.runtime import run_main
 
 defaults = {
     'dataset': 'openwebtext',  # Hugging Face dataset name (used when files is '')

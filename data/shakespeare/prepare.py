@@ -10,13 +10,11 @@ Usage:
     python data/shakespeare/prepare.py --input=my_text.txt --out_dir=data/my_dataset
 """
 import os
-import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # repo root, data/
 
-import data_common as dc  # noqa: E402
-from runtime import run_main  # noqa: E402
+from nanogpt_plus import prepare as dc
+from nanogpt_plus.runtime import run_main
 
 
 def main():

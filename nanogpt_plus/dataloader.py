@@ -7,7 +7,7 @@ batch k belongs to rank k % world_size (each call to next_batch consumes world_s
 world size: 2 ranks x 2 accumulation steps see exactly the micro-batches 1 rank x 4 steps sees.
 
 Usage:
-    from dataloader import TokenWindowLoader, dataset_dir
+    from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
     loader = TokenWindowLoader(os.path.join(dataset_dir('shakespeare_char'), 'train.bin'), batch_size=12,
                                block_size=64, seed=1337, rank=0, world_size=1, device='cpu')
     x, y = loader.next_batch()          # (B, T) int64 inputs and targets shifted by one
@@ -20,9 +20,9 @@ import os
 import numpy as np
 import torch
 
-from runtime import UserError
+from nanogpt_plus.runtime import UserError
 
-REPO_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout above this package
 
 
 def dataset_dir(dataset):

@@ -2,7 +2,7 @@
 Tokenizers shared by every script: GPT-2 BPE (tiktoken, offline-capable) and character level.
 
 Usage:
-    from tokenizer import get_gpt2_encoding, load_tokenizer
+    from nanogpt_plus.tokenizer import get_gpt2_encoding, load_tokenizer
     enc = get_gpt2_encoding()                 # a tiktoken.Encoding identical to tiktoken's 'gpt2'
     tok = load_tokenizer(meta)                # from a checkpoint's/dataset's tokenizer description
 

@@ -8,9 +8,9 @@ tensors and plain Python values, so torch.load(weights_only=True) reads it and n
 too. A readable JSON sidecar (ckpt.json) describes it.
 
 Usage:
-    from checkpoint import save_checkpoint, load_checkpoint, load_model
-    save_checkpoint(ckpt_dict, 'out/ckpt.pt')
-    model, info = load_model('resume', out_dir='out', device='cpu')   # info['tokenizer'], info['checkpoint']
+    from nanogpt_plus.checkpoint import init_model, save_checkpoint
+    model, tokenizer_meta, ckpt = init_model('resume', out_dir='out')   # or 'scratch', 'gpt2', a path
+    save_checkpoint(ckpt, 'out/ckpt.pt')
 """
 
 import json
@@ -19,8 +19,9 @@ import os
 import torch
 
 from model import GPT, GPT2_NAMES, GPTConfig
-from runtime import UserError
-from tokenizer import read_dataset_meta
+from nanogpt_plus.dataloader import dataset_dir
+from nanogpt_plus.runtime import UserError
+from nanogpt_plus.tokenizer import read_dataset_meta
 
 HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for character-level models
 
@@ -140,10 +141,10 @@ def checkpoint_tokenizer_meta(ckpt, data_root='data'):
     return {'kind': 'gpt2'}
 
 
-def resolve_checkpoint_path(init_from, out_dir):
-    """ The ckpt.pt that init_from names: 'resume' (in out_dir), a directory holding ckpt.pt, or a file. """
+def checkpoint_path(init_from, out_dir, resume_file='ckpt.pt'):
+    """ The checkpoint file init_from names: 'resume' (out_dir/resume_file), a directory holding ckpt.pt, a file. """
     if init_from == 'resume':
-        return os.path.join(out_dir, 'ckpt.pt')
+        return os.path.join(out_dir, resume_file)
     if os.path.isfile(init_from):
         return init_from
     if os.path.isdir(init_from) and os.path.exists(os.path.join(init_from, 'ckpt.pt')):
@@ -176,21 +177,68 @@ def pretrained_tokenizer_meta(init_from):
         raise UserError(f"{meta_path} is unreadable ({e}); re-export the model with export_hf.py") from None
 
 
-def load_model(init_from, out_dir='out', device='cpu', dropout=None):
+def build_checkpoint(model, iter_num, best_val_loss, config, tokenizer, provenance, model_state=None, **extra):
     """
-    Build a model from any source. Returns (model on device, info) with info['tokenizer'] (a description
-    for tokenizer.load_tokenizer), info['checkpoint'] (the ckpt dict, or None) and info['source'].
+    The one checkpoint dict: nanoGPT's keys ('model', 'model_args', 'iter_num', 'best_val_loss', 'config'),
+    the model settings beyond nanoGPT's, the tokenizer and provenance, then whatever the caller adds
+    (train.py: 'optimizer', 'loader', 'rng', 'scaler'; finetune.py: the task head and its labels).
+    model_state replaces model.state_dict() where the caller already holds the full state (FSDP).
     """
-    ckpt_path = resolve_checkpoint_path(init_from, out_dir)
+    ckpt = {
+        'model': model.state_dict() if model_state is None else model_state,
+        'model_args': model.config.model_args(),
+        'model_extra_args': model.config.model_extra_args(),
+        'iter_num': iter_num,
+        'best_val_loss': best_val_loss,
+        'config': dict(config),
+        'tokenizer': tokenizer,
+        'provenance': provenance,
+    }
+    ckpt.update(extra)
+    return ckpt
+
+
+def scratch_model(model_settings, data_meta, data_dir):
+    """ A new random GPT from the model settings, its vocab_size from the dataset's meta (else GPT-2's, padded). """
+    print("Initializing a new model from scratch")
+    if data_meta is not None and data_meta.get('vocab_size'):
+        vocab_size = int(data_meta['vocab_size'])
+        print(f"found vocab_size = {vocab_size} (inside {data_dir})")
+    else:
+        print("defaulting to vocab_size of GPT-2 to 50304 (50257 rounded up for efficiency)")
+        vocab_size = 50304
+    args = {k: model_settings[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'gelu')}
+    try:
+        return GPT(GPTConfig(vocab_size=vocab_size, **args))
+    except ValueError as e:  # e.g. n_embd not divisible by n_head
+        raise UserError(f"{e}; change the model settings") from None
+
+
+def init_model(init_from, out_dir='out', dataset=None, model_settings=None, dropout=None, resume_file='ckpt.pt'):
+    """
+    The one place that turns init_from into (model on the CPU, tokenizer description, checkpoint or None):
+      'scratch'        a new GPT from model_settings (n_layer, n_head, n_embd, block_size, bias, dropout, gelu),
+                       with the vocabulary and tokenizer of `dataset` (GPT-2's when it has no meta)
+      'resume'         out_dir/resume_file (train.py: ckpt.pt; finetune.py: its ckpt_last.pt)
+      a path           a ckpt.pt, or a training out_dir holding one
+      gpt2*, a path    OpenAI's GPT-2 weights, or a local Hugging Face GPT-2 directory (export_hf.py's too)
+    dropout overrides the saved dropout (architecture settings always come from the weights).
+    """
+    if init_from == 'scratch':
+        data_dir = dataset_dir(dataset)
+        data_meta = read_dataset_meta(data_dir)
+        return scratch_model(model_settings, data_meta, data_dir), data_meta or {'kind': 'gpt2'}, None
+    ckpt_path = checkpoint_path(init_from, out_dir, resume_file)
     if ckpt_path is not None:
         ckpt = load_checkpoint(ckpt_path, map_location='cpu')
-        model = model_from_checkpoint(ckpt, dropout)
-        info = {'tokenizer': checkpoint_tokenizer_meta(ckpt), 'checkpoint': ckpt, 'source': ckpt_path}
-    elif init_from in GPT2_NAMES or is_hf_dir(init_from):
-        model = pretrained_model(init_from, dropout)
-        info = {'tokenizer': pretrained_tokenizer_meta(init_from), 'checkpoint': None, 'source': init_from}
-    else:
-        raise UserError(f"don't know how to load init_from='{init_from}': use resume (with --out_dir), a "
-                        f"training out_dir or ckpt.pt, gpt2/gpt2-medium/gpt2-large/gpt2-xl, or a local "
-                        f"Hugging Face GPT-2 directory")
-    return model.to(device), info
+        return model_from_checkpoint(ckpt, dropout), checkpoint_tokenizer_meta(ckpt), ckpt
+    if init_from in GPT2_NAMES or is_hf_dir(init_from):
+        return pretrained_model(init_from, dropout), pretrained_tokenizer_meta(init_from), None
+    raise UserError(f"don't know how to load init_from='{init_from}': use scratch, resume (with --out_dir), a "
+                    f"training out_dir or ckpt.pt, gpt2/gpt2-medium/gpt2-large/gpt2-xl, or a local Hugging Face "
+                    f"GPT-2 directory")
+
+
+def describe_source(init_from, out_dir='out', resume_file='ckpt.pt'):
+    """ What init_model(init_from, out_dir) reads, for messages: the checkpoint's path, else init_from. """
+    return checkpoint_path(init_from, out_dir, resume_file) or init_from

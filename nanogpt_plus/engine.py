@@ -4,7 +4,7 @@ one token per step for a whole batch of samples. It is split from model.py (like
 GPT.generate in model.py stays the naive reference that this module is tested against.
 
 Usage:
-    from engine import generate, generate_stream
+    from nanogpt_plus.engine import generate, generate_stream
     g = torch.Generator().manual_seed(1337)
     out = generate(model, idx, max_new_tokens=500, temperature=0.8, top_k=200, generator=g)  # (B, T+500)
     for tokens in generate_stream(model, idx, 500, temperature=0.8, generator=g):  # tokens: (B,) per step

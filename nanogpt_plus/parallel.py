@@ -1,0 +1,158 @@
+"""
+Spreading training over processes: DDP or FSDP2 around the plain model (and torch.compile), control of the
+gradient communication during accumulation, the full (unsharded) state dicts a checkpoint stores and their
+re-sharding on resume, and small reductions over ranks.
+
+Usage:
+    from nanogpt_plus.parallel import wrap_model, grad_sync_context, full_state_dicts
+    model = wrap_model(raw_model, dist_info, compile_model=True, parallelism='ddp')
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+from nanogpt_plus.runtime import UserError
+
+
+def wrap_model(model, dist_info, compile_model=False, parallelism='ddp'):
+    """
+    torch.compile and/or DistributedDataParallel around a plain model; returns the model to train.
+    parallelism='fsdp' (under torchrun) shards the model in place with FSDP2 instead of DDP, so create the
+    optimizer after this call: its parameters are the sharded ones.
+    """
+    distributed = dist_info is not None and dist_info.ddp
+    fsdp = distributed and parallelism == 'fsdp'
+    if fsdp:
+        shard_model(model, dist_info)  # in place, before compile
+    if compile_model:
+        print("compiling the model... (takes a ~minute)")
+        model = torch.compile(model)  # requires PyTorch 2.0
+    if distributed and not fsdp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        device_ids = [dist_info.local_rank] if 'cuda' in dist_info.device else None
+        model = DDP(model, device_ids=device_ids)
+    return model
+
+
+def shard_model(model, dist_info):
+    """
+    FSDP2: shard every Block, then the root (which keeps wte/lm_head, one tied parameter, plus wpe and
+    ln_f), over all ranks. Each rank then holds 1/world_size of every parameter, gradient and AdamW
+    state; a Block's full weights are all-gathered just for its forward and backward. FSDP also moves
+    the model to the device, one Block at a time, so the full model never has to fit there.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    # every rank seeded its own init (seed + rank); DDP broadcasts rank 0's weights, FSDP would shard
+    # each rank's own, so start from rank 0's (resumed or pretrained weights are the same everywhere)
+    with torch.no_grad():
+        for p in model.parameters():
+            buf = p.detach().to(dist_info.device)  # nccl needs the GPU; gloo works in place on the CPU
+            dist.broadcast(buf, src=0)
+            if buf.data_ptr() != p.data_ptr():
+                p.copy_(buf)
+    mesh = init_device_mesh(torch.device(dist_info.device).type, (dist_info.world_size,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def is_fsdp(model):
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(getattr(model, '_orig_mod', model), FSDPModule)
+
+
+def local_param_count(model):
+    """ The number of parameter values this rank stores (its shards under FSDP, all of them otherwise). """
+    from torch.distributed.tensor import DTensor
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+def full_state_dicts(model, optimizer):
+    """
+    The model and optimizer state dicts of the plain, unsharded model (what ckpt.pt holds, so sample.py
+    and a single-process or DDP resume read it unchanged). Under FSDP every shard is all-gathered, so
+    every rank must call this at the same point.
+    """
+    if not is_fsdp(model):
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.tensor import DTensor
+    gathered = {}  # id(DTensor) -> full CPU tensor, so the tied wte/lm_head weight stays one tensor
+
+    def full(t):
+        if not isinstance(t, DTensor):
+            return t.detach() if torch.is_tensor(t) else t
+        if id(t) not in gathered:
+            gathered[id(t)] = t.full_tensor().detach().cpu()
+        return gathered[id(t)]
+    model_state = {k: full(v) for k, v in model.state_dict(keep_vars=True).items()}
+    opt = optimizer.state_dict()  # AdamW's own format: state keyed by parameter index, values sharded
+    opt_state = {i: {k: full(v) for k, v in s.items()} for i, s in sorted(opt['state'].items())}
+    return model_state, {'state': opt_state, 'param_groups': opt['param_groups']}
+
+
+def load_optimizer_state(optimizer, state_dict):
+    """ optimizer.load_state_dict for a full (unsharded) state dict, sharding it for FSDP parameters. """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    params = [p for group in optimizer.param_groups for p in group['params']]
+    if any(isinstance(p, DTensor) for p in params):
+        state = {}
+        for i, s in sorted(state_dict['state'].items()):  # the same order on every rank: collectives
+            p = params[int(i)]
+            state[i] = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+                        if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.shape else v
+                        for k, v in s.items()}
+        state_dict = dict(state_dict, state=state)
+    optimizer.load_state_dict(state_dict)
+
+
+@contextmanager
+def grad_sync_context(model, sync):
+    """
+    Skip the gradient communication on all but the last micro-step of gradient accumulation: DDP's
+    all-reduce (no_sync), or FSDP's reduce-scatter (gradients then accumulate unsharded on each rank).
+    """
+    if sync:
+        yield
+    elif hasattr(model, 'no_sync'):
+        with model.no_sync():
+            yield
+    elif hasattr(model, 'set_requires_gradient_sync'):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def all_reduce_sum(values, dist_info):
+    """ Sum over ranks of a list of floats (returns them unchanged in a single process). """
+    if not dist_info.ddp:
+        return list(values)
+    import torch.distributed as dist
+    t = torch.tensor(values, dtype=torch.float64, device=dist_info.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_mean(values, dist_info):
+    """ Mean over ranks of a list of floats (returns them unchanged in a single process). """
+    return [v / dist_info.world_size for v in all_reduce_sum(values, dist_info)]
+
+
+def accumulation_per_rank(gradient_accumulation_steps, dist_info):
+    """
+    The micro-steps each of world_size processes runs, so that the global batch (batch_size x
+    gradient_accumulation_steps) is the same for any number of processes.
+    """
+    w = dist_info.world_size
+    if gradient_accumulation_steps % w != 0:
+        raise UserError(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be divisible by the "
+                        f"number of processes ({w}); pick a multiple of {w}")
+    return gradient_accumulation_steps // w

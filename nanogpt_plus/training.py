@@ -1,0 +1,239 @@
+"""
+The pieces of a training loop that train.py and finetune.py share: the learning-rate schedule, the
+GradScaler, the optimizer step with clipping, RNG state for exact resume, graceful SIGINT/SIGTERM, and
+metrics logging (JSON lines + wandb).
+
+Usage:
+    from nanogpt_plus.training import get_lr, optimizer_step, MetricsLogger, GracefulExit
+"""
+
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+
+from nanogpt_plus.hardware import device_peak_flops
+from nanogpt_plus.parallel import load_optimizer_state
+from nanogpt_plus.runtime import PTDTYPE, UserError, device_type_of, precision
+from nanogpt_plus.threads import apply_cpu_threads
+
+
+def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
+    """ Learning rate decay scheduler (cosine with warmup), as nanoGPT. """
+    # 1) linear warmup for warmup_iters steps
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    # 2) if it > lr_decay_iters, return min learning rate (also when there is no decay phase at all)
+    if it > lr_decay_iters or lr_decay_iters <= warmup_iters:
+        return min_lr
+    # 3) in between, use cosine decay down to min learning rate
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    assert 0 <= decay_ratio <= 1
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # coeff ranges 0..1
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+def make_grad_scaler(device_type, dtype):
+    """ A GradScaler, enabled only for float16 (bf16 and fp32 don't need loss scaling). """
+    return torch.amp.GradScaler(device_type if device_type == 'cuda' else 'cpu', enabled=(dtype == 'float16'))
+
+
+def compute_setup(device, dtype, compile_setting, num_threads, peak=True):
+    """
+    Everything a run on `device` decides before building the model: TF32 on CUDA, the dtype ('auto'
+    resolved), the autocast context, whether to torch.compile, the device's peak FLOP/s for MFU (None
+    with peak=False: on a CPU finding it runs a short matmul probe), and the CPU thread count.
+    Returns (dtype, ctx, compile_model, peak_flops).
+    """
+    device_type = device_type_of(device)
+    dtype, ctx = precision(device, dtype)
+    compile_model = resolve_compile(compile_setting, device_type)
+    # MFU against the whole device: on the CPU every core torch uses by default, whatever num_threads
+    peak_flops = device_peak_flops(device, PTDTYPE[dtype]) if peak else None
+    apply_cpu_threads(num_threads)
+    return dtype, ctx, compile_model, peak_flops
+
+
+def resolve_compile(setting, device_type):
+    """
+    compile=None (auto) compiles on CUDA only: on the CPU the compile time (20-100 s on 2 cores) costs
+    about what it saves over a few thousand small-model iterations (measured with bench.py).
+    """
+    return setting if setting is not None else device_type == 'cuda'
+
+
+def optimizer_step(model, optimizer, scaler, grad_clip):
+    """ Unscale, clip, step, update the scaler and zero the grads; returns the grad norm tensor (or None). """
+    norm = None
+    if grad_clip != 0.0:
+        scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        if hasattr(norm, 'full_tensor'):  # FSDP: a DTensor; the same total norm on every rank
+            norm = norm.full_tensor()
+    # step the optimizer and scaler if training in fp16
+    scaler.step(optimizer)
+    scaler.update()
+    # flush the gradients as soon as we can, no need for this memory anymore
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def fit_block_size(model, block_size):
+    """ Crop the model to block_size (model surgery) when it is smaller; a larger one is an error. 0 = keep. """
+    if block_size and block_size < model.config.block_size:
+        model.crop_block_size(block_size)
+    elif block_size > model.config.block_size:
+        raise UserError(f"block_size {block_size} is larger than the model's {model.config.block_size}; "
+                        f"use --block_size={model.config.block_size} or less")
+
+
+def rng_state():
+    """ Every RNG a training step can touch (dropout, shuffles), as tensors and plain values. """
+    state = {'torch': torch.get_rng_state(), 'python': _python_rng_state(), 'numpy': _numpy_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state['cuda'] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state['torch'])
+    if 'cuda' in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state['cuda'])
+    if 'python' in state:
+        version, internal, gauss = state['python']
+        random.setstate((version, tuple(internal), gauss))
+    if 'numpy' in state:
+        name, keys, pos, has_gauss, cached = state['numpy']
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def restore_training_state(ckpt, optimizer, scaler, dist_info):
+    """ On resume: the optimizer state (sharded for FSDP), the GradScaler's if saved, and this rank's RNGs. """
+    load_optimizer_state(optimizer, ckpt['optimizer'])
+    if ckpt.get('scaler'):
+        scaler.load_state_dict(ckpt['scaler'])
+    rng = ckpt.get('rng')
+    if rng:
+        set_rng_state(rng[dist_info.rank] if dist_info.rank < len(rng) else rng[0])
+
+
+def _python_rng_state():
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _numpy_rng_state():
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+def gather_rng_states(dist_info):
+    """ The RNG state of every rank, gathered to all ranks (so rank 0 can save them all). """
+    state = rng_state()
+    if not dist_info.ddp:
+        return [state]
+    import torch.distributed as dist
+    states = [None] * dist_info.world_size
+    dist.all_gather_object(states, state)
+    return states
+
+
+def tensors_finite(tensors):
+    """ Whether every floating-point tensor (weights before a checkpoint is written) is free of inf/nan. """
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+class GracefulExit:
+    """
+    SIGINT/SIGTERM (Ctrl-C, preemption) set a flag instead of killing the process, so the loop can finish
+    the current iteration and save. A second Ctrl-C exits at once.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def install(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\nreceived {signal.Signals(signum).name}: finishing this iteration, then saving a checkpoint",
+              file=sys.stderr, flush=True)
+
+    def should_stop(self, dist_info, sync_point=True):
+        """
+        True on every rank once any rank got a signal (all ranks must stop at the same step). With several
+        processes that takes a collective and a host sync, so it is only asked at sync_point steps (the
+        loop's log steps, which sync anyway); a single process just reads its flag.
+        """
+        if not dist_info.ddp:
+            return self.requested
+        if not sync_point:
+            return False
+        import torch.distributed as dist
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=dist_info.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def uninstall(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class MetricsLogger:
+    """
+    One JSON object per line in out_dir/metrics.jsonl (always, on the master rank) and, when asked, the
+    same numbers to wandb. A wandb that can't start (not installed, not logged in, offline without
+    WANDB_MODE=offline) is a warning, not a crash.
+    """
+
+    def __init__(self, path, enabled=True, wandb_log=False, wandb_project=None, wandb_run_name=None,
+                 config=None, wandb_dir=None):
+        self.enabled = enabled
+        self.path = path
+        self.wandb = None
+        self.t_start = time.time()
+        if not enabled:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.file = open(path, 'a', encoding='utf-8')
+        if wandb_log:
+            try:
+                import wandb
+                wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=wandb_dir)
+                self.wandb = wandb
+            except Exception as e:  # wandb raises many kinds (UsageError, CommError, ...): all mean "no wandb"
+                print(f"warning: wandb could not start ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                      f"continuing without it (set WANDB_MODE=offline to log locally)", file=sys.stderr)
+
+    def log(self, record):
+        if not self.enabled:
+            return
+        record = dict(record, wall_time=round(time.time() - self.t_start, 3))
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            step = record.get('iter')
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != 'iter'},
+                           step=step)
+
+    def close(self):
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
