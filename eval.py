@@ -30,9 +30,10 @@ import torch
 from torch.nn import functional as F
 
 from configurator import configure
-from nanogpt_plus.checkpoint import atomic_write, describe_source, init_model
+from nanogpt_plus.checkpoint import describe_source, init_model
 from nanogpt_plus.dataloader import dataset_dir, open_tokens
-from nanogpt_plus.dataloader import read_jsonl as read_jsonl_records
+from nanogpt_plus.files import atomic_write
+from nanogpt_plus.files import read_jsonl as read_jsonl_records
 from nanogpt_plus.runtime import UserError, destroy_distributed, init_distributed, precision, provenance, run_main
 from nanogpt_plus.tokenizer import load_tokenizer, read_dataset_meta
 

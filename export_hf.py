@@ -20,7 +20,8 @@ import torch
 
 from configurator import configure
 from model import EXPORT_ACTIVATIONS, hf_key_map
-from nanogpt_plus.checkpoint import HF_TOKENIZER_META, atomic_write, describe_source, init_model
+from nanogpt_plus.checkpoint import HF_TOKENIZER_META, describe_source, init_model
+from nanogpt_plus.files import atomic_write
 from nanogpt_plus.runtime import UserError, run_main
 from nanogpt_plus.tokenizer import EOT_TEXT, CharTokenizer, packaged_gpt2_files
 

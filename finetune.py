@@ -47,7 +47,7 @@ from configurator import configure
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import checkpoint_path, init_model, load_checkpoint, model_from_checkpoint, save_checkpoint
 from nanogpt_plus.dataloader import dataset_dir
-from nanogpt_plus.dataloader import read_jsonl as read_jsonl_records
+from nanogpt_plus.files import read_jsonl as read_jsonl_records
 from nanogpt_plus.parallel import accumulation_per_rank, all_reduce_sum, grad_sync_context, wrap_model
 from nanogpt_plus.runtime import (UserError, destroy_distributed, device_type_of, init_distributed, precision,
                                   provenance, run_main)

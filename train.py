@@ -38,9 +38,10 @@ import torch
 
 from configurator import configure
 from model import GPT, GPTConfig
-from nanogpt_plus.checkpoint import (GPT2_NAMES, atomic_write, is_hf_dir, load_checkpoint, model_from_checkpoint,
+from nanogpt_plus.checkpoint import (GPT2_NAMES, is_hf_dir, load_checkpoint, model_from_checkpoint,
                                      pretrained_model, pretrained_tokenizer_meta, save_checkpoint)
 from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
+from nanogpt_plus.files import atomic_write
 from nanogpt_plus.parallel import (accumulation_per_rank, all_reduce_mean, all_reduce_sum, full_state_dicts,
                                    grad_sync_context, local_param_count, wrap_model)
 from nanogpt_plus.runtime import UserError, destroy_distributed, device_type_of, init_distributed, provenance, run_main

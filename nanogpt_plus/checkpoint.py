@@ -20,41 +20,11 @@ import torch
 
 from model import GPT, GPT2_NAMES, GPTConfig
 from nanogpt_plus.dataloader import dataset_dir
+from nanogpt_plus.files import atomic_write
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import read_dataset_meta
 
 HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for character-level models
-
-
-def _fsync_dir(path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # not possible on every platform (e.g. Windows); the rename is still atomic
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path, write_fn, binary=True):
-    """
-    Write a file so that a crash at any moment leaves either the old complete file or the new one:
-    write_fn(f) fills a temp file in the same directory, which is flushed, fsynced and renamed over path.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, 'wb' if binary else 'w', **({} if binary else {'encoding': 'utf-8'})) as f:
-            write_fn(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    _fsync_dir(directory)
 
 
 def _json_summary(ckpt):

