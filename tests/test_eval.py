@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO, save_test_checkpoint
 
-from eval import evaluate, hellaswag_examples, loss_windows, read_jsonl, score_examples
 from model import GPT, GPTConfig
+from nanogpt_plus.evaluation import (evaluate, evaluate_hellaswag, hellaswag_examples, loss_windows,
+                                     read_task_records, score_examples)
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
@@ -28,14 +29,9 @@ def tiny_gpt(vocab_size, block_size=16, seed=0, gelu='tanh'):
                          gelu=gelu)).eval()
 
 
-def cfg(**kw):
-    c = dict(data_file='', dataset='', split='val', stride=0, batch_size=4, max_examples=0, compile=False)
-    c.update(kw)
-    return c
-
-
-def info(tok):
-    return {'tokenizer': tok.meta(), 'checkpoint': None, 'source': 'test'}
+def run_task(model, task, tok, **settings):
+    """ evaluate() on the CPU for a model with tokenizer tok, 4 rows per batch unless settings say otherwise. """
+    return evaluate(model, task, tok.meta(), **dict(dict(batch_size=4, device='cpu'), **settings))
 
 
 def write_jsonl(path, records):
@@ -91,7 +87,7 @@ def hf_reference_losses(hf, tok, record, block_size):
 def test_hellaswag_matches_transformers_reference(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    from export_hf import export
+    from nanogpt_plus.hf_export import export
     tok = GPT2Tokenizer()
     model = tiny_gpt(50257, block_size=24)
     export(model, tok.meta(), str(tmp_path / 'hf'))
@@ -114,12 +110,12 @@ def test_hellaswag_matches_transformers_reference(tmp_path):
 
     # batch sizes that put endings of different lengths (and of different examples) in one padded batch
     for batch_size in (1, 3, 16):
-        result = evaluate(model, 'hellaswag', cfg(data_file=path, batch_size=batch_size), info(tok), 'cpu')
+        result = run_task(model, 'hellaswag', tok, data_file=path, batch_size=batch_size)
         assert result['metrics'] == {'acc': acc, 'acc_norm': acc_norm}
         assert result['num_examples'] == 4
 
     # per ending, the scores themselves: only the ending tokens, cropped rows included
-    rows, offsets, _ = hellaswag_examples(read_jsonl(path, ('ctx', 'endings', 'label')), tok, 24)
+    rows, offsets, _ = hellaswag_examples(read_task_records('hellaswag', path), tok, 24)
     assert max(len(t) for t, _ in rows) == 25  # the long context was cropped to block_size + 1
     table = score_examples(model, rows, offsets, batch_size=5, device='cpu')
     expected = torch.tensor([loss for r in ref for loss in r], dtype=torch.float64)
@@ -128,8 +124,13 @@ def test_hellaswag_matches_transformers_reference(tmp_path):
     # endings longer than the block keep only their last block_size tokens
     assert table[:, 1].tolist() == [min(len(tok.encode_ordinary(' ' + e)), 24) for r in records for e in r['endings']]
 
-    one = evaluate(model, 'hellaswag', cfg(data_file=path, max_examples=1), info(tok), 'cpu')
+    # the in-process entry (a training loop's): the same metrics from examples built once
+    examples = hellaswag_examples(read_task_records('hellaswag', path), tok, 24)
+    assert evaluate_hellaswag(model, examples, batch_size=2, device='cpu') == {'acc': acc, 'acc_norm': acc_norm}
+
+    one = run_task(model, 'hellaswag', tok, data_file=path, max_examples=1)
     assert one['num_examples'] == 1 and one['metrics']['acc'] == 1.0
+    assert one['metrics']['acc_norm'] == float(best_mean[0] == best_sum[0])
 
 
 # -----------------------------------------------------------------------------
@@ -176,7 +177,7 @@ def test_lambada_against_hand_computation(tmp_path):
         greedy.append(ok)
     assert greedy[:3] == [True, True, False]
 
-    result = evaluate(model, 'lambada', cfg(data_file=path, batch_size=2), info(tok), 'cpu')
+    result = run_task(model, 'lambada', tok, data_file=path, batch_size=2)
     assert result['metrics']['acc'] == pytest.approx(sum(greedy) / len(texts))
     assert result['metrics']['ppl'] == pytest.approx(math.exp(sum(nlls) / len(texts)), rel=1e-6)
     assert result['num_examples'] == 5
@@ -190,7 +191,10 @@ def test_loss_windows_score_every_token_once(num_tokens, block_size, stride):
     seen = []
     for begin, end, n_scored in loss_windows(num_tokens, block_size, stride):
         assert 0 < end - begin <= block_size and 0 < n_scored <= end - begin
-        seen += list(range(end + 1 - n_scored, end + 1))  # target positions this window scores
+        targets = list(range(end + 1 - n_scored, end + 1))  # target positions this window scores
+        # a sliding window's promise: each target sees the start of the file or block_size - S + 1 tokens
+        assert all(t - begin >= min(t, block_size - (stride or block_size) + 1) for t in targets)
+        seen += targets
     assert seen == list(range(1, num_tokens))
 
 
@@ -218,22 +222,31 @@ def test_loss_and_bits_per_byte_against_hand_computation(tmp_path):
         # target j sees the context from the start of the last window that scores it
         starts = [0 if j <= T else math.ceil((j - T) / S) * S for j in range(1, len(ids))]
         nll = sum(nll_of(j, s) for j, s in zip(range(1, len(ids)), starts))
-        result = evaluate(model, 'loss', cfg(data_file=str(data_dir / 'val.bin'), stride=stride, batch_size=3),
-                          info(tok), 'cpu')
+        result = run_task(model, 'loss', tok, data_file=str(data_dir / 'val.bin'), stride=stride, batch_size=3)
         m = result['metrics']
-        assert m['tokens'] == len(ids) - 1
+        assert result['task'] == 'loss' and result['data_file'] == str(data_dir / 'val.bin')
+        assert m['tokens'] == len(ids) - 1 and m['bytes'] == num_bytes
         assert m['loss'] == pytest.approx(nll / (len(ids) - 1), rel=1e-6)
         assert m['perplexity'] == pytest.approx(math.exp(nll / (len(ids) - 1)), rel=1e-6)
         assert m['bits_per_byte'] == pytest.approx(nll / math.log(2) / num_bytes, rel=1e-6)
+        # every batch padded to block_size (what --compile does): the same numbers
+        padded = run_task(model, 'loss', tok, data_file=str(data_dir / 'val.bin'), stride=stride, batch_size=3,
+                          pad_to=T)['metrics']
+        assert padded.keys() == m.keys() and all(padded[k] == pytest.approx(m[k], rel=1e-6) for k in m)
 
     # max_examples: only the first windows (non-overlapping: 2 windows = 2 * T targets)
-    result = evaluate(model, 'loss', cfg(data_file=str(data_dir / 'val.bin'), max_examples=2), info(tok), 'cpu')
+    result = run_task(model, 'loss', tok, data_file=str(data_dir / 'val.bin'), max_examples=2)
     assert result['num_examples'] == 2 and result['metrics']['tokens'] == 2 * T
     nll = sum(nll_of(j, (j - 1) // T * T) for j in range(1, 2 * T + 1))
     assert result['metrics']['loss'] == pytest.approx(nll / (2 * T), rel=1e-6)
 
+    # --dataset (a name under data/ or a directory) and --split pick the token file
+    np.zeros(4, dtype=np.uint16).tofile(data_dir / 'train.bin')  # dataset_dir recognises a dataset by it
+    by_name = run_task(model, 'loss', tok, dataset=str(data_dir), split='val')
+    assert by_name['data_file'] == str(data_dir / 'val.bin') and by_name['metrics']['tokens'] == len(ids) - 1
+
     with pytest.raises(UserError, match='stride'):
-        evaluate(model, 'loss', cfg(data_file=str(data_dir / 'val.bin'), stride=T + 1), info(tok), 'cpu')
+        run_task(model, 'loss', tok, data_file=str(data_dir / 'val.bin'), stride=T + 1)
 
 
 # -----------------------------------------------------------------------------
@@ -262,6 +275,10 @@ def test_cli_ddp_equals_single_process(tmp_path):
             assert r.returncode == 0, r.stderr[-3000:]
             line = json.loads(r.stdout.strip().splitlines()[-1])
             assert line == json.load(open(out_file))  # the printed line and the file agree
+            # the documented layout, in this order, naming the checkpoint and the file scored
+            assert list(line) == ['task', 'metrics', 'num_examples', 'source', 'data_file']
+            assert line['task'] == task and line['source'] == os.path.join(out_dir, 'ckpt.pt')
+            assert line['data_file'] == (hs if task == 'hellaswag' else os.path.join(tmp_path, 'ds', 'val.bin'))
             results[task, ddp] = line
     for task in ('hellaswag', 'loss'):
         single, ddp = results[task, False], results[task, True]
@@ -289,9 +306,11 @@ def test_missing_token_file_and_dataset(tmp_path):
     tok = CharTokenizer.from_text(CHARS)
     model = tiny_gpt(tok.vocab_size)
     with pytest.raises(UserError, match='no token file'):
-        evaluate(model, 'loss', cfg(data_file=str(tmp_path / 'val.bin')), info(tok), 'cpu')
+        run_task(model, 'loss', tok, data_file=str(tmp_path / 'val.bin'))
     with pytest.raises(UserError, match='--dataset'):
-        evaluate(model, 'loss', cfg(), info(tok), 'cpu')  # no checkpoint config to take the dataset from
+        run_task(model, 'loss', tok)  # neither a file nor a dataset (eval.py's main takes it from the checkpoint)
+    with pytest.raises(UserError, match='batch_size must be at least 1'):
+        run_task(model, 'loss', tok, data_file=str(tmp_path / 'val.bin'), batch_size=0)
 
 
 def test_malformed_jsonl_names_the_line(tmp_path):
@@ -301,15 +320,15 @@ def test_malformed_jsonl_names_the_line(tmp_path):
     good = json.dumps({'ctx': 'ab', 'endings': ['c', 'd'], 'label': 0})
     path.write_text(good + '\n\n' + '{"ctx": "ab", "endings": [\n')
     with pytest.raises(UserError, match=r'line 3 is not valid JSON'):
-        evaluate(model, 'hellaswag', cfg(data_file=str(path)), info(tok), 'cpu')
+        run_task(model, 'hellaswag', tok, data_file=str(path))
     path.write_text(good + '\n' + json.dumps({'ctx': 'ab', 'endings': ['c', 'd']}) + '\n')
     with pytest.raises(UserError, match=r"line 2 has no 'label'"):
-        evaluate(model, 'hellaswag', cfg(data_file=str(path)), info(tok), 'cpu')
+        run_task(model, 'hellaswag', tok, data_file=str(path))
     path.write_text(good + '\n' + json.dumps({'ctx': 'ab', 'endings': ['c', 'd'], 'label': 5}) + '\n')
     with pytest.raises(UserError, match=r'line 2:'):
-        evaluate(model, 'hellaswag', cfg(data_file=str(path)), info(tok), 'cpu')
+        run_task(model, 'hellaswag', tok, data_file=str(path))
     path.write_text(json.dumps({'text': 'ab c'}) + '\n' + json.dumps({'text': 'nospace'}) + '\n')
     with pytest.raises(UserError, match=r'line 2:'):
-        evaluate(model, 'lambada', cfg(data_file=str(path)), info(tok), 'cpu')
+        run_task(model, 'lambada', tok, data_file=str(path))
     with pytest.raises(UserError, match='unknown task'):
-        evaluate(model, 'piqa', cfg(data_file=str(path)), info(tok), 'cpu')
+        run_task(model, 'piqa', tok, data_file=str(path))

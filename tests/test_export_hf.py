@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import REPO, save_test_checkpoint
 
-from export_hf import EXPORT_ACTIVATIONS, export, hf_state_dict
-from model import GPT, HF_ACTIVATIONS, GPTConfig
+from model import EXPORT_ACTIVATIONS, GPT, HF_ACTIVATIONS, GPTConfig
 from nanogpt_plus.checkpoint import init_model
+from nanogpt_plus.hf_export import export, hf_config, hf_state_dict
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
 
 
@@ -75,6 +75,7 @@ def test_export_reimport_and_transformers_logits(tmp_path, bias, gelu):
 
 
 def test_conv1d_layout_and_zero_biases():
+    from transformers import GPT2LMHeadModel
     model = tiny_gpt(bias=False, gelu='none')
     sd = hf_state_dict(model)
     C = model.config.n_embd
@@ -83,8 +84,15 @@ def test_conv1d_layout_and_zero_biases():
     assert torch.equal(sd['transformer.h.1.mlp.c_fc.weight'], model.transformer.h[1].mlp.c_fc.weight.t())
     assert sd['transformer.h.1.mlp.c_fc.bias'].shape == (4 * C,)
     assert sd['transformer.h.0.ln_1.bias'].shape == (C,)
+    # bias=False: the biases GPT-2 has anyway are zeros, so they change nothing
+    for name in ('transformer.h.1.mlp.c_fc.bias', 'transformer.h.0.ln_1.bias', 'transformer.h.0.attn.c_proj.bias',
+                 'transformer.ln_f.bias'):
+        assert torch.count_nonzero(sd[name]) == 0, name
     assert 'lm_head.weight' not in sd  # tied to wte
     assert all(t.is_contiguous() for t in sd.values())
+    # exactly the tensors (names and shapes) of transformers' GPT-2 with the exported config, bar the tied head
+    theirs = {k: v.shape for k, v in GPT2LMHeadModel(hf_config(model.config)).state_dict().items()}
+    assert {k: v.shape for k, v in sd.items()} == {k: v for k, v in theirs.items() if k != 'lm_head.weight'}
     # the export names are the inverse of the import's
     assert all(HF_ACTIVATIONS[v] == k for k, v in EXPORT_ACTIVATIONS.items())
 
@@ -99,7 +107,11 @@ def test_cli_export_gpt2_tokenizer_and_pipeline(tmp_path):
     r = subprocess.run([sys.executable, 'export_hf.py', f'--out_dir={out_dir}', f'--hf_dir={hf_dir}'],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout.strip().splitlines()[-1])['hf_dir'] == str(hf_dir)
+    line = json.loads(r.stdout.strip().splitlines()[-1])
+    assert line['hf_dir'] == str(hf_dir) and line['files'] == sorted(os.listdir(hf_dir))
+    expected = {'config.json', 'model.safetensors', 'vocab.json', 'merges.txt', 'tokenizer.json', 'README.md'}
+    assert expected <= set(line['files'])
+    assert f"source: `{os.path.join(out_dir, 'ckpt.pt')}`" in open(os.path.join(hf_dir, 'README.md')).read()
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
     assert tok.encode("Hello world") == [15496, 995]

@@ -1,0 +1,346 @@
+"""
+Zero-shot evaluation scoring: loss / perplexity / bits per byte over a token file, HellaSwag and LAMBADA.
+eval.py is the command line for it; anything else that scores a model on a task (a training loop's periodic
+HellaSwag, say) calls the same functions, so there is one implementation of each metric.
+
+Every task is turned into rows, a row being (tokens, n_target): the model reads tokens[:-1], predicts
+tokens[1:], and only the last n_target predictions count. An example owns a few consecutive rows (HellaSwag:
+one per ending; LAMBADA and the loss: one), so example k is rows[offsets[k]:offsets[k + 1]].
+
+Usage:
+    from nanogpt_plus import evaluation
+    result = evaluation.evaluate(model, 'loss', tokenizer_meta, dataset='shakespeare_char', device='cpu')
+    result['metrics']       # {'loss': ..., 'perplexity': ..., 'tokens': ..., 'bits_per_byte': ..., 'bytes': ...}
+
+    # tokenize once, score as often as needed (under torchrun, pass dist_info to split the examples)
+    path = evaluation.task_data_file('hellaswag')     # downloaded once, into data/hellaswag/
+    records = evaluation.read_task_records('hellaswag', path)
+    examples = evaluation.hellaswag_examples(records, tokenizer, model.config.block_size, path)
+    evaluation.evaluate_hellaswag(model, examples, batch_size=16, device='cuda', ctx=ctx, dist_info=dist_info)
+"""
+
+import math
+import os
+import urllib.request
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from nanogpt_plus.dataloader import REPO_DIR, dataset_dir, open_tokens
+from nanogpt_plus.files import atomic_write, read_jsonl
+from nanogpt_plus.runtime import UserError
+from nanogpt_plus.tokenizer import load_tokenizer, read_dataset_meta
+
+TASKS = ('loss', 'hellaswag', 'lambada')
+# the fields each JSONL task's records must have
+TASK_KEYS = {'hellaswag': ('ctx', 'endings', 'label'), 'lambada': ('text',)}
+# the files the public harnesses use: HellaSwag's validation split and OpenAI's LAMBADA test set (GPT-2 paper)
+DATA_URLS = {
+    'hellaswag': 'https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl',
+    'lambada': 'https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl',
+}
+DOWNLOAD_TIMEOUT_S = 10
+
+
+# -----------------------------------------------------------------------------
+# scoring rows, batched and split across ranks
+
+def make_row(context, target, block_size):
+    """ The row scoring target after context, cropped from the left to fit block_size. """
+    tokens = list(context) + list(target)
+    tokens = tokens[-(block_size + 1):]  # the inputs, tokens[:-1], are then at most block_size long
+    return tokens, min(len(target), len(tokens) - 1)
+
+
+@torch.no_grad()
+def score_rows(model, rows, indices, batch_size, device, ctx=nullcontext(), pad_to=None, progress=False):
+    """
+    Score rows[i] for i in indices, batch_size rows per forward pass. Rows are right-padded, and padding and
+    context positions get target -1: they are not counted, and (attention being causal) padding after a row
+    cannot change the logits of the row itself. pad_to fixes the padded length (one shape for torch.compile).
+    Returns a float64 (len(indices), 3) tensor, per row: the sum of its per-token losses in nats, the number of
+    scored tokens, and 1.0 if every scored token is the model's argmax prediction (else 0.0).
+    """
+    out = torch.zeros(len(indices), 3, dtype=torch.float64)
+    starts = range(0, len(indices), batch_size)
+    if progress:
+        from tqdm import tqdm
+        starts = tqdm(starts, desc='eval', unit='batch')
+    for start in starts:
+        batch = [rows[i] for i in indices[start:start + batch_size]]
+        T = pad_to or max(len(tokens) for tokens, _ in batch) - 1
+        idx = torch.zeros(len(batch), T, dtype=torch.long)
+        targets = torch.full((len(batch), T), -1, dtype=torch.long)
+        for b, (tokens, n_target) in enumerate(batch):
+            tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))  # a list, or a uint16 memmap slice
+            n = len(tokens) - 1  # the row's input length
+            idx[b, :n] = tokens[:-1]
+            targets[b, n - n_target:n] = tokens[n + 1 - n_target:]
+        idx, targets = idx.to(device), targets.to(device)
+        with ctx:  # logits at every position; the per-token losses are taken below rather than by the model
+            logits, _ = model(idx, all_positions=True)  # (B, T, vocab_size)
+        logits = logits.float()
+        losses = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+                                 reduction='none').view(targets.shape)  # (B, T), 0 where the target is -1
+        scored = targets != -1
+        greedy = ((logits.argmax(-1) == targets) | ~scored).all(dim=1)
+        out[start:start + len(batch), 0] = losses.double().sum(dim=1).cpu()
+        out[start:start + len(batch), 1] = scored.sum(dim=1).double().cpu()
+        out[start:start + len(batch), 2] = greedy.double().cpu()
+    return out
+
+
+def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcontext(), dist_info=None,
+                   pad_to=None, progress=False):
+    """
+    Score every row of every example; returns score_rows' table for all rows, (num_rows, 3). Under DDP
+    (dist_info.ddp) example k goes to rank k % world_size, whose rows' results are written into a zeroed
+    table that is then summed across ranks: adding zeros is exact, so every rank ends with the table one
+    process would have computed (up to how the rows were grouped into batches).
+    """
+    rank, world_size = (dist_info.rank, dist_info.world_size) if dist_info and dist_info.ddp else (0, 1)
+    mine = [i for k in range(rank, len(example_offsets) - 1, world_size)
+            for i in range(example_offsets[k], example_offsets[k + 1])]
+    table = torch.zeros(example_offsets[-1], 3, dtype=torch.float64)
+    table[mine] = score_rows(model, rows, mine, batch_size, device, ctx, pad_to, progress)
+    if world_size > 1:
+        import torch.distributed as dist
+        table = table.to(dist_info.device)  # nccl reduces only tensors on the GPU
+        dist.all_reduce(table, op=dist.ReduceOp.SUM)
+        table = table.cpu()
+    return table
+
+
+# -----------------------------------------------------------------------------
+# the loss over a token file
+
+def loss_windows(num_tokens, block_size, stride=0):
+    """
+    (begin, end, n_scored) windows over a token file: inputs tokens[begin:end], targets tokens[begin+1:end+1],
+    of which the last n_scored count. Every target tokens[1:] is scored exactly once; with a stride S <
+    block_size each window after the first moves by S and scores only its last S targets, which so see at
+    least block_size - S tokens of context (the usual sliding-window perplexity recipe).
+    """
+    stride = stride or block_size
+    if not 1 <= stride <= block_size:
+        raise UserError(f"stride must be between 1 and block_size ({block_size}), got {stride}; 0 means "
+                        f"non-overlapping windows")
+    windows, begin, scored_upto = [], 0, 0  # targets tokens[1:scored_upto + 1] are already scored
+    while scored_upto < num_tokens - 1:
+        end = min(begin + block_size, num_tokens - 1)
+        windows.append((begin, end, end - scored_upto))
+        scored_upto = end
+        begin += stride
+    return windows
+
+
+class TokenWindows:
+    """ The rows of a token file's windows, sliced from the memmap only when a batch needs them. """
+
+    def __init__(self, tokens, windows):
+        self.tokens, self.windows = tokens, windows
+
+    def __len__(self):
+        return len(self.windows)
+
+    def __getitem__(self, i):
+        begin, end, n_scored = self.windows[i]
+        return self.tokens[begin:end + 1], n_scored
+
+
+def token_byte_lengths(tokenizer):
+    """ The number of UTF-8 bytes each token id decodes to, as an array indexed by id (for bits per byte). """
+    if tokenizer.kind == 'char':
+        lengths = np.zeros(max(tokenizer.itos) + 1, dtype=np.int64)
+        for i, ch in tokenizer.itos.items():
+            lengths[i] = len(ch.encode('utf-8'))
+        return lengths
+    enc = tokenizer.enc
+    return np.array([len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)], dtype=np.int64)
+
+
+def loss_metrics(table, num_bytes):
+    """ Mean loss and perplexity per token of score_rows' table; bits per byte when num_bytes is known. """
+    nll, count = table[:, 0].sum().item(), table[:, 1].sum().item()
+    metrics = {'loss': nll / count, 'perplexity': math.exp(nll / count), 'tokens': int(count)}
+    if num_bytes is not None:
+        metrics['bits_per_byte'] = nll / math.log(2) / num_bytes
+        metrics['bytes'] = int(num_bytes)
+    return metrics
+
+
+def evaluate_loss(model, tokens, windows, tokenizer, batch_size, device, ctx=nullcontext(), dist_info=None,
+                  pad_to=None, progress=False):
+    """
+    The loss metrics of model on tokens (a token array or memmap) over loss_windows' windows. tokenizer is
+    the one the tokens were made with: it says how many bytes of text they are, for bits per byte (left out
+    when the file holds an id the tokenizer doesn't have).
+    """
+    table = score_examples(model, TokenWindows(tokens, windows), list(range(len(windows) + 1)), batch_size,
+                           device, ctx, dist_info, pad_to, progress)
+    lengths = token_byte_lengths(tokenizer)
+    scored = np.asarray(tokens[1:windows[-1][1] + 1], dtype=np.int64)  # every target some window scored
+    num_bytes = int(lengths[scored].sum()) if scored.max() < len(lengths) else None
+    return loss_metrics(table, num_bytes)
+
+
+# -----------------------------------------------------------------------------
+# multiple choice (HellaSwag) and last word (LAMBADA) JSONL tasks
+
+def read_task_records(task, path):
+    """ [(line number, record)] of a JSONL task file; a malformed line is an error that names it. """
+    return read_jsonl(path, TASK_KEYS[task], "pass --data_file=PATH to an existing JSONL file")
+
+
+def hellaswag_examples(records, tokenizer, block_size, path='data'):
+    """
+    One row per ending: the context's tokens, then the tokens of ' ' + ending (the way the standard harnesses
+    tokenize it), only the ending scored. path names the file in errors. Returns (rows, offsets, labels).
+    """
+    rows, offsets, labels = [], [0], []
+    for lineno, rec in records:
+        ctx, endings, label = rec['ctx'], rec['endings'], rec['label']
+        if isinstance(label, str) and label.strip().isdigit():
+            label = int(label)  # the Hugging Face copy of HellaSwag stores labels as strings
+        ok = (isinstance(ctx, str) and ctx and isinstance(endings, list) and len(endings) >= 2
+              and all(isinstance(e, str) and e for e in endings)
+              and isinstance(label, int) and not isinstance(label, bool) and 0 <= label < len(endings))
+        if not ok:
+            raise UserError(f"{path} line {lineno}: expected a non-empty 'ctx' string, a list of at least 2 "
+                            f"non-empty 'endings' and an integer 'label' indexing them; fix that line")
+        context = tokenizer.encode_ordinary(ctx)
+        for ending in endings:
+            rows.append(make_row(context, tokenizer.encode_ordinary(' ' + ending), block_size))
+        offsets.append(len(rows))
+        labels.append(label)
+    return rows, offsets, labels
+
+
+def hellaswag_metrics(table, offsets, labels):
+    """ acc: the label's ending has the lowest total loss; acc_norm: the lowest mean loss per token. """
+    correct = correct_norm = 0
+    for k, label in enumerate(labels):
+        choices = table[offsets[k]:offsets[k + 1]]
+        total, mean = choices[:, 0], choices[:, 0] / choices[:, 1]
+        correct += int(total.argmin().item() == label)
+        correct_norm += int(mean.argmin().item() == label)
+    return {'acc': correct / len(labels), 'acc_norm': correct_norm / len(labels)}
+
+
+def evaluate_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None, pad_to=None,
+                       progress=False):
+    """ {'acc', 'acc_norm'} of model on examples, hellaswag_examples' (rows, offsets, labels). """
+    rows, offsets, labels = examples
+    table = score_examples(model, rows, offsets, batch_size, device, ctx, dist_info, pad_to, progress)
+    return hellaswag_metrics(table, offsets, labels)
+
+
+def lambada_examples(records, tokenizer, block_size, path='data'):
+    """ One row per passage: the text up to its last space, then the tokens of ' ' + last word (scored).
+    Returns (rows, offsets). """
+    rows = []
+    for lineno, rec in records:
+        text = rec['text']
+        context, _, word = text.rpartition(' ') if isinstance(text, str) else ('', '', '')
+        if not context or not word:
+            raise UserError(f"{path} line {lineno}: 'text' must be a string with some context, a space and a "
+                            f"last word; fix that line")
+        rows.append(make_row(tokenizer.encode_ordinary(context), tokenizer.encode_ordinary(' ' + word), block_size))
+    return rows, list(range(len(rows) + 1))
+
+
+def lambada_metrics(table):
+    """ acc: the whole last word is the greedy continuation; ppl: the perplexity per last word (as in the GPT-2
+    paper and lm-evaluation-harness, not per token). """
+    return {'acc': table[:, 2].mean().item(), 'ppl': math.exp(table[:, 0].mean().item())}
+
+
+def evaluate_lambada(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None, pad_to=None,
+                     progress=False):
+    """ {'acc', 'ppl'} of model on examples, lambada_examples' (rows, offsets). """
+    rows, offsets = examples
+    return lambada_metrics(score_examples(model, rows, offsets, batch_size, device, ctx, dist_info, pad_to, progress))
+
+
+# -----------------------------------------------------------------------------
+# a task end to end: find its data, build its examples, score them
+
+def task_data_file(task, data_file=''):
+    """
+    data_file when given, else the task's public file: data/<task>/<name> in this repo, downloaded once.
+    It lives here rather than in eval.py so that every caller of a JSONL task shares one cached copy.
+    """
+    if data_file:
+        if not os.path.exists(data_file):
+            raise UserError(f"no data file at {data_file}; pass --data_file=PATH to an existing file")
+        return data_file
+    url = DATA_URLS[task]
+    path = os.path.join(REPO_DIR, 'data', task, os.path.basename(url))
+    if os.path.exists(path):
+        return path
+    print(f"downloading {url} to {path}")
+    try:
+        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
+            content = response.read()
+    except Exception as e:  # URLError, timeouts, HTTP errors: all mean "get the file another way"
+        raise UserError(f"could not download {url} ({type(e).__name__}: {e}); download it elsewhere and pass "
+                        f"--data_file=PATH") from None
+    atomic_write(path, lambda f: f.write(content))  # never a half-downloaded file that looks cached
+    return path
+
+
+def loss_tokens(data_file, dataset, split, vocab_size):
+    """ (path, tokens as a memmap) of the file the loss is measured on: data_file, else the dataset's split. """
+    path = data_file
+    if not path:
+        if not dataset:
+            raise UserError("no dataset to evaluate the loss on: pass --dataset=NAME or --data_file=PATH/val.bin")
+        path = os.path.join(dataset_dir(dataset), f"{split}.bin")
+    tokens = open_tokens(path, dataset or None)
+    if len(tokens) < 2:
+        raise UserError(f"{path} has fewer than 2 tokens; nothing to score")
+    if int(tokens.max()) >= vocab_size:  # else an embedding lookup fails with an index error deep in the model
+        raise UserError(f"{path} holds token ids up to {int(tokens.max())}, beyond the model's vocab_size "
+                        f"({vocab_size}); was it prepared with another tokenizer?")
+    return path, tokens
+
+
+def evaluate(model, task, tokenizer_meta, data_file='', dataset='', split='val', stride=0, batch_size=16,
+             max_examples=0, device='cpu', ctx=nullcontext(), dist_info=None, pad_to=None, progress=False):
+    """
+    Run one task (see TASKS) on model, whose tokenizer tokenizer_meta describes. data_file is the token file
+    (loss) or the JSONL file; '' means data/<dataset>/<split>.bin for the loss and the public file otherwise.
+    stride is loss_windows'. max_examples > 0 keeps the first examples (loss: windows) only.
+    Returns {'task', 'metrics', 'num_examples', 'data_file'}.
+    """
+    if batch_size < 1 or max_examples < 0:
+        raise UserError("batch_size must be at least 1 and max_examples at least 0 (0 = all)")
+    block_size = model.config.block_size
+    run = dict(device=device, ctx=ctx, dist_info=dist_info, pad_to=pad_to, progress=progress)
+    if task == 'loss':
+        path, tokens = loss_tokens(data_file, dataset, split, model.config.vocab_size)
+        windows = loss_windows(len(tokens), block_size, stride)
+        if max_examples:
+            windows = windows[:max_examples]
+        # the tokenizer the file was made with (its dataset's meta, else the model's) counts its bytes
+        meta = read_dataset_meta(os.path.dirname(os.path.abspath(path))) or tokenizer_meta
+        metrics = evaluate_loss(model, tokens, windows, load_tokenizer(meta), batch_size, **run)
+        num_examples = len(windows)
+    elif task in TASK_KEYS:
+        path = task_data_file(task, data_file)
+        records = read_task_records(task, path)
+        if max_examples:
+            records = records[:max_examples]
+        tokenizer = load_tokenizer(tokenizer_meta)
+        if task == 'hellaswag':
+            examples = hellaswag_examples(records, tokenizer, block_size, path)
+            metrics = evaluate_hellaswag(model, examples, batch_size, **run)
+        else:
+            examples = lambada_examples(records, tokenizer, block_size, path)
+            metrics = evaluate_lambada(model, examples, batch_size, **run)
+        num_examples = len(records)
+    else:
+        raise UserError(f"unknown task '{task}'; use one of: {', '.join(TASKS)}")
+    return {'task': task, 'metrics': metrics, 'num_examples': num_examples, 'data_file': path}
