@@ -1,12 +1,12 @@
 """
-A much shorter version of train.py for benchmarking: time the training step (forward, backward,
-optimizer) of any model size and batch on CPU, CUDA or MPS, like nanoGPT's bench.py but with the same
-model, data loader, optimizer and step code as train.py (nothing copied from it).
+Time the training step (forward, backward, optimizer) of any model size and batch on CPU, CUDA or MPS,
+as nanoGPT's bench.py does, with the model, data loader, optimizer and step of train.py: the same
+nanogpt_plus pieces build them (checkpoint.init_model makes the model, as train.py --init_from=scratch).
 
 Simple mode: burn-in steps, then timed steps; prints each step's loss and then
     time per iteration: Xms, MFU: Y%
 plus the median step time, tokens/s and peak memory. MFU is measured against the peak FLOP/s of the
-device actually used (model.device_peak_flops; override with NANOGPT_PEAK_FLOPS=<FLOP/s>).
+device actually used (hardware.device_peak_flops; override with NANOGPT_PEAK_FLOPS=<FLOP/s>).
 Profiler mode (--profile=True): a torch.profiler trace in profile_dir (open it in chrome://tracing or
 TensorBoard) and a table of the most expensive ops.
 
@@ -18,6 +18,7 @@ $ python bench.py --real_data=False --compile=True --dtype=bfloat16   # syntheti
 $ python bench.py --profile=True                              # trace + top ops
 """
 
+import functools
 import os
 import resource
 import statistics
@@ -27,14 +28,13 @@ import time
 import torch
 
 from configurator import configure
+from nanogpt_plus.checkpoint import init_model, scratch_model
 from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
 from nanogpt_plus.hardware import cpu_peak
 from nanogpt_plus.parallel import wrap_model
 from nanogpt_plus.runtime import UserError, device_type_of, provenance, resolve_device, run_main
 from nanogpt_plus.threads import describe_thread_choice, tune_cpu_threads
-from nanogpt_plus.tokenizer import read_dataset_meta
 from nanogpt_plus.training import compute_setup, make_grad_scaler, optimizer_step
-from train import build_model
 
 # -----------------------------------------------------------------------------
 DEFAULTS = dict(
@@ -60,12 +60,12 @@ DEFAULTS = dict(
     device='auto',  # 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'
     dtype='auto',  # 'auto' (bfloat16/float16 on GPUs, float32 on CPU), 'float32', 'bfloat16', 'float16'
     compile=None,  # None = auto (as train.py), True/False to force
-    num_threads=0,  # CPU threads for torch; 0 = auto, as train.py (training.tune_cpu_threads)
+    num_threads=0,  # CPU threads for torch; 0 = auto, as train.py (threads.tune_cpu_threads)
     seed=1337,
     # what to measure
     burnin=10,  # untimed steps first (compilation, allocator and cache warm-up)
     steps=20,  # timed steps
-    profile=False,  # use pytorch profiler, or just simple benchmarking?
+    profile=False,  # True: a torch.profiler trace and op table instead of the timings
     profile_dir='bench_log',
 )
 # -----------------------------------------------------------------------------
@@ -101,24 +101,18 @@ def main(argv=None):
     device_threads = torch.get_num_threads()  # the CPU's peak is for these (every core by default)
     dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg['dtype'], cfg['compile'], cfg['num_threads'])
 
-    # data: the training loader of train.py, or random tokens of the same shape
-    data_meta = None
+    # the data before the model, so a missing dataset is reported before anything is built
+    loader = None
     if cfg['real_data']:
         data_dir = dataset_dir(cfg['dataset'])
-        data_meta = read_dataset_meta(data_dir)
         loader = TokenWindowLoader(os.path.join(data_dir, 'train.bin'), cfg['batch_size'], cfg['block_size'],
                                    seed=cfg['seed'], device=device, dataset=cfg['dataset'])
-        get_batch = loader.next_batch
-    else:
-        def get_batch():
-            x = torch.randint(50304, (cfg['batch_size'], cfg['block_size']), device=device)
-            return x, torch.roll(x, -1, dims=1)
-
-    model_cfg = dict(cfg, init_from='scratch')
-    model = build_model(model_cfg, data_meta, None)
+    model = bench_model(cfg)
     model.set_attention(cfg['attention'])
     model.to(device)
-    X, Y = get_batch()
+    next_batch = loader.next_batch if loader else random_batches(cfg['batch_size'], cfg['block_size'],
+                                                                 model.config.vocab_size, device)
+    X, Y = next_batch()
     if device_type == 'cpu' and cfg['num_threads'] == 0:
         threads, timings = tune_cpu_threads(model, X, Y, ctx)
         if timings:
@@ -130,68 +124,108 @@ def main(argv=None):
     model = wrap_model(model, None, compile_model)
     print("provenance: " + str(dict(provenance(device), dtype=dtype, compile=compile_model,
                                     gelu=raw_model.config.gelu)))
-
-    def train_step(X, Y):
-        with ctx:
-            logits, loss = model(X, Y)
-        X, Y = get_batch()  # the next batch, fetched while an accelerator works on this one
-        scaler.scale(loss).backward()
-        optimizer_step(model, optimizer, scaler, cfg['grad_clip'])
-        return loss, X, Y
+    step = functools.partial(train_step, model, optimizer, scaler, ctx, next_batch, cfg['grad_clip'])
 
     if cfg['profile']:
-        # useful docs on pytorch profiler:
-        # - tutorial https://pytorch.org/tutorials/intermediate/tensorboard_profiler_tutorial.html
-        # - api https://pytorch.org/docs/stable/profiler.html#torch.profiler.profile
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device_type == 'cuda':
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        wait, warmup, active = 5, 5, 5
-        with torch.profiler.profile(
-            activities=activities,
-            schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(cfg['profile_dir']),
-            record_shapes=False,
-            profile_memory=False,
-            with_stack=False,  # incurs an additional overhead, disable if not needed
-            with_flops=True,
-            with_modules=False,  # only for torchscript models atm
-        ) as prof:
-            for k in range(cfg['burnin'] + wait + warmup + active):
-                loss, X, Y = train_step(X, Y)
-                lossf = loss.item()
-                print(f"{k}/{cfg['burnin'] + wait + warmup + active} loss: {lossf:.4f}")
-                if k >= cfg['burnin']:
-                    prof.step()  # notify the profiler at end of each step
-        sort_by = 'self_cuda_time_total' if device_type == 'cuda' else 'self_cpu_time_total'
-        print(prof.key_averages().table(sort_by=sort_by, row_limit=20))
-        print(f"trace written to {cfg['profile_dir']}/")
+        profile(step, X, Y, cfg['burnin'], cfg['profile_dir'], device_type)
         return
+    times = time_steps(step, X, Y, cfg['burnin'], cfg['steps'], device)
+    report(times, raw_model, cfg['batch_size'], peak_flops, device, dtype, device_threads)
 
-    # simple benchmarking: burn-in, then timed steps (each one synchronized, so we also get a median)
+
+def bench_model(cfg):
+    """
+    The GPT to time, built as train.py builds a new one for the same settings (checkpoint.init_model): with
+    the dataset's vocabulary for real data, GPT-2's (padded to 50304) for random tokens, which have no dataset.
+    """
+    if cfg['real_data']:
+        model, _, _ = init_model('scratch', dataset=cfg['dataset'], model_settings=cfg)
+        return model
+    return scratch_model(cfg, data_meta=None, data_dir=None)
+
+
+def random_batches(batch_size, block_size, vocab_size, device):
+    """ A next_batch() of uniformly random tokens (targets: the inputs shifted by one), for --real_data=False. """
+    def next_batch():
+        x = torch.randint(vocab_size, (batch_size, block_size), device=device)
+        return x, torch.roll(x, -1, dims=1)
+    return next_batch
+
+
+def train_step(model, optimizer, scaler, ctx, next_batch, grad_clip, X, Y):
+    """ train.py's step with one micro-batch; returns (the loss of X, Y as a tensor, the next batch). """
+    with ctx:
+        _, loss = model(X, Y)
+    X, Y = next_batch()  # the next batch, fetched while an accelerator works on this one
+    scaler.scale(loss).backward()
+    optimizer_step(model, optimizer, scaler, grad_clip)
+    return loss, X, Y
+
+
+def profile(step, X, Y, burnin, profile_dir, device_type):
+    """
+    burnin steps outside the profiler's view, then its schedule: 5 steps skipped, 5 of warm-up (recorded and
+    thrown away), 5 recorded. Writes a TensorBoard/Chrome trace to profile_dir and prints the top ops.
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device_type == 'cuda':
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    skipped, warm_up, recorded = 5, 5, 5
+    total = burnin + skipped + warm_up + recorded
+    schedule = torch.profiler.schedule(wait=skipped, warmup=warm_up, active=recorded, repeat=1)
+    with torch.profiler.profile(
+        activities=activities,
+        schedule=schedule,
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(profile_dir),
+        record_shapes=False,
+        profile_memory=False,
+        with_stack=False,  # Python stacks cost time in every op, and the op table doesn't use them
+        with_flops=True,
+        with_modules=False,  # module hierarchy: TorchScript models only
+    ) as prof:
+        for k in range(total):
+            loss, X, Y = step(X, Y)
+            print(f"{k}/{total} loss: {loss.item():.4f}")
+            if k >= burnin:
+                prof.step()  # the schedule counts steps from the end of the burn-in
+    sort_by = 'self_cuda_time_total' if device_type == 'cuda' else 'self_cpu_time_total'
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=20))
+    print(f"trace written to {profile_dir}/")
+
+
+def time_steps(step, X, Y, burnin, steps, device):
+    """
+    burnin untimed steps (compilation, allocator and caches warm up), then `steps` timed ones, each between
+    two device synchronisations so the time is that step's alone; returns the timed steps' seconds.
+    """
     times = []
-    for stage, num_steps in enumerate([cfg['burnin'], cfg['steps']]):  # burnin, then benchmark
+    for timed, num_steps in ((False, burnin), (True, steps)):
         for k in range(num_steps):
             synchronize(device)
             t0 = time.perf_counter()
-            loss, X, Y = train_step(X, Y)
+            loss, X, Y = step(X, Y)
             lossf = loss.item()  # waits for the step, like nanoGPT's
             t1 = time.perf_counter()
-            if stage == 1:
+            if timed:
                 times.append(t1 - t0)
             print(f"{k}/{num_steps} loss: {lossf:.4f}")
+    return times
+
+
+def report(times, model, batch_size, peak_flops, device, dtype, device_threads):
+    """ nanoGPT's `time per iteration` line (mean step time), then the median, tokens/s and peak memory. """
+    tokens_per_iter = batch_size * model.config.block_size
     dt = sum(times) / len(times)
     dt_median = statistics.median(times)
-    tokens_per_iter = cfg['batch_size'] * cfg['block_size']
-    mfu = raw_model.estimate_mfu(cfg['batch_size'], dt, peak_flops=peak_flops)
+    mfu = model.estimate_mfu(batch_size, dt, peak_flops=peak_flops)
     print(f"time per iteration: {dt*1000:.4f}ms, MFU: {mfu*100:.2f}%")
     mem_label, mem_bytes = peak_memory(device)
     cpu_cores = ''
-    if device_type == 'cpu' and not os.environ.get('NANOGPT_PEAK_FLOPS'):
+    if device_type_of(device) == 'cpu' and not os.environ.get('NANOGPT_PEAK_FLOPS'):
         cpu_cores = f", {device_threads} cores, {torch.get_num_threads()} threads used"
         print(f"cpu peak: {cpu_peak(device_threads)[1]}")
     print(f"median time per iteration: {dt_median*1000:.4f}ms, tokens/s: {tokens_per_iter / dt_median:,.0f}, "
-          f"MFU (median): {raw_model.estimate_mfu(cfg['batch_size'], dt_median, peak_flops=peak_flops)*100:.2f}% "
+          f"MFU (median): {model.estimate_mfu(batch_size, dt_median, peak_flops=peak_flops)*100:.2f}% "
           f"of {peak_flops/1e12:.4g} TFLOP/s peak ({device}, {dtype}{cpu_cores}), "
           f"{mem_label}: {mem_bytes / 2**20:,.0f} MiB")
 

@@ -1,10 +1,11 @@
 """
-The pieces of a training loop that train.py and finetune.py share: the learning-rate schedule, the
-GradScaler, the optimizer step with clipping, RNG state for exact resume, graceful SIGINT/SIGTERM, and
-metrics logging (JSON lines + wandb).
+The pieces of a training loop that train.py and finetune.py share: the learning-rate schedule (and
+setting it on the optimizer), the GradScaler, the optimizer step with clipping, RNG state for exact
+resume, graceful SIGINT/SIGTERM, and metrics logging (JSON lines + wandb).
 
 Usage:
-    from nanogpt_plus.training import get_lr, optimizer_step, MetricsLogger, GracefulExit
+    from nanogpt_plus.training import set_learning_rate, optimizer_step, MetricsLogger, GracefulExit
+    lr = set_learning_rate(optimizer, iter_num, 6e-4, 2000, 600000, 6e-5)
 """
 
 import json
@@ -25,18 +26,25 @@ from nanogpt_plus.threads import apply_cpu_threads
 
 
 def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
-    """ Learning rate decay scheduler (cosine with warmup), as nanoGPT. """
-    # 1) linear warmup for warmup_iters steps
+    """
+    The learning rate of iteration `it`, nanoGPT's schedule: a linear ramp up to learning_rate over
+    warmup_iters, a half cosine from learning_rate down to min_lr that ends at lr_decay_iters, then min_lr.
+    """
     if it < warmup_iters:
-        return learning_rate * (it + 1) / (warmup_iters + 1)
-    # 2) if it > lr_decay_iters, return min learning rate (also when there is no decay phase at all)
-    if it > lr_decay_iters or lr_decay_iters <= warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)  # never 0, so iteration 0 already learns
+    if it > lr_decay_iters or lr_decay_iters <= warmup_iters:  # past the decay, or no decay phase at all
         return min_lr
-    # 3) in between, use cosine decay down to min learning rate
-    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
-    assert 0 <= decay_ratio <= 1
-    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # coeff ranges 0..1
-    return min_lr + coeff * (learning_rate - min_lr)
+    progress = (it - warmup_iters) / (lr_decay_iters - warmup_iters)  # 0 after the warmup, 1 at lr_decay_iters
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))  # from 1 down to 0
+    return min_lr + cosine * (learning_rate - min_lr)
+
+
+def set_learning_rate(optimizer, it, learning_rate, warmup_iters, lr_decay_iters, min_lr, decay_lr=True):
+    """ Set iteration `it`'s learning rate on every parameter group and return it (no decay_lr: learning_rate). """
+    lr = get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr) if decay_lr else learning_rate
+    for group in optimizer.param_groups:
+        group['lr'] = lr
+    return lr
 
 
 def make_grad_scaler(device_type, dtype):
@@ -76,18 +84,16 @@ def optimizer_step(model, optimizer, scaler, grad_clip):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         if hasattr(norm, 'full_tensor'):  # FSDP: a DTensor; the same total norm on every rank
             norm = norm.full_tensor()
-    # step the optimizer and scaler if training in fp16
-    scaler.step(optimizer)
+    scaler.step(optimizer)  # skips the step if float16 gradients overflowed
     scaler.update()
-    # flush the gradients as soon as we can, no need for this memory anymore
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)  # None, not zeros: the memory is free until the next backward
     return norm
 
 
 def fit_block_size(model, block_size):
     """ Crop the model to block_size (model surgery) when it is smaller; a larger one is an error. 0 = keep. """
     if block_size and block_size < model.config.block_size:
-        model.crop_block_size(block_size)
+        model.crop_block_size(block_size)  # model surgery: keeps the first block_size positions of wpe
     elif block_size > model.config.block_size:
         raise UserError(f"block_size {block_size} is larger than the model's {model.config.block_size}; "
                         f"use --block_size={model.config.block_size} or less")

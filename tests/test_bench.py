@@ -1,4 +1,5 @@
 """bench.py: timing and profiler modes on the CPU, real and synthetic data, honest MFU; the CPU thread tuner."""
+import ast
 import glob
 import json
 import os
@@ -9,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, iter_losses, train_args
 
 import bench
 from model import GPT, GPTConfig
@@ -68,6 +69,34 @@ def test_real_data_uses_the_dataset_vocabulary(dataset, capsys):
     assert 'found vocab_size = 30' in out
     losses = [float(x) for x in re.findall(r"^\d+/\d+ loss: ([\d.]+)$", out, re.M)]
     assert len(losses) == 6 and losses[-1] < losses[0]  # a repeating pattern is learnable
+
+
+def test_bench_builds_and_steps_the_model_train_py_does(tiny_dataset, tmp_path, capsys):
+    """ Both build the model through checkpoint.init_model: for the same settings and seed, the same weights,
+    hence the same losses step after step (one micro-batch, constant learning rate, no dropout, one thread). """
+    settings = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, bias=True, gelu='tanh',
+                    learning_rate=1e-2, weight_decay=1e-2, grad_clip=1.0, dropout=0.0, device='cpu', num_threads=1)
+    bench.main([f'--{k}={v}' for k, v in settings.items()] + [f'--dataset={tiny_dataset}', '--burnin=2', '--steps=4'])
+    bench_out = capsys.readouterr().out
+    import train
+    train.main(train_args(tiny_dataset, tmp_path, **settings, gradient_accumulation_steps=1, decay_lr=False,
+                          beta2=0.95, max_iters=5, eval_interval=100))
+    train_out = capsys.readouterr().out
+    assert 'found vocab_size = 20' in bench_out and 'found vocab_size = 20' in train_out
+    bench_losses = [float(x) for x in re.findall(r"^\d+/\d+ loss: ([\d.]+)$", bench_out, re.M)]
+    train_losses = iter_losses(train_out)
+    assert len(bench_losses) == 6 and [train_losses[i] for i in range(6)] == bench_losses
+
+
+def test_entry_points_import_no_other_entry_point():
+    """ bench.py and train.py share code through nanogpt_plus only (bench.py used to import train.py). """
+    entry_points = {'train', 'bench', 'sample', 'eval', 'finetune', 'export_hf'}
+    for name in ('bench', 'train'):
+        tree = ast.parse(open(os.path.join(REPO, f'{name}.py')).read())
+        imported = {alias.name.split('.')[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split('.')[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not imported & entry_points, (name, imported & entry_points)
 
 
 def test_missing_dataset_is_one_clear_error(tmp_path):
@@ -227,5 +256,5 @@ def test_nanogpt_baseline_loop_runs(tmp_path, tiny_dataset):
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.search(r"^step 0: train loss [\d.]+, val loss [\d.]+$", r.stdout, re.M)
-    assert len(re.findall(r"^iter \d+: loss [\d.]+, time [\d.]+ms, mfu", r.stdout, re.M)) == 4
+    assert len(re.findall(r"^iter \d+: loss [\d.]+, time [\d.]+ms, mfu -?\d+\.\d{2}%$", r.stdout, re.M)) == 4
     assert 'using fused AdamW: False' in r.stdout
