@@ -165,7 +165,7 @@ def test_init_from_local_hf_dir(dataset, tmp_path, capsys):
 def test_init_from_exported_char_model_keeps_its_tokenizer(dataset, tmp_path, capsys):
     """ A character model exported by export_hf.py and trained further stays a character model: the
     checkpoint's tokenizer is the exported one, not GPT-2's (else sample.py would decode it as BPE). """
-    from export_hf import export
+    from nanogpt_plus.hf_export import export
     from nanogpt_plus.tokenizer import read_dataset_meta
     meta = read_dataset_meta(dataset)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=VOCAB))
@@ -262,6 +262,10 @@ def test_sigint_saves_and_resumes(dataset, tmp_path):
 @pytest.mark.slow
 def test_compile_on_cpu(dataset, tmp_path, capsys):
     pytest.importorskip("torch._inductor")
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+        # inductor still emits vectorised C++ (at::vec) that the forced scalar build can't compile: a
+        # PyTorch limitation of that debugging switch, not of train.py
+        pytest.skip("torch.compile's CPU code does not build under ATEN_CPU_CAPABILITY=default")
     out = run_train(capsys, tiny_args(dataset, tmp_path, compile=True, max_iters=3, eval_interval=3, dropout=0.0))
     assert "compiling the model" in out
     ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
