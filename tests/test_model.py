@@ -349,18 +349,18 @@ def test_init_draws_in_nanogpt_order():
     cfg = tiny_config(n_layer=3)
     ours, ref = GPT(cfg), GPT(cfg)
 
-    def nanogpt_init(module):
-        if isinstance(module, torch.nn.Linear):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, torch.nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    @torch.no_grad()
+    def nanogpt_init(module):  # nanoGPT's GPT._init_weights: N(0, 0.02) weights, zero Linear biases
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            module.weight.normal_(0.0, 0.02)
+        if isinstance(module, torch.nn.Linear) and module.bias is not None:
+            module.bias.zero_()
     torch.manual_seed(42)
-    ref.apply(nanogpt_init)
-    for name, p in ref.named_parameters():
-        if name.endswith('c_proj.weight'):
-            torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+    ref.apply(nanogpt_init)  # children before parents, lm_head (registered last) last
+    with torch.no_grad():  # then nanoGPT redraws every '...c_proj.weight' in named_parameters() order
+        for name, p in ref.named_parameters():
+            if name.endswith('c_proj.weight'):
+                p.normal_(0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
     torch.manual_seed(42)
     ours.init_weights()
     assert ours.state_dict().keys() == ref.state_dict().keys()
@@ -390,7 +390,7 @@ def test_state_dict_names_and_layernorm(bias):
         ln.weight.normal_()
         if bias:
             ln.bias.normal_()
-    x = torch.randn(3, 5, 64)
+    x = 0.01 * torch.randn(3, 5, 64)  # variance 1e-4: an eps other than 1e-5 would show
     mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
     expected = (x - mean) / torch.sqrt(var + 1e-5) * ln.weight + (ln.bias if bias else 0)
     assert_close(ln(x), expected, atol=1e-5, rtol=1e-5)
