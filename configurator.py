@@ -1,13 +1,13 @@
 """
-nanoGPT's "Poor Man's Configurator", made strict. Every entry point declares its settings and defaults
-as a dict and calls configure():
+Settings for every entry point, with nanoGPT's command-line UX (its "Poor Man's Configurator") made
+strict. A script declares its settings and their defaults as a dict and calls configure():
 
-$ python train.py config/override_file.py --batch_size=32
+$ python train.py config/train_shakespeare_char.py --device=cpu --max_iters=200
 
-config/override_file.py is plain Python whose top-level assignments override the defaults; then each
---key=value overrides again (values parsed with ast.literal_eval, else kept as strings). Unlike
-nanoGPT, nothing is exec'd into the caller's globals, an unknown key or a value of the wrong type is an
-error that names it, and errors end in one sentence and exit code 2 instead of a traceback.
+A config file is plain Python whose top-level assignments override the defaults; then each --key=value
+overrides again (values parsed with ast.literal_eval, else kept as strings). Unlike nanoGPT, nothing is
+exec'd into the caller's globals, an unknown key or a value of the wrong type is an error that names it,
+and errors end in one sentence and exit code 2 instead of a traceback.
 
 Usage:
     from configurator import configure
@@ -59,12 +59,27 @@ def _read_config_file(path):
                     if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
 
 
+def _parse_value(text, default):
+    """
+    The value of --key=text: a Python literal where text is one (3, 1e-3, True, None, (0.9, 0.95), 'x'),
+    else text itself, so --device=cuda needs no quotes. A string setting always gets a string:
+    --out_dir=123 means the directory '123'.
+    """
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):  # a bare word, an expression, an empty value: not a literal
+        return text
+    if isinstance(default, str) and not isinstance(value, str):
+        return text
+    return value
+
+
 def parse_config(defaults, argv):
     """ defaults overridden by argv (config files and --key=value, in order); raises ConfigError. """
     config = dict(defaults)
     for arg in argv:
         if not arg.startswith("--"):
-            # assume it's the name of a config file
+            # anything without the leading -- names a config file
             source, settings = _read_config_file(arg)
             print(f"Overriding config with {arg}:")
             print(source)
@@ -72,23 +87,14 @@ def parse_config(defaults, argv):
                 if key not in defaults:
                     raise ConfigError(f"unknown setting '{key}' in {arg}{_closest(key, defaults)}")
                 config[key] = _check_type(key, value, defaults[key], arg)
-        else:
-            # assume it's a --key=value argument
-            if "=" not in arg:
-                raise ConfigError(f"malformed argument '{arg}': use --key=value")
-            key, val = arg[2:].split("=", 1)
-            if key not in defaults:
-                raise ConfigError(f"unknown setting '{key}'{_closest(key, defaults)}")
-            try:
-                # attempt to eval it it (e.g. if bool, number, or etc)
-                attempt = ast.literal_eval(val)
-            except (SyntaxError, ValueError):
-                # if that goes wrong, just use the string
-                attempt = val
-            if isinstance(defaults[key], str) and not isinstance(attempt, str):
-                attempt = val  # --out_dir=123 means the string '123'
-            config[key] = _check_type(key, attempt, defaults[key], f"--{key}")
-            print(f"Overriding: {key} = {config[key]!r}")
+            continue
+        if "=" not in arg:
+            raise ConfigError(f"malformed argument '{arg}': use --key=value")
+        key, text = arg[2:].split("=", 1)
+        if key not in defaults:
+            raise ConfigError(f"unknown setting '{key}'{_closest(key, defaults)}")
+        config[key] = _check_type(key, _parse_value(text, defaults[key]), defaults[key], f"--{key}")
+        print(f"Overriding: {key} = {config[key]!r}")
     return config
 
 

@@ -1,11 +1,14 @@
 """
-Full definition of a GPT Language Model, all of it in this single file.
+GPT-2 as one PyTorch module, meant to be read top to bottom: token and position embeddings, n_layer
+pre-norm Transformer blocks (causal self-attention, then a 4x wide GELU MLP), a final LayerNorm, and an
+output head that is the token embedding matrix again.
 
-References:
-1) the official GPT-2 TensorFlow implementation released by OpenAI:
-   https://github.com/openai/gpt-2/blob/master/src/model.py
-2) huggingface/transformers PyTorch implementation:
-   https://github.com/huggingface/transformers/blob/main/src/transformers/models/gpt2/modeling_gpt2.py
+Parameters carry GPT-2's own names (wte, wpe, h.<i>.ln_1, attn.c_attn, mlp.c_fc, ln_f, ...), so OpenAI's
+released weights load through a name-for-name table (hf_key_map, at the end of this file), and nanoGPT's
+checkpoints fit it key for key. Those weights fix what each layer computes; tests/test_model.py checks our
+logits against transformers' GPT2LMHeadModel. The originals: OpenAI's TensorFlow code (src/model.py of
+github.com/openai/gpt-2) and its port in transformers (src/transformers/models/gpt2/modeling_gpt2.py).
+Nothing here reads or writes files, except that from_pretrained asks transformers for the weights.
 
 Usage:
     from model import GPT, GPTConfig
@@ -28,51 +31,43 @@ NANOGPT_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'voca
 GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')  # the OpenAI checkpoints from_pretrained knows
 
 
-class LayerNorm(nn.Module):
-    """ LayerNorm but with an optional bias. PyTorch doesn't support simply bias=False """
-
-    def __init__(self, ndim, bias):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
-
-    def forward(self, input):
-        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
-
-
 class CausalSelfAttention(nn.Module):
+    """ Multi-head self-attention in which each position sees itself and the positions before it only. """
 
     def __init__(self, config, layer_idx=0):
         super().__init__()
         if config.n_embd % config.n_head != 0:
             raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
         self.layer_idx = layer_idx  # which slot of a KV cache this layer writes to
-        # key, query, value projections for all heads, but in a batch
+        # c_attn makes the queries, keys and values of every head in one (C -> 3C) matmul; c_proj mixes
+        # the heads' outputs back into the residual stream
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        # output projection
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        # regularization
+        # dropout on the attention weights (manual path; the flash path gets dropout_p) and on the output
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
-        # flash attention makes GPU go brrrrr; the manual path is kept as the readable reference and
-        # both can be selected at run time (GPT.set_attention), so tests can check that they agree
-        self.flash = hasattr(F, 'scaled_dot_product_attention')
-        # causal mask to ensure that attention is only applied to the left in the input sequence.
-        # Not persistent: it is derived from block_size, so it never needs to live in a checkpoint.
+        # True: F.scaled_dot_product_attention, which runs a fused kernel where the device has one.
+        # False: the same softmax(q k^T / sqrt(hs)) v written out below, the readable reference.
+        # GPT.set_attention switches; tests/test_model.py checks that both give the same results.
+        self.flash = True
+        # mask[i, j] is True where query i may look at key j (j <= i). A buffer, so it moves with the model;
+        # not persistent, because block_size determines it and checkpoints never need it. The name 'bias'
+        # is nanoGPT's (crop_block_size slices it); it holds no learned values.
         mask = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
         self.register_buffer("bias", mask.view(1, 1, config.block_size, config.block_size), persistent=False)
 
     def forward(self, x, kv_cache=None):
-        B, T, C = x.size()  # batch size, sequence length, embedding dimensionality (n_embd)
+        B, T, C = x.size()  # batch, new tokens, n_embd
+        hs = C // self.n_head  # head size
 
-        # calculate query, key, values for all heads in batch and move head forward to be the batch dim
+        # (B, T, 3C) -> q, k, v of (B, T, C) each -> (B, nh, T, hs): the heads become a batch dimension
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)
 
         # with a KV cache, the T new tokens sit at positions pos..pos+T-1 and attend to everything
         # cached before them as well: k, v become (B, nh, pos+T, hs)
@@ -82,7 +77,8 @@ class CausalSelfAttention(nn.Module):
             k, v = kv_cache.update(self.layer_idx, k, v)
         Tk = k.size(2)
 
-        # causal self-attention; Self-attend: (B, nh, T, hs) x (B, nh, hs, Tk) -> (B, nh, T, Tk)
+        # scores (B, nh, T, hs) x (B, nh, hs, Tk) -> (B, nh, T, Tk); softmax over the keys; then the
+        # weighted sum of values (B, nh, T, Tk) x (B, nh, Tk, hs) -> (B, nh, T, hs)
         dropout_p = self.dropout if self.training else 0
         if self.flash:
             if Tk == T:
@@ -96,20 +92,17 @@ class CausalSelfAttention(nn.Module):
                 mask = self.bias[:, :, pos:pos + T, :Tk]
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         else:
-            # manual implementation of attention
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-            att = att.masked_fill(~self.bias[:, :, pos:pos + T, :Tk], float('-inf'))
-            att = F.softmax(att, dim=-1)
-            att = self.attn_dropout(att)
-            y = att @ v  # (B, nh, T, Tk) x (B, nh, Tk, hs) -> (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
-
-        # output projection
-        y = self.resid_dropout(self.c_proj(y))
-        return y
+            scores = (q @ k.mT) * (1.0 / math.sqrt(hs))
+            scores = scores.masked_fill(~self.bias[:, :, pos:pos + T, :Tk], float('-inf'))  # no peeking ahead
+            weights = self.attn_dropout(F.softmax(scores, dim=-1))
+            y = weights @ v
+        # (B, nh, T, hs) -> (B, T, nh, hs) -> (B, T, C): each token's head outputs concatenated
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
+    """ Position-wise feed-forward layer: C -> 4C, GELU, 4C -> C. """
 
     def __init__(self, config):
         super().__init__()
@@ -129,13 +122,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """ A pre-norm Transformer block (GPT-2): x + attn(ln(x)), then x + mlp(ln(x)) """
+    """ A pre-norm Transformer block (GPT-2): x + attn(ln_1(x)), then x + mlp(ln_2(x)). """
 
     def __init__(self, config, layer_idx=0):
         super().__init__()
-        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        # nn.LayerNorm: eps=1e-5 as in GPT-2; bias=False (PyTorch >= 2.1) leaves out the bias parameter
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config, layer_idx)
-        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
     def forward(self, x, kv_cache=None):
@@ -147,12 +141,12 @@ class Block(nn.Module):
 @dataclass
 class GPTConfig:
     block_size: int = 1024
-    vocab_size: int = 50304  # GPT-2 vocab_size of 50257, padded up to nearest multiple of 64 for efficiency
+    vocab_size: int = 50304  # GPT-2's 50257 tokens rounded up to a multiple of 64, which matmul kernels like
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
-    bias: bool = True  # True: bias in Linears and LayerNorms, like GPT-2. False: a bit better and faster
+    bias: bool = True  # biases in every Linear and LayerNorm, as GPT-2 has (its weights need them); False: none
     # 'none' = exact GELU (nanoGPT), 'tanh' = GPT-2's original approximation. Not part of nanoGPT's
     # model_args; checkpoints keep it under their own key (see model_extra_args below).
     gelu: str = 'none'
@@ -178,49 +172,50 @@ class GPT(nn.Module):
         self.config = config
 
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            wte=nn.Embedding(config.vocab_size, config.n_embd),  # token embeddings (and the output head)
+            wpe=nn.Embedding(config.block_size, config.n_embd),  # learned absolute position embeddings
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-            ln_f=LayerNorm(config.n_embd, bias=config.bias),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # with weight tying when using torch.compile() some warnings get generated:
-        # "UserWarning: functional_call was passed multiple values for tied weights.
-        # This behavior is deprecated and will be an error in future versions"
-        # not 100% sure what this is, so far seems to be harmless.
-        self.transformer.wte.weight = self.lm_head.weight  # https://paperswithcode.com/method/weight-tying
-
-        # init all weights
-        self.apply(self._init_weights)
-        # apply special scaled init to the residual projections, per GPT-2 paper
-        for pn, p in self.named_parameters():
-            if pn.endswith('c_proj.weight'):
-                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        # weight tying, as in GPT-2 (Press & Wolf, arXiv:1608.05859): the head and the token embedding are one
+        # Parameter, so parameters() and the optimizer see it once; state_dict lists it under both names
+        self.transformer.wte.weight = self.lm_head.weight
+        self.init_weights()
 
         # report number of parameters (meta-device models are built only to count, stay quiet)
         if self.lm_head.weight.device.type != 'meta':
             print("number of parameters: %.2fM" % (self.get_num_params() / 1e6,))
 
+    def init_weights(self):
+        """
+        GPT-2's initialisation, drawn in a fixed order so that a seed always gives the same model:
+          - every Linear weight and both embedding tables ~ N(0, 0.02), in module order; Linear biases = 0.
+            lm_head comes last, so its draw (it is the same tensor as wte) is the embedding's final value.
+          - then the two projections that add into the residual stream, attn.c_proj and mlp.c_proj, are
+            drawn again with std 0.02 / sqrt(2 * n_layer): the stream is a sum of 2 * n_layer such terms,
+            and GPT-2 scales them by 1/sqrt(that count) so its variance does not grow with depth.
+          - LayerNorms keep the weight 1, bias 0 that nn.LayerNorm starts with.
+        """
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.transformer.h:
+            nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
+
     def get_num_params(self, non_embedding=True):
         """
-        Return the number of parameters in the model.
-        For non-embedding count (default), the position embeddings get subtracted.
-        The token embeddings would too, except due to the parameter sharing these
-        params are actually used as weights in the final layer, so we include them.
+        The number of parameter values, the tied wte/lm_head matrix counted once. non_embedding=True (the
+        default: the figure printed at start-up and used for MFU) leaves out the position table wpe, which
+        is only looked up; wte stays in, because as lm_head it is multiplied with every position.
         """
-        n_params = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n_params -= self.transformer.wpe.weight.numel()
-        return n_params
-
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def set_attention(self, path):
         """ Select the attention implementation: 'flash' (scaled_dot_product_attention) or 'manual'. """
@@ -235,15 +230,14 @@ class GPT(nn.Module):
         if pos0 + t > self.config.block_size:
             raise ValueError(f"Cannot forward sequence of length {pos0 + t}, "
                              f"block size is only {self.config.block_size}")
-        pos = torch.arange(pos0, pos0 + t, dtype=torch.long, device=idx.device)  # shape (t)
-        tok_emb = self.transformer.wte(idx)  # token embeddings of shape (b, t, n_embd)
-        pos_emb = self.transformer.wpe(pos)  # position embeddings of shape (t, n_embd)
+        pos = torch.arange(pos0, pos0 + t, dtype=torch.long, device=idx.device)  # (T,)
+        tok_emb = self.transformer.wte(idx)  # (B, T, C)
+        pos_emb = self.transformer.wpe(pos)  # (T, C), the same for every row of the batch
         return self.transformer.drop(tok_emb + pos_emb)
 
     def hidden_states(self, idx, kv_cache=None):
         """ The final (post ln_f) hidden states, (B, T, n_embd), for the tokens idx (B, T). """
         t = idx.size(1)
-        # forward the GPT model itself
         x = self.embed(idx, pos0=kv_cache.pos if kv_cache is not None else 0)
         for block in self.transformer.h:
             x = block(x, kv_cache=kv_cache)
@@ -252,28 +246,33 @@ class GPT(nn.Module):
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None, kv_cache=None, all_positions=False):
+        """
+        Tokens idx (B, T) -> (logits, loss). With targets (B, T) (-1 = ignored) or all_positions=True, the
+        logits of every position, (B, T, vocab_size), and with targets their mean cross-entropy. Without
+        either, only the last position's logits, (B, 1, vocab_size), and loss None: all that sampling needs.
+        """
         x = self.hidden_states(idx, kv_cache=kv_cache)
-        if targets is not None or all_positions:
-            # the logits of every position; if we are given some desired targets also calculate the loss
-            logits = self.lm_head(x)
-            loss = None
-            if targets is not None:
-                # reshape, not view: targets may be a non-contiguous slice such as idx[:, 1:]
-                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        else:
-            # inference-time mini-optimization: only forward the lm_head on the very last position
-            logits = self.lm_head(x[:, [-1], :])  # note: using list [-1] to preserve the time dim
-            loss = None
+        if targets is None and not all_positions:
+            # indexing with the list [-1] keeps the time dimension; lm_head runs for one position only
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits, None
+        # reshape, not view: targets may be a non-contiguous slice such as idx[:, 1:]
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     def crop_block_size(self, block_size):
-        # model surgery to decrease the block size if necessary
-        # e.g. we may load the GPT2 pretrained model checkpoint (block size 1024)
-        # but want to use a smaller block size for some smaller, simpler model
+        """
+        Shorten the context to block_size positions, e.g. to fine-tune GPT-2 (trained at 1024) at 256: wpe
+        keeps its first block_size rows and every attention mask its top-left corner, so positions
+        0..block_size-1 compute exactly what they did before.
+        """
         if block_size > self.config.block_size:
             raise ValueError(f"can only crop the block size down: {block_size} > {self.config.block_size}")
-        self.config.block_size = block_size
-        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+        wpe = self.transformer.wpe
+        wpe.weight = nn.Parameter(wpe.weight[:block_size])
+        wpe.num_embeddings = self.config.block_size = block_size
         for block in self.transformer.h:
             block.attn.bias = block.attn.bias[:, :, :block_size, :block_size]
 
@@ -303,7 +302,7 @@ class GPT(nn.Module):
         (config.json plus model.safetensors or pytorch_model.bin).
         """
         override_args = override_args or {}
-        # only dropout can be overridden see more notes below
+        # the checkpoint fixes the architecture; dropout, a training setting, is the one thing to choose
         unknown = set(override_args) - {'dropout'}
         if unknown:
             raise ValueError(f"only 'dropout' can be overridden when loading GPT-2 weights, got {sorted(unknown)}")
@@ -314,14 +313,14 @@ class GPT(nn.Module):
         from transformers import GPT2LMHeadModel
         print("loading weights from pretrained gpt: %s" % model_type)
         try:
-            model_hf = GPT2LMHeadModel.from_pretrained(model_type)
+            hf_model = GPT2LMHeadModel.from_pretrained(model_type)
         except OSError as e:
             if is_local:
                 raise OSError(f"could not load a Hugging Face GPT-2 model from {model_type}: {e}") from None
             raise OSError(f"could not download '{model_type}' from the Hugging Face hub (offline?). Download it "
                           f"elsewhere (GPT2LMHeadModel.from_pretrained('{model_type}').save_pretrained(DIR)) "
                           f"and pass the local directory instead: init_from=DIR") from None
-        return cls.from_hf_model(model_hf, override_args)
+        return cls.from_hf_model(hf_model, override_args)
 
     @classmethod
     def from_hf_model(cls, model_hf, override_args=None):
@@ -347,25 +346,23 @@ class GPT(nn.Module):
         return model
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, fused=None):
-        # fused=None: the fused AdamW kernel wherever this PyTorch has one (CUDA; CPU since 2.4), which
-        # is the same math in one kernel per step; False: PyTorch's default AdamW for the device
-        # start with all of the candidate parameters that require grad
-        param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
-        # create optim groups. Any parameters that is 2D will be weight decayed, otherwise no.
-        # i.e. all weight tensors in matmuls + embeddings decay, all biases and layernorms don't.
-        decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]
-        nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]
-        optim_groups = [
-            {'params': decay_params, 'weight_decay': weight_decay},
-            {'params': nodecay_params, 'weight_decay': 0.0}
-        ]
-        num_decay_params = sum(p.numel() for p in decay_params)
-        num_nodecay_params = sum(p.numel() for p in nodecay_params)
-        print(f"num decayed parameter tensors: {len(decay_params)}, with {num_decay_params:,} parameters")
-        print(f"num non-decayed parameter tensors: {len(nodecay_params)}, with {num_nodecay_params:,} parameters")
+        """
+        AdamW in two groups: weight_decay for every parameter with 2 or more dimensions (the Linear weights
+        and the embedding tables: the tensors that multiply or look up activations), none for the vectors
+        (biases and LayerNorm weights, which only shift and scale them). fused=None: the fused AdamW kernel
+        wherever this PyTorch has one (CUDA; CPU since 2.4), the same update in one kernel per step;
+        False: PyTorch's default AdamW for the device.
+        """
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in trainable if p.dim() >= 2]
+        no_decay = [p for p in trainable if p.dim() < 2]
+        groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
+        n_decay, n_no_decay = sum(p.numel() for p in decay), sum(p.numel() for p in no_decay)
+        print(f"num decayed parameter tensors: {len(decay)}, with {n_decay:,} parameters")
+        print(f"num non-decayed parameter tensors: {len(no_decay)}, with {n_no_decay:,} parameters")
         use_fused = fused_adamw_available(device_type) if fused is None else bool(fused)
-        extra_args = dict(fused=True) if use_fused else dict()
-        optimizer = torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, **extra_args)
+        kernel = {'fused': True} if use_fused else {}  # nothing: let PyTorch choose (foreach or for-loop)
+        optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **kernel)
         print(f"using fused AdamW: {use_fused}")
         return optimizer
 
@@ -375,44 +372,36 @@ class GPT(nn.Module):
         tokens in dt seconds imply, as a fraction of peak_flops. The default is an A100's bf16 peak;
         nanogpt_plus.hardware.device_peak_flops gives the peak of the device actually in use.
         """
-        # first estimate the number of flops we do per iteration.
-        # see PaLM paper Appendix B as ref: https://arxiv.org/abs/2204.02311
+        # FLOPs per token of a forward+backward pass, as counted in the PaLM paper (arXiv:2204.02311,
+        # appendix B): 6 per parameter (2 forward, 4 backward) for the weight matmuls, plus attention's
+        # q k^T and weights x v products, 12 * n_layer * n_head * head_size * T (T = block_size)
         N = self.get_num_params()
         cfg = self.config
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
         flops_per_token = 6 * N + 12 * L * H * Q * T
-        flops_per_fwdbwd = flops_per_token * T
-        flops_per_iter = flops_per_fwdbwd * fwdbwd_per_iter
-        # express our flops throughput as ratio of the device's peak flops
-        flops_achieved = flops_per_iter * (1.0 / dt)  # per second
-        return flops_achieved / peak_flops
+        flops_per_iter = flops_per_token * T * fwdbwd_per_iter  # T tokens per pass
+        flops_per_second = flops_per_iter * (1.0 / dt)
+        return flops_per_second / peak_flops
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
         """
-        Take a conditioning sequence of indices idx (LongTensor of shape (b,t)) and complete
-        the sequence max_new_tokens times, feeding the predictions back into the model each time.
-        Most likely you'll want to make sure to be in model.eval() mode of operation for this.
-        This is the simple reference; the KV-cached sampler in engine.py is tested against it.
+        Extend the token sequences idx (B, T) by max_new_tokens sampled tokens, one full forward pass per
+        token, and return them (B, T + max_new_tokens). Each token is drawn with torch.multinomial (the
+        global RNG) from the softmax of the last position's logits / temperature, limited to the top_k most
+        likely tokens if top_k is given (ties with the k-th stay). Call model.eval() first: dropout would
+        otherwise stay on. This is the plain reference that the KV-cached sampler in engine.py is tested against.
         """
         for _ in range(max_new_tokens):
-            # if the sequence context is growing too long we must crop it at block_size
-            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
-            # forward the model to get the logits for the index in the sequence
-            logits, _ = self(idx_cond)
-            # pluck the logits at the final step and scale by desired temperature
-            logits = logits[:, -1, :] / temperature
-            # optionally crop the logits to only the top k options
+            context = idx[:, -self.config.block_size:]  # only the last block_size tokens fit the model
+            logits, _ = self(context)
+            logits = logits[:, -1] / temperature  # (B, vocab_size) for the next token
             if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float('Inf')
-            # apply softmax to convert logits to (normalized) probabilities
-            probs = F.softmax(logits, dim=-1)
-            # sample from the distribution
-            idx_next = torch.multinomial(probs, num_samples=1)
-            # append sampled index to the running sequence and continue
-            idx = torch.cat((idx, idx_next), dim=1)
-
+                kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+                logits = logits.masked_fill(logits < kth_largest, float('-inf'))
+            probs = logits.softmax(dim=-1)
+            next_token = torch.multinomial(probs, num_samples=1)  # (B, 1)
+            idx = torch.cat((idx, next_token), dim=1)
         return idx
 
 

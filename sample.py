@@ -46,13 +46,13 @@ from nanogpt_plus.tokenizer import TokenizerError, load_tokenizer
 SEPARATOR = '---------------'
 
 DEFAULTS = dict(
-    init_from='resume',  # 'resume' (from out_dir), a ckpt.pt / out_dir, gpt2*, or a local HF GPT-2 directory
-    out_dir='out',  # ignored if init_from is not 'resume'
-    start="\n",  # or "<|endoftext|>" or etc. Can also specify a file, use as: "FILE:prompt.txt"
-    num_samples=10,  # number of samples to draw (all in one batch)
-    max_new_tokens=500,  # number of tokens generated in each sample
-    temperature=0.8,  # 1.0 = no change, < 1.0 = less random, > 1.0 = more random; 0 = greedy
-    top_k=200,  # retain only the top_k most likely tokens, clamp others to have 0 probability (None: off)
+    init_from='resume',  # 'resume' (out_dir/ckpt.pt), a ckpt.pt or out_dir, gpt2*, or a local HF GPT-2 directory
+    out_dir='out',  # read only when init_from='resume'
+    start="\n",  # the prompt text, or "FILE:path" to read it from a file ("<|endoftext|>" works for GPT-2 BPE)
+    num_samples=10,  # samples to draw, all in one batch
+    max_new_tokens=500,  # tokens added to each sample
+    temperature=0.8,  # divides the logits: < 1.0 sharper, > 1.0 flatter, 1.0 unchanged; 0 = greedy (argmax)
+    top_k=200,  # draw only among the top_k most likely tokens (None: among all)
     top_p=1.0,  # nucleus sampling: keep the most likely tokens up to this probability mass (1.0: off)
     mode='exact',  # 'exact' (nanoGPT's results) or 'fast' (see above)
     stop_at_eot=False,  # GPT-2 BPE models: end a sample at <|endoftext|>
@@ -60,7 +60,7 @@ DEFAULTS = dict(
     device='auto',  # 'auto', 'cpu', 'cuda', 'cuda:0', 'mps'
     dtype='auto',  # 'auto' (bfloat16/float16 on GPUs, float32 on CPU), 'float32', 'bfloat16', 'float16'
     attention='flash',  # 'flash' (scaled_dot_product_attention) or 'manual'
-    compile=False,  # use PyTorch 2.0 to compile the model (pays off on GPUs for long runs)
+    compile=False,  # torch.compile the model (with dynamic shapes; pays off on GPUs for long runs)
 )
 
 
@@ -158,14 +158,14 @@ def main():
     if config['compile']:
         model = torch.compile(model, dynamic=True)  # the cache makes shapes change every step
 
-    # encode the beginning of the prompt
+    # the prompt's ids, one copy per sample: x is (num_samples, T)
     start_ids = encode_prompt(tok, read_start(config['start']), block_size, model_vocab)
     num_samples, stream = config['num_samples'], config['num_samples'] == 1
     x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...].repeat(num_samples, 1)
     # one generator for the whole batch: the same seed gives the same samples
     generator = torch.Generator(device=device).manual_seed(config['seed'])
 
-    # run generation
+    # one sample is streamed as its tokens arrive; several are printed once all are complete
     decoder = StreamDecoder(tok)
     if stream:
         sys.stdout.write(tok.decode(start_ids))

@@ -94,9 +94,9 @@ def next_token_probs(logits, temperature=1.0, top_k=None, top_p=None):
         return F.one_hot(logits.argmax(dim=-1), logits.size(-1)).float()
     logits = logits / temperature  # a new tensor: the caller's logits are never modified
     if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits[logits < v[:, [-1]]] = -float('Inf')
-    probs = F.softmax(logits, dim=-1)
+        kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth_largest, float('-inf'))
+    probs = logits.softmax(dim=-1)
     if top_p is not None and top_p < 1.0:
         sorted_probs, sorted_idx = torch.sort(probs, dim=-1, descending=True)
         # drop a token when the more likely tokens before it already reach top_p; the first always stays

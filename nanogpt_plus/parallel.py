@@ -27,7 +27,7 @@ def wrap_model(model, dist_info, compile_model=False, parallelism='ddp'):
         shard_model(model, dist_info)  # in place, before compile
     if compile_model:
         print("compiling the model... (takes a ~minute)")
-        model = torch.compile(model)  # requires PyTorch 2.0
+        model = torch.compile(model)  # wraps it: the plain module stays reachable as model._orig_mod
     if distributed and not fsdp:
         from torch.nn.parallel import DistributedDataParallel as DDP
         device_ids = [dist_info.local_rank] if 'cuda' in dist_info.device else None

@@ -85,8 +85,9 @@ def autocast_context(device, dtype):
 
 
 def enable_tf32():
-    torch.backends.cuda.matmul.allow_tf32 = True  # allow tf32 on matmul
-    torch.backends.cudnn.allow_tf32 = True  # allow tf32 on cudnn
+    """ float32 matmuls and convolutions on CUDA may use TF32 tensor cores (10-bit mantissa inputs, fp32 sums). """
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
 
 
 def precision(device, dtype):
@@ -107,7 +108,7 @@ class DistInfo:
 
     @property
     def master(self):
-        return self.rank == 0  # this process will do logging, checkpointing etc.
+        return self.rank == 0  # rank 0 is the process that logs and writes the checkpoints
 
 
 def init_distributed(device='auto', backend='auto'):

@@ -66,7 +66,19 @@ EVAL_LINE = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
 
 
 def nanogpt_loop(max_iters, out_dir, threads, dataset='shakespeare_char'):
-    """ nanoGPT's train.py main loop for the laptop command, single process, on the CPU. """
+    """
+    The baseline: what nanoGPT's train.py does for the laptop command, one CPU process, re-enacted on our
+    model.py. Each piece costs what it costs there:
+      - batches: the .bin file is opened with np.memmap for every batch, batch_size offsets are drawn with
+        torch.randint from the global RNG, and x and y are stacked from per-row int64 copies;
+      - the next batch is read right after the forward pass, before backward;
+      - backward and step go through a GradScaler that is disabled (nanoGPT builds one whatever the dtype);
+      - PyTorch's default CPU AdamW (the per-tensor for-loop, not fused); the lr is set on every group each step;
+      - every iteration logs: loss.item() and, after 5 iterations, a running MFU estimate;
+      - every eval_interval: eval_iters batches of each split without gradients, and a torch.save of the
+        model and optimizer whenever the val loss improved (not at iteration 0).
+    It prints the `step N: ...` and `iter N: ...` lines train.py prints, which run() parses.
+    """
     from model import GPT, GPTConfig
     from nanogpt_plus.dataloader import dataset_dir
     from nanogpt_plus.tokenizer import read_dataset_meta
@@ -75,18 +87,17 @@ def nanogpt_loop(max_iters, out_dir, threads, dataset='shakespeare_char'):
         torch.set_num_threads(threads)
     torch.manual_seed(1337)
     data_dir = dataset_dir(c['dataset'])
-    block_size, batch_size = c['block_size'], c['batch_size']
+    T, B, accum = c['block_size'], c['batch_size'], c['gradient_accumulation_steps']
 
-    def get_batch(split):
-        # We recreate np.memmap every batch to avoid a memory leak, as nanoGPT does
-        data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
-        ix = torch.randint(len(data) - block_size, (batch_size,))
-        x = torch.stack([torch.from_numpy((data[i:i + block_size]).astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy((data[i + 1:i + 1 + block_size]).astype(np.int64)) for i in ix])
-        return x.to('cpu'), y.to('cpu')
+    def read_batch(split):
+        tokens = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')  # opened anew each time
+        starts = torch.randint(high=len(tokens) - T, size=(B,))
+        x = torch.stack([torch.from_numpy(tokens[s:s + T].astype(np.int64)) for s in starts])
+        y = torch.stack([torch.from_numpy(tokens[s + 1:s + 1 + T].astype(np.int64)) for s in starts])
+        return x, y
 
     vocab_size = int(read_dataset_meta(data_dir)['vocab_size'])  # nanoGPT reads meta.pkl
-    model = GPT(GPTConfig(n_layer=c['n_layer'], n_head=c['n_head'], n_embd=c['n_embd'], block_size=block_size,
+    model = GPT(GPTConfig(n_layer=c['n_layer'], n_head=c['n_head'], n_embd=c['n_embd'], block_size=T,
                           bias=c['bias'], vocab_size=vocab_size, dropout=c['dropout'], gelu='none'))
     scaler = torch.amp.GradScaler('cpu', enabled=False)
     # nanoGPT's configure_optimizers: fused only on CUDA, so PyTorch's default AdamW on the CPU
@@ -94,52 +105,43 @@ def nanogpt_loop(max_iters, out_dir, threads, dataset='shakespeare_char'):
                                            fused=False)
 
     @torch.no_grad()
-    def estimate_loss():
-        out = {}
+    def mean_losses():
         model.eval()
-        for split in ['train', 'val']:
-            losses = torch.zeros(c['eval_iters'])
-            for k in range(c['eval_iters']):
-                X, Y = get_batch(split)
-                logits, loss = model(X, Y)
-                losses[k] = loss.item()
-            out[split] = losses.mean()
+        means = {name: torch.tensor([model(*read_batch(name))[1].item() for _ in range(c['eval_iters'])]).mean()
+                 for name in ('train', 'val')}
         model.train()
-        return out
+        return means
 
-    def get_lr(it):
-        if it < c['warmup_iters']:
-            return c['learning_rate'] * (it + 1) / (c['warmup_iters'] + 1)
-        if it > c['lr_decay_iters']:
-            return c['min_lr']
-        decay_ratio = (it - c['warmup_iters']) / (c['lr_decay_iters'] - c['warmup_iters'])
-        coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
-        return c['min_lr'] + coeff * (c['learning_rate'] - c['min_lr'])
+    def lr_at(it):
+        top, bottom, warmup, decay_end = c['learning_rate'], c['min_lr'], c['warmup_iters'], c['lr_decay_iters']
+        if it < warmup:
+            return top * (it + 1) / (warmup + 1)
+        if it > decay_end:
+            return bottom
+        progress = (it - warmup) / (decay_end - warmup)  # 0 -> 1 over the cosine
+        return bottom + 0.5 * (1.0 + math.cos(math.pi * progress)) * (top - bottom)
 
-    iter_num, best_val_loss = 0, 1e9
-    X, Y = get_batch('train')
-    t0 = time.time()
-    local_iter_num = 0
-    running_mfu = -1.0
-    while True:
-        lr = get_lr(iter_num) if c['decay_lr'] else c['learning_rate']
-        for param_group in optimizer.param_groups:
-            param_group['lr'] = lr
-        if iter_num % c['eval_interval'] == 0:
-            losses = estimate_loss()
-            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            if losses['val'] < best_val_loss or c['always_save_checkpoint']:
-                best_val_loss = losses['val']
-                if iter_num > 0:
-                    checkpoint = {'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
-                                  'model_args': model.config.model_args(), 'iter_num': iter_num,
-                                  'best_val_loss': best_val_loss, 'config': c}
+    it, best_val, mfu_avg = 0, 1e9, -1.0
+    X, Y = read_batch('train')
+    t_prev = time.time()
+    while it <= c['max_iters']:
+        lr = lr_at(it) if c['decay_lr'] else c['learning_rate']
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+        if it % c['eval_interval'] == 0:
+            means = mean_losses()
+            print(f"step {it}: train loss {means['train']:.4f}, val loss {means['val']:.4f}")
+            if means['val'] < best_val or c['always_save_checkpoint']:
+                best_val = means['val']
+                if it > 0:
+                    state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
+                                 model_args=model.config.model_args(), iter_num=it, best_val_loss=best_val, config=c)
                     print(f"saving checkpoint to {out_dir}")
-                    torch.save(checkpoint, os.path.join(out_dir, 'ckpt.pt'))
-        for micro_step in range(c['gradient_accumulation_steps']):
-            logits, loss = model(X, Y)
-            loss = loss / c['gradient_accumulation_steps']
-            X, Y = get_batch('train')
+                    torch.save(state, os.path.join(out_dir, 'ckpt.pt'))
+        for _ in range(accum):
+            _, loss = model(X, Y)
+            loss = loss / accum
+            X, Y = read_batch('train')
             scaler.scale(loss).backward()
         if c['grad_clip'] != 0.0:
             scaler.unscale_(optimizer)
@@ -147,19 +149,15 @@ def nanogpt_loop(max_iters, out_dir, threads, dataset='shakespeare_char'):
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        t1 = time.time()
-        dt = t1 - t0
-        t0 = t1
-        if iter_num % c['log_interval'] == 0:
-            lossf = loss.item() * c['gradient_accumulation_steps']
-            if local_iter_num >= 5:
-                mfu = model.estimate_mfu(c['batch_size'] * c['gradient_accumulation_steps'], dt)
-                running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
-            print(f"iter {iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%")
-        iter_num += 1
-        local_iter_num += 1
-        if iter_num > c['max_iters']:
-            break
+        now = time.time()
+        dt, t_prev = now - t_prev, now
+        if it % c['log_interval'] == 0:
+            lossf = loss.item() * accum
+            if it >= 5:  # this process starts at iteration 0: the first 5 iterations are warm-up
+                mfu = model.estimate_mfu(B * accum, dt)
+                mfu_avg = mfu if mfu_avg == -1.0 else 0.9 * mfu_avg + 0.1 * mfu
+            print(f"iter {it}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {mfu_avg*100:.2f}%")
+        it += 1
 
 
 def matmul_floor(rounds=3, steps=40, threads=0, dataset='shakespeare_char'):

@@ -1,7 +1,9 @@
 """configurator.py: nanoGPT's UX (config file, then --key=value), but strict and with clear errors."""
 import os
+import runpy
 import subprocess
 import sys
+import types
 
 import pytest
 from conftest import REPO
@@ -27,6 +29,16 @@ def test_values_parsed_like_nanogpt():
     assert cfg["betas"] == (0.8, 0.9)
     # a string setting keeps a numeric-looking value as the string the user typed
     assert parse_config(DEFAULTS, ["--out_dir=123"])["out_dir"] == "123"
+    assert parse_config(DEFAULTS, ["--out_dir=None"])["out_dir"] == "None"
+    # ... a quoted string literal is unquoted, a bare word or an empty value is taken as typed
+    assert parse_config(DEFAULTS, ["--out_dir='a b'"])["out_dir"] == "a b"
+    assert parse_config(DEFAULTS, ["--out_dir=out-x"])["out_dir"] == "out-x"
+    assert parse_config(DEFAULTS, ["--out_dir="])["out_dir"] == ""
+    # a setting whose default is None takes any literal, and a bare word as a string
+    assert parse_config(DEFAULTS, ["--compile=None"])["compile"] is None
+    assert parse_config(DEFAULTS, ["--compile=max-autotune"])["compile"] == "max-autotune"
+    # only the first '=' separates the key
+    assert parse_config(DEFAULTS, ["--out_dir=a=b"])["out_dir"] == "a=b"
     # an int where a float is expected is fine, and becomes a float
     lr = parse_config(DEFAULTS, ["--learning_rate=1"])["learning_rate"]
     assert lr == 1.0 and isinstance(lr, float)
@@ -86,14 +98,32 @@ def test_help_lists_settings():
     assert "--gradient_accumulation_steps" in r.stdout and "torchrun" in r.stdout
 
 
+def settings_of(path):
+    """ The plain settings a config file assigns, found by running it independently of configurator.py. """
+    return {k: v for k, v in runpy.run_path(path).items()
+            if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
+
+
 def test_shipped_configs_are_valid():
     """ Every config/*.py that train.py reads parses against train.py's settings. """
     import train
     names = ["train_shakespeare_char.py", "train_shakespeare_char_cpu.py", "train_gpt2.py", "finetune_shakespeare.py",
              "eval_gpt2.py", "eval_gpt2_medium.py", "eval_gpt2_large.py", "eval_gpt2_xl.py"]
     for name in names:
-        cfg = parse_config(train.DEFAULTS, [os.path.join(REPO, "config", name)])
-        assert cfg["out_dir"]
+        path = os.path.join(REPO, "config", name)
+        cfg = parse_config(train.DEFAULTS, [path])
+        # every setting the file assigns arrives with the file's value; everything else keeps its default
+        assigned, again = (settings_of(path) for _ in range(2))
+        varying = {k for k in assigned if assigned[k] != again[k]}  # e.g. wandb_run_name = 'ft-' + str(time.time())
+        assert assigned and {k: cfg[k] for k in assigned if k not in varying} == \
+            {k: v for k, v in assigned.items() if k not in varying}, name
+        assert all(type(cfg[k]) is type(assigned[k]) for k in varying), name
+        assert {k: v for k, v in cfg.items() if k not in assigned} == \
+            {k: v for k, v in train.DEFAULTS.items() if k not in assigned}, name
+    out_dirs = {name: parse_config(train.DEFAULTS, [os.path.join(REPO, "config", name)])["out_dir"] for name in names}
+    assert out_dirs["train_shakespeare_char.py"] == out_dirs["train_shakespeare_char_cpu.py"] == "out-shakespeare-char"
+    assert out_dirs["finetune_shakespeare.py"] == "out-shakespeare"
+    assert out_dirs["eval_gpt2.py"] == train.DEFAULTS["out_dir"]  # the eval configs don't set one
     cpu = parse_config(train.DEFAULTS, [os.path.join(REPO, "config", "train_shakespeare_char_cpu.py")])
     laptop = dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128, max_iters=2000,
                   lr_decay_iters=2000, dropout=0.0, eval_iters=20, log_interval=1)

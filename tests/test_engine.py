@@ -153,14 +153,20 @@ def test_stop_token_and_vocab_limit():
     model = peaky_model(block_size=16, vocab_size=50)
     idx = torch.zeros((3, 2), dtype=torch.long)
     free = generate(model, idx, 12, temperature=0)
+    assert free.shape == (3, 14)
     stop = int(free[0, 4])  # a token row 0 produces at its third step
+    first = free[0, 2:].tolist().index(stop)  # its first appearance (at the third step or before)
     out = generate(model, idx, 12, temperature=0, stop_token=stop)
-    for row in out.tolist():
+    # the rows are the same greedy sample, so all stop together: generation ends at the first stop token
+    assert torch.equal(out, free[:, :2 + first + 1])
+    # rows that stop at different steps: a finished row repeats the stop token until all are finished
+    idx2 = torch.stack([free[0, :2], free[0, 1:3]])  # row 1 is row 0 one step ahead
+    out2 = generate(model, idx2, 12, temperature=0, stop_token=stop)
+    assert out2.size(1) < 2 + 12
+    for row in out2.tolist():
         new = row[2:]
-        if stop in new:  # everything after the first stop token is the stop token
-            first = new.index(stop)
-            assert all(t == stop for t in new[first:])
-    assert stop in out[0, 2:5].tolist()
+        assert stop in new and all(t == stop for t in new[new.index(stop):])
+    assert out2[:, -1].tolist() == [stop, stop]
     # limited vocabulary: padded ids are never drawn, greedy or sampled
     for temperature in (0, 1.5):
         out = generate(model, torch.zeros((8, 1), dtype=torch.long), 30, temperature=temperature, vocab_size=7,
@@ -225,6 +231,25 @@ def test_top_k_keeps_exactly_the_k_largest():
                                F.softmax(torch.tensor([8.0, 6.0]), dim=0))
 
 
+def test_top_k_keeps_ties_with_the_kth_like_nanogpt():
+    # nanoGPT's rule drops the logits below the k-th largest, so a token tied with it stays: k=2 keeps 3 here
+    logits = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.0]])
+    probs = next_token_probs(logits, top_k=2)
+    expected = torch.zeros_like(logits)
+    expected[0, [1, 2, 3]] = F.softmax(torch.tensor([3.0, 2.0, 2.0]), dim=0)
+    torch.testing.assert_close(probs, expected)
+    # GPT.generate (the reference) applies the same rule: with top_k=1 and all logits tied, every token
+    # can still be drawn
+    model = peaky_model(block_size=8, vocab_size=5)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit 0: all 5 tokens tie
+    torch.manual_seed(0)
+    out = model.generate(torch.zeros((64, 1), dtype=torch.long), 1, top_k=1)
+    assert set(out[:, 1].tolist()) == set(range(5))  # ties survive top_k=1
+    engine_probs = next_token_probs(torch.zeros((1, 5)), top_k=1)
+    torch.testing.assert_close(engine_probs, torch.full((1, 5), 0.2))
+
+
 def test_top_p_keeps_the_smallest_nucleus():
     p = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
     logits = p.log()
@@ -255,11 +280,13 @@ def test_sampled_frequencies_follow_the_distribution():
 
 def test_bad_sampling_arguments_are_rejected():
     logits = torch.zeros((1, 4))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
         next_token_probs(logits, temperature=-1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="top_k must be >= 1"):
         next_token_probs(logits, top_k=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         next_token_probs(logits, top_p=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        next_token_probs(logits, top_p=1.5)
+    with pytest.raises(ValueError, match="mode must be one of"):
         list(generate_stream(peaky_model(), torch.zeros((1, 1), dtype=torch.long), 3, mode='fastest'))

@@ -28,8 +28,6 @@ def train(cmd_args, nproc=2):
     return r.stdout
 
 
-
-
 @pytest.mark.slow
 def test_fsdp_equals_ddp_halves_memory_and_checkpoints_resume(dataset, tmp_path):
     ddp = train(args(dataset, tmp_path / "ddp"))
@@ -39,6 +37,7 @@ def test_fsdp_equals_ddp_halves_memory_and_checkpoints_resume(dataset, tmp_path)
 
     # each of the 2 ranks stores about half of the parameters (rows split evenly, 1-row tensors padded)
     m = re.search(r"^fsdp: this rank holds ([\d,]+) of ([\d,]+) parameters", fsdp, re.M)
+    assert m, fsdp[-2000:]
     local, total = (int(g.replace(",", "")) for g in m.groups())
     assert 0.45 < local / total <= 0.55, (local, total)
 

@@ -29,7 +29,6 @@ args = functools.partial(train_args, n_embd=64, block_size=32, batch_size=8, max
                          lr_decay_iters=20, device='cuda')
 
 
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_mixed_precision_training_learns(dataset, tmp_path, capsys, dtype):
     if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
@@ -116,5 +115,6 @@ def test_bench_on_cuda_reports_mfu_against_the_gpu(capsys, monkeypatch):
     assert re.search(r"^time per iteration: [\d.]+ms, MFU: [\d.]+%$", out, re.M)
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     m = re.search(r"of ([\d.]+) TFLOP/s peak \(cuda", out)
+    assert m, out
     assert float(m.group(1)) == pytest.approx(gpu_peak_flops(torch.cuda.get_device_name(), dtype) / 1e12, rel=1e-3)
     assert "peak CUDA memory allocated" in out

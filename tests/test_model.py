@@ -5,10 +5,12 @@ KV cache), weight tying, parameter counts, block-size surgery, init, optimizer g
 Usage:
     python -m pytest tests/test_model.py -q
 """
+import copy
 import math
 
 import pytest
 import torch
+from torch.nn import functional as F
 from torch.testing import assert_close
 
 from model import GPT, GPTConfig, fused_adamw_available
@@ -136,21 +138,39 @@ def test_from_pretrained_hub_offline_points_to_local_dir(monkeypatch, tmp_path):
 def _both_paths(model):
     for path in ('flash', 'manual'):
         model.set_attention(path)
+        assert all(block.attn.flash is (path == 'flash') for block in model.transformer.h)
         yield path
 
 
-def test_flash_matches_manual():
+def _count_sdpa_calls(monkeypatch):
+    """ Count the calls of F.scaled_dot_product_attention made by model.py from now on. """
+    import model as model_module
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(model_module.F, 'scaled_dot_product_attention', counting)
+    return calls
+
+
+def test_flash_matches_manual(monkeypatch):
     torch.manual_seed(0)
     model = GPT(tiny_config())
     idx = torch.randint(0, 101, (2, 40))
     targets = torch.randint(0, 101, (2, 40))
+    calls = _count_sdpa_calls(monkeypatch)
     for mode in ('eval', 'train'):  # dropout=0, so train mode must agree too (and its grads)
         getattr(model, mode)()
         res = {}
         for path in _both_paths(model):
             model.zero_grad()
+            before = len(calls)
             logits, loss = model(idx, targets)
             loss.backward()
+            # the two paths are really two computations: only flash calls the fused kernel, once per layer
+            assert len(calls) - before == (model.config.n_layer if path == 'flash' else 0)
             res[path] = (logits.detach(), loss.detach(), model.lm_head.weight.grad.clone())
         for a, b in zip(res['flash'], res['manual']):
             assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -199,14 +219,27 @@ def test_weight_tying_and_resize():
     torch.manual_seed(0)
     model = GPT(tiny_config())
     wte, head = model.transformer.wte.weight, model.lm_head.weight
-    assert wte is head and wte.data_ptr() == head.data_ptr()
-    # counted once by parameters() and by the state_dict
+    assert wte is head
+    # one tensor for parameters() (so the optimizer updates it once), two names sharing it in the state_dict
     assert sum(p is wte for p in model.parameters()) == 1
+    sd = model.state_dict()
+    assert sd['lm_head.weight'].data_ptr() == sd['transformer.wte.weight'].data_ptr()
+    # its gradient is the sum of what the embedding and the head would get as separate matrices
+    untied = copy.deepcopy(model)
+    untied.lm_head.weight = torch.nn.Parameter(wte.detach().clone())
+    idx = torch.tensor([[1, 5, 9, 5, 100]])
+    for m in (model, untied):
+        m.zero_grad()
+        m(idx, idx)[1].backward()
+    assert untied.transformer.wte.weight.grad.abs().sum() > 0 and untied.lm_head.weight.grad.abs().sum() > 0
+    assert_close(wte.grad, untied.transformer.wte.weight.grad + untied.lm_head.weight.grad, atol=1e-7, rtol=1e-5)
+    model.zero_grad(set_to_none=True)
 
     old = wte.detach().clone()
     model.resize_token_embeddings(110)
     wte, head = model.transformer.wte.weight, model.lm_head.weight
-    assert wte is head and wte.data_ptr() == head.data_ptr()
+    assert wte is head
+    assert model.transformer.wte.num_embeddings == 110 and model.lm_head.out_features == 110
     assert wte.shape == (110, 64)
     assert model.config.vocab_size == 110
     assert_close(wte[:101].detach(), old, atol=0, rtol=0)  # old rows untouched
@@ -215,7 +248,8 @@ def test_weight_tying_and_resize():
     # new ids embed and the logits cover the new vocab
     idx = torch.tensor([[1, 105, 109, 3]])
     logits, loss = model(idx, idx)
-    assert logits.shape == (1, 4, 110) and torch.isfinite(loss)
+    assert logits.shape == (1, 4, 110)
+    assert_close(loss, F.cross_entropy(logits.view(-1, 110), idx.view(-1)))
     loss.backward()
     assert wte.grad is not None and wte.grad[105].abs().sum() > 0
     # still a single tensor after growing: an update to the embedding is an update to the head
@@ -239,7 +273,7 @@ def test_param_counts_match_hf(n_layer, n_head, n_embd):
     assert ours.lm_head.weight.device.type == 'meta'
     hf_params = {id(p): p.numel() for p in hf.parameters()}  # HF ties lm_head to wte: count each tensor once
     assert ours.get_num_params(non_embedding=False) == sum(hf_params.values())
-    # the non-embedding count drops exactly the position embeddings
+    # non_embedding=True leaves out wpe (block_size x n_embd values) and nothing else
     assert ours.get_num_params() == sum(hf_params.values()) - 1024 * n_embd
 
 
@@ -258,10 +292,13 @@ def test_crop_block_size():
     idx = torch.randint(0, 101, (2, 16))
     with torch.no_grad():
         before, _ = model(idx, idx)
+    old_wpe = model.transformer.wpe.weight.detach().clone()
     model.crop_block_size(16)
     assert model.config.block_size == 16
-    assert model.transformer.wpe.weight.shape == (16, 64)
+    assert model.transformer.wpe.weight.shape == (16, 64) and model.transformer.wpe.num_embeddings == 16
+    assert torch.equal(model.transformer.wpe.weight.detach(), old_wpe[:16])  # the first 16 rows, unchanged
     assert isinstance(model.transformer.wpe.weight, torch.nn.Parameter)
+    assert model.transformer.wpe.weight in set(model.parameters())  # an optimizer built now trains it
     for block in model.transformer.h:
         assert block.attn.bias.shape == (1, 1, 16, 16)
     assert 'transformer.h.0.attn.bias' not in model.state_dict()  # the mask is derived, never saved
@@ -306,25 +343,89 @@ def test_init_stds():
             assert torch.all(p == (1.0 if name.endswith('weight') else 0.0)), name
 
 
+def test_init_draws_in_nanogpt_order():
+    """ init_weights consumes the RNG exactly like nanoGPT's apply(_init_weights) followed by its c_proj
+    re-draw, so a seed gives the same initial weights as nanoGPT's model.py (and as before). """
+    cfg = tiny_config(n_layer=3)
+    ours, ref = GPT(cfg), GPT(cfg)
+
+    @torch.no_grad()
+    def nanogpt_init(module):  # nanoGPT's GPT._init_weights: N(0, 0.02) weights, zero Linear biases
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            module.weight.normal_(0.0, 0.02)
+        if isinstance(module, torch.nn.Linear) and module.bias is not None:
+            module.bias.zero_()
+    torch.manual_seed(42)
+    ref.apply(nanogpt_init)  # children before parents, lm_head (registered last) last
+    with torch.no_grad():  # then nanoGPT redraws every '...c_proj.weight' in named_parameters() order
+        for name, p in ref.named_parameters():
+            if name.endswith('c_proj.weight'):
+                p.normal_(0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+    torch.manual_seed(42)
+    ours.init_weights()
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[k], v), k
+    assert ours.lm_head.weight is ours.transformer.wte.weight
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_state_dict_names_and_layernorm(bias):
+    """ The checkpoint keys are GPT-2's (nanoGPT's), a bias=False model has no bias tensors at all, and the
+    LayerNorms compute (x - mean) / sqrt(var + 1e-5) * weight (+ bias), GPT-2's eps. """
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=1, bias=bias))
+    per_layer = ['ln_1.weight', 'ln_1.bias', 'attn.c_attn.weight', 'attn.c_attn.bias', 'attn.c_proj.weight',
+                 'attn.c_proj.bias', 'ln_2.weight', 'ln_2.bias', 'mlp.c_fc.weight', 'mlp.c_fc.bias',
+                 'mlp.c_proj.weight', 'mlp.c_proj.bias']
+    want = (['transformer.wte.weight', 'transformer.wpe.weight'] + ['transformer.h.0.' + n for n in per_layer]
+            + ['transformer.ln_f.weight', 'transformer.ln_f.bias', 'lm_head.weight'])
+    if not bias:
+        want = [k for k in want if not k.endswith('.bias')]
+    assert list(model.state_dict()) == want
+    # a state dict with exactly these keys loads strictly into a fresh model
+    GPT(tiny_config(n_layer=1, bias=bias)).load_state_dict(model.state_dict(), strict=True)
+    ln = model.transformer.h[0].ln_1
+    with torch.no_grad():
+        ln.weight.normal_()
+        if bias:
+            ln.bias.normal_()
+    x = 0.01 * torch.randn(3, 5, 64)  # variance 1e-4: an eps other than 1e-5 would show
+    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    expected = (x - mean) / torch.sqrt(var + 1e-5) * ln.weight + (ln.bias if bias else 0)
+    assert_close(ln(x), expected, atol=1e-5, rtol=1e-5)
+
+
 # -----------------------------------------------------------------------------
 # optimizer
 
-def test_configure_optimizers_groups():
+def test_configure_optimizers_groups(capsys):
     model = GPT(tiny_config())
     opt = model.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, betas=(0.9, 0.95), device_type='cpu')
     decay, nodecay = opt.param_groups
     assert decay['weight_decay'] == 0.1 and nodecay['weight_decay'] == 0.0
+    assert decay['lr'] == 6e-4 and decay['betas'] == (0.9, 0.95)
     params = dict(model.named_parameters())
-    want_decay = {id(p) for p in params.values() if p.dim() >= 2}
-    want_nodecay = {id(p) for p in params.values() if p.dim() < 2}
-    got_decay = [id(p) for p in decay['params']]
-    got_nodecay = [id(p) for p in nodecay['params']]
-    assert set(got_decay) == want_decay and len(got_decay) == len(want_decay)
-    assert set(got_nodecay) == want_nodecay and len(got_nodecay) == len(want_nodecay)
-    assert len(got_decay) + len(got_nodecay) == len(params)  # every tensor exactly once (tied wte too)
+    # in named_parameters() order, which the optimizer's state_dict indices (and so resuming) depend on
+    want_decay = [id(p) for p in params.values() if p.dim() >= 2]
+    want_nodecay = [id(p) for p in params.values() if p.dim() < 2]
+    assert [id(p) for p in decay['params']] == want_decay
+    assert [id(p) for p in nodecay['params']] == want_nodecay
+    assert len(want_decay) + len(want_nodecay) == len(params)  # every tensor exactly once (tied wte too)
     assert id(model.lm_head.weight) in want_decay
-    assert fused_adamw_available('cpu') == (tuple(int(x) for x in torch.__version__.split('.')[:2]) >= (2, 4))
-    assert opt.defaults.get('fused') == (True if fused_adamw_available('cpu') else None)
+    # by name: no decay for exactly the biases and the LayerNorm weights
+    names_nodecay = {n for n, p in params.items() if p.dim() < 2}
+    assert names_nodecay == {n for n in params if n.endswith('.bias') or '.ln_' in n or '.ln_f.' in n}
+    # 2 embeddings + 4 matrices per layer; 8 vectors per layer + ln_f's 2 (the counts nanoGPT prints too)
+    out = capsys.readouterr().out
+    assert "num decayed parameter tensors: 10, with 108,864 parameters" in out
+    assert "num non-decayed parameter tensors: 18, with 1,792 parameters" in out
+    assert "using fused AdamW: True" in out
+    assert fused_adamw_available('cpu') and fused_adamw_available('cuda') and not fused_adamw_available('mps')
+    assert opt.defaults['fused'] is True
+    plain = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), 'cpu', fused=False)
+    assert plain.defaults['fused'] is None  # PyTorch's own choice for the device
+    assert "using fused AdamW: False" in capsys.readouterr().out
     # and it actually steps
     idx = torch.randint(0, 101, (2, 8))
     _, loss = model(idx, idx)
@@ -344,9 +445,11 @@ def test_gpu_peak_flops_table():
     assert gpu_peak_flops('NVIDIA A100-SXM4-40GB', torch.bfloat16) == 312e12
     assert gpu_peak_flops('NVIDIA A100-SXM4-40GB', torch.float32) == 156e12
     assert gpu_peak_flops('NVIDIA H200', torch.bfloat16) == 989e12
-    pcie = gpu_peak_flops('NVIDIA H100 PCIe', torch.bfloat16)
-    assert pcie == 756e12 and pcie != gpu_peak_flops('NVIDIA H100 80GB HBM3', torch.bfloat16)
     # name fragments that contain each other resolve to the more specific entry
+    assert gpu_peak_flops('NVIDIA H100 PCIe', torch.bfloat16) == 756e12
+    assert gpu_peak_flops('NVIDIA H100 PCIe', torch.float32) == 378e12
+    assert gpu_peak_flops('NVIDIA H100 NVL', torch.bfloat16) == 835e12
+    assert gpu_peak_flops('NVIDIA GH200 480GB', torch.bfloat16) == 989e12
     assert gpu_peak_flops('NVIDIA A10G', torch.bfloat16) == 70e12
     assert gpu_peak_flops('NVIDIA L40S', torch.bfloat16) == 362e12
     assert gpu_peak_flops('NVIDIA L4', torch.bfloat16) == 121e12
@@ -358,7 +461,9 @@ def test_cpu_peak_flops_and_env_override(monkeypatch):
     assert cpu_peak_flops(num_cores=2, clock_hz=3e9, vector_isa='avx2') == 2 * 3e9 * 32
     assert cpu_peak_flops(num_cores=4, clock_hz=2e9, vector_isa='avx512') == 4 * 2e9 * 64
     monkeypatch.delenv('NANOGPT_PEAK_FLOPS', raising=False)
-    assert device_peak_flops('cpu') > 0
+    from nanogpt_plus.hardware import cpu_peak
+    peak = device_peak_flops('cpu')
+    assert peak == cpu_peak()[0] and peak >= cpu_peak_flops()  # the CPU's figure, never below the nominal one
     monkeypatch.setenv('NANOGPT_PEAK_FLOPS', '123e12')
     assert device_peak_flops('cpu') == 123e12
     assert device_peak_flops('cuda', torch.bfloat16) == 123e12  # wins before any device lookup

@@ -4,6 +4,7 @@ the CLI, plus nanoGPT-format checkpoints, streaming, and the error messages.
 """
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -99,10 +100,13 @@ def test_char_model_default_sampling_is_seeded(char_model):
     assert a.returncode == 0, a.stderr
     sa = samples_of(a.stdout)
     assert len(sa) == 10 and all(s.startswith("\n") and len(s) == 1 + 40 + 1 for s in sa)  # + print's newline
+    assert all(set(s) <= set("abcd\n") for s in sa)  # only the model's vocabulary
     assert sa == samples_of(b.stdout)  # same seed, same samples
-    assert len(set(sa)) > 1  # ten independent samples at a high temperature
+    assert len(set(sa)) == 10  # ten independent samples at a high temperature
     c = run_sample(*args, "--seed=7")
-    assert samples_of(c.stdout) != sa
+    assert c.returncode == 0, c.stderr
+    sc = samples_of(c.stdout)
+    assert len(sc) == 10 and sc != sa
 
 
 @pytest.mark.slow  # trains a model with GPT-2's 50304-token vocabulary, then two runs of sample.py
@@ -141,6 +145,9 @@ def test_help_explains_the_modes():
     assert r.returncode == 0
     assert "exact (default)" in r.stdout and "fast" in r.stdout and "block_size/2" in r.stdout
     assert "--top_p" in r.stdout and "--stop_at_eot" in r.stdout
+    # every setting is listed with its default
+    assert re.search(r"--mode\s+= 'exact'$", r.stdout, re.M) and re.search(r"--top_k\s+= 200$", r.stdout, re.M)
+    assert re.search(r"--num_samples\s+= 10$", r.stdout, re.M)
 
 
 # -----------------------------------------------------------------------------
@@ -206,6 +213,8 @@ def expect_error(monkeypatch, capsys, *args):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
+    # the error is the last line on stderr, and the only one
+    assert err.strip().splitlines()[-1].startswith("error: ") and err.count("error:") == 1, err
     return err
 
 
@@ -248,4 +257,5 @@ def test_bad_settings(char_model, monkeypatch, capsys):
     _, _, out_dir = char_model
     for arg, msg in (("--mode=quick", "mode must be"), ("--top_p=1.5", "top_p must be"),
                      ("--temperature=-1.0", "temperature must be"), ("--top_k=0", "top_k must be")):
-        assert msg in expect_error(monkeypatch, capsys, f"--out_dir={out_dir}", arg)
+        err = expect_error(monkeypatch, capsys, f"--out_dir={out_dir}", arg)
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1  # checked before loading

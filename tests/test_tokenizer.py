@@ -157,7 +157,7 @@ def test_char_meta_round_trip(tmp_path):
     assert from_disk.itos == tok.itos and from_disk.encode("world") == tok.encode("world")
     assert isinstance(load_tokenizer({'kind': 'gpt2'}), GPT2Tokenizer)
     assert isinstance(load_tokenizer(None), GPT2Tokenizer)
-    with pytest.raises(TokenizerError):
+    with pytest.raises(TokenizerError, match="no 'stoi' vocabulary"):
         load_tokenizer({'kind': 'char'})
 
 
@@ -176,7 +176,8 @@ def test_read_dataset_meta_prefers_json(tmp_path):
         pickle.dump(_nanogpt_meta("abc"), f)
     (tmp_path / "meta.json").write_text(json.dumps(CharTokenizer.from_text("xyz").meta()))
     meta = read_dataset_meta(str(tmp_path))
-    assert set(meta['stoi']) == set("xyz")
+    assert meta['kind'] == 'char' and meta['stoi'] == {'x': 0, 'y': 1, 'z': 2}
+    assert meta['itos'] == {0: 'x', 1: 'y', 2: 'z'}  # int keys again after JSON
 
 
 def test_read_nanogpt_meta_pkl(tmp_path):
