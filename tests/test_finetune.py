@@ -1,7 +1,8 @@
 """
-Tests for finetune.py (GPT-1-style supervised fine-tuning): each task format learns a small synthetic task
-from a tiny checkpoint made here, GPT-1's input transformations, the auxiliary LM loss over real tokens
-only, symmetric similarity, 2..5 choices, reload + predict, resume, DDP == 1 process, and bad input.
+Tests for finetune.py and nanogpt_plus/finetuning.py (GPT-1-style supervised fine-tuning): each task
+format learns a small synthetic task from a tiny checkpoint made here, GPT-1's input transformations, the
+auxiliary LM loss over real tokens only, symmetric similarity, 2..5 choices, reload + predict, resume,
+DDP == 1 process, and bad input.
 
 Usage:
     python -m pytest tests/test_finetune.py -q
@@ -18,6 +19,7 @@ from conftest import REPO, save_test_checkpoint
 
 import finetune
 from model import GPT, GPTConfig
+from nanogpt_plus import finetuning
 from nanogpt_plus.checkpoint import init_model, load_checkpoint
 from nanogpt_plus.runtime import DistInfo, UserError
 from nanogpt_plus.tokenizer import CharTokenizer
@@ -148,27 +150,27 @@ def test_task_reaches_90_percent(tmp_path, task, n_train, epochs):
 def test_input_transformations():
     enc = lambda s: [ord(c) - ord('a') for c in s]  # noqa: E731
     S, D, E = 100, 101, 102
-    assert finetune.encode_example(['ab'], 'classification', enc, SPECIAL, 16) == [[S, 0, 1, E]]
-    assert finetune.encode_example(['ab', 'c'], 'entailment', enc, SPECIAL, 16) == [[S, 0, 1, D, 2, E]]
-    assert finetune.encode_example(['ab', 'c'], 'similarity', enc, SPECIAL, 16) == \
+    assert finetuning.encode_example(['ab'], 'classification', enc, SPECIAL, 16) == [[S, 0, 1, E]]
+    assert finetuning.encode_example(['ab', 'c'], 'entailment', enc, SPECIAL, 16) == [[S, 0, 1, D, 2, E]]
+    assert finetuning.encode_example(['ab', 'c'], 'similarity', enc, SPECIAL, 16) == \
         [[S, 0, 1, D, 2, E], [S, 2, D, 0, 1, E]]
-    assert finetune.encode_example(['ab', 'c', 'd'], 'multiple_choice', enc, SPECIAL, 16) == \
+    assert finetuning.encode_example(['ab', 'c', 'd'], 'multiple_choice', enc, SPECIAL, 16) == \
         [[S, 0, 1, D, 2, E], [S, 0, 1, D, 3, E]]
 
 
 def test_truncation_keeps_special_tokens_and_trims_the_longer_text():
     enc = lambda s: [ord(c) - ord('a') for c in s]  # noqa: E731
-    (seq,) = finetune.encode_example(['abcdefghij', 'xyz'], 'entailment', enc, SPECIAL, 10)
+    (seq,) = finetuning.encode_example(['abcdefghij', 'xyz'], 'entailment', enc, SPECIAL, 10)
     assert len(seq) == 10
     assert seq[0] == 100 and seq[-1] == 102 and seq.count(101) == 1
     assert seq[1:seq.index(101)] == enc('abcd')  # the long premise lost its end...
     assert seq[seq.index(101) + 1:-1] == enc('xyz')  # ...the short hypothesis kept everything
-    a, b = finetune.truncate_pair(list(range(8)), list(range(8)), 6)
+    a, b = finetuning.truncate_pair(list(range(8)), list(range(8)), 6)
     assert (len(a), len(b)) == (3, 3)
     # a multiple-choice context keeps its end (what the choices continue)
-    (seq, _) = finetune.encode_example(['abcdefghij', 'x', 'y'], 'multiple_choice', enc, SPECIAL, 8)
+    (seq, _) = finetuning.encode_example(['abcdefghij', 'x', 'y'], 'multiple_choice', enc, SPECIAL, 8)
     assert seq == [100] + enc('ghij') + [101, enc('x')[0], 102]
-    (seq,) = finetune.encode_example(['abcdefghij'], 'classification', enc, SPECIAL, 5)
+    (seq,) = finetuning.encode_example(['abcdefghij'], 'classification', enc, SPECIAL, 5)
     assert seq == [100] + enc('abc') + [102]
 
 
@@ -176,7 +178,7 @@ def test_special_tokens_grow_the_tied_embedding():
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=10))
     old = gpt.transformer.wte.weight.detach().clone()
-    special = finetune.add_special_tokens(gpt, None)
+    special = finetuning.add_special_tokens(gpt, None)
     assert special == {'start': 10, 'delim': 11, 'extract': 12}
     w = gpt.transformer.wte.weight
     assert w.shape == (13, 16) and w is gpt.lm_head.weight
@@ -187,10 +189,10 @@ def test_special_tokens_grow_the_tied_embedding():
 def test_lm_loss_counts_only_real_tokens():
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=10))
-    special = finetune.add_special_tokens(gpt, None)
-    model = finetune.FinetuneModel(gpt, finetune.TaskHead(16, 2), 'classification').eval()
+    special = finetuning.add_special_tokens(gpt, None)
+    model = finetuning.FinetuneModel(gpt, finetuning.TaskHead(16, 2), 'classification').eval()
     seqs = [[[special['start'], 1, 2, 3, special['extract']]], [[special['start'], 4, special['extract']]]]
-    batch = finetune.make_batch(seqs, [0, 1], special, 'cpu')
+    batch = finetuning.make_batch(seqs, [0, 1], special, 'cpu')
     # targets: the next text token; never padding, never a special token
     assert batch['lm_targets'].tolist() == [[1, 2, 3, -1, -1], [4, -1, -1, -1, -1]]
     assert batch['extract_pos'].tolist() == [4, 2]
@@ -216,13 +218,13 @@ def test_lm_loss_counts_only_real_tokens():
 def test_similarity_is_symmetric():
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=32, vocab_size=10))
-    special = finetune.add_special_tokens(gpt, None)
-    model = finetune.FinetuneModel(gpt, finetune.TaskHead(16, 2), 'similarity').eval()
+    special = finetuning.add_special_tokens(gpt, None)
+    model = finetuning.FinetuneModel(gpt, finetuning.TaskHead(16, 2), 'similarity').eval()
     enc = lambda s: [int(c) for c in s]  # noqa: E731
-    ab = finetune.encode_example(['1234', '56'], 'similarity', enc, special, 32)
-    ba = finetune.encode_example(['56', '1234'], 'similarity', enc, special, 32)
-    b1 = finetune.make_batch([ab], None, special, 'cpu')
-    b2 = finetune.make_batch([ba], None, special, 'cpu')
+    ab = finetuning.encode_example(['1234', '56'], 'similarity', enc, special, 32)
+    ba = finetuning.encode_example(['56', '1234'], 'similarity', enc, special, 32)
+    b1 = finetuning.make_batch([ab], None, special, 'cpu')
+    b2 = finetuning.make_batch([ba], None, special, 'cpu')
     l1, _ = model(b1['idx'], b1['extract_pos'], b1['choice_mask'])
     l2, _ = model(b2['idx'], b2['extract_pos'], b2['choice_mask'])
     torch.testing.assert_close(l1, l2)
@@ -235,19 +237,19 @@ def test_similarity_is_symmetric():
 def test_multiple_choice_with_2_to_5_choices():
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=10))
-    special = finetune.add_special_tokens(gpt, None)
-    model = finetune.FinetuneModel(gpt, finetune.TaskHead(16, 1, bias=False), 'multiple_choice').eval()
+    special = finetuning.add_special_tokens(gpt, None)
+    model = finetuning.FinetuneModel(gpt, finetuning.TaskHead(16, 1, bias=False), 'multiple_choice').eval()
     enc = lambda s: [int(c) for c in s]  # noqa: E731
-    examples = [finetune.encode_example(['123'] + [str(i) for i in range(n)], 'multiple_choice', enc, special, 32)
+    examples = [finetuning.encode_example(['123'] + [str(i) for i in range(n)], 'multiple_choice', enc, special, 32)
                 for n in (2, 3, 4, 5)]
-    batch = finetune.make_batch(examples, [0, 1, 2, 3], special, 'cpu')
+    batch = finetuning.make_batch(examples, [0, 1, 2, 3], special, 'cpu')
     logits, _ = model(batch['idx'], batch['extract_pos'], batch['choice_mask'])
     assert logits.shape == (4, 5)
     assert torch.isinf(logits).tolist() == [[n >= k for n in range(5)] for k in (2, 3, 4, 5)]
     probs = torch.softmax(logits, -1)
     torch.testing.assert_close(probs.sum(-1), torch.ones(4))
     # a choice's score doesn't depend on the other examples or choices in the batch
-    alone = finetune.make_batch([examples[3][:2]], [0], special, 'cpu')
+    alone = finetuning.make_batch([examples[3][:2]], [0], special, 'cpu')
     l_alone, _ = model(alone['idx'], alone['extract_pos'], alone['choice_mask'])
     torch.testing.assert_close(l_alone[0], logits[3, :2])
     loss = torch.nn.functional.cross_entropy(logits, batch['labels'])
@@ -266,12 +268,12 @@ def test_checkpoint_reloads_and_predicts_the_same(tmp_path):
     ckpt = load_checkpoint(str(out / 'ckpt.pt'))
     assert ckpt['label_map'] == {'neg': 0, 'pos': 1}
     assert ckpt['tokenizer']['kind'] == 'char'
-    model = finetune.model_from_finetune_checkpoint(ckpt)
+    model = finetuning.model_from_finetune_checkpoint(ckpt)
     tok = CharTokenizer(ckpt['tokenizer']['stoi'])
-    examples = finetune.read_jsonl(val, 'classification')
-    encoded = finetune.encode_examples(examples, 'classification', tok, ckpt['special_tokens'], 64, val)
-    labels = finetune.label_ids(examples, 'classification', ckpt['label_map'], val)
-    correct, seen, _, preds = finetune.evaluate(model, encoded, labels, ckpt['special_tokens'], 8, 'cpu',
+    examples = finetuning.read_jsonl(val, 'classification')
+    encoded = finetuning.encode_examples(examples, 'classification', tok, ckpt['special_tokens'], 64, val)
+    labels = finetuning.label_ids(examples, 'classification', ckpt['label_map'], val)
+    correct, seen, _, preds = finetuning.evaluate(model, encoded, labels, ckpt['special_tokens'], 8, 'cpu',
                                                 torch.autocast('cpu', enabled=False))
     assert correct / seen == pytest.approx(res['val_acc'])
     # the predictions written after training (by the reloaded best model) agree with these
@@ -355,11 +357,11 @@ def test_missing_field_names_field_and_line(tmp_path):
     path = write_jsonl(tmp_path / 'bad.jsonl', [{'premise': 'a', 'hypothesis': 'b', 'label': 0},
                                                {'premise': 'a', 'label': 1}])
     with pytest.raises(UserError, match=r"line 2 has no 'hypothesis' field"):
-        finetune.read_jsonl(path, 'entailment')
+        finetuning.read_jsonl(path, 'entailment')
     path = write_jsonl(tmp_path / 'bad2.jsonl', [{'text': 'a'}])
     with pytest.raises(UserError, match=r"line 1 has no 'label' field"):
-        finetune.read_jsonl(path, 'classification')
-    finetune.read_jsonl(path, 'classification', labeled=False)  # fine for predictions
+        finetuning.read_jsonl(path, 'classification')
+    finetuning.read_jsonl(path, 'classification', labeled=False)  # fine for predictions
 
 
 def test_unknown_val_label_and_empty_file(tmp_path):
@@ -372,10 +374,10 @@ def test_unknown_val_label_and_empty_file(tmp_path):
     empty = tmp_path / 'empty.jsonl'
     empty.write_text('\n')
     with pytest.raises(UserError, match='has no examples'):
-        finetune.read_jsonl(str(empty), 'classification')
+        finetuning.read_jsonl(str(empty), 'classification')
     mc = write_jsonl(tmp_path / 'mc.jsonl', [{'context': 'a', 'choices': ['b', 'c'], 'label': 2}])
     with pytest.raises(UserError, match='not a choice index'):
-        finetune.label_ids(finetune.read_jsonl(mc, 'multiple_choice'), 'multiple_choice', None, mc)
+        finetuning.label_ids(finetuning.read_jsonl(mc, 'multiple_choice'), 'multiple_choice', None, mc)
 
 
 def test_cli_errors_are_one_line(tmp_path):
