@@ -37,29 +37,26 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
 from configurator import configure
-from model import GPT, GPTConfig
-from nanogpt_plus.checkpoint import checkpoint_path, init_model, load_checkpoint, model_from_checkpoint, save_checkpoint
-from nanogpt_plus.dataloader import dataset_dir
-from nanogpt_plus.files import read_jsonl as read_jsonl_records
+from nanogpt_plus.checkpoint import checkpoint_path, init_model, load_checkpoint, save_checkpoint
+from nanogpt_plus.finetuning import (TASKS, FinetuneModel, TaskData, TaskHead, add_special_tokens, configure_optimizers,
+                                     evaluate, finetune_checkpoint, head_outputs, load_task_data, make_batch,
+                                     model_from_finetune_checkpoint, write_predictions)
 from nanogpt_plus.parallel import accumulation_per_rank, all_reduce_sum, grad_sync_context, wrap_model
-from nanogpt_plus.runtime import (UserError, destroy_distributed, device_type_of, init_distributed, precision,
+from nanogpt_plus.runtime import (DistInfo, UserError, destroy_distributed, device_type_of, init_distributed, precision,
                                   provenance, run_main)
-from nanogpt_plus.tokenizer import TokenizerError, load_tokenizer, read_dataset_meta
+from nanogpt_plus.tokenizer import load_tokenizer
 from nanogpt_plus.training import (GracefulExit, MetricsLogger, compute_setup, fit_block_size, gather_rng_states,
                                    get_lr, make_grad_scaler, optimizer_step, restore_training_state, tensors_finite)
 
-TASKS = ('classification', 'entailment', 'similarity', 'multiple_choice')
-# the JSONL fields holding each task's texts (the label is always 'label')
-TASK_FIELDS = {'classification': ('text',), 'entailment': ('premise', 'hypothesis'),
-               'similarity': ('text1', 'text2'), 'multiple_choice': ('context', 'choices')}
-LAST_CKPT = 'ckpt_last.pt'  # the latest training state, for --init_from=resume; ckpt.pt is the best model
+BEST_CKPT = 'ckpt.pt'  # the best model so far (by val accuracy), with its head: what predictions use
+LAST_CKPT = 'ckpt_last.pt'  # the latest training state, for --init_from=resume
 
 # -----------------------------------------------------------------------------
 # default config values: GPT-1's fine-tuning recipe (lr 6.25e-5, batch 32, 3 epochs, dropout 0.1,
@@ -112,341 +109,400 @@ DEFAULTS = dict(
 
 
 # -----------------------------------------------------------------------------
-# data: JSONL -> checked examples -> token sequences with GPT-1's input transformations
+# what stays fixed while a fine-tune runs, and the state that moves
 
-def read_jsonl(path, task, labeled=True):
+@dataclass
+class Schedule:
+    """ The optimizer steps of a fine-tune and their learning rates (warmup, then cosine decay to min_lr). """
+    batch_size: int  # examples per micro-batch on this rank
+    accum: int  # micro-batches per optimizer step on this rank
+    steps_per_epoch: int
+    total_steps: int
+    warmup_iters: int
+    lr_decay_iters: int
+    learning_rate: float
+    min_lr: float
+    decay_lr: bool
+
+    @classmethod
+    def for_run(cls, n_examples, cfg, accum):
+        """ The schedule for n_examples per rank and epoch (a DistributedSampler's share). """
+        steps_per_epoch = math.ceil(n_examples / (cfg['batch_size'] * accum))
+        total_steps = cfg['epochs'] * steps_per_epoch
+        warmup_iters = int(cfg['warmup_frac'] * total_steps)
+        # decay over all steps, so the last one runs at min_lr (and never a decay phase of length 0)
+        lr_decay_iters = max(total_steps - 1, warmup_iters + 1)
+        return cls(cfg['batch_size'], accum, steps_per_epoch, total_steps, warmup_iters, lr_decay_iters,
+                   cfg['learning_rate'], cfg['min_lr'], cfg['decay_lr'])
+
+    @property
+    def per_step(self):
+        return self.batch_size * self.accum  # examples per optimizer step on this rank
+
+    def lr(self, iter_num):
+        if not self.decay_lr:
+            return self.learning_rate
+        return get_lr(iter_num, self.learning_rate, self.warmup_iters, self.lr_decay_iters, self.min_lr)
+
+
+@dataclass
+class FinetuneRun:
+    """ What stays fixed while a fine-tune runs: settings, processes, model, optimizer, data and schedule. """
+    cfg: dict
+    dist_info: DistInfo
+    task: str
+    raw_model: FinetuneModel  # the plain module: what checkpoints save and evaluation runs
+    model: torch.nn.Module  # raw_model wrapped for DDP (and compiled): what the training steps run
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    ctx: object  # the autocast context of the forward passes
+    data: TaskData
+    special: dict  # the ids of the Start, Delim and Extract tokens
+    tokenizer: object
+    tokenizer_meta: dict
+    source_name: str  # what the fine-tune started from, kept in its checkpoints
+    provenance: dict
+    sampler: DistributedSampler
+    schedule: Schedule
+    logger: MetricsLogger
+    exit_request: GracefulExit
+    t0: float  # when training started, for the elapsed time in the log lines
+
+    @property
+    def master(self):
+        return self.dist_info.master
+
+
+@dataclass
+class FinetuneState:
     """
-    The examples of a JSONL file as dicts {'texts': [...], 'label': raw label or None, 'line': n, 'record'}.
-    Every problem a user can cause names the file, the line and the field.
+    Where a fine-tune is: the counters and the record of the epochs so far, which ckpt_last.pt saves and
+    --init_from=resume restores. last_loss and interrupted only live as long as the process.
     """
-    if not path:
-        raise UserError(f"no file given for the {task} data; pass --train_file=... (and --val_file=...)")
-    examples = []
-    for n, rec in read_jsonl_records(path, missing_hint="pass an existing JSONL file"):
-        texts = []
-        for field in TASK_FIELDS[task]:
-            if field not in rec:
-                raise UserError(f"{path} line {n} has no '{field}' field, which the {task} task needs "
-                                f"(fields: {', '.join(TASK_FIELDS[task])}" + (", label)" if labeled else ")"))
-            value = rec[field]
-            if field == 'choices':
-                if not isinstance(value, list) or len(value) < 2 or not all(isinstance(c, str) for c in value):
-                    raise UserError(f"{path} line {n}: 'choices' must be a list of at least two strings")
-                texts.extend(value)
-            elif not isinstance(value, str):
-                raise UserError(f"{path} line {n}: '{field}' must be a string, got {type(value).__name__}")
+    epoch: int = 0
+    step_in_epoch: int = 0
+    iter_num: int = 0
+    best_val_acc: float = None
+    best_epoch: int = None
+    history: list = field(default_factory=list)  # one record per finished epoch (train loss, val accuracy)
+    last_loss: float = None  # the train loss of the last logged step (every epoch's last step is logged)
+    interrupted: bool = False
+
+    @classmethod
+    def from_checkpoint(cls, ckpt):
+        return cls(epoch=int(ckpt['epoch']), step_in_epoch=int(ckpt['step_in_epoch']),
+                   iter_num=int(ckpt['iter_num']), best_val_acc=ckpt.get('best_val_acc'),
+                   best_epoch=ckpt.get('best_epoch'), history=list(ckpt.get('history') or []))
+
+    def saved(self):
+        """ The keys ckpt_last.pt holds for from_checkpoint (iter_num is every checkpoint's). """
+        return {'epoch': self.epoch, 'step_in_epoch': self.step_in_epoch, 'best_val_acc': self.best_val_acc,
+                'best_epoch': self.best_epoch, 'history': self.history}
+
+
+# -----------------------------------------------------------------------------
+# the fine-tune: set-up, then per epoch: train steps (each logged now and then), evaluation, checkpoints
+
+def finetune(cfg, dist_info):
+    """ Fine-tune, evaluate after every epoch, keep the best model; returns the final result dict. """
+    run, state = setup(cfg, dist_info)
+    try:
+        while state.epoch < cfg['epochs'] and not state.interrupted:
+            run_epoch(run, state)
+            if state.interrupted:
+                save_interrupted(run, state)
             else:
-                texts.append(value)
-        label = None
-        if labeled:
-            if 'label' not in rec:
-                raise UserError(f"{path} line {n} has no 'label' field; every training/validation example "
-                                f"needs one")
-            label = rec['label']
-            if isinstance(label, bool) or not isinstance(label, (int, str)):
-                raise UserError(f"{path} line {n}: 'label' must be a class id (integer) or a string, "
-                                f"got {json.dumps(label)}")
-        examples.append({'texts': texts, 'label': label, 'line': n, 'record': rec})
-    return examples
+                end_epoch(run, state)
+    finally:
+        run.exit_request.uninstall()
+        run.logger.close()
+    return finish(run, state)
 
 
-def build_label_map(examples, path):
-    """ {label: class id}: integer labels are their own ids, strings get ids in sorted order. """
-    kinds = {type(ex['label']) for ex in examples}
-    if len(kinds) > 1:
-        raise UserError(f"{path} mixes integer and string labels; use one kind")
-    labels = sorted({ex['label'] for ex in examples})
-    if kinds == {int}:
-        if labels[0] < 0:
-            raise UserError(f"{path}: integer labels must be class ids 0, 1, ...; got {labels[0]}")
-        return {i: i for i in range(max(labels[-1] + 1, 2))}
-    return {label: i for i, label in enumerate(labels)}
+def setup(cfg, dist_info):
+    """ Everything the loop needs (FinetuneRun) and the state it starts from: new, or ckpt_last.pt's. """
+    accum = accumulation_per_rank(cfg['gradient_accumulation_steps'], dist_info)
+    device = dist_info.device
+    dtype, ctx, compile_model, _ = compute_setup(device, cfg['dtype'], cfg['compile'], num_threads=0, peak=False)
+    run_provenance = dict(provenance(device), dtype=dtype, world_size=dist_info.world_size)  # kept in checkpoints
+    if dist_info.master:
+        os.makedirs(cfg['out_dir'], exist_ok=True)
+        print("provenance: " + json.dumps(run_provenance))
+    resume = cfg['init_from'] == 'resume'
+    if cfg['task'] not in TASKS and not (resume and not cfg['task']):
+        raise UserError(f"unknown task '{cfg['task']}': pass --task=one of {', '.join(TASKS)}")
 
+    # the model: the same initial weights on every rank (head, new embeddings), then per-rank dropout
+    torch.manual_seed(cfg['seed'])
+    gpt, tokenizer_meta, source = load_source(cfg)
+    task = resolve_task(cfg, source)
+    special, tokenizer, data = prepare_model_and_data(cfg, task, gpt, tokenizer_meta, source, dist_info.master)
+    raw_model = build_finetune_model(cfg, task, gpt, data.n_classes, source if resume else None).to(device)
+    torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank; data order does not
 
-def label_ids(examples, task, label_map, path):
-    """ The class id of every example; unknown labels (e.g. in the val file) are an error naming the line. """
-    ids = []
-    for ex in examples:
-        label = ex['label']
-        if task == 'multiple_choice':
-            n_choices = len(ex['texts']) - 1
-            if isinstance(label, str):  # the text of the right choice
-                if label not in ex['texts'][1:]:
-                    raise UserError(f"{path} line {ex['line']}: label {label!r} is not one of the choices")
-                label = ex['texts'][1:].index(label)
-            if not 0 <= label < n_choices:
-                raise UserError(f"{path} line {ex['line']}: label {label} is not a choice index (0..{n_choices - 1})")
-            ids.append(label)
-        else:
-            if label not in label_map:
-                known = ', '.join(json.dumps(k) for k in list(label_map)[:10])
-                raise UserError(f"{path} line {ex['line']}: unknown label {json.dumps(label)} (the training data "
-                                f"has: {known}); fix the label or add it to the training data")
-            ids.append(label_map[label])
-    return ids
-
-
-def truncate_pair(a, b, budget, keep_end_a=False):
-    """
-    Shorten token lists a and b until len(a) + len(b) <= budget, always trimming the longer one (a on ties),
-    so a short text keeps all of its tokens. a loses its end, or its start when keep_end_a (a multiple-
-    choice context, whose end is what the choices continue); b always loses its end.
-    """
-    la, lb = len(a), len(b)
-    while la + lb > budget:
-        if la >= lb:
-            la -= 1
-        else:
-            lb -= 1
-    a = a[len(a) - la:] if keep_end_a else a[:la]
-    return a, b[:lb]
-
-
-def encode_example(texts, task, encode, special, block_size):
-    """
-    GPT-1's input transformations: the token sequences of one example (one per forward row), each
-    [Start] ... [Extract] and at most block_size long. Special tokens are never truncated.
-    """
-    s, d, e = special['start'], special['delim'], special['extract']
-    if task == 'classification':
-        a, _ = truncate_pair(encode(texts[0]), [], block_size - 2)
-        return [[s] + a + [e]]
-    if task == 'entailment':
-        a, b = truncate_pair(encode(texts[0]), encode(texts[1]), block_size - 3)
-        return [[s] + a + [d] + b + [e]]
-    if task == 'similarity':
-        # no natural order of the two texts: run both, the model adds the two Extract vectors
-        a, b = truncate_pair(encode(texts[0]), encode(texts[1]), block_size - 3)
-        return [[s] + a + [d] + b + [e], [s] + b + [d] + a + [e]]
-    context = encode(texts[0])
-    seqs = []
-    for choice in texts[1:]:
-        a, b = truncate_pair(context, encode(choice), block_size - 3, keep_end_a=True)
-        seqs.append([s] + a + [d] + b + [e])
-    return seqs
-
-
-def encode_examples(examples, task, tokenizer, special, block_size, path):
-    """ encode_example for every example; characters a char model can't encode name the line. """
-    out = []
-    for ex in examples:
-        try:
-            out.append(encode_example(ex['texts'], task, tokenizer.encode_ordinary, special, block_size))
-        except TokenizerError as err:
-            raise UserError(f"{path} line {ex['line']}: {err}") from None
-    return out
-
-
-def make_batch(seqs_list, labels, special, device):
-    """
-    Right-padded rows for a list of examples (each a list of sequences), as tensors:
-    idx (R, T) tokens; extract_pos (R,) where each row's Extract token sits; lm_targets (R, T) the next
-    text token at every position (-1 where there is none: padding, and positions whose next token is a
-    special token, so L1 is language modelling of the text only); choice_mask (B, N) which choice slots
-    are real (multiple choice); labels (B,) or None. Causal attention means a row's Extract position
-    never sees the padding after it, so no attention mask is needed.
-    """
-    rows = [seq for seqs in seqs_list for seq in seqs]
-    T = max(len(r) for r in rows)
-    idx = torch.zeros(len(rows), T, dtype=torch.long)
-    targets = torch.full((len(rows), T), -1, dtype=torch.long)
-    for i, r in enumerate(rows):
-        t = torch.tensor(r, dtype=torch.long)
-        idx[i, :len(r)] = t
-        targets[i, :len(r) - 1] = t[1:]
-    targets[targets >= special['start']] = -1  # the special tokens (appended last) are never LM targets
-    extract_pos = torch.tensor([len(r) - 1 for r in rows], dtype=torch.long)
-    n_max = max(len(seqs) for seqs in seqs_list)
-    choice_mask = torch.tensor([[j < len(seqs) for j in range(n_max)] for seqs in seqs_list], dtype=torch.bool)
-    batch = {'idx': idx, 'extract_pos': extract_pos, 'lm_targets': targets, 'choice_mask': choice_mask,
-             'labels': None if labels is None else torch.tensor(labels, dtype=torch.long)}
-    batch = {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
-    batch['n_lm_targets'] = int((targets != -1).sum())  # counted before the copy: no device sync later
-    return batch
-
-
-# -----------------------------------------------------------------------------
-# the model: a GPT plus GPT-1's linear head W_y on the Extract position
-
-class TaskHead(nn.Module):
-    """
-    GPT-1's W_y: dropout, then a linear map of the Extract hidden state to n_out scores. Multiple choice
-    has no bias: a softmax over the choices' scores can't see a shared offset, so its gradient would be
-    pure rounding noise (which Adam would turn into a random walk).
-    """
-
-    def __init__(self, n_embd, n_out, dropout=0.0, bias=True):
-        super().__init__()
-        self.dropout = nn.Dropout(dropout)
-        self.linear = nn.Linear(n_embd, n_out, bias=bias)
-        torch.nn.init.normal_(self.linear.weight, mean=0.0, std=0.02)  # like every other Linear of the GPT
-        if bias:
-            torch.nn.init.zeros_(self.linear.bias)
-
-    def forward(self, h):
-        return self.linear(self.dropout(h))
-
-
-def head_outputs(task, n_classes):
-    """ The head's output width: one scalar per choice for multiple choice, else one score per class. """
-    return 1 if task == 'multiple_choice' else n_classes
-
-
-class FinetuneModel(nn.Module):
-    """
-    The GPT and its task head as one module (one DDP wrapper, one optimizer). forward returns the task
-    logits (B, n_classes or n_choices) and the summed next-token loss over the batch's LM targets.
-    """
-
-    def __init__(self, gpt, head, task):
-        super().__init__()
-        self.gpt, self.head, self.task = gpt, head, task
-
-    def forward(self, idx, extract_pos, choice_mask, lm_targets=None):
-        h = self.gpt.hidden_states(idx)  # (R, T, C)
-        feats = h[torch.arange(h.size(0), device=h.device), extract_pos]  # (R, C): the Extract positions
-        if self.task == 'similarity':
-            # rows come in pairs (a $ b, b $ a) per example; their sum is symmetric in the two texts
-            logits = self.head(feats.view(-1, 2, feats.size(-1)).sum(1))
-        elif self.task == 'multiple_choice':
-            scores = self.head(feats).squeeze(-1).float()  # (R,): one scalar per (example, choice)
-            # lay the scores out as (B, N) with -inf for missing choices, so the softmax ignores them
-            logits = scores.new_full(choice_mask.shape, float('-inf')).masked_scatter(choice_mask, scores)
-        else:
-            logits = self.head(feats)
-        lm_loss_sum = None
-        if lm_targets is not None:
-            lm_logits = self.gpt.lm_head(h)
-            lm_loss_sum = F.cross_entropy(lm_logits.view(-1, lm_logits.size(-1)).float(), lm_targets.view(-1),
-                                          ignore_index=-1, reduction='sum')
-        return logits.float(), lm_loss_sum
-
-
-def add_special_tokens(gpt, source_ckpt):
-    """
-    Start, Delim and Extract as three new rows of the (tied) embedding table, initialised like the
-    others; a model fine-tuned before already has them.
-    """
-    if source_ckpt is not None and source_ckpt.get('special_tokens'):
-        return dict(source_ckpt['special_tokens'])
-    v = gpt.config.vocab_size
-    gpt.resize_token_embeddings(v + 3)
-    return {'start': v, 'delim': v + 1, 'extract': v + 2}
-
-
-# -----------------------------------------------------------------------------
-# building the model for each init_from
-
-def build_scratch(cfg):
-    """ A new random GPT from the model settings, with the tokenizer of --dataset (char meta, else GPT-2). """
-    meta = read_dataset_meta(dataset_dir(cfg['dataset']))
-    if meta is not None and meta.get('kind', 'gpt2') == 'char':
-        tokenizer_meta, vocab_size = meta, int(meta['vocab_size'])
-    else:
-        tokenizer_meta, vocab_size = {'kind': 'gpt2'}, 50304  # 50257 rounded up, like train.py
-    gpt = GPT(GPTConfig(n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=cfg['n_embd'],
-                        block_size=cfg['block_size'] or 1024, bias=cfg['bias'], vocab_size=vocab_size,
-                        dropout=cfg['dropout'], gelu=cfg['gelu']))
-    return gpt, tokenizer_meta
+    optimizer = configure_optimizers(raw_model, cfg, device_type_of(device))
+    scaler = make_grad_scaler(device_type_of(device), dtype)
+    model = wrap_model(raw_model, dist_info, compile_model)
+    # epochs over a DistributedSampler: one seeded permutation per epoch (the same on every rank and for
+    # every world size); rank r takes positions r, r+W, ... of it, so the micro-batches of all ranks in
+    # one optimizer step together hold exactly the examples a single process would take for that step
+    sampler = DistributedSampler(range(len(data.train_encoded)), num_replicas=dist_info.world_size,
+                                 rank=dist_info.rank, shuffle=True, seed=cfg['seed'], drop_last=False)
+    schedule = Schedule.for_run(len(sampler), cfg, accum)
+    state = FinetuneState()
+    if resume:
+        restore_training_state(source, optimizer, scaler, dist_info)
+        state = FinetuneState.from_checkpoint(source)
+        if dist_info.master:
+            print(f"resuming the fine-tune at epoch {state.epoch}, step {state.step_in_epoch} of "
+                  f"{schedule.steps_per_epoch}")
+    # a resumed fine-tune still names the model it started from, not its own ckpt_last.pt
+    source_name = source.get('source_model', cfg['init_from']) if resume else cfg['init_from']
+    logger = MetricsLogger(os.path.join(cfg['out_dir'], 'metrics.jsonl'), enabled=dist_info.master,
+                           wandb_log=cfg['wandb_log'], wandb_project=cfg['wandb_project'],
+                           wandb_run_name=cfg['wandb_run_name'], config=cfg, wandb_dir=cfg['out_dir'])
+    run = FinetuneRun(cfg=cfg, dist_info=dist_info, task=task, raw_model=raw_model, model=model, optimizer=optimizer,
+                      scaler=scaler, ctx=ctx, data=data, special=special, tokenizer=tokenizer,
+                      tokenizer_meta=tokenizer_meta, source_name=source_name, provenance=run_provenance,
+                      sampler=sampler, schedule=schedule, logger=logger, exit_request=GracefulExit().install(),
+                      t0=time.time())
+    return run, state
 
 
 def load_source(cfg):
-    """ (gpt, tokenizer meta, source checkpoint or None) for init_from, before the special tokens. """
+    """
+    (gpt, tokenizer description, source checkpoint or None) for init_from, before the special tokens:
+    init_model's, with the model settings for scratch and ckpt_last.pt for resume.
+    """
     init_from = cfg['init_from']
-    if init_from == 'scratch':
-        gpt, tokenizer_meta = build_scratch(cfg)
-        return gpt, tokenizer_meta, None
-    if init_from == 'resume':
-        ckpt = load_checkpoint(os.path.join(cfg['out_dir'], LAST_CKPT))
-        return model_from_checkpoint(ckpt, dropout=cfg['dropout']), ckpt['tokenizer'], ckpt
-    source_path = checkpoint_path(init_from, cfg['out_dir'])
-    target = os.path.abspath(os.path.join(cfg['out_dir'], 'ckpt.pt'))
-    if source_path is not None and os.path.abspath(source_path) == target:
-        raise UserError(f"init_from {init_from} is the checkpoint in --out_dir, which fine-tuning would overwrite; "
-                        f"pass a different --out_dir (or --init_from=resume to continue an interrupted fine-tune)")
-    return init_model(init_from, cfg['out_dir'], dropout=cfg['dropout'])
+    if init_from not in ('scratch', 'resume'):
+        source_path = checkpoint_path(init_from, cfg['out_dir'])
+        target = os.path.abspath(os.path.join(cfg['out_dir'], BEST_CKPT))
+        if source_path is not None and os.path.abspath(source_path) == target:
+            raise UserError(f"init_from {init_from} is the checkpoint in --out_dir, which fine-tuning would "
+                            f"overwrite; pass a different --out_dir (or --init_from=resume to continue an "
+                            f"interrupted fine-tune)")
+    model_settings = {k: cfg[k] for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'dropout', 'gelu')}
+    model_settings['block_size'] = cfg['block_size'] or 1024  # 0 means the source model's; scratch has none
+    return init_model(init_from, cfg['out_dir'], dataset=cfg['dataset'], model_settings=model_settings,
+                      dropout=cfg['dropout'], resume_file=LAST_CKPT)
+
+
+def resolve_task(cfg, source):
+    """ --task; when resuming, the fine-tune's own task (which --task may repeat, not change). """
+    if cfg['init_from'] != 'resume':
+        return cfg['task']
+    task = cfg['task'] or source.get('task')
+    if task != source.get('task'):
+        raise UserError(f"--task={task} but the fine-tune in {cfg['out_dir']} is {source.get('task')}; "
+                        f"drop --task to resume it")
+    return task
+
+
+def prepare_model_and_data(cfg, task, gpt, tokenizer_meta, source, master):
+    """
+    Crop the GPT to --block_size and add the special tokens, then read the data: the labels of the
+    training file define the classes (kept from the checkpoint when resuming). Returns (special, tokenizer, data).
+    """
+    fit_block_size(gpt, cfg['block_size'])
+    block_size = gpt.config.block_size
+    if block_size < 5:
+        raise UserError(f"block_size {block_size} is too small for the special tokens; use 16 or more")
+    special = add_special_tokens(gpt, source)
+    tokenizer = load_tokenizer(tokenizer_meta)
+    label_map = source.get('label_map') if cfg['init_from'] == 'resume' else None
+    data = load_task_data(task, cfg['train_file'], cfg['val_file'], tokenizer, special, block_size, label_map)
+    if not cfg['val_file'] and master:
+        print("warning: no --val_file; the model of the last epoch is kept and val_acc is null", file=sys.stderr)
+    return special, tokenizer, data
+
+
+def build_finetune_model(cfg, task, gpt, n_classes, resumed):
+    """ The GPT with a new task head (or the head of the resumed checkpoint), on the CPU. """
+    head = TaskHead(gpt.config.n_embd, head_outputs(task, n_classes), cfg['dropout'], bias=task != 'multiple_choice')
+    if resumed is not None:
+        head.load_state_dict(resumed['head'])
+    gpt.set_attention(cfg['attention'])
+    return FinetuneModel(gpt, head, task)
+
+
+def run_epoch(run, state):
+    """ The optimizer steps of epoch state.epoch from state.step_in_epoch on; a signal stops it early. """
+    run.sampler.set_epoch(state.epoch)
+    order = list(run.sampler)  # this rank's examples for the epoch, in order
+    while state.step_in_epoch < run.schedule.steps_per_epoch:
+        lr, step_losses, grad_norm = train_step(run, state, order)
+        last_of_epoch = state.step_in_epoch == run.schedule.steps_per_epoch
+        logged = state.iter_num % run.cfg['log_interval'] == 0 or last_of_epoch
+        if logged:
+            log_step(run, state, lr, step_losses, grad_norm)
+        # with several processes asking costs a sync, so only at log steps, which sync anyway
+        if run.exit_request.should_stop(run.dist_info, sync_point=logged):
+            state.interrupted = True
+            return
+
+
+def train_step(run, state, order):
+    """
+    One optimizer step over this rank's micro-batches of the step's global batch. Returns the learning
+    rate, this rank's (task loss, LM loss) of the step as tensors (no sync), and the gradient norm.
+    """
+    lr = run.schedule.lr(state.iter_num)
+    for group in run.optimizer.param_groups:
+        group['lr'] = lr
+    batches = step_batches(run, state, order)
+    # normalise by the counts of the whole global batch (all micro-batches, all ranks): the
+    # gradient is then exactly that of one big batch, for any world size and accumulation
+    n_ex = sum(b['labels'].numel() for b in batches)
+    n_tok = sum(b['n_lm_targets'] for b in batches)
+    n_ex, n_tok = all_reduce_sum([float(n_ex), float(n_tok)], run.dist_info)
+    step_cls = torch.zeros((), device=run.dist_info.device)
+    step_lm = torch.zeros((), device=run.dist_info.device)
+    for k, b in enumerate(batches):
+        with grad_sync_context(run.model, k == len(batches) - 1):
+            loss, cls_loss, lm_loss = micro_batch_loss(run, b, n_ex, n_tok)
+            # DDP averages gradients over the W ranks; scale up so they add up instead
+            run.scaler.scale(loss * run.dist_info.world_size).backward()
+        step_cls += cls_loss.detach()
+        if lm_loss is not None:
+            step_lm += lm_loss.detach()
+    grad_norm = optimizer_step(run.model, run.optimizer, run.scaler, run.cfg['grad_clip'])
+    state.iter_num += 1
+    state.step_in_epoch += 1
+    return lr, (step_cls, step_lm), grad_norm
+
+
+def step_batches(run, state, order):
+    """ This rank's micro-batches of the current step: its next batch_size x accum examples of order. """
+    bs, start = run.schedule.batch_size, state.step_in_epoch * run.schedule.per_step
+    micro = [order[start + m * bs: start + (m + 1) * bs] for m in range(run.schedule.accum)]
+    # every rank must run the same number of forward/backward passes (DDP); the sampler pads
+    # every rank to the same length, so the number of non-empty micro-batches agrees
+    data = run.data
+    return [make_batch([data.train_encoded[i] for i in m], [data.train_labels[i] for i in m], run.special,
+                       run.dist_info.device) for m in micro if m]
+
+
+def micro_batch_loss(run, b, n_ex, n_tok):
+    """
+    GPT-1's L3 = L2 + lambda * L1 of one micro-batch as its share of the global batch's mean (n_ex
+    examples, n_tok LM targets): (L3, L2, L1 or None when lm_loss_weight is 0).
+    """
+    lm_w = run.cfg['lm_loss_weight']
+    with run.ctx:
+        logits, lm_sum = run.model(b['idx'], b['extract_pos'], b['choice_mask'], b['lm_targets'] if lm_w > 0 else None)
+    cls_loss = F.cross_entropy(logits, b['labels'], reduction='sum') / n_ex
+    if lm_w > 0:
+        lm_loss = lm_sum / max(n_tok, 1.0)
+        return cls_loss + lm_w * lm_loss, cls_loss, lm_loss
+    return cls_loss, cls_loss, None
+
+
+def log_step(run, state, lr, step_losses, grad_norm):
+    """ The step's losses summed over ranks (one sync, at log time only): a line and a metrics record. """
+    step_cls, step_lm = all_reduce_sum([t.item() for t in step_losses], run.dist_info)
+    state.last_loss = step_cls + run.cfg['lm_loss_weight'] * step_lm
+    if not math.isfinite(step_cls + step_lm):
+        raise UserError(f"the loss is {step_cls + step_lm} at step {state.iter_num}; lower the learning rate "
+                        f"(or use --dtype=float32)")
+    if not run.master:
+        return
+    dt = time.time() - run.t0
+    print(f"epoch {state.epoch} step {state.iter_num}/{run.schedule.total_steps}: loss {state.last_loss:.4f} "
+          f"(task {step_cls:.4f}, lm {step_lm:.4f}), lr {lr:.2e}, {dt:.1f}s")
+    run.logger.log({'type': 'iter', 'iter': state.iter_num, 'epoch': state.epoch, 'loss': state.last_loss,
+                    'task_loss': step_cls, 'lm_loss': step_lm, 'lr': lr,
+                    'grad_norm': float(grad_norm) if grad_norm is not None else None})
+
+
+def end_epoch(run, state):
+    """ After the last step of an epoch: evaluate, keep the model if it is the best so far, save the state. """
+    record = evaluate_epoch(run, state)
+    state.history.append(record)
+    if run.master:
+        run.logger.log(dict(record, type='eval'))
+    # without a val file every epoch counts as the best, so ckpt.pt is the last epoch's model
+    if 'val_acc' not in record or state.best_val_acc is None or record['val_acc'] > state.best_val_acc:
+        state.best_val_acc, state.best_epoch = record.get('val_acc'), state.epoch
+        save_best(run, state, record)
+    state.epoch += 1
+    state.step_in_epoch = 0
+    save_last(run, state, f"end of epoch {state.epoch - 1}")
+
+
+def evaluate_epoch(run, state):
+    """ The epoch's record: its train loss and, with a val file, the accuracy on it (each rank a strided share). """
+    record = {'epoch': state.epoch, 'iter': state.iter_num, 'train_loss': state.last_loss}
+    data, dist_info = run.data, run.dist_info
+    if data.val_encoded is None:
+        return record
+    eval_bs = run.cfg['eval_batch_size'] or run.cfg['batch_size']
+    correct, seen, loss_sum, _ = evaluate(run.raw_model, data.val_encoded, data.val_labels, run.special, eval_bs,
+                                          dist_info.device, run.ctx,
+                                          range(dist_info.rank, len(data.val_encoded), dist_info.world_size))
+    correct, seen, loss_sum = all_reduce_sum([correct, seen, loss_sum], dist_info)
+    record.update(val_acc=correct / seen, val_loss=loss_sum / seen)
+    if run.master:
+        print(f"epoch {state.epoch}: val accuracy {correct / seen:.4f} ({int(round(correct))}/{int(round(seen))}), "
+              f"val loss {loss_sum / seen:.4f}")
+    return record
+
+
+def checkpoint(run, state, **extra):
+    """ The fine-tune's checkpoint dict at this state: the GPT, its head and labels, then extra. """
+    return finetune_checkpoint(run.raw_model, state.iter_num, run.cfg, run.tokenizer_meta, run.provenance,
+                               run.data.label_map, run.special, run.source_name, **extra)
+
+
+def save_best(run, state, record):
+    """ out_dir/ckpt.pt: the model of this epoch with its val accuracy (the master rank writes it). """
+    if not run.master:
+        return
+    path = os.path.join(run.cfg['out_dir'], BEST_CKPT)
+    save_checkpoint(checkpoint(run, state, epoch=state.epoch, val_acc=state.best_val_acc,
+                               val_loss=record.get('val_loss'), history=state.history), path)
+    print(f"saved the best model so far to {path}")
+
+
+def save_last(run, state, reason):
+    """ out_dir/ckpt_last.pt: the full training state (all ranks call this: RNG states come from every rank). """
+    rng_states = gather_rng_states(run.dist_info)
+    if not run.master:
+        return
+    if not tensors_finite(run.raw_model.parameters()):
+        raise UserError(f"the weights are not finite at step {state.iter_num}; not saving. Lower the learning rate")
+    path = os.path.join(run.cfg['out_dir'], LAST_CKPT)
+    scaler_state = run.scaler.state_dict() if run.scaler.is_enabled() else None
+    save_checkpoint(checkpoint(run, state, optimizer=run.optimizer.state_dict(), rng=rng_states,
+                               scaler=scaler_state, **state.saved()), path)
+    print(f"saved the training state to {path} ({reason})")
+
+
+def save_interrupted(run, state):
+    """ A signal stopped the epoch: save the training state to resume from (no evaluation). """
+    save_last(run, state, f"interrupted at epoch {state.epoch}, step {state.step_in_epoch}")
+    if run.master:
+        print(f"stopped cleanly; continue with --init_from=resume --out_dir={run.cfg['out_dir']}")
+
+
+def finish(run, state):
+    """ The result dict (printed as the last line, as JSON), after predictions of the best model if asked. """
+    cfg = run.cfg
+    result = {'task': run.task, 'val_acc': state.best_val_acc, 'best_epoch': state.best_epoch,
+              'epochs': state.epoch, 'steps': state.iter_num, 'out_dir': cfg['out_dir'],
+              'interrupted': state.interrupted}
+    if cfg['predict_file'] and not state.interrupted and run.master:
+        best = load_checkpoint(os.path.join(cfg['out_dir'], BEST_CKPT))
+        best_model = model_from_finetune_checkpoint(best).to(run.dist_info.device)
+        write_predictions(best_model, best, cfg, run.special, run.tokenizer, run.dist_info.device, run.ctx,
+                          cfg['predict_file'], cfg['predict_out'] or os.path.join(cfg['out_dir'], 'predictions.jsonl'))
+    if run.master:
+        print(json.dumps(result))
+    return result
 
 
 # -----------------------------------------------------------------------------
-# evaluation and prediction
-
-@torch.no_grad()
-def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=None):
-    """
-    Accuracy pieces over examples (this rank's indices): (n_correct, n_seen, summed task loss, predictions
-    as (index, class id, probabilities)).
-    """
-    was_training = model.training
-    model.eval()
-    indices = list(range(len(encoded))) if indices is None else list(indices)
-    correct, loss_sum, preds = 0, 0.0, []
-    for i in range(0, len(indices), batch_size):
-        chunk = indices[i:i + batch_size]
-        batch = make_batch([encoded[j] for j in chunk], None if labels is None else [labels[j] for j in chunk],
-                           special, device)
-        with ctx:
-            logits, _ = model(batch['idx'], batch['extract_pos'], batch['choice_mask'])
-        probs = F.softmax(logits, dim=-1)
-        pred = logits.argmax(-1)
-        if batch['labels'] is not None:
-            correct += int((pred == batch['labels']).sum())
-            loss_sum += float(F.cross_entropy(logits, batch['labels'], reduction='sum'))
-        for j, p, pr, m in zip(chunk, pred.tolist(), probs.tolist(), batch['choice_mask'].tolist()):
-            preds.append((j, p, [round(x, 6) for x, real in zip(pr, m) if real] if model.task == 'multiple_choice'
-                          else [round(x, 6) for x in pr]))
-    model.train(was_training)
-    return correct, len(indices), loss_sum, preds
-
-
-def write_predictions(model, ckpt_info, cfg, special, tokenizer, device, ctx, path, out_path):
-    """ Predictions of model for every example of path, one JSON line each (the input plus prediction). """
-    task = ckpt_info['task']
-    examples = read_jsonl(path, task, labeled=False)
-    encoded = encode_examples(examples, task, tokenizer, special, model.gpt.config.block_size, path)
-    bs = cfg['eval_batch_size'] or cfg['batch_size']
-    _, _, _, preds = evaluate(model, encoded, None, special, bs, device, ctx)
-    id_to_label = {i: label for label, i in (ckpt_info['label_map'] or {}).items()}
-    lines = []
-    for (j, p, probs) in preds:
-        out = dict(examples[j]['record'])
-        out['prediction'] = p if task == 'multiple_choice' else id_to_label.get(p, p)
-        out['probs'] = probs
-        lines.append(json.dumps(out))
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path, 'w', encoding='utf-8') as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {len(lines)} predictions to {out_path}")
-
-
-def model_from_finetune_checkpoint(ckpt, dropout=0.0):
-    """ The FinetuneModel (GPT + head) saved in a finetune.py checkpoint, on the CPU. """
-    if not ckpt.get('task') or 'head' not in ckpt:
-        raise UserError("this checkpoint has no fine-tuned task head; fine-tune it first (python finetune.py "
-                        "--train_file=...)")
-    gpt = model_from_checkpoint(ckpt, dropout=dropout)
-    head = TaskHead(gpt.config.n_embd, ckpt['head']['linear.weight'].size(0), dropout, 'linear.bias' in ckpt['head'])
-    head.load_state_dict(ckpt['head'])
-    return FinetuneModel(gpt, head, ckpt['task'])
-
-
-# -----------------------------------------------------------------------------
-
-def main():
-    cfg = configure(DEFAULTS, doc=__doc__)
-    if cfg['task'] and cfg['task'] not in TASKS:
-        raise UserError(f"unknown task '{cfg['task']}': use {', '.join(TASKS)}")
-    if cfg['init_from'] == 'resume' and not os.path.exists(os.path.join(cfg['out_dir'], LAST_CKPT)):
-        raise UserError(f"init_from=resume but there is no {os.path.join(cfg['out_dir'], LAST_CKPT)}; check "
-                        f"--out_dir or start a new fine-tune with --init_from=<pretrained model>")
-    dist_info = init_distributed(cfg['device'], cfg['backend'])
-    try:
-        if not cfg['train_file'] and cfg['predict_file']:
-            predict_only(cfg, dist_info)
-        else:
-            finetune(cfg, dist_info)
-    finally:
-        destroy_distributed()
-
+# predictions only, and the command line
 
 def predict_only(cfg, dist_info):
     """ --predict_file with a fine-tuned checkpoint (init_from) and no --train_file: predictions only. """
@@ -468,241 +524,21 @@ def predict_only(cfg, dist_info):
                       cfg['predict_file'], out_path)
 
 
-def finetune(cfg, dist_info):
-    """ Fine-tune, evaluate after every epoch, keep the best model; returns the final result dict. """
-    master = dist_info.master
-    device = dist_info.device
-    device_type = device_type_of(device)
-    W = dist_info.world_size
-    accum = accumulation_per_rank(cfg['gradient_accumulation_steps'], dist_info)
-    dtype, ctx, compile_model, _ = compute_setup(device, cfg['dtype'], cfg['compile'], num_threads=0, peak=False)
-    run_provenance = dict(provenance(device), dtype=dtype, world_size=W)  # printed now, kept in checkpoints
-    if master:
-        os.makedirs(cfg['out_dir'], exist_ok=True)
-        print("provenance: " + json.dumps(run_provenance))
-
-    resume = cfg['init_from'] == 'resume'
-    if cfg['task'] not in TASKS and not (resume and not cfg['task']):
-        raise UserError(f"unknown task '{cfg['task']}': pass --task=one of {', '.join(TASKS)}")
-
-    # the model: the same initial weights on every rank (head, new embeddings), then per-rank dropout
-    torch.manual_seed(cfg['seed'])
-    gpt, tokenizer_meta, source_ckpt = load_source(cfg)
-    task = (cfg['task'] or source_ckpt.get('task')) if resume else cfg['task']
-    if resume and task != source_ckpt.get('task'):
-        raise UserError(f"--task={task} but the fine-tune in {cfg['out_dir']} is {source_ckpt.get('task')}; "
-                        f"drop --task to resume it")
-    fit_block_size(gpt, cfg['block_size'])
-    block_size = gpt.config.block_size
-    if block_size < 5:
-        raise UserError(f"block_size {block_size} is too small for the special tokens; use 16 or more")
-    special = add_special_tokens(gpt, source_ckpt)
-    tokenizer = load_tokenizer(tokenizer_meta)
-
-    # data: labels of the training file define the classes (kept from the checkpoint when resuming)
-    train_examples = read_jsonl(cfg['train_file'], task)
-    if resume:
-        label_map = source_ckpt.get('label_map')
-    else:
-        label_map = None if task == 'multiple_choice' else build_label_map(train_examples, cfg['train_file'])
-    train_labels = label_ids(train_examples, task, label_map, cfg['train_file'])
-    train_encoded = encode_examples(train_examples, task, tokenizer, special, block_size, cfg['train_file'])
-    val_encoded = val_labels = None
-    if cfg['val_file']:
-        val_examples = read_jsonl(cfg['val_file'], task)
-        val_labels = label_ids(val_examples, task, label_map, cfg['val_file'])
-        val_encoded = encode_examples(val_examples, task, tokenizer, special, block_size, cfg['val_file'])
-    elif master:
-        print("warning: no --val_file; the model of the last epoch is kept and val_acc is null", file=sys.stderr)
-    n_classes = len(label_map) if label_map else None
-
-    head = TaskHead(gpt.config.n_embd, head_outputs(task, n_classes), cfg['dropout'], bias=task != 'multiple_choice')
-    if resume:
-        head.load_state_dict(source_ckpt['head'])
-    gpt.set_attention(cfg['attention'])
-    raw_model = FinetuneModel(gpt, head, task).to(device)
-    torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank; data order does not
-
-    optimizer = configure_optimizers(raw_model, cfg, device_type)
-    scaler = make_grad_scaler(device_type, dtype)
-    model = wrap_model(raw_model, dist_info, compile_model)
-
-    # epochs over a DistributedSampler: one seeded permutation per epoch (the same on every rank and for
-    # every world size); rank r takes positions r, r+W, ... of it, so the micro-batches of all ranks in
-    # one optimizer step together hold exactly the examples a single process would take for that step
-    sampler = DistributedSampler(range(len(train_encoded)), num_replicas=W, rank=dist_info.rank, shuffle=True,
-                                 seed=cfg['seed'], drop_last=False)
-    per_step = cfg['batch_size'] * accum
-    steps_per_epoch = math.ceil(len(sampler) / per_step)
-    total_steps = cfg['epochs'] * steps_per_epoch
-    warmup_iters = int(cfg['warmup_frac'] * total_steps)
-    lr_decay_iters = max(total_steps - 1, warmup_iters + 1)
-
-    epoch, step_in_epoch, iter_num, best_val_acc, best_epoch, history = 0, 0, 0, None, None, []
-    if resume:
-        restore_training_state(source_ckpt, optimizer, scaler, dist_info)
-        epoch, step_in_epoch = int(source_ckpt['epoch']), int(source_ckpt['step_in_epoch'])
-        iter_num, best_val_acc = int(source_ckpt['iter_num']), source_ckpt.get('best_val_acc')
-        best_epoch, history = source_ckpt.get('best_epoch'), list(source_ckpt.get('history') or [])
-        if master:
-            print(f"resuming the fine-tune at epoch {epoch}, step {step_in_epoch} of {steps_per_epoch}")
-    source_name = (source_ckpt or {}).get('source_model', cfg['init_from']) if resume else cfg['init_from']
-    source_ckpt = None  # free up memory
-
-    def checkpoint(extra):
-        return dict({
-            'model': raw_model.gpt.state_dict(),
-            'model_args': raw_model.gpt.config.model_args(),
-            'model_extra_args': raw_model.gpt.config.model_extra_args(),
-            'head': raw_model.head.state_dict(),
-            'task': task,
-            'label_map': label_map,
-            'special_tokens': special,
-            'tokenizer': tokenizer_meta,
-            'config': dict(cfg),
-            'source_model': source_name,
-            'iter_num': iter_num,
-            'best_val_loss': 1e9,  # train.py's key, so generic tools can read the file; see val_acc
-            'provenance': run_provenance,
-        }, **extra)
-
-    def save_last(reason):
-        """ The full training state (all ranks call this: RNG states are gathered from every rank). """
-        rng_states = gather_rng_states(dist_info)
-        if not master:
-            return
-        if not tensors_finite(raw_model.parameters()):
-            raise UserError(f"the weights are not finite at step {iter_num}; not saving. Lower the learning rate")
-        save_checkpoint(checkpoint({'optimizer': optimizer.state_dict(), 'epoch': epoch,
-                                    'step_in_epoch': step_in_epoch, 'best_val_acc': best_val_acc,
-                                    'best_epoch': best_epoch, 'history': history, 'rng': rng_states,
-                                    'scaler': scaler.state_dict() if scaler.is_enabled() else None}),
-                        os.path.join(cfg['out_dir'], LAST_CKPT))
-        print(f"saved the training state to {os.path.join(cfg['out_dir'], LAST_CKPT)} ({reason})")
-
-    logger = MetricsLogger(os.path.join(cfg['out_dir'], 'metrics.jsonl'), enabled=master,
-                           wandb_log=cfg['wandb_log'], wandb_project=cfg['wandb_project'],
-                           wandb_run_name=cfg['wandb_run_name'], config=cfg, wandb_dir=cfg['out_dir'])
-    exit_request = GracefulExit().install()
-    lm_w = cfg['lm_loss_weight']
-    eval_bs = cfg['eval_batch_size'] or cfg['batch_size']
-    interrupted = False
-    last_loss = None  # the train loss of the last logged step (every epoch's last step is logged)
-    t0 = time.time()
+def main():
+    cfg = configure(DEFAULTS, doc=__doc__)
+    if cfg['task'] and cfg['task'] not in TASKS:
+        raise UserError(f"unknown task '{cfg['task']}': use {', '.join(TASKS)}")
+    if cfg['init_from'] == 'resume' and not os.path.exists(os.path.join(cfg['out_dir'], LAST_CKPT)):
+        raise UserError(f"init_from=resume but there is no {os.path.join(cfg['out_dir'], LAST_CKPT)}; check "
+                        f"--out_dir or start a new fine-tune with --init_from=<pretrained model>")
+    dist_info = init_distributed(cfg['device'], cfg['backend'])
     try:
-        while epoch < cfg['epochs'] and not interrupted:
-            sampler.set_epoch(epoch)
-            order = list(sampler)  # this rank's examples for the epoch, in order
-            while step_in_epoch < steps_per_epoch:
-                lr = get_lr(iter_num, cfg['learning_rate'], warmup_iters, lr_decay_iters, cfg['min_lr']) \
-                    if cfg['decay_lr'] else cfg['learning_rate']
-                for group in optimizer.param_groups:
-                    group['lr'] = lr
-                start = step_in_epoch * per_step
-                micro = [order[start + m * cfg['batch_size']: start + (m + 1) * cfg['batch_size']]
-                         for m in range(accum)]
-                micro = [m for m in micro if m]
-                # every rank must run the same number of forward/backward passes (DDP); the sampler pads
-                # every rank to the same length, so the number of non-empty micro-batches agrees
-                batches = [make_batch([train_encoded[i] for i in m], [train_labels[i] for i in m], special, device)
-                           for m in micro]
-                # normalise by the counts of the whole global batch (all micro-batches, all ranks): the
-                # gradient is then exactly that of one big batch, for any world size and accumulation
-                n_ex = sum(b['labels'].numel() for b in batches)
-                n_tok = sum(b['n_lm_targets'] for b in batches)
-                n_ex, n_tok = all_reduce_sum([float(n_ex), float(n_tok)], dist_info)
-                step_cls = torch.zeros((), device=device)
-                step_lm = torch.zeros((), device=device)
-                for k, b in enumerate(batches):
-                    with grad_sync_context(model, k == len(batches) - 1):
-                        with ctx:
-                            logits, lm_sum = model(b['idx'], b['extract_pos'], b['choice_mask'],
-                                                   b['lm_targets'] if lm_w > 0 else None)
-                        cls_loss = F.cross_entropy(logits, b['labels'], reduction='sum') / n_ex
-                        loss = cls_loss
-                        if lm_w > 0:
-                            lm_loss = lm_sum / max(n_tok, 1.0)
-                            loss = loss + lm_w * lm_loss
-                            step_lm += lm_loss.detach()
-                        step_cls += cls_loss.detach()
-                        # DDP averages gradients over the W ranks; scale up so they add up instead
-                        scaler.scale(loss * W).backward()
-                grad_norm = optimizer_step(model, optimizer, scaler, cfg['grad_clip'])
-                iter_num += 1
-                step_in_epoch += 1
-                log_step = iter_num % cfg['log_interval'] == 0 or step_in_epoch == steps_per_epoch
-                if log_step:
-                    # the step's losses summed over ranks (one sync, at log time only)
-                    step_cls, step_lm = all_reduce_sum([step_cls.item(), step_lm.item()], dist_info)
-                    last_loss = step_cls + lm_w * step_lm
-                    if not math.isfinite(step_cls + step_lm):
-                        raise UserError(f"the loss is {step_cls + step_lm} at step {iter_num}; lower the "
-                                        f"learning rate (or use --dtype=float32)")
-                    if master:
-                        dt = time.time() - t0
-                        print(f"epoch {epoch} step {iter_num}/{total_steps}: loss {last_loss:.4f} "
-                              f"(task {step_cls:.4f}, lm {step_lm:.4f}), lr {lr:.2e}, {dt:.1f}s")
-                        logger.log({'type': 'iter', 'iter': iter_num, 'epoch': epoch, 'loss': last_loss,
-                                    'task_loss': step_cls, 'lm_loss': step_lm, 'lr': lr,
-                                    'grad_norm': float(grad_norm) if grad_norm is not None else None})
-                if exit_request.should_stop(dist_info, sync_point=log_step):
-                    interrupted = True
-                    break
-            if interrupted:
-                save_last(f"interrupted at epoch {epoch}, step {step_in_epoch}")
-                if master:
-                    print(f"stopped cleanly; continue with --init_from=resume --out_dir={cfg['out_dir']}")
-                break
-
-            # end of the epoch: accuracy on the val file (every rank a strided share), keep the best model
-            record = {'epoch': epoch, 'iter': iter_num, 'train_loss': last_loss}
-            if val_encoded is not None:
-                correct, seen, loss_sum, _ = evaluate(raw_model, val_encoded, val_labels, special, eval_bs, device,
-                                                      ctx, range(dist_info.rank, len(val_encoded), W))
-                correct, seen, loss_sum = all_reduce_sum([correct, seen, loss_sum], dist_info)
-                record.update(val_acc=correct / seen, val_loss=loss_sum / seen)
-                if master:
-                    print(f"epoch {epoch}: val accuracy {correct / seen:.4f} "
-                          f"({int(round(correct))}/{int(round(seen))}), "
-                          f"val loss {loss_sum / seen:.4f}")
-            history.append(record)
-            if master:
-                logger.log(dict(record, type='eval'))
-            improved = val_encoded is None or best_val_acc is None or record['val_acc'] > best_val_acc
-            if improved:
-                best_val_acc, best_epoch = record.get('val_acc'), epoch
-                if master:
-                    save_checkpoint(checkpoint({'epoch': epoch, 'val_acc': best_val_acc,
-                                                'val_loss': record.get('val_loss'), 'history': history}),
-                                    os.path.join(cfg['out_dir'], 'ckpt.pt'))
-                    print(f"saved the best model so far to {os.path.join(cfg['out_dir'], 'ckpt.pt')}")
-            epoch += 1
-            step_in_epoch = 0
-            save_last(f"end of epoch {epoch - 1}")
+        if not cfg['train_file'] and cfg['predict_file']:
+            predict_only(cfg, dist_info)
+        else:
+            finetune(cfg, dist_info)
     finally:
-        exit_request.uninstall()
-        logger.close()
-
-    result = {'task': task, 'val_acc': best_val_acc, 'best_epoch': best_epoch, 'epochs': epoch,
-              'steps': iter_num, 'out_dir': cfg['out_dir'], 'interrupted': interrupted}
-    if cfg['predict_file'] and not interrupted and master:
-        best = load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'))
-        best_model = model_from_finetune_checkpoint(best).to(device)
-        write_predictions(best_model, best, cfg, special, tokenizer, device, ctx, cfg['predict_file'],
-                          cfg['predict_out'] or os.path.join(cfg['out_dir'], 'predictions.jsonl'))
-    if master:
-        print(json.dumps(result))
-    return result
-
-
-def configure_optimizers(model, cfg, device_type):
-    """ GPT.configure_optimizers' AdamW over the GPT and the head (its weight decays, its bias does not). """
-    optimizer = model.gpt.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
-                                               (cfg['beta1'], cfg['beta2']), device_type)
-    optimizer.add_param_group({'params': [model.head.linear.weight], 'weight_decay': cfg['weight_decay']})
-    if model.head.linear.bias is not None:
-        optimizer.add_param_group({'params': [model.head.linear.bias], 'weight_decay': 0.0})
-    return optimizer
+        destroy_distributed()
 
 
 if __name__ == '__main__':

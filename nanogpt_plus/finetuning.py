@@ -1,0 +1,399 @@
+"""
+GPT-1-style supervised fine-tuning, the library half of finetune.py: labelled JSONL examples, GPT-1's
+input transformations, the task head on the Extract token, evaluation, predictions, and the checkpoint a
+fine-tune writes (and how to read it back). finetune.py holds the settings and the training loop.
+
+Tasks and their JSONL fields (one example per line), with GPT-1's input transformations
+(s = Start, $ = Delim, e = Extract, three new learned tokens appended to the vocabulary):
+    classification   {"text", "label"}                   s text e                        -> linear head
+    entailment       {"premise", "hypothesis", "label"}  s premise $ hypothesis e        -> linear head
+    similarity       {"text1", "text2", "label"}         s a $ b e  and  s b $ a e, summed -> linear head
+    multiple_choice  {"context", "choices", "label"}     s context $ choice_i e for each i -> one scalar
+                                                         each, softmax over the choices
+
+Usage:
+    from nanogpt_plus.finetuning import read_jsonl, encode_examples, make_batch, model_from_finetune_checkpoint
+    model = model_from_finetune_checkpoint(load_checkpoint('out-ft/ckpt.pt'))
+    examples = read_jsonl('val.jsonl', model.task)
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from nanogpt_plus.checkpoint import build_checkpoint, model_from_checkpoint
+from nanogpt_plus.files import read_jsonl as read_jsonl_records
+from nanogpt_plus.runtime import UserError
+from nanogpt_plus.tokenizer import TokenizerError
+
+TASKS = ('classification', 'entailment', 'similarity', 'multiple_choice')
+# the JSONL fields holding each task's texts (the label is always 'label')
+TASK_FIELDS = {'classification': ('text',), 'entailment': ('premise', 'hypothesis'),
+               'similarity': ('text1', 'text2'), 'multiple_choice': ('context', 'choices')}
+
+
+# -----------------------------------------------------------------------------
+# data: JSONL -> checked examples -> class ids
+
+def read_jsonl(path, task, labeled=True):
+    """
+    The examples of a JSONL file as dicts {'texts': [...], 'label': raw label or None, 'line': n, 'record'}.
+    Every problem a user can cause names the file, the line and the field.
+    """
+    if not path:
+        raise UserError(f"no file given for the {task} data; pass --train_file=... (and --val_file=...)")
+    examples = []
+    for n, rec in read_jsonl_records(path, missing_hint="pass an existing JSONL file"):
+        texts = _example_texts(rec, task, path, n, labeled)
+        label = _example_label(rec, path, n) if labeled else None
+        examples.append({'texts': texts, 'label': label, 'line': n, 'record': rec})
+    return examples
+
+
+def _example_texts(rec, task, path, n, labeled):
+    """ The texts of record rec (line n) in TASK_FIELDS order; the choices of multiple choice come flattened. """
+    texts = []
+    for field in TASK_FIELDS[task]:
+        if field not in rec:
+            raise UserError(f"{path} line {n} has no '{field}' field, which the {task} task needs "
+                            f"(fields: {', '.join(TASK_FIELDS[task])}" + (", label)" if labeled else ")"))
+        value = rec[field]
+        if field == 'choices':
+            if not isinstance(value, list) or len(value) < 2 or not all(isinstance(c, str) for c in value):
+                raise UserError(f"{path} line {n}: 'choices' must be a list of at least two strings")
+            texts.extend(value)
+        elif isinstance(value, str):
+            texts.append(value)
+        else:
+            raise UserError(f"{path} line {n}: '{field}' must be a string, got {type(value).__name__}")
+    return texts
+
+
+def _example_label(rec, path, n):
+    """ The raw label of record rec (line n): a class id or a string (bools are JSON's, not class ids). """
+    if 'label' not in rec:
+        raise UserError(f"{path} line {n} has no 'label' field; every training/validation example needs one")
+    label = rec['label']
+    if isinstance(label, bool) or not isinstance(label, (int, str)):
+        raise UserError(f"{path} line {n}: 'label' must be a class id (integer) or a string, "
+                        f"got {json.dumps(label)}")
+    return label
+
+
+def build_label_map(examples, path):
+    """ {label: class id}: integer labels are their own ids, strings get ids in sorted order. """
+    kinds = {type(ex['label']) for ex in examples}
+    if len(kinds) > 1:
+        raise UserError(f"{path} mixes integer and string labels; use one kind")
+    labels = sorted({ex['label'] for ex in examples})
+    if kinds == {int}:
+        if labels[0] < 0:
+            raise UserError(f"{path}: integer labels must be class ids 0, 1, ...; got {labels[0]}")
+        # at least two classes, so that a file whose labels are all 0 still trains a real classifier
+        return {i: i for i in range(max(labels[-1] + 1, 2))}
+    return {label: i for i, label in enumerate(labels)}
+
+
+def label_ids(examples, task, label_map, path):
+    """ The class id of every example; unknown labels (e.g. in the val file) are an error naming the line. """
+    if task == 'multiple_choice':
+        return [_choice_index(ex, path) for ex in examples]
+    ids = []
+    for ex in examples:
+        if ex['label'] not in label_map:
+            known = ', '.join(json.dumps(k) for k in list(label_map)[:10])
+            raise UserError(f"{path} line {ex['line']}: unknown label {json.dumps(ex['label'])} (the training "
+                            f"data has: {known}); fix the label or add it to the training data")
+        ids.append(label_map[ex['label']])
+    return ids
+
+
+def _choice_index(ex, path):
+    """ The index of a multiple-choice example's right choice; its label is that index or the choice's text. """
+    label, choices = ex['label'], ex['texts'][1:]
+    if isinstance(label, str):
+        if label not in choices:
+            raise UserError(f"{path} line {ex['line']}: label {label!r} is not one of the choices")
+        label = choices.index(label)
+    if not 0 <= label < len(choices):
+        raise UserError(f"{path} line {ex['line']}: label {label} is not a choice index (0..{len(choices) - 1})")
+    return label
+
+
+# -----------------------------------------------------------------------------
+# GPT-1's input transformations: examples -> token sequences -> padded batches
+
+def truncate_pair(a, b, budget, keep_end_a=False):
+    """
+    Shorten token lists a and b until len(a) + len(b) <= budget, always trimming the longer one (a on ties),
+    so a short text keeps all of its tokens. a loses its end, or its start when keep_end_a (a multiple-
+    choice context, whose end is what the choices continue); b always loses its end.
+    """
+    la, lb = len(a), len(b)
+    while la + lb > budget:
+        if la >= lb:
+            la -= 1
+        else:
+            lb -= 1
+    a = a[len(a) - la:] if keep_end_a else a[:la]
+    return a, b[:lb]
+
+
+def encode_example(texts, task, encode, special, block_size):
+    """
+    GPT-1's input transformations: the token sequences of one example (one per forward row), each
+    [Start] ... [Extract] and at most block_size long. Special tokens are never truncated.
+    """
+    s, d, e = special['start'], special['delim'], special['extract']
+    if task == 'classification':
+        a, _ = truncate_pair(encode(texts[0]), [], block_size - 2)
+        return [[s] + a + [e]]
+    if task == 'entailment':
+        a, b = truncate_pair(encode(texts[0]), encode(texts[1]), block_size - 3)
+        return [[s] + a + [d] + b + [e]]
+    if task == 'similarity':
+        # no natural order of the two texts: run both, the model adds the two Extract vectors
+        a, b = truncate_pair(encode(texts[0]), encode(texts[1]), block_size - 3)
+        return [[s] + a + [d] + b + [e], [s] + b + [d] + a + [e]]
+    context = encode(texts[0])
+    seqs = []
+    for choice in texts[1:]:
+        a, b = truncate_pair(context, encode(choice), block_size - 3, keep_end_a=True)
+        seqs.append([s] + a + [d] + b + [e])
+    return seqs
+
+
+def encode_examples(examples, task, tokenizer, special, block_size, path):
+    """ encode_example for every example; characters a char model can't encode name the line. """
+    out = []
+    for ex in examples:
+        try:
+            out.append(encode_example(ex['texts'], task, tokenizer.encode_ordinary, special, block_size))
+        except TokenizerError as err:
+            raise UserError(f"{path} line {ex['line']}: {err}") from None
+    return out
+
+
+def make_batch(seqs_list, labels, special, device):
+    """
+    Right-padded rows for a list of examples (each a list of sequences), as tensors:
+    idx (R, T) tokens; extract_pos (R,) where each row's Extract token sits; lm_targets (R, T) the next
+    text token at every position (-1 where there is none: padding, and positions whose next token is a
+    special token, so L1 is language modelling of the text only); choice_mask (B, N) which choice slots
+    are real (multiple choice); labels (B,) or None. Causal attention means a row's Extract position
+    never sees the padding after it, so no attention mask is needed.
+    """
+    rows = [seq for seqs in seqs_list for seq in seqs]
+    T = max(len(r) for r in rows)
+    idx = torch.zeros(len(rows), T, dtype=torch.long)
+    targets = torch.full((len(rows), T), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        t = torch.tensor(r, dtype=torch.long)
+        idx[i, :len(r)] = t
+        targets[i, :len(r) - 1] = t[1:]
+    targets[targets >= special['start']] = -1  # the special tokens (appended last) are never LM targets
+    extract_pos = torch.tensor([len(r) - 1 for r in rows], dtype=torch.long)
+    n_max = max(len(seqs) for seqs in seqs_list)
+    choice_mask = torch.tensor([[j < len(seqs) for j in range(n_max)] for seqs in seqs_list], dtype=torch.bool)
+    batch = {'idx': idx, 'extract_pos': extract_pos, 'lm_targets': targets, 'choice_mask': choice_mask,
+             'labels': None if labels is None else torch.tensor(labels, dtype=torch.long)}
+    batch = {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
+    batch['n_lm_targets'] = int((targets != -1).sum())  # counted before the copy: no device sync later
+    return batch
+
+
+@dataclass
+class TaskData:
+    """ The encoded training (and optional validation) examples of a fine-tune, with their class ids. """
+    label_map: dict  # {raw label: class id}; None for multiple choice (the label is the choice's index)
+    train_encoded: list
+    train_labels: list
+    val_encoded: list = None  # None without a val file
+    val_labels: list = None
+
+    @property
+    def n_classes(self):
+        return len(self.label_map) if self.label_map else None
+
+
+def load_task_data(task, train_file, val_file, tokenizer, special, block_size, label_map=None):
+    """
+    Read, check and encode the train (and val, if given) files. The training labels define the classes
+    unless label_map is given (a resumed fine-tune keeps the classes it started with).
+    """
+    train_examples = read_jsonl(train_file, task)
+    if label_map is None and task != 'multiple_choice':
+        label_map = build_label_map(train_examples, train_file)
+    train_labels = label_ids(train_examples, task, label_map, train_file)
+    data = TaskData(label_map, encode_examples(train_examples, task, tokenizer, special, block_size, train_file),
+                    train_labels)
+    if val_file:
+        val_examples = read_jsonl(val_file, task)
+        data.val_labels = label_ids(val_examples, task, label_map, val_file)
+        data.val_encoded = encode_examples(val_examples, task, tokenizer, special, block_size, val_file)
+    return data
+
+
+# -----------------------------------------------------------------------------
+# the model: a GPT plus GPT-1's linear head W_y on the Extract position
+
+class TaskHead(nn.Module):
+    """
+    GPT-1's W_y: dropout, then a linear map of the Extract hidden state to n_out scores. Multiple choice
+    has no bias: a softmax over the choices' scores can't see a shared offset, so its gradient would be
+    pure rounding noise (which Adam would turn into a random walk).
+    """
+
+    def __init__(self, n_embd, n_out, dropout=0.0, bias=True):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.linear = nn.Linear(n_embd, n_out, bias=bias)
+        torch.nn.init.normal_(self.linear.weight, mean=0.0, std=0.02)  # like every other Linear of the GPT
+        if bias:
+            torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, h):
+        return self.linear(self.dropout(h))
+
+
+def head_outputs(task, n_classes):
+    """ The head's output width: one scalar per choice for multiple choice, else one score per class. """
+    return 1 if task == 'multiple_choice' else n_classes
+
+
+class FinetuneModel(nn.Module):
+    """
+    The GPT and its task head as one module (one DDP wrapper, one optimizer). forward returns the task
+    logits (B, n_classes or n_choices) and the summed next-token loss over the batch's LM targets.
+    """
+
+    def __init__(self, gpt, head, task):
+        super().__init__()
+        self.gpt, self.head, self.task = gpt, head, task
+
+    def forward(self, idx, extract_pos, choice_mask, lm_targets=None):
+        h = self.gpt.hidden_states(idx)  # (R, T, C)
+        feats = h[torch.arange(h.size(0), device=h.device), extract_pos]  # (R, C): the Extract positions
+        if self.task == 'similarity':
+            # rows come in pairs (a $ b, b $ a) per example; their sum is symmetric in the two texts
+            logits = self.head(feats.view(-1, 2, feats.size(-1)).sum(1))
+        elif self.task == 'multiple_choice':
+            scores = self.head(feats).squeeze(-1).float()  # (R,): one scalar per (example, choice)
+            # lay the scores out as (B, N) with -inf for missing choices, so the softmax ignores them
+            logits = scores.new_full(choice_mask.shape, float('-inf')).masked_scatter(choice_mask, scores)
+        else:
+            logits = self.head(feats)
+        lm_loss_sum = None
+        if lm_targets is not None:
+            lm_logits = self.gpt.lm_head(h)
+            lm_loss_sum = F.cross_entropy(lm_logits.view(-1, lm_logits.size(-1)).float(), lm_targets.view(-1),
+                                          ignore_index=-1, reduction='sum')
+        return logits.float(), lm_loss_sum
+
+
+def add_special_tokens(gpt, source_ckpt):
+    """
+    Start, Delim and Extract as three new rows of the (tied) embedding table, initialised like the
+    others; a model fine-tuned before already has them.
+    """
+    if source_ckpt is not None and source_ckpt.get('special_tokens'):
+        return dict(source_ckpt['special_tokens'])
+    v = gpt.config.vocab_size
+    gpt.resize_token_embeddings(v + 3)
+    return {'start': v, 'delim': v + 1, 'extract': v + 2}
+
+
+def configure_optimizers(model, cfg, device_type):
+    """ GPT.configure_optimizers' AdamW over the GPT and the head (its weight decays, its bias does not). """
+    optimizer = model.gpt.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
+                                               (cfg['beta1'], cfg['beta2']), device_type)
+    optimizer.add_param_group({'params': [model.head.linear.weight], 'weight_decay': cfg['weight_decay']})
+    if model.head.linear.bias is not None:
+        optimizer.add_param_group({'params': [model.head.linear.bias], 'weight_decay': 0.0})
+    return optimizer
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: what a fine-tune saves, and the model read back from it
+
+def finetune_checkpoint(model, iter_num, config, tokenizer, provenance, label_map, special, source_model,
+                        **extra):
+    """
+    A fine-tune's checkpoint: a plain GPT checkpoint (build_checkpoint) of the grown GPT, so sample.py and
+    the other scripts read it, plus the head, task, label map, special tokens and source model, then extra.
+    """
+    # 'best_val_loss' is train.py's key, kept for generic tools; a fine-tune is judged by val_acc instead
+    return build_checkpoint(model.gpt, iter_num, 1e9, config, tokenizer, provenance,
+                            head=model.head.state_dict(), task=model.task, label_map=label_map,
+                            special_tokens=special, source_model=source_model, **extra)
+
+
+def model_from_finetune_checkpoint(ckpt, dropout=0.0):
+    """ The FinetuneModel (GPT + head) saved in a finetune.py checkpoint, on the CPU. """
+    if not ckpt.get('task') or 'head' not in ckpt:
+        raise UserError("this checkpoint has no fine-tuned task head; fine-tune it first (python finetune.py "
+                        "--train_file=...)")
+    gpt = model_from_checkpoint(ckpt, dropout=dropout)
+    head = TaskHead(gpt.config.n_embd, ckpt['head']['linear.weight'].size(0), dropout, 'linear.bias' in ckpt['head'])
+    head.load_state_dict(ckpt['head'])
+    return FinetuneModel(gpt, head, ckpt['task'])
+
+
+# -----------------------------------------------------------------------------
+# evaluation and prediction
+
+@torch.no_grad()
+def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=None):
+    """
+    Accuracy pieces over examples (this rank's indices): (n_correct, n_seen, summed task loss, predictions
+    as (index, class id, probabilities)).
+    """
+    was_training = model.training
+    model.eval()
+    indices = list(range(len(encoded))) if indices is None else list(indices)
+    correct, loss_sum, preds = 0, 0.0, []
+    for i in range(0, len(indices), batch_size):
+        chunk = indices[i:i + batch_size]
+        batch = make_batch([encoded[j] for j in chunk], None if labels is None else [labels[j] for j in chunk],
+                           special, device)
+        with ctx:
+            logits, _ = model(batch['idx'], batch['extract_pos'], batch['choice_mask'])
+        pred = logits.argmax(-1)
+        if batch['labels'] is not None:
+            correct += int((pred == batch['labels']).sum())
+            loss_sum += float(F.cross_entropy(logits, batch['labels'], reduction='sum'))
+        preds.extend(zip(chunk, pred.tolist(), _rounded_probs(logits, batch['choice_mask'], model.task)))
+    model.train(was_training)
+    return correct, len(indices), loss_sum, preds
+
+
+def _rounded_probs(logits, choice_mask, task):
+    """ Each example's class (or choice) probabilities, rounded for the JSON output; real choices only. """
+    probs = logits.softmax(-1).tolist()
+    if task == 'multiple_choice':
+        probs = [[p for p, real in zip(row, mask) if real] for row, mask in zip(probs, choice_mask.tolist())]
+    return [[round(p, 6) for p in row] for row in probs]
+
+
+def write_predictions(model, ckpt_info, cfg, special, tokenizer, device, ctx, path, out_path):
+    """ Predictions of model for every example of path, one JSON line each (the input plus prediction). """
+    task = ckpt_info['task']
+    examples = read_jsonl(path, task, labeled=False)
+    encoded = encode_examples(examples, task, tokenizer, special, model.gpt.config.block_size, path)
+    bs = cfg['eval_batch_size'] or cfg['batch_size']
+    _, _, _, preds = evaluate(model, encoded, None, special, bs, device, ctx)
+    id_to_label = {i: label for label, i in (ckpt_info['label_map'] or {}).items()}
+    lines = []
+    for (j, p, probs) in preds:
+        out = dict(examples[j]['record'])
+        out['prediction'] = p if task == 'multiple_choice' else id_to_label.get(p, p)
+        out['probs'] = probs
+        lines.append(json.dumps(out))
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, 'w', encoding='utf-8') as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {len(lines)} predictions to {out_path}")
