@@ -3,13 +3,8 @@ GPT-1-style supervised fine-tuning, the library half of finetune.py: labelled JS
 input transformations, the task head on the Extract token, evaluation, predictions, and the checkpoint a
 fine-tune writes (and how to read it back). finetune.py holds the settings and the training loop.
 
-Tasks and their JSONL fields (one example per line), with GPT-1's input transformations
-(s = Start, $ = Delim, e = Extract, three new learned tokens appended to the vocabulary):
-    classification   {"text", "label"}                   s text e                        -> linear head
-    entailment       {"premise", "hypothesis", "label"}  s premise $ hypothesis e        -> linear head
-    similarity       {"text1", "text2", "label"}         s a $ b e  and  s b $ a e, summed -> linear head
-    multiple_choice  {"context", "choices", "label"}     s context $ choice_i e for each i -> one scalar
-                                                         each, softmax over the choices
+The tasks, their JSONL fields and input transformations are listed in finetune.py's docstring
+(python finetune.py --help); TASK_FIELDS below is the table the code reads.
 
 Usage:
     from nanogpt_plus.finetuning import read_jsonl, encode_examples, make_batch, model_from_finetune_checkpoint
