@@ -249,6 +249,7 @@ def test_matmul_floor_replays_every_matmul_of_the_step(tiny_dataset, capsys):
     assert f"its {result['count']} matmuls alone, replayed" in out and "ceiling for any fp32" in out
 
 
+@pytest.mark.slow
 def test_nanogpt_baseline_loop_runs(tmp_path, tiny_dataset):
     r = subprocess.run([sys.executable, 'scripts/bench_train_cpu.py', '--mode=nanogpt', '--max_iters=3',
                         '--baseline_threads=1', f'--out_dir={tmp_path}',

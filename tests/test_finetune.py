@@ -491,6 +491,7 @@ def test_unknown_val_label_and_empty_file(tmp_path):
         finetuning.label_ids(finetuning.read_jsonl(mc, 'multiple_choice'), 'multiple_choice', None, mc)
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line(tmp_path):
     src = make_source(tmp_path / 'src')
     train = write_jsonl(tmp_path / 't.jsonl', [{'text': 'ab', 'label': 0}, {'txt': 'cd', 'label': 1}])

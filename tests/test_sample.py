@@ -93,6 +93,7 @@ def test_char_model_end_to_end(char_model):
         assert "generated 90 tokens in" in r.stderr and "tokens/s)" in r.stderr
 
 
+@pytest.mark.slow
 def test_char_model_default_sampling_is_seeded(char_model):
     _, _, out_dir = char_model
     args = (f"--out_dir={out_dir}", "--device=cpu", "--max_new_tokens=40", "--temperature=2.0", "--top_k=None")
