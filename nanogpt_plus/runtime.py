@@ -63,11 +63,13 @@ def device_type_of(device):
 
 
 def resolve_dtype(dtype, device):
-    """ 'auto' -> bfloat16 on GPUs that support it, float16 on other GPUs, float32 elsewhere. """
+    """ 'auto' -> bfloat16 on GPUs with native bf16, float16 on other GPUs, float32 elsewhere. """
     device_type = device_type_of(device)
     if dtype == 'auto':
         if device_type == 'cuda':
-            return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float16'
+            # by default is_bf16_supported() also says yes where bf16 is only emulated (V100, T4: no bf16
+            # tensor cores), which runs far slower than fp16 with a GradScaler; count native support only
+            return 'bfloat16' if torch.cuda.is_bf16_supported(including_emulation=False) else 'float16'
         return 'float32'
     if dtype not in PTDTYPE:
         raise UserError(f"unknown dtype '{dtype}': use auto, float32, bfloat16 or float16")

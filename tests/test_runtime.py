@@ -1,0 +1,48 @@
+"""
+nanogpt_plus.runtime's choices that depend on the GPU, checked on the CPU by standing in for torch.cuda.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nanogpt_plus.runtime import resolve_dtype
+
+
+def fake_gpu(monkeypatch, major, emulates_bf16):
+    """ torch.cuda as is_bf16_supported sees it on a GPU of compute capability `major`. """
+    monkeypatch.setattr(torch.version, 'hip', None)
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'current_device', lambda: 0)
+    monkeypatch.setattr(torch.cuda, 'get_device_properties', lambda device: SimpleNamespace(major=major))
+    # where a bf16 tensor can be made although there are no bf16 tensor cores (V100, T4): emulation
+    monkeypatch.setattr(torch.cuda, '_check_bf16_tensor_supported', lambda device: emulates_bf16)
+
+
+@pytest.mark.parametrize("major, expected", [(7, 'float16'), (8, 'bfloat16'), (9, 'bfloat16')])
+def test_auto_dtype_takes_bf16_only_where_it_is_native(monkeypatch, major, expected):
+    """ V100/T4 (sm 7.x) emulate bf16, which torch counts as supported by default: they get fp16 + a GradScaler. """
+    fake_gpu(monkeypatch, major, emulates_bf16=True)
+    assert torch.cuda.is_bf16_supported()  # the default answer counts the emulation
+    assert resolve_dtype('auto', 'cuda') == expected
+    assert resolve_dtype('auto', 'cuda:1') == expected
+
+
+def test_auto_dtype_asks_for_native_bf16(monkeypatch):
+    calls = []
+
+    def is_bf16_supported(including_emulation=True):
+        calls.append(including_emulation)
+        return including_emulation  # a GPU that only emulates bf16
+
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', is_bf16_supported)
+    assert resolve_dtype('auto', 'cuda') == 'float16'
+    assert calls == [False]
+    assert resolve_dtype('auto', 'cpu') == 'float32' and calls == [False]  # the CPU never asks
+
+
+def test_explicit_dtypes_are_kept(monkeypatch):
+    fake_gpu(monkeypatch, 7, emulates_bf16=True)
+    assert resolve_dtype('bfloat16', 'cuda') == 'bfloat16'  # asked for: the user's choice, emulated or not
+    assert resolve_dtype('float16', 'cuda') == 'float16'
+    assert resolve_dtype('float32', 'cuda') == 'float32'
