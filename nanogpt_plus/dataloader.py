@@ -42,6 +42,21 @@ def open_tokens(path, dataset=None):
     return np.memmap(path, dtype=np.uint16, mode='r')
 
 
+def split_window(window, device, pin):
+    """
+    (x, y) = (window[:, :-1], window[:, 1:]) on device, each contiguous, for a contiguous (B, T+1) CPU window.
+    With pin (CUDA) the window goes over once, from page-locked memory, and is sliced on the GPU: x and y
+    themselves are strided views, and pinning a view keeps its strides, so a non_blocking copy of one
+    would go through a pageable temporary and neither be cheap nor return at once.
+    """
+    if pin:
+        # a non_blocking copy from pinned memory returns at once: the CPU goes on queueing work
+        window = window.pin_memory().to(device, non_blocking=True)
+        # contiguous() copies on the GPU, queued after the transfer (targets.view(-1) needs contiguous y)
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+    return window[:, :-1].contiguous().to(device), window[:, 1:].contiguous().to(device)
+
+
 class TokenWindowLoader:
 
     def __init__(self, path, batch_size, block_size, seed=1337, rank=0, world_size=1, device='cpu',
@@ -76,13 +91,7 @@ class TokenWindowLoader:
         # larger than RAM the process keeps growing (numpy memmap, see stackoverflow.com/q/45132940)
         data = np.memmap(self.path, dtype=np.uint16, mode='r')
         window = torch.from_numpy(data[ix.numpy()[:, None] + self._offsets].astype(np.int64))  # (B, T+1)
-        x, y = window[:, :-1], window[:, 1:]
-        if self._pin:
-            # from page-locked (pinned) memory a non_blocking copy returns at once: the CPU goes on queueing work
-            x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        else:
-            x, y = x.contiguous().to(self.device), y.contiguous().to(self.device)
-        return x, y
+        return split_window(window, self.device, self._pin)
 
     def state_dict(self):
         return {'generator': self.generator.get_state(), 'micro_step': self.micro_step, 'seed': self.seed}

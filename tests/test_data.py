@@ -12,8 +12,10 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from conftest import REPO
 
+from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.files import atomic_outputs, atomic_write
 from nanogpt_plus.prepare import corpus, plays, shakespeare
 from nanogpt_plus.prepare.corpus import expand_files, load_corpus, prepare_corpus, tokenize_splits
@@ -364,3 +366,57 @@ def test_atomic_write_is_the_dataset_writer_for_one_file(tmp_path):
     assert os.listdir(tmp_path) == ["ckpt.pt"] and (tmp_path / "ckpt.pt").read_bytes() == b"new"
     atomic_write(str(tmp_path / "sub" / "ckpt.json"), lambda f: f.write("{}\n"), binary=False)
     assert (tmp_path / "sub" / "ckpt.json").read_text(encoding="utf-8") == "{}\n"
+
+
+# -----------------------------------------------------------------------------
+# the token-window loader
+
+def reference_batches(tokens_, batch_size, block_size, seed, n, rank=0, world_size=1):
+    """ nanoGPT's get_batch with the loader's shared stream: draw world_size offset sets per call, keep rank's. """
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        draws = [torch.randint(len(tokens_) - block_size, (batch_size,), generator=g) for _ in range(world_size)]
+        ix = draws[rank]
+        x = torch.stack([torch.from_numpy(tokens_[i:i + block_size].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(tokens_[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+        out.append((x, y))
+    return out
+
+
+@pytest.mark.parametrize("rank, world_size", [(0, 1), (1, 2)])
+def test_loader_cuda_branch_pins_one_contiguous_window_and_yields_the_same_batches(tmp_path, monkeypatch, rank,
+                                                                                   world_size):
+    """
+    The CUDA branch (pinned memory, non_blocking copy) run on the CPU with pin_memory stubbed: it must pin
+    the whole (B, T+1) window once, contiguous (pinning a strided x or y view keeps its strides, and the
+    non_blocking copy then goes through a pageable temporary), and yield exactly the CPU branch's batches.
+    """
+    path = tmp_path / "train.bin"
+    data = np.random.default_rng(0).integers(0, 50000, 5000).astype(np.uint16)
+    data.tofile(path)
+    pinned = []
+
+    def pin_memory(self, *args, **kwargs):
+        pinned.append((tuple(self.shape), self.is_contiguous()))
+        return self  # no CUDA here: stand in for the page-locked copy
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    B, T = 4, 16
+    loaders = {}
+    for pin in (False, True):
+        loaders[pin] = TokenWindowLoader(str(path), B, T, seed=7, rank=rank, world_size=world_size, device='cpu')
+        loaders[pin]._pin = pin  # what device='cuda' sets
+    expected = reference_batches(data, B, T, 7, 3, rank, world_size)
+    for k in range(3):
+        (x_cpu, y_cpu), (x_pin, y_pin) = loaders[False].next_batch(), loaders[True].next_batch()
+        for x, y in ((x_cpu, y_cpu), (x_pin, y_pin)):
+            assert x.dtype == y.dtype == torch.int64 and x.is_contiguous() and y.is_contiguous()
+            assert torch.equal(x, expected[k][0]) and torch.equal(y, expected[k][1])
+    assert pinned == [((B, T + 1), True)] * 3  # one contiguous window per batch, not x and y apart
+    # the state resumes the stream exactly, whichever branch
+    state = loaders[True].state_dict()
+    resumed = TokenWindowLoader(str(path), B, T, seed=7, rank=rank, world_size=world_size, device='cpu')
+    resumed.load_state_dict(state)
+    for a, b in zip(resumed.next_batch(), loaders[True].next_batch()):
+        assert torch.equal(a, b)
