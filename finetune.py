@@ -32,6 +32,7 @@ out_dir/ckpt.pt holds the best model (by val accuracy) with its head, label map,
 tokenizer; the last line printed is JSON: {"task": ..., "val_acc": best val accuracy, ...}.
 """
 
+import functools
 import json
 import math
 import os
@@ -353,9 +354,7 @@ def train_step(run, state, order):
     batches = step_batches(run, state, order)
     # normalise by the counts of the whole global batch (all micro-batches, all ranks): the
     # gradient is then exactly that of one big batch, for any world size and accumulation
-    n_ex = sum(b['labels'].numel() for b in batches)
-    n_tok = sum(b['n_lm_targets'] for b in batches)
-    n_ex, n_tok = all_reduce_sum([float(n_ex), float(n_tok)], run.dist_info)
+    n_ex, n_tok = global_batch_counts(run, state)
     step_cls = torch.zeros((), device=run.dist_info.device)
     step_lm = torch.zeros((), device=run.dist_info.device)
     for k, b in enumerate(batches):
@@ -381,6 +380,45 @@ def step_batches(run, state, order):
     data = run.data
     return [make_batch([data.train_encoded[i] for i in m], [data.train_labels[i] for i in m], run.special,
                        run.dist_info.device) for m in micro if m]
+
+
+def global_batch_counts(run, state):
+    """
+    (examples, LM targets) of the current step's global batch, all ranks together, as floats: what an
+    all-reduce of every rank's counts would give, without one (a collective, and the .tolist() after it,
+    would wait for the GPU every step). Every rank knows every rank's share of the step from the sampler.
+    """
+    bs, start = run.schedule.batch_size, state.step_in_epoch * run.schedule.per_step
+    sampler, data = run.sampler, run.data
+    n_ex = n_tok = 0
+    for order in epoch_orders(len(sampler.dataset), sampler.num_replicas, sampler.shuffle, sampler.seed,
+                              sampler.drop_last, sampler.epoch):
+        # the examples step_batches takes on that rank (its empty micro-batches add nothing)
+        for i in order[start: start + run.schedule.accum * bs]:
+            n_ex += 1  # one label per example, whatever its number of rows
+            n_tok += n_lm_targets(data.train_encoded[i], run.special)
+    return float(n_ex), float(n_tok)
+
+
+@functools.lru_cache(maxsize=1)
+def epoch_orders(n_examples, world_size, shuffle, seed, drop_last, epoch):
+    """
+    Every rank's DistributedSampler order of one epoch, computed here on any rank: the same seed and
+    epoch give the same permutation everywhere, of which rank r takes positions r, r+W, ... (cached: the
+    steps of an epoch all ask for the same one).
+    """
+    orders = []
+    for rank in range(world_size):
+        sampler = DistributedSampler(range(n_examples), num_replicas=world_size, rank=rank, shuffle=shuffle,
+                                     seed=seed, drop_last=drop_last)
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    return tuple(orders)
+
+
+def n_lm_targets(seqs, special):
+    """ make_batch's n_lm_targets of one example: each row's next tokens that are text, not special tokens. """
+    return sum(t < special['start'] for seq in seqs for t in seq[1:])
 
 
 def micro_batch_loss(run, b, n_ex, n_tok):
