@@ -155,6 +155,15 @@ def load_optimizer_state(optimizer, state_dict):
                         else v for k, v in s.items()}
         state_dict = dict(state_dict, state=state)
     optimizer.load_state_dict(state_dict)
+    # AdamW keeps a loaded tensor as it is when it already has its parameter's device and dtype (a CPU run), so
+    # with a memory-mapped checkpoint its state would stay pages of that file, whose disk space a later
+    # atomic save (os.replace) could then not free while the run lasts. Take copies: AdamW rewrites every one
+    # at its first step anyway, so they cost no more memory than the mapped pages would.
+    loaded = {v.data_ptr() for s in state_dict['state'].values() for v in s.values() if torch.is_tensor(v)}
+    for s in optimizer.state.values():
+        for k, v in s.items():
+            if torch.is_tensor(v) and v.data_ptr() in loaded:
+                s[k] = v.clone()
 
 
 @contextmanager

@@ -3,6 +3,7 @@ parameters per rank, nanoGPT-format checkpoints that resume under FSDP and in a 
 full state dicts held by rank 0 only, FSDP's bf16 mixed precision, memory-mapped checkpoint loading, and
 how wrap_model puts DDP and torch.compile together."""
 import functools
+import gc
 import os
 import re
 import shutil
@@ -214,3 +215,22 @@ def test_load_checkpoint_memory_maps_the_file(tmp_path):
         assert any(line.rstrip().endswith(path) for line in f)  # the tensors are pages of the file
     for k, v in model.state_dict().items():
         torch.testing.assert_close(ckpt['model'][k], v)
+
+
+def test_resumed_optimizer_state_does_not_keep_the_checkpoint_mapped(tmp_path):
+    path = str(tmp_path / 'ckpt.pt')
+    model = GPT(GPTConfig(**TINY))
+    optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu', fused=False)
+    tiny_step(model, optimizer, 'float32')
+    save_checkpoint({'model': model.state_dict(), 'model_args': model.config.model_args(),
+                     'optimizer': optimizer.state_dict()}, path)
+    resumed = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu', fused=False)
+    ckpt = load_checkpoint(path)
+    load_optimizer_state(resumed, ckpt['optimizer'])
+    del ckpt
+    gc.collect()
+    with open('/proc/self/maps') as f:
+        assert not any(line.rstrip().endswith(path) for line in f)  # the CPU optimizer state was copied out
+    for i, s in optimizer.state_dict()['state'].items():
+        for k, v in s.items():
+            torch.testing.assert_close(resumed.state_dict()['state'][i][k], v)
