@@ -278,8 +278,9 @@ def prepare_training(cfg, dist_info, raw_model, dtype, ctx, compile_model, tunin
                           world_size=dist_info.world_size)
     if dist_info.master:
         print("provenance: " + json.dumps(run_provenance))
-    # the optimizer must see the parameters the training model has: under FSDP, the sharded ones
-    model = wrap_model(raw_model, dist_info, compile_model, cfg['parallelism'])
+    # the optimizer must see the parameters the training model has: under FSDP, the sharded ones; raw_model
+    # stays the plain module (sharded in place under FSDP) that checkpoints are taken from
+    model = wrap_model(raw_model, dist_info, compile_model, cfg['parallelism'], dtype)
     if fsdp and dist_info.master:
         print(f"fsdp: this rank holds {local_param_count(raw_model):,} of "
               f"{raw_model.get_num_params(non_embedding=False):,} parameters")

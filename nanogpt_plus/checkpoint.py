@@ -15,6 +15,7 @@ Usage:
 
 import json
 import os
+import zipfile
 
 import torch
 
@@ -46,11 +47,18 @@ def save_checkpoint(ckpt, path, sidecar=True):
 
 
 def load_checkpoint(path, map_location='cpu'):
-    """ torch.load with weights_only=True and one clear error for a missing or corrupt file. """
+    """
+    torch.load with weights_only=True and one clear error for a missing or corrupt file. The tensors are
+    memory-mapped from the file (torch.save's zip format), not read into RAM: a tensor's pages come from disk
+    when it is used, and the processes of one machine share them through the page cache, so resuming a large
+    model under torchrun doesn't hold one copy of the whole file per rank.
+    """
     if not os.path.exists(path):
         raise UserError(f"no checkpoint at {path}; train a model first (python train.py ...) or check --out_dir")
+    # mmap needs the zip format; an old or damaged file is read the ordinary way (and its error reported below)
+    mmap = zipfile.is_zipfile(path)
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, foreign pickle, ... all mean the file can't be used
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or ['']
         detail = next((ln for ln in lines if 'Unsupported global' in ln), lines[0])[:200]

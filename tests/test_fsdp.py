@@ -1,6 +1,9 @@
 """train.py --parallelism=fsdp (FSDP2) on the CPU with 2 gloo processes: same losses as DDP, half the
-parameters per rank, nanoGPT-format checkpoints that resume under FSDP and in a single process."""
+parameters per rank, nanoGPT-format checkpoints that resume under FSDP and in a single process; the
+full state dicts held by rank 0 only, FSDP's bf16 mixed precision, memory-mapped checkpoint loading, and
+how wrap_model puts DDP and torch.compile together."""
 import functools
+import gc
 import os
 import re
 import shutil
@@ -11,7 +14,10 @@ import pytest
 import torch
 from conftest import REPO, assert_losses_close, iter_losses, train_args
 
-from nanogpt_plus.checkpoint import load_checkpoint, model_from_checkpoint
+from model import GPT, GPTConfig
+from nanogpt_plus.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from nanogpt_plus.parallel import full_state_dicts, load_optimizer_state, mixed_precision_policy, wrap_model
+from nanogpt_plus.runtime import DistInfo
 
 # 4 micro-batches per step = 2 per rank: exercises FSDP's gradient accumulation without sync
 args = functools.partial(train_args, gradient_accumulation_steps=4, max_iters=6, eval_interval=3, lr_decay_iters=6,
@@ -77,3 +83,154 @@ def test_bad_parallelism_is_one_clear_error(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "parallelism must be 'ddp' or 'fsdp'" in r.stderr and "Traceback" not in r.stderr
+
+
+# -----------------------------------------------------------------------------
+# the pieces in-process: 2 gloo ranks started with torch.multiprocessing, or a 1-rank gloo group
+
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=20, bias=True, dropout=0.0)
+
+
+def tiny_step(model, optimizer, dtype):
+    """ One AdamW step on a fixed batch (the same on every rank, so FSDP's mean gradient is this batch's). """
+    g = torch.Generator().manual_seed(1)
+    X = torch.randint(0, TINY['vocab_size'], (4, TINY['block_size']), generator=g)
+    Y = torch.randint(0, TINY['vocab_size'], (4, TINY['block_size']), generator=g)
+    with torch.autocast('cpu', dtype=getattr(torch, dtype), enabled=dtype != 'float32'):
+        _, loss = model(X, Y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def fsdp_worker(rank, init_file, out_dir, dtype):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**TINY))
+        info = DistInfo(ddp=True, rank=rank, local_rank=rank, world_size=2, device='cpu')
+        wrap_model(model, info, parallelism='fsdp', dtype=dtype)
+        seen = []  # the dtype of a Block's weight while the Block runs: FSDP's all-gathered copy
+        model.transformer.h[0].attn.c_attn.register_forward_pre_hook(lambda m, _: seen.append(m.weight.dtype))
+        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu', fused=False)
+        loss = tiny_step(model, optimizer, dtype)
+        model_state, opt_state = full_state_dicts(model, optimizer)
+        result = {'loss': loss, 'seen': str(seen[0]), 'none': model_state is None and opt_state is None,
+                  'sharded_dtype': str(next(model.parameters()).dtype)}
+        # the saved optimizer state loads back into the shards: rank 1 passes garbage of the right shapes,
+        # rank 0's values are the ones scattered
+        full = opt_state if rank == 0 else \
+            {'state': {i: {k: torch.full_like(v, float('nan')) if v.dim() else v for k, v in s.items()}
+                       for i, s in torch.load(os.path.join(out_dir, 'shapes.pt'), weights_only=True).items()},
+             'param_groups': optimizer.state_dict()['param_groups']}
+        before = {i: s['exp_avg'].to_local().clone() for i, s in optimizer.state_dict()['state'].items()}
+        load_optimizer_state(optimizer, full)
+        after = optimizer.state_dict()['state']
+        result['reloaded'] = all(torch.equal(before[i], after[i]['exp_avg'].to_local()) for i in before)
+        if rank == 0:
+            torch.save((model_state, opt_state), os.path.join(out_dir, 'full.pt'))
+        torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_two_ranks(tmp_path, dtype):
+    import torch.multiprocessing as mp
+    # rank 1's stand-in for the checkpoint's optimizer state: the shapes of a single-process AdamW's
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(**TINY))
+    ref_opt = ref.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu', fused=False)
+    tiny_step(ref, ref_opt, 'float32')
+    torch.save(ref_opt.state_dict()['state'], tmp_path / 'shapes.pt')
+    mp.spawn(fsdp_worker, args=(str(tmp_path / 'pg'), str(tmp_path), dtype), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f'rank{r}.pt', weights_only=True) for r in (0, 1)]
+    return results, ref, ref_opt
+
+
+def test_fsdp_full_state_dicts_are_held_by_rank_0_only(tmp_path):
+    (r0, r1), ref, ref_opt = run_two_ranks(tmp_path, 'float32')
+    # rank 1 took part in every gather but kept nothing; rank 0 has what ckpt.pt always held
+    assert r1['none'] and not r0['none']
+    assert r0['reloaded'] and r1['reloaded']
+    model_state, opt_state = torch.load(tmp_path / 'full.pt', weights_only=True)
+    assert model_state['lm_head.weight'] is model_state['transformer.wte.weight']  # the tied weight: one tensor
+    assert not any(type(v) is not torch.Tensor for v in model_state.values())  # no DTensors
+    ref_state = ref.state_dict()
+    assert list(model_state) == list(ref_state)  # plain names, no wrapper prefixes
+    for k, v in ref_state.items():
+        torch.testing.assert_close(model_state[k], v)
+    ref_osd = ref_opt.state_dict()  # AdamW's own format: integer keys, in parameter order
+    assert opt_state['param_groups'] == ref_osd['param_groups']
+    assert list(opt_state['state']) == list(range(len(ref_osd['state'])))
+    for i, s in ref_osd['state'].items():
+        for k, v in s.items():
+            assert type(opt_state['state'][i][k]) is torch.Tensor
+            torch.testing.assert_close(opt_state['state'][i][k], v)
+
+
+def test_fsdp_bfloat16_gathers_bf16_weights_and_keeps_fp32_shards(tmp_path):
+    policy = mixed_precision_policy('bfloat16')
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert mixed_precision_policy('float16').param_dtype == torch.float16
+    assert mixed_precision_policy('float32').param_dtype is None  # float32: nothing cast
+    (r0, r1), _, _ = run_two_ranks(tmp_path, 'bfloat16')
+    for r in (r0, r1):
+        assert r['seen'] == 'torch.bfloat16'  # the all-gathered weights the Block computes with
+        assert r['sharded_dtype'] == 'torch.float32'  # what the optimizer updates and ckpt.pt stores
+        assert 0 < r['loss'] < 10 and r['reloaded']
+    model_state, _ = torch.load(tmp_path / 'full.pt', weights_only=True)
+    assert all(v.dtype == torch.float32 for v in model_state.values())
+
+
+def test_ddp_then_compile_without_buffer_broadcasts(tmp_path):
+    import torch.distributed as dist
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path / "pg"}', rank=0, world_size=1)
+    raw = GPT(GPTConfig(**TINY))
+    info = DistInfo(ddp=True, rank=0, local_rank=0, world_size=1, device='cpu')
+    model = wrap_model(raw, info, compile_model=True, parallelism='ddp')  # compiles lazily: nothing runs yet
+    # the compiled module is the DDP one (what dynamo's DDPOptimizer needs to overlap the all-reduces)
+    assert isinstance(model, OptimizedModule) and isinstance(model._orig_mod, DDP)
+    assert model._orig_mod.module is raw
+    assert model._orig_mod.forward_sync_buffers is False  # no per-step broadcast of the causal masks,
+    # which is safe because the model's only buffers are those masks, none of them saved state
+    buffers = {n for n, _ in raw.named_buffers()}
+    assert buffers and not buffers & set(raw.state_dict())
+    optimizer = raw.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    model_state, _ = full_state_dicts(raw, optimizer)  # what write_checkpoint saves: the plain module's names
+    assert not any(k.startswith(('_orig_mod.', 'module.')) for k in model_state)
+    assert set(model_state) == set(GPT(GPTConfig(**TINY)).state_dict())
+
+
+def test_load_checkpoint_memory_maps_the_file(tmp_path):
+    path = str(tmp_path / 'ckpt.pt')
+    model = GPT(GPTConfig(**TINY))
+    save_checkpoint({'model': model.state_dict(), 'model_args': model.config.model_args()}, path)
+    ckpt = load_checkpoint(path)
+    with open('/proc/self/maps') as f:
+        assert any(line.rstrip().endswith(path) for line in f)  # the tensors are pages of the file
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(ckpt['model'][k], v)
+
+
+def test_resumed_optimizer_state_does_not_keep_the_checkpoint_mapped(tmp_path):
+    path = str(tmp_path / 'ckpt.pt')
+    model = GPT(GPTConfig(**TINY))
+    optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu', fused=False)
+    tiny_step(model, optimizer, 'float32')
+    save_checkpoint({'model': model.state_dict(), 'model_args': model.config.model_args(),
+                     'optimizer': optimizer.state_dict()}, path)
+    resumed = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu', fused=False)
+    ckpt = load_checkpoint(path)
+    load_optimizer_state(resumed, ckpt['optimizer'])
+    del ckpt
+    gc.collect()
+    with open('/proc/self/maps') as f:
+        assert not any(line.rstrip().endswith(path) for line in f)  # the CPU optimizer state was copied out
+    for i, s in optimizer.state_dict()['state'].items():
+        for k, v in s.items():
+            torch.testing.assert_close(resumed.state_dict()['state'][i][k], v)
