@@ -193,8 +193,9 @@ class GracefulExit:
         """
         True on every rank once any rank got a signal, at the same iteration on all of them: call it once per
         iteration on every rank. With several processes that is a one-number all-reduce each time, over a
-        gloo group on the CPU: it never waits for the GPU (no host sync, unlike a flag on the device), and on
-        the CPU it costs some tens of microseconds per iteration. Rank 0 then prints why the run stops.
+        gloo group on the CPU: it never waits for the GPU (no host sync, unlike a flag on the device); it costs
+        0.5-0.7 ms per iteration measured with 2 ranks on a busy 2-core CPU, against a training step of tens of
+        milliseconds (tiny models) to seconds. Rank 0 then prints why the run stops.
         """
         if not dist_info.ddp:
             return self.requested

@@ -21,11 +21,41 @@ EVAL_LINE = re.compile(r"^step 0: train loss (\S+), val loss (\S+)$", re.M)
 
 
 def launch(cmd_args, nproc=2, timeout=60):
+    """ train.py (under torchrun for nproc=2) to the end; a hang fails after timeout seconds. """
     launcher = TORCHRUN if nproc == 2 else [sys.executable]
-    return subprocess.run(launcher + ["train.py", *cmd_args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=ENV)
+    proc = start(launcher + ["train.py", *cmd_args])
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        stop(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def start(cmd):
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def workers_of(proc):
+    """ The pids of torchrun's worker processes (its children). """
+    found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found]
+
+
+def stop(proc):
+    """ Kill proc and its workers if still running: torchrun starts them in sessions of their own, so a
+    hung test would otherwise leave them behind. """
+    if proc.poll() is not None:
+        return
+    for pid in workers_of(proc):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.kill()
+    proc.communicate()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("parallelism,eval_iters", [("fsdp", 3), ("ddp", 1)])
 def test_uneven_evaluation_finishes_with_the_single_process_losses(dataset, tmp_path, parallelism, eval_iters):
     # 3 batches over 2 ranks (FSDP: every forward all-gathers), 1 batch over 2 (DDP: the first forward
@@ -38,30 +68,31 @@ def test_uneven_evaluation_finishes_with_the_single_process_losses(dataset, tmp_
     assert a == b, (a, b)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_rank0_cannot_write_stops_every_rank_with_one_message(dataset, tmp_path):
     os.makedirs(tmp_path / "ckpt.pt")  # a directory where rank 0 must write the file: the save fails
-    start = time.time()
+    began = time.time()
     r = launch(train_args(dataset, tmp_path, max_iters=3, eval_interval=3, num_threads=1), timeout=40)
-    assert time.time() - start < 30, "the ranks waited for each other"
+    assert time.time() - began < 30, "the ranks waited for each other"
     assert r.returncode != 0
     assert r.stderr.count("error: could not write the checkpoint") == 1, r.stderr[-3000:]
     assert f'File "{REPO}' not in r.stderr, r.stderr[-3000:]  # no worker traceback (torchrun prints its summary)
     assert "finishing this iteration" not in r.stderr
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_ends_the_run_without_saving(dataset, tmp_path):
     args = train_args(dataset, tmp_path, max_iters=100000, lr_decay_iters=100000, eval_interval=100000,
                       log_interval=1, num_threads=1)
-    proc = subprocess.Popen(TORCHRUN + ["train.py", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = start(TORCHRUN + ["train.py", *args])
     try:
         wait_for_line(proc, "iter 3:")
-        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        workers = workers_of(proc)
         assert len(workers) == 2, workers
-        os.kill(int(max(workers, key=int)), signal.SIGKILL)  # one worker disappears mid-run (OOM killer, say)
+        os.kill(max(workers), signal.SIGKILL)  # one worker disappears mid-run (the OOM killer, say)
         _, err = proc.communicate(timeout=20)
     finally:
-        proc.kill()
+        stop(proc)
     assert proc.returncode != 0
     assert "another process of this run is gone" in err, err[-3000:]
     assert f'File "{REPO}' not in err, err[-3000:]  # one line, no traceback of the surviving rank
@@ -80,22 +111,23 @@ def wait_for_line(proc, prefix, timeout=60):
     raise AssertionError(f"no '{prefix}' line within {timeout} s: " + seen[-2000:])
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_stops_every_rank_at_once_and_resumes(dataset, tmp_path):
     # a log step only at iter 0: the stop must not wait for the next one (torchrun SIGKILLs after 30 s)
     args = train_args(dataset, tmp_path, max_iters=100000, lr_decay_iters=100000, eval_interval=100000,
                       log_interval=100000, num_threads=1)
-    proc = subprocess.Popen(TORCHRUN + ["train.py", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = start(TORCHRUN + ["train.py", *args])
     try:
         seen = wait_for_line(proc, "iter 0:")
         time.sleep(1.0)  # some iterations in
         proc.send_signal(signal.SIGTERM)  # what a scheduler does on preemption: torchrun forwards it once
-        start = time.time()
+        signalled = time.time()
         out, err = proc.communicate(timeout=20)
-        stopped_in = time.time() - start
+        stopped_in = time.time() - signalled
     finally:
-        proc.kill()
+        stop(proc)
     seen += out
+    assert proc.returncode == 1, err[-3000:]  # torchrun's own code after a signal (its SignalException), as before
     m = re.findall(r"saving checkpoint to .* \(interrupted at iter (\d+)\)", seen)
     assert len(m) == 1, seen[-2000:] + err[-3000:]
     stopped_at = int(m[0])
