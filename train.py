@@ -330,7 +330,7 @@ def estimate_loss(model, loaders, eval_iters, ctx, dist_info):
     # every rank runs the same number of forwards: under FSDP each one all-gathers weights (and DDP's first
     # broadcasts buffers), so a rank with one forward fewer would leave the others waiting. A rank whose
     # share ends early runs on past eval_iters and leaves those losses out of the sum.
-    forwards = -(-eval_iters // dist_info.world_size)
+    forwards = math.ceil(eval_iters / dist_info.world_size)
     for split, loader in loaders.items():
         loader.reset()  # the same batches at every evaluation, so the numbers are comparable
         total = torch.zeros((), dtype=torch.float64, device=dist_info.device)

@@ -204,7 +204,8 @@ class GracefulExit:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group())
         signum = int(flag.item())
         if signum and dist_info.master:
-            print(f"received {signal.Signals(signum).name}: all processes stop here and save a checkpoint", file=sys.stderr, flush=True)
+            print(f"received {signal.Signals(signum).name}: all processes stop here and save a checkpoint",
+                  file=sys.stderr, flush=True)
         return bool(signum)
 
     def _cpu_group(self):
