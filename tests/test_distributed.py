@@ -173,3 +173,28 @@ def test_score_examples_runs_as_many_forwards_on_every_rank(monkeypatch):
     assert counts == [2, 2]
     # the padding forward is not in the results: rank 1's table holds its 2 rows only
     assert tables[1][:, 1].tolist() == [0, 2, 0, 2, 0]
+
+
+class CountingClassifier(torch.nn.Module):
+    """ finetuning.evaluate's model interface: constant class logits, and a count of its forward passes. """
+    task = 'classification'
+
+    def __init__(self):
+        super().__init__()
+        self.forwards = 0
+
+    def forward(self, idx, extract_pos, choice_mask, lm_targets=None):
+        self.forwards += 1
+        return torch.tensor([[1.0, 0.0]]).expand(idx.size(0), 2), None
+
+
+def test_finetune_validation_runs_as_many_batches_on_every_rank():
+    from nanogpt_plus.finetuning import evaluate
+    encoded, labels, special = [[[1, 2, 3]]] * 3, [0, 1, 0], {'start': 10}
+    results = []
+    for rank in range(2):  # 3 examples, batches of 1: rank 0 has 2, rank 1 one plus a padding forward
+        model = CountingClassifier()
+        correct, seen, _, preds = evaluate(model, encoded, labels, special, 1, 'cpu', torch.no_grad(),
+                                           range(rank, 3, 2), num_batches=2)
+        results.append((model.forwards, correct, seen, [p[0] for p in preds]))
+    assert results == [(2, 2, 2, [0, 2]), (2, 0, 1, [1])]
