@@ -136,7 +136,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_once_and_resumes(dataset, tmp_p
     assert "stopped cleanly" in seen
     ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert ckpt["iter_num"] == stopped_at and len(ckpt["rng"]) == 2
-    resumed = launch(args[:-1] + ["--log_interval=1", "--init_from=resume", f"--max_iters={stopped_at + 1}"])
+    resumed = launch(args + ["--log_interval=1", "--init_from=resume", f"--max_iters={stopped_at + 1}"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert sorted(iter_losses(resumed.stdout)) == [stopped_at, stopped_at + 1]
 
