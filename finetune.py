@@ -337,8 +337,7 @@ def run_epoch(run, state):
         logged = state.iter_num % run.cfg['log_interval'] == 0 or last_of_epoch
         if logged:
             log_step(run, state, lr, step_losses, grad_norm)
-        # with several processes asking costs a sync, so only at log steps, which sync anyway
-        if run.exit_request.should_stop(run.dist_info, sync_point=logged):
+        if run.exit_request.should_stop(run.dist_info):  # every step: torchrun kills soon after its signal
             state.interrupted = True
             return
 
@@ -475,9 +474,13 @@ def evaluate_epoch(run, state):
     if data.val_encoded is None:
         return record
     eval_bs = run.cfg['eval_batch_size'] or run.cfg['batch_size']
+    # the plain model, whose forwards are no collectives; still, every rank runs as many batches (evaluate pads)
+    # as the one with the most, so this stays safe if the evaluated model is ever a wrapped one
+    n_val, world = len(data.val_encoded), dist_info.world_size
+    most_batches = math.ceil(math.ceil(n_val / world) / eval_bs)  # of the rank with the most examples
     correct, seen, loss_sum, _ = evaluate(run.raw_model, data.val_encoded, data.val_labels, run.special, eval_bs,
-                                          dist_info.device, run.ctx,
-                                          range(dist_info.rank, len(data.val_encoded), dist_info.world_size))
+                                          dist_info.device, run.ctx, range(dist_info.rank, n_val, world),
+                                          num_batches=most_batches)
     correct, seen, loss_sum = all_reduce_sum([correct, seen, loss_sum], dist_info)
     record.update(val_acc=correct / seen, val_loss=loss_sum / seen)
     if run.master:

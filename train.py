@@ -45,7 +45,8 @@ from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.parallel import (accumulation_per_rank, all_reduce_mean, all_reduce_sum, full_state_dicts,
                                    grad_sync_context, local_param_count, wrap_model)
-from nanogpt_plus.runtime import UserError, destroy_distributed, device_type_of, init_distributed, provenance, run_main
+from nanogpt_plus.runtime import (UserError, destroy_distributed, device_type_of, fail_everywhere, init_distributed,
+                                  master_decides, provenance, run_main)
 from nanogpt_plus.threads import ThreadRetuner, describe_thread_choice, tune_cpu_threads
 from nanogpt_plus.tokenizer import read_dataset_meta
 from nanogpt_plus.training import (GracefulExit, MetricsLogger, compute_setup, fit_block_size, gather_rng_states,
@@ -184,7 +185,7 @@ def train(cfg, dist_info):
             state.local_iter_num += 1
             if state.iter_num > cfg['max_iters']:
                 break
-            if exit_request.should_stop(dist_info, sync_point=logging_step):  # DDP: asked at log steps only
+            if exit_request.should_stop(dist_info):  # every iteration: torchrun kills soon after its signal
                 stop_cleanly(run, state)
                 break
     finally:
@@ -327,14 +328,19 @@ def estimate_loss(model, loaders, eval_iters, ctx, dist_info):
     """
     model.eval()
     losses = {}
+    # every rank runs the same number of forwards: under FSDP each one all-gathers weights (and DDP's first
+    # broadcasts buffers), so a rank with one forward fewer would leave the others waiting. A rank whose
+    # share ends early runs on past eval_iters and leaves those losses out of the sum.
+    forwards = math.ceil(eval_iters / dist_info.world_size)
     for split, loader in loaders.items():
         loader.reset()  # the same batches at every evaluation, so the numbers are comparable
         total = torch.zeros((), dtype=torch.float64, device=dist_info.device)
-        for _ in range(dist_info.rank, eval_iters, dist_info.world_size):
-            X, Y = loader.next_batch()
+        for k in range(forwards):
+            X, Y = loader.next_batch()  # batch k * world_size + rank of the stream
             with ctx:
                 _, loss = model(X, Y)
-            total += loss.double()
+            if k * dist_info.world_size + dist_info.rank < eval_iters:
+                total += loss.double()
         total, = all_reduce_sum([total.item()], dist_info)
         losses[split] = total / eval_iters
     model.train()
@@ -427,28 +433,39 @@ def non_finite_loss(value, iter_num, out_dir):
 # checkpoints
 
 def write_checkpoint(run, state, reason=''):
-    """ out_dir/ckpt.pt, written by rank 0; every rank calls this (RNG states and FSDP shards are gathered). """
-    cfg = run.cfg
-    rng_states = gather_rng_states(run.dist_info)
+    """
+    out_dir/ckpt.pt, written by rank 0; every rank calls this (RNG states and FSDP shards are gathered), and
+    every rank raises when the weights are not finite or rank 0 could not write (so none waits for the others).
+    """
+    cfg, dist_info = run.cfg, run.dist_info
+    rng_states = gather_rng_states(dist_info)
     model_state, optimizer_state = full_state_dicts(run.raw_model, run.optimizer)  # FSDP: gathered on every rank
-    if not run.dist_info.master:
-        return
-    if not tensors_finite(model_state.values()):
-        raise UserError(f"the model's weights are not finite at iter {state.iter_num}; not saving, so the last "
-                        f"good checkpoint in {cfg['out_dir']} is kept. Lower the learning rate and resume")
-    ckpt = build_checkpoint(run.raw_model, state.iter_num, state.best_val_loss, cfg, run.tokenizer_meta,
-                            run.provenance, model_state=model_state, optimizer=optimizer_state,
-                            loader=state.loader_state, rng=rng_states,
-                            scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None)
-    path = os.path.join(cfg['out_dir'], 'ckpt.pt')
-    if reason and not cfg['always_save_checkpoint'] and os.path.exists(path):
-        # ckpt.pt holds the best model so far; keep it before the interrupted state takes its place
-        best_path = os.path.join(cfg['out_dir'], 'ckpt_best.pt')
-        with open(path, 'rb') as best:
-            atomic_write(best_path, lambda f: shutil.copyfileobj(best, f))
-        print(f"kept the best checkpoint so far as {best_path}")
-    print(f"saving checkpoint to {cfg['out_dir']}" + (f" ({reason})" if reason else ""))
-    save_checkpoint(ckpt, path)
+    # every rank holds the full weights here, so each checks them and the verdicts are summed: one decision
+    not_finite, = all_reduce_sum([0.0 if tensors_finite(model_state.values()) else 1.0], dist_info)
+    if not_finite:
+        fail_everywhere(UserError(f"the model's weights are not finite at iter {state.iter_num}; not saving, so "
+                                  f"the last good checkpoint in {cfg['out_dir']} is kept. Lower the learning rate "
+                                  f"and resume"), dist_info)
+
+    def save():
+        ckpt = build_checkpoint(run.raw_model, state.iter_num, state.best_val_loss, cfg, run.tokenizer_meta,
+                                run.provenance, model_state=model_state, optimizer=optimizer_state,
+                                loader=state.loader_state, rng=rng_states,
+                                scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None)
+        path = os.path.join(cfg['out_dir'], 'ckpt.pt')
+        try:
+            if reason and not cfg['always_save_checkpoint'] and os.path.exists(path):
+                # ckpt.pt holds the best model so far; keep it before the interrupted state takes its place
+                best_path = os.path.join(cfg['out_dir'], 'ckpt_best.pt')
+                with open(path, 'rb') as best:
+                    atomic_write(best_path, lambda f: shutil.copyfileobj(best, f))
+                print(f"kept the best checkpoint so far as {best_path}")
+            print(f"saving checkpoint to {cfg['out_dir']}" + (f" ({reason})" if reason else ""))
+            save_checkpoint(ckpt, path)
+        except OSError as e:  # full disk, permissions, a directory in the way: the user's to fix
+            raise UserError(f"could not write the checkpoint {path} ({e.strerror or e}); make room or fix "
+                            f"--out_dir, then resume from the last checkpoint with --init_from=resume") from None
+    master_decides(dist_info, save)  # rank 0 saves; all ranks learn whether it worked
 
 
 def stop_cleanly(run, state):

@@ -101,10 +101,18 @@ def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcon
     process would have computed (up to how the rows were grouped into batches).
     """
     rank, world_size = (dist_info.rank, dist_info.world_size) if dist_info and dist_info.ddp else (0, 1)
-    mine = [i for k in range(rank, len(example_offsets) - 1, world_size)
-            for i in range(example_offsets[k], example_offsets[k + 1])]
+
+    def rows_of(r):
+        return [i for k in range(r, len(example_offsets) - 1, world_size)
+                for i in range(example_offsets[k], example_offsets[k + 1])]
+    mine = rows_of(rank)
     table = torch.zeros(example_offsets[-1], 3, dtype=torch.float64)
     table[mine] = score_rows(model, rows, mine, batch_size, device, ctx, pad_to, progress)
+    # every rank runs as many forwards as the busiest: a wrapped model's forwards (FSDP all-gathers the
+    # weights in each) are collectives. The extra ones score a single row and are thrown away.
+    batches = [math.ceil(len(rows_of(r)) / batch_size) for r in range(world_size)]
+    for _ in range(max(batches) - batches[rank]):
+        score_rows(model, rows, [0], 1, device, ctx, pad_to)
     if world_size > 1:
         import torch.distributed as dist
         table = table.to(dist_info.device)  # nccl reduces only tensors on the GPU

@@ -13,6 +13,7 @@ Usage:
 """
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -342,10 +343,12 @@ def model_from_finetune_checkpoint(ckpt, dropout=0.0):
 # evaluation and prediction
 
 @torch.no_grad()
-def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=None):
+def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=None, num_batches=0):
     """
     Accuracy pieces over examples (this rank's indices): (n_correct, n_seen, summed task loss, predictions
-    as (index, class id, probabilities)).
+    as (index, class id, probabilities)). num_batches > the batches of indices adds forwards of one example,
+    left out of the results, so that every rank can run the same number (for models whose forwards are
+    collectives).
     """
     was_training = model.training
     model.eval()
@@ -362,6 +365,10 @@ def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=N
             correct += int((pred == batch['labels']).sum())
             loss_sum += float(F.cross_entropy(logits, batch['labels'], reduction='sum'))
         preds.extend(zip(chunk, pred.tolist(), _rounded_probs(logits, batch['choice_mask'], model.task)))
+    padding = make_batch([encoded[0]], None, special, device) if encoded else None
+    for _ in range(num_batches - math.ceil(len(indices) / batch_size)):
+        with ctx:
+            model(padding['idx'], padding['extract_pos'], padding['choice_mask'])
     model.train(was_training)
     return correct, len(indices), loss_sum, preds
 

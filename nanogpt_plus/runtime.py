@@ -11,6 +11,7 @@ Usage:
 import os
 import subprocess
 import sys
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -23,18 +24,99 @@ class UserError(Exception):
     """ Something the user can fix (missing data, bad checkpoint, bad option); the message says how. """
 
 
+class PeerFailed(Exception):
+    """
+    Rank 0 failed at something all ranks depend on (a checkpoint it alone writes) and prints why itself; the
+    other ranks raise this to stop with the same exit code without printing the message a second time.
+    """
+
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
 def run_main(main):
-    """ Run a script's main(): errors the user can fix print as one line ('error: ...') and exit code 2. """
+    """
+    Run a script's main(): errors the user can fix print as one line ('error: ...') and exit code 2.
+    Under torchrun a failing rank exits at once (os._exit, no interpreter shutdown), so it never waits in
+    teardown while its peers sit in a collective: they see it gone (gloo: 'Connection closed by peer') or
+    torchrun stops them, and the whole job ends with the one message of the rank that failed.
+    """
     from configurator import ConfigError
     from nanogpt_plus.tokenizer import TokenizerError
     try:
         main()
+    except PeerFailed as e:
+        _exit(e.code)
     except (UserError, ConfigError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        _exit(130)
+    except Exception as e:
+        if not _several_processes():
+            raise
+        if lost_peer(e):  # a consequence, not the cause: the rank that failed has printed the cause
+            first_line = (str(e).splitlines() or [''])[0][:200]
+            print(f"rank {os.environ.get('RANK')}: stopping without saving, another process of this run is "
+                  f"gone ({type(e).__name__}: {first_line})", file=sys.stderr)
+        else:
+            traceback.print_exc()
+        _exit(1)
+
+
+def _several_processes():
+    return int(os.environ.get('WORLD_SIZE', '1')) > 1  # torchrun's workers (the process group may be gone)
+
+
+def _exit(code):
+    if not _several_processes():
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def lost_peer(error):
+    """ Whether error is a collective failing because another rank is gone (gloo) or unreachable (nccl). """
+    import torch.distributed as dist
+    if isinstance(error, dist.DistError):  # DistBackendError (nccl errors, timeouts), DistNetworkError, ...
+        return True
+    # gloo raises a plain RuntimeError when the peer's socket closes
+    return isinstance(error, RuntimeError) and any(
+        s in str(error) for s in ('Connection closed by peer', 'Connection reset by peer', 'Broken pipe'))
+
+
+def master_decides(dist_info, fn):
+    """
+    Run fn() on rank 0 only (writing a checkpoint, say) and let every rank end the same way: when it raises,
+    rank 0 raises the error and the others PeerFailed, instead of walking on into the next collective that
+    rank 0 will never join. Costs one broadcast (with several processes).
+    """
+    error = None
+    if dist_info.master:
+        try:
+            fn()
+        except Exception as e:  # every kind: the other ranks must hear of it before rank 0 leaves
+            error = e
+    outcome = None if error is None else 2 if isinstance(error, UserError) else 1
+    if dist_info.ddp:
+        import torch.distributed as dist
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if error is not None:
+        raise error
+    if outcome is not None:
+        raise PeerFailed("rank 0 failed", outcome)
+
+
+def fail_everywhere(error, dist_info):
+    """ Raise a UserError that every rank has decided on alike: rank 0 reports it, the others stop quietly. """
+    if dist_info.master:
+        raise error
+    raise PeerFailed(str(error), 2)
 
 
 def resolve_device(device='auto'):
