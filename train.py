@@ -44,7 +44,7 @@ from nanogpt_plus.checkpoint import build_checkpoint, checkpoint_path, init_mode
 from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.parallel import (accumulation_per_rank, all_reduce_mean, all_reduce_sum, full_state_dicts,
-                                   grad_sync_context, local_param_count, wrap_model)
+                                   grad_sync_context, local_param_count, local_parameters, wrap_model)
 from nanogpt_plus.runtime import (UserError, destroy_distributed, device_type_of, fail_everywhere, init_distributed,
                                   master_decides, provenance, run_main)
 from nanogpt_plus.threads import ThreadRetuner, describe_thread_choice, tune_cpu_threads
@@ -438,14 +438,16 @@ def write_checkpoint(run, state, reason=''):
     every rank raises when the weights are not finite or rank 0 could not write (so none waits for the others).
     """
     cfg, dist_info = run.cfg, run.dist_info
-    rng_states = gather_rng_states(dist_info)
-    model_state, optimizer_state = full_state_dicts(run.raw_model, run.optimizer)  # FSDP: gathered on every rank
-    # every rank holds the full weights here, so each checks them and the verdicts are summed: one decision
-    not_finite, = all_reduce_sum([0.0 if tensors_finite(model_state.values()) else 1.0], dist_info)
+    # each rank checks the weights it holds (its shards under FSDP) and the verdicts are summed: one decision
+    # for all, taken before anything is gathered
+    not_finite, = all_reduce_sum([0.0 if tensors_finite(local_parameters(run.raw_model)) else 1.0], dist_info)
     if not_finite:
         fail_everywhere(UserError(f"the model's weights are not finite at iter {state.iter_num}; not saving, so "
                                   f"the last good checkpoint in {cfg['out_dir']} is kept. Lower the learning rate "
                                   f"and resume"), dist_info)
+    rng_states = gather_rng_states(dist_info)
+    # FSDP: every rank takes part in gathering each tensor, only rank 0 keeps the full copy (None elsewhere)
+    model_state, optimizer_state = full_state_dicts(run.raw_model, run.optimizer)
 
     def save():
         ckpt = build_checkpoint(run.raw_model, state.iter_num, state.best_val_loss, cfg, run.tokenizer_meta,

@@ -90,10 +90,15 @@ def is_fsdp(model):
     return isinstance(getattr(model, '_orig_mod', model), FSDPModule)
 
 
+def local_parameters(model):
+    """ The parameter values this rank stores: its shards under FSDP, the whole tensors otherwise. """
+    from torch.distributed.tensor import DTensor
+    return [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+
+
 def local_param_count(model):
     """ The number of parameter values this rank stores (its shards under FSDP, all of them otherwise). """
-    from torch.distributed.tensor import DTensor
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    return sum(p.numel() for p in local_parameters(model))
 
 
 def full_state_dicts(model, optimizer):
