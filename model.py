@@ -56,8 +56,18 @@ class CausalSelfAttention(nn.Module):
         # mask[i, j] is True where query i may look at key j (j <= i). A buffer, so it moves with the model;
         # not persistent, because block_size determines it and checkpoints never need it. The name 'bias'
         # is nanoGPT's (crop_block_size slices it); it holds no learned values.
-        mask = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
-        self.register_buffer("bias", mask.view(1, 1, config.block_size, config.block_size), persistent=False)
+        self.register_buffer("bias", None, persistent=False)
+        self.reset_mask(config.block_size)
+
+    def reset_mask(self, block_size, device=None):
+        """
+        (Re)build the causal mask for block_size positions, on `device` (default: where the mask is now). The one
+        place the mask is made: __init__, and FSDP's meta-device ranks, whose buffers to_empty leaves uninitialised.
+        """
+        if device is None and self.bias is not None:
+            device = self.bias.device
+        mask = torch.tril(torch.ones(block_size, block_size, dtype=torch.bool, device=device))
+        self.bias = mask.view(1, 1, block_size, block_size)
 
     def forward(self, x, kv_cache=None):
         B, T, C = x.size()  # batch, new tokens, n_embd
@@ -216,6 +226,11 @@ class GPT(nn.Module):
         """
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def init_buffers(self, device=None):
+        """ Rebuild every Block's causal mask (non-persistent, so no state dict restores it) for the current block_size. """
+        for block in self.transformer.h:
+            block.attn.reset_mask(self.config.block_size, device)
 
     def set_attention(self, path):
         """ Select the attention implementation: 'flash' (scaled_dot_product_attention) or 'manual'. """

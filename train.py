@@ -209,7 +209,7 @@ def setup(cfg, dist_info):
     dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg['dtype'], cfg['compile'], cfg['num_threads'],
                                                           peak=master)  # only rank 0 reports MFU
     train_loader, eval_loaders = make_loaders(cfg, dist_info)
-    raw_model, tokenizer_meta, ckpt = build_model(cfg)
+    raw_model, tokenizer_meta, ckpt = build_model(cfg, dist_info)
     model, optimizer, scaler, thread_retuner, run_provenance = prepare_training(cfg, dist_info, raw_model, dtype, ctx,
                                                                                 compile_model, eval_loaders['train'])
     state = TrainState()
@@ -240,9 +240,14 @@ def make_loaders(cfg, dist_info):
     return train_loader, {'train': loader('train', cfg['seed'] + 1), 'val': loader('val', cfg['seed'] + 2)}
 
 
-def build_model(cfg):
-    """ (the plain GPT on the CPU, its tokenizer description, the checkpoint read or None) for init_from. """
+def build_model(cfg, dist_info=None):
+    """
+    (the plain GPT on the CPU, its tokenizer description, the checkpoint read or None) for init_from. Under FSDP
+    only rank 0 holds the full model: the other ranks build it on the meta device (no memory, no init) and
+    shard_model sends them their shards of rank 0's weights.
+    """
     init_from = cfg['init_from']
+    on_meta = (dist_info is not None and dist_info.ddp and cfg['parallelism'] == 'fsdp' and dist_info.rank != 0)
     source = checkpoint_path(init_from, cfg['out_dir'])
     if init_from == 'resume':
         print(f"Resuming training from {cfg['out_dir']}")
@@ -252,7 +257,7 @@ def build_model(cfg):
         print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
     # the architecture comes from the weights (a new model: from the settings); dropout from the settings always
     model, tokenizer_meta, ckpt = init_model(init_from, cfg['out_dir'], dataset=cfg['dataset'], model_settings=cfg,
-                                             dropout=cfg['dropout'], resume_file='ckpt.pt')
+                                             dropout=cfg['dropout'], resume_file='ckpt.pt', on_meta=on_meta)
     fit_block_size(model, cfg['block_size'])  # a pretrained model can train on shorter windows than it knows
     data_vocab = (read_dataset_meta(dataset_dir(cfg['dataset'])) or {}).get('vocab_size')
     if data_vocab and int(data_vocab) > model.config.vocab_size:
@@ -274,7 +279,11 @@ def prepare_training(cfg, dist_info, raw_model, dtype, ctx, compile_model, tunin
     scaler = make_grad_scaler(device_type, dtype)
     thread_retuner = None
     if device_type == 'cpu' and cfg['num_threads'] == 0:
-        thread_retuner = choose_threads(raw_model, tuning_loader, ctx, dist_info.master)
+        if fsdp:
+            # the other ranks' models are on the meta device and can't run a forward: rank 0 times for them all
+            thread_retuner = choose_threads_for_all(raw_model, tuning_loader, ctx, dist_info)
+        else:
+            thread_retuner = choose_threads(raw_model, tuning_loader, ctx, dist_info.master)
     run_provenance = dict(provenance(dist_info.device), dtype=dtype, compile=compile_model,
                           world_size=dist_info.world_size)
     if dist_info.master:
@@ -303,6 +312,22 @@ def choose_threads(model, loader, ctx, master):
     if master:
         print(describe_thread_choice(threads, timings))
     return ThreadRetuner(list(timings))  # the thread counts it timed
+
+
+def choose_threads_for_all(model, loader, ctx, dist_info):
+    """
+    choose_threads on rank 0 only, its choice then set on every rank (same cores per process, same model:
+    the same best count). Each rank gets its own ThreadRetuner over rank 0's candidates, as under DDP.
+    """
+    import torch.distributed as dist
+    choice = [None, None]  # (threads, the counts timed, or None when there was nothing to choose)
+    if dist_info.rank == 0:
+        retuner = choose_threads(model, loader, ctx, master=True)
+        choice = [torch.get_num_threads(), retuner and retuner.candidates]
+    dist.broadcast_object_list(choice, src=0)
+    threads, candidates = choice
+    torch.set_num_threads(threads)
+    return ThreadRetuner(candidates) if candidates else None
 
 
 def resume(state, ckpt, optimizer, scaler, train_loader, dist_info):

@@ -93,8 +93,14 @@ def model_config_from_checkpoint(ckpt, dropout=None):
         raise UserError(f"the checkpoint's model_args don't describe a GPT ({e})") from None
 
 
-def model_from_checkpoint(ckpt, dropout=None):
-    """ A GPT with the checkpoint's architecture and weights (on the CPU; move it yourself). """
+def model_from_checkpoint(ckpt, dropout=None, on_meta=False):
+    """
+    A GPT with the checkpoint's architecture and weights (on the CPU; move it yourself). on_meta=True: the
+    architecture only, on the meta device, and the checkpoint's 'model' tensors are never read (so none of their
+    memory-mapped pages are loaded); FSDP's ranks other than 0 get their shards from rank 0 instead.
+    """
+    if on_meta:
+        return meta_model(model_config_from_checkpoint(ckpt, dropout))
     model = GPT(model_config_from_checkpoint(ckpt, dropout))
     state_dict = clean_state_dict(ckpt['model'])
     try:
@@ -176,7 +182,13 @@ def build_checkpoint(model, iter_num, best_val_loss, config, tokenizer, provenan
     return ckpt
 
 
-def scratch_model(model_settings, data_meta, data_dir):
+def meta_model(config):
+    """ A GPT of this config on the meta device: shapes only, no storage, no random draws (the RNG is untouched). """
+    with torch.device('meta'):
+        return GPT(config)
+
+
+def scratch_model(model_settings, data_meta, data_dir, on_meta=False):
     """ A new random GPT from the model settings, its vocab_size from the dataset's meta (else GPT-2's, padded). """
     print("Initializing a new model from scratch")
     if data_meta is not None and data_meta.get('vocab_size'):
@@ -187,12 +199,14 @@ def scratch_model(model_settings, data_meta, data_dir):
         vocab_size = 50304
     args = {k: model_settings[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'gelu')}
     try:
-        return GPT(GPTConfig(vocab_size=vocab_size, **args))
+        config = GPTConfig(vocab_size=vocab_size, **args)
+        return meta_model(config) if on_meta else GPT(config)
     except ValueError as e:  # e.g. n_embd not divisible by n_head
         raise UserError(f"{e}; change the model settings") from None
 
 
-def init_model(init_from, out_dir='out', dataset=None, model_settings=None, dropout=None, resume_file='ckpt.pt'):
+def init_model(init_from, out_dir='out', dataset=None, model_settings=None, dropout=None, resume_file='ckpt.pt',
+               on_meta=False):
     """
     The one place that turns init_from into (model on the CPU, tokenizer description, checkpoint or None):
       'scratch'        a new GPT from model_settings (n_layer, n_head, n_embd, block_size, bias, dropout, gelu),
@@ -201,15 +215,19 @@ def init_model(init_from, out_dir='out', dataset=None, model_settings=None, drop
       a path           a ckpt.pt, or a training out_dir holding one
       gpt2*, a path    OpenAI's GPT-2 weights, or a local Hugging Face GPT-2 directory (export_hf.py's too)
     dropout overrides the saved dropout (architecture settings always come from the weights).
+    on_meta=True (FSDP's ranks other than 0, which are sent their shards by rank 0): the same architecture on the
+    meta device, without initialising or loading weights; the checkpoint (memory-mapped) is still returned, for
+    the optimizer, loader and RNG states, its 'model' tensors untouched. gpt2* and Hugging Face directories
+    still load real weights (from_pretrained builds the model from transformers' one).
     """
     if init_from == 'scratch':
         data_dir = dataset_dir(dataset)
         data_meta = read_dataset_meta(data_dir)
-        return scratch_model(model_settings, data_meta, data_dir), data_meta or {'kind': 'gpt2'}, None
+        return scratch_model(model_settings, data_meta, data_dir, on_meta), data_meta or {'kind': 'gpt2'}, None
     ckpt_path = checkpoint_path(init_from, out_dir, resume_file)
     if ckpt_path is not None:
         ckpt = load_checkpoint(ckpt_path, map_location='cpu')
-        return model_from_checkpoint(ckpt, dropout), checkpoint_tokenizer_meta(ckpt), ckpt
+        return model_from_checkpoint(ckpt, dropout, on_meta), checkpoint_tokenizer_meta(ckpt), ckpt
     if init_from in GPT2_NAMES or is_hf_dir(init_from):
         return pretrained_model(init_from, dropout), pretrained_tokenizer_meta(init_from), None
     raise UserError(f"don't know how to load init_from='{init_from}': use scratch, resume (with --out_dir), a "

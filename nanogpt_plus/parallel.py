@@ -63,25 +63,34 @@ def shard_model(model, dist_info, dtype='float32'):
     FSDP2: shard every Block, then the root (which keeps wte/lm_head, one tied parameter, plus wpe and
     ln_f), over all ranks. Each rank then holds 1/world_size of every parameter, gradient and AdamW
     state; a Block's full weights are all-gathered just for its forward and backward. FSDP also moves
-    the model to the device, one Block at a time, so the full model never has to fit there.
+    the model to the device, one Block at a time, so the full model never has to fit there. Only rank 0
+    needs real weights: the other ranks may pass the model built on the meta device, and every rank ends
+    with its shards of rank 0's weights (and causal masks built for the device).
     """
-    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    # every rank seeded its own init (seed + rank); DDP broadcasts rank 0's weights, FSDP would shard
-    # each rank's own, so start from rank 0's (resumed or pretrained weights are the same everywhere)
-    with torch.no_grad():
-        for p in model.parameters():
-            buf = p.detach().to(dist_info.device)  # nccl needs the GPU; gloo works in place on the CPU
-            dist.broadcast(buf, src=0)
-            if buf.data_ptr() != p.data_ptr():
-                p.copy_(buf)
+    # Rank 0 has the real weights (resumed, pretrained, or its own seeded init); the other ranks built the model
+    # on the meta device (train.py's build_model), or hold pretrained weights of their own. Take rank 0's full
+    # state dict before sharding replaces its parameters: set_model_state_dict sends each tensor from it to
+    # every rank, which keeps its own shard, so rank 0's weights are the ones everywhere (as DDP's are)
+    full_state = model.state_dict() if dist_info.rank == 0 else {}
     mesh = init_device_mesh(torch.device(dist_info.device).type, (dist_info.world_size,))
     mp_policy = mixed_precision_policy(dtype)
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if any(t.device.type == 'meta' for t in model.parameters()):
+        # storage for this rank's shards (and the masks), uninitialised; the tied wte/lm_head weight is one
+        # parameter, so it gets one shard and stays tied
+        model.to_empty(device=dist_info.device)
+    set_model_state_dict(model, full_state,
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full_state
+    # the causal masks are no state-dict entries: after to_empty they hold garbage, so build them again (on
+    # every rank, so all of them run the same code)
+    model.init_buffers(torch.device(dist_info.device))
     return model
 
 

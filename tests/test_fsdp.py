@@ -234,3 +234,88 @@ def test_resumed_optimizer_state_does_not_keep_the_checkpoint_mapped(tmp_path):
     for i, s in optimizer.state_dict()['state'].items():
         for k, v in s.items():
             torch.testing.assert_close(resumed.state_dict()['state'][i][k], v)
+
+
+# -----------------------------------------------------------------------------
+# FSDP's ranks other than 0 build the model on the meta device and are sent their shards by rank 0
+
+def test_init_model_on_meta_allocates_nothing_and_draws_nothing(tmp_path):
+    from nanogpt_plus.checkpoint import init_model, scratch_model
+    path = str(tmp_path / 'ckpt.pt')
+    model = GPT(GPTConfig(**TINY))
+    save_checkpoint({'model': model.state_dict(), 'model_args': model.config.model_args()}, path)
+    rng = torch.get_rng_state()
+    meta, _, ckpt = init_model(path, on_meta=True)
+    settings = {k: TINY[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout')}
+    scratch = scratch_model(dict(settings, gelu='none'), {'vocab_size': TINY['vocab_size']}, 'data', on_meta=True)
+    assert torch.equal(torch.get_rng_state(), rng)  # no initialisation ran
+    assert ckpt is not None and 'model' in ckpt  # still there for the optimizer, loader and RNG states
+    for m in (meta, scratch):
+        tensors = list(m.parameters()) + list(m.buffers())
+        assert tensors and all(t.is_meta for t in tensors)
+        assert m.lm_head.weight is m.transformer.wte.weight
+        assert {k: v.shape for k, v in m.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
+
+
+def meta_worker(rank, init_file, out_dir, source):
+    import torch.distributed as dist
+
+    from nanogpt_plus.checkpoint import init_model, scratch_model
+    from nanogpt_plus.parallel import shard_model
+    from nanogpt_plus.training import fit_block_size
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0 + rank)  # as train.py seeds: a rank 1 that initialised would differ from rank 0
+        if source == 'scratch':
+            settings = {k: TINY[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout')}
+            model = scratch_model(dict(settings, gelu='none'), {'vocab_size': TINY['vocab_size']}, 'data',
+                                  on_meta=rank != 0)
+        else:
+            model, _, _ = init_model(os.path.join(out_dir, 'ckpt.pt'), on_meta=rank != 0)
+            fit_block_size(model, 8)  # cropped on meta too: the masks must come back at the cropped size
+        result = {'meta_before': all(t.is_meta for t in list(model.parameters()) + list(model.buffers()))}
+        shard_model(model, DistInfo(ddp=True, rank=rank, local_rank=rank, world_size=2, device='cpu'))
+        result['tied'] = model.lm_head.weight is model.transformer.wte.weight
+        result['local'] = {n: p.to_local().clone() for n, p in model.named_parameters()}
+        result['masks'] = [b.attn.bias.clone() for b in model.transformer.h]
+        model.eval()
+        X = torch.randint(0, TINY['vocab_size'], (2, model.config.block_size), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            for path in ('flash', 'manual'):  # the manual path reads the masks
+                model.set_attention(path)
+                result[path] = model(X, all_positions=True)[0]
+        result['X'] = X
+        torch.save(result, os.path.join(out_dir, f'meta{rank}.pt'))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize('source', ['scratch', 'resume'])
+def test_fsdp_meta_ranks_get_rank_0s_shards_and_masks(tmp_path, source):
+    import torch.multiprocessing as mp
+    torch.manual_seed(0)  # rank 0's init (seed + rank 0)
+    ref = GPT(GPTConfig(**TINY))
+    if source == 'resume':
+        torch.manual_seed(5)
+        ref = GPT(GPTConfig(**TINY))
+        save_checkpoint({'model': ref.state_dict(), 'model_args': ref.config.model_args()}, str(tmp_path / 'ckpt.pt'))
+        ref.crop_block_size(8)
+    mp.spawn(meta_worker, args=(str(tmp_path / 'pg'), str(tmp_path), source), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f'meta{r}.pt', weights_only=True) for r in (0, 1))
+    assert r1['meta_before'] and not r0['meta_before']
+    full = dict(ref.named_parameters())
+    for rank, r in ((0, r0), (1, r1)):
+        assert r['tied']
+        assert set(r['local']) == set(full)
+        for name, p in full.items():
+            chunks = p.detach().chunk(2, dim=0)  # FSDP2 shards dim 0 as torch.chunk does
+            expected = chunks[rank] if rank < len(chunks) else p.detach()[:0]
+            assert torch.equal(r['local'][name], expected), (rank, name)
+        causal = torch.tril(torch.ones(ref.config.block_size, ref.config.block_size, dtype=torch.bool))
+        assert all(torch.equal(m[0, 0], causal) and m.shape[:2] == (1, 1) for m in r['masks'])
+        ref.eval()
+        with torch.no_grad():
+            for path in ('flash', 'manual'):
+                ref.set_attention(path)
+                torch.testing.assert_close(r[path], ref(r['X'], all_positions=True)[0])
