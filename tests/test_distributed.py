@@ -82,9 +82,7 @@ def test_a_checkpoint_rank0_cannot_write_stops_every_rank_with_one_message(datas
 
 @pytest.mark.slow
 def test_a_rank_that_dies_ends_the_run_without_saving(dataset, tmp_path):
-    args = train_args(dataset, tmp_path, max_iters=100000, lr_decay_iters=100000, eval_interval=100000,
-                      log_interval=1, num_threads=1)
-    proc = start(TORCHRUN + ["train.py", *args])
+    proc = start_endless_run(dataset, tmp_path, log_interval=1)
     try:
         wait_for_line(proc, "iter 3:")
         workers = workers_of(proc)
@@ -97,6 +95,16 @@ def test_a_rank_that_dies_ends_the_run_without_saving(dataset, tmp_path):
     assert "another process of this run is gone" in err, err[-3000:]
     assert f'File "{REPO}' not in err, err[-3000:]  # one line, no traceback of the surviving rank
     assert not os.path.exists(tmp_path / "ckpt.pt")
+
+
+def endless_run_args(dataset, out_dir, log_interval):
+    """ A 2-rank run that would go on for 100,000 iterations (no evaluation after iter 0): a test ends it. """
+    return train_args(dataset, out_dir, max_iters=100000, lr_decay_iters=100000, eval_interval=100000,
+                      log_interval=log_interval, num_threads=1)
+
+
+def start_endless_run(dataset, out_dir, log_interval):
+    return start(TORCHRUN + ["train.py", *endless_run_args(dataset, out_dir, log_interval)])
 
 
 def wait_for_line(proc, prefix, timeout=60):
@@ -114,8 +122,7 @@ def wait_for_line(proc, prefix, timeout=60):
 @pytest.mark.slow
 def test_sigterm_to_torchrun_stops_every_rank_at_once_and_resumes(dataset, tmp_path):
     # a log step only at iter 0: the stop must not wait for the next one (torchrun SIGKILLs after 30 s)
-    args = train_args(dataset, tmp_path, max_iters=100000, lr_decay_iters=100000, eval_interval=100000,
-                      log_interval=100000, num_threads=1)
+    args = endless_run_args(dataset, tmp_path, log_interval=100000)
     proc = start(TORCHRUN + ["train.py", *args])
     try:
         seen = wait_for_line(proc, "iter 0:")
