@@ -54,7 +54,8 @@ from nanogpt_plus.runtime import (DistInfo, UserError, destroy_distributed, devi
                                   provenance, run_main)
 from nanogpt_plus.tokenizer import load_tokenizer
 from nanogpt_plus.training import (GracefulExit, MetricsLogger, compute_setup, fit_block_size, gather_rng_states,
-                                   get_lr, make_grad_scaler, optimizer_step, restore_training_state, tensors_finite)
+                                   make_grad_scaler, optimizer_step, restore_training_state, set_learning_rate,
+                                   tensors_finite)
 
 BEST_CKPT = 'ckpt.pt'  # the best model so far (by val accuracy), with its head: what predictions use
 LAST_CKPT = 'ckpt_last.pt'  # the latest training state, for --init_from=resume
@@ -140,10 +141,6 @@ class Schedule:
     def per_step(self):
         return self.batch_size * self.accum  # examples per optimizer step on this rank
 
-    def lr(self, iter_num):
-        if not self.decay_lr:
-            return self.learning_rate
-        return get_lr(iter_num, self.learning_rate, self.warmup_iters, self.lr_decay_iters, self.min_lr)
 
 
 @dataclass
@@ -347,9 +344,9 @@ def train_step(run, state, order):
     One optimizer step over this rank's micro-batches of the step's global batch. Returns the learning
     rate, this rank's (task loss, LM loss) of the step as tensors (no sync), and the gradient norm.
     """
-    lr = run.schedule.lr(state.iter_num)
-    for group in run.optimizer.param_groups:
-        group['lr'] = lr
+    s = run.schedule
+    lr = set_learning_rate(run.optimizer, state.iter_num, s.learning_rate, s.warmup_iters, s.lr_decay_iters,
+                           s.min_lr, s.decay_lr)
     batches = step_batches(run, state, order)
     # normalise by the counts of the whole global batch (all micro-batches, all ranks): the
     # gradient is then exactly that of one big batch, for any world size and accumulation
@@ -395,7 +392,7 @@ def global_batch_counts(run, state):
         # the examples step_batches takes on that rank (its empty micro-batches add nothing)
         for i in order[start: start + run.schedule.accum * bs]:
             n_ex += 1  # one label per example, whatever its number of rows
-            n_tok += n_lm_targets(data.train_encoded[i], run.special)
+            n_tok += data.train_lm_targets[i]
     return float(n_ex), float(n_tok)
 
 
@@ -413,11 +410,6 @@ def epoch_orders(n_examples, world_size, shuffle, seed, drop_last, epoch):
         sampler.set_epoch(epoch)
         orders.append(list(sampler))
     return tuple(orders)
-
-
-def n_lm_targets(seqs, special):
-    """ make_batch's n_lm_targets of one example: each row's next tokens that are text, not special tokens. """
-    return sum(t < special['start'] for seq in seqs for t in seq[1:])
 
 
 def micro_batch_loss(run, b, n_ex, n_tok):

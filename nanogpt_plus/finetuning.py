@@ -14,7 +14,6 @@ Usage:
 
 import json
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from nanogpt_plus.checkpoint import build_checkpoint, model_from_checkpoint
+from nanogpt_plus.files import atomic_write
 from nanogpt_plus.files import read_jsonl as read_jsonl_records
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import TokenizerError
@@ -208,12 +208,18 @@ class TaskData:
     label_map: dict  # {raw label: class id}; None for multiple choice (the label is the choice's index)
     train_encoded: list
     train_labels: list
+    train_lm_targets: list = None  # each training example's number of LM targets (n_lm_targets), counted once
     val_encoded: list = None  # None without a val file
     val_labels: list = None
 
     @property
     def n_classes(self):
         return len(self.label_map) if self.label_map else None
+
+
+def n_lm_targets(seqs, special):
+    """ make_batch's n_lm_targets of one example: each row's next tokens that are text, not special tokens. """
+    return sum(t < special['start'] for seq in seqs for t in seq[1:])
 
 
 def load_task_data(task, train_file, val_file, tokenizer, special, block_size, label_map=None):
@@ -227,6 +233,7 @@ def load_task_data(task, train_file, val_file, tokenizer, special, block_size, l
     train_labels = label_ids(train_examples, task, label_map, train_file)
     data = TaskData(label_map, encode_examples(train_examples, task, tokenizer, special, block_size, train_file),
                     train_labels)
+    data.train_lm_targets = [n_lm_targets(e, special) for e in data.train_encoded]
     if val_file:
         val_examples = read_jsonl(val_file, task)
         data.val_labels = label_ids(val_examples, task, label_map, val_file)
@@ -395,7 +402,6 @@ def write_predictions(model, ckpt_info, cfg, special, tokenizer, device, ctx, pa
         out['prediction'] = p if task == 'multiple_choice' else id_to_label.get(p, p)
         out['probs'] = probs
         lines.append(json.dumps(out))
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path, 'w', encoding='utf-8') as f:
-        f.write("\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    atomic_write(out_path, lambda f: f.write(text), binary=False)  # never a half-written predictions file
     print(f"wrote {len(lines)} predictions to {out_path}")

@@ -11,6 +11,7 @@ from test_finetune import SINGLE, config, make_source, make_task
 from torch.utils.data import DistributedSampler
 
 import finetune
+from nanogpt_plus.finetuning import n_lm_targets
 from nanogpt_plus.runtime import DistInfo
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -34,7 +35,9 @@ def rank_run(encoded, labels, rank, world_size, batch_size, accum, seed=3):
                                  drop_last=False)
     cfg = dict(batch_size=batch_size, epochs=3, warmup_frac=0.1, learning_rate=1e-3, min_lr=1e-4, decay_lr=True)
     return SimpleNamespace(sampler=sampler, schedule=finetune.Schedule.for_run(len(sampler), cfg, accum),
-                           data=SimpleNamespace(train_encoded=encoded, train_labels=labels), special=SPECIAL,
+                           data=SimpleNamespace(train_encoded=encoded, train_labels=labels,
+                                                train_lm_targets=[n_lm_targets(e, SPECIAL) for e in encoded]),
+                           special=SPECIAL,
                            dist_info=DistInfo(world_size > 1, rank, rank, world_size, 'cpu'))
 
 
