@@ -144,10 +144,9 @@ def main(argv=None):
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     check_settings(cfg)
     dist_info = init_distributed(cfg['device'], cfg['backend'])  # torchrun's ranks, or a single process
-    try:
-        train(cfg, dist_info)
-    finally:
-        destroy_distributed()
+    train(cfg, dist_info)
+    # not in a `finally`: a rank that failed must not enter teardown collectives (run_main exits it at once)
+    destroy_distributed()
 
 
 def check_settings(cfg):
@@ -156,7 +155,7 @@ def check_settings(cfg):
         raise UserError(f"compile must be True, False or None (auto), got {cfg['compile']!r}")
     if cfg['parallelism'] not in ('ddp', 'fsdp'):
         raise UserError(f"parallelism must be 'ddp' or 'fsdp', got {cfg['parallelism']!r}")
-    resume_path = os.path.join(cfg['out_dir'], 'ckpt.pt')
+    resume_path = checkpoint_path('resume', cfg['out_dir'])
     if cfg['init_from'] == 'resume' and not os.path.exists(resume_path):
         raise UserError(f"init_from=resume but there is no checkpoint at {resume_path}; "
                         f"check --out_dir or start with --init_from=scratch")
@@ -381,7 +380,7 @@ def evaluate(run, state, lr):
         run.logger.log({'type': 'eval', 'iter': state.iter_num, 'train_loss': losses['train'],
                         'val_loss': losses['val'], 'lr': lr})
     if not math.isfinite(losses['val']):
-        raise non_finite_loss(losses['val'], state.iter_num, cfg['out_dir'])
+        fail_everywhere(non_finite_loss(losses['val'], state.iter_num, cfg['out_dir']), run.dist_info)
     improved = losses['val'] < state.best_val_loss
     if improved:
         state.best_val_loss = losses['val']
@@ -426,7 +425,7 @@ def log_iteration(run, state, step_loss, grad_norm, lr, dt):
     # the mean over all micro-batches and ranks: a collective and a host sync, so only on log steps
     lossf, = all_reduce_mean([step_loss.item()], run.dist_info)
     if not math.isfinite(lossf):
-        raise non_finite_loss(lossf, state.iter_num, cfg['out_dir'])
+        fail_everywhere(non_finite_loss(lossf, state.iter_num, cfg['out_dir']), run.dist_info)
     if not run.dist_info.master:
         return
     if state.local_iter_num >= 5:  # the first iterations of a process are slow (allocator, caches): not in MFU

@@ -98,9 +98,10 @@ def master_decides(dist_info, fn):
     if dist_info.master:
         try:
             fn()
-        except Exception as e:  # every kind: the other ranks must hear of it before rank 0 leaves
+        except BaseException as e:  # every kind, a second Ctrl-C too: the other ranks must hear of it first
             error = e
-    outcome = None if error is None else 2 if isinstance(error, UserError) else 1
+    outcome = None if error is None else 2 if isinstance(error, UserError) else 130 if isinstance(
+        error, KeyboardInterrupt) else 1
     if dist_info.ddp:
         import torch.distributed as dist
         box = [outcome]

@@ -179,6 +179,8 @@ class GracefulExit:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread
                 pass
+        if _in_process_group():
+            self._cpu_group()  # a collective: made here, before the loop, where every rank calls install()
         return self
 
     def _handle(self, signum, frame):
@@ -212,7 +214,7 @@ class GracefulExit:
         import torch.distributed as dist
         if dist.get_backend() == 'gloo':
             return None  # the default group already reduces CPU tensors
-        if self._flag_group is None:  # created collectively, at the first should_stop: the same call on every rank
+        if self._flag_group is None:  # made by install() on every rank (new_group is a collective)
             self._flag_group = dist.new_group(backend='gloo')
         return self._flag_group
 

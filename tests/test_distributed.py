@@ -129,7 +129,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_once_and_resumes(dataset, tmp_p
         time.sleep(1.0)  # some iterations in
         proc.send_signal(signal.SIGTERM)  # what a scheduler does on preemption: torchrun forwards it once
         signalled = time.time()
-        out, err = proc.communicate(timeout=20)
+        out, err = proc.communicate(timeout=28)
         stopped_in = time.time() - signalled
     finally:
         stop(proc)
@@ -138,7 +138,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_once_and_resumes(dataset, tmp_p
     m = re.findall(r"saving checkpoint to .* \(interrupted at iter (\d+)\)", seen)
     assert len(m) == 1, seen[-2000:] + err[-3000:]
     stopped_at = int(m[0])
-    assert stopped_at > 1 and stopped_in < 15, (stopped_at, stopped_in)
+    assert stopped_at > 1 and stopped_in < 25, (stopped_at, stopped_in)  # torchrun SIGKILLs at 30 s
     assert err.count("received SIGTERM: all processes stop here and save a checkpoint") == 1, err[-3000:]
     assert "stopped cleanly" in seen
     ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
