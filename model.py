@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 # the keys of GPTConfig that nanoGPT's own GPTConfig knows; checkpoints store exactly these as
 # 'model_args' so that nanoGPT's sample.py can still build the model from our checkpoints
@@ -193,6 +194,7 @@ class GPT(nn.Module):
         # Parameter, so parameters() and the optimizer see it once; state_dict lists it under both names
         self.transformer.wte.weight = self.lm_head.weight
         self.init_weights()
+        self.activation_checkpointing = False  # recompute the Blocks in the backward pass: set_activation_checkpointing
 
         # report number of parameters (meta-device models are built only to count, stay quiet)
         if self.lm_head.weight.device.type != 'meta':
@@ -239,6 +241,16 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             block.attn.flash = path == 'flash'
 
+    def set_activation_checkpointing(self, enabled):
+        """
+        True: while training, keep only each Block's input and recompute the Block in the backward pass
+        (torch.utils.checkpoint): activation memory drops from every Block's intermediates to one Block's, for
+        about one more forward pass of compute. The dropout masks are drawn again from the same RNG state, so
+        the gradients are those of the plain model. A run-time switch like set_attention, not a GPTConfig field:
+        it changes no result, so checkpoints never carry it.
+        """
+        self.activation_checkpointing = bool(enabled)
+
     def embed(self, idx, pos0=0):
         """ Token + position embeddings (after dropout) of the tokens idx (B, T) at positions pos0..pos0+T-1. """
         t = idx.size(1)
@@ -254,8 +266,14 @@ class GPT(nn.Module):
         """ The final (post ln_f) hidden states, (B, T, n_embd), for the tokens idx (B, T). """
         t = idx.size(1)
         x = self.embed(idx, pos0=kv_cache.pos if kv_cache is not None else 0)
+        # only a training forward that will run backward needs the recomputation (never with a KV cache)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and kv_cache is None
         for block in self.transformer.h:
-            x = block(x, kv_cache=kv_cache)
+            if recompute:
+                # use_reentrant=False: the variant PyTorch recommends; works with DDP, FSDP2 and torch.compile
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x, kv_cache=kv_cache)
         if kv_cache is not None:
             kv_cache.advance(t)  # every layer has written its keys/values for these t positions
         return self.transformer.ln_f(x)

@@ -49,9 +49,9 @@ from nanogpt_plus.runtime import (UserError, destroy_distributed, device_type_of
                                   master_decides, provenance, run_main)
 from nanogpt_plus.threads import ThreadRetuner, describe_thread_choice, tune_cpu_threads
 from nanogpt_plus.tokenizer import read_dataset_meta
-from nanogpt_plus.training import (GracefulExit, MetricsLogger, compute_setup, fit_block_size, gather_rng_states,
-                                   make_grad_scaler, optimizer_step, restore_training_state, set_learning_rate,
-                                   tensors_finite)
+from nanogpt_plus.training import (GracefulExit, MetricsLogger, SpikeGuard, compute_setup, fit_block_size,
+                                   gather_rng_states, make_grad_scaler, out_of_memory_error, restore_training_state,
+                                   set_learning_rate, skip_update, take_update, tensors_finite, unscale_and_clip)
 
 # -----------------------------------------------------------------------------
 # the defaults: GPT-2 small (124M parameters) on OpenWebText, nanoGPT's recipe
@@ -90,6 +90,10 @@ DEFAULTS = dict(
     beta1=0.9,
     beta2=0.95,
     grad_clip=1.0,  # the largest global gradient norm; 0.0 turns clipping off
+    # the spike guard (llm.c's -sl/-sg): skip an update whose loss / grad norm is more than this many standard
+    # deviations above its mean over the last 128 steps; 0.0 = off
+    skip_loss_z=0.0,
+    skip_grad_z=0.0,
     # the learning-rate schedule: linear warmup, then cosine decay down to min_lr
     decay_lr=True,  # False: learning_rate throughout
     warmup_iters=2000,  # iterations of the linear warmup
@@ -101,6 +105,7 @@ DEFAULTS = dict(
     device='auto',  # 'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:N', 'mps'
     dtype='auto',  # 'auto' (bfloat16 if supported, else float16 on GPUs; float32 on CPU), 'float32', 'bfloat16', 'float16'
     compile=None,  # torch.compile: None = auto (on for CUDA, where it pays for itself); True/False to force
+    activation_checkpointing=False,  # True: recompute each Block in the backward pass (less memory, more compute)
     num_threads=0,  # CPU threads for torch; 0 = auto (time all cores, half, ..., 1; keep the fastest; re-check every 250 iters)
     seed=1337,
 )
@@ -138,6 +143,7 @@ class TrainState:
     loader_state: dict = None  # the training loader before this iteration's batches: a checkpoint resumes there
     batch: tuple = None  # (X, Y) of this iteration's first micro-step
     lap_start: float = 0.0  # time.time() at the end of the previous iteration
+    spike_guard: SpikeGuard = None  # the running loss / grad norm statistics and the count of skipped updates
 
 
 def main(argv=None):
@@ -174,11 +180,11 @@ def train(cfg, dist_info):
                 evaluate(run, state, lr)
             if state.iter_num == 0 and cfg['eval_only']:
                 break
-            step_loss, grad_norm = train_step(run, state)
+            lossf, grad_norm = train_step(run, state)
             dt = lap(state)
             logging_step = state.iter_num % cfg['log_interval'] == 0
             if logging_step:
-                log_iteration(run, state, step_loss, grad_norm, lr, dt)
+                log_iteration(run, state, lossf, grad_norm, lr, dt)
             retune_threads(run, state, dt, evaluating)
             state.iter_num += 1
             state.local_iter_num += 1
@@ -187,6 +193,8 @@ def train(cfg, dist_info):
             if exit_request.should_stop(dist_info):  # every iteration: torchrun kills soon after its signal
                 stop_cleanly(run, state)
                 break
+    except torch.OutOfMemoryError:  # torch.cuda.OutOfMemoryError: one line that says what to change
+        raise out_of_memory_error(state.iter_num, cfg['out_dir'], 'ckpt.pt') from None
     finally:
         exit_request.uninstall()
         run.logger.close()
@@ -211,7 +219,7 @@ def setup(cfg, dist_info):
     raw_model, tokenizer_meta, ckpt = build_model(cfg, dist_info)
     model, optimizer, scaler, thread_retuner, run_provenance = prepare_training(cfg, dist_info, raw_model, dtype, ctx,
                                                                                 compile_model, eval_loaders['train'])
-    state = TrainState()
+    state = TrainState(spike_guard=SpikeGuard(cfg['skip_loss_z'], cfg['skip_grad_z']))
     if cfg['init_from'] == 'resume':
         resume(state, ckpt, optimizer, scaler, train_loader, dist_info)
     logger = MetricsLogger(os.path.join(cfg['out_dir'], 'metrics.jsonl'), enabled=master,
@@ -273,6 +281,7 @@ def prepare_training(cfg, dist_info, raw_model, dtype, ctx, compile_model, tunin
     device_type = device_type_of(dist_info.device)
     fsdp = dist_info.ddp and cfg['parallelism'] == 'fsdp'
     raw_model.set_attention(cfg['attention'])
+    raw_model.set_activation_checkpointing(cfg['activation_checkpointing'])  # on the plain model, before wrapping
     if not fsdp:
         raw_model.to(dist_info.device)  # FSDP moves the model itself, one shard at a time
     scaler = make_grad_scaler(device_type, dtype)
@@ -334,6 +343,8 @@ def resume(state, ckpt, optimizer, scaler, train_loader, dist_info):
     state.iter_num = int(ckpt['iter_num'])
     state.best_val_loss = float(ckpt['best_val_loss'])
     restore_training_state(ckpt, optimizer, scaler, dist_info)
+    if ckpt.get('spike_guard'):  # its running statistics: the guard decides as the uninterrupted run would
+        state.spike_guard.load_state_dict(ckpt['spike_guard'])
     if ckpt.get('loader'):
         train_loader.load_state_dict(ckpt['loader'])
     elif dist_info.master:
@@ -391,8 +402,29 @@ def evaluate(run, state, lr):
 def train_step(run, state):
     """
     One optimizer step over grad_accum micro-batches, starting with state.batch; fetches the batches of the
-    next step as it goes. Returns (this rank's loss for the step, as a tensor: no host sync; grad norm or None).
+    next step as it goes. Returns (the step's loss: the mean over micro-batches and ranks; the grad norm before
+    clipping, or None when it isn't measured), as floats, the same on every rank.
     """
+    cfg = run.cfg
+    step_loss = accumulate_gradients(run, state)
+    grad_norm = unscale_and_clip(run.model, run.optimizer, run.scaler, cfg['grad_clip'], measure=cfg['skip_grad_z'] > 0)
+    # read every iteration, in one all-reduce: the stop on a non-finite loss and the spike guard decide before
+    # the update, and alike on every rank (the grad norm is the same everywhere; averaging it keeps it bitwise so)
+    values = all_reduce_mean([step_loss.item()] + ([float(grad_norm)] if grad_norm is not None else []), run.dist_info)
+    lossf, grad_norm = values[0], (values[1] if grad_norm is not None else None)
+    if not math.isfinite(lossf):
+        fail_everywhere(non_finite_loss(lossf, state.iter_num, cfg['out_dir']), run.dist_info)
+    spike = state.spike_guard.check(lossf, grad_norm) if state.spike_guard.enabled else None
+    if spike is None:
+        take_update(run.optimizer, run.scaler)
+    else:
+        skip_update(run.optimizer, run.scaler)  # the weights and AdamW state stay as they were
+        report_skip(run, state, spike)
+    return lossf, grad_norm
+
+
+def accumulate_gradients(run, state):
+    """ The forward and backward passes of one step's micro-batches; returns this rank's loss (a tensor: no sync). """
     model, loader, n = run.model, run.train_loader, run.grad_accum
     step_loss = torch.zeros((), device=run.dist_info.device)
     for micro_step in range(n):
@@ -408,8 +440,14 @@ def train_step(run, state):
             state.batch = loader.next_batch()
             run.scaler.scale(loss).backward()  # the scaler multiplies float16 losses so small gradients survive
         step_loss += loss.detach()
-    grad_norm = optimizer_step(model, run.optimizer, run.scaler, run.cfg['grad_clip'])
-    return step_loss, grad_norm
+    return step_loss
+
+
+def report_skip(run, state, spike):
+    """ A line (every time) and a metrics record for an update the spike guard skipped (rank 0). """
+    if run.dist_info.master:
+        print(f"iter {state.iter_num}: skipped the update: {spike.describe()}")
+        run.logger.log(dict(spike.record(state.iter_num), skipped_updates=state.spike_guard.skipped))
 
 
 def lap(state):
@@ -419,13 +457,9 @@ def lap(state):
     return dt
 
 
-def log_iteration(run, state, step_loss, grad_norm, lr, dt):
-    """ The `iter N: loss ...` line and metrics record (rank 0), after a finiteness check on every rank. """
+def log_iteration(run, state, lossf, grad_norm, lr, dt):
+    """ The `iter N: loss ...` line and metrics record (rank 0) of the step's loss and grad norm (floats or None). """
     cfg = run.cfg
-    # the mean over all micro-batches and ranks: a collective and a host sync, so only on log steps
-    lossf, = all_reduce_mean([step_loss.item()], run.dist_info)
-    if not math.isfinite(lossf):
-        fail_everywhere(non_finite_loss(lossf, state.iter_num, cfg['out_dir']), run.dist_info)
     if not run.dist_info.master:
         return
     if state.local_iter_num >= 5:  # the first iterations of a process are slow (allocator, caches): not in MFU
@@ -434,7 +468,7 @@ def log_iteration(run, state, step_loss, grad_norm, lr, dt):
         state.running_mfu = mfu if state.running_mfu == -1.0 else 0.9 * state.running_mfu + 0.1 * mfu
     print(f"iter {state.iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {state.running_mfu*100:.2f}%")
     run.logger.log({'type': 'iter', 'iter': state.iter_num, 'loss': lossf, 'lr': lr,
-                    'grad_norm': float(grad_norm) if grad_norm is not None else None,
+                    'grad_norm': grad_norm,
                     'time_ms': dt * 1000, 'tokens_per_sec': run.tokens_per_iter / dt, 'mfu': state.running_mfu})
 
 
@@ -476,7 +510,7 @@ def write_checkpoint(run, state, reason=''):
     def save():
         ckpt = build_checkpoint(run.raw_model, state.iter_num, state.best_val_loss, cfg, run.tokenizer_meta,
                                 run.provenance, model_state=model_state, optimizer=optimizer_state,
-                                loader=state.loader_state, rng=rng_states,
+                                loader=state.loader_state, rng=rng_states, spike_guard=state.spike_guard.state_dict(),
                                 scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None)
         path = os.path.join(cfg['out_dir'], 'ckpt.pt')
         try:

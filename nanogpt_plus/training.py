@@ -1,7 +1,8 @@
 """
 The pieces of a training loop that train.py and finetune.py share: the learning-rate schedule (and
-setting it on the optimizer), the GradScaler, the optimizer step with clipping, RNG state for exact
-resume, graceful SIGINT/SIGTERM, and metrics logging (JSON lines + wandb).
+setting it on the optimizer), the GradScaler, the optimizer step with clipping (in two halves, so the
+spike guard can refuse an update in between), the out-of-memory message, RNG state for exact resume,
+graceful SIGINT/SIGTERM, and metrics logging (JSON lines + wandb).
 
 Usage:
     from nanogpt_plus.training import set_learning_rate, optimizer_step, MetricsLogger, GracefulExit
@@ -78,16 +79,155 @@ def resolve_compile(setting, device_type):
 
 def optimizer_step(model, optimizer, scaler, grad_clip):
     """ Unscale, clip, step, update the scaler and zero the grads; returns the grad norm tensor (or None). """
-    norm = None
+    norm = unscale_and_clip(model, optimizer, scaler, grad_clip)
+    take_update(optimizer, scaler)
+    return norm
+
+
+def unscale_and_clip(model, optimizer, scaler, grad_clip, measure=False):
+    """
+    The first half of an optimizer step: unscale the float16 gradients and clip them to grad_clip. Returns
+    their global norm before clipping (a tensor, the same on every rank), or None when grad_clip is 0 and
+    measure is False. measure=True measures the norm without clipping (the spike guard needs it).
+    """
+    if grad_clip == 0.0 and not measure:
+        return None
+    scaler.unscale_(optimizer)
     if grad_clip != 0.0:
-        scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        if hasattr(norm, 'full_tensor'):  # FSDP: a DTensor; the same total norm on every rank
-            norm = norm.full_tensor()
-    scaler.step(optimizer)  # skips the step if float16 gradients overflowed
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    if hasattr(norm, 'full_tensor'):  # FSDP: a DTensor; the same total norm on every rank
+        norm = norm.full_tensor()
+    return norm
+
+
+def take_update(optimizer, scaler):
+    """ The second half: step (the scaler skips it if float16 gradients overflowed), update the scaler, zero. """
+    scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)  # None, not zeros: the memory is free until the next backward
-    return norm
+
+
+def skip_update(optimizer, scaler):
+    """
+    The second half of a step the spike guard refused: the weights and AdamW state stay exactly as they
+    were, the gradients are dropped. A float16 scaler keeps its scale and growth count (new_scale=its own
+    scale only clears the record of this iteration's unscale_, which the next unscale_ would refuse).
+    """
+    if scaler.is_enabled():
+        scaler.update(new_scale=scaler.get_scale())
+    optimizer.zero_grad(set_to_none=True)
+
+
+# -----------------------------------------------------------------------------
+# the spike guard: skip the updates of outlier steps (llm.c's -sl / -sg)
+
+SPIKE_WINDOW = 128  # the running statistics cover the last 128 steps, as llm.c's OutlierDetector
+
+
+class SpikeGuard:
+    """
+    Skips an update whose loss (or gradient norm) lies more than skip_loss_z (skip_grad_z) standard
+    deviations above the mean of the last SPIKE_WINDOW steps: one bad batch or a numerical blow-up then
+    costs one step instead of the run. 0 turns a check off. As in llm.c, z is undefined (nothing is skipped)
+    until the window is full, every finite value enters the window, skipped or not (so a lasting shift in
+    the loss is soon the new normal), and non-finite values never do (those stop the run elsewhere, or are
+    the float16 GradScaler's to skip). The state is plain lists of floats, for weights_only checkpoints.
+
+        guard = SpikeGuard(skip_loss_z=5.0, skip_grad_z=5.0)
+        spike = guard.check(loss, grad_norm)  # None: take the update; else a Spike to report
+    """
+
+    def __init__(self, skip_loss_z=0.0, skip_grad_z=0.0, window=SPIKE_WINDOW):
+        self.limits = {'loss': float(skip_loss_z), 'grad_norm': float(skip_grad_z)}
+        self.window = window
+        self.history = {'loss': [], 'grad_norm': []}  # the last `window` finite values of each, oldest first
+        self.skipped = 0  # updates skipped so far in the run (a resumed run goes on counting)
+
+    @property
+    def enabled(self):
+        return any(z > 0 for z in self.limits.values())
+
+    def z_score(self, name, value):
+        """ How many standard deviations value lies above the window's mean (None: window not full, or flat). """
+        values = self.history[name]
+        if value is None or not math.isfinite(value) or len(values) < self.window:
+            return None
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+        return (value - mean) / std if std > 0 else None
+
+    def check(self, loss, grad_norm=None):
+        """ Judge one step (grad_norm None: not measured), then add its values to the windows. """
+        values = {'loss': loss, 'grad_norm': grad_norm}
+        stats = {name: (value, self.z_score(name, value), self.mean(name)) for name, value in values.items()}
+        for name, value in values.items():
+            if value is not None and math.isfinite(value):
+                self.history[name] = (self.history[name] + [float(value)])[-self.window:]
+        outliers = [name for name, (_, z, _) in stats.items() if z is not None and 0 < self.limits[name] < z]
+        if not outliers:
+            return None
+        self.skipped += 1
+        return Spike(stats, outliers, self.limits)
+
+    def mean(self, name):
+        values = self.history[name]
+        return sum(values) / len(values) if values else None
+
+    def state_dict(self):
+        return {'loss': list(self.history['loss']), 'grad_norm': list(self.history['grad_norm']),
+                'skipped': self.skipped}
+
+    def load_state_dict(self, state):
+        for name in self.history:
+            self.history[name] = [float(v) for v in state.get(name, [])][-self.window:]
+        self.skipped = int(state.get('skipped', 0))
+
+
+class Spike:
+    """ A step the SpikeGuard refused: {name: (value, z, running mean)} and the names that were too high. """
+
+    def __init__(self, stats, outliers, limits):
+        self.stats, self.outliers, self.limits = stats, outliers, limits
+
+    def describe(self):
+        """ 'loss 4.1234 is 6.2 standard deviations above its running mean 3.1000 (skip_loss_z=5.0)', ... """
+        words = {'loss': ('loss', 'skip_loss_z'), 'grad_norm': ('grad norm', 'skip_grad_z')}
+        parts = []
+        for name in self.outliers:
+            value, z, mean = self.stats[name]
+            label, setting = words[name]
+            parts.append(f"{label} {value:.4f} is {z:.1f} standard deviations above its running mean {mean:.4f} "
+                         f"({setting}={self.limits[name]})")
+        return '; '.join(parts)
+
+    def record(self, iter_num):
+        """ The metrics record of the skip. """
+        (loss, loss_z, _), (grad_norm, grad_z, _) = self.stats['loss'], self.stats['grad_norm']
+        return {'type': 'skip', 'iter': iter_num, 'loss': loss, 'grad_norm': grad_norm, 'loss_z': loss_z,
+                'grad_z': grad_z}
+
+
+def out_of_memory_error(iter_num, out_dir, checkpoint_file, fsdp=True):
+    """
+    The one line a CUDA out-of-memory error in the training loop ends with: what to change so the step fits.
+    Nothing is saved after it (a checkpoint needs memory too, and the step's state is half-done), so the last
+    checkpoint stays as it was.
+    """
+    path = os.path.join(out_dir, checkpoint_file)
+    if os.path.exists(path):
+        kept = f"the last checkpoint, {path}, is kept (nothing was saved after the error)"
+        then = "resume with --init_from=resume"
+    else:
+        kept, then = f"no checkpoint had been saved to {out_dir} yet", "start again"
+    fixes = ["a smaller --batch_size with more --gradient_accumulation_steps (the same tokens per step)",
+             "--activation_checkpointing=True (recompute each Block in the backward pass)"]
+    if fsdp:
+        fixes.append("--parallelism=fsdp under torchrun (shard the weights and optimizer state)")
+    fixes.append("a smaller --block_size")
+    return UserError(f"out of GPU memory at iter {iter_num}; {kept}. To fit, use " + ", ".join(fixes[:-1])
+                     + f" or {fixes[-1]}, then {then}")
 
 
 def fit_block_size(model, block_size):
