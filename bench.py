@@ -5,8 +5,9 @@ nanogpt_plus pieces build them (checkpoint.init_model makes the model, as train.
 
 Simple mode: burn-in steps, then timed steps; prints each step's loss and then
     time per iteration: Xms, MFU: Y%
-plus the median step time, tokens/s and peak memory. MFU is measured against the peak FLOP/s of the
-device actually used (hardware.device_peak_flops; override with NANOGPT_PEAK_FLOPS=<FLOP/s>).
+plus the median step time, tokens/s, and `peak memory: X MiB (what was measured, ...)`. MFU is measured
+against the peak FLOP/s of the device actually used (hardware.device_peak_flops; override with
+NANOGPT_PEAK_FLOPS=<FLOP/s>).
 Profiler mode (--profile=True): a torch.profiler trace in profile_dir (open it in chrome://tracing or
 TensorBoard) and a table of the most expensive ops.
 
@@ -16,6 +17,7 @@ $ python bench.py --device=cpu --dataset=shakespeare_char --block_size=64 --batc
       --n_layer=4 --n_head=4 --n_embd=128                     # nanoGPT's laptop model
 $ python bench.py --real_data=False --compile=True --dtype=bfloat16   # synthetic tokens, compiled
 $ python bench.py --profile=True                              # trace + top ops
+$ python bench.py --activation_checkpointing=True             # the peak memory with the Blocks recomputed
 """
 
 import functools
@@ -51,6 +53,7 @@ DEFAULTS = dict(
     bias=False,
     gelu='none',  # 'none' (exact erf GELU, nanoGPT) or 'tanh' (GPT-2's approximation)
     attention='flash',  # 'flash' (scaled_dot_product_attention) or 'manual'
+    activation_checkpointing=False,  # True: recompute each Block in the backward pass (train.py's setting)
     # optimizer step (train.py's)
     fused=None,  # None = auto (fused AdamW where available); False = PyTorch's default AdamW for the device
     learning_rate=1e-4,
@@ -81,7 +84,11 @@ def synchronize(device):
 
 
 def peak_memory(device):
-    """ (label, bytes): allocator peak on CUDA/MPS, peak resident set size of the process on the CPU. """
+    """
+    (label, bytes): the allocator's peak on CUDA (torch.cuda.max_memory_allocated), the driver's allocation on
+    MPS, the peak resident set size of the whole process on the CPU (ru_maxrss: it can't be reset, so compare
+    configurations in separate bench.py processes).
+    """
     device_type = device_type_of(device)
     if device_type == 'cuda':
         return 'peak CUDA memory allocated', torch.cuda.max_memory_allocated(device)
@@ -109,6 +116,7 @@ def main(argv=None):
                                    seed=cfg['seed'], device=device, dataset=cfg['dataset'])
     model = bench_model(cfg)
     model.set_attention(cfg['attention'])
+    model.set_activation_checkpointing(cfg['activation_checkpointing'])
     model.to(device)
     next_batch = loader.next_batch if loader else random_batches(cfg['batch_size'], cfg['block_size'],
                                                                  model.config.vocab_size, device)
@@ -129,8 +137,13 @@ def main(argv=None):
     if cfg['profile']:
         profile(step, X, Y, cfg['burnin'], cfg['profile_dir'], device_type)
         return
+    if device_type == 'cuda':
+        torch.cuda.reset_peak_memory_stats(device)  # the peak of the training steps (weights, AdamW state included)
     times = time_steps(step, X, Y, cfg['burnin'], cfg['steps'], device)
     report(times, raw_model, cfg['batch_size'], peak_flops, device, dtype, device_threads)
+    mem_label, mem_bytes = peak_memory(device)
+    print(f"peak memory: {mem_bytes / 2**20:,.0f} MiB ({mem_label}, "
+          f"activation_checkpointing={raw_model.activation_checkpointing})")
 
 
 def bench_model(cfg):

@@ -54,8 +54,8 @@ from nanogpt_plus.runtime import (DistInfo, UserError, destroy_distributed, devi
                                   provenance, run_main)
 from nanogpt_plus.tokenizer import load_tokenizer
 from nanogpt_plus.training import (GracefulExit, MetricsLogger, compute_setup, fit_block_size, gather_rng_states,
-                                   make_grad_scaler, optimizer_step, restore_training_state, set_learning_rate,
-                                   tensors_finite)
+                                   make_grad_scaler, optimizer_step, out_of_memory_error, restore_training_state,
+                                   set_learning_rate, tensors_finite)
 
 BEST_CKPT = 'ckpt.pt'  # the best model so far (by val accuracy), with its head: what predictions use
 LAST_CKPT = 'ckpt_last.pt'  # the latest training state, for --init_from=resume
@@ -105,6 +105,7 @@ DEFAULTS = dict(
     device='auto',
     dtype='auto',
     compile=False,
+    activation_checkpointing=False,  # True: recompute each Block in the backward pass (gpt2-large/xl on one GPU)
     seed=1337,
 )
 # -----------------------------------------------------------------------------
@@ -211,6 +212,8 @@ def finetune(cfg, dist_info):
                 save_interrupted(run, state)
             else:
                 end_epoch(run, state)
+    except torch.OutOfMemoryError:  # torch.cuda.OutOfMemoryError: one line that says what to change
+        raise out_of_memory_error(state.iter_num, cfg['out_dir'], LAST_CKPT, fsdp=False) from None
     finally:
         run.exit_request.uninstall()
         run.logger.close()
@@ -321,6 +324,7 @@ def build_finetune_model(cfg, task, gpt, n_classes, resumed):
     if resumed is not None:
         head.load_state_dict(resumed['head'])
     gpt.set_attention(cfg['attention'])
+    gpt.set_activation_checkpointing(cfg['activation_checkpointing'])
     return FinetuneModel(gpt, head, task)
 
 
