@@ -6,10 +6,12 @@ import functools
 import json
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import assert_losses_close, iter_losses, train_args
+from conftest import REPO, assert_losses_close, iter_losses, train_args
 
 import bench
 import train
@@ -247,3 +249,38 @@ def test_out_of_memory_is_one_message_and_keeps_the_checkpoint(dataset, tmp_path
                 '--parallelism=fsdp', '--block_size', '--init_from=resume'):
         assert fix in err[0]
     assert (tmp_path / 'ckpt.pt').read_bytes() == saved
+
+
+# -----------------------------------------------------------------------------
+# on a CUDA GPU (skipped without one): GPT-2 124M's shape
+
+GPT2_SHAPE = ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024']
+
+
+def bench_peak_mib(*settings):
+    """ bench.py's peak memory (MiB) in a process of its own, GPT-2 124M, random tokens, eager, on CUDA. """
+    r = subprocess.run([sys.executable, 'bench.py', '--device=cuda', '--real_data=False', '--compile=False',
+                        '--batch_size=8', '--burnin=1', '--steps=2', *GPT2_SHAPE, *settings],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r"^peak memory: ([\d,]+) MiB \(peak CUDA memory allocated", r.stdout, re.M)
+    return int(m.group(1).replace(',', ''))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_activation_checkpointing_lowers_the_cuda_peak_of_gpt2():
+    plain, recomputed = bench_peak_mib(), bench_peak_mib('--activation_checkpointing=True')
+    # the Blocks' activations at 8 x 1024 tokens are ~2 GiB in bf16; the logits and AdamW state stay either way
+    assert recomputed < plain - 1024, (plain, recomputed)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_real_cuda_out_of_memory_is_one_message(dataset, tmp_path):
+    # 4096 sequences of 1024 tokens through GPT-2 124M's Blocks: hundreds of GiB of activations
+    args = train_args(dataset, tmp_path, device='cuda', batch_size=4096, gradient_accumulation_steps=1,
+                      max_iters=2, eval_interval=100, n_layer=12, n_head=12, n_embd=768, block_size=1024)
+    r = subprocess.run([sys.executable, 'train.py', *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("error: out of GPU memory at iter 0; no checkpoint had been")
