@@ -555,7 +555,7 @@ def stop_cleanly(run, state):
     """ After SIGINT/SIGTERM: save the state of this iteration, so --init_from=resume continues exactly here. """
     write_checkpoint(run, state, reason=f"interrupted at iter {state.iter_num}")
     if run.dist_info.master:
-        print(f"stopped cleanly (exit code 75); continue with --init_from=resume --out_dir={run.cfg['out_dir']}")
+        print(f"stopped cleanly; continue with --init_from=resume --out_dir={run.cfg['out_dir']} (exit code 75)")
 
 
 if __name__ == '__main__':

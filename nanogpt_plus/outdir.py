@@ -208,17 +208,21 @@ def command_line(script, argv, **replace):
     return ' '.join([launcher, script] + [shlex.quote(a) for a in args])
 
 
-def refuse_overwrite(out_dir, checkpoint, script, argv):
-    """ The UserError for a new run that would overwrite checkpoint (a file in out_dir) without --overwrite. """
+def refuse_overwrite(out_dir, checkpoint, script, argv, resumable=True):
+    """
+    The UserError for a new run that would overwrite checkpoint (a file in out_dir) without --overwrite: it
+    gives the commands to continue the earlier run (when it is resumable) or to start over.
+    """
     iter_note = ''
     try:
         with open(os.path.splitext(os.path.join(out_dir, checkpoint))[0] + '.json', encoding='utf-8') as f:
             iter_note = f" (iter {json.load(f)['iter_num']})"
     except (OSError, ValueError, KeyError, TypeError):
         pass  # the sidecar only adds the iteration to the message
+    resume = f"continue it with `{command_line(script, argv, init_from='resume')}`, " if resumable else ""
     return UserError(f"{out_dir} already holds the checkpoint {checkpoint}{iter_note} of an earlier run, which this "
-                     f"run would overwrite; continue it with `{command_line(script, argv, init_from='resume')}` or "
-                     f"start over with `{command_line(script, argv, overwrite=True)}`")
+                     f"run would overwrite; {resume}start over with `{command_line(script, argv, overwrite=True)}`, "
+                     f"or pass another --out_dir")
 
 
 # -----------------------------------------------------------------------------
