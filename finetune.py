@@ -565,7 +565,7 @@ def check_overwrite(cfg, argv):
     """ On rank 0, out_dir locked: a new fine-tune into an out_dir with checkpoints needs --overwrite=True. """
     if cfg['init_from'] == 'resume':
         return
-    held = [name for name in (LAST_CKPT, BEST_CKPT) if os.path.exists(os.path.join(cfg['out_dir'], name))]
+    held = [name for name in (LAST_CKPT, BEST_CKPT) if os.path.isfile(os.path.join(cfg['out_dir'], name))]
     if not held:
         return
     if not cfg['overwrite']:

@@ -246,8 +246,7 @@ def check_overwrite(cfg, argv):
     On rank 0, with out_dir locked: a new run (not a resume) into an out_dir that holds a checkpoint is refused
     with the commands to resume it or to start over, unless --overwrite=True. eval_only runs write no checkpoint.
     """
-    if cfg['init_from'] == 'resume' or cfg['eval_only'] or not os.path.exists(os.path.join(cfg['out_dir'],
-                                                                                         'ckpt.pt')):
+    if cfg['init_from'] == 'resume' or cfg['eval_only'] or not os.path.isfile(os.path.join(cfg['out_dir'], 'ckpt.pt')):
         return
     if not cfg['overwrite']:
         raise refuse_overwrite(cfg['out_dir'], 'ckpt.pt', 'train.py', argv)

@@ -76,6 +76,9 @@ class OutDirLock:
                 return
             except FileExistsError:
                 pass
+            except OSError as e:  # EPERM/ENOTSUP: a file system without hard links (some FUSE and SMB mounts)
+                raise UserError(f"could not create the lock {self.path} ({e.strerror or e}): the file system of "
+                                f"{self.out_dir} has no hard links; pass an --out_dir on a local disk") from None
             if self._take_over(tmp):
                 return
         raise UserError(f"could not take the lock {self.path}: other runs keep changing it; start one run at a time")
