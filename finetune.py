@@ -22,8 +22,9 @@ $ python finetune.py ... --init_from=scratch --dataset=shakespeare_char   # no p
 With DDP (each rank gets its DistributedSampler share of every global batch):
 $ torchrun --standalone --nproc_per_node=2 finetune.py ... --device=cpu
 
-Resume an interrupted fine-tune (Ctrl-C saves out_dir/ckpt_last.pt):
+Resume an interrupted fine-tune (Ctrl-C or SIGTERM saves out_dir/ckpt_last.pt and exits with code 75):
 $ python finetune.py ... --out_dir=out-ft --init_from=resume
+A new fine-tune into an out_dir that holds one is refused unless --overwrite=True; one run at a time per out_dir.
 
 Predict labels for unlabelled JSONL with a fine-tuned model (or after training, with the best model):
 $ python finetune.py --init_from=out-ft --predict_file=test.jsonl --predict_out=predictions.jsonl
@@ -49,9 +50,10 @@ from nanogpt_plus.checkpoint import checkpoint_path, init_model, load_checkpoint
 from nanogpt_plus.finetuning import (TASKS, FinetuneModel, TaskData, TaskHead, add_special_tokens, configure_optimizers,
                                      evaluate, finetune_checkpoint, head_outputs, load_task_data, make_batch,
                                      model_from_finetune_checkpoint, write_predictions)
+from nanogpt_plus.outdir import claim_out_dir, refuse_overwrite
 from nanogpt_plus.parallel import accumulation_per_rank, all_reduce_sum, grad_sync_context, wrap_model
-from nanogpt_plus.runtime import (DistInfo, UserError, destroy_distributed, device_type_of, init_distributed, precision,
-                                  provenance, run_main)
+from nanogpt_plus.runtime import (DistInfo, Interrupted, UserError, destroy_distributed, device_type_of,
+                                  init_distributed, precision, provenance, run_main)
 from nanogpt_plus.tokenizer import load_tokenizer
 from nanogpt_plus.training import (GracefulExit, MetricsLogger, compute_setup, fit_block_size, gather_rng_states,
                                    make_grad_scaler, optimizer_step, out_of_memory_error, restore_training_state,
@@ -67,6 +69,7 @@ DEFAULTS = dict(
     task='',  # classification | entailment | similarity | multiple_choice ('' = the checkpoint's, when predicting)
     init_from='scratch',  # a train.py out_dir or ckpt.pt, 'resume' (out_dir/ckpt_last.pt), gpt2*, an HF dir, 'scratch'
     out_dir='out-finetune',
+    overwrite=False,  # True: a new fine-tune may replace the checkpoints already in out_dir (else it is refused)
     train_file='',  # JSONL with labels
     val_file='',  # JSONL with labels; accuracy after every epoch picks the checkpoint kept in out_dir/ckpt.pt
     predict_file='',  # JSONL without (or with ignored) labels: write predictions of the best model
@@ -262,6 +265,7 @@ def setup(cfg, dist_info):
     logger = MetricsLogger(os.path.join(cfg['out_dir'], 'metrics.jsonl'), enabled=dist_info.master,
                            wandb_log=cfg['wandb_log'], wandb_project=cfg['wandb_project'],
                            wandb_run_name=cfg['wandb_run_name'], config=cfg, wandb_dir=cfg['out_dir'])
+    logger.start(state.iter_num, cfg['init_from'])
     run = FinetuneRun(cfg=cfg, dist_info=dist_info, task=task, raw_model=raw_model, model=model, optimizer=optimizer,
                       scaler=scaler, ctx=ctx, data=data, special=special, tokenizer=tokenizer,
                       tokenizer_meta=tokenizer_meta, source_name=source_name, provenance=run_provenance,
@@ -519,7 +523,7 @@ def save_interrupted(run, state):
     """ A signal stopped the epoch: save the training state to resume from (no evaluation). """
     save_last(run, state, f"interrupted at epoch {state.epoch}, step {state.step_in_epoch}")
     if run.master:
-        print(f"stopped cleanly; continue with --init_from=resume --out_dir={run.cfg['out_dir']}")
+        print(f"stopped cleanly; continue with --init_from=resume --out_dir={run.cfg['out_dir']} (exit code 75)")
 
 
 def finish(run, state):
@@ -561,8 +565,22 @@ def predict_only(cfg, dist_info):
                       cfg['predict_file'], out_path)
 
 
+def check_overwrite(cfg, argv):
+    """ On rank 0, out_dir locked: a new fine-tune into an out_dir with checkpoints needs --overwrite=True. """
+    if cfg['init_from'] == 'resume':
+        return
+    held = [name for name in (LAST_CKPT, BEST_CKPT) if os.path.isfile(os.path.join(cfg['out_dir'], name))]
+    if not held:
+        return
+    if not cfg['overwrite']:
+        raise refuse_overwrite(cfg['out_dir'], held[0], 'finetune.py', argv, resumable=LAST_CKPT in held)
+    print(f"overwrite=True: the earlier fine-tune's checkpoints in {cfg['out_dir']} stay until this one's first "
+          f"saves replace them")
+
+
 def main():
-    cfg = configure(DEFAULTS, doc=__doc__)
+    argv = sys.argv[1:]
+    cfg = configure(DEFAULTS, argv, doc=__doc__)
     if cfg['task'] and cfg['task'] not in TASKS:
         raise UserError(f"unknown task '{cfg['task']}': use {', '.join(TASKS)}")
     if cfg['init_from'] == 'resume' and not os.path.exists(os.path.join(cfg['out_dir'], LAST_CKPT)):
@@ -573,7 +591,11 @@ def main():
         if not cfg['train_file'] and cfg['predict_file']:
             predict_only(cfg, dist_info)
         else:
-            finetune(cfg, dist_info)
+            # rank 0 holds out_dir/run.lock for the whole fine-tune (released however it ends)
+            with claim_out_dir(cfg['out_dir'], dist_info, prepare=lambda: check_overwrite(cfg, argv)):
+                result = finetune(cfg, dist_info)
+            if result['interrupted']:
+                raise Interrupted()  # ckpt_last.pt saved, resumable: exit code 75
     finally:
         destroy_distributed()
 

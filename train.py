@@ -23,6 +23,7 @@ $ torchrun --nproc_per_node=8 --nnodes=2 --node_rank=1 --master_addr=10.0.0.1 --
 
 Continue a run that stopped (Ctrl-C, preemption, crash) from its last checkpoint, bitwise as if it hadn't:
 $ python train.py config/train_shakespeare_char.py --init_from=resume
+A run stopped by SIGTERM/SIGINT saves first and exits with code 75 ("interrupted, resumable"); a finished one 0.
 
 How it is built: setup() makes a Run (model, optimizer, data, logger: fixed for the whole run) and a
 TrainState (what changes every iteration); train() is then the loop over the named steps below it.
@@ -31,7 +32,6 @@ TrainState (what changes every iteration); train() is then the loop over the nam
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -42,11 +42,11 @@ from configurator import configure
 from model import GPT, GPT2_NAMES
 from nanogpt_plus.checkpoint import build_checkpoint, checkpoint_path, init_model, is_hf_dir, save_checkpoint
 from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
-from nanogpt_plus.files import atomic_write
+from nanogpt_plus.outdir import claim_out_dir, keep_checkpoint_as, refuse_overwrite, snapshot_checkpoint
 from nanogpt_plus.parallel import (accumulation_per_rank, all_reduce_mean, all_reduce_sum, full_state_dicts,
                                    grad_sync_context, local_param_count, local_parameters, wrap_model)
-from nanogpt_plus.runtime import (UserError, destroy_distributed, device_type_of, fail_everywhere, init_distributed,
-                                  master_decides, provenance, run_main)
+from nanogpt_plus.runtime import (Interrupted, UserError, destroy_distributed, device_type_of, fail_everywhere,
+                                  init_distributed, master_decides, provenance, run_main)
 from nanogpt_plus.threads import ThreadRetuner, describe_thread_choice, tune_cpu_threads
 from nanogpt_plus.tokenizer import read_dataset_meta
 from nanogpt_plus.training import (GracefulExit, MetricsLogger, SpikeGuard, compute_setup, fit_block_size,
@@ -63,6 +63,9 @@ DEFAULTS = dict(
     eval_iters=200,
     eval_only=False,  # True: evaluate once at iteration 0, then exit
     always_save_checkpoint=True,  # True: save at every evaluation; False: only when the val loss improved
+    checkpoint_interval=0,  # save the training state every N iterations; 0 = at each evaluation, as above
+    keep_checkpoints=0,  # K > 0: also keep the last K saves as ckpt_<iter>.pt beside ckpt.pt; 0 = ckpt.pt only
+    overwrite=False,  # True: a new run may replace the checkpoint already in out_dir (else it is refused)
     # 'scratch', 'resume' (out_dir/ckpt.pt), 'gpt2*', a local Hugging Face GPT-2 directory, or a ckpt.pt / a
     # training out_dir (its weights, training from iter 0 like GPT-2's)
     init_from='scratch',
@@ -147,12 +150,17 @@ class TrainState:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     check_settings(cfg)
     dist_info = init_distributed(cfg['device'], cfg['backend'])  # torchrun's ranks, or a single process
-    train(cfg, dist_info)
+    # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run ends)
+    with claim_out_dir(cfg['out_dir'], dist_info, prepare=lambda: check_overwrite(cfg, argv)):
+        finished = train(cfg, dist_info)
     # not in a `finally`: a rank that failed must not enter teardown collectives (run_main exits it at once)
     destroy_distributed()
+    if not finished:
+        raise Interrupted()  # saved and resumable: exit code 75
 
 
 def check_settings(cfg):
@@ -168,7 +176,10 @@ def check_settings(cfg):
 
 
 def train(cfg, dist_info):
-    """ Train from init_from until iteration max_iters (or a signal), checkpointing into out_dir. """
+    """
+    Train from init_from until iteration max_iters (or a signal), checkpointing into out_dir. Returns True
+    when the run is complete (its final checkpoint saved), False when a signal stopped it (saved too).
+    """
     run, state = setup(cfg, dist_info)
     exit_request = GracefulExit().install()
     try:
@@ -176,10 +187,11 @@ def train(cfg, dist_info):
             lr = set_learning_rate(run.optimizer, state.iter_num, cfg['learning_rate'], cfg['warmup_iters'],
                                    cfg['lr_decay_iters'], cfg['min_lr'], cfg['decay_lr'])
             evaluating = state.iter_num % cfg['eval_interval'] == 0
-            if evaluating:
-                evaluate(run, state, lr)
+            saved = evaluate(run, state, lr) if evaluating else False
             if state.iter_num == 0 and cfg['eval_only']:
-                break
+                return True
+            if checkpoint_due(cfg, state) and not saved:
+                write_checkpoint(run, state)
             lossf, grad_norm = train_step(run, state)
             dt = lap(state)
             logging_step = state.iter_num % cfg['log_interval'] == 0
@@ -189,10 +201,12 @@ def train(cfg, dist_info):
             state.iter_num += 1
             state.local_iter_num += 1
             if state.iter_num > cfg['max_iters']:
-                break
+                # the steps since the last save are not thrown away: iter_num = max_iters + 1, the steps done
+                write_checkpoint(run, state, reason=f"final, iter {state.iter_num}")
+                return True
             if exit_request.should_stop(dist_info):  # every iteration: torchrun kills soon after its signal
                 stop_cleanly(run, state)
-                break
+                return False
     except torch.OutOfMemoryError:  # torch.cuda.OutOfMemoryError: one line that says what to change
         raise out_of_memory_error(state.iter_num, cfg['out_dir'], 'ckpt.pt') from None
     finally:
@@ -211,7 +225,6 @@ def setup(cfg, dist_info):
     tokens_per_iter = grad_accum * dist_info.world_size * cfg['batch_size'] * cfg['block_size']
     if master:
         print(f"tokens per iteration will be: {tokens_per_iter:,}")
-        os.makedirs(cfg['out_dir'], exist_ok=True)
     torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank, data does not (see dataloader)
     dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg['dtype'], cfg['compile'], cfg['num_threads'],
                                                           peak=master)  # only rank 0 reports MFU
@@ -225,6 +238,7 @@ def setup(cfg, dist_info):
     logger = MetricsLogger(os.path.join(cfg['out_dir'], 'metrics.jsonl'), enabled=master,
                            wandb_log=cfg['wandb_log'], wandb_project=cfg['wandb_project'],
                            wandb_run_name=cfg['wandb_run_name'], config=cfg, wandb_dir=cfg['out_dir'])
+    logger.start(state.iter_num, cfg['init_from'])
     state.loader_state = train_loader.state_dict()
     state.batch = train_loader.next_batch()
     state.lap_start = time.time()
@@ -233,6 +247,19 @@ def setup(cfg, dist_info):
               tokenizer_meta=tokenizer_meta, provenance=run_provenance, grad_accum=grad_accum,
               tokens_per_iter=tokens_per_iter, peak_flops=peak_flops, thread_retuner=thread_retuner)
     return run, state
+
+
+def check_overwrite(cfg, argv):
+    """
+    On rank 0, with out_dir locked: a new run (not a resume) into an out_dir that holds a checkpoint is refused
+    with the commands to resume it or to start over, unless --overwrite=True. eval_only runs write no checkpoint.
+    """
+    if cfg['init_from'] == 'resume' or cfg['eval_only'] or not os.path.isfile(os.path.join(cfg['out_dir'], 'ckpt.pt')):
+        return
+    if not cfg['overwrite']:
+        raise refuse_overwrite(cfg['out_dir'], 'ckpt.pt', 'train.py', argv)
+    print(f"overwrite=True: the earlier run's checkpoint in {cfg['out_dir']} stays until this run's first save "
+          f"replaces it")
 
 
 def make_loaders(cfg, dist_info):
@@ -383,7 +410,11 @@ def estimate_loss(model, loaders, eval_iters, ctx, dist_info):
 
 
 def evaluate(run, state, lr):
-    """ Print and log both splits' losses; checkpoint when the val loss improved (or always_save_checkpoint). """
+    """
+    Print and log both splits' losses, then checkpoint: with always_save_checkpoint, at every evaluation
+    (unless checkpoint_interval sets the saves); without, whenever the val loss improved (the best model).
+    Returns whether it saved.
+    """
     cfg = run.cfg
     losses = estimate_loss(run.model, run.eval_loaders, cfg['eval_iters'], run.ctx, run.dist_info)
     if run.dist_info.master:
@@ -395,8 +426,15 @@ def evaluate(run, state, lr):
     improved = losses['val'] < state.best_val_loss
     if improved:
         state.best_val_loss = losses['val']
-    if (improved or cfg['always_save_checkpoint']) and state.iter_num > 0:  # iteration 0 has nothing new to save
+    if state.iter_num == 0:
+        return False  # iteration 0 has nothing new to save
+    if not cfg['always_save_checkpoint'] and improved:
+        write_checkpoint(run, state, best=True)
+        return True
+    if cfg['always_save_checkpoint'] and cfg['checkpoint_interval'] == 0:
         write_checkpoint(run, state)
+        return True
+    return False
 
 
 def train_step(run, state):
@@ -490,10 +528,11 @@ def non_finite_loss(value, iter_num, out_dir):
 # -----------------------------------------------------------------------------
 # checkpoints
 
-def write_checkpoint(run, state, reason=''):
+def write_checkpoint(run, state, reason='', best=False):
     """
     out_dir/ckpt.pt, written by rank 0; every rank calls this (RNG states and FSDP shards are gathered), and
     every rank raises when the weights are not finite or rank 0 could not write (so none waits for the others).
+    best=True: the best model so far (always_save_checkpoint=False), also kept as ckpt_best.pt.
     """
     cfg, dist_info = run.cfg, run.dist_info
     # each rank checks the weights it holds (its shards under FSDP) and the verdicts are summed: one decision
@@ -514,25 +553,42 @@ def write_checkpoint(run, state, reason=''):
                                 scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None)
         path = os.path.join(cfg['out_dir'], 'ckpt.pt')
         try:
-            if reason and not cfg['always_save_checkpoint'] and os.path.exists(path):
-                # ckpt.pt holds the best model so far; keep it before the interrupted state takes its place
-                best_path = os.path.join(cfg['out_dir'], 'ckpt_best.pt')
-                with open(path, 'rb') as best:
-                    atomic_write(best_path, lambda f: shutil.copyfileobj(best, f))
-                print(f"kept the best checkpoint so far as {best_path}")
+            if not cfg['always_save_checkpoint'] and not best:
+                keep_best(cfg['out_dir'])
             print(f"saving checkpoint to {cfg['out_dir']}" + (f" ({reason})" if reason else ""))
             save_checkpoint(ckpt, path)
+            if best and not cfg['always_save_checkpoint']:
+                keep_checkpoint_as(path, os.path.join(cfg['out_dir'], 'ckpt_best.pt'))
+            if cfg['keep_checkpoints'] > 0:
+                snapshot_checkpoint(cfg['out_dir'], state.iter_num, cfg['keep_checkpoints'])
         except OSError as e:  # full disk, permissions, a directory in the way: the user's to fix
             raise UserError(f"could not write the checkpoint {path} ({e.strerror or e}); make room or fix "
                             f"--out_dir, then resume from the last checkpoint with --init_from=resume") from None
     master_decides(dist_info, save)  # rank 0 saves; all ranks learn whether it worked
 
 
+def keep_best(out_dir):
+    """
+    Before a save that is not the best model (a checkpoint_interval save, an interrupted or final one) replaces
+    ckpt.pt in always_save_checkpoint=False mode: ckpt.pt is the best model unless ckpt_best.pt already has it.
+    """
+    path, best_path = os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, 'ckpt_best.pt')
+    if os.path.exists(path) and not os.path.exists(best_path):
+        keep_checkpoint_as(path, best_path)
+        print(f"kept the best checkpoint so far as {best_path}")
+
+
+def checkpoint_due(cfg, state):
+    """ checkpoint_interval=N: save the state after every N steps (not where this process began: nothing new). """
+    n = cfg['checkpoint_interval']
+    return n > 0 and state.iter_num % n == 0 and state.local_iter_num > 0
+
+
 def stop_cleanly(run, state):
     """ After SIGINT/SIGTERM: save the state of this iteration, so --init_from=resume continues exactly here. """
     write_checkpoint(run, state, reason=f"interrupted at iter {state.iter_num}")
     if run.dist_info.master:
-        print(f"stopped cleanly; continue with --init_from=resume --out_dir={run.cfg['out_dir']}")
+        print(f"stopped cleanly; continue with --init_from=resume --out_dir={run.cfg['out_dir']} (exit code 75)")
 
 
 if __name__ == '__main__':

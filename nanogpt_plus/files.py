@@ -89,11 +89,29 @@ def atomic_write(path, write_fn, binary=True):
 def remove_stale_temps(final):
     """ Delete the temp files an earlier run killed mid-write left for final (their process no longer exists). """
     directory, name = os.path.split(final)
-    for tmp in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.tmp.*")):
+    _remove_stale(glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.tmp.*")))
+
+
+def remove_stale_temps_in(directory):
+    """
+    Delete every temp file of a dead process in directory (a kill -9 mid-save leaves a full-size
+    .ckpt.pt.tmp.<pid>); returns their names. For a directory only one run writes to (its out_dir, locked).
+    """
+    return _remove_stale(glob.glob(os.path.join(glob.escape(directory), ".*.tmp.*")))
+
+
+def _remove_stale(temps):
+    removed = []
+    for tmp in temps:
         pid = tmp.rsplit(".", 1)[-1]
         # a live pid may be another run writing the same output right now: leave its file alone
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            os.remove(tmp)
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                continue  # another process removed it first
+            removed.append(os.path.basename(tmp))
+    return removed
 
 
 def _pid_alive(pid):

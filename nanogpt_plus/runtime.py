@@ -24,6 +24,16 @@ class UserError(Exception):
     """ Something the user can fix (missing data, bad checkpoint, bad option); the message says how. """
 
 
+# the exit code of a run stopped cleanly by SIGTERM/SIGINT after saving its checkpoint: sysexits.h's
+# EX_TEMPFAIL ("temporary failure, retry"), so a scheduler can tell "interrupted, resume me" from done (0),
+# a user error (2), a crash (1) and a second Ctrl-C (130)
+EXIT_INTERRUPTED = 75
+
+
+class Interrupted(Exception):
+    """ A signal stopped the run and its state is saved; run_main exits EXIT_INTERRUPTED without a traceback. """
+
+
 class PeerFailed(Exception):
     """
     Rank 0 failed at something all ranks depend on (a checkpoint it alone writes) and prints why itself; the
@@ -37,7 +47,8 @@ class PeerFailed(Exception):
 
 def run_main(main):
     """
-    Run a script's main(): errors the user can fix print as one line ('error: ...') and exit code 2.
+    Run a script's main(): errors the user can fix print as one line ('error: ...') and exit code 2; a clean
+    stop after a signal (Interrupted) exits EXIT_INTERRUPTED (75), a second Ctrl-C 130.
     Under torchrun a failing rank exits at once (os._exit, no interpreter shutdown), so it never waits in
     teardown while its peers sit in a collective: they see it gone (gloo: 'Connection closed by peer') or
     torchrun stops them, and the whole job ends with the one message of the rank that failed.
@@ -48,6 +59,8 @@ def run_main(main):
         main()
     except PeerFailed as e:
         _exit(e.code)
+    except Interrupted:
+        _exit(EXIT_INTERRUPTED)  # the script has said how to resume
     except (UserError, ConfigError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         _exit(2)

@@ -2,7 +2,7 @@
 The pieces of a training loop that train.py and finetune.py share: the learning-rate schedule (and
 setting it on the optimizer), the GradScaler, the optimizer step with clipping (in two halves, so the
 spike guard can refuse an update in between), the out-of-memory message, RNG state for exact resume,
-graceful SIGINT/SIGTERM, and metrics logging (JSON lines + wandb).
+graceful SIGINT/SIGTERM, and metrics logging (JSON lines + wandb) and reading them back.
 
 Usage:
     from nanogpt_plus.training import set_learning_rate, optimizer_step, MetricsLogger, GracefulExit
@@ -16,6 +16,7 @@ import random
 import signal
 import sys
 import time
+from datetime import datetime
 
 import numpy as np
 import torch
@@ -373,6 +374,10 @@ class MetricsLogger:
     One JSON object per line in out_dir/metrics.jsonl (always, on the master rank) and, when asked, the
     same numbers to wandb. A wandb that can't start (not installed, not logged in, offline without
     WANDB_MODE=offline) is a warning, not a crash.
+
+    Every start of a run into the out_dir is a new 'run' (1, 2, ... counted from the file): each record
+    carries its number, and start() writes a {'type': 'start', 'run', 'iter', ...} record first, so a
+    resumed run's repeated iterations can be told from the ones they replace (read_metrics).
     """
 
     def __init__(self, path, enabled=True, wandb_log=False, wandb_project=None, wandb_run_name=None,
@@ -381,10 +386,14 @@ class MetricsLogger:
         self.path = path
         self.wandb = None
         self.t_start = time.time()
+        self.run = None
         if not enabled:
             return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.run = last_run_number(path) + 1
         self.file = open(path, 'a', encoding='utf-8')
+        if self.file.tell() and not _ends_with_newline(path):
+            self.file.write("\n")  # a run killed mid-line left half a record: ours start on a line of their own
         if wandb_log:
             try:
                 import wandb
@@ -394,16 +403,20 @@ class MetricsLogger:
                 print(f"warning: wandb could not start ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
                       f"continuing without it (set WANDB_MODE=offline to log locally)", file=sys.stderr)
 
+    def start(self, iter_num, init_from):
+        """ The record that opens this run: where it starts (a resume: the checkpoint's iteration) and from what. """
+        self.log({'type': 'start', 'iter': iter_num, 'init_from': init_from,
+                  'time': datetime.now().astimezone().isoformat(timespec='seconds')})
+
     def log(self, record):
         if not self.enabled:
             return
-        record = dict(record, wall_time=round(time.time() - self.t_start, 3))
+        record = dict(record, run=self.run, wall_time=round(time.time() - self.t_start, 3))
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.wandb is not None:
-            step = record.get('iter')
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != 'iter'},
-                           step=step)
+        if self.wandb is not None and record.get('type') != 'start':
+            numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ('iter', 'run')}
+            self.wandb.log(numbers, step=record.get('iter'))
 
     def close(self):
         if not self.enabled:
@@ -411,3 +424,48 @@ class MetricsLogger:
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def last_run_number(path):
+    """ The highest 'run' of the start records in a metrics file (0 for none, or no file). """
+    last = 0
+    for record in _metrics_records(path):
+        if record.get('type') == 'start':
+            last = max(last, int(record.get('run') or 0))
+    return last
+
+
+def read_metrics(path):
+    """
+    The records of a metrics.jsonl that make up the run's true trajectory, in order: a later run's records
+    replace an earlier run's at iterations from its start on (a resume from iter 1000 drops the first run's
+    records past 1000; a new run from iter 0 into the same out_dir drops all of them). Its 'start' records
+    stay. Records of files from before the 'run' marks pass as they are.
+    """
+    kept = []
+    for record in _metrics_records(path):
+        if record.get('type') == 'start':
+            start = record.get('iter', 0)
+            kept = [r for r in kept if r.get('type') == 'start' or r.get('iter', -1) < start]
+        kept.append(record)
+    return kept
+
+
+def _metrics_records(path):
+    """ The JSON objects of a metrics file, skipping lines a killed run left unfinished; none for no file. """
+    if not os.path.exists(path):
+        return
+    with open(path, encoding='utf-8', errors='replace') as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # half a line: the process was killed while writing it
+            if isinstance(record, dict):
+                yield record
+
+
+def _ends_with_newline(path):
+    with open(path, 'rb') as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"

@@ -10,25 +10,27 @@ $ python scripts/plot_metrics.py --out_dir=out --output=loss.png
 import os
 
 from configurator import configure
-from nanogpt_plus.files import read_jsonl
-from nanogpt_plus.runtime import run_main
+from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.training import read_metrics
 
 DEFAULTS = dict(out_dir='out', output='')
 
 
-def read_metrics(path):
-    """ (iteration records, eval records); a resumed run logs some iterations twice: the last one wins. """
-    iters, evals = {}, {}
-    for _, rec in read_jsonl(path, ('iter',), missing_hint="train.py writes one (metrics.jsonl) into its out_dir"):
-        (evals if rec.get('type') == 'eval' else iters)[rec['iter']] = rec
-    return [iters[k] for k in sorted(iters)], [evals[k] for k in sorted(evals)]
+def iterations_and_evaluations(path):
+    """ (iteration records, eval records) of the run's true trajectory (a resume's replace what it repeats). """
+    if not os.path.isfile(path):
+        raise UserError(f"no metrics file at {path}; train.py writes one (metrics.jsonl) into its out_dir")
+    records = read_metrics(path)
+    iters = [r for r in records if r.get('type') == 'iter']
+    evals = [r for r in records if r.get('type') == 'eval']
+    return iters, evals
 
 
 def plot(metrics_path, png_path):
     import matplotlib
     matplotlib.use('Agg')  # no display needed
     import matplotlib.pyplot as plt
-    iters, evals = read_metrics(metrics_path)
+    iters, evals = iterations_and_evaluations(metrics_path)
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={'height_ratios': [3, 1]})
     if iters:
         ax_loss.plot([r['iter'] for r in iters], [r['loss'] for r in iters], lw=0.8, alpha=0.6, label='train (per iter)')

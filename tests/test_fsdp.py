@@ -50,7 +50,7 @@ def test_fsdp_equals_ddp_halves_memory_and_checkpoints_resume(dataset, tmp_path)
     # the checkpoint is a plain nanoGPT one: full tensors, AdamW's own state-dict format (integer keys)
     ck_ddp = load_checkpoint(str(tmp_path / "ddp" / "ckpt.pt"))
     ck = load_checkpoint(str(tmp_path / "fsdp" / "ckpt.pt"))
-    assert ck["iter_num"] == 3 and ck["config"]["parallelism"] == "fsdp"
+    assert ck["iter_num"] == 4 and ck["config"]["parallelism"] == "fsdp"  # the final save: 4 steps done
     model = model_from_checkpoint(ck)  # loads strictly: every key, every full shape
     assert model.lm_head.weight is model.transformer.wte.weight
     assert ck["model"]["lm_head.weight"].data_ptr() == ck["model"]["transformer.wte.weight"].data_ptr()
@@ -63,16 +63,16 @@ def test_fsdp_equals_ddp_halves_memory_and_checkpoints_resume(dataset, tmp_path)
     for i, name in enumerate(names):
         assert type(opt["state"][i]["exp_avg"]) is torch.Tensor
         assert opt["state"][i]["exp_avg"].shape == ref[name].shape, name
-    # the same state a DDP run has after 3 iterations (the DDP run's checkpoint is from iteration 6)
+    # the same state a DDP run has after 4 steps (the DDP run's final checkpoint is after 7)
     assert {k: v.shape for k, v in ck["model"].items()} == {k: v.shape for k, v in ck_ddp["model"].items()}
 
     # resume the FSDP checkpoint under FSDP (optimizer state re-sharded) and in one process with 4 micro-steps:
     # both continue exactly where the uninterrupted DDP run went
     shutil.copytree(tmp_path / "fsdp", tmp_path / "single")
     resumed = train(args(dataset, tmp_path / "fsdp", parallelism="fsdp", init_from="resume"))
-    assert_losses_close(ddp_losses, iter_losses(resumed), range(3, 7))
+    assert_losses_close(ddp_losses, iter_losses(resumed), range(4, 7))
     single = train(args(dataset, tmp_path / "single", init_from="resume", num_threads=1), nproc=1)
-    assert_losses_close(ddp_losses, iter_losses(single), range(3, 7))
+    assert_losses_close(ddp_losses, iter_losses(single), range(4, 7))
     final = load_checkpoint(str(tmp_path / "fsdp" / "ckpt.pt"))
     for k, v in ck_ddp["model"].items():
         torch.testing.assert_close(final["model"][k], v, atol=3e-4, rtol=1e-3)  # Adam amplifies fp noise

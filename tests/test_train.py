@@ -18,7 +18,7 @@ import train
 from model import GPT, NANOGPT_MODEL_ARGS, GPTConfig
 from nanogpt_plus import checkpoint as checkpoint_mod
 from nanogpt_plus.checkpoint import load_checkpoint, save_checkpoint
-from nanogpt_plus.runtime import UserError
+from nanogpt_plus.runtime import EXIT_INTERRUPTED, UserError
 
 tiny_args = functools.partial(train_args, dropout=0.1, num_threads=1)  # fixed threads: bitwise runs
 
@@ -62,23 +62,23 @@ def test_checkpoint_is_nanogpt_compatible_and_weights_only(dataset, tmp_path, ca
         assert key in ckpt
     assert tuple(sorted(ckpt["model_args"])) == tuple(sorted(NANOGPT_MODEL_ARGS))
     assert not any(k.startswith("_orig_mod.") or k.startswith("module.") for k in ckpt["model"])
-    assert ckpt["iter_num"] == 12 and ckpt["config"]["dataset"] == dataset
+    assert ckpt["iter_num"] == 13 and ckpt["config"]["dataset"] == dataset  # the final save: 13 steps done
     assert ckpt["tokenizer"]["kind"] == "char" and ckpt["tokenizer"]["vocab_size"] == VOCAB
     # what nanoGPT's sample.py does with it: GPTConfig(**model_args), strip prefixes, load_state_dict
     model = GPT(GPTConfig(**ckpt["model_args"]))
     model.load_state_dict(ckpt["model"])
     summary = json.load(open(tmp_path / "ckpt.json"))
-    assert summary["iter_num"] == 12 and summary["model_args"]["n_layer"] == 2
+    assert summary["iter_num"] == 13 and summary["model_args"]["n_layer"] == 2
 
 
 def test_resume_is_exact(dataset, tmp_path, capsys):
-    """ Interrupted at a checkpoint and resumed: the same iteration losses, bitwise (CPU, fp32, eager). """
+    """ Stopped at its final checkpoint and resumed further: the same iteration losses, bitwise (CPU, fp32, eager). """
     full = run_train(capsys, tiny_args(dataset, tmp_path / "full", max_iters=12))
     part1 = run_train(capsys, tiny_args(dataset, tmp_path / "split", max_iters=6))
     part2 = run_train(capsys, tiny_args(dataset, tmp_path / "split", max_iters=12, init_from="resume"))
     reference = iter_losses(full)
-    resumed = {**iter_losses(part1), **iter_losses(part2)}  # resume restarts at iter 6 (the checkpoint)
-    assert min(iter_losses(part2)) == 6
+    resumed = {**iter_losses(part1), **iter_losses(part2)}  # the final checkpoint holds 7 steps: resumes at 7
+    assert min(iter_losses(part2)) == 7
     assert resumed == reference
     assert eval_losses(part2)[-1] == eval_losses(full)[-1]
 
@@ -136,9 +136,9 @@ def test_nan_loss_stops_without_overwriting(dataset, tmp_path, capsys, monkeypat
     monkeypatch.setattr(GPT, "forward", poisoned_forward)
     with pytest.raises(UserError, match=r"loss is nan at iter \d+; stopping without saving"):
         train.main(tiny_args(dataset, tmp_path, max_iters=12, init_from="resume"))
-    # the last good checkpoint (iter 6, re-saved on resume) is still there and finite
+    # the last good checkpoint (the first run's final one, after 7 steps) is still there and finite
     ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
-    assert ckpt["iter_num"] == 6
+    assert ckpt["iter_num"] == 7
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
 
 
@@ -178,15 +178,17 @@ def test_init_from_exported_char_model_keeps_its_tokenizer(dataset, tmp_path, ca
 
 def test_init_from_a_training_out_dir_starts_at_iter_0_from_its_weights(dataset, tmp_path, capsys):
     """ init_from=<a train.py out_dir>: its weights and tokenizer, but a new run (iteration 0, new optimizer). """
-    first = run_train(capsys, tiny_args(dataset, tmp_path / "first", max_iters=6))
+    run_train(capsys, tiny_args(dataset, tmp_path / "first", max_iters=6))
     second = run_train(capsys, tiny_args(dataset, tmp_path / "second", init_from=str(tmp_path / "first"),
                                          max_iters=3, eval_interval=3))
     assert f"Initializing from the weights in {tmp_path / 'first' / 'ckpt.pt'} (training starts at iter 0)" in second
     assert min(iter_losses(second)) == 0 and "Resuming training" not in second
-    # the same weights evaluated on the same fixed batches: the losses of the first run's last evaluation
-    assert eval_losses(second)[0][1:] == eval_losses(first)[-1][1:]
+    # the same weights evaluated on the same fixed batches: those of the first run's final checkpoint (after 7
+    # steps), which a resume of it evaluates at iter 7
+    final = run_train(capsys, tiny_args(dataset, tmp_path / "first", init_from="resume", max_iters=7, eval_interval=7))
+    assert eval_losses(final)[0][0] == 7 and eval_losses(second)[0][1:] == eval_losses(final)[0][1:]
     source, ckpt = (load_checkpoint(str(tmp_path / d / "ckpt.pt")) for d in ("first", "second"))
-    assert ckpt["iter_num"] == 3 and ckpt["tokenizer"] == source["tokenizer"]
+    assert ckpt["iter_num"] == 4 and ckpt["tokenizer"] == source["tokenizer"]
     assert ckpt["model_args"] == source["model_args"]
 
 
@@ -247,7 +249,7 @@ def test_sigint_saves_and_resumes(dataset, tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     seen += out
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.returncode == EXIT_INTERRUPTED == 75, err[-2000:]  # "interrupted, resumable" for a scheduler
     assert "finishing this iteration" in err
     m = re.search(r"saving checkpoint to .* \(interrupted at iter (\d+)\)", seen)
     assert m, seen[-2000:]

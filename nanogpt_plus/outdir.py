@@ -1,0 +1,276 @@
+"""
+Owning an out_dir for the length of a run: a lock file, so that two runs never write into one out_dir at
+once, and the refusal to start a new run over the checkpoint of an earlier one.
+
+The lock is out_dir/run.lock, a JSON line (pid, host, start time, command line). The process that owns it
+also holds an flock on it, which the kernel drops when the process dies in any way (SIGKILL, OOM killer,
+power cut aside), so a lock whose flock can be taken belongs to a run that is gone. A run:
+  1. writes its lock into a temp file and flocks it, then publishes it with os.link (atomic, fails when a
+     run.lock exists): of two runs starting at the same moment exactly one links, the other finds the
+     winner's complete, flocked file and is refused;
+  2. finding a run.lock whose flock it can take (its holder is dead) renames its own file over it while
+     holding that flock: a second run trying the same takeover can't get the dead file's flock meanwhile,
+     and once it does, the name no longer points at that file, so it starts again from 1 (and is refused).
+A lock written on another host can't be proven dead from here (flock is not shared over every network
+file system): such a run is refused and told to delete the file if the other run is gone.
+
+Also here: the extra copies of a checkpoint in an out_dir (ckpt_best.pt, the ckpt_<iter>.pt snapshots that
+keep_checkpoints retains), made as hard links to the complete ckpt.pt: no space and no time.
+
+Usage:
+    from nanogpt_plus.outdir import claim_out_dir
+    with claim_out_dir('out', dist_info):   # rank 0 holds out/run.lock until the block ends, however it ends
+        ...
+    snapshot_checkpoint('out', iter_num=2000, keep=3)  # out/ckpt.pt also as ckpt_2000.pt; older ones pruned
+"""
+
+import fcntl
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import sys
+from contextlib import contextmanager
+from datetime import datetime
+
+from nanogpt_plus.files import remove_stale_temps_in, temp_path
+from nanogpt_plus.runtime import UserError, master_decides
+
+LOCK_NAME = 'run.lock'
+SNAPSHOT = re.compile(r'^ckpt_(\d+)\.pt$')  # ckpt_<iter>.pt
+
+
+class OutDirLock:
+    """ out_dir/run.lock while the run lives: acquire() takes it (or raises UserError), release() frees it. """
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+        self.path = os.path.join(out_dir, LOCK_NAME)
+        self.fd = None  # our lock file, flocked, while we hold it
+
+    def acquire(self):
+        make_out_dir(self.out_dir)
+        tmp = temp_path(self.path)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            flock_new_file(fd, self.out_dir)
+            os.write(fd, (json.dumps(lock_record()) + "\n").encode())
+            os.fsync(fd)
+            self._publish(tmp)
+        except BaseException:
+            os.close(fd)
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        self.fd = fd
+        return self
+
+    def _publish(self, tmp):
+        """ Make tmp (ours, flocked) the run.lock: a new one, or over the lock of a dead run. """
+        for _ in range(100):  # each retry means another run changed run.lock meanwhile; it can't go on for long
+            try:
+                os.link(tmp, self.path)  # atomic, and fails when a run.lock exists
+                os.remove(tmp)
+                return
+            except FileExistsError:
+                pass
+            except OSError as e:  # EPERM/ENOTSUP: a file system without hard links (some FUSE and SMB mounts)
+                raise UserError(f"could not create the lock {self.path} ({e.strerror or e}): the file system of "
+                                f"{self.out_dir} has no hard links; pass an --out_dir on a local disk") from None
+            if self._take_over(tmp):
+                return
+        raise UserError(f"could not take the lock {self.path}: other runs keep changing it; start one run at a time")
+
+    def _take_over(self, tmp):
+        """ True once tmp replaced a dead run's lock; False to start again (run.lock changed or vanished). """
+        try:
+            old = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False  # its owner just released it: link again
+        try:
+            if not self._flock_same_file(old):
+                return False
+            holder = read_holder(old)
+            if holder.get('host', socket.gethostname()) != socket.gethostname():
+                raise UserError(f"{self.path} says a run on {holder.get('host')} (pid {holder.get('pid')}, started "
+                                f"{holder.get('started')}) uses {self.out_dir}; this machine can't tell whether it "
+                                f"still runs: if it has ended, delete {self.path} and start again")
+            os.rename(tmp, self.path)  # while we hold the dead file's flock: no other run can take it meanwhile
+            print(f"warning: took over the lock {self.path} of a run that ended without releasing it "
+                  f"(pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')})",
+                  file=sys.stderr)
+            return True
+        finally:
+            os.close(old)
+
+    def _flock_same_file(self, fd):
+        """ Take fd's flock; True when we have it and run.lock still names fd's file. Refuses a live holder. """
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not self._names(fd):
+                return False  # replaced under us by a run that took it over: look again
+            holder = read_holder(fd)
+            raise UserError(f"{self.out_dir} is in use by another run (pid {holder.get('pid')} on "
+                            f"{holder.get('host')}, started {holder.get('started')}; lock {self.path}); wait for it "
+                            f"to end, stop it, or pass another --out_dir") from None
+        return self._names(fd)
+
+    def _names(self, fd):
+        """ Whether run.lock is (still) the file open as fd. """
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        own = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+    def release(self):
+        """ Remove run.lock (only if it is still ours) and drop the flock. """
+        if self.fd is None:
+            return
+        try:
+            if self._names(self.fd):  # no one else can have replaced it while we hold its flock
+                os.remove(self.path)
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+
+def flock_new_file(fd, out_dir):
+    """ flock a file only we know yet (it never blocks); some network file systems have no locks at all. """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        raise UserError(f"the file system of {out_dir} does not support file locks ({e.strerror or e}); "
+                        f"pass an --out_dir on a local disk") from None
+
+
+def make_out_dir(out_dir):
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"out_dir {out_dir} is a file, not a directory; pass another --out_dir")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"could not create out_dir {out_dir} ({e.strerror or e}); pass another --out_dir") from None
+
+
+def lock_record():
+    return {'pid': os.getpid(), 'host': socket.gethostname(),
+            'started': datetime.now().astimezone().isoformat(timespec='seconds'),
+            'command': ' '.join(shlex.quote(a) for a in sys.argv)}
+
+
+def read_holder(fd):
+    """ The JSON record of the lock file open as fd ({} when it can't be read). """
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        record = json.loads(os.read(fd, 65536).decode() or '{}')
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+@contextmanager
+def claim_out_dir(out_dir, dist_info, prepare=None):
+    """
+    Hold out_dir's lock on rank 0 for the body of the with-block, released however it ends. Then (still on
+    rank 0) remove the temp files dead processes left there and run prepare() (e.g. the overwrite check).
+    Every rank learns whether rank 0 succeeded (master_decides), so a refused run ends on all of them.
+    """
+    lock = OutDirLock(out_dir)
+
+    def claim():
+        lock.acquire()
+        try:
+            removed = remove_stale_temps_in(out_dir)
+            if removed:
+                print(f"removed {len(removed)} temp file(s) that killed runs left in {out_dir}: {', '.join(removed)}")
+            if prepare is not None:
+                prepare()
+        except BaseException:
+            lock.release()
+            raise
+    master_decides(dist_info, claim)
+    try:
+        yield lock
+    finally:
+        lock.release()
+
+
+def command_line(script, argv, **replace):
+    """
+    The command that ran this script with argv, --key=value settings of replace put in (replacing any the
+    user gave), for messages that say what to type: command_line('train.py', argv, init_from='resume').
+    """
+    keep = [a for a in argv if not any(a.startswith(f'--{k}=') for k in replace)]
+    args = keep + [f'--{k}={v}' for k, v in replace.items()]
+    launcher = 'torchrun ...' if 'LOCAL_RANK' in os.environ else 'python'
+    return ' '.join([launcher, script] + [shlex.quote(a) for a in args])
+
+
+def refuse_overwrite(out_dir, checkpoint, script, argv, resumable=True):
+    """
+    The UserError for a new run that would overwrite checkpoint (a file in out_dir) without --overwrite: it
+    gives the commands to continue the earlier run (when it is resumable) or to start over.
+    """
+    iter_note = ''
+    try:
+        with open(os.path.splitext(os.path.join(out_dir, checkpoint))[0] + '.json', encoding='utf-8') as f:
+            iter_note = f" (iter {json.load(f)['iter_num']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # the sidecar only adds the iteration to the message
+    resume = f"continue it with `{command_line(script, argv, init_from='resume')}`, " if resumable else ""
+    return UserError(f"{out_dir} already holds the checkpoint {checkpoint}{iter_note} of an earlier run, which this "
+                     f"run would overwrite; {resume}start over with `{command_line(script, argv, overwrite=True)}`, "
+                     f"or pass another --out_dir")
+
+
+# -----------------------------------------------------------------------------
+# extra copies of the checkpoint
+
+def keep_checkpoint_as(path, new_path):
+    """ new_path (and its .json sidecar) becomes the complete checkpoint at path, atomically. """
+    _keep_file_as(path, new_path)
+    sidecar = os.path.splitext(path)[0] + '.json'
+    if os.path.exists(sidecar):
+        _keep_file_as(sidecar, os.path.splitext(new_path)[0] + '.json')
+
+
+def _keep_file_as(path, new_path):
+    # a hard link to the file (the next save renames a new file over path, so the link keeps this one);
+    # a copy where the file system has no links
+    tmp = temp_path(new_path)
+    try:
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, new_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def snapshot_checkpoint(out_dir, iter_num, keep):
+    """
+    After out_dir/ckpt.pt of iteration iter_num is complete: keep it as ckpt_<iter_num>.pt too, then delete
+    the snapshots other than the `keep` newest up to iter_num (larger iterations belong to a run that was
+    overwritten, or resumed from before them). Returns the deleted names.
+    """
+    keep_checkpoint_as(os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, f'ckpt_{iter_num}.pt'))
+    iters = sorted(int(m.group(1)) for m in map(SNAPSHOT.match, os.listdir(out_dir)) if m)
+    kept = set([i for i in iters if i <= iter_num][-keep:])
+    deleted = []
+    for i in iters:
+        if i in kept:
+            continue
+        for name in (f'ckpt_{i}.pt', f'ckpt_{i}.json'):
+            try:
+                os.remove(os.path.join(out_dir, name))
+                deleted.append(name)
+            except FileNotFoundError:
+                pass
+    return deleted
