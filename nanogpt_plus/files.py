@@ -198,5 +198,5 @@ def _utf8_line(raw, path, lineno):
     try:
         return raw.decode('utf-8')
     except UnicodeDecodeError as e:
-        raise UserError(f"{path} line {lineno} is not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+        raise UserError(f"{path} line {lineno} is not UTF-8 text (byte {raw[e.start]:#04x} at position {e.start + 1}); "
                         f"save the file as UTF-8") from None

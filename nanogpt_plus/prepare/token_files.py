@@ -43,8 +43,11 @@ def to_uint16(ids):
 
 
 def write_tokens(path, ids):
-    """ A whole (small) split at once: ids -> uint16 -> path (nanoGPT's tofile). """
-    to_uint16(ids).tofile(path)
+    """ A whole (small) split at once: ids -> uint16 -> path (nanoGPT's tofile format). """
+    # through a Python file, not ndarray.tofile: on a full disk tofile says only how many bytes it wrote, this
+    # raises the OS's own error (ENOSPC, EFBIG, ...), which atomic_outputs reports
+    with open(path, "wb") as f:
+        f.write(np.ascontiguousarray(to_uint16(ids)).data)
 
 
 def write_token_batches(path, total, batches, desc=None, num_batches=None):
