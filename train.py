@@ -201,7 +201,17 @@ def check_resume(cfg, ckpt, path):
         raise UserError(f"{path} is not a train.py training checkpoint ({what}: a finetune.py out_dir or a "
                         f"weights-only file?); to train on its weights from iter 0 use --init_from={path} with "
                         f"another --out_dir")
-    saved = model_config_from_checkpoint(ckpt)
+    adopt_architecture(cfg, model_config_from_checkpoint(ckpt), path)
+    # the loop trains iteration max_iters too and then stops, so the final checkpoint of a finished run has
+    # iter_num = max_iters + 1; one at iter_num == max_iters still has that last step to run
+    if int(ckpt['iter_num']) > cfg['max_iters']:
+        raise UserError(f"the run in {cfg['out_dir']} is already complete: its checkpoint is at iter "
+                        f"{int(ckpt['iter_num'])}, past max_iters={cfg['max_iters']}; to train further, resume with "
+                        f"a larger --max_iters (and --lr_decay_iters to match)")
+
+
+def adopt_architecture(cfg, saved, path):
+    """ cfg's architecture settings become the checkpoint's (GPTConfig saved); one the user gave must agree. """
     given = getattr(cfg, 'given', cfg.keys())  # a plain dict (a test's): every setting counts as chosen
     for key in ARCHITECTURE:
         if key in given and cfg[key] != getattr(saved, key):
@@ -209,12 +219,6 @@ def check_resume(cfg, ckpt, path):
                             f"a resumed run keeps the checkpoint's architecture: drop --{key} (or change it in the "
                             f"config file), or start a new run in another --out_dir")
         cfg[key] = getattr(saved, key)
-    # the loop trains iteration max_iters too and then stops, so the final checkpoint of a finished run has
-    # iter_num = max_iters + 1; one at iter_num == max_iters still has that last step to run
-    if int(ckpt['iter_num']) > cfg['max_iters']:
-        raise UserError(f"the run in {cfg['out_dir']} is already complete: its checkpoint is at iter "
-                        f"{int(ckpt['iter_num'])}, past max_iters={cfg['max_iters']}; to train further, resume with "
-                        f"a larger --max_iters (and --lr_decay_iters to match)")
 
 
 def train(cfg, dist_info):

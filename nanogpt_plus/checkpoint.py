@@ -69,17 +69,20 @@ def _torch_save(obj, f):
 
 
 def _load_error(path, error):
-    """ The one line for a file torch.load refused: a pickled Python object (unsafe), else corrupt. """
+    """
+    The one line for a file torch.load refused: a pickled Python object (unsafe), else corrupt. Never torch's
+    own text around it, which advises loading with weights_only=False, i.e. running the file's code.
+    """
     text = str(error)
-    if 'Weights only load failed' in text:
-        # torch names the global it refused: 'Unsupported global: GLOBAL x.y' or 'unsupported GLOBAL x.y whose ...'
-        found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", text, re.IGNORECASE)
-        what = f"a pickled Python object ({found.group(1)})" if found else "pickled Python code or objects"
-        return UserError(f"checkpoint {path} holds {what} that loading could run as code; this project loads "
-                         f"only tensors and plain values. Use a checkpoint written by this project, or re-save "
-                         f"the file's tensors with torch.save in a trusted session")
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()] or ['']
-    return UserError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {lines[0][:200]}); "
+    # torch names the global it refused: 'Unsupported global: GLOBAL x.y' or 'unsupported GLOBAL x.y whose ...'
+    found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", text, re.IGNORECASE)
+    if found:
+        return UserError(f"checkpoint {path} holds a pickled Python object ({found.group(1)}) that loading could "
+                         f"run as code; this project loads only tensors and plain values. Use a checkpoint written "
+                         f"by this project, or re-save the file's tensors with torch.save in a trusted session")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and 'weights_only' not in ln]
+    detail = next((ln for ln in lines if not ln.startswith(('Please file', 'Check the documentation'))), '')
+    return UserError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail[:200]}); "
                      f"use another checkpoint")
 
 

@@ -294,6 +294,19 @@ def test_full_disk_while_preparing_a_dataset(tmp_path):
     assert sorted(os.listdir(out)) == ["meta.json", "meta.pkl", "train.bin", "val.bin"]
 
 
+def test_full_disk_is_found_before_a_large_split_is_memory_mapped(tmp_path, monkeypatch):
+    from nanogpt_plus.files import atomic_outputs
+    from nanogpt_plus.prepare.token_files import write_token_batches
+
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", no_space)  # as on a full disk: an error, not a SIGBUS later
+    with pytest.raises(WriteFailed, match=r"could not write .*train.bin \(No space left on device\); no "):
+        with atomic_outputs(str(tmp_path)) as out:
+            write_token_batches(out.path("train.bin"), 10, iter([np.arange(10)]))
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_failed_write_is_a_user_error_and_an_oserror(tmp_path):
     def full(f):
         raise OSError(28, "No space left on device")
