@@ -82,7 +82,8 @@ def _load_error(path, error):
                          f"by this project, or re-save the file's tensors with torch.save in a trusted session")
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and 'weights_only' not in ln]
     detail = next((ln for ln in lines if not ln.startswith(('Please file', 'Check the documentation'))), '')
-    return UserError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail[:200]}); "
+    detail = detail.split('. ')[0].rstrip('.')[:200]  # its first sentence: what failed, not torch's guesses why
+    return UserError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail}); "
                      f"use another checkpoint")
 
 

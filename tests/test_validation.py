@@ -248,6 +248,9 @@ def test_unsafe_checkpoint_is_explained_in_our_words(tmp_path):
     assert "holds a pickled Python object (numpy" in message and "multiarray.scalar" in message
     assert "only tensors and plain values" in message and "written by this project" in message
     assert "weights_only" not in message and "\n" not in message
+    path.write_bytes(path.read_bytes()[:200])  # truncated: a clear one-liner of its own
+    with pytest.raises(UserError, match=r"ckpt.pt is corrupt or truncated \(\w+: [^\n]*\); use another checkpoint$"):
+        load_checkpoint(str(path))
 
 
 # -----------------------------------------------------------------------------
