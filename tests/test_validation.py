@@ -96,9 +96,11 @@ def test_bad_setting_exits_2_before_any_work(tmp_path, capsys):
 
 
 def test_defaults_pass_and_settings_know_what_was_given(tmp_path):
-    cfg = train_settings("--batch_size=4", f"--out_dir={tmp_path}")
+    config_file = tmp_path / "c.py"
+    config_file.write_text("n_layer = 12  # the default's value, but chosen\n")
+    cfg = train_settings(str(config_file), "--batch_size=4", f"--out_dir={tmp_path}")
     train.check_settings(cfg)  # nanoGPT's defaults are all valid
-    assert isinstance(cfg, Settings) and cfg.given == {"batch_size", "out_dir"}
+    assert isinstance(cfg, Settings) and cfg.given == {"n_layer", "batch_size", "out_dir"}
     assert type(dict(cfg)) is dict and dict(cfg)["batch_size"] == 4  # what checkpoints save: a plain dict
 
 
