@@ -34,7 +34,9 @@ from nanogpt_plus.checkpoint import init_model, scratch_model
 from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
 from nanogpt_plus.hardware import cpu_peak
 from nanogpt_plus.parallel import wrap_model
-from nanogpt_plus.runtime import UserError, device_type_of, provenance, resolve_device, run_main
+from nanogpt_plus.runtime import device_type_of, provenance, resolve_device, run_main
+from nanogpt_plus.settings import (check_choice, check_model_shape, check_non_negative, check_not_empty, check_positive,
+                                   check_range, check_system)
 from nanogpt_plus.threads import describe_thread_choice, tune_cpu_threads
 from nanogpt_plus.training import compute_setup, make_grad_scaler, optimizer_step
 
@@ -98,12 +100,23 @@ def peak_memory(device):
     return 'peak process RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+def check_settings(cfg):
+    """ Every setting, before anything is built: train.py's rules for the model, data and step, plus the timing. """
+    check_not_empty(cfg, 'dataset', 'profile_dir')
+    check_positive(cfg, 'batch_size', 'block_size', 'steps')
+    check_non_negative(cfg, 'burnin', 'weight_decay', 'seed')
+    check_range(cfg, 'learning_rate', low=0.0, low_open=True)
+    check_range(cfg, 'grad_clip', low=0.0)  # 0 turns clipping off
+    check_model_shape(cfg)
+    check_system(cfg)
+    check_choice(cfg, 'fused', (None, True, False))
+
+
 def main(argv=None):
     cfg = configure(DEFAULTS, argv, doc=__doc__)
+    check_settings(cfg)
     device = resolve_device(cfg['device'])
     device_type = device_type_of(device)
-    if cfg['steps'] < 1 or cfg['burnin'] < 0:
-        raise UserError("steps must be >= 1 and burnin >= 0")
     torch.manual_seed(cfg['seed'])
     device_threads = torch.get_num_threads()  # the CPU's peak is for these (every core by default)
     dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg['dtype'], cfg['compile'], cfg['num_threads'])
@@ -115,6 +128,8 @@ def main(argv=None):
         loader = TokenWindowLoader(os.path.join(data_dir, 'train.bin'), cfg['batch_size'], cfg['block_size'],
                                    seed=cfg['seed'], device=device, dataset=cfg['dataset'])
     model = bench_model(cfg)
+    if loader is not None:
+        loader.check_vocab(model.config.vocab_size)  # an id the model has no embedding for: one line
     model.set_attention(cfg['attention'])
     model.set_activation_checkpointing(cfg['activation_checkpointing'])
     model.to(device)

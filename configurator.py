@@ -7,11 +7,14 @@ $ python train.py config/train_shakespeare_char.py --device=cpu --max_iters=200
 A config file is plain Python whose top-level assignments override the defaults; then each --key=value
 overrides again (values parsed with ast.literal_eval, else kept as strings). Unlike nanoGPT, nothing is
 exec'd into the caller's globals, an unknown key or a value of the wrong type is an error that names it,
-and errors end in one sentence and exit code 2 instead of a traceback.
+and errors end in one sentence and exit code 2 instead of a traceback. The result is a dict of every setting
+whose `given` attribute says which ones a config file or the command line set (a resumed run keeps the
+checkpoint's architecture for the rest).
 
 Usage:
     from configurator import configure
     config = configure({'batch_size': 12, 'out_dir': 'out'}, doc=__doc__)   # reads sys.argv[1:]
+    'batch_size' in config.given                                               # set by the user?
 """
 
 import ast
@@ -23,6 +26,17 @@ import types
 
 class ConfigError(Exception):
     """ A bad config file or command-line argument; the message says which and what to do. """
+
+
+class Settings(dict):
+    """
+    The settings of a run: a plain dict (dict(settings) and saving it give one) plus `given`, the frozenset
+    of keys a config file or a --key=value set, so a script can tell a choice from a default.
+    """
+
+    def __init__(self, values, given=()):
+        super().__init__(values)
+        self.given = frozenset(given)
 
 
 def _closest(key, valid):
@@ -54,9 +68,23 @@ def _read_config_file(path):
         exec(compile(source, path, "exec"), namespace)
     except SyntaxError as e:
         raise ConfigError(f"config file {path} has a syntax error on line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # NameError, ImportError, ZeroDivisionError, ...: the file's own code failed
+        raise ConfigError(f"config file {path} failed on line {_failing_line(e, path)} "
+                          f"({type(e).__name__}: {e}); fix that line") from None
     # keep plain settings; skip imports, helpers and dunders
     return source, {k: v for k, v in namespace.items()
                     if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
+
+
+def _failing_line(error, path):
+    """ The line of the config file where error was raised (the deepest frame in that file), or '?'. """
+    line = "?"
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == path:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
 
 
 def _parse_value(text, default):
@@ -75,8 +103,8 @@ def _parse_value(text, default):
 
 
 def parse_config(defaults, argv):
-    """ defaults overridden by argv (config files and --key=value, in order); raises ConfigError. """
-    config = dict(defaults)
+    """ defaults overridden by argv (config files and --key=value, in order) as Settings; raises ConfigError. """
+    config, given = dict(defaults), set()
     for arg in argv:
         if not arg.startswith("--"):
             # anything without the leading -- names a config file
@@ -87,6 +115,7 @@ def parse_config(defaults, argv):
                 if key not in defaults:
                     raise ConfigError(f"unknown setting '{key}' in {arg}{_closest(key, defaults)}")
                 config[key] = _check_type(key, value, defaults[key], arg)
+                given.add(key)
             continue
         if "=" not in arg:
             raise ConfigError(f"malformed argument '{arg}': use --key=value")
@@ -94,8 +123,9 @@ def parse_config(defaults, argv):
         if key not in defaults:
             raise ConfigError(f"unknown setting '{key}'{_closest(key, defaults)}")
         config[key] = _check_type(key, _parse_value(text, defaults[key]), defaults[key], f"--{key}")
+        given.add(key)
         print(f"Overriding: {key} = {config[key]!r}")
-    return config
+    return Settings(config, given)
 
 
 def format_settings(defaults):

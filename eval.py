@@ -29,6 +29,7 @@ from nanogpt_plus.checkpoint import describe_source, init_model
 from nanogpt_plus.evaluation import TASKS, evaluate
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.runtime import UserError, destroy_distributed, init_distributed, precision, provenance, run_main
+from nanogpt_plus.settings import check_non_negative, check_not_empty, check_positive, check_system
 
 # the scoring is nanogpt_plus/evaluation.py's (one implementation, which other code calls in-process too);
 # this script reads the settings, loads the model, and prints or writes the result
@@ -50,13 +51,21 @@ DEFAULTS = dict(
 )
 
 
-def main():
-    cfg = configure(DEFAULTS, doc=__doc__)
-    # the mistakes that need no model: reported before one is loaded
+def check_settings(cfg):
+    """ The mistakes that need no model, reported before one is loaded (stride vs block_size: once it is). """
+    check_not_empty(cfg, 'init_from', 'out_dir', 'split')
+    check_positive(cfg, 'batch_size')
+    check_non_negative(cfg, 'stride', 'max_examples', 'seed')
+    check_system(cfg)
     if cfg['task'] not in TASKS:
         raise UserError(f"unknown task '{cfg['task']}'; use one of: {', '.join(TASKS)}")
     if cfg['data_file'] and not os.path.exists(cfg['data_file']):
         raise UserError(f"no data file at {cfg['data_file']}; pass --data_file=PATH to an existing file")
+
+
+def main():
+    cfg = configure(DEFAULTS, doc=__doc__)
+    check_settings(cfg)
     dist_info = init_distributed(cfg['device'])
     try:
         torch.manual_seed(cfg['seed'])

@@ -54,6 +54,8 @@ from nanogpt_plus.outdir import claim_out_dir, refuse_overwrite
 from nanogpt_plus.parallel import accumulation_per_rank, all_reduce_sum, grad_sync_context, wrap_model
 from nanogpt_plus.runtime import (DistInfo, Interrupted, UserError, destroy_distributed, device_type_of,
                                   init_distributed, precision, provenance, run_main)
+from nanogpt_plus.settings import (check_model_shape, check_non_negative, check_not_empty, check_positive, check_range,
+                                   check_system)
 from nanogpt_plus.tokenizer import load_tokenizer
 from nanogpt_plus.training import (GracefulExit, MetricsLogger, compute_setup, fit_block_size, gather_rng_states,
                                    make_grad_scaler, optimizer_step, out_of_memory_error, restore_training_state,
@@ -565,6 +567,25 @@ def predict_only(cfg, dist_info):
                       cfg['predict_file'], out_path)
 
 
+def check_settings(cfg):
+    """ Every setting, before any work: ranges and choices (see nanogpt_plus/settings.py), then the files. """
+    check_not_empty(cfg, 'out_dir', 'init_from')
+    check_positive(cfg, 'epochs', 'batch_size', 'gradient_accumulation_steps', 'log_interval')
+    check_non_negative(cfg, 'block_size', 'eval_batch_size', 'lm_loss_weight', 'weight_decay', 'min_lr', 'seed')
+    check_range(cfg, 'learning_rate', low=0.0, low_open=True)
+    check_range(cfg, 'grad_clip', low=0.0)  # 0 turns clipping off
+    check_range(cfg, 'warmup_frac', low=0.0, high=1.0)
+    for beta in ('beta1', 'beta2'):
+        check_range(cfg, beta, low=0.0, high=1.0, high_open=True)
+    check_model_shape(cfg)
+    check_system(cfg)
+    if cfg['task'] and cfg['task'] not in TASKS:
+        raise UserError(f"unknown task '{cfg['task']}': use {', '.join(TASKS)}")
+    if cfg['init_from'] == 'resume' and not os.path.exists(os.path.join(cfg['out_dir'], LAST_CKPT)):
+        raise UserError(f"init_from=resume but there is no {os.path.join(cfg['out_dir'], LAST_CKPT)}; check "
+                        f"--out_dir or start a new fine-tune with --init_from=<pretrained model>")
+
+
 def check_overwrite(cfg, argv):
     """ On rank 0, out_dir locked: a new fine-tune into an out_dir with checkpoints needs --overwrite=True. """
     if cfg['init_from'] == 'resume':
@@ -581,11 +602,7 @@ def check_overwrite(cfg, argv):
 def main():
     argv = sys.argv[1:]
     cfg = configure(DEFAULTS, argv, doc=__doc__)
-    if cfg['task'] and cfg['task'] not in TASKS:
-        raise UserError(f"unknown task '{cfg['task']}': use {', '.join(TASKS)}")
-    if cfg['init_from'] == 'resume' and not os.path.exists(os.path.join(cfg['out_dir'], LAST_CKPT)):
-        raise UserError(f"init_from=resume but there is no {os.path.join(cfg['out_dir'], LAST_CKPT)}; check "
-                        f"--out_dir or start a new fine-tune with --init_from=<pretrained model>")
+    check_settings(cfg)
     dist_info = init_distributed(cfg['device'], cfg['backend'])
     try:
         if not cfg['train_file'] and cfg['predict_file']:

@@ -41,6 +41,8 @@ from configurator import configure
 from nanogpt_plus.checkpoint import describe_source, init_model
 from nanogpt_plus.engine import MODES, check_sampling_args, generate_stream
 from nanogpt_plus.runtime import UserError, precision, resolve_device, run_main
+from nanogpt_plus.settings import (ATTENTIONS, check_choice, check_non_negative, check_not_empty, check_positive,
+                                   check_system)
 from nanogpt_plus.tokenizer import TokenizerError, load_tokenizer
 
 SEPARATOR = '---------------'
@@ -118,19 +120,24 @@ class StreamDecoder:
         return self.utf8.decode(b'', final=True) if self.utf8 is not None else ''
 
 
+def check_settings(config):
+    """ Every setting, before a model is loaded: counts, the sampling knobs, the choices. """
+    check_not_empty(config, 'init_from', 'out_dir')
+    check_positive(config, 'num_samples')
+    check_non_negative(config, 'max_new_tokens', 'seed')
+    check_choice(config, 'mode', MODES)
+    check_choice(config, 'attention', ATTENTIONS)
+    check_system(config)
+    try:  # temperature >= 0 (0 = greedy), top_k >= 1 or None, 0 < top_p <= 1: the engine's own rules
+        check_sampling_args(config['temperature'], config['top_k'], config['top_p'])
+    except (ValueError, TypeError) as e:
+        raise UserError(str(e)) from None
+
+
 def main():
     config = configure(DEFAULTS, doc=__doc__)
-    if config['mode'] not in MODES:
-        raise UserError(f"mode must be one of {', '.join(MODES)}, got {config['mode']!r}")
-    if config['num_samples'] < 1 or config['max_new_tokens'] < 0:
-        raise UserError("num_samples must be >= 1 and max_new_tokens >= 0")
+    check_settings(config)
     top_p = config['top_p']
-    try:
-        check_sampling_args(config['temperature'], config['top_k'], top_p)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if config['attention'] not in ('flash', 'manual'):
-        raise UserError(f"attention must be 'flash' or 'manual', got {config['attention']!r}")
 
     device = resolve_device(config['device'])
     dtype, ctx = precision(device, config['dtype'])

@@ -40,13 +40,17 @@ import torch
 
 from configurator import configure
 from model import GPT, GPT2_NAMES
-from nanogpt_plus.checkpoint import build_checkpoint, checkpoint_path, init_model, is_hf_dir, save_checkpoint
+from nanogpt_plus.checkpoint import (build_checkpoint, check_dataset_tokenizer, checkpoint_path, describe_source,
+                                     init_model, is_hf_dir, load_checkpoint, model_config_from_checkpoint,
+                                     save_checkpoint, tokenizer_known)
 from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
 from nanogpt_plus.outdir import claim_out_dir, keep_checkpoint_as, refuse_overwrite, snapshot_checkpoint
 from nanogpt_plus.parallel import (accumulation_per_rank, all_reduce_mean, all_reduce_sum, full_state_dicts,
                                    grad_sync_context, local_param_count, local_parameters, wrap_model)
 from nanogpt_plus.runtime import (Interrupted, UserError, destroy_distributed, device_type_of, fail_everywhere,
                                   init_distributed, master_decides, provenance, run_main)
+from nanogpt_plus.settings import (check_choice, check_flag, check_model_shape, check_non_negative, check_not_empty,
+                                   check_positive, check_range, check_system)
 from nanogpt_plus.threads import ThreadRetuner, describe_thread_choice, tune_cpu_threads
 from nanogpt_plus.tokenizer import read_dataset_meta
 from nanogpt_plus.training import (GracefulExit, MetricsLogger, SpikeGuard, compute_setup, fit_block_size,
@@ -164,15 +168,71 @@ def main(argv=None):
 
 
 def check_settings(cfg):
-    """ The mistakes in the settings that would otherwise surface deep inside the run. """
-    if cfg['compile'] not in (None, True, False):
-        raise UserError(f"compile must be True, False or None (auto), got {cfg['compile']!r}")
-    if cfg['parallelism'] not in ('ddp', 'fsdp'):
-        raise UserError(f"parallelism must be 'ddp' or 'fsdp', got {cfg['parallelism']!r}")
-    resume_path = checkpoint_path('resume', cfg['out_dir'])
-    if cfg['init_from'] == 'resume' and not os.path.exists(resume_path):
-        raise UserError(f"init_from=resume but there is no checkpoint at {resume_path}; "
-                        f"check --out_dir or start with --init_from=scratch")
+    """
+    Every setting, before any work: the ranges, the choices, and the combinations that would otherwise
+    surface deep inside the run (or, worse, not at all: a negative grad_clip trains uphill, zero accumulation
+    steps never update). The checks against a resumed checkpoint are check_resume's, once it is read.
+    """
+    check_not_empty(cfg, 'out_dir', 'dataset', 'init_from')
+    check_positive(cfg, 'batch_size', 'block_size', 'gradient_accumulation_steps', 'eval_interval', 'log_interval',
+                   'eval_iters')
+    check_non_negative(cfg, 'max_iters', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'weight_decay', 'seed',
+                       'checkpoint_interval', 'keep_checkpoints', 'skip_loss_z', 'skip_grad_z')
+    check_range(cfg, 'learning_rate', low=0.0, low_open=True)
+    check_range(cfg, 'grad_clip', low=0.0)  # 0 turns clipping off
+    for beta in ('beta1', 'beta2'):
+        check_range(cfg, beta, low=0.0, high=1.0, high_open=True)
+    check_model_shape(cfg)
+    check_system(cfg)
+    check_choice(cfg, 'parallelism', ('ddp', 'fsdp'))
+    check_flag(cfg, 'overwrite', 'activation_checkpointing')  # the settings of other parts of the run, when present
+    if cfg['init_from'] == 'resume':
+        resume_path = checkpoint_path('resume', cfg['out_dir'])
+        if not os.path.exists(resume_path):
+            raise UserError(f"init_from=resume but there is no checkpoint at {resume_path}; "
+                            f"check --out_dir or start with --init_from=scratch")
+        # read here, not only in build_model: the architecture settings it fixes (block_size) are used before
+        # the model is built (the loaders, the tokens per iteration). Its tensors are memory-mapped, not read
+        check_resume(cfg, load_checkpoint(resume_path), resume_path)
+
+
+# what a checkpoint must hold to be resumed (finetune.py's and weights-only files lack the training state)
+RESUME_KEYS = ('model', 'model_args', 'optimizer', 'iter_num', 'best_val_loss', 'config')
+# the settings that shape the model: a resumed run has the checkpoint's, whatever the defaults say
+ARCHITECTURE = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'gelu')
+
+
+def check_resume(cfg, ckpt, path):
+    """
+    The settings against the checkpoint a run resumes from, before any work: it must be a train.py training
+    checkpoint; an architecture setting the user gave must be the checkpoint's (nothing is cropped or rebuilt
+    on resume, so the next save can't replace the checkpoint with another model); one not given takes the
+    checkpoint's value in cfg (so the saved 'config' agrees with 'model_args'); and the run must not be over.
+    """
+    missing = [k for k in RESUME_KEYS if k not in ckpt]
+    if missing or 'task' in ckpt:  # 'task': finetune.py's checkpoint of a model with a task head
+        what = f"it has no {', '.join(repr(k) for k in missing)}" if missing else "it is a finetune.py checkpoint"
+        raise UserError(f"{path} is not a train.py training checkpoint ({what}: a finetune.py out_dir or a "
+                        f"weights-only file?); to train on its weights from iter 0 use --init_from={path} with "
+                        f"another --out_dir")
+    adopt_architecture(cfg, model_config_from_checkpoint(ckpt), path)
+    # the loop trains iteration max_iters too and then stops, so the final checkpoint of a finished run has
+    # iter_num = max_iters + 1; one at iter_num == max_iters still has that last step to run
+    if int(ckpt['iter_num']) > cfg['max_iters']:
+        raise UserError(f"the run in {cfg['out_dir']} is already complete: its checkpoint is at iter "
+                        f"{int(ckpt['iter_num'])}, past max_iters={cfg['max_iters']}; to train further, resume with "
+                        f"a larger --max_iters (and --lr_decay_iters to match)")
+
+
+def adopt_architecture(cfg, saved, path):
+    """ cfg's architecture settings become the checkpoint's (GPTConfig saved); one the user gave must agree. """
+    given = getattr(cfg, 'given', cfg.keys())  # a plain dict (a test's): every setting counts as chosen
+    for key in ARCHITECTURE:
+        if key in given and cfg[key] != getattr(saved, key):
+            raise UserError(f"--{key}={cfg[key]!r} but the checkpoint {path} has {key}={getattr(saved, key)!r}; "
+                            f"a resumed run keeps the checkpoint's architecture: drop --{key} (or change it in the "
+                            f"config file), or start a new run in another --out_dir")
+        cfg[key] = getattr(saved, key)
 
 
 def train(cfg, dist_info):
@@ -230,6 +290,8 @@ def setup(cfg, dist_info):
                                                           peak=master)  # only rank 0 reports MFU
     train_loader, eval_loaders = make_loaders(cfg, dist_info)
     raw_model, tokenizer_meta, ckpt = build_model(cfg, dist_info)
+    for loader in (train_loader, *eval_loaders.values()):
+        loader.check_vocab(raw_model.config.vocab_size)  # an id the model has no embedding for: one line
     model, optimizer, scaler, thread_retuner, run_provenance = prepare_training(cfg, dist_info, raw_model, dtype, ctx,
                                                                                 compile_model, eval_loaders['train'])
     state = TrainState(spike_guard=SpikeGuard(cfg['skip_loss_z'], cfg['skip_grad_z']))
@@ -292,6 +354,9 @@ def build_model(cfg, dist_info=None):
     # the architecture comes from the weights (a new model: from the settings); dropout from the settings always
     model, tokenizer_meta, ckpt = init_model(init_from, cfg['out_dir'], dataset=cfg['dataset'], model_settings=cfg,
                                              dropout=cfg['dropout'], resume_file='ckpt.pt', on_meta=on_meta)
+    # a new model has the dataset's tokenizer; weights come with their own (unless nanoGPT's left it unknown)
+    if init_from != 'scratch' and tokenizer_known(ckpt):
+        check_dataset_tokenizer(cfg['dataset'], tokenizer_meta, describe_source(init_from, cfg['out_dir']))
     fit_block_size(model, cfg['block_size'])  # a pretrained model can train on shorter windows than it knows
     data_vocab = (read_dataset_meta(dataset_dir(cfg['dataset'])) or {}).get('vocab_size')
     if data_vocab and int(data_vocab) > model.config.vocab_size:

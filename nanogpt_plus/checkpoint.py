@@ -15,6 +15,7 @@ Usage:
 
 import json
 import os
+import re
 import zipfile
 
 import torch
@@ -39,11 +40,51 @@ def _json_summary(ckpt):
 
 
 def save_checkpoint(ckpt, path, sidecar=True):
-    """ Atomically write ckpt (a dict of tensors and plain values) to path, plus path's .json sidecar. """
-    atomic_write(path, lambda f: torch.save(ckpt, f))
+    """
+    Atomically write ckpt (a dict of tensors and plain values) to path, plus path's .json sidecar. A failed
+    write (a full disk, say) raises files.WriteFailed, a UserError that is also an OSError; the file that was
+    at path stays as it was.
+    """
+    atomic_write(path, lambda f: _torch_save(ckpt, f))
     if sidecar:
         text = json.dumps(_json_summary(ckpt), indent=2, default=str)
         atomic_write(os.path.splitext(path)[0] + '.json', lambda f: f.write(text), binary=False)
+
+
+def _torch_save(obj, f):
+    """
+    torch.save into the file object f. When f.write fails (a full disk) torch reports a RuntimeError of its
+    own ('unexpected pos ...', 'file write failed') with the OSError only as its context: raise the OSError,
+    which says what went wrong, so the atomic writer turns it into one line.
+    """
+    try:
+        torch.save(obj, f)
+    except RuntimeError as e:
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, OSError):
+            raise cause from None
+        if 'file write failed' in str(e):
+            raise OSError(f"torch.save could not write the file ({str(e).splitlines()[0][:200]})") from None
+        raise
+
+
+def _load_error(path, error):
+    """
+    The one line for a file torch.load refused: a pickled Python object (unsafe), else corrupt. Never torch's
+    own text around it, which advises loading with weights_only=False, i.e. running the file's code.
+    """
+    text = str(error)
+    # torch names the global it refused: 'Unsupported global: GLOBAL x.y' or 'unsupported GLOBAL x.y whose ...'
+    found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", text, re.IGNORECASE)
+    if found:
+        return UserError(f"checkpoint {path} holds a pickled Python object ({found.group(1)}) that loading could "
+                         f"run as code; this project loads only tensors and plain values. Use a checkpoint written "
+                         f"by this project, or re-save the file's tensors with torch.save in a trusted session")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and 'weights_only' not in ln]
+    detail = next((ln for ln in lines if not ln.startswith(('Please file', 'Check the documentation'))), '')
+    detail = detail.split('. ')[0].rstrip('.')[:200]  # its first sentence: what failed, not torch's guesses why
+    return UserError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail}); "
+                     f"use another checkpoint")
 
 
 def load_checkpoint(path, map_location='cpu'):
@@ -60,10 +101,7 @@ def load_checkpoint(path, map_location='cpu'):
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, foreign pickle, ... all mean the file can't be used
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or ['']
-        detail = next((ln for ln in lines if 'Unsupported global' in ln), lines[0])[:200]
-        raise UserError(f"checkpoint {path} is corrupt or not a safe checkpoint ({type(e).__name__}: {detail}); "
-                        f"use another checkpoint") from None
+        raise _load_error(path, e) from None
     if not isinstance(ckpt, dict) or 'model' not in ckpt or 'model_args' not in ckpt:
         raise UserError(f"checkpoint {path} has no 'model'/'model_args' entries; is it a nanoGPT checkpoint?")
     return ckpt
@@ -123,6 +161,54 @@ def checkpoint_tokenizer_meta(ckpt, data_root='data'):
         if meta is not None:
             return meta
     return {'kind': 'gpt2'}
+
+
+def tokenizer_known(ckpt, data_root='data'):
+    """
+    Whether checkpoint_tokenizer_meta(ckpt) describes the tokenizer the model was trained with, rather than
+    guessing GPT-2's (a nanoGPT checkpoint whose dataset has no meta file here). None (gpt2*, a Hugging Face
+    directory): known.
+    """
+    if ckpt is None or ckpt.get('tokenizer'):
+        return True
+    dataset = (ckpt.get('config') or {}).get('dataset')
+    return bool(dataset) and read_dataset_meta(os.path.join(data_root, dataset)) is not None
+
+
+def tokenizer_identity(meta):
+    """ What makes two tokenizer descriptions the same: ('gpt2',) or ('char', its {character: id} vocabulary). """
+    kind = meta.get('kind', 'char' if 'stoi' in meta else 'gpt2')
+    if kind == 'char':
+        return kind, {str(ch): int(i) for ch, i in (meta.get('stoi') or {}).items()}
+    return (kind,)
+
+
+def check_dataset_tokenizer(dataset, tokenizer_meta, source):
+    """
+    A model trained with one tokenizer reads another's ids as other tokens and trains on without an error:
+    refuse a dataset whose meta describes another tokenizer (char vs gpt2, or another character vocabulary).
+    A dataset without a meta file says nothing about its tokenizer; its ids are checked against the model's
+    vocab_size as they are read (dataloader.check_token_ids).
+    """
+    data_dir = dataset_dir(dataset)
+    data_meta = read_dataset_meta(data_dir)
+    if data_meta is None or tokenizer_identity(data_meta) == tokenizer_identity(tokenizer_meta):
+        return
+    raise UserError(f"{_tokenizer_difference(data_dir, data_meta, source, tokenizer_meta)}: its token ids would "
+                    f"mean other tokens to the model; train on a dataset prepared with the model's tokenizer, or "
+                    f"from scratch on this one")
+
+
+def _tokenizer_difference(data_dir, data_meta, source, model_meta):
+    """ The words for how two different tokenizer descriptions differ, naming both. """
+    data, model = tokenizer_identity(data_meta), tokenizer_identity(model_meta)
+    if data[0] != model[0]:
+        return f"the dataset {data_dir} is tokenized with {data[0]}, the model {source} with {model[0]}"
+    if set(data[1]) == set(model[1]):
+        return f"the dataset {data_dir} numbers the model's characters ({source}) differently"
+    data_chars, model_chars = ''.join(sorted(data[1])), ''.join(sorted(model[1]))
+    return (f"the dataset {data_dir} has another character vocabulary ({len(data_chars)} characters "
+            f"{data_chars[:40]!r}) than the model {source} ({len(model_chars)} characters {model_chars[:40]!r})")
 
 
 def checkpoint_path(init_from, out_dir, resume_file='ckpt.pt'):

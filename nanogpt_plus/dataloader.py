@@ -12,6 +12,7 @@ Usage:
                                block_size=64, seed=1337, rank=0, world_size=1, device='cpu')
     x, y = loader.next_batch()          # (B, T) int64 inputs and targets shifted by one
     state = loader.state_dict()         # resume later with loader.load_state_dict(state)
+    loader.check_vocab(model.config.vocab_size)   # ids the model has no embedding for: one line, not a crash
 """
 
 import os
@@ -37,9 +38,28 @@ def open_tokens(path, dataset=None):
     if not os.path.exists(path):
         hint = f"run python data/{dataset}/prepare.py first" if dataset else "prepare the dataset first"
         raise UserError(f"no token file at {path}; {hint}")
-    if os.path.getsize(path) % 2:
+    size = os.path.getsize(path)
+    if size == 0:  # (numpy can't memmap an empty file)
+        raise UserError(f"{path} is empty (0 tokens); re-run the dataset's prepare.py on some text")
+    if size % 2:
         raise UserError(f"{path} has an odd number of bytes, so it is not a uint16 token file; re-run prepare.py")
     return np.memmap(path, dtype=np.uint16, mode='r')
+
+
+# a file up to this many tokens (128 MB) is scanned whole when opened, in well under a second; a larger one
+# (OpenWebText's 9B tokens) is checked batch by batch instead, as its windows are read
+SCAN_TOKENS = 1 << 26
+
+
+def check_token_ids(tokens, vocab_size, path):
+    """
+    A token id >= the model's vocab_size has no embedding: an IndexError deep in the model on the CPU, a
+    device-side assert on a GPU. Refuse it in one line naming the file (tokens: an array or a tensor).
+    """
+    top = int(tokens.max())
+    if top >= vocab_size:
+        raise UserError(f"{path} holds token ids up to {top}, beyond the model's vocab_size ({vocab_size}); was it "
+                        f"prepared with another tokenizer? Re-run prepare.py, or use the model this data was made for")
 
 
 def split_window(window, device, pin):
@@ -69,10 +89,18 @@ class TokenWindowLoader:
             raise UserError(f"{path} has only {n} tokens, fewer than block_size+1 ({block_size + 1}); "
                             f"use a smaller --block_size or more data")
         self.num_tokens = n
+        self.vocab_size = None  # set by check_vocab for a large file: then every batch's ids are checked
         self.generator = torch.Generator()
         self.reset()
         self._offsets = np.arange(block_size + 1, dtype=np.int64)
         self._pin = 'cuda' in str(device)
+
+    def check_vocab(self, vocab_size):
+        """ Refuse ids >= vocab_size (the model's): now for a small file, else in each batch next_batch reads. """
+        if self.num_tokens <= SCAN_TOKENS:
+            check_token_ids(open_tokens(self.path), vocab_size, self.path)  # all of it, now
+        else:
+            self.vocab_size = vocab_size  # each batch, as next_batch reads it
 
     def reset(self):
         """ Back to the start of the stream (evaluation calls this to see the same batches every time). """
@@ -91,6 +119,8 @@ class TokenWindowLoader:
         # larger than RAM the process keeps growing (numpy memmap, see stackoverflow.com/q/45132940)
         data = np.memmap(self.path, dtype=np.uint16, mode='r')
         window = torch.from_numpy(data[ix.numpy()[:, None] + self._offsets].astype(np.int64))  # (B, T+1)
+        if self.vocab_size is not None:  # on the CPU, before the device sees an id it has no embedding for
+            check_token_ids(window, self.vocab_size, self.path)
         return split_window(window, self.device, self._pin)
 
     def state_dict(self):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from nanogpt_plus.dataloader import REPO_DIR, dataset_dir, open_tokens
+from nanogpt_plus.dataloader import REPO_DIR, check_token_ids, dataset_dir, open_tokens
 from nanogpt_plus.files import atomic_write, read_jsonl
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import load_tokenizer, read_dataset_meta
@@ -309,9 +309,7 @@ def loss_tokens(data_file, dataset, split, vocab_size):
     tokens = open_tokens(path, dataset or None)
     if len(tokens) < 2:
         raise UserError(f"{path} has fewer than 2 tokens; nothing to score")
-    if int(tokens.max()) >= vocab_size:  # else an embedding lookup fails with an index error deep in the model
-        raise UserError(f"{path} holds token ids up to {int(tokens.max())}, beyond the model's vocab_size "
-                        f"({vocab_size}); was it prepared with another tokenizer?")
+    check_token_ids(tokens, vocab_size, path)  # else an embedding lookup fails deep in the model
     return path, tokens
 
 

@@ -27,6 +27,39 @@ from nanogpt_plus.runtime import UserError
 # -----------------------------------------------------------------------------
 # atomic outputs
 
+class WriteFailed(UserError, OSError):
+    """
+    An output could not be written (a full disk, a quota, a read-only or unwritable directory): one line for
+    the user, and still an OSError (with the OS's errno and strerror) for a caller that handles a failed
+    write with advice of its own (train.py's checkpoints: resume from the last one).
+    """
+
+    def __init__(self, message, cause):
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.message = message
+
+    def __str__(self):
+        return self.message
+
+
+def write_failed(error, final):
+    """ The WriteFailed for an OSError met while writing final (whose previous version, if any, is kept). """
+    reason = error.strerror or str(error)
+    if os.path.isdir(final):  # the output directory itself could not be made
+        kept = "nothing was written"
+    else:
+        kept = f"the previous {final} is unchanged" if os.path.exists(final) else f"no {final} was written"
+    return WriteFailed(f"could not write {final} ({reason}); {kept}. Make room on the disk (or fix the "
+                       f"directory's permissions, or write somewhere else) and run again", error)
+
+
+def _is_write_error(error, directory):
+    """ Whether an OSError raised inside atomic_outputs is about its outputs (not, say, an input file read there). """
+    if isinstance(error, UserError):
+        return False  # already one line (a WriteFailed of a nested writer, say)
+    return error.filename is None or os.path.abspath(error.filename).startswith(os.path.abspath(directory))
+
+
 def temp_path(final):
     """ The hidden name this process writes final under: same directory (so os.replace is atomic), pid last. """
     directory, name = os.path.split(final)
@@ -39,6 +72,7 @@ class AtomicOutputs:
     def __init__(self, directory):
         self.directory = directory
         self.pending = []  # (temp path, final path), in the order they were asked for
+        self.writing = directory  # the output being written (for error messages)
 
     def path(self, name):
         """ Where to write the output called name (a path inside directory); it appears at commit(). """
@@ -46,15 +80,18 @@ class AtomicOutputs:
         remove_stale_temps(final)
         tmp = temp_path(final)
         self.pending.append((tmp, final))
+        self.writing = final  # outputs are written in the order they are asked for: a failure is this one's
         return tmp
 
     def commit(self):
         # every file's data reaches the disk before the first rename, so no final name ever points at
         # a half-written file, even after a power cut between two renames
-        for tmp, _ in self.pending:
+        for tmp, final in self.pending:
+            self.writing = final  # a full disk can surface only now, as fsync writes out the cached pages
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
         for tmp, final in self.pending:
+            self.writing = final
             os.replace(tmp, final)
         self.pending = []
         _fsync_dir(self.directory)  # and the renames themselves are made durable
@@ -68,12 +105,19 @@ class AtomicOutputs:
 
 @contextmanager
 def atomic_outputs(directory):
-    """ with atomic_outputs(d) as out: write to out.path('train.bin'), ...; all are renamed at a clean exit. """
-    os.makedirs(directory, exist_ok=True)
+    """
+    with atomic_outputs(d) as out: write to out.path('train.bin'), ...; all are renamed at a clean exit. An
+    OSError writing them (ENOSPC, EDQUOT, EFBIG, EROFS, EACCES, ...) becomes one WriteFailed naming the file.
+    """
     out = AtomicOutputs(directory)
     try:
+        os.makedirs(directory, exist_ok=True)
         yield out
         out.commit()
+    except OSError as e:
+        if not _is_write_error(e, directory):
+            raise
+        raise write_failed(e, out.writing) from None
     finally:
         out.discard()  # after an error (or Ctrl-C) the temp files go; the old outputs stay as they were
 
@@ -146,8 +190,9 @@ def read_jsonl(path, required_keys=(), missing_hint="pass an existing JSONL file
     if not path or not os.path.isfile(path):
         raise UserError(f"no data file at {path or '(none given)'}; {missing_hint}")
     records = []
-    with open(path, encoding='utf-8') as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, 'rb') as f:  # bytes: a line that is not UTF-8 is reported with its number
+        for lineno, raw in enumerate(f, 1):
+            line = _utf8_line(raw, path, lineno)
             if not line.strip():
                 continue
             try:
@@ -164,3 +209,12 @@ def read_jsonl(path, required_keys=(), missing_hint="pass an existing JSONL file
     if not records:
         raise UserError(f"{path} has no examples; write one JSON object per line")
     return records
+
+
+def _utf8_line(raw, path, lineno):
+    """ One line of a JSONL file as text (JSON is UTF-8, RFC 8259); anything else is the user's to re-encode. """
+    try:
+        return raw.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} line {lineno} is not UTF-8 text (byte {raw[e.start]:#04x} at position {e.start + 1}); "
+                        f"save the file as UTF-8") from None

@@ -107,7 +107,7 @@ def test_missing_dataset_is_one_clear_error(tmp_path):
 
 def test_negative_thread_count_is_one_clear_error():
     from nanogpt_plus.runtime import UserError
-    with pytest.raises(UserError, match=r"num_threads must be 0 \(auto\) or a positive number, got -1"):
+    with pytest.raises(UserError, match=r"num_threads must be >= 0, got -1"):
         bench.main(TINY + ['--num_threads=-1'])
 
 

@@ -10,7 +10,9 @@ Usage (inside nanogpt_plus.files.atomic_outputs, so the files appear only when a
     write_meta(out, {'kind': 'gpt2', 'vocab_size': 50257}, pickle_too=False)
 """
 
+import errno
 import json
+import os
 import pickle
 
 import numpy as np
@@ -41,8 +43,11 @@ def to_uint16(ids):
 
 
 def write_tokens(path, ids):
-    """ A whole (small) split at once: ids -> uint16 -> path (nanoGPT's tofile). """
-    to_uint16(ids).tofile(path)
+    """ A whole (small) split at once: ids -> uint16 -> path (nanoGPT's tofile format). """
+    # through a Python file, not ndarray.tofile: on a full disk tofile says only how many bytes it wrote, this
+    # raises the OS's own error (ENOSPC, EFBIG, ...), which atomic_outputs reports
+    with open(path, "wb") as f:
+        f.write(np.ascontiguousarray(to_uint16(ids)).data)
 
 
 def write_token_batches(path, total, batches, desc=None, num_batches=None):
@@ -50,7 +55,9 @@ def write_token_batches(path, total, batches, desc=None, num_batches=None):
     A large split batch by batch into a uint16 memmap of `total` tokens (nanoGPT's openwebtext writer):
     memory is bounded by one batch. Checks every batch's ids and that exactly `total` tokens arrived.
     """
-    arr = np.memmap(path, dtype=np.uint16, mode="w+", shape=(max(total, 1),))  # a memmap can't be empty
+    shape = (max(total, 1),)  # a memmap can't be empty
+    reserve_disk_space(path, shape[0] * np.dtype(np.uint16).itemsize)
+    arr = np.memmap(path, dtype=np.uint16, mode="r+", shape=shape)
     idx = 0
     for batch in tqdm(batches, desc=desc, total=num_batches, disable=desc is None):
         batch = to_uint16(batch)
@@ -64,6 +71,21 @@ def write_token_batches(path, total, batches, desc=None, num_batches=None):
     del arr
     if total == 0:
         open(path, "wb").close()  # drop the one placeholder token again
+
+
+def reserve_disk_space(path, nbytes):
+    """
+    Create path with nbytes allocated on the disk, before a memmap writes into it. A memmap of a sparse file
+    (what mode='w+' makes) meets a full disk only when the kernel writes a page back, as a SIGBUS that kills
+    the process; allocating first makes it an OSError (ENOSPC) now, which atomic_outputs reports in one line.
+    """
+    with open(path, "wb") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, nbytes)
+        except (AttributeError, OSError) as e:  # no posix_fallocate (macOS, Windows), or not on this filesystem
+            if isinstance(e, OSError) and e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise  # ENOSPC, EDQUOT, EFBIG: the disk can't hold the file
+            f.truncate(nbytes)  # sparse: the space is found while writing
 
 
 def write_meta(out, meta, pickle_too):
