@@ -39,6 +39,7 @@ from nanogpt_plus.tokenizer import get_gpt2_encoding
 
 FORMAT_VERSION = 1  # of meta.json's layout
 CHUNKSIZE = 16  # documents per task sent to a worker (llm.c's imap chunksize)
+READ_BATCH = 256  # documents read from the dataset at a time
 
 
 def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", files="", text_column="text",
@@ -162,7 +163,7 @@ def hub_error(e, dataset, name):
                      f"with --files=...")
 
 
-def iterate_texts(ds, column, start=0, batch=256):
+def iterate_texts(ds, column, start=0):
     """ The documents' texts from index start on, a batch at a time (a Dataset is memory-mapped Arrow). """
     import datasets
     ds = ds.select_columns([column]) if ds.column_names is not None else ds
@@ -174,8 +175,8 @@ def iterate_texts(ds, column, start=0, batch=256):
                                 f"pass --text_column=NAME")
             yield record[column]
         return
-    for i in range(start, len(ds), batch):
-        yield from ds[i:i + batch][column]
+    for i in range(start, len(ds), READ_BATCH):
+        yield from ds[i:i + READ_BATCH][column]
 
 
 def guarded(texts, count_so_far):
