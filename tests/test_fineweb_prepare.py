@@ -319,9 +319,10 @@ def test_input_errors_are_one_line(corpus, tmp_path, monkeypatch):
 def test_hub_errors_are_one_line(tmp_path, monkeypatch):
     import datasets
     from datasets.exceptions import DatasetNotFoundError
+
     # offline (conftest): the real call fails at once
-    with pytest.raises(UserError, match="could not reach the Hugging Face dataset 'HuggingFaceFW/fineweb-edu' on "
-                                        "the Hugging Face Hub .*check the network, or pass local files"):
+    with pytest.raises(UserError, match="could not reach the Hugging Face Hub for the dataset "
+                                        "'HuggingFaceFW/fineweb-edu' .*check the network, or pass local files"):
         prepare_fineweb(str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"), progress=False)
     for error, message in [(DatasetNotFoundError("Dataset 'x/y' doesn't exist on the Hub"), "does not exist"),
                            (ValueError("BuilderConfig 'nope' not found. Available: ['default']"),

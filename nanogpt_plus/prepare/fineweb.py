@@ -157,8 +157,8 @@ def hub_error(e, dataset, name):
     if isinstance(e, ValueError) and ("BuilderConfig" in str(e) or "Config name is missing" in str(e)):
         return UserError(f"{what} has no config '{name}' ({_first_line(e)}); pass one of them with --name=...")
     if isinstance(e, (ConnectionError, OSError, TimeoutError)):
-        return UserError(f"could not reach {what} on the Hugging Face Hub ({_first_line(e)}); check the network, "
-                         f"or pass local files with --files=...")
+        return UserError(f"could not reach the Hugging Face Hub for the dataset '{dataset}' ({_first_line(e)}); "
+                         f"check the network, or pass local files with --files=...")
     return UserError(f"could not load {what} ({_first_line(e)}); check --dataset and --name, or pass local files "
                      f"with --files=...")
 
