@@ -314,6 +314,8 @@ def test_input_errors_are_one_line(corpus, tmp_path, monkeypatch):
     with pytest.raises(UserError, match="token id 70000 does not fit in uint16"):
         prepare(tmp_path / "c", corpus[0], tmp_path / "cache")
     assert not list(tmp_path.glob("c/*.bin"))
+    with pytest.raises(UserError, match="prefix 'evaldata' contains 'train' or 'val'"):
+        prepare(tmp_path / "d", corpus[0], tmp_path / "cache", prefix="evaldata")
 
 
 def test_hub_errors_are_one_line(tmp_path, monkeypatch):

@@ -67,11 +67,11 @@ def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-1
 
 
 def report(result, out_dir, num_proc, shard_size):
-    n_val = sum(f.split("_")[-2] == "val" for f in result["files"])
+    n_val = result["val_shards"]
     print(f"wrote {result['tokens']:,} tokens in {result['shards']} shards ({n_val} val, "
           f"{result['shards'] - n_val} train) to {out_dir}: tokenized {result['new_tokens']:,} at "
           f"{result['tokens_per_second']:,.0f} tokens/s (num_proc={num_proc}, {result['seconds']:.1f} s)")
-    if result["shards"] == n_val:
+    if result["shards"] and result["shards"] == n_val:
         print(f"note: only a val shard: the corpus (or max_tokens) holds fewer tokens than two shards of "
               f"{shard_size:,}; lower --shard_size to get train shards")
 
@@ -86,6 +86,9 @@ def check_options(num_proc, shard_size, max_tokens, prefix):
         raise UserError(f"max_tokens must be 0 (the whole corpus) or a number of tokens, got {max_tokens}")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
         raise UserError(f"prefix must be a plain file-name prefix (letters, digits, _ . -), got {prefix!r}")
+    if "train" in prefix or "val" in prefix:  # readers tell the splits apart by these words in the name
+        raise UserError(f"prefix {prefix!r} contains 'train' or 'val', which would make the split of every shard "
+                        f"ambiguous; pick another --prefix")
 
 
 def output_settings(dataset, name, files, text_column, streaming, shard_size, prefix, dtype):
@@ -101,7 +104,7 @@ def output_settings(dataset, name, files, text_column, streaming, shard_size, pr
 def summary(records, new_tokens, seconds):
     return {"shards": len(records), "tokens": sum(r["tokens"] for r in records), "new_tokens": new_tokens,
             "seconds": seconds, "tokens_per_second": new_tokens / max(seconds, 1e-9),
-            "files": [r["file"] for r in records]}
+            "files": [r["file"] for r in records], "val_shards": sum(r["split"] == "val" for r in records)}
 
 
 # -----------------------------------------------------------------------------
