@@ -115,7 +115,8 @@ def print_table(results, size):
     for num_proc, r, _ in results:
         print(f"{num_proc:>8} {r['tokens']:>12,} {r['shards']:>6} {r['seconds']:>8.1f} "
               f"{r['tokens_per_second']:>12,.0f} {size / 1e6 / r['seconds']:>7.2f} "
-              f"{r['tokens_per_second'] / base:>7.2f}x {r['cpu_seconds']:>6.1f} {r['tokens'] / r['cpu_seconds']:>12,.0f}")
+              f"{r['tokens_per_second'] / base:>7.2f}x {r['cpu_seconds']:>6.1f} "
+              f"{r['tokens'] / r['cpu_seconds']:>12,.0f}")
 
 
 if __name__ == "__main__":
