@@ -183,7 +183,7 @@ def test_shards_hold_exactly_the_documents_each_after_its_eot(corpus, full_run):
 
 
 def test_num_proc_2_is_byte_identical_to_num_proc_1(corpus, full_run, tmp_path, monkeypatch):
-    monkeypatch.setattr(fineweb, "CHUNKSIZE", 1)  # windows of 2 x 1 x 32 documents: 8 of them in this corpus
+    monkeypatch.setattr(fineweb, "CHUNKSIZE", 1)  # windows of 2 x 1 x 32 documents: 4 for these 240
     prepare(tmp_path / "out", corpus[0], tmp_path / "cache", num_proc=2)
     assert shard_bytes(tmp_path / "out") == shard_bytes(full_run)
     assert read_meta(tmp_path / "out") == read_meta(full_run)
