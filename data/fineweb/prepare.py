@@ -1,0 +1,49 @@
+"""
+FineWeb-Edu for GPT-2 (llm.c's and build-nanogpt's corpus), or any other corpus, into llm.c's token shards:
+a Hugging Face dataset by name and config, or local .parquet / .jsonl / .json / .txt files. Every document is
+GPT-2 BPE encoded by num_proc worker processes, with the end-of-text token 50256 BEFORE it (as llm.c does;
+nanoGPT's openwebtext puts it after), and the token stream is cut into shards of shard_size tokens in llm.c's
+.bin format (a 1024-byte header: magic 20240520, version 1, token count; then uint16 tokens). The first shard
+is val (<prefix>_val_000000.bin), the others train (<prefix>_train_000001.bin, ...); meta.json records what
+each shard consumed.
+
+Usage:
+    python data/fineweb/prepare.py                                  # FineWeb-Edu sample-10BT: ~10B tokens, 100 shards
+    python data/fineweb/prepare.py --streaming=True --max_tokens=1000000000    # tokenizing starts at once; 1B tokens
+    python data/fineweb/prepare.py --dataset=HuggingFaceFW/fineweb --name=sample-10BT --prefix=fineweb
+    python data/fineweb/prepare.py --files='corpus/*.parquet' --shard_size=10000000 --out_dir=data/mine
+
+Killed or stopped by max_tokens? Run the same command again (a larger --max_tokens, or 0, to go further): the
+complete shards are kept and tokenizing goes on after the last one. Memory holds one shard (200 MB at the
+default size) plus the documents in flight, never the corpus. Read a shard with nanogpt_plus.shards.open_shard.
+"""
+import os
+
+from configurator import configure
+from nanogpt_plus.prepare.fineweb import prepare_fineweb
+from nanogpt_plus.runtime import run_main
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+defaults = {
+    'dataset': 'HuggingFaceFW/fineweb-edu',  # Hugging Face dataset (used when files is ''), e.g. HuggingFaceFW/fineweb
+    'name': 'sample-10BT',     # its config ('' for none): sample-10BT, sample-100BT, ...
+    'files': '',               # local files instead: comma-separated paths or globs (.parquet, .jsonl, .json, .txt)
+    'text_column': 'text',     # the column holding the documents (.txt files: one document per paragraph)
+    'streaming': False,        # stream the dataset instead of downloading it first: disk holds only the shards
+    # tokenizer worker processes: cpu_count() counts hyperthreads, and BPE encoding gains little from a core's second
+    'num_proc': max(1, min(8, (os.cpu_count() or 2) // 2)),
+    'shard_size': 10 ** 8,     # tokens per shard (llm.c's 100M: 200 MB files); the last shard holds the rest
+    'max_tokens': 0,           # stop after this many tokens in all (0 = the whole corpus), e.g. 10**9 for a short run
+    'prefix': 'edufineweb',    # shard names: <prefix>_val_000000.bin, <prefix>_train_000001.bin, ...
+    'out_dir': HERE,           # where the shards and meta.json go
+}
+
+
+def main():
+    config = configure(defaults, doc=__doc__)
+    prepare_fineweb(**config)
+
+
+if __name__ == "__main__":
+    run_main(main)

