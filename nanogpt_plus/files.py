@@ -23,7 +23,6 @@ from contextlib import contextmanager
 
 from nanogpt_plus.runtime import UserError
 
-
 # -----------------------------------------------------------------------------
 # atomic outputs
 

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from conftest import REPO, save_test_checkpoint
 
 from model import GPT, GPTConfig
-from nanogpt_plus.evaluation import (evaluate, evaluate_hellaswag, hellaswag_examples, loss_windows,
-                                     read_task_records, score_examples)
+from nanogpt_plus.evaluation import (evaluate, evaluate_hellaswag, hellaswag_examples, loss_windows, read_task_records,
+                                     score_examples)
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 

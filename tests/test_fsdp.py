@@ -139,6 +139,7 @@ def fsdp_worker(rank, init_file, out_dir, dtype):
 
 def run_two_ranks(tmp_path, dtype):
     import torch.multiprocessing as mp
+
     # rank 1's stand-in for the checkpoint's optimizer state: the shapes of a single-process AdamW's
     torch.manual_seed(0)
     ref = GPT(GPTConfig(**TINY))
