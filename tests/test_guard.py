@@ -164,7 +164,7 @@ def test_resume_with_the_spike_guard_is_exact(dataset, tmp_path, capsys, monkeyp
     full = capsys.readouterr().out
     train.main(tiny_args(dataset, tmp_path / 'split', **dict(settings, max_iters=stop_at)))
     part1 = capsys.readouterr().out
-    inject_spike(monkeypatch, spike_at, first_iter=stop_at)
+    inject_spike(monkeypatch, spike_at, first_iter=stop_at + 1)  # the final checkpoint of part 1 is at max_iters + 1
     train.main(tiny_args(dataset, tmp_path / 'split', **settings, init_from='resume'))
     part2 = capsys.readouterr().out
     assert [int(s[0]) for s in SKIP_LINE.findall(full)] == [int(s[0]) for s in SKIP_LINE.findall(part2)] == [spike_at]
@@ -243,7 +243,8 @@ def test_out_of_memory_is_one_message_and_keeps_the_checkpoint(dataset, tmp_path
         run_main(lambda: train.main(args))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: out of GPU memory at iter 4; the last checkpoint, "
+    # the resume starts at iter 4, the final checkpoint's (max_iters + 1); the failing forward is in iter 5
+    assert len(err) == 1 and err[0].startswith(f"error: out of GPU memory at iter 5; the last checkpoint, "
                                                f"{tmp_path / 'ckpt.pt'}, is kept")
     for fix in ('--batch_size', '--gradient_accumulation_steps', '--activation_checkpointing=True',
                 '--parallelism=fsdp', '--block_size', '--init_from=resume'):

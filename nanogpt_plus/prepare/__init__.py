@@ -9,6 +9,7 @@ What is where (import from the submodule itself; this file re-exports nothing):
     shakespeare.py   the two small-text pipelines (characters, GPT-2 BPE) and where their text comes from
     token_files.py   uint16 token files: the vocabulary guard, whole or batch-by-batch writers, meta files
     corpus.py        large corpora (openwebtext, local .txt/.jsonl/.parquet): tokenized in parallel
+    fineweb.py       FineWeb(-Edu) or local files into llm.c's token shards, resumable (nanogpt_plus/shards.py)
 
 Usage (from a prepare script):
     from nanogpt_plus.prepare.shakespeare import prepare_char, shakespeare_main
