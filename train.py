@@ -625,7 +625,8 @@ def write_checkpoint(run, state, reason='', best=False):
             if best and not cfg['always_save_checkpoint']:
                 keep_checkpoint_as(path, os.path.join(cfg['out_dir'], 'ckpt_best.pt'))
             if cfg['keep_checkpoints'] > 0:
-                snapshot_checkpoint(cfg['out_dir'], state.iter_num, cfg['keep_checkpoints'])
+                overwriting = cfg['overwrite'] and cfg['init_from'] != 'resume'  # the old run's snapshots go
+                snapshot_checkpoint(cfg['out_dir'], state.iter_num, cfg['keep_checkpoints'], drop_later=overwriting)
         except OSError as e:  # full disk, permissions, a directory in the way: the user's to fix
             raise UserError(f"could not write the checkpoint {path} ({e.strerror or e}); make room or fix "
                             f"--out_dir, then resume from the last checkpoint with --init_from=resume") from None

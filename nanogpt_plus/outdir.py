@@ -254,18 +254,19 @@ def _keep_file_as(path, new_path):
             os.remove(tmp)
 
 
-def snapshot_checkpoint(out_dir, iter_num, keep):
+def snapshot_checkpoint(out_dir, iter_num, keep, drop_later=False):
     """
     After out_dir/ckpt.pt of iteration iter_num is complete: keep it as ckpt_<iter_num>.pt too, then delete
-    the snapshots other than the `keep` newest up to iter_num (larger iterations belong to a run that was
-    overwritten, or resumed from before them). Returns the deleted names.
+    the snapshots other than the `keep` newest up to iter_num. Snapshots of larger iterations belong to another
+    line of the run: one that --overwrite=True replaces (drop_later: deleted), or one the user went back from by
+    resuming an older snapshot (left alone: never deleted without being asked). Returns the deleted names.
     """
     keep_checkpoint_as(os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, f'ckpt_{iter_num}.pt'))
     iters = sorted(int(m.group(1)) for m in map(SNAPSHOT.match, os.listdir(out_dir)) if m)
     kept = set([i for i in iters if i <= iter_num][-keep:])
     deleted = []
     for i in iters:
-        if i in kept:
+        if i in kept or (i > iter_num and not drop_later):
             continue
         for name in (f'ckpt_{i}.pt', f'ckpt_{i}.json'):
             try:

@@ -8,6 +8,7 @@ import functools
 import json
 import multiprocessing
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -179,6 +180,11 @@ def test_checkpoint_interval_and_keep_checkpoints(dataset, tmp_path, capsys):
                                 keep_checkpoints=2, overwrite=True))
     assert snapshots(tmp_path) == ["ckpt_2.json", "ckpt_2.pt", "ckpt_4.json", "ckpt_4.pt"]
     assert torch.load(tmp_path / "ckpt_2.pt", weights_only=True)["iter_num"] == 2
+    # going back: resume the older snapshot; the later one is another line of the run and is never deleted
+    shutil.copyfile(tmp_path / "ckpt_2.pt", tmp_path / "ckpt.pt")
+    run_train(capsys, tiny_args(dataset, tmp_path, max_iters=2, eval_interval=100, checkpoint_interval=2,
+                                keep_checkpoints=1, init_from="resume"))
+    assert snapshots(tmp_path) == ["ckpt_3.json", "ckpt_3.pt", "ckpt_4.json", "ckpt_4.pt"]  # 2 pruned, 4 kept
 
 
 def test_checkpoint_interval_keeps_the_best_model_apart(dataset, tmp_path, capsys):

@@ -139,7 +139,7 @@ def test_config_file_that_raises_names_file_line_and_error(tmp_path, body, error
 
 @pytest.fixture(scope="module")
 def trained(dataset, tmp_path_factory):
-    """ out_dir of a finished tiny run: its checkpoint is at iter 6 (max_iters=6: iteration 6 still to train). """
+    """ out_dir of a finished tiny run: its final checkpoint is at iter 7 (max_iters=6 + 1: the steps done). """
     out = tmp_path_factory.mktemp("trained")
     train.main(train_args(dataset, out, max_iters=6, eval_interval=3, num_threads=1))
     return out
@@ -171,16 +171,16 @@ def test_resume_takes_the_checkpoints_architecture(dataset, run_dir, capsys):
     train.main(args)
     assert "tokens per iteration will be: 128" in capsys.readouterr().out  # 2 x 4 x block_size 16
     ckpt = load_checkpoint(str(run_dir / "ckpt.pt"))
-    assert ckpt["iter_num"] == 8
+    assert ckpt["iter_num"] == 9  # the final checkpoint: max_iters + 1 steps done
     for key in ("n_layer", "n_head", "n_embd", "block_size", "bias"):
         assert ckpt["config"][key] == ckpt["model_args"][key], key  # the saved settings describe the model
     assert ckpt["config"]["gelu"] == ckpt["model_extra_args"]["gelu"]
 
 
 def test_resume_of_a_complete_run_says_so(dataset, run_dir):
-    with pytest.raises(UserError, match=r"already complete: its checkpoint is at iter 6, past max_iters=5; .*"
+    with pytest.raises(UserError, match=r"already complete: its checkpoint is at iter 7, past max_iters=6; .*"
                                         r"larger --max_iters"):
-        train.main(resume_args(dataset, run_dir, max_iters=5))
+        train.main(resume_args(dataset, run_dir, max_iters=6))  # the finished run itself
 
 
 def test_resume_on_another_character_vocabulary_is_refused(dataset, run_dir, tmp_path):
