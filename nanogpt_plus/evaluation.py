@@ -321,6 +321,8 @@ def loss_parts(paths, dataset, vocab_size, block_size, stride=0, max_examples=0)
     """ [(tokens as a memmap, loss_windows over them)] per file; max_examples > 0 keeps the first windows only. """
     parts, left = [], max_examples
     for path in paths:
+        if max_examples and left <= 0:
+            break  # the files after the last window kept are not even opened
         tokens = open_token_file(path, dataset or None)
         if len(tokens) < 2:
             raise UserError(f"{path} has fewer than 2 tokens; nothing to score")

@@ -146,6 +146,12 @@ def test_token_ids_beyond_the_vocabulary_are_refused_in_uint32_shards(tmp_path, 
 # -----------------------------------------------------------------------------
 # train.py, sample.py, eval.py and bench.py on a shard directory
 
+@pytest.mark.parametrize("script", [train, bench])
+def test_data_order_is_checked_before_any_work(script):
+    with pytest.raises(UserError, match="data_order must be 'random' or 'sequential', got 'shuffled'"):
+        script.check_settings(dict(script.DEFAULTS, data_order='shuffled'))
+
+
 def test_shard_directory_trains_then_samples_and_evaluates(shard_dataset, tmp_path, capsys, monkeypatch):
     out_dir = tmp_path / "out"
     out = run_train(capsys, tiny_args(shard_dataset, out_dir, max_iters=24, eval_interval=12, lr_decay_iters=24))
