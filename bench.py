@@ -16,6 +16,7 @@ $ python bench.py                                             # GPT-2 124M, 12 x
 $ python bench.py --device=cpu --dataset=shakespeare_char --block_size=64 --batch_size=12 \\
       --n_layer=4 --n_head=4 --n_embd=128                     # nanoGPT's laptop model
 $ python bench.py --real_data=False --compile=True --dtype=bfloat16   # synthetic tokens, compiled
+$ python bench.py --dataset=data/fineweb --data_order=sequential     # a directory of llm.c token shards
 $ python bench.py --profile=True                              # trace + top ops
 $ python bench.py --activation_checkpointing=True             # the peak memory with the Blocks recomputed
 """
@@ -31,7 +32,7 @@ import torch
 
 from configurator import configure
 from nanogpt_plus.checkpoint import init_model, scratch_model
-from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
+from nanogpt_plus.dataloader import ORDERS, TokenWindowLoader, split_files
 from nanogpt_plus.hardware import cpu_peak
 from nanogpt_plus.parallel import wrap_model
 from nanogpt_plus.runtime import device_type_of, provenance, resolve_device, run_main
@@ -42,9 +43,10 @@ from nanogpt_plus.training import compute_setup, make_grad_scaler, optimizer_ste
 
 # -----------------------------------------------------------------------------
 DEFAULTS = dict(
-    # data: real tokens from a prepared dataset (data/<dataset>/train.bin), or random tokens
+    # data: real tokens from a prepared dataset (its train.bin or train shards), or random tokens
     real_data=True,
     dataset='openwebtext',
+    data_order='random',  # the training loader's order, as train.py: 'random' or 'sequential'
     batch_size=12,
     block_size=1024,
     # model (train.py's settings and defaults)
@@ -110,6 +112,7 @@ def check_settings(cfg):
     check_model_shape(cfg)
     check_system(cfg)
     check_choice(cfg, 'fused', (None, True, False))
+    check_choice(cfg, 'data_order', ORDERS)
 
 
 def main(argv=None):
@@ -124,9 +127,8 @@ def main(argv=None):
     # the data before the model, so a missing dataset is reported before anything is built
     loader = None
     if cfg['real_data']:
-        data_dir = dataset_dir(cfg['dataset'])
-        loader = TokenWindowLoader(os.path.join(data_dir, 'train.bin'), cfg['batch_size'], cfg['block_size'],
-                                   seed=cfg['seed'], device=device, dataset=cfg['dataset'])
+        loader = TokenWindowLoader(split_files(cfg['dataset'], 'train'), cfg['batch_size'], cfg['block_size'],
+                                   seed=cfg['seed'], device=device, dataset=cfg['dataset'], order=cfg['data_order'])
     model = bench_model(cfg)
     if loader is not None:
         loader.check_vocab(model.config.vocab_size)  # an id the model has no embedding for: one line

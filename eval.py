@@ -2,7 +2,7 @@
 Zero-shot evaluation, GPT-2's thesis: a plain language model scored on tasks it was never trained for.
 
 Tasks:
-  loss       exact mean loss / perplexity over a whole token file (val.bin of the dataset by default), in
+  loss       exact mean loss / perplexity over whole token files (the dataset's val.bin or val shards), in
              non-overlapping block_size windows or a sliding window (--stride); plus bits per byte
   hellaswag  completion multiple choice (JSONL with ctx, endings, label): acc (lowest total loss of the
              ending) and acc_norm (lowest mean loss per ending token)
@@ -38,7 +38,7 @@ DEFAULTS = dict(
     out_dir='out',
     task='loss',  # loss | hellaswag | lambada
     data_file='',  # the token file (loss) or JSONL (hellaswag, lambada); '' = the default for the task
-    dataset='',  # loss: data/<dataset>/<split>.bin; '' = the dataset the checkpoint was trained on
+    dataset='',  # loss: data/<dataset>/<split>.bin or its <split> shards; '' = the checkpoint's training dataset
     split='val',
     stride=0,  # loss: 0 = non-overlapping block_size windows; S = sliding window, every token scored once
     batch_size=16,  # sequences per forward pass (choices of several examples are batched together)

@@ -43,7 +43,7 @@ from model import GPT, GPT2_NAMES
 from nanogpt_plus.checkpoint import (build_checkpoint, check_dataset_tokenizer, checkpoint_path, describe_source,
                                      init_model, is_hf_dir, load_checkpoint, model_config_from_checkpoint,
                                      save_checkpoint, tokenizer_known)
-from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
+from nanogpt_plus.dataloader import ORDERS, TokenWindowLoader, dataset_dir, evaluation_order, split_files
 from nanogpt_plus.outdir import claim_out_dir, keep_checkpoint_as, refuse_overwrite, snapshot_checkpoint
 from nanogpt_plus.parallel import (accumulation_per_rank, all_reduce_mean, all_reduce_sum, full_state_dicts,
                                    grad_sync_context, local_param_count, local_parameters, wrap_model)
@@ -78,7 +78,9 @@ DEFAULTS = dict(
     wandb_project='owt',
     wandb_run_name='gpt2',  # the run's name in the wandb project
     # data
-    dataset='openwebtext',
+    dataset='openwebtext',  # a name under data/ or a directory: nanoGPT's train.bin/val.bin, or llm.c token shards
+    # 'random' (nanoGPT's random windows) or 'sequential' (llm.c's: consecutive windows, each token once per epoch)
+    data_order='random',
     gradient_accumulation_steps=5 * 8,  # micro-batches per optimizer step: a big batch in a small memory
     batch_size=12,  # sequences per micro-batch (per process)
     block_size=1024,
@@ -129,7 +131,7 @@ class Run:
     raw_model: GPT  # the plain GPT inside `model`: checkpoints, MFU
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # enabled for float16 only
-    train_loader: TokenWindowLoader  # the one random stream of training batches (its state is checkpointed)
+    train_loader: TokenWindowLoader  # the one stream of training batches, in data_order (its state is checkpointed)
     eval_loaders: dict  # {'train': ..., 'val': ...}: fixed streams, rewound before every evaluation
     logger: MetricsLogger
     tokenizer_meta: dict  # from init_model, stored in every checkpoint
@@ -185,6 +187,7 @@ def check_settings(cfg):
     check_model_shape(cfg)
     check_system(cfg)
     check_choice(cfg, 'parallelism', ('ddp', 'fsdp'))
+    check_choice(cfg, 'data_order', ORDERS)
     check_flag(cfg, 'overwrite', 'activation_checkpointing')  # the settings of other parts of the run, when present
     if cfg['init_from'] == 'resume':
         resume_path = checkpoint_path('resume', cfg['out_dir'])
@@ -325,15 +328,20 @@ def check_overwrite(cfg, argv):
 
 
 def make_loaders(cfg, dist_info):
-    """ The training loader (one random stream, strided over ranks) and one fixed stream per split to evaluate on. """
-    data_dir = dataset_dir(cfg['dataset'])
+    """
+    The training loader (one stream in data_order, strided over ranks) and one fixed stream per split to
+    evaluate on: the train split's at random windows (a sample of the whole training set, not just its start);
+    the val split's in dataloader.evaluation_order (shards: sequentially from the start; train.bin's: random).
+    """
+    train_files, val_files = split_files(cfg['dataset'], 'train'), split_files(cfg['dataset'], 'val')
 
-    def loader(split, seed):
-        return TokenWindowLoader(os.path.join(data_dir, f'{split}.bin'), cfg['batch_size'], cfg['block_size'],
-                                 seed=seed, rank=dist_info.rank, world_size=dist_info.world_size,
-                                 device=dist_info.device, dataset=cfg['dataset'])
-    train_loader = loader('train', cfg['seed'])
-    return train_loader, {'train': loader('train', cfg['seed'] + 1), 'val': loader('val', cfg['seed'] + 2)}
+    def loader(files, seed, order):
+        return TokenWindowLoader(files, cfg['batch_size'], cfg['block_size'], seed=seed, rank=dist_info.rank,
+                                 world_size=dist_info.world_size, device=dist_info.device, dataset=cfg['dataset'],
+                                 order=order)
+    train_loader = loader(train_files, cfg['seed'], cfg['data_order'])
+    return train_loader, {'train': loader(train_files, cfg['seed'] + 1, 'random'),
+                          'val': loader(val_files, cfg['seed'] + 2, evaluation_order(val_files))}
 
 
 def build_model(cfg, dist_info=None):

@@ -1,15 +1,28 @@
 """
-The token-window loader: random (B, T) windows from a memmapped uint16 token file, like nanoGPT's
-get_batch, with explicit state so runs resume exactly and DDP ranks stride one shared stream.
+The token-window loader: (B, T) windows of a dataset split's tokens, with explicit state so runs resume
+exactly and DDP ranks stride one shared stream.
 
-Every process draws the same sequence of micro-batch offsets from its own seeded torch.Generator; micro-
-batch k belongs to rank k % world_size (each call to next_batch consumes world_size micro-batches). So the global batch of an optimizer step is the same for any
-world size: 2 ranks x 2 accumulation steps see exactly the micro-batches 1 rank x 4 steps sees.
+A split's tokens are a TokenSource: nanoGPT's one raw uint16 file (train.bin), or a list of llm.c token
+shards (nanogpt_plus.shards: ours, llm.c's, build-nanogpt's, modded-nanogpt's). The windows come in one of
+two orders (data_order):
+  'random'      nanoGPT's get_batch: each micro-batch is B windows of T+1 tokens drawn uniformly from every
+                window of every file (so a file is drawn in proportion to its number of windows, and a window
+                never crosses the end of a file) with the loader's seeded torch.Generator. On one file these
+                are exactly the draws this loader always made, so runs on train.bin are unchanged.
+  'sequential'  llm.c's and build-nanogpt's: each micro-batch is the next B*T+1 consecutive tokens (B windows,
+                each starting T after the last), through the files in order, so every token is a target once
+                per epoch. A file's tail too short for a whole micro-batch is skipped (as llm.c does); after
+                the last file the stream wraps to the first one and the epoch count goes up.
+
+Either way every process computes the same sequence of micro-batches, and micro-batch k belongs to rank
+k % world_size (each call to next_batch consumes world_size micro-batches). So the global batch of an
+optimizer step is the same for any world size: 2 ranks x 2 accumulation steps see exactly the micro-batches
+1 rank x 4 steps sees; and any rank's state_dict resumes all of them.
 
 Usage:
-    from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
-    loader = TokenWindowLoader(os.path.join(dataset_dir('shakespeare_char'), 'train.bin'), batch_size=12,
-                               block_size=64, seed=1337, rank=0, world_size=1, device='cpu')
+    from nanogpt_plus.dataloader import TokenWindowLoader, split_files
+    loader = TokenWindowLoader(split_files('shakespeare_char', 'train'), batch_size=12, block_size=64,
+                               seed=1337, rank=0, world_size=1, device='cpu', order='random')
     x, y = loader.next_batch()          # (B, T) int64 inputs and targets shifted by one
     state = loader.state_dict()         # resume later with loader.load_state_dict(state)
     loader.check_vocab(model.config.vocab_size)   # ids the model has no embedding for: one line, not a crash
@@ -21,20 +34,53 @@ import numpy as np
 import torch
 
 from nanogpt_plus.runtime import UserError
+from nanogpt_plus.shards import RAW_NAMES, find_shards, has_header, open_shard
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout above this package
+ORDERS = ('random', 'sequential')  # the values of data_order
+
+
+# -----------------------------------------------------------------------------
+# finding and opening a dataset's token files
+
+def holds_shards(data_dir):
+    """ Whether a directory holds llm.c token shards: a *train*.bin or *val*.bin other than nanoGPT's two. """
+    if not os.path.isdir(data_dir):
+        return False
+    return any(n.endswith('.bin') and n not in RAW_NAMES and not n.startswith('.') and ('train' in n or 'val' in n)
+               for n in os.listdir(data_dir))
 
 
 def dataset_dir(dataset):
     """ data/<dataset> (relative to the working directory, like nanoGPT, else to this repo), or a path. """
     for candidate in (dataset, os.path.join('data', dataset), os.path.join(REPO_DIR, 'data', dataset)):
-        if os.path.isdir(candidate) and os.path.exists(os.path.join(candidate, 'train.bin')):
+        if os.path.isdir(candidate) and (os.path.exists(os.path.join(candidate, 'train.bin'))
+                                         or holds_shards(candidate)):
             return candidate
     return os.path.join('data', dataset)
 
 
+def split_files(dataset, split):
+    """
+    The token files of a dataset's split ('train' or 'val'), in order: its llm.c shards (by shards.find_shards'
+    naming rule), else nanoGPT's data_dir/<split>.bin (whose absence open_token_file reports, with the
+    prepare.py to run). dataset is a name under data/ or a directory.
+    """
+    data_dir = dataset_dir(dataset)
+    if not holds_shards(data_dir):
+        return [os.path.join(data_dir, f'{split}.bin')]
+    if split not in ('train', 'val'):
+        raise UserError(f"a directory of token shards has the splits train and val, not '{split}'; "
+                        f"use --split=train or --split=val")
+    files = find_shards(data_dir)[0 if split == 'train' else 1]
+    if not files:
+        raise UserError(f"{data_dir} has no {split} shards (no *{split}*.bin file); prepare the dataset again "
+                        f"with its {split} split")
+    return files
+
+
 def open_tokens(path, dataset=None):
-    """ The uint16 token file as a read-only memmap, with a clear error when it is missing. """
+    """ nanoGPT's raw uint16 token file as a read-only memmap, with a clear error when it is missing. """
     if not os.path.exists(path):
         hint = f"run python data/{dataset}/prepare.py first" if dataset else "prepare the dataset first"
         raise UserError(f"no token file at {path}; {hint}")
@@ -46,8 +92,13 @@ def open_tokens(path, dataset=None):
     return np.memmap(path, dtype=np.uint16, mode='r')
 
 
-# a file up to this many tokens (128 MB) is scanned whole when opened, in well under a second; a larger one
-# (OpenWebText's 9B tokens) is checked batch by batch instead, as its windows are read
+def open_token_file(path, dataset=None):
+    """ Any token file split_files returns, validated, as a read-only memmap of its tokens (never read whole). """
+    return open_shard(path) if has_header(path) else open_tokens(path, dataset)
+
+
+# a split up to this many tokens (128 MB) is scanned whole when opened, in well under a second; a larger one
+# (OpenWebText's 9B tokens, FineWeb's 10B) is checked batch by batch instead, as its windows are read
 SCAN_TOKENS = 1 << 26
 
 
@@ -61,6 +112,148 @@ def check_token_ids(tokens, vocab_size, path):
         raise UserError(f"{path} holds token ids up to {top}, beyond the model's vocab_size ({vocab_size}); was it "
                         f"prepared with another tokenizer? Re-run prepare.py, or use the model this data was made for")
 
+
+class TokenSource:
+    """
+    The token files of one split, validated once and then memory-mapped anew for every read: a memmap kept
+    open holds on to every page it has touched, so on a corpus larger than RAM the process would keep
+    growing (numpy memmap, see stackoverflow.com/q/45132940).
+    """
+
+    def __init__(self, paths, dataset=None):
+        self.paths = list(paths)
+        opened = [open_token_file(p, dataset) for p in self.paths]
+        self.layouts = [(m.dtype, m.offset, len(m)) for m in opened]  # what np.memmap needs to map it again
+        self.sizes = np.array([n for _, _, n in self.layouts], dtype=np.int64)  # tokens per file
+        self.vocab_size = None  # set by check_vocab for a large split: then every window's ids are checked
+
+    def tokens(self, i):
+        """ File i's tokens, a fresh read-only memmap. """
+        dtype, offset, n = self.layouts[i]
+        return np.memmap(self.paths[i], dtype=dtype, mode='r', offset=offset, shape=(n,))
+
+    def read(self, files, starts, length):
+        """ (len(starts), length) int64 tensor: row j is tokens[starts[j]:starts[j] + length] of file files[j]. """
+        window = np.empty((len(starts), length), dtype=np.int64)
+        span = np.arange(length, dtype=np.int64)
+        for i in np.unique(files):
+            rows = np.flatnonzero(files == i)
+            window[rows] = self.tokens(i)[starts[rows, None] + span]
+            if self.vocab_size is not None:  # on the CPU, before the device sees an id it has no embedding for
+                check_token_ids(window[rows], self.vocab_size, self.paths[i])
+        return torch.from_numpy(window)
+
+    def check_vocab(self, vocab_size):
+        """ Refuse ids >= vocab_size (the model's): now for a small split, else in each window read. """
+        if self.sizes.sum() <= SCAN_TOKENS:
+            for i, path in enumerate(self.paths):
+                check_token_ids(self.tokens(i), vocab_size, path)  # all of it, now
+        else:
+            self.vocab_size = vocab_size
+
+    def describe(self):
+        """ The split's files, for messages: the file, or the shards' directory. """
+        if len(self.paths) == 1:
+            return self.paths[0]
+        return f"the {len(self.paths)} shards in {os.path.dirname(self.paths[0]) or '.'}"
+
+
+# -----------------------------------------------------------------------------
+# the two orders of windows: draw() returns one micro-batch as (file of each window, its start)
+
+class RandomOrder:
+    """ nanoGPT's order: B windows drawn uniformly from all windows of all files, by a seeded generator. """
+    name = 'random'
+
+    def __init__(self, sizes, batch_size, block_size, seed):
+        windows = np.maximum(sizes - block_size, 0)  # start positions whose T+1 tokens fit in the file
+        self.ends = np.cumsum(windows)  # global window g lies in the first file whose end is above g
+        self.begins = self.ends - windows
+        self.batch_size, self.seed = batch_size, seed
+        self.generator = torch.Generator()
+        self.reset()
+
+    def reset(self):
+        self.generator.manual_seed(self.seed)
+
+    def draw(self):
+        g = torch.randint(int(self.ends[-1]), (self.batch_size,), generator=self.generator).numpy()
+        files = np.searchsorted(self.ends, g, side='right')
+        return files, g - self.begins[files]  # on one file: the start is g itself
+
+    def state_dict(self):
+        return {'generator': self.generator.get_state(), 'seed': self.seed}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state['generator'])
+
+
+class SequentialOrder:
+    """ llm.c's order: consecutive micro-batches of B*T+1 tokens through the files, wrapping after the last. """
+    name = 'sequential'
+
+    def __init__(self, sizes, batch_size, block_size, names):
+        self.sizes, self.names = sizes, names
+        self.step = batch_size * block_size  # a micro-batch reads step + 1 tokens and moves on by step
+        self.starts = np.arange(batch_size, dtype=np.int64) * block_size  # its windows, relative to position
+        self.reset()
+
+    def reset(self):
+        self.file, self.position, self.epoch = 0, 0, 0
+
+    def draw(self):
+        # the init check (a file holds a micro-batch) ends this loop within one pass over the files
+        while self.position + self.step + 1 > self.sizes[self.file]:
+            self.file, self.position = self.file + 1, 0
+            if self.file == len(self.sizes):  # the end of an epoch: every micro-batch once, start again
+                self.file, self.epoch = 0, self.epoch + 1
+        files, starts = np.full(len(self.starts), self.file), self.position + self.starts
+        self.position += self.step
+        return files, starts
+
+    def state_dict(self):
+        # the file's name too: a resume over another list of files is refused rather than read elsewhere
+        return {'file': self.file, 'file_name': self.names[self.file], 'position': self.position,
+                'epoch': self.epoch}
+
+    def load_state_dict(self, state):
+        file = int(state['file'])
+        if file >= len(self.names) or self.names[file] != state['file_name']:
+            raise UserError(f"the checkpoint's data position is in the shard {state['file_name']}, which is not "
+                            f"shard {file} of this dataset; resume on the dataset the run was started on")
+        self.file, self.position, self.epoch = file, int(state['position']), int(state['epoch'])
+
+
+def make_order(order, source, batch_size, block_size, seed):
+    """ The order of windows over source, after checking that its files are long enough for it. """
+    largest, where = int(source.sizes.max()), source.describe()
+    if order == 'random':
+        if largest <= block_size:
+            what = f"{where} has only {largest} tokens" if len(source.paths) == 1 else \
+                f"the largest of {where} has only {largest} tokens"
+            raise UserError(f"{what}, fewer than block_size+1 ({block_size + 1}); use a smaller --block_size or "
+                            f"more data")
+        return RandomOrder(source.sizes, batch_size, block_size, seed)
+    if order == 'sequential':
+        if largest <= batch_size * block_size:
+            raise UserError(f"no file of {where} holds batch_size*block_size+1 ({batch_size * block_size + 1:,}) "
+                            f"tokens, one micro-batch in sequential order (the largest has {largest:,}); use a "
+                            f"smaller --batch_size or --block_size, or more data")
+        return SequentialOrder(source.sizes, batch_size, block_size, [os.path.basename(p) for p in source.paths])
+    raise UserError(f"unknown data order '{order}'; use one of: {', '.join(ORDERS)}")
+
+
+def evaluation_order(paths):
+    """
+    The order of a fixed evaluation stream over paths: sequential from the start for shards, so the val loss
+    covers distinct tokens, the same ones whatever the seed, data_order or world size, as llm.c measures it;
+    nanoGPT's random windows for its val.bin, as nanoGPT does (and this loader always did).
+    """
+    return 'sequential' if any(has_header(p) for p in paths) else 'random'
+
+
+# -----------------------------------------------------------------------------
+# the loader
 
 def split_window(window, device, pin):
     """
@@ -78,54 +271,53 @@ def split_window(window, device, pin):
 
 
 class TokenWindowLoader:
+    """ (B, T) batches of a split's token files (a path or a list of them) in data order `order`. """
 
-    def __init__(self, path, batch_size, block_size, seed=1337, rank=0, world_size=1, device='cpu',
-                 dataset=None):
-        self.path, self.batch_size, self.block_size = path, batch_size, block_size
+    def __init__(self, paths, batch_size, block_size, seed=1337, rank=0, world_size=1, device='cpu',
+                 dataset=None, order='random'):
+        paths = [paths] if isinstance(paths, str) else list(paths)
+        self.source = TokenSource(paths, dataset)
+        self.path = self.source.describe()
+        self.batch_size, self.block_size = batch_size, block_size
         self.rank, self.world_size, self.device = rank, world_size, device
         self.seed = seed
-        n = len(open_tokens(path, dataset))
-        if n <= block_size:
-            raise UserError(f"{path} has only {n} tokens, fewer than block_size+1 ({block_size + 1}); "
-                            f"use a smaller --block_size or more data")
-        self.num_tokens = n
-        self.vocab_size = None  # set by check_vocab for a large file: then every batch's ids are checked
-        self.generator = torch.Generator()
-        self.reset()
-        self._offsets = np.arange(block_size + 1, dtype=np.int64)
+        self.order = make_order(order, self.source, batch_size, block_size, seed)
+        self.num_tokens = int(self.source.sizes.sum())
+        self.micro_step = 0  # global micro-batch counter, shared by all ranks
         self._pin = 'cuda' in str(device)
 
     def check_vocab(self, vocab_size):
-        """ Refuse ids >= vocab_size (the model's): now for a small file, else in each batch next_batch reads. """
-        if self.num_tokens <= SCAN_TOKENS:
-            check_token_ids(open_tokens(self.path), vocab_size, self.path)  # all of it, now
-        else:
-            self.vocab_size = vocab_size  # each batch, as next_batch reads it
+        """ Refuse ids >= vocab_size (the model's): now for a small split, else in each batch next_batch reads. """
+        self.source.check_vocab(vocab_size)
+
+    @property
+    def epoch(self):
+        """ Passes completed over the files (sequential order; random windows have no epochs: 0). """
+        return getattr(self.order, 'epoch', 0)
 
     def reset(self):
         """ Back to the start of the stream (evaluation calls this to see the same batches every time). """
-        self.generator.manual_seed(self.seed)
-        self.micro_step = 0  # global micro-batch counter, shared by all ranks
+        self.order.reset()
+        self.micro_step = 0
 
     def next_batch(self):
         # draw the next world_size micro-batches of the shared stream and keep this rank's one, so every
-        # rank's generator stays in the same state (any rank's state_dict resumes all of them)
+        # rank's order stays in the same state
         for r in range(self.world_size):
-            draw = torch.randint(self.num_tokens - self.block_size, (self.batch_size,), generator=self.generator)
+            draw = self.order.draw()
             if r == self.rank:
-                ix = draw
+                files, starts = draw
         self.micro_step += self.world_size
-        # a fresh memmap per batch: one kept open holds on to every page it has touched, so on a corpus
-        # larger than RAM the process keeps growing (numpy memmap, see stackoverflow.com/q/45132940)
-        data = np.memmap(self.path, dtype=np.uint16, mode='r')
-        window = torch.from_numpy(data[ix.numpy()[:, None] + self._offsets].astype(np.int64))  # (B, T+1)
-        if self.vocab_size is not None:  # on the CPU, before the device sees an id it has no embedding for
-            check_token_ids(window, self.vocab_size, self.path)
+        window = self.source.read(files, starts, self.block_size + 1)  # (B, T+1)
         return split_window(window, self.device, self._pin)
 
     def state_dict(self):
-        return {'generator': self.generator.get_state(), 'micro_step': self.micro_step, 'seed': self.seed}
+        return dict(self.order.state_dict(), order=self.order.name, micro_step=self.micro_step)
 
     def load_state_dict(self, state):
-        self.generator.set_state(state['generator'])
+        saved = state.get('order', 'random')  # checkpoints from before data_order drew random windows
+        if saved != self.order.name:
+            raise UserError(f"the checkpoint's data loader read the {saved} order, but data_order is "
+                            f"'{self.order.name}'; resume with --data_order={saved}")
+        self.order.load_state_dict(state)
         self.micro_step = int(state['micro_step'])

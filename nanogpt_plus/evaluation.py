@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from nanogpt_plus.dataloader import REPO_DIR, check_token_ids, dataset_dir, open_tokens
+from nanogpt_plus.dataloader import REPO_DIR, check_token_ids, open_token_file, split_files
 from nanogpt_plus.files import atomic_write, read_jsonl
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import load_tokenizer, read_dataset_meta
@@ -122,7 +122,7 @@ def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcon
 
 
 # -----------------------------------------------------------------------------
-# the loss over a token file
+# the loss over a split's token files
 
 def loss_windows(num_tokens, block_size, stride=0):
     """
@@ -145,17 +145,17 @@ def loss_windows(num_tokens, block_size, stride=0):
 
 
 class TokenWindows:
-    """ The rows of a token file's windows, sliced from the memmap only when a batch needs them. """
+    """ The rows of [(tokens, windows)] parts (a file each), sliced from the memmaps only when a batch needs them. """
 
-    def __init__(self, tokens, windows):
-        self.tokens, self.windows = tokens, windows
+    def __init__(self, parts):
+        self.rows = [(tokens, window) for tokens, windows in parts for window in windows]
 
     def __len__(self):
-        return len(self.windows)
+        return len(self.rows)
 
     def __getitem__(self, i):
-        begin, end, n_scored = self.windows[i]
-        return self.tokens[begin:end + 1], n_scored
+        tokens, (begin, end, n_scored) = self.rows[i]
+        return tokens[begin:end + 1], n_scored
 
 
 def token_byte_lengths(tokenizer):
@@ -179,19 +179,28 @@ def loss_metrics(table, num_bytes):
     return metrics
 
 
-def evaluate_loss(model, tokens, windows, tokenizer, batch_size, device, ctx=nullcontext(), dist_info=None,
-                  pad_to=None, progress=False):
+def evaluate_loss(model, parts, tokenizer, batch_size, device, ctx=nullcontext(), dist_info=None, pad_to=None,
+                  progress=False):
     """
-    The loss metrics of model on tokens (a token array or memmap) over loss_windows' windows. tokenizer is
-    the one the tokens were made with: it says how many bytes of text they are, for bits per byte (left out
-    when the file holds an id the tokenizer doesn't have).
+    The loss metrics of model over [(tokens, windows)] parts: a token array or memmap per file (a split's
+    shards: no window spans two) and loss_windows' windows over it. tokenizer is the one the tokens were made
+    with: it says how many bytes of text they are, for bits per byte.
     """
-    table = score_examples(model, TokenWindows(tokens, windows), list(range(len(windows) + 1)), batch_size,
-                           device, ctx, dist_info, pad_to, progress)
-    lengths = token_byte_lengths(tokenizer)
-    scored = np.asarray(tokens[1:windows[-1][1] + 1], dtype=np.int64)  # every target some window scored
-    num_bytes = int(lengths[scored].sum()) if scored.max() < len(lengths) else None
-    return loss_metrics(table, num_bytes)
+    rows = TokenWindows(parts)
+    table = score_examples(model, rows, list(range(len(rows) + 1)), batch_size, device, ctx, dist_info, pad_to,
+                           progress)
+    return loss_metrics(table, scored_bytes(parts, token_byte_lengths(tokenizer)))
+
+
+def scored_bytes(parts, lengths):
+    """ The UTF-8 bytes of every target some window scored; None when a file holds an id the tokenizer lacks. """
+    total = 0
+    for tokens, windows in parts:
+        scored = np.asarray(tokens[1:windows[-1][1] + 1], dtype=np.int64)
+        if scored.max() >= len(lengths):
+            return None
+        total += int(lengths[scored].sum())
+    return total
 
 
 # -----------------------------------------------------------------------------
@@ -299,25 +308,50 @@ def task_data_file(task, data_file=''):
     return path
 
 
-def loss_tokens(data_file, dataset, split, vocab_size):
-    """ (path, tokens as a memmap) of the file the loss is measured on: data_file, else the dataset's split. """
-    path = data_file
-    if not path:
-        if not dataset:
-            raise UserError("no dataset to evaluate the loss on: pass --dataset=NAME or --data_file=PATH/val.bin")
-        path = os.path.join(dataset_dir(dataset), f"{split}.bin")
-    tokens = open_tokens(path, dataset or None)
-    if len(tokens) < 2:
-        raise UserError(f"{path} has fewer than 2 tokens; nothing to score")
-    check_token_ids(tokens, vocab_size, path)  # else an embedding lookup fails deep in the model
-    return path, tokens
+def loss_files(data_file, dataset, split):
+    """ The token files the loss is measured on: data_file (a token file or a directory), else the dataset's split. """
+    if data_file:
+        return split_files(data_file, split) if os.path.isdir(data_file) else [data_file]
+    if not dataset:
+        raise UserError("no dataset to evaluate the loss on: pass --dataset=NAME or --data_file=PATH/val.bin")
+    return split_files(dataset, split)
+
+
+def loss_parts(paths, dataset, vocab_size, block_size, stride=0, max_examples=0):
+    """ [(tokens as a memmap, loss_windows over them)] per file; max_examples > 0 keeps the first windows only. """
+    parts, left = [], max_examples
+    for path in paths:
+        if max_examples and left <= 0:
+            break  # the files after the last window kept are not even opened
+        tokens = open_token_file(path, dataset or None)
+        if len(tokens) < 2:
+            raise UserError(f"{path} has fewer than 2 tokens; nothing to score")
+        check_token_ids(tokens, vocab_size, path)  # else an embedding lookup fails deep in the model
+        windows = loss_windows(len(tokens), block_size, stride)
+        if max_examples:
+            windows = windows[:left]
+            left -= len(windows)
+        if windows:
+            parts.append((tokens, windows))
+    return parts
+
+
+def loss_task(model, tokenizer_meta, paths, dataset, stride, batch_size, max_examples, run):
+    """ evaluate()'s loss task over token files paths: (metrics, number of windows, the data_file to report). """
+    parts = loss_parts(paths, dataset, model.config.vocab_size, model.config.block_size, stride, max_examples)
+    # the tokenizer the files were made with (their dataset's meta, else the model's) counts their bytes
+    meta = read_dataset_meta(os.path.dirname(os.path.abspath(paths[0]))) or tokenizer_meta
+    metrics = evaluate_loss(model, parts, load_tokenizer(meta), batch_size, **run)
+    path = paths[0] if len(paths) == 1 else os.path.dirname(paths[0])  # several shards: their directory
+    return metrics, sum(len(windows) for _, windows in parts), path
 
 
 def evaluate(model, task, tokenizer_meta, data_file='', dataset='', split='val', stride=0, batch_size=16,
              max_examples=0, device='cpu', ctx=nullcontext(), dist_info=None, pad_to=None, progress=False):
     """
     Run one task (see TASKS) on model, whose tokenizer tokenizer_meta describes. data_file is the token file
-    (loss) or the JSONL file; '' means data/<dataset>/<split>.bin for the loss and the public file otherwise.
+    (loss: or a directory of shards) or the JSONL file; '' means the dataset's <split>.bin or <split> shards for
+    the loss, and the public file otherwise.
     stride is loss_windows'. max_examples > 0 keeps the first examples (loss: windows) only.
     Returns {'task', 'metrics', 'num_examples', 'data_file'}.
     """
@@ -326,14 +360,8 @@ def evaluate(model, task, tokenizer_meta, data_file='', dataset='', split='val',
     block_size = model.config.block_size
     run = dict(device=device, ctx=ctx, dist_info=dist_info, pad_to=pad_to, progress=progress)
     if task == 'loss':
-        path, tokens = loss_tokens(data_file, dataset, split, model.config.vocab_size)
-        windows = loss_windows(len(tokens), block_size, stride)
-        if max_examples:
-            windows = windows[:max_examples]
-        # the tokenizer the file was made with (its dataset's meta, else the model's) counts its bytes
-        meta = read_dataset_meta(os.path.dirname(os.path.abspath(path))) or tokenizer_meta
-        metrics = evaluate_loss(model, tokens, windows, load_tokenizer(meta), batch_size, **run)
-        num_examples = len(windows)
+        metrics, num_examples, path = loss_task(model, tokenizer_meta, loss_files(data_file, dataset, split),
+                                                dataset, stride, batch_size, max_examples, run)
     elif task in TASK_KEYS:
         path = task_data_file(task, data_file)
         records = read_task_records(task, path)
