@@ -102,6 +102,27 @@ def assert_losses_close(a, b, keys, tol=2e-4):
         assert abs(a[k] - b[k]) < tol, (k, a[k], b[k])
 
 
+def train_one_and_two_ranks(args, tmp_path, steps):
+    """
+    train.py with args in one process (out_dir tmp_path/one) and under torchrun with 2 gloo ranks (tmp_path/two),
+    one thread each; both must finish and print the same losses for iterations 0..steps-1 (within 2e-4).
+    Returns the two CompletedProcesses.
+    """
+    import subprocess
+    import sys
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launchers = {'one': [sys.executable, "train.py"],
+                 'two': [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]}
+    runs = {name: subprocess.run([*cmd, *args, f"--out_dir={tmp_path / name}"], cwd=REPO, capture_output=True,
+                                 text=True, timeout=300, env=env) for name, cmd in launchers.items()}
+    for run in runs.values():
+        assert run.returncode == 0, run.stderr[-2000:]
+    a, b = iter_losses(runs['one'].stdout), iter_losses(runs['two'].stdout)
+    assert a.keys() == b.keys() == set(range(steps))
+    assert_losses_close(a, b, range(steps))
+    return runs['one'], runs['two']
+
+
 def save_test_checkpoint(model, tokenizer_meta, path, dataset='x'):
     """ A model saved the way train.py saves one (through the one checkpoint builder), at iteration 0. """
     from nanogpt_plus.checkpoint import build_checkpoint, save_checkpoint

@@ -8,13 +8,12 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, TINY_VOCAB, iter_losses, train_args
+from conftest import TINY_VOCAB, iter_losses, train_args, train_one_and_two_ranks
 
 import bench
 import train
@@ -221,17 +220,6 @@ def test_resume_is_exact_for_both_orders(shard_dataset, tmp_path, capsys, order)
 def test_ddp_two_processes_equals_one_on_shards_in_sequential_order(shard_dataset, tmp_path):
     common = tiny_args(shard_dataset, tmp_path, gradient_accumulation_steps=4, max_iters=6, eval_interval=6,
                        dropout=0.0, data_order="sequential")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    one = subprocess.run([sys.executable, "train.py", *common, f"--out_dir={tmp_path / 'one'}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "train.py", *common, f"--out_dir={tmp_path / 'two'}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert one.returncode == 0, one.stderr[-2000:]
-    assert two.returncode == 0, two.stderr[-2000:]
-    a, b = iter_losses(one.stdout), iter_losses(two.stdout)
-    assert a.keys() == b.keys() == set(range(7))
-    for k in a:
-        assert abs(a[k] - b[k]) < 2e-4, (k, a[k], b[k])
+    train_one_and_two_ranks(common, tmp_path, steps=7)
     states = [load_checkpoint(str(tmp_path / run / "ckpt.pt"))["loader"] for run in ("one", "two")]
     assert states[0] == states[1] and states[0]["epoch"] == 1  # 7 steps x 4 micro-batches: past one epoch

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import REPO
 from conftest import TINY_VOCAB as VOCAB
-from conftest import iter_losses, train_args
+from conftest import iter_losses, train_args, train_one_and_two_ranks
 
 import train
 from model import GPT, NANOGPT_MODEL_ARGS, GPTConfig
@@ -215,18 +215,7 @@ def test_resume_from_nanogpt_checkpoint(dataset, tmp_path, capsys):
 @pytest.mark.slow
 def test_ddp_two_processes_equals_one_with_double_accumulation(dataset, tmp_path):
     common = tiny_args(dataset, tmp_path, gradient_accumulation_steps=4, max_iters=6, eval_interval=6, dropout=0.0)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    one = subprocess.run([sys.executable, "train.py", *common, f"--out_dir={tmp_path / 'one'}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "train.py", *common, f"--out_dir={tmp_path / 'two'}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert one.returncode == 0, one.stderr[-2000:]
-    assert two.returncode == 0, two.stderr[-2000:]
-    a, b = iter_losses(one.stdout), iter_losses(two.stdout)
-    assert a.keys() == b.keys() == set(range(7))
-    for k in a:
-        assert abs(float(a[k]) - float(b[k])) < 2e-4, (k, a[k], b[k])
+    one, two = train_one_and_two_ranks(common, tmp_path, steps=7)
     assert "tokens per iteration will be: 256" in two.stdout
     sd1 = load_checkpoint(str(tmp_path / "one" / "ckpt.pt"))["model"]
     sd2 = load_checkpoint(str(tmp_path / "two" / "ckpt.pt"))["model"]
@@ -235,7 +224,7 @@ def test_ddp_two_processes_equals_one_with_double_accumulation(dataset, tmp_path
     # gradient accumulation that doesn't divide by the number of processes is one clear error
     bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           "train.py", *common, "--gradient_accumulation_steps=3", f"--out_dir={tmp_path / 'bad'}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0
     assert "gradient_accumulation_steps (3) must be divisible by the number of processes (2)" in bad.stderr
 
