@@ -13,13 +13,14 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import time
+
+from bench_prepare import parse_num_procs, work_directory  # scripts/ is on sys.path when run
 
 from configurator import configure
 from nanogpt_plus.prepare.fineweb import prepare_fineweb
 from nanogpt_plus.prepare.plays import benchmark_documents
-from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.runtime import run_main
 from nanogpt_plus.tokenizer import get_gpt2_encoding
 
 defaults = {
@@ -78,13 +79,8 @@ def fastest(work, corpus, num_proc, shard_size, repeats):
 
 def main():
     config = configure(defaults, doc=__doc__)
-    try:
-        num_procs = [int(p) for p in config['num_procs'].split(",")]
-    except ValueError:
-        raise UserError(f"--num_procs must be comma-separated integers, got {config['num_procs']!r}") from None
-    work = config['work_dir'] or tempfile.mkdtemp(prefix="bench_fineweb_")
-    os.makedirs(work, exist_ok=True)
-    try:
+    num_procs = parse_num_procs(config['num_procs'])
+    with work_directory(config['work_dir'], "bench_fineweb_") as work:
         corpus = os.path.join(work, "corpus.parquet")
         t0 = time.time()
         size, n_docs = generate_parquet(corpus, config['size_mb'], config['seed'])
@@ -96,9 +92,6 @@ def main():
         print_table(results, size)
         print(f"load average now: {os.getloadavg()[0]:.1f} (figures are only comparable on an otherwise idle machine)")
         print("identical shards for every num_proc:", len({tuple(s.items()) for _, _, s in results}) == 1)
-    finally:
-        if not config['work_dir']:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 def print_table(results, size):

@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,15 +46,30 @@ def _cpu_seconds():
     return t.user + t.system + t.children_user + t.children_system
 
 
-def main():
-    config = configure(defaults, doc=__doc__)
+def parse_num_procs(text):
+    """ --num_procs=1,2,4 -> [1, 2, 4] (one line on anything else). """
     try:
-        num_procs = [int(p) for p in config['num_procs'].split(",")]
+        return [int(p) for p in text.split(",")]
     except ValueError:
-        raise UserError(f"--num_procs must be comma-separated integers, got {config['num_procs']!r}") from None
-    work = config['work_dir'] or tempfile.mkdtemp(prefix="bench_prepare_")
+        raise UserError(f"--num_procs must be comma-separated integers, got {text!r}") from None
+
+
+@contextmanager
+def work_directory(work_dir, prefix):
+    """ work_dir (kept), or a new temporary directory removed at the end of the block. """
+    work = work_dir or tempfile.mkdtemp(prefix=prefix)
     os.makedirs(work, exist_ok=True)
     try:
+        yield work
+    finally:
+        if not work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def main():
+    config = configure(defaults, doc=__doc__)
+    num_procs = parse_num_procs(config['num_procs'])
+    with work_directory(config['work_dir'], "bench_prepare_") as work:
         corpus = os.path.join(work, "corpus.jsonl")
         t0 = time.time()
         size = generate_corpus(corpus, config['size_mb'], config['seed'])
@@ -80,9 +96,6 @@ def main():
                   f"{r['cpu_seconds']:>6.1f} {tokens / r['cpu_seconds']:>12,.0f}")
         print(f"load average now: {os.getloadavg()[0]:.1f} (figures are only comparable on an otherwise idle machine)")
         print("identical train.bin for every num_proc:", len(set(outputs)) == 1)
-    finally:
-        if not config['work_dir']:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
