@@ -6,6 +6,7 @@ stopping the run at start-up, the sample line, and none of it changing the train
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 
@@ -95,6 +96,10 @@ def test_in_loop_hellaswag_is_eval_py_on_the_checkpoint_of_that_iteration(tmp_pa
     assert [(r['iter'], r['correct'], r['total']) for r in records] == [(it, lines[it][1], 12) for it in (0, 6, 12)]
     assert all(r['acc_norm'] == r['correct'] / r['total'] for r in records)
     assert lines[12][1] > lines[0][1]  # the model learnt the pattern: more true continuations chosen
+    # drawn beside the loss curves
+    plot = runpy.run_path(os.path.join(REPO, 'scripts', 'plot_metrics.py'))['plot']
+    assert plot(str(out_dir / 'metrics.jsonl'), str(tmp_path / 'm.png')) == (13, 3, 3)
+    assert (tmp_path / 'm.png').read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_hellaswag_examples_and_samples_leave_the_training_unchanged(tmp_path, dataset, hellaswag_file, capsys,
