@@ -155,3 +155,16 @@ def test_ddp_hellaswag_equals_one_process(tmp_path, dataset, hellaswag_file, cap
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(HELLASWAG_LINE.findall(r.stdout)) == 3  # rank 0 alone prints
     assert hellaswag_lines(r.stdout) == single and sorted(single) == [0, 2, 4]
+
+
+@pytest.mark.slow
+def test_compiled_in_loop_hellaswag_equals_eager_and_eval_py(tmp_path, dataset, hellaswag_file, monkeypatch, capsys,
+                                                              one_thread):
+    settings = dict(max_iters=4, eval_interval=2, hellaswag_interval=2, hellaswag_file=hellaswag_file,
+                    keep_checkpoints=3)
+    eager = hellaswag_lines(run_train(capsys, dataset, tmp_path / 'eager', **settings))
+    compiled = hellaswag_lines(run_train(capsys, dataset, tmp_path / 'compiled', compile=True, **settings))
+    assert compiled == eager and sorted(eager) == [0, 2, 4]
+    for it in (2, 4):
+        result = run_eval_script(monkeypatch, capsys, tmp_path / 'compiled' / f'ckpt_{it}.pt', hellaswag_file)
+        assert compiled[it][1] == round(result['metrics']['acc_norm'] * 12)
