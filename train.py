@@ -265,7 +265,7 @@ def train(cfg, dist_info):
             lr = set_learning_rate(run.optimizer, state.iter_num, cfg['learning_rate'], cfg['warmup_iters'],
                                    cfg['lr_decay_iters'], cfg['min_lr'], cfg['decay_lr'])
             evaluating = state.iter_num % cfg['eval_interval'] == 0
-            run_in_loop_tasks(run, state)  # the weights the evaluation below measures (and may save)
+            scored = run_in_loop_tasks(run, state)  # the weights the evaluation below measures (and may save)
             saved = evaluate(run, state, lr) if evaluating else False
             if state.iter_num == 0 and cfg['eval_only']:
                 return True
@@ -276,7 +276,7 @@ def train(cfg, dist_info):
             logging_step = state.iter_num % cfg['log_interval'] == 0
             if logging_step:
                 log_iteration(run, state, lossf, grad_norm, lr, dt)
-            retune_threads(run, state, dt, evaluating)
+            retune_threads(run, state, dt, evaluating or scored)
             state.iter_num += 1
             state.local_iter_num += 1
             if state.iter_num > cfg['max_iters']:
@@ -635,8 +635,12 @@ def load_hellaswag(cfg, dist_info, tokenizer_meta, block_size):
         master_decides(dist_info, lambda: task_data_file('hellaswag', setting='hellaswag_file'))
     else:
         task_data_file('hellaswag', path, setting='hellaswag_file')  # a file of the user's must exist
-    examples, total = task_examples('hellaswag', path, load_tokenizer(tokenizer_meta), block_size,
-                                    cfg['hellaswag_examples'])
+    try:
+        examples, total = task_examples('hellaswag', path, load_tokenizer(tokenizer_meta), block_size,
+                                        cfg['hellaswag_examples'])
+    except TokenizerError as e:  # a char-level vocabulary without the letters (or the space) of the endings
+        raise UserError(f"HellaSwag ({path}) can't be scored with this model's tokenizer: {e}; or set "
+                        f"--hellaswag_interval=0") from None
     if dist_info.master:
         print(f"hellaswag: {total:,} examples of {path}, scored every {cfg['hellaswag_interval']} iterations")
     return examples
@@ -669,11 +673,17 @@ def due(interval, state):
 
 
 def run_in_loop_tasks(run, state):
-    """ HellaSwag and a sample when they are due at this iteration (before the val-loss evaluation). """
-    if run.hellaswag is not None and due(run.cfg['hellaswag_interval'], state):
+    """
+    HellaSwag and a sample when they are due at this iteration (before the val-loss evaluation). Returns
+    whether anything ran (that iteration's time then says nothing about the training step's).
+    """
+    hellaswag = run.hellaswag is not None and due(run.cfg['hellaswag_interval'], state)
+    sample = run.sample_prompt is not None and due(run.cfg['sample_interval'], state)
+    if hellaswag:
         in_loop_hellaswag(run, state)
-    if run.sample_prompt is not None and due(run.cfg['sample_interval'], state) and run.dist_info.master:
+    if sample and run.dist_info.master:
         print_sample(run, state)
+    return hellaswag or sample
 
 
 def in_loop_hellaswag(run, state):

@@ -118,7 +118,8 @@ def test_hellaswag_examples_and_samples_leave_the_training_unchanged(tmp_path, d
     assert [(r['iter'], r['text']) for r in records] == sorted(samples.items())
 
 
-def test_a_missing_hellaswag_file_stops_the_run_at_start_up(tmp_path, dataset, monkeypatch, capsys):
+def test_a_missing_hellaswag_file_stops_the_run_at_start_up(tmp_path, dataset, tiny_dataset, hellaswag_file,
+                                                             monkeypatch, capsys):
     # offline, the default file: the download fails at once (a file:// address that isn't there), exit code 2
     monkeypatch.setitem(evaluation.DATA_URLS, 'hellaswag', (tmp_path / 'nowhere' / 'hellaswag_val.jsonl').as_uri())
     monkeypatch.setattr(evaluation, 'REPO_DIR', str(tmp_path / 'repo'))
@@ -133,6 +134,10 @@ def test_a_missing_hellaswag_file_stops_the_run_at_start_up(tmp_path, dataset, m
     missing = str(tmp_path / 'mine.jsonl')
     with pytest.raises(UserError, match=f"no data file at {re.escape(missing)}; pass --hellaswag_file=PATH"):
         train.main(train_args(dataset, tmp_path / 'out', hellaswag_interval=250, hellaswag_file=missing))
+    assert 'iter 0' not in capsys.readouterr().out
+    # a character vocabulary without the space the endings are scored after
+    with pytest.raises(UserError, match=r"can't be scored with this model's tokenizer: .* ' '"):
+        train.main(train_args(tiny_dataset, tmp_path / 'out', hellaswag_interval=250, hellaswag_file=hellaswag_file))
     assert 'iter 0' not in capsys.readouterr().out
 
 
