@@ -44,6 +44,8 @@ from nanogpt_plus.checkpoint import (build_checkpoint, check_dataset_tokenizer, 
                                      init_model, is_hf_dir, load_checkpoint, model_config_from_checkpoint,
                                      save_checkpoint, tokenizer_known)
 from nanogpt_plus.dataloader import ORDERS, TokenWindowLoader, dataset_dir, evaluation_order, split_files
+from nanogpt_plus.engine import generate
+from nanogpt_plus.evaluation import public_task_file, score_hellaswag, task_data_file, task_examples
 from nanogpt_plus.outdir import claim_out_dir, keep_checkpoint_as, refuse_overwrite, snapshot_checkpoint
 from nanogpt_plus.parallel import (accumulation_per_rank, all_reduce_mean, all_reduce_sum, full_state_dicts,
                                    grad_sync_context, local_param_count, local_parameters, wrap_model)
@@ -52,10 +54,12 @@ from nanogpt_plus.runtime import (Interrupted, UserError, destroy_distributed, d
 from nanogpt_plus.settings import (check_choice, check_flag, check_model_shape, check_non_negative, check_not_empty,
                                    check_positive, check_range, check_system)
 from nanogpt_plus.threads import ThreadRetuner, describe_thread_choice, tune_cpu_threads
-from nanogpt_plus.tokenizer import read_dataset_meta
+from nanogpt_plus.tokenizer import TokenizerError, load_tokenizer, read_dataset_meta
 from nanogpt_plus.training import (GracefulExit, MetricsLogger, SpikeGuard, compute_setup, fit_block_size,
                                    gather_rng_states, make_grad_scaler, out_of_memory_error, restore_training_state,
                                    set_learning_rate, skip_update, take_update, tensors_finite, unscale_and_clip)
+
+HELLASWAG_FILE = 'data/hellaswag/hellaswag_val.jsonl'  # in the repo, where evaluation.task_data_file keeps it
 
 # -----------------------------------------------------------------------------
 # the defaults: GPT-2 small (124M parameters) on OpenWebText, nanoGPT's recipe
@@ -66,6 +70,13 @@ DEFAULTS = dict(
     log_interval=1,
     eval_iters=200,
     eval_only=False,  # True: evaluate once at iteration 0, then exit
+    # zero-shot HellaSwag (eval.py --task=hellaswag's scoring) every N iterations, beside the val loss; 0 = off
+    hellaswag_interval=0,
+    hellaswag_examples=0,  # the first N validation examples only; 0 = all 10,042
+    hellaswag_file=HELLASWAG_FILE,  # this default is downloaded once (as eval.py does); or a JSONL file of yours
+    sample_interval=0,  # every N iterations print sample_tokens greedy tokens after sample_prompt; 0 = off
+    sample_tokens=32,
+    sample_prompt='',  # '' = the end-of-text token (a character tokenizer's first character)
     always_save_checkpoint=True,  # True: save at every evaluation; False: only when the val loss improved
     checkpoint_interval=0,  # save the training state every N iterations; 0 = at each evaluation, as above
     keep_checkpoints=0,  # K > 0: also keep the last K saves as ckpt_<iter>.pt beside ckpt.pt; 0 = ckpt.pt only
@@ -140,6 +151,8 @@ class Run:
     tokens_per_iter: int
     peak_flops: float  # the device's peak FLOP/s for MFU (None on ranks other than 0, which don't report it)
     thread_retuner: ThreadRetuner = None  # CPU with num_threads=0: re-checks the thread count while training
+    hellaswag: tuple = None  # hellaswag_interval > 0: the validation examples, tokenized once (see load_hellaswag)
+    sample_prompt: list = None  # sample_interval > 0 (and not FSDP): the prompt's token ids
 
 
 @dataclass
@@ -179,7 +192,9 @@ def check_settings(cfg):
     check_positive(cfg, 'batch_size', 'block_size', 'gradient_accumulation_steps', 'eval_interval', 'log_interval',
                    'eval_iters')
     check_non_negative(cfg, 'max_iters', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'weight_decay', 'seed',
-                       'checkpoint_interval', 'keep_checkpoints', 'skip_loss_z', 'skip_grad_z')
+                       'checkpoint_interval', 'keep_checkpoints', 'skip_loss_z', 'skip_grad_z',
+                       'hellaswag_interval', 'hellaswag_examples', 'sample_interval')
+    check_positive(cfg, 'sample_tokens')
     check_range(cfg, 'learning_rate', low=0.0, low_open=True)
     check_range(cfg, 'grad_clip', low=0.0)  # 0 turns clipping off
     for beta in ('beta1', 'beta2'):
@@ -250,6 +265,7 @@ def train(cfg, dist_info):
             lr = set_learning_rate(run.optimizer, state.iter_num, cfg['learning_rate'], cfg['warmup_iters'],
                                    cfg['lr_decay_iters'], cfg['min_lr'], cfg['decay_lr'])
             evaluating = state.iter_num % cfg['eval_interval'] == 0
+            scored = run_in_loop_tasks(run, state)  # the weights the evaluation below measures (and may save)
             saved = evaluate(run, state, lr) if evaluating else False
             if state.iter_num == 0 and cfg['eval_only']:
                 return True
@@ -260,7 +276,7 @@ def train(cfg, dist_info):
             logging_step = state.iter_num % cfg['log_interval'] == 0
             if logging_step:
                 log_iteration(run, state, lossf, grad_norm, lr, dt)
-            retune_threads(run, state, dt, evaluating)
+            retune_threads(run, state, dt, evaluating or scored)
             state.iter_num += 1
             state.local_iter_num += 1
             if state.iter_num > cfg['max_iters']:
@@ -295,6 +311,9 @@ def setup(cfg, dist_info):
     raw_model, tokenizer_meta, ckpt = build_model(cfg, dist_info)
     for loader in (train_loader, *eval_loaders.values()):
         loader.check_vocab(raw_model.config.vocab_size)  # an id the model has no embedding for: one line
+    # now, not at the first hellaswag_interval: a missing file (offline) or a bad prompt stops the run here
+    hellaswag = load_hellaswag(cfg, dist_info, tokenizer_meta, raw_model.config.block_size)
+    sample_prompt = sampling_prompt(cfg, dist_info, tokenizer_meta)
     model, optimizer, scaler, thread_retuner, run_provenance = prepare_training(cfg, dist_info, raw_model, dtype, ctx,
                                                                                 compile_model, eval_loaders['train'])
     state = TrainState(spike_guard=SpikeGuard(cfg['skip_loss_z'], cfg['skip_grad_z']))
@@ -310,7 +329,8 @@ def setup(cfg, dist_info):
     run = Run(cfg=cfg, dist_info=dist_info, ctx=ctx, model=model, raw_model=raw_model, optimizer=optimizer,
               scaler=scaler, train_loader=train_loader, eval_loaders=eval_loaders, logger=logger,
               tokenizer_meta=tokenizer_meta, provenance=run_provenance, grad_accum=grad_accum,
-              tokens_per_iter=tokens_per_iter, peak_flops=peak_flops, thread_retuner=thread_retuner)
+              tokens_per_iter=tokens_per_iter, peak_flops=peak_flops, thread_retuner=thread_retuner,
+              hellaswag=hellaswag, sample_prompt=sample_prompt)
     return run, state
 
 
@@ -596,6 +616,106 @@ def non_finite_loss(value, iter_num, out_dir):
     return UserError(f"loss is {value} at iter {iter_num}; stopping without saving, so the last good "
                      f"checkpoint in {out_dir} is kept. Lower the learning rate (or use "
                      f"--dtype=bfloat16/float32) and resume with --init_from=resume")
+
+
+# -----------------------------------------------------------------------------
+# zero-shot HellaSwag and greedy samples while training
+
+def load_hellaswag(cfg, dist_info, tokenizer_meta, block_size):
+    """
+    The HellaSwag examples the loop scores (evaluation.task_examples: eval.py's), or None when
+    hellaswag_interval is 0. The default file is downloaded once, by rank 0, the others waiting to hear
+    whether it worked; offline without it, every rank stops here with one line, before any training.
+    """
+    if cfg['hellaswag_interval'] == 0:
+        return None
+    path = cfg['hellaswag_file']
+    if path == HELLASWAG_FILE and not os.path.exists(path):
+        path = public_task_file('hellaswag')  # the repo's copy, wherever train.py runs from
+        master_decides(dist_info, lambda: task_data_file('hellaswag', setting='hellaswag_file'))
+    else:
+        task_data_file('hellaswag', path, setting='hellaswag_file')  # a file of the user's must exist
+    try:
+        examples, total = task_examples('hellaswag', path, load_tokenizer(tokenizer_meta), block_size,
+                                        cfg['hellaswag_examples'])
+    except TokenizerError as e:  # a char-level vocabulary without the letters (or the space) of the endings
+        raise UserError(f"HellaSwag ({path}) can't be scored with this model's tokenizer: {e}; or set "
+                        f"--hellaswag_interval=0") from None
+    if dist_info.master:
+        print(f"hellaswag: {total:,} examples of {path}, scored every {cfg['hellaswag_interval']} iterations")
+    return examples
+
+
+def sampling_prompt(cfg, dist_info, tokenizer_meta):
+    """
+    The token ids of the prompt the loop's samples continue, or None when sample_interval is 0 (or under
+    FSDP, where rank 0 alone holds no whole model to sample from and a batch of one would make every rank
+    join each decoding step: the samples are left out, said once here).
+    """
+    if cfg['sample_interval'] == 0:
+        return None
+    if dist_info.ddp and cfg['parallelism'] == 'fsdp':
+        if dist_info.master:
+            print("note: sample_interval is ignored under parallelism=fsdp; sample from a checkpoint with sample.py")
+        return None
+    tokenizer = load_tokenizer(tokenizer_meta)
+    if not cfg['sample_prompt']:
+        return [tokenizer.eot_token if tokenizer.eot_token is not None else 0]
+    try:
+        return tokenizer.encode(cfg['sample_prompt'])
+    except TokenizerError as e:
+        raise UserError(f"--sample_prompt: {e}") from None
+
+
+def due(interval, state):
+    """ Whether a task run every `interval` iterations (0 = never) runs at this one. """
+    return interval > 0 and state.iter_num % interval == 0
+
+
+def run_in_loop_tasks(run, state):
+    """
+    HellaSwag and a sample when they are due at this iteration (before the val-loss evaluation). Returns
+    whether anything ran (that iteration's time then says nothing about the training step's).
+    """
+    hellaswag = run.hellaswag is not None and due(run.cfg['hellaswag_interval'], state)
+    sample = run.sample_prompt is not None and due(run.cfg['sample_interval'], state)
+    if hellaswag:
+        in_loop_hellaswag(run, state)
+    if sample and run.dist_info.master:
+        print_sample(run, state)
+    return hellaswag or sample
+
+
+def in_loop_hellaswag(run, state):
+    """
+    Score HellaSwag with the training model (compiled, wrapped: every rank takes its share of the examples
+    and joins every forward) in eval mode under the run's autocast, print its line and log it (rank 0).
+    """
+    cfg = run.cfg
+    pad_to = cfg['block_size'] if run.provenance['compile'] else None  # compiled: one shape, one graph
+    run.model.eval()
+    counts = score_hellaswag(run.model, run.hellaswag, cfg['batch_size'], run.dist_info.device, run.ctx,
+                             run.dist_info, pad_to)
+    run.model.train()
+    correct, total = counts['correct_norm'], counts['total']
+    if run.dist_info.master:
+        print(f"hellaswag {state.iter_num}: acc_norm {correct / total:.4f} ({correct}/{total})")
+        run.logger.log({'type': 'hellaswag', 'iter': state.iter_num, 'acc_norm': correct / total,
+                        'correct': correct, 'total': total})
+
+
+def print_sample(run, state):
+    """ `sample N: <text>`: sample_tokens greedy tokens after the prompt, from the plain model (rank 0 only). """
+    tokenizer = load_tokenizer(run.tokenizer_meta)
+    idx = torch.tensor([run.sample_prompt], dtype=torch.long, device=run.dist_info.device)
+    run.raw_model.eval()  # greedy: no randomness drawn, so the training RNGs (and a resume) are untouched
+    out = generate(run.raw_model, idx, run.cfg['sample_tokens'], temperature=0.0, ctx=run.ctx,
+                   vocab_size=tokenizer.vocab_size)
+    run.raw_model.train()
+    text = tokenizer.decode(out[0, idx.size(1):].tolist())
+    text = text.replace('\\', '\\\\').replace('\n', '\\n').replace('\r', '\\r')  # one line
+    print(f"sample {state.iter_num}: {text}")
+    run.logger.log({'type': 'sample', 'iter': state.iter_num, 'text': text})
 
 
 # -----------------------------------------------------------------------------

@@ -14,9 +14,9 @@ Usage:
 
     # tokenize once, score as often as needed (under torchrun, pass dist_info to split the examples)
     path = evaluation.task_data_file('hellaswag')     # downloaded once, into data/hellaswag/
-    records = evaluation.read_task_records('hellaswag', path)
-    examples = evaluation.hellaswag_examples(records, tokenizer, model.config.block_size, path)
-    evaluation.evaluate_hellaswag(model, examples, batch_size=16, device='cuda', ctx=ctx, dist_info=dist_info)
+    examples, n = evaluation.task_examples('hellaswag', path, tokenizer, model.config.block_size)
+    evaluation.score_hellaswag(model, examples, batch_size=16, device='cuda', ctx=ctx, dist_info=dist_info)
+    # -> {'correct': ..., 'correct_norm': ..., 'total': n}; evaluate_hellaswag gives the fractions
 """
 
 import math
@@ -235,23 +235,39 @@ def hellaswag_examples(records, tokenizer, block_size, path='data'):
     return rows, offsets, labels
 
 
-def hellaswag_metrics(table, offsets, labels):
-    """ acc: the label's ending has the lowest total loss; acc_norm: the lowest mean loss per token. """
+def hellaswag_counts(table, offsets, labels):
+    """ {'correct', 'correct_norm', 'total'}: the examples whose label's ending has the lowest total loss
+    (correct), the lowest mean loss per token (correct_norm), and how many examples there are. """
     correct = correct_norm = 0
     for k, label in enumerate(labels):
         choices = table[offsets[k]:offsets[k + 1]]
         total, mean = choices[:, 0], choices[:, 0] / choices[:, 1]
         correct += int(total.argmin().item() == label)
         correct_norm += int(mean.argmin().item() == label)
-    return {'acc': correct / len(labels), 'acc_norm': correct_norm / len(labels)}
+    return {'correct': correct, 'correct_norm': correct_norm, 'total': len(labels)}
+
+
+def hellaswag_metrics(counts):
+    """ acc and acc_norm, the fractions of hellaswag_counts' counts. """
+    return {'acc': counts['correct'] / counts['total'], 'acc_norm': counts['correct_norm'] / counts['total']}
+
+
+def score_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None, pad_to=None,
+                    progress=False):
+    """
+    hellaswag_counts of model on examples, hellaswag_examples' (rows, offsets, labels), the same on every rank
+    (score_examples splits the examples across them). The one scoring of HellaSwag: eval.py's (through
+    evaluate_hellaswag) and train.py's in-loop figure both come from here.
+    """
+    rows, offsets, labels = examples
+    table = score_examples(model, rows, offsets, batch_size, device, ctx, dist_info, pad_to, progress)
+    return hellaswag_counts(table, offsets, labels)
 
 
 def evaluate_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None, pad_to=None,
                        progress=False):
     """ {'acc', 'acc_norm'} of model on examples, hellaswag_examples' (rows, offsets, labels). """
-    rows, offsets, labels = examples
-    table = score_examples(model, rows, offsets, batch_size, device, ctx, dist_info, pad_to, progress)
-    return hellaswag_metrics(table, offsets, labels)
+    return hellaswag_metrics(score_hellaswag(model, examples, batch_size, device, ctx, dist_info, pad_to, progress))
 
 
 def lambada_examples(records, tokenizer, block_size, path='data'):
@@ -284,17 +300,23 @@ def evaluate_lambada(model, examples, batch_size, device, ctx=nullcontext(), dis
 # -----------------------------------------------------------------------------
 # a task end to end: find its data, build its examples, score them
 
-def task_data_file(task, data_file=''):
+def public_task_file(task):
+    """ Where the task's public file is kept once downloaded: data/<task>/<its name> in this repo. """
+    return os.path.join(REPO_DIR, 'data', task, os.path.basename(DATA_URLS[task]))
+
+
+def task_data_file(task, data_file='', setting='data_file'):
     """
     data_file when given, else the task's public file: data/<task>/<name> in this repo, downloaded once.
     It lives here rather than in eval.py so that every caller of a JSONL task shares one cached copy.
+    setting is the option the caller's user passes a file with (named in the errors).
     """
     if data_file:
         if not os.path.exists(data_file):
-            raise UserError(f"no data file at {data_file}; pass --data_file=PATH to an existing file")
+            raise UserError(f"no data file at {data_file}; pass --{setting}=PATH to an existing file")
         return data_file
     url = DATA_URLS[task]
-    path = os.path.join(REPO_DIR, 'data', task, os.path.basename(url))
+    path = public_task_file(task)
     if os.path.exists(path):
         return path
     print(f"downloading {url} to {path}")
@@ -303,9 +325,21 @@ def task_data_file(task, data_file=''):
             content = response.read()
     except Exception as e:  # URLError, timeouts, HTTP errors: all mean "get the file another way"
         raise UserError(f"could not download {url} ({type(e).__name__}: {e}); download it elsewhere and pass "
-                        f"--data_file=PATH") from None
+                        f"--{setting}=PATH") from None
     atomic_write(path, lambda f: f.write(content))  # never a half-downloaded file that looks cached
     return path
+
+
+def task_examples(task, path, tokenizer, block_size, max_examples=0):
+    """
+    (examples, their number) of a JSONL task file, tokenized once: hellaswag_examples' or lambada_examples'.
+    max_examples > 0 keeps the first ones only. eval.py and train.py's in-loop HellaSwag both build them here.
+    """
+    records = read_task_records(task, path)
+    if max_examples:
+        records = records[:max_examples]
+    build = hellaswag_examples if task == 'hellaswag' else lambada_examples
+    return build(records, tokenizer, block_size, path), len(records)
 
 
 def loss_files(data_file, dataset, split):
@@ -364,17 +398,9 @@ def evaluate(model, task, tokenizer_meta, data_file='', dataset='', split='val',
                                                 dataset, stride, batch_size, max_examples, run)
     elif task in TASK_KEYS:
         path = task_data_file(task, data_file)
-        records = read_task_records(task, path)
-        if max_examples:
-            records = records[:max_examples]
-        tokenizer = load_tokenizer(tokenizer_meta)
-        if task == 'hellaswag':
-            examples = hellaswag_examples(records, tokenizer, block_size, path)
-            metrics = evaluate_hellaswag(model, examples, batch_size, **run)
-        else:
-            examples = lambada_examples(records, tokenizer, block_size, path)
-            metrics = evaluate_lambada(model, examples, batch_size, **run)
-        num_examples = len(records)
+        examples, num_examples = task_examples(task, path, load_tokenizer(tokenizer_meta), block_size, max_examples)
+        score = evaluate_hellaswag if task == 'hellaswag' else evaluate_lambada
+        metrics = score(model, examples, batch_size, **run)
     else:
         raise UserError(f"unknown task '{task}'; use one of: {', '.join(TASKS)}")
     return {'task': task, 'metrics': metrics, 'num_examples': num_examples, 'data_file': path}

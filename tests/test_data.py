@@ -259,6 +259,22 @@ def test_corpus_unknown_dataset_and_missing_column(tmp_path):
         load_corpus(dataset="surely_not_a_dataset", cache_dir=str(tmp_path / "cache"))
 
 
+def test_corpus_hub_config_name_reaches_load_dataset(tmp_path, monkeypatch):
+    import datasets
+    calls = []
+
+    def fake_load_dataset(path, name=None, **kwargs):
+        calls.append((path, name))
+        return {"train": datasets.Dataset.from_dict({"text": ["one document", "another one"]})}
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    load_corpus(dataset="HuggingFaceFW/fineweb", name="sample-10BT", cache_dir=str(tmp_path / "cache"))
+    load_corpus(dataset="openwebtext", cache_dir=str(tmp_path / "cache"))
+    assert calls == [("HuggingFaceFW/fineweb", "sample-10BT"), ("openwebtext", None)]  # '' = no config
+    monkeypatch.undo()
+    with pytest.raises(UserError, match=r"could not load the Hugging Face dataset 'nope' \(config 'cfg'\).*--name"):
+        load_corpus(dataset="nope", name="cfg", cache_dir=str(tmp_path / "cache"))
+
+
 def test_corpus_txt_files_and_file_errors(tmp_path):
     with pytest.raises(UserError, match="no files match"):
         expand_files(str(tmp_path / "*.txt"))

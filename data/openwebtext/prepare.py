@@ -6,6 +6,7 @@ val.bin, batch by batch, so memory is bounded by one batch rather than by the co
 
 Usage:
     python data/openwebtext/prepare.py                        # openwebtext from the Hugging Face Hub
+    python data/openwebtext/prepare.py --dataset=HuggingFaceFW/fineweb --name=sample-10BT --out_dir=data/fw
     python data/openwebtext/prepare.py --files='corpus/*.jsonl' --text_column=text --out_dir=data/mycorpus
     python data/openwebtext/prepare.py --files=book.txt --sample_by=paragraph --num_proc=4 --out_dir=data/book
 
@@ -23,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 defaults = {
     'dataset': 'openwebtext',  # Hugging Face dataset name (used when files is '')
+    'name': '',                # the dataset's config name, e.g. 'sample-10BT' of HuggingFaceFW/fineweb ('' = none)
     'files': '',               # local files instead: comma-separated paths or globs (.txt, .jsonl, .json, .parquet)
     'text_column': 'text',     # the column holding the documents (.jsonl / .parquet / Hub datasets)
     'sample_by': 'paragraph',  # .txt files: one document per 'line', 'paragraph' (blank-line separated) or 'document'

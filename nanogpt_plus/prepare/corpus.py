@@ -28,11 +28,11 @@ LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet":
 
 def prepare_corpus(out_dir, dataset="openwebtext", files="", text_column="text", num_proc=1, test_size=0.0005,
                    seed=2357, total_batches=1024, cache_dir="", sample_by="paragraph", load_from_cache_file=True,
-                   progress=True):
+                   progress=True, name=""):
     """ nanoGPT's openwebtext/prepare.py for any corpus: train.bin, val.bin (uint16) and meta.json in out_dir. """
     if num_proc < 1:
         raise UserError(f"num_proc must be at least 1, got {num_proc}")
-    ds, text_column = load_corpus(dataset, files, text_column, num_proc, cache_dir, sample_by)
+    ds, text_column = load_corpus(dataset, files, text_column, num_proc, cache_dir, sample_by, name)
     print(f"{len(ds):,} documents")
     t0 = time.time()
     tokenized = tokenize_splits(ds, text_column, num_proc, test_size, seed, load_from_cache_file)
@@ -77,10 +77,11 @@ def expand_files(files):
 
 
 def load_corpus(dataset="openwebtext", files="", text_column="text", num_proc=1, cache_dir="",
-                sample_by="paragraph"):
+                sample_by="paragraph", name=""):
     """
     One Hugging Face Dataset with a text column: local files (.txt: one document per line/paragraph/file,
-    per sample_by; .jsonl/.json/.parquet: one per row) when files is set, else the Hub dataset's train split.
+    per sample_by; .jsonl/.json/.parquet: one per row) when files is set, else the train split of the Hub
+    dataset (of its config `name`, e.g. 'sample-10BT'; '' = the dataset's default).
     """
     import datasets  # imported here: it takes seconds, and only this path needs it
     kwargs = dict(num_proc=num_proc if num_proc > 1 else None, cache_dir=cache_dir or None)
@@ -104,14 +105,16 @@ def load_corpus(dataset="openwebtext", files="", text_column="text", num_proc=1,
                             f"valid {builder} files") from None
         where = ", ".join(paths[:3]) + (" ..." if len(paths) > 3 else "")
     else:
+        what = f"'{dataset}'" + (f" (config '{name}')" if name else "")
         try:
-            dd = datasets.load_dataset(dataset, **kwargs)
-        except Exception as e:  # unknown name, no network, offline mode: all the same to the user
-            raise UserError(f"could not load the Hugging Face dataset '{dataset}' ({_first_line(e)}); check the "
-                            f"name and the network, or pass local files with --files=...") from None
+            dd = datasets.load_dataset(dataset, name or None, **kwargs)
+        except Exception as e:  # unknown name or config, no network, offline mode: all the same to the user
+            raise UserError(f"could not load the Hugging Face dataset {what} ({_first_line(e)}); check the "
+                            f"name{', --name' if name else ''} and the network, or pass local files with "
+                            f"--files=...") from None
         if "train" not in dd:
-            raise UserError(f"the dataset '{dataset}' has no 'train' split (it has {', '.join(dd)})")
-        ds, where = dd["train"], f"the Hugging Face dataset '{dataset}'"
+            raise UserError(f"the dataset {what} has no 'train' split (it has {', '.join(dd)})")
+        ds, where = dd["train"], f"the Hugging Face dataset {what}"
     if text_column not in ds.column_names:
         raise UserError(f"{where} has no column '{text_column}' (its columns: {', '.join(ds.column_names)}); "
                         f"pass --text_column=NAME")
