@@ -158,9 +158,6 @@ def main(argv=None):
         torch.cuda.reset_peak_memory_stats(device)  # the peak of the training steps (weights, AdamW state included)
     times = time_steps(step, X, Y, cfg['burnin'], cfg['steps'], device)
     report(times, raw_model, cfg['batch_size'], peak_flops, device, dtype, device_threads)
-    mem_label, mem_bytes = peak_memory(device)
-    print(f"peak memory: {mem_bytes / 2**20:,.0f} MiB ({mem_label}, "
-          f"activation_checkpointing={raw_model.activation_checkpointing})")
 
 
 def bench_model(cfg):
@@ -243,7 +240,7 @@ def time_steps(step, X, Y, burnin, steps, device):
 
 
 def report(times, model, batch_size, peak_flops, device, dtype, device_threads):
-    """ nanoGPT's `time per iteration` line (mean step time), then the median, tokens/s and peak memory. """
+    """ nanoGPT's `time per iteration` line (mean step time), then the median, tokens/s and the peak memory. """
     tokens_per_iter = batch_size * model.config.block_size
     dt = sum(times) / len(times)
     dt_median = statistics.median(times)
@@ -258,6 +255,9 @@ def report(times, model, batch_size, peak_flops, device, dtype, device_threads):
           f"MFU (median): {model.estimate_mfu(batch_size, dt_median, peak_flops=peak_flops)*100:.2f}% "
           f"of {peak_flops/1e12:.4g} TFLOP/s peak ({device}, {dtype}{cpu_cores}), "
           f"{mem_label}: {mem_bytes / 2**20:,.0f} MiB")
+    # the same peak on a line of its own, with what it depends on most (compare two bench.py processes)
+    print(f"peak memory: {mem_bytes / 2**20:,.0f} MiB ({mem_label}, "
+          f"activation_checkpointing={model.activation_checkpointing})")
 
 
 if __name__ == '__main__':
