@@ -68,7 +68,7 @@ def as_token_array(ids, dtype):
     if arr.size and (arr.min() < 0 or arr.max() > limit):
         bad = int(arr.max()) if arr.max() > limit else int(arr.min())
         raise UserError(f"token id {bad} does not fit in {dtype} (0..{limit:,}); the tokenizer's vocabulary is "
-                        f"too large for {dtype} shards")
+                        f"too large for {dtype} token files")
     return arr.astype(dtype)
 
 

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import time
 
-from bench_prepare import parse_num_procs, work_directory  # scripts/ is on sys.path when run
+from bench_prepare import cpu_seconds, parse_num_procs, work_directory  # scripts/ is on sys.path when run
 
 from configurator import configure
 from nanogpt_plus.prepare.fineweb import prepare_fineweb
@@ -52,19 +52,14 @@ def cpu_model():
     return names[0] if names else platform.processor() or "unknown"
 
 
-def _cpu_seconds():
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
 def run_one(work, corpus, num_proc, shard_size):
     """ One fresh prepare_fineweb run; its summary with cpu seconds, and the bytes of its shards. """
     out = os.path.join(work, f"out_{num_proc}")
     shutil.rmtree(out, ignore_errors=True)
-    cpu0 = _cpu_seconds()
+    cpu0 = cpu_seconds()
     r = prepare_fineweb(out, files=corpus, num_proc=num_proc, shard_size=shard_size, progress=False,
                         cache_dir=os.path.join(work, "cache"))
-    r["cpu_seconds"] = _cpu_seconds() - cpu0  # this process and its (finished) workers
+    r["cpu_seconds"] = cpu_seconds() - cpu0  # this process and its (finished) workers
     shards = {}
     for name in r["files"]:
         with open(os.path.join(out, name), "rb") as f:

@@ -12,13 +12,12 @@ Usage:
     python scripts/bench_loader.py --tokens=1000000000 --shard_tokens=100000000 --batches=1000
 """
 import os
-import shutil
 import statistics
-import tempfile
 import time
 
 import numpy as np
 from bench_fineweb_prepare import cpu_model  # (scripts/ is on sys.path when a script in it runs)
+from bench_prepare import work_directory
 
 from configurator import configure
 from nanogpt_plus.dataloader import TokenWindowLoader, split_files
@@ -65,8 +64,7 @@ def time_loader(loader, batches):
 def main():
     config = configure(defaults, doc=__doc__)
     B, T = config['batch_size'], config['block_size']
-    work = config['work_dir'] or tempfile.mkdtemp(prefix='bench_loader_')
-    try:
+    with work_directory(config['work_dir'], 'bench_loader_') as work:
         raw, shards = write_files(work, config['tokens'], config['shard_tokens'], config['seed'])
         print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
         print(f"{config['tokens']:,} tokens: one train.bin, and {len(split_files(shards, 'train'))} shards; "
@@ -82,9 +80,6 @@ def main():
         n = min(20, (config['shard_tokens'] - 1) // (B * T))  # the micro-batches of the first shard
         print(f"\nthe first {n} sequential batches of train.bin and of the shards agree:",
               all((same[0].next_batch()[0] == same[1].next_batch()[0]).all().item() for _ in range(n)))
-    finally:
-        if not config['work_dir']:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def generate_corpus(path, size_mb, seed):
     return written
 
 
-def _cpu_seconds():
+def cpu_seconds():
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
 
@@ -79,10 +79,10 @@ def main():
         results, outputs = [], []
         for num_proc in num_procs:
             out = os.path.join(work, f"out_{num_proc}")
-            cpu0 = _cpu_seconds()
+            cpu0 = cpu_seconds()
             r = prepare_corpus(out, files=corpus, num_proc=num_proc, cache_dir=os.path.join(work, f"cache_{num_proc}"),
                                   load_from_cache_file=False, progress=False)
-            r["cpu_seconds"] = _cpu_seconds() - cpu0  # this process and its (finished) workers
+            r["cpu_seconds"] = cpu_seconds() - cpu0  # this process and its (finished) workers
             results.append((num_proc, r))
             with open(os.path.join(out, "train.bin"), "rb") as f:
                 outputs.append(hash(f.read()))

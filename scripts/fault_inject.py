@@ -24,9 +24,9 @@ import threading
 import time
 
 import numpy as np
-import torch
 
 from configurator import configure
+from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.runtime import run_main
 
 DEFAULTS = dict(kills=20, seed=0, max_delay=1.5)  # max_delay: the longest wait (s) after the first iter line
@@ -87,7 +87,7 @@ def checkpoint_iter(out_dir):
     path = os.path.join(out_dir, 'ckpt.pt')
     if not os.path.exists(path):
         return None
-    return int(torch.load(path, map_location='cpu', weights_only=True)['iter_num'])
+    return int(load_checkpoint(path)['iter_num'])  # train.py's own loader: torch.load(weights_only=True)
 
 
 def check_start(run, out_dir, expected_iter, left_lock, left_temps):

@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from nanogpt_plus.runtime import UserError
+from nanogpt_plus.shards import as_token_array
 
 UINT16_LIMIT = 2 ** 16  # token ids must be < 65536 to be stored as uint16
 
@@ -32,14 +33,7 @@ def check_vocab_fits(vocab_size, what="the tokenizer"):
 
 def to_uint16(ids):
     """ ids as a uint16 array, refusing (instead of silently wrapping) any id that doesn't fit. """
-    arr = np.asarray(ids)
-    if arr.dtype == np.uint16:
-        return arr
-    if arr.size and (arr.min() < 0 or arr.max() >= UINT16_LIMIT):
-        bad = arr.max() if arr.max() >= UINT16_LIMIT else arr.min()
-        raise UserError(f"token id {int(bad)} does not fit in uint16 (0..65535); the tokenizer's vocabulary is "
-                        f"too large for these token files")
-    return arr.astype(np.uint16)
+    return as_token_array(ids, np.uint16)
 
 
 def write_tokens(path, ids):
