@@ -10,12 +10,10 @@ Usage:
     python scripts/bench_fineweb_prepare.py --size_mb=200 --num_procs=1,2,4,8 --shard_size=10000000
 """
 import os
-import platform
 import shutil
-import subprocess
 import time
 
-from bench_prepare import cpu_seconds, parse_num_procs, work_directory  # scripts/ is on sys.path when run
+from benchtools import cpu_model, cpu_seconds, parse_num_procs, work_directory  # scripts/ is on sys.path
 
 from configurator import configure
 from nanogpt_plus.prepare.fineweb import prepare_fineweb
@@ -40,16 +38,6 @@ def generate_parquet(path, size_mb, seed):
     docs = list(benchmark_documents(size_mb, seed))
     pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), path)
     return sum(len(d.encode()) for d in docs), len(docs)
-
-
-def cpu_model():
-    """ lscpu's 'Model name' (what the figures were measured on), else platform's guess. """
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
-    return names[0] if names else platform.processor() or "unknown"
 
 
 def run_one(work, corpus, num_proc, shard_size):

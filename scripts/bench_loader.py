@@ -16,8 +16,7 @@ import statistics
 import time
 
 import numpy as np
-from bench_fineweb_prepare import cpu_model  # (scripts/ is on sys.path when a script in it runs)
-from bench_prepare import work_directory
+from benchtools import cpu_model, work_directory  # (scripts/ is on sys.path when a script in it runs)
 
 from configurator import configure
 from nanogpt_plus.dataloader import TokenWindowLoader, split_files

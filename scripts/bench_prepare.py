@@ -8,17 +8,16 @@ Usage:
     python scripts/bench_prepare.py --size_mb=200 --num_procs=1,2,4,8
 """
 import os
-import shutil
-import tempfile
 import time
-from contextlib import contextmanager
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from benchtools import cpu_seconds, parse_num_procs, work_directory
 
 from configurator import configure
 from nanogpt_plus.prepare.corpus import prepare_corpus
 from nanogpt_plus.prepare.plays import benchmark_documents
-from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.runtime import run_main
 from nanogpt_plus.tokenizer import get_gpt2_encoding
 
 defaults = {
@@ -39,31 +38,6 @@ def generate_corpus(path, size_mb, seed):
             f.write(line)
             written += len(line)
     return written
-
-
-def cpu_seconds():
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-def parse_num_procs(text):
-    """ --num_procs=1,2,4 -> [1, 2, 4] (one line on anything else). """
-    try:
-        return [int(p) for p in text.split(",")]
-    except ValueError:
-        raise UserError(f"--num_procs must be comma-separated integers, got {text!r}") from None
-
-
-@contextmanager
-def work_directory(work_dir, prefix):
-    """ work_dir (kept), or a new temporary directory removed at the end of the block. """
-    work = work_dir or tempfile.mkdtemp(prefix=prefix)
-    os.makedirs(work, exist_ok=True)
-    try:
-        yield work
-    finally:
-        if not work_dir:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 def main():

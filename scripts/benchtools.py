@@ -1,0 +1,51 @@
+"""
+What the benchmark scripts share (not an entry point): their --num_procs lists, a scratch directory, the CPU
+seconds of a process and its workers, and the CPU the figures were measured on.
+
+Usage (from a script in scripts/, which Python puts on sys.path):
+    from benchtools import cpu_model, cpu_seconds, parse_num_procs, work_directory
+"""
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from contextlib import contextmanager
+
+from nanogpt_plus.runtime import UserError
+
+
+def parse_num_procs(text):
+    """ --num_procs=1,2,4 -> [1, 2, 4] (one line on anything else). """
+    try:
+        return [int(p) for p in text.split(",")]
+    except ValueError:
+        raise UserError(f"--num_procs must be comma-separated integers, got {text!r}") from None
+
+
+@contextmanager
+def work_directory(work_dir, prefix):
+    """ work_dir (kept), or a new temporary directory removed at the end of the block. """
+    work = work_dir or tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(work, exist_ok=True)
+    try:
+        yield work
+    finally:
+        if not work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def cpu_seconds():
+    """ User + system CPU seconds of this process and its finished children (the tokenizer workers). """
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def cpu_model():
+    """ lscpu's 'Model name' (what the figures were measured on), else platform's guess. """
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
+    return names[0] if names else platform.processor() or "unknown"
