@@ -277,12 +277,9 @@ class TokenWindowLoader:
                  dataset=None, order='random'):
         paths = [paths] if isinstance(paths, str) else list(paths)
         self.source = TokenSource(paths, dataset)
-        self.path = self.source.describe()
-        self.batch_size, self.block_size = batch_size, block_size
+        self.block_size = block_size
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.seed = seed
-        self.order = make_order(order, self.source, batch_size, block_size, seed)
-        self.num_tokens = int(self.source.sizes.sum())
+        self.order = make_order(order, self.source, batch_size, block_size, seed)  # it keeps the seed and batch size
         self.micro_step = 0  # global micro-batch counter, shared by all ranks
         self._pin = 'cuda' in str(device)
 

@@ -101,6 +101,19 @@ def lost_peer(error):
         s in str(error) for s in ('Connection closed by peer', 'Connection reset by peer', 'Broken pipe'))
 
 
+def exit_code(error):
+    """ The exit code run_main ends with for error, so the ranks that didn't raise it can end alike. """
+    from configurator import ConfigError
+    from nanogpt_plus.tokenizer import TokenizerError
+    if isinstance(error, PeerFailed):
+        return error.code
+    if isinstance(error, Interrupted):
+        return EXIT_INTERRUPTED
+    if isinstance(error, (UserError, ConfigError, TokenizerError)):
+        return 2
+    return 130 if isinstance(error, KeyboardInterrupt) else 1
+
+
 def master_decides(dist_info, fn):
     """
     Run fn() on rank 0 only (writing a checkpoint, say) and let every rank end the same way: when it raises,
@@ -113,8 +126,7 @@ def master_decides(dist_info, fn):
             fn()
         except BaseException as e:  # every kind, a second Ctrl-C too: the other ranks must hear of it first
             error = e
-    outcome = None if error is None else 2 if isinstance(error, UserError) else 130 if isinstance(
-        error, KeyboardInterrupt) else 1
+    outcome = None if error is None else exit_code(error)
     if dist_info.ddp:
         import torch.distributed as dist
         box = [outcome]
