@@ -12,12 +12,11 @@ A reader checks magic, version and that the file is exactly 1024 + count * items
 the same three things), so a truncated shard or a file that isn't a shard is refused, never half-read.
 
 Usage:
-    from nanogpt_plus.shards import find_shards, open_shard, open_token_file, read_header, write_shard
+    from nanogpt_plus.shards import find_shards, open_shard, read_header, write_shard
     write_shard('data/mine/mine_train_000001.bin', tokens)    # tokens: a uint16 or uint32 array; atomic
     header = read_header(path)                                 # validated: .num_tokens, .dtype, ...
     tokens = open_shard(path)                                  # read-only np.memmap of the tokens
     train, val = find_shards('data/fineweb')                   # the token files of a dataset, by name
-    tokens = open_token_file(train[0])                         # a shard, or nanoGPT's raw train.bin
 """
 
 import os
@@ -140,17 +139,6 @@ def has_header(path):
     return os.path.basename(path) not in RAW_NAMES
 
 
-def open_token_file(path):
-    """ Any token file find_shards returns, as a read-only memmap: a shard, or nanoGPT's raw uint16 file. """
-    if has_header(path):
-        return open_shard(path)
-    if not os.path.isfile(path):
-        raise UserError(f"no token file at {path}; prepare the dataset first")
-    if os.path.getsize(path) % 2:
-        raise UserError(f"{path} has an odd number of bytes, so it is not a uint16 token file; prepare it again")
-    return np.memmap(path, dtype=np.uint16, mode="r")
-
-
 # -----------------------------------------------------------------------------
 # finding a dataset's token files
 
@@ -159,7 +147,7 @@ def find_shards(data_dir):
     (train files, val files) of a dataset directory, by name: files called exactly train.bin / val.bin are
     nanoGPT's raw uint16 files; otherwise every *train*.bin (sorted by name) is a training shard and every
     *val*.bin a validation shard, with llm.c's header. Either list may be empty (one split, say); a directory
-    with no token files at all, or with both kinds, is a UserError. Names only: open_token_file validates.
+    with no token files at all, or with both kinds, is a UserError. Names only: opening validates (open_shard; dataloader.open_token_file for either kind).
     """
     if not os.path.isdir(data_dir):
         raise UserError(f"no dataset directory at {data_dir}; prepare the dataset first")

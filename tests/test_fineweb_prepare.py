@@ -15,10 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO
 
+from nanogpt_plus.dataloader import open_token_file
 from nanogpt_plus.prepare import fineweb
 from nanogpt_plus.prepare.fineweb import ShardWriter, prepare_fineweb
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.shards import as_token_array, find_shards, open_shard, open_token_file, read_header, write_shard
+from nanogpt_plus.shards import as_token_array, find_shards, open_shard, read_header, write_shard
 from nanogpt_plus.tokenizer import get_gpt2_encoding
 
 EOT = 50256
