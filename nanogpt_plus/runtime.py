@@ -53,21 +53,17 @@ def run_main(main):
     teardown while its peers sit in a collective: they see it gone (gloo: 'Connection closed by peer') or
     torchrun stops them, and the whole job ends with the one message of the rank that failed.
     """
-    from configurator import ConfigError
-    from nanogpt_plus.tokenizer import TokenizerError
     try:
         main()
-    except PeerFailed as e:
-        _exit(e.code)
-    except Interrupted:
-        _exit(EXIT_INTERRUPTED)  # the script has said how to resume
-    except (UserError, ConfigError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        _exit(2)
+    except (PeerFailed, Interrupted) as e:  # said already: by rank 0, or the script's how-to-resume line
+        _exit(exit_code(e))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         _exit(130)
     except Exception as e:
+        if exit_code(e) == 2:  # UserError, ConfigError, TokenizerError: the user's to fix, in one line
+            print(f"error: {e}", file=sys.stderr)
+            _exit(2)
         if not _several_processes():
             raise
         if lost_peer(e):  # a consequence, not the cause: the rank that failed has printed the cause
