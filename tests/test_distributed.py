@@ -65,7 +65,8 @@ def test_uneven_evaluation_finishes_with_the_single_process_losses(dataset, tmp_
     one = launch(train_args(dataset, tmp_path / "one", **common), nproc=1)
     assert two.returncode == 0 and one.returncode == 0, two.stderr[-2000:] + one.stderr[-2000:]
     (a,), (b,) = EVAL_LINE.findall(one.stdout), EVAL_LINE.findall(two.stdout)
-    assert a == b, (a, b)
+    # the ranks sum their shares of the batches in another order: equal within rounding, not bitwise
+    assert all(abs(float(x) - float(y)) < 2e-4 for x, y in zip(a, b)), (a, b)
 
 
 @pytest.mark.slow
