@@ -1,13 +1,21 @@
 """
-Tokenizers shared by every script: GPT-2 BPE (tiktoken, offline-capable) and character level.
+Tokenizers shared by every script, with one interface (encode, encode_ordinary, decode, decode_bytes,
+token_bytes, eot_token, vocab_size, meta):
+    gpt2   GPT-2's BPE (tiktoken, offline-capable)
+    char   a character vocabulary (nanoGPT's shakespeare_char)
+    bpe    a byte-level BPE of any size, trained on your corpus (Hugging Face `tokenizers`, tokenizer.json)
 
 Usage:
-    from nanogpt_plus.tokenizer import get_gpt2_encoding, load_tokenizer
+    from nanogpt_plus.tokenizer import get_gpt2_encoding, load_tokenizer, train_bpe
     enc = get_gpt2_encoding()                 # a tiktoken.Encoding identical to tiktoken's 'gpt2'
     tok = load_tokenizer(meta)                # from a checkpoint's/dataset's tokenizer description
+    tok = train_bpe(iter(texts), 8192)        # a BPETokenizer with 8,192 tokens, <|endoftext|> among them
 
 A tokenizer description is a small plain dict, stored in checkpoints and dataset meta files:
     {'kind': 'gpt2'}  or  {'kind': 'char', 'stoi': {ch: id}, 'itos': {id: ch}}
+    or {'kind': 'bpe', 'vocab_size': N, 'eot_token': id, 'tokenizer_json': the whole tokenizer.json text}
+A dataset's meta.json names its tokenizer.json instead of holding it ('tokenizer_file'); read_dataset_meta
+reads the file in, so a checkpoint holds the tokenizer itself and works wherever it is copied.
 """
 
 import functools
@@ -119,6 +127,9 @@ class GPT2Tokenizer:
     def decode_bytes(self, ids):
         return self.enc.decode_bytes(list(ids))
 
+    def token_bytes(self, token):
+        return self.enc.decode_single_token_bytes(token)
+
     def meta(self):
         return {"kind": "gpt2"}
 
@@ -151,15 +162,201 @@ class CharTokenizer:
     def decode(self, ids):
         return "".join(self.itos[int(i)] for i in ids)
 
+    def decode_bytes(self, ids):
+        return self.decode(ids).encode("utf-8")
+
+    def token_bytes(self, token):
+        return self.itos[int(token)].encode("utf-8")
+
     def meta(self):
         # vocab_size/itos/stoi are nanoGPT's meta.pkl keys; 'kind' is ours
         return {"kind": "char", "vocab_size": self.vocab_size, "stoi": dict(self.stoi), "itos": dict(self.itos)}
 
 
+# -----------------------------------------------------------------------------
+# byte-level BPE trained on your own corpus (Hugging Face tokenizers)
+
+MIN_BPE_VOCAB = 257  # the 256 byte tokens every byte-level BPE starts from, plus <|endoftext|>
+
+
+@functools.lru_cache(maxsize=None)
+def byte_alphabet():
+    """
+    {character: byte} of byte-level BPE (GPT-2's): a token's text is one printable character per byte, the
+    printable bytes standing for themselves and the other 68 (controls, space, ...) shifted to 256 + n in order.
+    """
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}  # '!'..'~', '¡'..'¬', '®'..'ÿ'
+    table, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+class BPETokenizer:
+    """
+    A byte-level BPE described by a Hugging Face tokenizer.json, with an <|endoftext|> token. Every text
+    encodes (no unknown characters) and decodes back byte for byte: the tokens are pieces of its UTF-8 bytes.
+    """
+    kind = "bpe"
+
+    def __init__(self, tokenizer_json, name="the tokenizer"):
+        from tokenizers import Tokenizer
+        self.json = tokenizer_json
+        spec = _check_byte_level_bpe(tokenizer_json, name)
+        try:
+            self.tok = Tokenizer.from_str(tokenizer_json)
+            self.ordinary = Tokenizer.from_str(tokenizer_json)
+        except Exception as e:  # the Rust parser's error: a field missing or of the wrong type
+            raise TokenizerError(f"{name} is not a valid tokenizer.json ({_first_line(e)}); use the file "
+                                 f"prepare.py wrote, or --tokenizer=bpe to train a new one") from None
+        self.ordinary.encode_special_tokens = True  # encode_ordinary: '<|endoftext|>' in a text is just text
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.eot_token = self.tok.token_to_id(EOT_TEXT)
+        self._bytes = _token_byte_table(spec, self.tok, self.vocab_size, name)
+
+    def encode(self, text):
+        # like GPT2Tokenizer: the end-of-text marker in a prompt is the special token
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary(self, text):
+        return self.ordinary.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary_batch(self, texts):
+        """ encode_ordinary of many texts at once, in parallel threads of the Rust library. """
+        return [e.ids for e in self.ordinary.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode_bytes(self, ids):
+        return b"".join(self._bytes[int(i)] for i in ids)
+
+    def decode(self, ids):
+        # a sample may stop in the middle of a character's bytes: shown as U+FFFD, like tiktoken's decode
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token):
+        return self._bytes[int(token)]
+
+    def meta(self):
+        return {"kind": "bpe", "vocab_size": self.vocab_size, "eot_token": self.eot_token,
+                "tokenizer_json": self.json}
+
+
+def _first_line(e):
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
+def _check_byte_level_bpe(tokenizer_json, name):
+    """ The parsed tokenizer.json, refusing (in one line) one that isn't a byte-level BPE with <|endoftext|>. """
+    try:
+        spec = json.loads(tokenizer_json)
+    except ValueError as e:
+        raise TokenizerError(f"{name} is not valid JSON ({e}); it is corrupt: re-run prepare.py with "
+                             f"--tokenizer=bpe to train a new one") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+        raise TokenizerError(f"{name} is not a Hugging Face tokenizer.json (no 'model'); pass a tokenizer.json "
+                             f"or --tokenizer=bpe")
+    kind = spec["model"].get("type")
+    if kind != "BPE":
+        raise TokenizerError(f"{name} is a {kind} tokenizer, not a byte-level BPE; pass a byte-level BPE "
+                             f"tokenizer.json (e.g. one prepare.py trained) or --tokenizer=bpe")
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if not any(step and step.get("type") == "ByteLevel" for step in steps):
+        raise TokenizerError(f"{name} is a BPE over characters, not bytes (its pre-tokenizer has no ByteLevel "
+                             f"step), so some text would have no tokens; pass a byte-level BPE or --tokenizer=bpe")
+    if spec.get("normalizer"):
+        raise TokenizerError(f"{name} normalizes the text ({spec['normalizer'].get('type')}), so decoding would "
+                             f"not give back the text byte for byte; pass a byte-level BPE without a normalizer")
+    if not any(t.get("content") == EOT_TEXT and t.get("special") for t in spec.get("added_tokens") or []):
+        raise TokenizerError(f"{name} has no {EOT_TEXT} special token, which separates documents; train one "
+                             f"with --tokenizer=bpe (it adds it)")
+    return spec
+
+
+def _token_byte_table(spec, tok, vocab_size, name):
+    """ The bytes of every token id, 0..vocab_size-1 (a special token's are its text's UTF-8). """
+    alphabet = byte_alphabet()
+    table = [None] * vocab_size
+    for text, i in tok.get_vocab(with_added_tokens=True).items():
+        if i >= vocab_size:
+            raise TokenizerError(f"{name} numbers its tokens with gaps (id {i} in a vocabulary of {vocab_size}); "
+                                 f"pass a tokenizer.json whose ids run 0..{vocab_size - 1}")
+        special = tok.id_to_token(i) == text and any(t.get("content") == text for t in spec.get("added_tokens") or [])
+        if special:
+            table[i] = text.encode("utf-8")
+        elif all(ch in alphabet for ch in text):
+            table[i] = bytes(alphabet[ch] for ch in text)
+        else:
+            raise TokenizerError(f"{name} has the token {text!r}, which is not written in the byte-level alphabet; "
+                                 f"pass a byte-level BPE tokenizer.json")
+    missing = [i for i, b in enumerate(table) if b is None]
+    if missing:
+        raise TokenizerError(f"{name} has no token with id {missing[0]}; pass a tokenizer.json whose ids run "
+                             f"0..{vocab_size - 1}")
+    return table
+
+
+def train_bpe(texts, vocab_size, length=None, show_progress=True):
+    """
+    A byte-level BPE of vocab_size tokens learned from texts (an iterator of strings or of lists of strings,
+    read once): GPT-2's pre-tokenizer (its regex, then bytes), the 256 byte tokens, <|endoftext|> as id 0,
+    then merges. Memory holds the distinct words seen, not the corpus. The same texts and vocab_size give
+    the same tokenizer.json. length (the number of items, if known) drives the progress bar.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    if vocab_size < MIN_BPE_VOCAB:
+        raise TokenizerError(f"vocab_size={vocab_size} is smaller than a byte-level BPE's base vocabulary (256 "
+                             f"bytes + {EOT_TEXT} = {MIN_BPE_VOCAB}); use --vocab_size={MIN_BPE_VOCAB} or more")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT], show_progress=show_progress,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    got = tok.get_vocab_size(with_added_tokens=True)
+    if got < vocab_size:
+        raise TokenizerError(f"the corpus fills only {got:,} of the {vocab_size:,} tokens asked for (BPE ran out "
+                             f"of pairs to merge); use --vocab_size={got} or less, or more text")
+    return BPETokenizer(tok.to_str(), name="the trained tokenizer")
+
+
+def read_tokenizer_file(path):
+    """ A BPETokenizer from a tokenizer.json file (--tokenizer=PATH), or one line saying what is wrong. """
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise TokenizerError(f"no tokenizer file at {path}; pass the path of a tokenizer.json, or "
+                             f"--tokenizer=bpe|gpt2|char") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path} could not be read as a tokenizer.json ({e})") from None
+    return BPETokenizer(text, name=path)
+
+
+def tokenizer_fingerprint(tokenizer_json):
+    """ The sha256 of a tokenizer.json's content, independent of its formatting (key order, indentation). """
+    canonical = json.dumps(json.loads(tokenizer_json), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
 def load_tokenizer(meta):
     """ A tokenizer from its description (checkpoint 'tokenizer' entry or dataset meta); None means GPT-2. """
-    if meta is None or meta.get("kind", "char" if "stoi" in meta else "gpt2") == "gpt2":
+    kind = "gpt2" if meta is None else meta.get("kind", "char" if "stoi" in meta else "gpt2")
+    if kind == "gpt2":
         return GPT2Tokenizer()
+    if kind == "bpe":
+        if not meta.get("tokenizer_json"):
+            raise TokenizerError("the bpe tokenizer description holds no tokenizer.json; re-run the dataset's "
+                                 "prepare.py")
+        return BPETokenizer(meta["tokenizer_json"])
+    if kind != "char":
+        raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected 'gpt2', 'char' or 'bpe'")
     if "stoi" not in meta:
         raise TokenizerError("the tokenizer description has no 'stoi' vocabulary; re-run the dataset's prepare.py")
     return CharTokenizer(meta["stoi"], meta.get("itos"))
@@ -175,10 +372,27 @@ class _SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"meta.pkl refers to {module}.{name}; only plain data is allowed")
 
 
+def _dataset_tokenizer_json(data_dir, meta):
+    """ The text of the tokenizer.json a bpe dataset's meta.json names, checked against the sha256 it records. """
+    path = os.path.join(data_dir, meta.get("tokenizer_file") or "tokenizer.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path} (the dataset's tokenizer) could not be read ({e}); re-run the dataset's "
+                             f"prepare.py") from None
+    expected = meta.get("tokenizer_sha256")
+    if expected and hashlib.sha256(text.encode("utf-8")).hexdigest() != expected:
+        raise TokenizerError(f"{path} is not the tokenizer the dataset's tokens were made with (its sha256 differs "
+                             f"from meta.json's); restore it or re-run the dataset's prepare.py")
+    return text
+
+
 def read_dataset_meta(data_dir):
     """
     The tokenizer description of a prepared dataset directory: meta.json first, else nanoGPT's meta.pkl
-    (read with a restricted unpickler), else None (the dataset is GPT-2 BPE, like nanoGPT assumes).
+    (read with a restricted unpickler), else None (the dataset is GPT-2 BPE, like nanoGPT assumes). A bpe
+    dataset's tokenizer.json is read in (as 'tokenizer_json'), so the description stands on its own.
     """
     json_path = os.path.join(data_dir, "meta.json")
     pkl_path = os.path.join(data_dir, "meta.pkl")
@@ -190,6 +404,8 @@ def read_dataset_meta(data_dir):
             raise TokenizerError(f"{json_path} is unreadable ({e}); re-run the dataset's prepare.py") from None
         if "itos" in meta:  # JSON object keys are strings; ids are ints
             meta["itos"] = {int(k): v for k, v in meta["itos"].items()}
+        if meta.get("kind") == "bpe" and "tokenizer_json" not in meta:
+            meta["tokenizer_json"] = _dataset_tokenizer_json(data_dir, meta)
         return meta
     if os.path.exists(pkl_path):
         try:

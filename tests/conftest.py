@@ -130,3 +130,82 @@ def save_test_checkpoint(model, tokenizer_meta, path, dataset='x'):
                             tokenizer=tokenizer_meta, provenance={}, optimizer={})
     save_checkpoint(ckpt, str(path))
     return str(path)
+
+
+# -----------------------------------------------------------------------------
+# byte-level BPE datasets (the 'bpe' tokenizer kind)
+
+def bpe_corpus_text(n_words=40000, seed=0):
+    """ A deterministic text of made-up words in lines and paragraphs, with accents, CJK and emoji in it:
+    enough repeated structure for a few thousand BPE merges, and every kind of UTF-8 character. """
+    import random
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "té", "vo", "ñu", "zé", "qu", "th", "ing", "er", "on"]
+    vocabulary = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
+    vocabulary += ["世界", "東京", "データ", "🎉", "🚀", "naïve", "façade", "Ελλάδα", "Москва"]
+    words = [rng.choice(vocabulary[:300]) if rng.random() < 0.7 else rng.choice(vocabulary) for _ in range(n_words)]
+    lines, i = [], 0
+    while i < len(words):
+        n = rng.randint(4, 12)
+        lines.append(" ".join(words[i:i + n]).capitalize() + rng.choice([".", ",", "!", "?", ";"]))
+        i += n
+    return "\n".join(line + ("\n" if k % 7 == 6 else "") for k, line in enumerate(lines)) + "\n"
+
+
+def synthetic_bpe_json(vocab_size):
+    """ A valid byte-level BPE tokenizer.json of exactly vocab_size tokens, built without training (for
+    vocabularies no small corpus can fill, e.g. past 65,536): the 256 byte tokens, <|endoftext|>, then merges
+    of a token and a byte into one, in a fixed order. """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from nanogpt_plus.tokenizer import EOT_TEXT, byte_alphabet
+    chars = sorted(byte_alphabet(), key=lambda ch: byte_alphabet()[ch])
+    vocab = {ch: i for i, ch in enumerate(chars)}  # ids 0..255, then <|endoftext|> as 256
+    vocab[EOT_TEXT] = 256
+    merges, firsts = [], list(chars)  # merges of (first, byte): all two-byte tokens, then three-byte ones
+    while len(vocab) < vocab_size:
+        longer = []
+        for a in firsts:
+            for b in chars:
+                if len(vocab) < vocab_size and a + b not in vocab:
+                    vocab[a + b] = len(vocab)
+                    merges.append((a, b))
+                    longer.append(a + b)
+        firsts = longer
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOT_TEXT])
+    return tok.to_str()
+
+
+def write_bpe_dataset(directory, tokenizer, text, val_fraction=0.1):
+    """ A bpe dataset in prepare.py's format: train.bin / val.bin (uint16, or uint32 past 65,536 tokens),
+    tokenizer.json and meta.json naming it with its sha256, the eot id and the dtype. The text is split by
+    characters like nanoGPT's Shakespeare (first 90% train); returns the directory. """
+    import hashlib
+
+    from nanogpt_plus.shards import token_dtype
+    os.makedirs(directory, exist_ok=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    cut = int(len(text) * (1 - val_fraction))
+    for split, part in (("train", text[:cut]), ("val", text[cut:])):
+        np.array(tokenizer.encode_ordinary(part), dtype=dtype).tofile(os.path.join(directory, f"{split}.bin"))
+    with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(tokenizer.json)
+    meta = {"kind": "bpe", "vocab_size": tokenizer.vocab_size, "eot_token": tokenizer.eot_token,
+            "dtype": dtype.name, "tokenizer_file": "tokenizer.json",
+            "tokenizer_sha256": hashlib.sha256(tokenizer.json.encode("utf-8")).hexdigest()}
+    with open(os.path.join(directory, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def bpe512(tmp_path_factory):
+    """ (tokenizer, dataset directory): a vocab-512 byte-level BPE trained on bpe_corpus_text, and a
+    dataset of that text in its tokens (usable as --dataset). """
+    from nanogpt_plus.tokenizer import train_bpe
+    text = bpe_corpus_text()
+    tok = train_bpe(iter(text.split("\n\n")), 512, show_progress=False)
+    return tok, write_bpe_dataset(tmp_path_factory.mktemp("bpe512"), tok, text)
