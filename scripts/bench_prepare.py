@@ -12,7 +12,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchtools import cpu_seconds, parse_num_procs, work_directory
+from benchtools import cpu_seconds, parse_num_procs, work_directory, write_jsonl_corpus
 
 from configurator import configure
 from nanogpt_plus.prepare.corpus import prepare_corpus
@@ -28,25 +28,13 @@ defaults = {
 }
 
 
-def generate_corpus(path, size_mb, seed):
-    """ A JSONL corpus of benchmark_documents ({"text": ...} per line); returns its size in bytes. """
-    import json
-    written = 0
-    with open(path, "w", encoding="utf-8") as f:
-        for doc in benchmark_documents(size_mb, seed):
-            line = json.dumps({"text": doc}) + "\n"
-            f.write(line)
-            written += len(line)
-    return written
-
-
 def main():
     config = configure(defaults, doc=__doc__)
     num_procs = parse_num_procs(config['num_procs'])
     with work_directory(config['work_dir'], "bench_prepare_") as work:
         corpus = os.path.join(work, "corpus.jsonl")
         t0 = time.time()
-        size = generate_corpus(corpus, config['size_mb'], config['seed'])
+        size = write_jsonl_corpus(corpus, benchmark_documents(config['size_mb'], config['seed']))
         print(f"generated {size / 1e6:.1f} MB corpus in {time.time() - t0:.1f} s; cpu cores: {os.cpu_count()}, "
               f"load average: {os.getloadavg()[0]:.1f}")
         get_gpt2_encoding()  # build the tokenizer once, outside the timings (forked workers inherit it)

@@ -3,8 +3,9 @@ What the benchmark scripts share (not an entry point): their --num_procs lists, 
 seconds of a process and its workers, and the CPU the figures were measured on.
 
 Usage (from a script in scripts/, which Python puts on sys.path):
-    from benchtools import cpu_model, cpu_seconds, parse_num_procs, work_directory
+    from benchtools import cpu_model, cpu_seconds, parse_num_procs, work_directory, write_jsonl_corpus
 """
+import json
 import os
 import platform
 import shutil
@@ -49,3 +50,14 @@ def cpu_model():
         out = ""
     names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
     return names[0] if names else platform.processor() or "unknown"
+
+
+def write_jsonl_corpus(path, documents):
+    """ A JSONL corpus, {"text": document} per line (what prepare.py's --input/--files read); its size in bytes. """
+    written = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for doc in documents:
+            line = json.dumps({"text": doc}) + "\n"
+            f.write(line)
+            written += len(line)
+    return written
