@@ -17,6 +17,7 @@ import pytest
 from conftest import REPO, bpe_corpus_text, synthetic_bpe_json
 
 from nanogpt_plus.prepare import corpus
+from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import load_tokenizer, read_dataset_meta
 
 SCRIPT = os.path.join(REPO, "data", "text", "prepare.py")
@@ -128,10 +129,11 @@ def test_one_text_file_gives_the_shakespeare_scripts_files(tokenizer, script, tm
 
 @pytest.fixture(scope="module")
 def big_tokenizer(tmp_path_factory):
-    """ The path of a valid byte-level BPE tokenizer.json of 70,000 tokens (no training). """
+    """ (path, BPETokenizer) of a valid byte-level BPE tokenizer.json of 70,000 tokens (no training). """
+    from nanogpt_plus.tokenizer import BPETokenizer
     path = tmp_path_factory.mktemp("big_tok") / "tokenizer.json"
     path.write_text(synthetic_bpe_json(70000), encoding="utf-8")
-    return path
+    return path, BPETokenizer(path.read_text(encoding="utf-8"))
 
 
 def uint32_texts():
@@ -145,11 +147,12 @@ def test_a_vocabulary_past_65536_writes_uint32_token_files(big_tokenizer, tmp_pa
     for k, text in enumerate(uint32_texts()):
         (tmp_path / f"d{k}.txt").write_text(text, encoding="utf-8")
     out = tmp_path / "out"
-    prepare(monkeypatch, f"--input={tmp_path}/d*.txt", f"--tokenizer={big_tokenizer}", f"--out_dir={out}",
+    path, tok = big_tokenizer
+    prepare(monkeypatch, f"--input={tmp_path}/d*.txt", f"--tokenizer={path}", f"--out_dir={out}",
             f"--cache_dir={tmp_path / 'cache'}", "--num_proc=1")
     meta = read_dataset_meta(str(out))
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70000
-    tok = load_tokenizer(meta)
+    assert meta["tokenizer_json"] == tok.json  # (building it again from meta would take a second)
     ids = {s: np.fromfile(out / s, dtype=np.uint32) for s in BINS}
     expected = sum(len(tok.encode_ordinary(t)) + 1 for t in uint32_texts())
     assert sum(len(a) for a in ids.values()) == expected
@@ -203,3 +206,40 @@ def test_errors_are_one_line_and_exit_code_2(case, tmp_path, monkeypatch, capsys
     last = err.strip().splitlines()[-1]  # progress bars of datasets may come before it
     assert last.startswith("error: ") and re.search(message, last), last
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_fineweb_shards_of_a_vocabulary_past_65536_are_llm_c_uint32(big_tokenizer, bpe_runs, tmp_path, capsys):
+    from nanogpt_plus.prepare.fineweb import prepare_fineweb
+    from nanogpt_plus.shards import find_shards, open_shard, read_header
+    with open(tmp_path / "docs.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in uint32_texts())
+    out = tmp_path / "shards"
+
+    def run(tokenizer, num_proc=1):
+        return prepare_fineweb(str(out), files=str(tmp_path / "docs.jsonl"), shard_size=16, num_proc=num_proc,
+                               cache_dir=str(tmp_path / "cache"), progress=False, tokenizer=str(tokenizer))
+    path, tok = big_tokenizer
+    run(path)
+    train, val = find_shards(str(out))
+    headers = [read_header(p) for p in val + train]
+    assert len(headers) >= 2 and all((h.magic, h.version, h.dtype) == (20240801, 7, np.uint32) for h in headers)
+    meta = read_dataset_meta(str(out))  # the shards' directory describes its tokenizer, like a prepare.py dataset
+    assert (meta["kind"], meta["vocab_size"], meta["dtype"]) == ("bpe", 70000, "uint32")
+    assert meta["tokenizer_json"] == tok.json and (out / "tokenizer.json").exists()
+    stream = np.concatenate([open_shard(p) for p in val + train])
+    assert stream.tolist() == [i for t in uint32_texts() for i in [tok.eot_token] + tok.encode_ordinary(t)]
+    assert stream.max() > 65535
+    # the tokenizer is a setting a resume must match: the same one has nothing to do, another is refused
+    capsys.readouterr()
+    run(path)
+    assert "nothing to do" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"prepared with other settings \((dtype|tokenizer): "):
+        run(bpe_runs[0] / "tokenizer.json")
+
+
+def test_fineweb_workers_build_the_bpe_from_its_json(bpe_runs):
+    from nanogpt_plus.prepare.fineweb import tokenize_stream
+    tok = load_tokenizer(read_dataset_meta(str(bpe_runs[0])))
+    texts = [f"document {i}: naïve 東京 🎉 " * (i % 5) for i in range(50)]
+    in_pool = [a.tolist() for a in tokenize_stream(iter(texts), num_proc=2, window=8, tok=tok)]
+    assert in_pool == [[tok.eot_token] + tok.encode_ordinary(t) for t in texts]
