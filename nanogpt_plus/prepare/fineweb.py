@@ -58,12 +58,12 @@ def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-1
     dtype = token_dtype(tok.vocab_size if tok else get_gpt2_encoding().n_vocab)
     settings = output_settings(dataset, name, files, text_column, streaming, shard_size, prefix, dtype, tok)
     records, end_of_corpus = resume(out_dir, settings, max_tokens)
-    if tok is not None:  # beside the shards before any of them: meta.json names it (and its sha256)
-        atomic_write(os.path.join(out_dir, TOKENIZER_FILE), lambda f: f.write(tok.json.encode("utf-8")))
     done = sum(r["tokens"] for r in records)
     if end_of_corpus or (max_tokens and done >= max_tokens):
         print(f"{out_dir} already holds all {done:,} tokens of these settings in {len(records)} shards; nothing to do")
         return summary(records, 0, 0.0)
+    if tok is not None:  # beside the shards before the next one: meta.json names it (and its sha256)
+        atomic_write(os.path.join(out_dir, TOKENIZER_FILE), lambda f: f.write(tok.json.encode("utf-8")))
     ds, column = load_documents(dataset, name, files, text_column, streaming, num_proc, cache_dir)
     t0 = time.time()
     with tqdm(total=max_tokens or None, initial=done, unit="tok", unit_scale=True, disable=not progress,
