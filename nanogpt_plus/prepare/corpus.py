@@ -54,8 +54,8 @@ def prepare_corpus(out_dir, dataset="openwebtext", files="", text_column="text",
     ds, text_column = load_corpus(dataset, files, text_column, num_proc, cache_dir, sample_by, name)
     print(n_documents(len(ds)))
     splits, by_documents = split_corpus(ds, text_column, test_size, seed)
-    tok = tok or corpus_tokenizer(tokenizer, vocab_size or DEFAULT_BPE_VOCAB, splits, text_column, by_documents,
-                                  progress)
+    if tok is None:  # char and bpe: made from the corpus
+        tok = corpus_tokenizer(tokenizer, vocab_size or DEFAULT_BPE_VOCAB, splits, text_column, by_documents, progress)
     dtype = describe_tokenizer(tok, by_documents)
     t0 = time.time()
     tokenized = tokenize_splits(splits, text_column, tok, dtype, by_documents, num_proc, load_from_cache_file)
