@@ -1,7 +1,7 @@
 """
 Data preparation (nanogpt_plus/prepare/ and the three prepare.py scripts): exact token counts, the
 nanoGPT-compatible meta files, the offline tiny Shakespeare substitute, the parallel corpus path, the
-uint16 guard and all-or-nothing outputs. Offline: downloads are simulated or pointed at a closed port.
+token dtype guard and all-or-nothing outputs. Offline: downloads are simulated or pointed at a closed port.
 """
 import json
 import os
@@ -17,13 +17,14 @@ from conftest import REPO
 
 from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.files import atomic_outputs, atomic_write
-from nanogpt_plus.prepare import corpus, plays, shakespeare
-from nanogpt_plus.prepare.corpus import expand_files, load_corpus, prepare_corpus, tokenize_splits
+from nanogpt_plus.prepare import plays, shakespeare
+from nanogpt_plus.prepare.corpus import expand_files, load_corpus, prepare_corpus
 from nanogpt_plus.prepare.plays import TINY_SHAKESPEARE_CHARS, shakespeare_substitute
 from nanogpt_plus.prepare.shakespeare import TINY_SHAKESPEARE_URL, prepare_bpe, prepare_char, shakespeare_text
 from nanogpt_plus.prepare.text import download_text, find_invalid_utf8, read_text_file
-from nanogpt_plus.prepare.token_files import check_vocab_fits, to_uint16, write_token_batches
+from nanogpt_plus.prepare.token_files import check_vocab_fits, write_token_batches, write_tokens
 from nanogpt_plus.runtime import UserError
+from nanogpt_plus.shards import as_token_array
 from nanogpt_plus.tokenizer import get_gpt2_encoding, load_tokenizer, read_dataset_meta
 
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n" * 40
@@ -173,7 +174,7 @@ def test_bpe_counts_equal_encode_ordinary(tmp_path):
     assert counts["train_tokens"] == len(train_ids) and counts["val_tokens"] == len(val_ids)
     assert tokens(tmp_path / "train.bin").tolist() == train_ids
     assert tokens(tmp_path / "val.bin").tolist() == val_ids
-    assert read_dataset_meta(str(tmp_path)) == {"kind": "gpt2", "vocab_size": 50257}
+    assert read_dataset_meta(str(tmp_path)) == {"kind": "gpt2", "vocab_size": 50257, "dtype": "uint16"}
     assert not (tmp_path / "meta.pkl").exists()  # like nanoGPT
 
 
@@ -291,28 +292,25 @@ def test_corpus_txt_files_and_file_errors(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# uint16 guard and all-or-nothing outputs
+# the token dtype guard and all-or-nothing outputs
 
-def test_uint16_guard(tmp_path, monkeypatch):
-    assert to_uint16([0, 65535]).dtype == np.uint16
+def test_token_dtype_guard(tmp_path):
+    assert as_token_array([0, 65535], np.uint16).dtype == np.uint16
     with pytest.raises(UserError, match="token id 65536 does not fit in uint16"):
-        to_uint16([1, 65536])
+        as_token_array([1, 65536], np.uint16)
     with pytest.raises(UserError, match="token id -1"):
-        to_uint16([-1, 3])
-    check_vocab_fits(65536)
-    with pytest.raises(UserError, match="100,277 tokens, more than uint16"):
-        check_vocab_fits(100277)
-    # a tokenizer with a larger vocabulary is refused before any tokenizing or writing
-    class BigVocab:
-        n_vocab = 100277
-    monkeypatch.setattr(corpus, "get_gpt2_encoding", lambda: BigVocab())
-    with pytest.raises(UserError, match="more than uint16"):
-        tokenize_splits(None, "text")
-    # and an out-of-range id in a batch stops the writer: no token file appears
+        as_token_array([-1, 3], np.uint16)
+    # vocabularies past 65,536 get uint32 files; only one past uint32 is refused, before any tokenizing
+    assert check_vocab_fits(65536) == np.uint16 and check_vocab_fits(100277) == np.uint32
+    with pytest.raises(UserError, match="4,294,967,297 tokens, more than uint32"):
+        check_vocab_fits(2 ** 32 + 1)
+    write_tokens(str(tmp_path / "big.bin"), [1, 70000, 2 ** 32 - 1], np.uint32)
+    assert np.fromfile(tmp_path / "big.bin", dtype=np.uint32).tolist() == [1, 70000, 2 ** 32 - 1]
+    # an out-of-range id in a batch stops the writer: no token file appears
     with pytest.raises(UserError):
-        with atomic_outputs(str(tmp_path)) as out:
+        with atomic_outputs(str(tmp_path / "out")) as out:
             write_token_batches(out.path("train.bin"), 4, iter([np.array([1, 2]), np.array([3, 70000])]))
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path / "out") == []
 
 
 def test_interrupted_write_leaves_old_outputs_and_no_finished_looking_file(tmp_path, monkeypatch):
@@ -323,7 +321,7 @@ def test_interrupted_write_leaves_old_outputs_and_no_finished_looking_file(tmp_p
     # a second run on other text dies after train.bin and val.bin were fully written but before meta
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(shakespeare, "write_meta", boom)
+    monkeypatch.setattr(shakespeare, "write_dataset_meta", boom)
     with pytest.raises(KeyboardInterrupt):
         prepare_char("completely different text\n" * 50, str(tmp_path))
     after = {p: (tmp_path / p).read_bytes() for p in before}

@@ -1,17 +1,20 @@
 """
 FineWeb-Edu for GPT-2 (llm.c's and build-nanogpt's corpus), or any other corpus, into llm.c's token shards:
 a Hugging Face dataset by name and config, or local .parquet / .jsonl / .json / .txt files. Every document is
-GPT-2 BPE encoded by num_proc worker processes, with the end-of-text token 50256 BEFORE it (as llm.c does;
-nanoGPT's openwebtext puts it after), and the token stream is cut into shards of shard_size tokens in llm.c's
-.bin format (a 1024-byte header: magic 20240520, version 1, token count; then uint16 tokens). The first shard
-is val (<prefix>_val_000000.bin), the others train (<prefix>_train_000001.bin, ...); meta.json records what
-each shard consumed.
+GPT-2 BPE encoded (or with your own byte-level BPE: --tokenizer=PATH of a tokenizer.json) by num_proc worker
+processes, with the end-of-text token (50256 for GPT-2) BEFORE it (as llm.c does; nanoGPT's openwebtext puts it
+after), and the token stream is cut into shards of shard_size tokens in llm.c's .bin format (a 1024-byte header:
+magic 20240520, version 1, token count; then uint16 tokens; for a vocabulary past 65,536 tokens llm.c's uint32
+shards, magic 20240801, version 7). The first shard is val (<prefix>_val_000000.bin), the others train
+(<prefix>_train_000001.bin, ...); meta.json records the tokenizer (a tokenizer.json is copied beside the shards)
+and what each shard consumed.
 
 Usage:
     python data/fineweb/prepare.py                                  # FineWeb-Edu sample-10BT: ~10B tokens, 100 shards
     python data/fineweb/prepare.py --streaming=True --max_tokens=1000000000    # tokenizing starts at once; 1B tokens
     python data/fineweb/prepare.py --dataset=HuggingFaceFW/fineweb --name=sample-10BT --prefix=fineweb
     python data/fineweb/prepare.py --files='corpus/*.parquet' --shard_size=10000000 --out_dir=data/mine
+    python data/fineweb/prepare.py --tokenizer=data/mytext/tokenizer.json --out_dir=data/fineweb_mybpe
 
 Killed or stopped by max_tokens? Run the same command again (a larger --max_tokens, or 0, to go further): the
 complete shards are kept and tokenizing goes on after the last one. Memory holds one shard (200 MB at the
@@ -36,6 +39,7 @@ defaults = {
     'shard_size': 10 ** 8,     # tokens per shard (llm.c's 100M: 200 MB files); the last shard holds the rest
     'max_tokens': 0,           # stop after this many tokens in all (0 = the whole corpus), e.g. 10**9 for a short run
     'prefix': 'edufineweb',    # shard names: <prefix>_val_000000.bin, <prefix>_train_000001.bin, ...
+    'tokenizer': 'gpt2',       # 'gpt2', or the path of a byte-level BPE tokenizer.json (data/text/prepare.py's)
     'out_dir': HERE,           # where the shards and meta.json go
 }
 

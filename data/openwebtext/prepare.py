@@ -12,7 +12,8 @@ Usage:
 
 For openwebtext expect 9,035,582,198 train tokens (a ~17 GB train.bin) and 4,434,897 val tokens (~8.5 MB).
 The tokenized splits are cached by Hugging Face datasets (--cache_dir), so a second run skips the encoding.
-Read a token file back with np.memmap(path, dtype=np.uint16, mode='r').
+Read a token file back with np.memmap(path, dtype=np.uint16, mode='r') (meta.json records the dtype).
+For your own tokenizer (a BPE trained on the corpus, characters, a tokenizer.json) use data/text/prepare.py.
 """
 import os
 

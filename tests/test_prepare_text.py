@@ -1,0 +1,245 @@
+"""
+data/text/prepare.py (nanogpt_plus/prepare/corpus.py with a tokenizer of your choice): a byte-level BPE trained
+on the train split, deterministic and byte-exact on mixed Unicode; the end-of-text id meta.json names after
+each document; char and gpt2 byte-identical to the Shakespeare scripts on one file; a tokenizer.json reused;
+uint32 token files and llm.c's uint32 shards past 65,536 tokens; each bad setting one line, exit code 2.
+In-process and offline.
+"""
+import hashlib
+import json
+import os
+import re
+import runpy
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO, bpe_corpus_text, synthetic_bpe_json
+
+from nanogpt_plus.prepare import corpus
+from nanogpt_plus.runtime import UserError
+from nanogpt_plus.tokenizer import load_tokenizer, read_dataset_meta
+
+SCRIPT = os.path.join(REPO, "data", "text", "prepare.py")
+BINS = ("train.bin", "val.bin")
+
+
+def prepare(monkeypatch, *args):
+    """ data/text/prepare.py ARGS in this process, as `python data/text/prepare.py ARGS` runs it. """
+    monkeypatch.setattr(sys, "argv", ["prepare.py", *args])
+    runpy.run_path(SCRIPT, run_name="__main__")
+
+
+def files_of(out_dir, names=BINS + ("meta.json", "tokenizer.json")):
+    return {n: (out_dir / n).read_bytes() for n in names if (out_dir / n).exists()}
+
+
+def documents_of(ids, eot):
+    """ The documents of a token file written by the multi-document path: (tokens..., eot) repeated. """
+    assert len(ids) and ids[-1] == eot
+    cuts = np.flatnonzero(ids == eot)
+    return [ids[a + 1:b] for a, b in zip(np.concatenate([[-1], cuts[:-1]]), cuts)]
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    """ Eight .txt documents of mixed-Unicode text (one holding the end-of-text marker as plain text). """
+    d = tmp_path_factory.mktemp("corpus")
+    paragraphs = bpe_corpus_text().split("\n\n")
+    for k in range(8):
+        text = "\n\n".join(paragraphs[k::8]) + ("\nit ends with <|endoftext|> as text\n" if k == 3 else "")
+        (d / f"doc{k}.txt").write_text(text, encoding="utf-8")
+    return d
+
+
+@pytest.fixture(scope="module")
+def bpe_runs(corpus_dir, tmp_path_factory):
+    """ The same vocab-512 BPE preparation twice (num_proc 1, then 2; separate caches): the two out_dirs. """
+    mp = pytest.MonkeyPatch()
+    outs = []
+    for num_proc in (1, 2):
+        out = tmp_path_factory.mktemp(f"bpe_np{num_proc}")
+        prepare(mp, f"--input={corpus_dir}/*.txt", "--vocab_size=512", f"--num_proc={num_proc}", f"--out_dir={out}",
+                f"--cache_dir={tmp_path_factory.mktemp('cache')}")
+        outs.append(out)
+    mp.undo()
+    return outs
+
+
+def test_bpe_is_deterministic_and_round_trips_every_document_byte_exact(corpus_dir, bpe_runs):
+    first, second = bpe_runs
+    assert files_of(first) == files_of(second) and len(files_of(first)) == 4  # same tokenizer.json, same bins
+    meta = json.loads((first / "meta.json").read_text())
+    tokenizer_json = (first / "tokenizer.json").read_text(encoding="utf-8")
+    assert meta == {"kind": "bpe", "vocab_size": 512, "eot_token": 0, "dtype": "uint16",
+                    "tokenizer_file": "tokenizer.json",
+                    "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()}
+    tok = load_tokenizer(read_dataset_meta(str(first)))  # what train.py and a checkpoint get
+    assert tok.vocab_size == 512 and tok.eot_token == meta["eot_token"]
+    # every document exactly once, each followed by the eot id (1 of 8 held out), decoding to its exact bytes
+    split = {s: documents_of(np.fromfile(first / s, dtype=np.uint16), tok.eot_token) for s in BINS}
+    assert len(split["val.bin"]) == 1 and len(split["train.bin"]) == 7
+    decoded = sorted(tok.decode_bytes(d.tolist()) for d in split["train.bin"] + split["val.bin"])
+    assert decoded == sorted(p.read_bytes() for p in corpus_dir.glob("*.txt"))
+    assert any("東京".encode() in d and "🎉".encode() in d and "façade".encode() in d for d in decoded)
+
+
+def test_bpe_is_trained_on_the_train_split_only(corpus_dir, bpe_runs, tmp_path):
+    # the held-out document's text is not what the tokenizer learned from: training on the 7 train
+    # documents alone gives the same tokenizer.json
+    from nanogpt_plus.tokenizer import train_bpe
+    tok = load_tokenizer(read_dataset_meta(str(bpe_runs[0])))
+    train_ids = np.fromfile(bpe_runs[0] / "train.bin", dtype=np.uint16)
+    texts = [tok.decode_bytes(d.tolist()).decode("utf-8") for d in documents_of(train_ids, tok.eot_token)]
+    again = train_bpe(iter([texts]), 512, show_progress=False)
+    assert again.json == tok.json
+
+
+def test_tokenizer_path_is_reused_with_the_same_ids(corpus_dir, bpe_runs, tmp_path, monkeypatch, capsys):
+    for path in (bpe_runs[0] / "tokenizer.json", bpe_runs[0]):  # the file, or the directory holding it
+        out = tmp_path / path.name
+        prepare(monkeypatch, f"--input={corpus_dir}/*.txt", f"--tokenizer={path}", f"--out_dir={out}",
+                f"--cache_dir={tmp_path / 'cache'}", "--num_proc=1")
+        assert files_of(out) == files_of(bpe_runs[0])
+        assert "training" not in capsys.readouterr().out
+
+
+def shakespeare_script_outputs(name, text_file, out, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["prepare.py", f"--input={text_file}", f"--out_dir={out}"])
+    runpy.run_path(os.path.join(REPO, "data", name, "prepare.py"), run_name="__main__")
+    return files_of(out, BINS + ("meta.json", "meta.pkl"))
+
+
+@pytest.mark.parametrize("tokenizer, script", [("char", "shakespeare_char"), ("gpt2", "shakespeare")])
+def test_one_text_file_gives_the_shakespeare_scripts_files(tokenizer, script, tmp_path, monkeypatch):
+    text_file = tmp_path / "input.txt"
+    text_file.write_text(bpe_corpus_text(n_words=12000), encoding="utf-8")  # ~75k characters, mixed Unicode
+    # pieces of ~2,000 characters (instead of 65,536): many cuts, and still the tokens of the whole text
+    monkeypatch.setattr(corpus, "PIECE_CHARS", 2000)
+    prepare(monkeypatch, f"--input={text_file}", f"--tokenizer={tokenizer}", f"--out_dir={tmp_path / 'text'}",
+            f"--cache_dir={tmp_path / 'cache'}", "--num_proc=1")
+    ours = files_of(tmp_path / "text", BINS + ("meta.json", "meta.pkl"))
+    theirs = shakespeare_script_outputs(script, text_file, tmp_path / script, monkeypatch)
+    assert ours == theirs and len(ours) == (4 if tokenizer == "char" else 3)
+    assert json.loads(ours["meta.json"])["dtype"] == "uint16"
+
+
+# -----------------------------------------------------------------------------
+# past 65,536 tokens: uint32
+
+@pytest.fixture(scope="module")
+def big_tokenizer(tmp_path_factory):
+    """ (path, BPETokenizer) of a valid byte-level BPE tokenizer.json of 70,000 tokens (no training). """
+    from nanogpt_plus.tokenizer import BPETokenizer
+    path = tmp_path_factory.mktemp("big_tok") / "tokenizer.json"
+    path.write_text(synthetic_bpe_json(70000), encoding="utf-8")
+    return path, BPETokenizer(path.read_text(encoding="utf-8"))
+
+
+def uint32_texts():
+    """ Documents whose tokens include ids past 65,535: runs of low control bytes are the vocabulary's last,
+    three-byte tokens (see conftest.synthetic_bpe_json), next to ordinary and non-ASCII text. """
+    return ["plain words \x00\x00\x00\x00\x01\x02 and café\n", "東京 \x00\x00\x05\x00\x00\x0a 🎉\n",
+            "more \x00\x00\x0f\x00\x00\x03 text naïve\n"]
+
+
+def test_a_vocabulary_past_65536_writes_uint32_token_files(big_tokenizer, tmp_path, monkeypatch):
+    for k, text in enumerate(uint32_texts()):
+        (tmp_path / f"d{k}.txt").write_text(text, encoding="utf-8")
+    out = tmp_path / "out"
+    path, tok = big_tokenizer
+    prepare(monkeypatch, f"--input={tmp_path}/d*.txt", f"--tokenizer={path}", f"--out_dir={out}",
+            f"--cache_dir={tmp_path / 'cache'}", "--num_proc=1")
+    meta = read_dataset_meta(str(out))
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70000
+    assert meta["tokenizer_json"] == tok.json  # (building it again from meta would take a second)
+    ids = {s: np.fromfile(out / s, dtype=np.uint32) for s in BINS}
+    expected = sum(len(tok.encode_ordinary(t)) + 1 for t in uint32_texts())
+    assert sum(len(a) for a in ids.values()) == expected
+    assert sum(os.path.getsize(out / s) for s in BINS) == 4 * expected  # 4 bytes a token
+    assert max(int(a.max()) for a in ids.values()) > 65535
+    docs = [tok.decode_bytes(d.tolist()) for s in BINS for d in documents_of(ids[s], tok.eot_token)]
+    assert sorted(docs) == sorted(t.encode("utf-8") for t in uint32_texts())
+
+
+# -----------------------------------------------------------------------------
+# bad settings and inputs: one line each, exit code 2
+
+def other_tokenizer_json(kind):
+    """ A tokenizer.json that is not a byte-level BPE: a word-level one, or a BPE over whitespace-split words. """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    if kind == "wordlevel":
+        return Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).to_str()
+    tok = Tokenizer(models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok.to_str()
+
+
+ERRORS = {
+    "vocab_too_small": (["--vocab_size=256"], "vocab_size=256 is smaller than a byte-level BPE's base vocabulary"),
+    "vocab_too_large": (["--vocab_size=5000"], r"the corpus fills only [\d,]+ of the 5,000 tokens asked for"),
+    "corrupt_json": (["--tokenizer={tmp}/corrupt.json"], r"corrupt\.json is not valid JSON .*it is corrupt"),
+    "not_bpe": (["--tokenizer={tmp}/wordlevel.json"], "is a WordLevel tokenizer, not a byte-level BPE"),
+    "not_byte_level": (["--tokenizer={tmp}/whitespace.json"], "is a BPE over characters, not bytes"),
+    "unknown_tokenizer": (["--tokenizer=sentencepiece"], "unknown tokenizer 'sentencepiece' .*--tokenizer=bpe"),
+    "vocab_size_for_char": (["--tokenizer=char", "--vocab_size=512"], "--vocab_size applies to --tokenizer=bpe only"),
+    "val_fraction_0": (["--val_fraction=0"], r"held out for val must be between 0 and 1 \(exclusive\), got 0"),
+    "val_fraction_1.5": (["--val_fraction=1.5"], "must be between 0 and 1 .*got 1.5"),
+    "empty_corpus": (["--input={tmp}/empty.jsonl"], "holds no text"),
+    "no_input": (["--input="], "no text given; pass --input=FILES"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_errors_are_one_line_and_exit_code_2(case, tmp_path, monkeypatch, capsys):
+    (tmp_path / "small.txt").write_text("a small corpus, too small for 5,000 tokens\n" * 20, encoding="utf-8")
+    (tmp_path / "corrupt.json").write_text('{"model": {"type": "BPE", ', encoding="utf-8")
+    for kind in ("wordlevel", "whitespace"):
+        (tmp_path / f"{kind}.json").write_text(other_tokenizer_json(kind), encoding="utf-8")
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"text": ""}\n', encoding="utf-8")
+    args, message = ERRORS[case]
+    with pytest.raises(SystemExit) as e:
+        prepare(monkeypatch, f"--input={tmp_path}/small.txt", f"--out_dir={tmp_path / 'out'}",
+                f"--cache_dir={tmp_path / 'cache'}", "--num_proc=1", *(a.format(tmp=tmp_path) for a in args))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]  # progress bars of datasets may come before it
+    assert last.startswith("error: ") and re.search(message, last), last
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_fineweb_shards_of_a_vocabulary_past_65536_are_llm_c_uint32(big_tokenizer, bpe_runs, tmp_path, capsys):
+    from nanogpt_plus.prepare.fineweb import prepare_fineweb
+    from nanogpt_plus.shards import find_shards, open_shard, read_header
+    with open(tmp_path / "docs.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in uint32_texts())
+    out = tmp_path / "shards"
+
+    def run(tokenizer, num_proc=1):
+        return prepare_fineweb(str(out), files=str(tmp_path / "docs.jsonl"), shard_size=16, num_proc=num_proc,
+                               cache_dir=str(tmp_path / "cache"), progress=False, tokenizer=str(tokenizer))
+    path, tok = big_tokenizer
+    run(path)
+    train, val = find_shards(str(out))
+    headers = [read_header(p) for p in val + train]
+    assert len(headers) >= 2 and all((h.magic, h.version, h.dtype) == (20240801, 7, np.uint32) for h in headers)
+    meta = read_dataset_meta(str(out))  # the shards' directory describes its tokenizer, like a prepare.py dataset
+    assert (meta["kind"], meta["vocab_size"], meta["dtype"]) == ("bpe", 70000, "uint32")
+    assert meta["tokenizer_json"] == tok.json and (out / "tokenizer.json").exists()
+    stream = np.concatenate([open_shard(p) for p in val + train])
+    assert stream.tolist() == [i for t in uint32_texts() for i in [tok.eot_token] + tok.encode_ordinary(t)]
+    assert stream.max() > 65535
+    # the tokenizer is a setting a resume must match: the same one has nothing to do, another is refused
+    capsys.readouterr()
+    run(path)
+    assert "nothing to do" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"prepared with other settings \((dtype|tokenizer): "):
+        run(bpe_runs[0] / "tokenizer.json")
+
+
+def test_fineweb_workers_build_the_bpe_from_its_json(bpe_runs):
+    from nanogpt_plus.prepare.fineweb import tokenize_stream
+    tok = load_tokenizer(read_dataset_meta(str(bpe_runs[0])))
+    texts = [f"document {i}: naïve 東京 🎉 " * (i % 5) for i in range(50)]
+    in_pool = [a.tolist() for a in tokenize_stream(iter(texts), num_proc=2, window=8, tok=tok)]
+    assert in_pool == [[tok.eot_token] + tok.encode_ordinary(t) for t in texts]
