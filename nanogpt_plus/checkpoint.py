@@ -296,21 +296,23 @@ def meta_model(config):
 
 
 PAD_MULTIPLE = 64  # a byte-level vocabulary is padded up to a multiple of this: matmul kernels like the shape
+PADDED_KINDS = ('gpt2', 'bpe')  # the byte-level tokenizers, whose vocabularies are padded
 
 
 def model_vocab_size(data_meta, data_dir):
     """
     The vocab_size of a new model for a dataset's tokenizer description, printing how it was found: a
-    character vocabulary's exact size (nanoGPT's 65 for Shakespeare); a byte-level one's (gpt2, bpe) padded up
-    to a multiple of 64 (GPT-2's 50,257 -> 50,304). The padded ids never appear in the data and are never
-    sampled (the engine draws only below the tokenizer's vocab_size); they only make the matmuls faster.
+    character vocabulary's exact size (nanoGPT's 65 for Shakespeare), as for a meta that names no kind; a
+    byte-level one's (gpt2, bpe) padded up to a multiple of 64 (GPT-2's 50,257 -> 50,304). The padded ids never
+    appear in the data and are never sampled (the engine draws only below the tokenizer's vocab_size); they
+    only make the matmuls faster.
     """
     if data_meta is None or not data_meta.get('vocab_size'):
         print("defaulting to vocab_size of GPT-2 to 50304 (50257 rounded up for efficiency)")
         return 50304
     vocab_size = int(data_meta['vocab_size'])
     print(f"found vocab_size = {vocab_size} (inside {data_dir})")
-    if tokenizer_kind(data_meta) == 'char':
+    if data_meta.get('kind') not in PADDED_KINDS:  # a character vocabulary (or a meta.json naming no kind)
         return vocab_size
     padded = -(-vocab_size // PAD_MULTIPLE) * PAD_MULTIPLE
     if padded != vocab_size:

@@ -104,6 +104,7 @@ def test_a_new_model_pads_byte_level_vocabularies_to_a_multiple_of_64(capsys):
     assert model_vocab_size({"kind": "gpt2", "vocab_size": 50257}, "d") == 50304
     assert model_vocab_size({"kind": "bpe", "vocab_size": 8193}, "d") == 8256
     assert model_vocab_size({"kind": "bpe", "vocab_size": 512}, "d") == 512
+    assert model_vocab_size({"vocab_size": 20}, "d") == 20  # a meta.json naming no kind: kept as it is
     assert model_vocab_size(None, "d") == 50304
     out = capsys.readouterr().out.splitlines()
     assert out == ["found vocab_size = 65 (inside d)",
@@ -112,6 +113,7 @@ def test_a_new_model_pads_byte_level_vocabularies_to_a_multiple_of_64(capsys):
                    "found vocab_size = 8193 (inside d)",
                    "padded vocab_size to 8,256 (a multiple of 64, for speed; ids from 8,193 up are never sampled)",
                    "found vocab_size = 512 (inside d)",
+                   "found vocab_size = 20 (inside d)",
                    "defaulting to vocab_size of GPT-2 to 50304 (50257 rounded up for efficiency)"]
 
 
