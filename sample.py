@@ -10,15 +10,16 @@ Usage:
 
 init_from: 'resume' (out_dir/ckpt.pt), a training out_dir or ckpt.pt, gpt2 / gpt2-medium / gpt2-large /
 gpt2-xl, or a local Hugging Face GPT-2 directory. nanoGPT's own checkpoints load too. Text is decoded with
-the checkpoint's tokenizer (a dataset's character vocabulary, else GPT-2 BPE). Each sample is printed
-followed by a line of '---------------'; with num_samples=1 the tokens appear as they are generated.
-The speed (tokens/s) is reported on stderr at the end.
+the checkpoint's tokenizer (a dataset's character vocabulary or its own byte-level BPE, else GPT-2 BPE),
+which a checkpoint carries whole: it samples wherever it is copied. Each sample is printed followed by a
+line of '---------------'; with num_samples=1 the tokens appear as they are generated. The speed
+(tokens/s) is reported on stderr at the end.
 
 start: the prompt, or FILE:path to read it from a file. A prompt longer than the model's block_size is
 cropped to its last block_size tokens (with a warning).
 temperature: 0 means greedy decoding. top_k: keep the k most likely tokens (None: all). top_p: keep the
-smallest set of tokens whose probability reaches top_p (1.0: all). stop_at_eot: for GPT-2 BPE models,
-end a sample at <|endoftext|> (not printed).
+smallest set of tokens whose probability reaches top_p (1.0: all). stop_at_eot: for BPE models (gpt2 or
+bpe), end a sample at <|endoftext|> (not printed).
 
 mode: what happens once a sample grows past the model's block_size (within the block both are exact and
 use the KV cache: the prompt is forwarded once, then one token per step):
@@ -50,14 +51,14 @@ SEPARATOR = '---------------'
 DEFAULTS = dict(
     init_from='resume',  # 'resume' (out_dir/ckpt.pt), a ckpt.pt or out_dir, gpt2*, or a local HF GPT-2 directory
     out_dir='out',  # read only when init_from='resume'
-    start="\n",  # the prompt text, or "FILE:path" to read it from a file ("<|endoftext|>" works for GPT-2 BPE)
+    start="\n",  # the prompt text, or "FILE:path" to read it from a file ("<|endoftext|>": BPE's end of text)
     num_samples=10,  # samples to draw, all in one batch
     max_new_tokens=500,  # tokens added to each sample
     temperature=0.8,  # divides the logits: < 1.0 sharper, > 1.0 flatter, 1.0 unchanged; 0 = greedy (argmax)
     top_k=200,  # draw only among the top_k most likely tokens (None: among all)
     top_p=1.0,  # nucleus sampling: keep the most likely tokens up to this probability mass (1.0: off)
     mode='exact',  # 'exact' (nanoGPT's results) or 'fast' (see above)
-    stop_at_eot=False,  # GPT-2 BPE models: end a sample at <|endoftext|>
+    stop_at_eot=False,  # BPE models (gpt2, bpe): end a sample at <|endoftext|>
     seed=1337,
     device='auto',  # 'auto', 'cpu', 'cuda', 'cuda:0', 'mps'
     dtype='auto',  # 'auto' (bfloat16/float16 on GPUs, float32 on CPU), 'float32', 'bfloat16', 'float16'
@@ -102,22 +103,21 @@ def encode_prompt(tok, text, block_size, vocab_size):
 
 class StreamDecoder:
     """
-    Turns tokens into text as they arrive: a character per token for character models; for GPT-2 BPE the
-    token's bytes go through an incremental UTF-8 decoder, so a character split over several tokens is
-    printed once complete instead of as replacement characters.
+    Turns tokens into text as they arrive: each token's bytes (decode_bytes, which every tokenizer has) go
+    through an incremental UTF-8 decoder, so a character a byte-level BPE (gpt2, bpe) splits over several
+    tokens is printed once complete instead of as replacement characters; a character token is one whole
+    character, printed at once.
     """
 
     def __init__(self, tok):
         self.tok = tok
-        self.utf8 = codecs.getincrementaldecoder('utf-8')(errors='replace') if tok.kind == 'gpt2' else None
+        self.utf8 = codecs.getincrementaldecoder('utf-8')(errors='replace')
 
     def feed(self, token):
-        if self.utf8 is None:
-            return self.tok.decode([token])
         return self.utf8.decode(self.tok.decode_bytes([token]))
 
     def flush(self):
-        return self.utf8.decode(b'', final=True) if self.utf8 is not None else ''
+        return self.utf8.decode(b'', final=True)
 
 
 def check_settings(config):

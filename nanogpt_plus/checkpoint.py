@@ -24,7 +24,7 @@ from model import GPT, GPT2_NAMES, GPTConfig
 from nanogpt_plus.dataloader import dataset_dir
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.tokenizer import read_dataset_meta
+from nanogpt_plus.tokenizer import read_dataset_meta, tokenizer_fingerprint
 
 HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for character-level models
 
@@ -175,20 +175,30 @@ def tokenizer_known(ckpt, data_root='data'):
     return bool(dataset) and read_dataset_meta(os.path.join(data_root, dataset)) is not None
 
 
+def tokenizer_kind(meta):
+    """ 'gpt2', 'char' or 'bpe': a description's kind (nanoGPT's meta.pkl has none: char when it has a vocabulary). """
+    return meta.get('kind', 'char' if 'stoi' in meta else 'gpt2')
+
+
 def tokenizer_identity(meta):
-    """ What makes two tokenizer descriptions the same: ('gpt2',) or ('char', its {character: id} vocabulary). """
-    kind = meta.get('kind', 'char' if 'stoi' in meta else 'gpt2')
+    """
+    What makes two tokenizer descriptions the same: ('gpt2',), ('char', its {character: id} vocabulary) or
+    ('bpe', the fingerprint of its tokenizer.json: the content, whatever its formatting).
+    """
+    kind = tokenizer_kind(meta)
     if kind == 'char':
         return kind, {str(ch): int(i) for ch, i in (meta.get('stoi') or {}).items()}
+    if kind == 'bpe':
+        return kind, tokenizer_fingerprint(meta['tokenizer_json']) if meta.get('tokenizer_json') else None
     return (kind,)
 
 
 def check_dataset_tokenizer(dataset, tokenizer_meta, source):
     """
     A model trained with one tokenizer reads another's ids as other tokens and trains on without an error:
-    refuse a dataset whose meta describes another tokenizer (char vs gpt2, or another character vocabulary).
-    A dataset without a meta file says nothing about its tokenizer; its ids are checked against the model's
-    vocab_size as they are read (dataloader.check_token_ids).
+    refuse a dataset whose meta describes another tokenizer (another kind, another character vocabulary, or
+    another bpe tokenizer.json). A dataset without a meta file says nothing about its tokenizer; its ids are
+    checked against the model's vocab_size as they are read (dataloader.check_token_ids).
     """
     data_dir = dataset_dir(dataset)
     data_meta = read_dataset_meta(data_dir)
@@ -199,11 +209,22 @@ def check_dataset_tokenizer(dataset, tokenizer_meta, source):
                     f"from scratch on this one")
 
 
+def _describe_tokenizer(meta):
+    """ A description's kind and size for messages, e.g. 'bpe (8,192 tokens)'. """
+    kind = tokenizer_kind(meta)
+    size = meta.get('vocab_size') or (len(meta.get('stoi') or {}) if kind == 'char' else None)
+    if size is None and kind == 'gpt2':
+        size = 50257  # GPT-2's descriptions name no size
+    return f"{kind} ({int(size):,} tokens)" if size else kind
+
+
 def _tokenizer_difference(data_dir, data_meta, source, model_meta):
     """ The words for how two different tokenizer descriptions differ, naming both. """
     data, model = tokenizer_identity(data_meta), tokenizer_identity(model_meta)
-    if data[0] != model[0]:
-        return f"the dataset {data_dir} is tokenized with {data[0]}, the model {source} with {model[0]}"
+    if data[0] != model[0] or data[0] == 'bpe':
+        other = "another tokenizer.json: " if data[0] == model[0] else ""
+        return (f"the dataset {data_dir} is tokenized with {other}{_describe_tokenizer(data_meta)}, the model "
+                f"{source} with {_describe_tokenizer(model_meta)}")
     if set(data[1]) == set(model[1]):
         return f"the dataset {data_dir} numbers the model's characters ({source}) differently"
     data_chars, model_chars = ''.join(sorted(data[1])), ''.join(sorted(model[1]))
@@ -274,15 +295,36 @@ def meta_model(config):
         return GPT(config)
 
 
-def scratch_model(model_settings, data_meta, data_dir, on_meta=False):
-    """ A new random GPT from the model settings, its vocab_size from the dataset's meta (else GPT-2's, padded). """
-    print("Initializing a new model from scratch")
-    if data_meta is not None and data_meta.get('vocab_size'):
-        vocab_size = int(data_meta['vocab_size'])
-        print(f"found vocab_size = {vocab_size} (inside {data_dir})")
-    else:
+PAD_MULTIPLE = 64  # a byte-level vocabulary is padded up to a multiple of this: matmul kernels like the shape
+PADDED_KINDS = ('gpt2', 'bpe')  # the byte-level tokenizers, whose vocabularies are padded
+
+
+def model_vocab_size(data_meta, data_dir):
+    """
+    The vocab_size of a new model for a dataset's tokenizer description, printing how it was found: a
+    character vocabulary's exact size (nanoGPT's 65 for Shakespeare), as for a meta that names no kind; a
+    byte-level one's (gpt2, bpe) padded up to a multiple of 64 (GPT-2's 50,257 -> 50,304). The padded ids never
+    appear in the data and are never sampled (the engine draws only below the tokenizer's vocab_size); they
+    only make the matmuls faster.
+    """
+    if data_meta is None or not data_meta.get('vocab_size'):
         print("defaulting to vocab_size of GPT-2 to 50304 (50257 rounded up for efficiency)")
-        vocab_size = 50304
+        return 50304
+    vocab_size = int(data_meta['vocab_size'])
+    print(f"found vocab_size = {vocab_size} (inside {data_dir})")
+    if data_meta.get('kind') not in PADDED_KINDS:  # a character vocabulary (or a meta.json naming no kind)
+        return vocab_size
+    padded = -(-vocab_size // PAD_MULTIPLE) * PAD_MULTIPLE
+    if padded != vocab_size:
+        print(f"padded vocab_size to {padded:,} (a multiple of {PAD_MULTIPLE}, for speed; ids from {vocab_size:,} "
+              f"up are never sampled)")
+    return padded
+
+
+def scratch_model(model_settings, data_meta, data_dir, on_meta=False):
+    """ A new random GPT from the model settings, its vocab_size from the dataset's meta (model_vocab_size). """
+    print("Initializing a new model from scratch")
+    vocab_size = model_vocab_size(data_meta, data_dir)
     args = {k: model_settings[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'gelu')}
     try:
         config = GPTConfig(vocab_size=vocab_size, **args)

@@ -2,9 +2,10 @@
 The token-window loader: (B, T) windows of a dataset split's tokens, with explicit state so runs resume
 exactly and DDP ranks stride one shared stream.
 
-A split's tokens are a TokenSource: nanoGPT's one raw uint16 file (train.bin), or a list of llm.c token
-shards (nanogpt_plus.shards: ours, llm.c's, build-nanogpt's, modded-nanogpt's). The windows come in one of
-two orders (data_order):
+A split's tokens are a TokenSource: nanoGPT's one raw file (train.bin: uint16, or uint32 when its directory's
+meta.json says "dtype": "uint32", for vocabularies past 65,536), or a list of llm.c token shards
+(nanogpt_plus.shards: ours, llm.c's, build-nanogpt's, modded-nanogpt's). The windows come in one of two orders
+(data_order):
   'random'      nanoGPT's get_batch: each micro-batch is B windows of T+1 tokens drawn uniformly from every
                 window of every file (so a file is drawn in proportion to its number of windows, and a window
                 never crosses the end of a file) with the loader's seeded torch.Generator. On one file these
@@ -28,6 +29,7 @@ Usage:
     loader.check_vocab(model.config.vocab_size)   # ids the model has no embedding for: one line, not a crash
 """
 
+import json
 import os
 
 import numpy as np
@@ -79,17 +81,42 @@ def split_files(dataset, split):
     return files
 
 
+RAW_DTYPES = ('uint16', 'uint32')  # the dtypes a raw train.bin/val.bin can have (meta.json's "dtype")
+
+
+def raw_token_dtype(path):
+    """
+    The dtype of a raw token file: its directory's meta.json "dtype" (prepare.py records it), else uint16
+    (nanoGPT's, and what a directory without meta.json or with nanoGPT's meta.pkl holds). Only that key is
+    read: a bpe meta.json names its tokenizer.json rather than holding it, so this never parses a tokenizer.
+    """
+    meta_path = os.path.join(os.path.dirname(path), 'meta.json')
+    if not os.path.exists(meta_path):
+        return np.dtype(np.uint16)
+    try:
+        with open(meta_path, encoding='utf-8') as f:
+            dtype = json.load(f).get('dtype', 'uint16')
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"{meta_path} is unreadable ({e}); re-run the dataset's prepare.py") from None
+    if dtype not in RAW_DTYPES:
+        raise UserError(f"{meta_path} says the token files are {dtype!r}, not one of {', '.join(RAW_DTYPES)}; "
+                        f"re-run the dataset's prepare.py")
+    return np.dtype(dtype)
+
+
 def open_tokens(path, dataset=None):
-    """ nanoGPT's raw uint16 token file as a read-only memmap, with a clear error when it is missing. """
+    """ nanoGPT's raw token file (uint16, or its meta.json's dtype) as a read-only memmap, or one clear error. """
     if not os.path.exists(path):
         hint = f"run python data/{dataset}/prepare.py first" if dataset else "prepare the dataset first"
         raise UserError(f"no token file at {path}; {hint}")
     size = os.path.getsize(path)
     if size == 0:  # (numpy can't memmap an empty file)
         raise UserError(f"{path} is empty (0 tokens); re-run the dataset's prepare.py on some text")
-    if size % 2:
-        raise UserError(f"{path} has an odd number of bytes, so it is not a uint16 token file; re-run prepare.py")
-    return np.memmap(path, dtype=np.uint16, mode='r')
+    dtype = raw_token_dtype(path)
+    if size % dtype.itemsize:
+        raise UserError(f"{path} is {size:,} bytes, not a whole number of {dtype} tokens ({dtype.itemsize} bytes "
+                        f"each), so it is truncated or not a token file of this dataset; re-run prepare.py")
+    return np.memmap(path, dtype=dtype, mode='r')
 
 
 def open_token_file(path, dataset=None):

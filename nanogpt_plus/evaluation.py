@@ -74,7 +74,7 @@ def score_rows(model, rows, indices, batch_size, device, ctx=nullcontext(), pad_
         idx = torch.zeros(len(batch), T, dtype=torch.long)
         targets = torch.full((len(batch), T), -1, dtype=torch.long)
         for b, (tokens, n_target) in enumerate(batch):
-            tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))  # a list, or a uint16 memmap slice
+            tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))  # a list, or a slice of a token file's memmap
             n = len(tokens) - 1  # the row's input length
             idx[b, :n] = tokens[:-1]
             targets[b, n - n_target:n] = tokens[n + 1 - n_target:]
@@ -159,14 +159,17 @@ class TokenWindows:
 
 
 def token_byte_lengths(tokenizer):
-    """ The number of UTF-8 bytes each token id decodes to, as an array indexed by id (for bits per byte). """
+    """
+    The number of UTF-8 bytes each token id decodes to, as an array indexed by id (for bits per byte): what
+    any tokenizer's token_bytes says (a byte-level BPE's own bytes, gpt2 or bpe), for a character vocabulary
+    its characters' UTF-8 (by its itos, which may skip ids).
+    """
     if tokenizer.kind == 'char':
         lengths = np.zeros(max(tokenizer.itos) + 1, dtype=np.int64)
         for i, ch in tokenizer.itos.items():
             lengths[i] = len(ch.encode('utf-8'))
         return lengths
-    enc = tokenizer.enc
-    return np.array([len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)], dtype=np.int64)
+    return np.array([len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)], dtype=np.int64)
 
 
 def loss_metrics(table, num_bytes):

@@ -157,7 +157,7 @@ def test_init_from_local_hf_dir(dataset, tmp_path, capsys):
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=VOCAB + 5)).save_pretrained(hf_dir)
     args = tiny_args(dataset, tmp_path / "out", init_from=str(hf_dir), max_iters=6, eval_interval=3)
     # a plain Hugging Face directory is a GPT-2 BPE model: on a character dataset its ids would mean other tokens
-    with pytest.raises(UserError, match="tokenized with char, the model .* with gpt2"):
+    with pytest.raises(UserError, match=r"tokenized with char \(20 tokens\), the model .* with gpt2 \(50,257 tokens\)"):
         train.main(args)
     (hf_dir / "nanogpt_tokenizer.json").write_text(json.dumps(read_dataset_meta(dataset)))  # as export_hf.py writes
     out = run_train(capsys, args)
