@@ -155,8 +155,9 @@ def tokenizer_description(tok):
     """
     if tok.kind == 'char':
         return {'kind': 'char', 'vocab_size': tok.vocab_size, 'stoi': tok.stoi}
+    sha256 = hashlib.sha256(tok.json.encode('utf-8')).hexdigest()  # of the exact text write_bpe_tokenizer writes
     return {'kind': 'bpe', 'vocab_size': tok.vocab_size, 'eot_token': tok.eot_token,
-            'tokenizer_file': 'tokenizer.json', 'tokenizer_sha256': hashlib.sha256(tok.json.encode('utf-8')).hexdigest()}
+            'tokenizer_file': 'tokenizer.json', 'tokenizer_sha256': sha256}
 
 
 def write_tokenizer(hf_dir, kind, tok, block_size):
