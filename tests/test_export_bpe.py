@@ -247,3 +247,16 @@ def test_finetune_from_scratch_uses_the_bpe_dataset(bpe512, tmp_path):
     model_vocab = ckpt['model_args']['vocab_size'] - 3  # the dataset's vocabulary, padded (scratch_model)
     assert model_vocab >= tok.vocab_size and model_vocab % 64 == 0
     assert ckpt['special_tokens'] == {'start': model_vocab, 'delim': model_vocab + 1, 'extract': model_vocab + 2}
+
+
+def test_a_tokenizer_larger_than_its_model_is_refused(bpe512, tmp_path):
+    """ A description of 512 tokens with a 320-row model: its ids would index past the embedding table. """
+    tok = bpe512[0]
+    model = bpe_gpt(scale=0.02, vocab_size=320)
+    with pytest.raises(UserError, match="tokenizer has 512 tokens but its model only 320"):
+        export(model, tok.meta(), str(tmp_path / 'hf'))
+    init_from = save_test_checkpoint(model, tok.meta(), tmp_path / 'src' / 'ckpt.pt')
+    train, _ = make_task(tmp_path, 'classification', n_train=8, n_val=0)
+    with pytest.raises(UserError, match="has 512 tokens but its model only 320"):
+        finetune.finetune(config(task='classification', init_from=init_from, out_dir=str(tmp_path / 'ft'),
+                                 train_file=train), SINGLE)
