@@ -1,8 +1,11 @@
 """
 Export a trained model to a Hugging Face transformers directory: config.json (GPT2Config),
-model.safetensors (GPT2LMHeadModel's Conv1D layout) and, for GPT-2 BPE models, the tokenizer files,
+model.safetensors (GPT2LMHeadModel's Conv1D layout), generation_config.json and the tokenizer files,
 so that GPT2LMHeadModel.from_pretrained / AutoTokenizer.from_pretrained / pipeline("text-generation")
-load it offline. Character-level models get a small character tokenizer (tokenizer.json) instead.
+load it offline: GPT-2's files for GPT-2 BPE models, the model's own tokenizer.json for a bpe model (the
+one its dataset was prepared with), a small character tokenizer.json for a character-level model. Ids the
+model has beyond its tokenizer's (vocab_size padded to a multiple of 64) are never generated, by our
+sampler or by transformers (generation_config.json's suppress_tokens).
 
 Usage:
     python export_hf.py --out_dir=out --hf_dir=out/hf

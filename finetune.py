@@ -4,7 +4,8 @@ Extract token, trained with L3 = L2 + lm_loss_weight * L1 (the task's cross-entr
 language-modelling loss, lambda = 0.5 in the paper), for a few epochs over a labelled JSONL file.
 
 Tasks and their JSONL fields (one example per line), with GPT-1's input transformations
-(s = Start, $ = Delim, e = Extract, three new learned tokens appended to the vocabulary):
+(s = Start, $ = Delim, e = Extract, three new learned tokens appended after the model's vocabulary, padded
+rows included, so they never share an id with the tokenizer's tokens):
     classification   {"text", "label"}                   s text e                        -> linear head
     entailment       {"premise", "hypothesis", "label"}  s premise $ hypothesis e        -> linear head
     similarity       {"text1", "text2", "label"}         s a $ b e  and  s b $ a e, summed -> linear head
@@ -13,7 +14,9 @@ Tasks and their JSONL fields (one example per line), with GPT-1's input transfor
 Labels of the first three are class ids or strings (the map is stored in the checkpoint); the label of
 multiple_choice is the index of the right choice (or its text).
 
-Fine-tune a model trained with train.py (its out_dir), GPT-2 weights or a local HF directory:
+Fine-tune a model trained with train.py (its out_dir), GPT-2 weights or a local HF directory (the texts are
+encoded with the model's tokenizer: GPT-2 BPE, a character vocabulary, or the bpe tokenizer.json it was
+trained with):
 $ python finetune.py --task=classification --init_from=out-shakespeare-char --out_dir=out-ft \\
       --train_file=train.jsonl --val_file=val.jsonl
 $ python finetune.py config/finetune_classification.py --init_from=gpt2 --train_file=... --val_file=...
@@ -77,7 +80,7 @@ DEFAULTS = dict(
     predict_file='',  # JSONL without (or with ignored) labels: write predictions of the best model
     predict_out='',  # where the predictions go ('' = out_dir/predictions.jsonl)
     # data / tokenizer for init_from=scratch
-    dataset='openwebtext',  # scratch models use this dataset's tokenizer (char meta), else GPT-2 BPE
+    dataset='openwebtext',  # scratch models use this dataset's tokenizer (its char or bpe meta), else GPT-2 BPE
     # model (init_from=scratch only, except dropout and block_size)
     n_layer=12,
     n_head=12,
@@ -315,8 +318,11 @@ def prepare_model_and_data(cfg, task, gpt, tokenizer_meta, source, master):
     block_size = gpt.config.block_size
     if block_size < 5:
         raise UserError(f"block_size {block_size} is too small for the special tokens; use 16 or more")
-    special = add_special_tokens(gpt, source)
     tokenizer = load_tokenizer(tokenizer_meta)
+    if tokenizer.vocab_size > gpt.config.vocab_size:  # else the special tokens would share ids with text tokens
+        raise UserError(f"the tokenizer of {cfg['init_from']} has {tokenizer.vocab_size} tokens but its model only "
+                        f"{gpt.config.vocab_size}; the tokenizer description does not belong to this model")
+    special = add_special_tokens(gpt, source)
     label_map = source.get('label_map') if cfg['init_from'] == 'resume' else None
     data = load_task_data(task, cfg['train_file'], cfg['val_file'], tokenizer, special, block_size, label_map)
     if not cfg['val_file'] and master:

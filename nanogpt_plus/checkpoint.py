@@ -13,6 +13,7 @@ Usage:
     save_checkpoint(ckpt, 'out/ckpt.pt')
 """
 
+import hashlib
 import json
 import os
 import re
@@ -257,15 +258,41 @@ def pretrained_model(init_from, dropout=None):
 
 
 def pretrained_tokenizer_meta(init_from):
-    """ The tokenizer of a pretrained model: GPT-2's, unless export_hf.py left a nanogpt_tokenizer.json. """
+    """
+    The tokenizer of a pretrained model: GPT-2's, unless export_hf.py left a nanogpt_tokenizer.json (a char
+    vocabulary, or a bpe description naming the directory's tokenizer.json, which is read in here).
+    """
     meta_path = os.path.join(init_from, HF_TOKENIZER_META)
     if not (os.path.isdir(init_from) and os.path.exists(meta_path)):
         return {'kind': 'gpt2'}
     try:
         with open(meta_path, encoding='utf-8') as f:
-            return json.load(f)
+            meta = json.load(f)
     except (OSError, ValueError) as e:
         raise UserError(f"{meta_path} is unreadable ({e}); re-export the model with export_hf.py") from None
+    if meta.get('kind') == 'bpe' and 'tokenizer_json' not in meta:
+        meta['tokenizer_json'] = _exported_tokenizer_json(init_from, meta)
+    return meta
+
+
+def _exported_tokenizer_json(hf_dir, meta):
+    """
+    The text of the tokenizer.json an exported bpe model's description names, checked against its sha256:
+    one file, not two copies that could drift apart, yet a file replaced or re-saved since (transformers'
+    save_pretrained rewrites it) is refused rather than read as the model's tokenizer.
+    """
+    path = os.path.join(hf_dir, meta.get('tokenizer_file') or 'tokenizer.json')
+    try:
+        with open(path, encoding='utf-8') as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} (the model's tokenizer) could not be read ({e}); re-export the model with "
+                        f"export_hf.py") from None
+    expected = meta.get('tokenizer_sha256')
+    if expected and hashlib.sha256(text.encode('utf-8')).hexdigest() != expected:
+        raise UserError(f"{path} is not the tokenizer {hf_dir} was exported with (its sha256 differs from "
+                        f"{HF_TOKENIZER_META}'s); re-export the model with export_hf.py")
+    return text
 
 
 def build_checkpoint(model, iter_num, best_val_loss, config, tokenizer, provenance, model_state=None, **extra):

@@ -301,7 +301,9 @@ class FinetuneModel(nn.Module):
 def add_special_tokens(gpt, source_ckpt):
     """
     Start, Delim and Extract as three new rows of the (tied) embedding table, initialised like the
-    others; a model fine-tuned before already has them.
+    others; a model fine-tuned before already has them. They come after all of the model's rows, the ones
+    past its tokenizer's vocabulary too (vocab_size padded to a multiple of 64: GPT-2's 50304, a bpe
+    model's), so no text token has their ids and make_batch can tell them apart as ids >= Start.
     """
     if source_ckpt is not None and source_ckpt.get('special_tokens'):
         return dict(source_ckpt['special_tokens'])

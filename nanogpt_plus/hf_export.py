@@ -1,12 +1,15 @@
 """
-Export a GPT to a Hugging Face transformers directory: config.json (GPT2Config), model.safetensors
-(GPT2LMHeadModel's names and Conv1D layout), the tokenizer files and a README.md. export_hf.py is the
-command line for it.
+Export a GPT to a Hugging Face transformers directory: config.json (GPT2Config), generation_config.json,
+model.safetensors (GPT2LMHeadModel's names and Conv1D layout), the tokenizer files and a README.md.
+export_hf.py is the command line for it.
 
 The weight names come from model.hf_key_map, the same table GPT.from_pretrained imports with, so
 GPT.from_pretrained(hf_dir) gives back exactly the exported model. GPT-2 BPE models get GPT-2's own
-tokenizer files; a character-level model gets a character tokenizer.json, plus our tokenizer description
-(checkpoint.HF_TOKENIZER_META) so that init_model(hf_dir) decodes with the same vocabulary.
+tokenizer files; a character-level model gets a character tokenizer.json; a bpe model its own
+tokenizer.json, unchanged. Character and bpe models also get our tokenizer description
+(checkpoint.HF_TOKENIZER_META) so that init_model(hf_dir) decodes with the same vocabulary. The ids a
+model has beyond its tokenizer's (vocab_size padded to a multiple of 64, fine-tuning's special tokens)
+are suppress_tokens in generation_config.json, so transformers never generates them either.
 
 Usage:
     from nanogpt_plus.hf_export import export
@@ -14,6 +17,7 @@ Usage:
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 
@@ -23,23 +27,42 @@ from model import EXPORT_ACTIVATIONS, hf_key_map
 from nanogpt_plus.checkpoint import HF_TOKENIZER_META
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.tokenizer import EOT_TEXT, CharTokenizer, packaged_gpt2_files
+from nanogpt_plus.tokenizer import EOT_TEXT, load_tokenizer, packaged_gpt2_files
+
+GPT2_TOKENS, GPT2_EOT = 50257, 50256  # GPT-2 BPE's vocabulary size and its <|endoftext|> id
 
 
-def hf_config(config, tokenizer_kind='gpt2'):
-    """ The transformers GPT2Config for our GPTConfig (vocab_size as trained, e.g. nanoGPT's padded 50304). """
+def hf_config(config, eot_token=GPT2_EOT):
+    """
+    The transformers GPT2Config for our GPTConfig (vocab_size as trained, e.g. nanoGPT's padded 50304).
+    eot_token: the tokenizer's end-of-text id, transformers' bos/eos (GPT-2's 50256; None for a char vocabulary).
+    """
     from transformers import GPT2Config
 
-    # GPT-2 BPE models keep <|endoftext|> (50256) as bos/eos, like OpenAI's; a char vocabulary has no such token
-    special = 50256 if tokenizer_kind == 'gpt2' else None
     return GPT2Config(
         vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd,
         n_layer=config.n_layer, n_head=config.n_head, n_inner=None,  # None = 4 * n_embd, as in our MLP
         activation_function=EXPORT_ACTIVATIONS[config.gelu], layer_norm_epsilon=1e-5,
         resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
-        bos_token_id=special, eos_token_id=special, tie_word_embeddings=True,
+        bos_token_id=eot_token, eos_token_id=eot_token, tie_word_embeddings=True,
         architectures=['GPT2LMHeadModel'],
     )
+
+
+def write_generation_config(hf_dir, hf_cfg, n_tokens):
+    """
+    generation_config.json: the model config's bos/eos, and the ids from n_tokens (the tokenizer's vocabulary
+    size) up to the model's vocab_size as suppress_tokens, which generate() and pipeline('text-generation')
+    give a probability of 0: the padded rows (and fine-tuning's Start/Delim/Extract) are no text, and our
+    sampler never draws them either (engine's vocab_size=). Always written, so no stale one stays in hf_dir.
+    """
+    from transformers import GenerationConfig
+
+    # built directly rather than from_model_config: one marked as derived from the model config may be
+    # re-derived from it by generate(), which would drop suppress_tokens
+    padded = list(range(n_tokens, hf_cfg.vocab_size))
+    GenerationConfig(bos_token_id=hf_cfg.bos_token_id, eos_token_id=hf_cfg.eos_token_id,
+                     suppress_tokens=padded or None).save_pretrained(hf_dir)
 
 
 def hf_state_dict(model):
@@ -109,14 +132,75 @@ def write_char_tokenizer(hf_dir, stoi, block_size):
                             clean_up_tokenization_spaces=False).save_pretrained(hf_dir)
 
 
-def write_readme(hf_dir, source, config, tokenizer_kind):
-    """ README.md: where the model came from, its shape, and how its tokenizer loads. """
-    if tokenizer_kind == 'gpt2':
-        tok_note = "GPT-2 BPE (OpenAI's vocabulary): `AutoTokenizer.from_pretrained(this_dir)` works offline."
+def write_bpe_tokenizer(hf_dir, tok, block_size):
+    """
+    A bpe model's tokenizer: its tokenizer.json exactly as trained (byte for byte, so it is recognisably the
+    tokenizer of the model's data) and a tokenizer_config.json naming <|endoftext|> as bos/eos/unk.
+    save_pretrained of PreTrainedTokenizerFast(tokenizer_object=...) writes these same settings, but re-saves
+    tokenizer.json with a post-processor added and names its class 'TokenizersBackend', which only
+    transformers 5 knows; 'PreTrainedTokenizerFast' loads in 4.x and 5.x alike.
+    """
+    settings = {'tokenizer_class': 'PreTrainedTokenizerFast', 'model_max_length': block_size,
+                'bos_token': EOT_TEXT, 'eos_token': EOT_TEXT, 'unk_token': EOT_TEXT,
+                'clean_up_tokenization_spaces': False}  # decode gives back the text's own spaces
+    atomic_write(os.path.join(hf_dir, 'tokenizer.json'), lambda f: f.write(tok.json), binary=False)
+    text = json.dumps(settings, indent=2)
+    atomic_write(os.path.join(hf_dir, 'tokenizer_config.json'), lambda f: f.write(text), binary=False)
+
+
+def tokenizer_description(tok):
+    """
+    What HF_TOKENIZER_META holds for a char or bpe tokenizer. A bpe one names the directory's tokenizer.json
+    (with its sha256, as a dataset's meta.json does) instead of holding a second copy of it.
+    """
+    if tok.kind == 'char':
+        return {'kind': 'char', 'vocab_size': tok.vocab_size, 'stoi': tok.stoi}
+    sha256 = hashlib.sha256(tok.json.encode('utf-8')).hexdigest()  # of the exact text write_bpe_tokenizer writes
+    return {'kind': 'bpe', 'vocab_size': tok.vocab_size, 'eot_token': tok.eot_token,
+            'tokenizer_file': 'tokenizer.json', 'tokenizer_sha256': sha256}
+
+
+def write_tokenizer(hf_dir, kind, tok, block_size):
+    """ The tokenizer files of kind, plus (char, bpe) our description for init_model(hf_dir). """
+    meta_path = os.path.join(hf_dir, HF_TOKENIZER_META)
+    if kind == 'gpt2':
+        write_gpt2_tokenizer(hf_dir, block_size)
+        if os.path.exists(meta_path):  # an earlier export's: init_model(hf_dir) would read it as this model's
+            os.remove(meta_path)
+        return
+    if kind == 'char':
+        write_char_tokenizer(hf_dir, tok.stoi, block_size)
     else:
-        tok_note = ("character level: each character is one token. This is a custom tokenizer.json, not one of "
-                    "transformers' GPT-2 tokenizers; it has no end-of-text token, so pass `max_new_tokens` when "
-                    "generating. Characters outside the training vocabulary are not representable.")
+        write_bpe_tokenizer(hf_dir, tok, block_size)
+    # our own description too, so sample.py / eval.py / finetune.py --init_from=<hf_dir> use this tokenizer
+    # instead of assuming GPT-2 BPE (checkpoint.pretrained_tokenizer_meta reads it)
+    text = json.dumps(tokenizer_description(tok), ensure_ascii=False, indent=1)
+    atomic_write(meta_path, lambda f: f.write(text), binary=False)
+
+
+TOKENIZER_NOTES = {
+    'gpt2': "GPT-2 BPE (OpenAI's vocabulary): `AutoTokenizer.from_pretrained(this_dir)` works offline.",
+    'char': ("character level: each character is one token. This is a custom tokenizer.json, not one of "
+             "transformers' GPT-2 tokenizers; it has no end-of-text token, so pass `max_new_tokens` when "
+             "generating. Characters outside the training vocabulary are not representable."),
+    'bpe': ("a byte-level BPE of {n} tokens trained on the model's own corpus (tokenizer.json, Hugging Face "
+            "`tokenizers` format; `<|endoftext|>` = id {eot} is bos/eos). Not GPT-2's vocabulary: load it "
+            "from this directory, `AutoTokenizer.from_pretrained(this_dir)`, which works offline. Every text "
+            "encodes (no unknown tokens) and decodes back byte for byte."),
+}
+
+
+def tokenizer_note(kind, tok, n_tokens, vocab_size):
+    """ The README's words on the tokenizer: what it is, how it loads, and the ids it never produces. """
+    note = TOKENIZER_NOTES[kind].format(n=n_tokens, eot=getattr(tok, 'eot_token', None))
+    if n_tokens < vocab_size:
+        note += (f" The model's ids {n_tokens}..{vocab_size - 1} are no tokens (vocab_size padded for speed, or "
+                 f"fine-tuning's special tokens): generation_config.json suppresses them.")
+    return note
+
+
+def write_readme(hf_dir, source, config, tok_note):
+    """ README.md: where the model came from, its shape, and how its tokenizer loads. """
     text = (f"# GPT-2 style model exported by export_hf.py\n\nsource: `{source}`\n\n"
             f"- n_layer={config.n_layer}, n_head={config.n_head}, n_embd={config.n_embd}, "
             f"block_size={config.block_size}, vocab_size={config.vocab_size}, bias={config.bias}, "
@@ -126,30 +210,28 @@ def write_readme(hf_dir, source, config, tokenizer_kind):
 
 def export(model, tokenizer_meta, hf_dir, source=''):
     """
-    Write model (a GPT) and its tokenizer (a description dict, {'kind': 'gpt2'} or a character vocabulary;
-    None means GPT-2) as the Hugging Face directory hf_dir; source (the checkpoint, say) goes into the README.
-    Returns hf_dir.
+    Write model (a GPT) and its tokenizer (a description dict: {'kind': 'gpt2'}, a character vocabulary or a
+    bpe tokenizer.json; None means GPT-2) as the Hugging Face directory hf_dir; source (the checkpoint, say)
+    goes into the README. Returns hf_dir.
     """
     config = model.config
     kind = (tokenizer_meta or {}).get('kind', 'gpt2')
-    if kind not in ('gpt2', 'char'):
-        raise UserError(f"unknown tokenizer kind {kind!r} in the checkpoint; expected 'gpt2' or 'char'")
+    if kind not in TOKENIZER_NOTES:
+        raise UserError(f"unknown tokenizer kind {kind!r} in the checkpoint; expected 'gpt2', 'char' or 'bpe'")
+    tok = None if kind == 'gpt2' else load_tokenizer(tokenizer_meta)  # GPT-2's files are copied, not read
+    n_tokens, eot = (GPT2_TOKENS, GPT2_EOT) if tok is None else (tok.vocab_size, tok.eot_token)
+    if n_tokens > config.vocab_size:
+        raise UserError(f"the checkpoint's tokenizer has {n_tokens} tokens but its model only {config.vocab_size}; "
+                        f"the tokenizer description does not belong to this model")
     os.makedirs(hf_dir, exist_ok=True)
-    hf_config(config, kind).save_pretrained(hf_dir)
+    cfg = hf_config(config, eot)
+    cfg.save_pretrained(hf_dir)
+    write_generation_config(hf_dir, cfg, n_tokens)
     tensors = hf_state_dict(model)
     atomic_write(os.path.join(hf_dir, 'model.safetensors'),
                  lambda f: f.write(_safetensors_bytes(tensors)))
-    if kind == 'gpt2':
-        write_gpt2_tokenizer(hf_dir, config.block_size)
-    else:
-        tok = CharTokenizer(tokenizer_meta['stoi'])
-        write_char_tokenizer(hf_dir, tok.stoi, config.block_size)
-        # our own tokenizer description too, so sample.py / eval.py / finetune.py --init_from=<hf_dir> decode
-        # with the character vocabulary instead of assuming GPT-2 BPE (checkpoint.HF_TOKENIZER_META)
-        meta = {'kind': 'char', 'vocab_size': tok.vocab_size, 'stoi': tok.stoi}
-        text = json.dumps(meta, ensure_ascii=False, indent=1)
-        atomic_write(os.path.join(hf_dir, HF_TOKENIZER_META), lambda f: f.write(text), binary=False)
-    write_readme(hf_dir, source, config, kind)
+    write_tokenizer(hf_dir, kind, tok, config.block_size)
+    write_readme(hf_dir, source, config, tokenizer_note(kind, tok, n_tokens, config.vocab_size))
     return hf_dir
 
 
