@@ -13,7 +13,6 @@ Usage:
     save_checkpoint(ckpt, 'out/ckpt.pt')
 """
 
-import hashlib
 import json
 import os
 import re
@@ -25,9 +24,9 @@ from model import GPT, GPT2_NAMES, GPTConfig
 from nanogpt_plus.dataloader import dataset_dir
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.tokenizer import read_dataset_meta, tokenizer_fingerprint
+from nanogpt_plus.tokenizer import read_dataset_meta, read_named_tokenizer, tokenizer_fingerprint
 
-HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for character-level models
+HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for char and bpe models
 
 
 def _json_summary(ckpt):
@@ -271,28 +270,9 @@ def pretrained_tokenizer_meta(init_from):
     except (OSError, ValueError) as e:
         raise UserError(f"{meta_path} is unreadable ({e}); re-export the model with export_hf.py") from None
     if meta.get('kind') == 'bpe' and 'tokenizer_json' not in meta:
-        meta['tokenizer_json'] = _exported_tokenizer_json(init_from, meta)
+        meta['tokenizer_json'] = read_named_tokenizer(init_from, meta, f"{init_from} was exported",
+                                                      "re-export the model with export_hf.py")
     return meta
-
-
-def _exported_tokenizer_json(hf_dir, meta):
-    """
-    The text of the tokenizer.json an exported bpe model's description names, checked against its sha256:
-    one file, not two copies that could drift apart, yet a file replaced or re-saved since (transformers'
-    save_pretrained rewrites it) is refused rather than read as the model's tokenizer.
-    """
-    path = os.path.join(hf_dir, meta.get('tokenizer_file') or 'tokenizer.json')
-    try:
-        with open(path, encoding='utf-8') as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} (the model's tokenizer) could not be read ({e}); re-export the model with "
-                        f"export_hf.py") from None
-    expected = meta.get('tokenizer_sha256')
-    if expected and hashlib.sha256(text.encode('utf-8')).hexdigest() != expected:
-        raise UserError(f"{path} is not the tokenizer {hf_dir} was exported with (its sha256 differs from "
-                        f"{HF_TOKENIZER_META}'s); re-export the model with export_hf.py")
-    return text
 
 
 def build_checkpoint(model, iter_num, best_val_loss, config, tokenizer, provenance, model_state=None, **extra):

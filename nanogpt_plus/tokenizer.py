@@ -345,6 +345,12 @@ def tokenizer_fingerprint(tokenizer_json):
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
+@functools.lru_cache(maxsize=4)
+def _bpe_tokenizer(tokenizer_json):
+    """ One BPETokenizer per tokenizer.json text: building one of a large vocabulary takes a second. """
+    return BPETokenizer(tokenizer_json)
+
+
 def load_tokenizer(meta):
     """ A tokenizer from its description (checkpoint 'tokenizer' entry or dataset meta); None means GPT-2. """
     kind = "gpt2" if meta is None else meta.get("kind", "char" if "stoi" in meta else "gpt2")
@@ -354,7 +360,7 @@ def load_tokenizer(meta):
         if not meta.get("tokenizer_json"):
             raise TokenizerError("the bpe tokenizer description holds no tokenizer.json; re-run the dataset's "
                                  "prepare.py")
-        return BPETokenizer(meta["tokenizer_json"])
+        return _bpe_tokenizer(meta["tokenizer_json"])
     if kind != "char":
         raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected 'gpt2', 'char' or 'bpe'")
     if "stoi" not in meta:
@@ -372,19 +378,22 @@ class _SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"meta.pkl refers to {module}.{name}; only plain data is allowed")
 
 
-def _dataset_tokenizer_json(data_dir, meta):
-    """ The text of the tokenizer.json a bpe dataset's meta.json names, checked against the sha256 it records. """
-    path = os.path.join(data_dir, meta.get("tokenizer_file") or "tokenizer.json")
+def read_named_tokenizer(directory, meta, made_with, remedy):
+    """
+    The text of the tokenizer.json a bpe description names ('tokenizer_file', in directory), checked against
+    the sha256 it records: one file, never a second copy that could drift apart, yet a file replaced or
+    re-saved since is refused. made_with says whose it is ("the dataset's tokens were made"); remedy what to do.
+    """
+    path = os.path.join(directory, meta.get("tokenizer_file") or "tokenizer.json")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path} (the dataset's tokenizer) could not be read ({e}); re-run the dataset's "
-                             f"prepare.py") from None
+        raise TokenizerError(f"{path} (the tokenizer {made_with} with) could not be read ({e}); {remedy}") from None
     expected = meta.get("tokenizer_sha256")
     if expected and hashlib.sha256(text.encode("utf-8")).hexdigest() != expected:
-        raise TokenizerError(f"{path} is not the tokenizer the dataset's tokens were made with (its sha256 differs "
-                             f"from meta.json's); restore it or re-run the dataset's prepare.py")
+        raise TokenizerError(f"{path} is not the tokenizer {made_with} with (its sha256 differs from the one "
+                             f"recorded); {remedy}")
     return text
 
 
@@ -405,7 +414,8 @@ def read_dataset_meta(data_dir):
         if "itos" in meta:  # JSON object keys are strings; ids are ints
             meta["itos"] = {int(k): v for k, v in meta["itos"].items()}
         if meta.get("kind") == "bpe" and "tokenizer_json" not in meta:
-            meta["tokenizer_json"] = _dataset_tokenizer_json(data_dir, meta)
+            meta["tokenizer_json"] = read_named_tokenizer(data_dir, meta, "the dataset's tokens were made",
+                                                          "restore it or re-run the dataset's prepare.py")
         return meta
     if os.path.exists(pkl_path):
         try:

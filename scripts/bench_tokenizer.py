@@ -38,9 +38,9 @@ defaults = {
 }
 
 # the small model and budget every tokenizer gets (config/train_shakespeare_char_cpu.py's shape)
-MODEL = ['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=64', '--batch_size=12', '--dropout=0.0',
-         '--learning_rate=1e-3', '--min_lr=1e-4', '--beta2=0.99', '--warmup_iters=100', '--device=cpu',
-         '--compile=False', '--eval_iters=20', '--log_interval=100']
+MODEL = ['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=64', '--batch_size=12',
+         '--gradient_accumulation_steps=1', '--dropout=0.0', '--learning_rate=1e-3', '--min_lr=1e-4', '--beta2=0.99',
+         '--warmup_iters=100', '--device=cpu', '--compile=False', '--eval_iters=20', '--log_interval=100']
 
 
 def run(args, what):

@@ -26,7 +26,7 @@ from nanogpt_plus.checkpoint import HF_TOKENIZER_META, init_model, load_checkpoi
 from nanogpt_plus.engine import generate
 from nanogpt_plus.hf_export import export
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.tokenizer import EOT_TEXT, load_tokenizer
+from nanogpt_plus.tokenizer import EOT_TEXT, TokenizerError, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -204,7 +204,7 @@ def test_a_replaced_tokenizer_json_is_refused(exported, tmp_path):
     copy = shutil.copytree(hf_dir, tmp_path / 'hf')
     spec = json.loads(tok.json)
     (copy / 'tokenizer.json').write_text(json.dumps(spec, indent=4), encoding='utf-8')  # same tokens, re-saved
-    with pytest.raises(UserError, match="not the tokenizer .* was exported with.*re-export"):
+    with pytest.raises(TokenizerError, match="not the tokenizer .* was exported with.*re-export"):
         init_model(str(copy))
 
 
