@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.shards import RAW_NAMES, find_shards, has_header, open_shard
+from nanogpt_plus.shards import RAW_NAMES, find_shards, has_header, open_shard, token_dtype
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout above this package
 ORDERS = ('random', 'sequential')  # the values of data_order
@@ -88,19 +88,25 @@ def raw_token_dtype(path):
     """
     The dtype of a raw token file: its directory's meta.json "dtype" (prepare.py records it), else uint16
     (nanoGPT's, and what a directory without meta.json or with nanoGPT's meta.pkl holds). Only that key is
-    read: a bpe meta.json names its tokenizer.json rather than holding it, so this never parses a tokenizer.
+    read (and vocab_size): a bpe meta.json names its tokenizer.json rather than holding it, so this never parses
+    a tokenizer. uint16 for a vocabulary past 65,536 is refused: its ids were cut, or the file is uint32 and
+    would read as twice as many small, wrong ids that no vocabulary check catches.
     """
     meta_path = os.path.join(os.path.dirname(path), 'meta.json')
     if not os.path.exists(meta_path):
         return np.dtype(np.uint16)
     try:
         with open(meta_path, encoding='utf-8') as f:
-            dtype = json.load(f).get('dtype', 'uint16')
+            meta = json.load(f)
+        dtype, vocab_size = meta.get('dtype', 'uint16'), meta.get('vocab_size')
     except (OSError, ValueError, AttributeError) as e:
         raise UserError(f"{meta_path} is unreadable ({e}); re-run the dataset's prepare.py") from None
     if dtype not in RAW_DTYPES:
         raise UserError(f"{meta_path} says the token files are {dtype!r}, not one of {', '.join(RAW_DTYPES)}; "
                         f"re-run the dataset's prepare.py")
+    if isinstance(vocab_size, int) and np.dtype(dtype).itemsize < token_dtype(vocab_size).itemsize:
+        raise UserError(f"{meta_path} says the token files are {dtype}, but its vocabulary of {vocab_size:,} tokens "
+                        f"needs {token_dtype(vocab_size)}; re-run the dataset's prepare.py (it records the dtype)")
     return np.dtype(dtype)
 
 

@@ -97,6 +97,11 @@ def test_raw_token_files_take_their_dtype_from_meta_json(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps(dict(meta, dtype="int64")))
     with pytest.raises(UserError, match="says the token files are 'int64', not one of uint16, uint32"):
         open_token_file(str(tmp_path / "train.bin"))
+    # uint16 (or no dtype: nanoGPT's) for a vocabulary past 65,536: the ids were cut, or the file is uint32
+    for stated in ({"dtype": "uint16"}, {}):
+        (tmp_path / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "dtype"} | stated))
+        with pytest.raises(UserError, match="are uint16, but its vocabulary of 200,000 tokens needs uint32"):
+            open_token_file(str(tmp_path / "train.bin"))
 
 
 def test_a_new_model_pads_byte_level_vocabularies_to_a_multiple_of_64(capsys):
