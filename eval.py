@@ -25,8 +25,8 @@ import os
 import torch
 
 from configurator import configure
-from nanogpt_plus.checkpoint import describe_source, init_model
-from nanogpt_plus.evaluation import TASKS, evaluate
+from nanogpt_plus.checkpoint import check_dataset_tokenizer, describe_source, init_model, tokenizer_known
+from nanogpt_plus.evaluation import TASKS, evaluate, loss_files
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.runtime import UserError, destroy_distributed, init_distributed, precision, provenance, run_main
 from nanogpt_plus.settings import check_non_negative, check_not_empty, check_positive, check_system
@@ -63,6 +63,18 @@ def check_settings(cfg):
         raise UserError(f"no data file at {cfg['data_file']}; pass --data_file=PATH to an existing file")
 
 
+def check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta, source):
+    """
+    The loss of a model over another tokenizer's ids is a number that means nothing: refuse token files whose
+    dataset meta describes another tokenizer than the model's (train.py's check), unless the model's is only
+    guessed (a nanoGPT checkpoint whose dataset has no meta here: its files' meta is then the better guess).
+    """
+    if tokenizer_known(ckpt):
+        paths = loss_files(cfg['data_file'], dataset, cfg['split'])
+        check_dataset_tokenizer(os.path.dirname(os.path.abspath(paths[0])), tokenizer_meta, source,
+                                remedy="evaluate it on token files made with its tokenizer (--dataset, --data_file)")
+
+
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     check_settings(cfg)
@@ -79,6 +91,8 @@ def main():
         model.eval()
         # a checkpoint's loss is measured on the dataset it was trained on unless --dataset says otherwise
         dataset = cfg['dataset'] or ((ckpt or {}).get('config') or {}).get('dataset', '')
+        if cfg['task'] == 'loss':
+            check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta, source)
         # compiled, every batch is padded to block_size: one shape, so torch.compile compiles once
         pad_to = model.config.block_size if cfg['compile'] else None
         if cfg['compile']:

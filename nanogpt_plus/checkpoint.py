@@ -193,20 +193,22 @@ def tokenizer_identity(meta):
     return (kind,)
 
 
-def check_dataset_tokenizer(dataset, tokenizer_meta, source):
+TRAIN_REMEDY = "train on a dataset prepared with the model's tokenizer, or from scratch on this one"
+
+
+def check_dataset_tokenizer(dataset, tokenizer_meta, source, remedy=TRAIN_REMEDY):
     """
-    A model trained with one tokenizer reads another's ids as other tokens and trains on without an error:
-    refuse a dataset whose meta describes another tokenizer (another kind, another character vocabulary, or
-    another bpe tokenizer.json). A dataset without a meta file says nothing about its tokenizer; its ids are
-    checked against the model's vocab_size as they are read (dataloader.check_token_ids).
+    A model trained with one tokenizer reads another's ids as other tokens and trains on (or is scored) without
+    an error: refuse a dataset whose meta describes another tokenizer (another kind, another character vocabulary,
+    or another bpe tokenizer.json). A dataset without a meta file says nothing about its tokenizer; its ids are
+    checked against the model's vocab_size as they are read (dataloader.check_token_ids). remedy: what to do.
     """
     data_dir = dataset_dir(dataset)
     data_meta = read_dataset_meta(data_dir)
     if data_meta is None or tokenizer_identity(data_meta) == tokenizer_identity(tokenizer_meta):
         return
     raise UserError(f"{_tokenizer_difference(data_dir, data_meta, source, tokenizer_meta)}: its token ids would "
-                    f"mean other tokens to the model; train on a dataset prepared with the model's tokenizer, or "
-                    f"from scratch on this one")
+                    f"mean other tokens to the model; {remedy}")
 
 
 def _describe_tokenizer(meta):

@@ -142,7 +142,7 @@ def test_sample_runs_on_a_copied_checkpoint_whose_dataset_is_gone(bpe512_run, tm
 
 
 def test_a_dataset_of_another_tokenizer_is_refused_and_the_checkpoint_kept(bpe512_run, small_bpe, tiny_dataset,
-                                                                            tmp_path, capsys):
+                                                                            tmp_path, monkeypatch, capsys):
     _, out_dir = bpe512_run
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     before = hashlib.sha256(open(ckpt_path, "rb").read()).hexdigest()
@@ -158,6 +158,9 @@ def test_a_dataset_of_another_tokenizer_is_refused_and_the_checkpoint_kept(bpe51
         err = capsys.readouterr().err.strip()
         assert stop.value.code == 2 and words in err and len(err.splitlines()) == 1, err
     assert hashlib.sha256(open(ckpt_path, "rb").read()).hexdigest() == before
+    # eval.py's loss on another tokenizer's token files: refused too, not a number that means nothing
+    with pytest.raises(UserError, match=r"another tokenizer.json: bpe \(300 tokens\), the model .* evaluate it on "):
+        run_script(eval_script, monkeypatch, capsys, f"--init_from={out_dir}", "--task=loss", f"--dataset={other_bpe}")
 
 
 # -----------------------------------------------------------------------------
