@@ -214,6 +214,11 @@ class BPETokenizer:
             raise TokenizerError(f"{name} is not a valid tokenizer.json ({_first_line(e)}); use the file "
                                  f"prepare.py wrote, or --tokenizer=bpe to train a new one") from None
         self.ordinary.encode_special_tokens = True  # encode_ordinary: '<|endoftext|>' in a text is just text
+        for t in (self.tok, self.ordinary):
+            # a tokenizer.json saved with truncation or padding on (max_length, pad_id) would cut every document
+            # short or fill it with pad ids, silently: the ids here are always those of the whole text
+            t.no_truncation()
+            t.no_padding()
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eot_token = self.tok.token_to_id(EOT_TEXT)
         self._bytes = _token_byte_table(spec, self.tok, self.vocab_size, name)

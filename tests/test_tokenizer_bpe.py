@@ -137,3 +137,15 @@ def test_every_kind_has_the_same_interface(bpe512):
 def test_unknown_kind_is_refused():
     with pytest.raises(TokenizerError, match="unknown tokenizer kind 'wordpiece'"):
         load_tokenizer({"kind": "wordpiece"})
+
+
+def test_truncation_and_padding_saved_in_the_file_are_ignored(bpe512):
+    from tokenizers import Tokenizer
+    tok = bpe512[0]
+    saved = Tokenizer.from_str(tok.json)
+    saved.enable_truncation(max_length=4)
+    saved.enable_padding(length=64, pad_id=tok.eot_token, pad_token=EOT_TEXT)
+    other = BPETokenizer(saved.to_str())
+    ids = tok.encode_ordinary(MIXED)
+    assert len(ids) > 4 and other.encode_ordinary(MIXED) == ids and other.encode(MIXED) == tok.encode(MIXED)
+    assert other.encode_ordinary_batch([MIXED, "a"]) == [ids, tok.encode_ordinary("a")]
