@@ -268,11 +268,7 @@ def _check_byte_level_bpe(tokenizer_json, name):
     if kind != "BPE":
         raise TokenizerError(f"{name} is a {kind} tokenizer, not a byte-level BPE; pass a byte-level BPE "
                              f"tokenizer.json (e.g. one prepare.py trained) or --tokenizer=bpe")
-    pre = spec.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    if not any(step and step.get("type") == "ByteLevel" for step in steps):
-        raise TokenizerError(f"{name} is a BPE over characters, not bytes (its pre-tokenizer has no ByteLevel "
-                             f"step), so some text would have no tokens; pass a byte-level BPE or --tokenizer=bpe")
+    _check_byte_level_step(spec, name)
     if spec.get("normalizer"):
         raise TokenizerError(f"{name} normalizes the text ({spec['normalizer'].get('type')}), so decoding would "
                              f"not give back the text byte for byte; pass a byte-level BPE without a normalizer")
@@ -280,6 +276,21 @@ def _check_byte_level_bpe(tokenizer_json, name):
         raise TokenizerError(f"{name} has no {EOT_TEXT} special token, which separates documents; train one "
                              f"with --tokenizer=bpe (it adds it)")
     return spec
+
+
+def _check_byte_level_step(spec, name):
+    """ Refuse a pre-tokenizer without a ByteLevel step, or one whose ByteLevel step adds a space to the text. """
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    byte_level = [step for step in steps if step and step.get("type") == "ByteLevel"]
+    if not byte_level:
+        raise TokenizerError(f"{name} is a BPE over characters, not bytes (its pre-tokenizer has no ByteLevel "
+                             f"step), so some text would have no tokens; pass a byte-level BPE or --tokenizer=bpe")
+    if any(step.get("add_prefix_space") for step in byte_level):
+        # a space before every document (and before every piece of a long one) that the text never had
+        raise TokenizerError(f"{name} puts a space before every text (its ByteLevel pre-tokenizer has "
+                             f"add_prefix_space), so decoding would not give back the text byte for byte; set "
+                             f"\"add_prefix_space\": false in it, or use --tokenizer=bpe")
 
 
 def _token_byte_table(spec, tok, vocab_size, name):

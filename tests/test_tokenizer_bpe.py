@@ -91,6 +91,7 @@ def _tokenizer_json_with(bpe512, change):
 @pytest.mark.parametrize("change, message", [
     (lambda s: s["model"].update(type="WordPiece"), "is a WordPiece tokenizer, not a byte-level BPE"),
     (lambda s: s.update(pre_tokenizer={"type": "Whitespace"}), "not bytes"),
+    (lambda s: s["pre_tokenizer"].update(add_prefix_space=True), "puts a space before every text"),
     (lambda s: s.update(normalizer={"type": "NFC"}), "normalizes the text"),
     (lambda s: s.update(added_tokens=[]), "has no <|endoftext|> special token"),
     (lambda s: s.pop("model"), "not a Hugging Face tokenizer.json"),
