@@ -316,6 +316,13 @@ def _token_byte_table(spec, tok, vocab_size, name):
     return table
 
 
+def check_bpe_vocab_size(vocab_size):
+    """ Refuse a vocab_size with no room for merges, before any text is read. """
+    if vocab_size < MIN_BPE_VOCAB:
+        raise TokenizerError(f"vocab_size={vocab_size} is smaller than a byte-level BPE's base vocabulary (256 "
+                             f"bytes + {EOT_TEXT} = {MIN_BPE_VOCAB}); use --vocab_size={MIN_BPE_VOCAB} or more")
+
+
 def train_bpe(texts, vocab_size, length=None, show_progress=True):
     """
     A byte-level BPE of vocab_size tokens learned from texts (an iterator of strings or of lists of strings,
@@ -324,9 +331,7 @@ def train_bpe(texts, vocab_size, length=None, show_progress=True):
     the same tokenizer.json. length (the number of items, if known) drives the progress bar.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    if vocab_size < MIN_BPE_VOCAB:
-        raise TokenizerError(f"vocab_size={vocab_size} is smaller than a byte-level BPE's base vocabulary (256 "
-                             f"bytes + {EOT_TEXT} = {MIN_BPE_VOCAB}); use --vocab_size={MIN_BPE_VOCAB} or more")
+    check_bpe_vocab_size(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
