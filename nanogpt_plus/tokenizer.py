@@ -366,6 +366,11 @@ def tokenizer_fingerprint(tokenizer_json):
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
+def tokenizer_file_sha256(tokenizer_json):
+    """ The sha256 a meta.json records of the tokenizer.json beside it: of its exact UTF-8 text, as written. """
+    return hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
+
+
 @functools.lru_cache(maxsize=4)
 def _bpe_tokenizer(tokenizer_json):
     """ One BPETokenizer per tokenizer.json text: building one of a large vocabulary takes a second. """
@@ -412,7 +417,7 @@ def read_named_tokenizer(directory, meta, made_with, remedy):
     except (OSError, UnicodeDecodeError) as e:
         raise TokenizerError(f"{path} (the tokenizer {made_with} with) could not be read ({e}); {remedy}") from None
     expected = meta.get("tokenizer_sha256")
-    if expected and hashlib.sha256(text.encode("utf-8")).hexdigest() != expected:
+    if expected and tokenizer_file_sha256(text) != expected:
         raise TokenizerError(f"{path} is not the tokenizer {made_with} with (its sha256 differs from the one "
                              f"recorded); {remedy}")
     return text
