@@ -296,13 +296,13 @@ def _check_byte_level_step(spec, name):
 def _token_byte_table(spec, tok, vocab_size, name):
     """ The bytes of every token id, 0..vocab_size-1 (a special token's are its text's UTF-8). """
     alphabet = byte_alphabet()
+    added = {t.get("content") for t in spec.get("added_tokens") or []}  # written as themselves, not in bytes
     table = [None] * vocab_size
     for text, i in tok.get_vocab(with_added_tokens=True).items():
         if i >= vocab_size:
             raise TokenizerError(f"{name} numbers its tokens with gaps (id {i} in a vocabulary of {vocab_size}); "
                                  f"pass a tokenizer.json whose ids run 0..{vocab_size - 1}")
-        special = tok.id_to_token(i) == text and any(t.get("content") == text for t in spec.get("added_tokens") or [])
-        if special:
+        if text in added:
             table[i] = text.encode("utf-8")
         elif all(ch in alphabet for ch in text):
             table[i] = bytes(alphabet[ch] for ch in text)
