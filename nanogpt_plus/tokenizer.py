@@ -377,6 +377,17 @@ def _bpe_tokenizer(tokenizer_json):
     return BPETokenizer(tokenizer_json)
 
 
+def _described_bpe(meta):
+    """ The BPETokenizer of a bpe description, refusing one whose vocab_size or eot_token its file contradicts. """
+    tok = _bpe_tokenizer(meta["tokenizer_json"])
+    # a model's vocab_size is taken from meta.json's, so a meta.json edited by hand must agree with the file
+    for key in ("vocab_size", "eot_token"):
+        if meta.get(key) is not None and meta[key] != getattr(tok, key):
+            raise TokenizerError(f"the bpe tokenizer description says {key}={meta[key]} but its tokenizer.json "
+                                 f"has {key}={getattr(tok, key)}; re-run the dataset's prepare.py")
+    return tok
+
+
 def load_tokenizer(meta):
     """ A tokenizer from its description (checkpoint 'tokenizer' entry or dataset meta); None means GPT-2. """
     kind = "gpt2" if meta is None else meta.get("kind", "char" if "stoi" in meta else "gpt2")
@@ -386,7 +397,7 @@ def load_tokenizer(meta):
         if not meta.get("tokenizer_json"):
             raise TokenizerError("the bpe tokenizer description holds no tokenizer.json; re-run the dataset's "
                                  "prepare.py")
-        return _bpe_tokenizer(meta["tokenizer_json"])
+        return _described_bpe(meta)
     if kind != "char":
         raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected 'gpt2', 'char' or 'bpe'")
     if "stoi" not in meta:

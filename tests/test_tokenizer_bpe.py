@@ -150,3 +150,10 @@ def test_truncation_and_padding_saved_in_the_file_are_ignored(bpe512):
     ids = tok.encode_ordinary(MIXED)
     assert len(ids) > 4 and other.encode_ordinary(MIXED) == ids and other.encode(MIXED) == tok.encode(MIXED)
     assert other.encode_ordinary_batch([MIXED, "a"]) == [ids, tok.encode_ordinary("a")]
+
+
+def test_a_description_its_tokenizer_json_contradicts_is_refused(bpe512):
+    for key in ("vocab_size", "eot_token"):
+        meta = dict(bpe512[0].meta(), **{key: 300})
+        with pytest.raises(TokenizerError, match=f"says {key}=300 but its tokenizer.json has {key}="):
+            load_tokenizer(meta)
