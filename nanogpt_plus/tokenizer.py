@@ -356,7 +356,8 @@ def read_tokenizer_file(path):
         raise TokenizerError(f"no tokenizer file at {path}; pass the path of a tokenizer.json, or "
                              f"--tokenizer=bpe|gpt2|char") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path} could not be read as a tokenizer.json ({e})") from None
+        raise TokenizerError(f"{path} could not be read as a tokenizer.json ({e}); pass a readable UTF-8 "
+                             f"tokenizer.json, or --tokenizer=bpe to train one") from None
     return BPETokenizer(text, name=path)
 
 
