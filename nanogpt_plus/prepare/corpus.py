@@ -192,8 +192,8 @@ def split_corpus(ds, column, test_size, seed):
         text = ds[0][column] or ""
         cut = int(len(text) * (1 - test_size))
         print(f"one document: train is its first {len(text[:cut]):,} characters, val the last {len(text) - cut:,}")
-        # pieces, so the tokenizer's training and the encoding run in parallel; cut only where a BPE's
-        # pre-tokenizer cuts anyway, so the tokens are those of the whole text
+        # pieces, so the tokenizer's training and the encoding run in parallel; cut only where GPT-2's
+        # pre-tokenizer pattern (the trained BPE's, tiktoken's) cuts anyway, so the tokens are the whole text's
         return datasets.DatasetDict({split: datasets.Dataset.from_dict({column: text_pieces(part)})
                                      for split, part in (("train", text[:cut]), ("val", text[cut:]))}), False
     # datasets' own count for a fractional test_size (ceil), kept within 1 .. n-1 so neither split is empty
