@@ -214,6 +214,11 @@ class BPETokenizer:
             raise TokenizerError(f"{name} is not a valid tokenizer.json ({_first_line(e)}); use the file "
                                  f"prepare.py wrote, or --tokenizer=bpe to train a new one") from None
         self.ordinary.encode_special_tokens = True  # encode_ordinary: '<|endoftext|>' in a text is just text
+        for t in (self.tok, self.ordinary):
+            # a tokenizer.json saved with truncation or padding on (max_length, pad_id) would cut every document
+            # short or fill it with pad ids, silently: the ids here are always those of the whole text
+            t.no_truncation()
+            t.no_padding()
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eot_token = self.tok.token_to_id(EOT_TEXT)
         self._bytes = _token_byte_table(spec, self.tok, self.vocab_size, name)
@@ -263,11 +268,7 @@ def _check_byte_level_bpe(tokenizer_json, name):
     if kind != "BPE":
         raise TokenizerError(f"{name} is a {kind} tokenizer, not a byte-level BPE; pass a byte-level BPE "
                              f"tokenizer.json (e.g. one prepare.py trained) or --tokenizer=bpe")
-    pre = spec.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    if not any(step and step.get("type") == "ByteLevel" for step in steps):
-        raise TokenizerError(f"{name} is a BPE over characters, not bytes (its pre-tokenizer has no ByteLevel "
-                             f"step), so some text would have no tokens; pass a byte-level BPE or --tokenizer=bpe")
+    _check_byte_level_step(spec, name)
     if spec.get("normalizer"):
         raise TokenizerError(f"{name} normalizes the text ({spec['normalizer'].get('type')}), so decoding would "
                              f"not give back the text byte for byte; pass a byte-level BPE without a normalizer")
@@ -277,16 +278,31 @@ def _check_byte_level_bpe(tokenizer_json, name):
     return spec
 
 
+def _check_byte_level_step(spec, name):
+    """ Refuse a pre-tokenizer without a ByteLevel step, or one whose ByteLevel step adds a space to the text. """
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    byte_level = [step for step in steps if step and step.get("type") == "ByteLevel"]
+    if not byte_level:
+        raise TokenizerError(f"{name} is a BPE over characters, not bytes (its pre-tokenizer has no ByteLevel "
+                             f"step), so some text would have no tokens; pass a byte-level BPE or --tokenizer=bpe")
+    if any(step.get("add_prefix_space") for step in byte_level):
+        # a space before every document (and before every piece of a long one) that the text never had
+        raise TokenizerError(f"{name} puts a space before every text (its ByteLevel pre-tokenizer has "
+                             f"add_prefix_space), so decoding would not give back the text byte for byte; set "
+                             f"\"add_prefix_space\": false in it, or use --tokenizer=bpe")
+
+
 def _token_byte_table(spec, tok, vocab_size, name):
     """ The bytes of every token id, 0..vocab_size-1 (a special token's are its text's UTF-8). """
     alphabet = byte_alphabet()
+    added = {t.get("content") for t in spec.get("added_tokens") or []}  # written as themselves, not in bytes
     table = [None] * vocab_size
     for text, i in tok.get_vocab(with_added_tokens=True).items():
         if i >= vocab_size:
             raise TokenizerError(f"{name} numbers its tokens with gaps (id {i} in a vocabulary of {vocab_size}); "
                                  f"pass a tokenizer.json whose ids run 0..{vocab_size - 1}")
-        special = tok.id_to_token(i) == text and any(t.get("content") == text for t in spec.get("added_tokens") or [])
-        if special:
+        if text in added:
             table[i] = text.encode("utf-8")
         elif all(ch in alphabet for ch in text):
             table[i] = bytes(alphabet[ch] for ch in text)
@@ -300,6 +316,13 @@ def _token_byte_table(spec, tok, vocab_size, name):
     return table
 
 
+def check_bpe_vocab_size(vocab_size):
+    """ Refuse a vocab_size with no room for merges, before any text is read. """
+    if vocab_size < MIN_BPE_VOCAB:
+        raise TokenizerError(f"vocab_size={vocab_size} is smaller than a byte-level BPE's base vocabulary (256 "
+                             f"bytes + {EOT_TEXT} = {MIN_BPE_VOCAB}); use --vocab_size={MIN_BPE_VOCAB} or more")
+
+
 def train_bpe(texts, vocab_size, length=None, show_progress=True):
     """
     A byte-level BPE of vocab_size tokens learned from texts (an iterator of strings or of lists of strings,
@@ -308,9 +331,7 @@ def train_bpe(texts, vocab_size, length=None, show_progress=True):
     the same tokenizer.json. length (the number of items, if known) drives the progress bar.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    if vocab_size < MIN_BPE_VOCAB:
-        raise TokenizerError(f"vocab_size={vocab_size} is smaller than a byte-level BPE's base vocabulary (256 "
-                             f"bytes + {EOT_TEXT} = {MIN_BPE_VOCAB}); use --vocab_size={MIN_BPE_VOCAB} or more")
+    check_bpe_vocab_size(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -335,7 +356,8 @@ def read_tokenizer_file(path):
         raise TokenizerError(f"no tokenizer file at {path}; pass the path of a tokenizer.json, or "
                              f"--tokenizer=bpe|gpt2|char") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path} could not be read as a tokenizer.json ({e})") from None
+        raise TokenizerError(f"{path} could not be read as a tokenizer.json ({e}); pass a readable UTF-8 "
+                             f"tokenizer.json, or --tokenizer=bpe to train one") from None
     return BPETokenizer(text, name=path)
 
 
@@ -345,10 +367,26 @@ def tokenizer_fingerprint(tokenizer_json):
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
+def tokenizer_file_sha256(tokenizer_json):
+    """ The sha256 a meta.json records of the tokenizer.json beside it: of its exact UTF-8 text, as written. """
+    return hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
+
+
 @functools.lru_cache(maxsize=4)
 def _bpe_tokenizer(tokenizer_json):
     """ One BPETokenizer per tokenizer.json text: building one of a large vocabulary takes a second. """
     return BPETokenizer(tokenizer_json)
+
+
+def _described_bpe(meta):
+    """ The BPETokenizer of a bpe description, refusing one whose vocab_size or eot_token its file contradicts. """
+    tok = _bpe_tokenizer(meta["tokenizer_json"])
+    # a model's vocab_size is taken from meta.json's, so a meta.json edited by hand must agree with the file
+    for key in ("vocab_size", "eot_token"):
+        if meta.get(key) is not None and meta[key] != getattr(tok, key):
+            raise TokenizerError(f"the bpe tokenizer description says {key}={meta[key]} but its tokenizer.json "
+                                 f"has {key}={getattr(tok, key)}; re-run the dataset's prepare.py")
+    return tok
 
 
 def load_tokenizer(meta):
@@ -360,7 +398,7 @@ def load_tokenizer(meta):
         if not meta.get("tokenizer_json"):
             raise TokenizerError("the bpe tokenizer description holds no tokenizer.json; re-run the dataset's "
                                  "prepare.py")
-        return _bpe_tokenizer(meta["tokenizer_json"])
+        return _described_bpe(meta)
     if kind != "char":
         raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected 'gpt2', 'char' or 'bpe'")
     if "stoi" not in meta:
@@ -391,7 +429,7 @@ def read_named_tokenizer(directory, meta, made_with, remedy):
     except (OSError, UnicodeDecodeError) as e:
         raise TokenizerError(f"{path} (the tokenizer {made_with} with) could not be read ({e}); {remedy}") from None
     expected = meta.get("tokenizer_sha256")
-    if expected and hashlib.sha256(text.encode("utf-8")).hexdigest() != expected:
+    if expected and tokenizer_file_sha256(text) != expected:
         raise TokenizerError(f"{path} is not the tokenizer {made_with} with (its sha256 differs from the one "
                              f"recorded); {remedy}")
     return text

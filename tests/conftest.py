@@ -183,21 +183,17 @@ def write_bpe_dataset(directory, tokenizer, text, val_fraction=0.1):
     """ A bpe dataset in prepare.py's format: train.bin / val.bin (uint16, or uint32 past 65,536 tokens),
     tokenizer.json and meta.json naming it with its sha256, the eot id and the dtype. The text is split by
     characters like nanoGPT's Shakespeare (first 90% train); returns the directory. """
-    import hashlib
-
+    from nanogpt_plus.prepare.token_files import TOKENIZER_FILE, bpe_meta
     from nanogpt_plus.shards import token_dtype
     os.makedirs(directory, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
     cut = int(len(text) * (1 - val_fraction))
     for split, part in (("train", text[:cut]), ("val", text[cut:])):
         np.array(tokenizer.encode_ordinary(part), dtype=dtype).tofile(os.path.join(directory, f"{split}.bin"))
-    with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(directory, TOKENIZER_FILE), "w", encoding="utf-8") as f:
         f.write(tokenizer.json)
-    meta = {"kind": "bpe", "vocab_size": tokenizer.vocab_size, "eot_token": tokenizer.eot_token,
-            "dtype": dtype.name, "tokenizer_file": "tokenizer.json",
-            "tokenizer_sha256": hashlib.sha256(tokenizer.json.encode("utf-8")).hexdigest()}
     with open(os.path.join(directory, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
+        json.dump(bpe_meta(tokenizer, dtype), f, indent=1)  # prepare.py's entries (test_prepare_text pins them)
     return str(directory)
 
 

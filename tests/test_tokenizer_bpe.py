@@ -91,6 +91,7 @@ def _tokenizer_json_with(bpe512, change):
 @pytest.mark.parametrize("change, message", [
     (lambda s: s["model"].update(type="WordPiece"), "is a WordPiece tokenizer, not a byte-level BPE"),
     (lambda s: s.update(pre_tokenizer={"type": "Whitespace"}), "not bytes"),
+    (lambda s: s["pre_tokenizer"].update(add_prefix_space=True), "puts a space before every text"),
     (lambda s: s.update(normalizer={"type": "NFC"}), "normalizes the text"),
     (lambda s: s.update(added_tokens=[]), "has no <|endoftext|> special token"),
     (lambda s: s.pop("model"), "not a Hugging Face tokenizer.json"),
@@ -137,3 +138,22 @@ def test_every_kind_has_the_same_interface(bpe512):
 def test_unknown_kind_is_refused():
     with pytest.raises(TokenizerError, match="unknown tokenizer kind 'wordpiece'"):
         load_tokenizer({"kind": "wordpiece"})
+
+
+def test_truncation_and_padding_saved_in_the_file_are_ignored(bpe512):
+    from tokenizers import Tokenizer
+    tok = bpe512[0]
+    saved = Tokenizer.from_str(tok.json)
+    saved.enable_truncation(max_length=4)
+    saved.enable_padding(length=64, pad_id=tok.eot_token, pad_token=EOT_TEXT)
+    other = BPETokenizer(saved.to_str())
+    ids = tok.encode_ordinary(MIXED)
+    assert len(ids) > 4 and other.encode_ordinary(MIXED) == ids and other.encode(MIXED) == tok.encode(MIXED)
+    assert other.encode_ordinary_batch([MIXED, "a"]) == [ids, tok.encode_ordinary("a")]
+
+
+def test_a_description_its_tokenizer_json_contradicts_is_refused(bpe512):
+    for key in ("vocab_size", "eot_token"):
+        meta = dict(bpe512[0].meta(), **{key: 300})
+        with pytest.raises(TokenizerError, match=f"says {key}=300 but its tokenizer.json has {key}="):
+            load_tokenizer(meta)

@@ -30,8 +30,8 @@ from nanogpt_plus.prepare.shakespeare import encode_chars
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_token_batches
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.tokenizer import (MIN_BPE_VOCAB, CharTokenizer, GPT2Tokenizer, load_tokenizer, read_tokenizer_file,
-                                    train_bpe)
+from nanogpt_plus.tokenizer import (CharTokenizer, GPT2Tokenizer, check_bpe_vocab_size, load_tokenizer,
+                                    read_tokenizer_file, train_bpe)
 
 # the Hugging Face datasets builder that reads each kind of local file
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -192,8 +192,8 @@ def split_corpus(ds, column, test_size, seed):
         text = ds[0][column] or ""
         cut = int(len(text) * (1 - test_size))
         print(f"one document: train is its first {len(text[:cut]):,} characters, val the last {len(text) - cut:,}")
-        # pieces, so the tokenizer's training and the encoding run in parallel; cut only where a BPE's
-        # pre-tokenizer cuts anyway, so the tokens are those of the whole text
+        # pieces, so the tokenizer's training and the encoding run in parallel; cut only where GPT-2's
+        # pre-tokenizer pattern (the trained BPE's, tiktoken's) cuts anyway, so the tokens are the whole text's
         return datasets.DatasetDict({split: datasets.Dataset.from_dict({column: text_pieces(part)})
                                      for split, part in (("train", text[:cut]), ("val", text[cut:]))}), False
     # datasets' own count for a fractional test_size (ceil), kept within 1 .. n-1 so neither split is empty
@@ -244,9 +244,8 @@ def given_tokenizer(choice, vocab_size):
     if vocab_size is not None and choice != "bpe":
         raise UserError(f"--vocab_size applies to --tokenizer=bpe only (the tokenizer {choice} has its own "
                         f"vocabulary); drop --vocab_size or use --tokenizer=bpe")
-    if choice == "bpe" and vocab_size is not None and vocab_size < MIN_BPE_VOCAB:
-        raise UserError(f"vocab_size={vocab_size} is smaller than a byte-level BPE's base vocabulary (256 bytes "
-                        f"+ <|endoftext|> = {MIN_BPE_VOCAB}); use --vocab_size={MIN_BPE_VOCAB} or more")
+    if choice == "bpe" and vocab_size is not None:
+        check_bpe_vocab_size(vocab_size)
     if choice in ("bpe", "char"):
         return None
     if choice == "gpt2":

@@ -13,7 +13,6 @@ Usage (inside nanogpt_plus.files.atomic_outputs, so the files appear only when a
 """
 
 import errno
-import hashlib
 import json
 import os
 import pickle
@@ -23,6 +22,7 @@ from tqdm import tqdm
 
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.shards import as_token_array, token_dtype
+from nanogpt_plus.tokenizer import tokenizer_file_sha256
 
 UINT32_LIMIT = 2 ** 32  # the largest token files hold uint32 ids
 TOKENIZER_FILE = "tokenizer.json"  # a bpe dataset's tokenizer, beside its meta.json
@@ -105,7 +105,7 @@ def bpe_meta(tokenizer, dtype):
     """ A bpe dataset's meta.json entries for its tokenizer (read back by tokenizer.read_dataset_meta). """
     return {"kind": "bpe", "vocab_size": tokenizer.vocab_size, "eot_token": tokenizer.eot_token,
             "dtype": np.dtype(dtype).name, "tokenizer_file": TOKENIZER_FILE,
-            "tokenizer_sha256": hashlib.sha256(tokenizer.json.encode("utf-8")).hexdigest()}
+            "tokenizer_sha256": tokenizer_file_sha256(tokenizer.json)}
 
 
 def write_meta(out, meta, pickle_too):
