@@ -124,6 +124,28 @@ def test_one_text_file_gives_the_shakespeare_scripts_files(tokenizer, script, tm
     assert json.loads(ours["meta.json"])["dtype"] == "uint16"
 
 
+def test_one_text_is_not_cut_for_a_pre_tokenizer_that_does_not_cut_at_newlines(bpe_runs, tmp_path, monkeypatch):
+    # a byte-level BPE without GPT-2's regex sees a whole text as one word, and its merges span newlines
+    # (".\nK" can be one token): text in pieces would be encoded differently
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    text = bpe_corpus_text(n_words=3000)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|endoftext|>"],
+                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    assert any("\u010a" in t and t[-1] != "\u010a" for t in bpe.get_vocab())  # a newline merged with what follows
+    path = tmp_path / "tokenizer.json"
+    path.write_text(bpe.to_str(), encoding="utf-8")
+    (tmp_path / "input.txt").write_text(text, encoding="utf-8")
+    monkeypatch.setattr(corpus, "PIECE_CHARS", 2000)
+    prepare(monkeypatch, f"--input={tmp_path / 'input.txt'}", f"--tokenizer={path}", f"--out_dir={tmp_path / 'out'}",
+            f"--cache_dir={tmp_path / 'cache'}", "--num_proc=1")
+    tok = load_tokenizer(read_dataset_meta(str(tmp_path / "out")))
+    train = np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16)
+    assert train.tolist() == tok.encode_ordinary(text[:int(len(text) * 0.9)])
+
+
 # -----------------------------------------------------------------------------
 # past 65,536 tokens: uint32
 

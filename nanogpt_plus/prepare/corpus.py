@@ -30,7 +30,7 @@ from nanogpt_plus.prepare.shakespeare import encode_chars
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_token_batches
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.tokenizer import (CharTokenizer, GPT2Tokenizer, check_bpe_vocab_size, load_tokenizer,
+from nanogpt_plus.tokenizer import (BPETokenizer, CharTokenizer, GPT2Tokenizer, check_bpe_vocab_size, load_tokenizer,
                                     read_tokenizer_file, train_bpe)
 
 # the Hugging Face datasets builder that reads each kind of local file
@@ -53,7 +53,7 @@ def prepare_corpus(out_dir, dataset="openwebtext", files="", text_column="text",
     tok = given_tokenizer(tokenizer, vocab_size)  # now, so a bad choice fails before the corpus is read
     ds, text_column = load_corpus(dataset, files, text_column, num_proc, cache_dir, sample_by, name)
     print(n_documents(len(ds)))
-    splits, by_documents = split_corpus(ds, text_column, test_size, seed)
+    splits, by_documents = split_corpus(ds, text_column, test_size, seed, piece_chars(tok))
     if tok is None:  # char and bpe: made from the corpus
         tok = corpus_tokenizer(tokenizer, vocab_size or DEFAULT_BPE_VOCAB, splits, text_column, by_documents, progress)
     dtype = describe_tokenizer(tok, by_documents)
@@ -181,7 +181,7 @@ def _first_line(e):
 # -----------------------------------------------------------------------------
 # the val split
 
-def split_corpus(ds, column, test_size, seed):
+def split_corpus(ds, column, test_size, seed, piece_size=PIECE_CHARS):
     """
     (DatasetDict train/val, whether documents were held out). Several documents: a shuffled test_size share
     of them (at least one; the seed fixes which) is val, each document stays whole. One document (a single
@@ -194,7 +194,7 @@ def split_corpus(ds, column, test_size, seed):
         print(f"one document: train is its first {len(text[:cut]):,} characters, val the last {len(text) - cut:,}")
         # pieces, so the tokenizer's training and the encoding run in parallel; cut only where GPT-2's
         # pre-tokenizer pattern (the trained BPE's, tiktoken's) cuts anyway, so the tokens are the whole text's
-        return datasets.DatasetDict({split: datasets.Dataset.from_dict({column: text_pieces(part)})
+        return datasets.DatasetDict({split: datasets.Dataset.from_dict({column: text_pieces(part, piece_size)})
                                      for split, part in (("train", text[:cut]), ("val", text[cut:]))}), False
     # datasets' own count for a fractional test_size (ceil), kept within 1 .. n-1 so neither split is empty
     n_val = min(len(ds) - 1, max(1, math.ceil(test_size * len(ds))))
@@ -210,9 +210,12 @@ SAFE_CUT = re.compile(r"(?<=[!-~]\n)(?=[!-~])")
 
 
 def text_pieces(text, size=PIECE_CHARS):
-    """ text in pieces of about size characters (longer where no safe cut comes soon), joining back to text. """
+    """
+    text in pieces of about size characters (longer where no safe cut comes soon), joining back to text;
+    size None: the whole text as one piece.
+    """
     pieces, start = [], 0
-    while len(text) - start > size:
+    while size is not None and len(text) - start > size:
         cut = SAFE_CUT.search(text, start + size)
         if cut is None:
             break
@@ -220,6 +223,24 @@ def text_pieces(text, size=PIECE_CHARS):
         start = cut.start()
     pieces.append(text[start:])
     return pieces
+
+
+def piece_chars(tok):
+    """
+    The piece size for one long text: PIECE_CHARS where the tokenizer's pre-tokenizer is known to cut at every
+    SAFE_CUT (GPT-2's, the BPE trained here: tok None, and char), else None (no pieces). A tokenizer.json given
+    by path is probed on a newline between every two printable ASCII characters: a pre-tokenizer that doesn't
+    end a piece right after it would encode pieces differently from the whole text.
+    """
+    if not isinstance(tok, BPETokenizer):
+        return PIECE_CHARS
+    printable = [chr(c) for c in range(0x21, 0x7F)]
+    pre = tok.tok.pre_tokenizer
+    for a in printable:
+        for b in printable:
+            if not any(end == 2 for _, (_, end) in pre.pre_tokenize_str(a + "\n" + b)):
+                return None
+    return PIECE_CHARS
 
 
 def text_batches(dset, column, rows=TEXT_ROWS):
