@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from benchtools import cpu_model, work_directory, write_jsonl_corpus
@@ -117,10 +119,11 @@ def bits_per_byte_of(work, spec, text_path, max_iters):
     result = json.loads(run(["eval.py", f"--init_from={out}", "--task=loss", f"--dataset={data}",
                              "--device=cpu"], f"eval {spec}").strip().splitlines()[-1])
     with open(os.path.join(data, "meta.json"), encoding="utf-8") as f:
-        vocab_size = json.load(f)["vocab_size"]
+        meta = json.load(f)
     with open(os.path.join(out, "ckpt.json"), encoding="utf-8") as f:
         model_vocab = json.load(f)["model_args"]["vocab_size"]
-    train_tokens = os.path.getsize(os.path.join(data, "train.bin")) // (2 if vocab_size <= 65536 else 4)
+    vocab_size, itemsize = meta["vocab_size"], np.dtype(meta["dtype"]).itemsize  # the dtype prepare.py wrote
+    train_tokens = os.path.getsize(os.path.join(data, "train.bin")) // itemsize
     metrics = result["metrics"]
     times = [float(line.split("time ")[1].split("ms")[0]) for line in log.splitlines() if line.startswith("iter ")]
     row = {"name": name, "vocab": vocab_size, "model_vocab": model_vocab, "train_tokens": train_tokens,
