@@ -21,7 +21,7 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchtools import cpu_model, work_directory, write_jsonl_corpus
+from benchtools import cpu_model, parse_ints, work_directory, write_jsonl_corpus
 
 from configurator import configure
 from nanogpt_plus.prepare.plays import benchmark_documents
@@ -141,7 +141,7 @@ def main():
     print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     with work_directory(config['work_dir'], "bench_tokenizer_") as work:
         if config['part'] in ('train', 'all'):
-            vocab_sizes = [int(v) for v in str(config['vocab_sizes']).split(",")]
+            vocab_sizes = parse_ints(str(config['vocab_sizes']), 'vocab_sizes')
             bench_training(work, config['size_mb'], vocab_sizes, config['seed'])
         if config['part'] in ('bpb', 'all'):
             bench_bits_per_byte(work, config['tokenizers'].split(","), config['max_iters'])
