@@ -107,7 +107,8 @@ def bench_bits_per_byte(work, tokenizers, max_iters):
 
 def bits_per_byte_of(work, spec, text_path, max_iters):
     kind, _, vocab = spec.partition(":")
-    name = kind + (f" {int(vocab) // 1024}k" if vocab else "")
+    label = f"{int(vocab) // 1024}k" if vocab.isdigit() and int(vocab) % 1024 == 0 else vocab  # 4096 -> 4k
+    name = f"{kind} {label}" if vocab else kind
     data = os.path.join(work, "data_" + spec.replace(":", "_"))
     out = os.path.join(work, "out_" + spec.replace(":", "_"))
     run(["data/text/prepare.py", f"--input={text_path}", f"--tokenizer={kind}", f"--out_dir={data}"]
