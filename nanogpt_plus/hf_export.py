@@ -221,8 +221,9 @@ def export(model, tokenizer_meta, hf_dir, source=''):
     tok = None if kind == 'gpt2' else load_tokenizer(tokenizer_meta)  # GPT-2's files are copied, not read
     n_tokens, eot = (GPT2_TOKENS, GPT2_EOT) if tok is None else (tok.vocab_size, tok.eot_token)
     if n_tokens > config.vocab_size:
-        raise UserError(f"the checkpoint's tokenizer has {n_tokens} tokens but its model only {config.vocab_size}; "
-                        f"the tokenizer description does not belong to this model")
+        raise UserError(f"the checkpoint's tokenizer has {n_tokens} tokens but its model only {config.vocab_size}, "
+                        f"so it is not the model's (a nanoGPT checkpoint is GPT-2 BPE unless data/<dataset>/meta.pkl "
+                        f"says otherwise): restore its dataset's meta.pkl")
     os.makedirs(hf_dir, exist_ok=True)
     cfg = hf_config(config, eot)
     cfg.save_pretrained(hf_dir)

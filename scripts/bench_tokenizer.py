@@ -17,9 +17,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchtools import cpu_model, work_directory, write_jsonl_corpus
+from benchtools import cpu_model, parse_ints, work_directory, write_jsonl_corpus
 
 from configurator import configure
 from nanogpt_plus.prepare.plays import benchmark_documents
@@ -105,7 +107,8 @@ def bench_bits_per_byte(work, tokenizers, max_iters):
 
 def bits_per_byte_of(work, spec, text_path, max_iters):
     kind, _, vocab = spec.partition(":")
-    name = kind + (f" {int(vocab) // 1024}k" if vocab else "")
+    label = f"{int(vocab) // 1024}k" if vocab.isdigit() and int(vocab) % 1024 == 0 else vocab  # 4096 -> 4k
+    name = f"{kind} {label}" if vocab else kind
     data = os.path.join(work, "data_" + spec.replace(":", "_"))
     out = os.path.join(work, "out_" + spec.replace(":", "_"))
     run(["data/text/prepare.py", f"--input={text_path}", f"--tokenizer={kind}", f"--out_dir={data}"]
@@ -117,10 +120,11 @@ def bits_per_byte_of(work, spec, text_path, max_iters):
     result = json.loads(run(["eval.py", f"--init_from={out}", "--task=loss", f"--dataset={data}",
                              "--device=cpu"], f"eval {spec}").strip().splitlines()[-1])
     with open(os.path.join(data, "meta.json"), encoding="utf-8") as f:
-        vocab_size = json.load(f)["vocab_size"]
+        meta = json.load(f)
     with open(os.path.join(out, "ckpt.json"), encoding="utf-8") as f:
         model_vocab = json.load(f)["model_args"]["vocab_size"]
-    train_tokens = os.path.getsize(os.path.join(data, "train.bin")) // (2 if vocab_size <= 65536 else 4)
+    vocab_size, itemsize = meta["vocab_size"], np.dtype(meta["dtype"]).itemsize  # the dtype prepare.py wrote
+    train_tokens = os.path.getsize(os.path.join(data, "train.bin")) // itemsize
     metrics = result["metrics"]
     times = [float(line.split("time ")[1].split("ms")[0]) for line in log.splitlines() if line.startswith("iter ")]
     row = {"name": name, "vocab": vocab_size, "model_vocab": model_vocab, "train_tokens": train_tokens,
@@ -138,7 +142,7 @@ def main():
     print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     with work_directory(config['work_dir'], "bench_tokenizer_") as work:
         if config['part'] in ('train', 'all'):
-            vocab_sizes = [int(v) for v in str(config['vocab_sizes']).split(",")]
+            vocab_sizes = parse_ints(str(config['vocab_sizes']), 'vocab_sizes')
             bench_training(work, config['size_mb'], vocab_sizes, config['seed'])
         if config['part'] in ('bpb', 'all'):
             bench_bits_per_byte(work, config['tokenizers'].split(","), config['max_iters'])

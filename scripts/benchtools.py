@@ -1,9 +1,9 @@
 """
-What the benchmark scripts share (not an entry point): their --num_procs lists, a scratch directory, the CPU
-seconds of a process and its workers, and the CPU the figures were measured on.
+What the benchmark scripts share (not an entry point): their lists of integers (--num_procs), a scratch
+directory, a JSONL corpus, the CPU seconds of a process and its workers, and the CPU the figures were measured on.
 
 Usage (from a script in scripts/, which Python puts on sys.path):
-    from benchtools import cpu_model, cpu_seconds, parse_num_procs, work_directory, write_jsonl_corpus
+    from benchtools import cpu_model, cpu_seconds, parse_ints, parse_num_procs, work_directory, write_jsonl_corpus
 """
 import json
 import os
@@ -16,12 +16,16 @@ from contextlib import contextmanager
 from nanogpt_plus.runtime import UserError
 
 
-def parse_num_procs(text):
-    """ --num_procs=1,2,4 -> [1, 2, 4] (one line on anything else). """
+def parse_ints(text, setting):
+    """ --setting=1,2,4 -> [1, 2, 4] (one line on anything else). """
     try:
         return [int(p) for p in text.split(",")]
     except ValueError:
-        raise UserError(f"--num_procs must be comma-separated integers, got {text!r}") from None
+        raise UserError(f"--{setting} must be comma-separated integers, got {text!r}") from None
+
+
+def parse_num_procs(text):
+    return parse_ints(text, 'num_procs')
 
 
 @contextmanager

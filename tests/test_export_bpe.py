@@ -8,6 +8,8 @@ after its padded vocabulary) and its fine-tuned checkpoint still samples.
 Usage:
     python -m pytest tests/test_export_bpe.py -q
 """
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -70,28 +72,10 @@ def exported(bpe512, tmp_path_factory):
     model = bpe_gpt(scale=1.0)
     ckpt = save_test_checkpoint(model, tok.meta(), root / 'out' / 'ckpt.pt')
     hf_dir = str(root / 'hf')
-    printed = _Lines()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, 'stdout', printed)
+    printed = io.StringIO()  # capsys is function-scoped; this fixture is the module's
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
         run_script(export_hf, mp, f'--init_from={ckpt}', f'--hf_dir={hf_dir}')
-    return tok, model, ckpt, hf_dir, printed.lines
-
-
-class _Lines:
-    """ A stdout that keeps what is printed. """
-
-    def __init__(self):
-        self.text = ''
-
-    def write(self, s):
-        self.text += s
-
-    def flush(self):
-        pass
-
-    @property
-    def lines(self):
-        return self.text.splitlines()
+    return tok, model, ckpt, hf_dir, printed.getvalue().splitlines()
 
 
 def greedy_ids(model, prompt_ids, n, vocab_size):
