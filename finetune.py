@@ -319,10 +319,7 @@ def prepare_model_and_data(cfg, task, gpt, tokenizer_meta, source, master):
     if block_size < 5:
         raise UserError(f"block_size {block_size} is too small for the special tokens; use 16 or more")
     tokenizer = load_tokenizer(tokenizer_meta)
-    if tokenizer.vocab_size > gpt.config.vocab_size:  # else the special tokens would share ids with text tokens
-        raise UserError(f"the tokenizer of {cfg['init_from']} has {tokenizer.vocab_size} tokens but its model only "
-                        f"{gpt.config.vocab_size}, so it is not the model's (a nanoGPT checkpoint is GPT-2 BPE unless "
-                        f"data/<dataset>/meta.pkl says otherwise): restore its dataset's meta.pkl")
+    # the special tokens go after all of the model's rows: init_model refused a tokenizer with more ids than that
     special = add_special_tokens(gpt, source)
     label_map = source.get('label_map') if cfg['init_from'] == 'resume' else None
     data = load_task_data(task, cfg['train_file'], cfg['val_file'], tokenizer, special, block_size, label_map)

@@ -151,9 +151,7 @@ def main():
     model.set_attention(config['attention'])
     tok = load_tokenizer(tokenizer_meta)
     block_size, model_vocab = model.config.block_size, model.config.vocab_size
-    if tok.vocab_size > model_vocab:
-        raise UserError(f"the tokenizer has {tok.vocab_size} tokens but the model only {model_vocab}; "
-                        f"the checkpoint's tokenizer description does not match its model")
+    # (a tokenizer larger than its model was refused by init_model)
     stop_token = None
     if config['stop_at_eot']:
         if tok.eot_token is None:

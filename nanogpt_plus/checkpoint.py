@@ -24,7 +24,7 @@ from model import GPT, GPT2_NAMES, GPTConfig
 from nanogpt_plus.dataloader import dataset_dir
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.tokenizer import read_dataset_meta, read_named_tokenizer, tokenizer_fingerprint
+from nanogpt_plus.tokenizer import read_dataset_meta, read_named_tokenizer, tokenizer_fingerprint, tokenizer_kind
 
 HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for char and bpe models
 
@@ -175,11 +175,6 @@ def tokenizer_known(ckpt, data_root='data'):
     return bool(dataset) and read_dataset_meta(os.path.join(data_root, dataset)) is not None
 
 
-def tokenizer_kind(meta):
-    """ 'gpt2', 'char' or 'bpe': a description's kind (nanoGPT's meta.pkl has none: char when it has a vocabulary). """
-    return meta.get('kind', 'char' if 'stoi' in meta else 'gpt2')
-
-
 def tokenizer_identity(meta):
     """
     What makes two tokenizer descriptions the same: ('gpt2',), ('char', its {character: id} vocabulary) or
@@ -211,13 +206,30 @@ def check_dataset_tokenizer(dataset, tokenizer_meta, source, remedy=TRAIN_REMEDY
                     f"mean other tokens to the model; {remedy}")
 
 
-def _describe_tokenizer(meta):
-    """ A description's kind and size for messages, e.g. 'bpe (8,192 tokens)'. """
+def tokenizer_size(meta):
+    """ The number of token ids a tokenizer description uses (GPT-2's name none: 50,257), None if unknown. """
     kind = tokenizer_kind(meta)
     size = meta.get('vocab_size') or (len(meta.get('stoi') or {}) if kind == 'char' else None)
-    if size is None and kind == 'gpt2':
-        size = 50257  # GPT-2's descriptions name no size
-    return f"{kind} ({int(size):,} tokens)" if size else kind
+    return GPT2_TOKENS if size is None and kind == 'gpt2' else size
+
+
+def _describe_tokenizer(meta):
+    """ A description's kind and size for messages, e.g. 'bpe (8,192 tokens)'. """
+    size = tokenizer_size(meta)
+    return f"{tokenizer_kind(meta)} ({int(size):,} tokens)" if size else tokenizer_kind(meta)
+
+
+def check_tokenizer_fits(config, tokenizer_meta, source):
+    """
+    A tokenizer with more ids than the model has embedding rows is not the model's: its ids would index past the
+    table (and fine-tuning's special tokens would share ids with text). Usually a nanoGPT checkpoint whose
+    dataset meta.pkl is missing here, so that its tokenizer was guessed to be GPT-2's.
+    """
+    size = tokenizer_size(tokenizer_meta or {'kind': 'gpt2'})
+    if size and int(size) > config.vocab_size:
+        raise UserError(f"the tokenizer of {source} has {int(size):,} tokens but its model only "
+                        f"{config.vocab_size:,}, so it is not the model's (a nanoGPT checkpoint is GPT-2 BPE unless "
+                        f"data/<dataset>/meta.pkl says otherwise): restore its dataset's meta.pkl")
 
 
 def _tokenizer_difference(data_dir, data_meta, source, model_meta):
@@ -304,6 +316,7 @@ def meta_model(config):
         return GPT(config)
 
 
+GPT2_TOKENS = 50257  # GPT-2's BPE, whose descriptions name no size
 PAD_MULTIPLE = 64  # a byte-level vocabulary is padded up to a multiple of this: matmul kernels like the shape
 PADDED_KINDS = ('gpt2', 'bpe')  # the byte-level tokenizers, whose vocabularies are padded
 
@@ -364,9 +377,13 @@ def init_model(init_from, out_dir='out', dataset=None, model_settings=None, drop
     ckpt_path = checkpoint_path(init_from, out_dir, resume_file)
     if ckpt_path is not None:
         ckpt = load_checkpoint(ckpt_path, map_location='cpu')
-        return model_from_checkpoint(ckpt, dropout, on_meta), checkpoint_tokenizer_meta(ckpt), ckpt
+        model, tokenizer_meta = model_from_checkpoint(ckpt, dropout, on_meta), checkpoint_tokenizer_meta(ckpt)
+        check_tokenizer_fits(model.config, tokenizer_meta, ckpt_path)
+        return model, tokenizer_meta, ckpt
     if init_from in GPT2_NAMES or is_hf_dir(init_from):
-        return pretrained_model(init_from, dropout), pretrained_tokenizer_meta(init_from), None
+        model, tokenizer_meta = pretrained_model(init_from, dropout), pretrained_tokenizer_meta(init_from)
+        check_tokenizer_fits(model.config, tokenizer_meta, init_from)
+        return model, tokenizer_meta, None
     raise UserError(f"don't know how to load init_from='{init_from}': use scratch, resume (with --out_dir), a "
                     f"training out_dir or ckpt.pt, gpt2/gpt2-medium/gpt2-large/gpt2-xl, or a local Hugging Face "
                     f"GPT-2 directory")

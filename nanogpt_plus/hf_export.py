@@ -17,19 +17,18 @@ Usage:
 """
 
 import dataclasses
-import hashlib
 import json
 import os
 
 import torch
 
 from model import EXPORT_ACTIVATIONS, hf_key_map
-from nanogpt_plus.checkpoint import HF_TOKENIZER_META
+from nanogpt_plus.checkpoint import GPT2_TOKENS, HF_TOKENIZER_META, check_tokenizer_fits
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import EOT_TEXT, load_tokenizer, packaged_gpt2_files
 
-GPT2_TOKENS, GPT2_EOT = 50257, 50256  # GPT-2 BPE's vocabulary size and its <|endoftext|> id
+GPT2_EOT = 50256  # GPT-2 BPE's <|endoftext|> id
 
 
 def hf_config(config, eot_token=GPT2_EOT):
@@ -155,9 +154,7 @@ def tokenizer_description(tok):
     """
     if tok.kind == 'char':
         return {'kind': 'char', 'vocab_size': tok.vocab_size, 'stoi': tok.stoi}
-    sha256 = hashlib.sha256(tok.json.encode('utf-8')).hexdigest()  # of the exact text write_bpe_tokenizer writes
-    return {'kind': 'bpe', 'vocab_size': tok.vocab_size, 'eot_token': tok.eot_token,
-            'tokenizer_file': 'tokenizer.json', 'tokenizer_sha256': sha256}
+    return tok.file_meta()  # its sha256 is of the exact text write_bpe_tokenizer writes
 
 
 def write_tokenizer(hf_dir, kind, tok, block_size):
@@ -220,10 +217,7 @@ def export(model, tokenizer_meta, hf_dir, source=''):
         raise UserError(f"unknown tokenizer kind {kind!r} in the checkpoint; expected 'gpt2', 'char' or 'bpe'")
     tok = None if kind == 'gpt2' else load_tokenizer(tokenizer_meta)  # GPT-2's files are copied, not read
     n_tokens, eot = (GPT2_TOKENS, GPT2_EOT) if tok is None else (tok.vocab_size, tok.eot_token)
-    if n_tokens > config.vocab_size:
-        raise UserError(f"the checkpoint's tokenizer has {n_tokens} tokens but its model only {config.vocab_size}, "
-                        f"so it is not the model's (a nanoGPT checkpoint is GPT-2 BPE unless data/<dataset>/meta.pkl "
-                        f"says otherwise): restore its dataset's meta.pkl")
+    check_tokenizer_fits(config, tokenizer_meta, source or 'the checkpoint')
     os.makedirs(hf_dir, exist_ok=True)
     cfg = hf_config(config, eot)
     cfg.save_pretrained(hf_dir)

@@ -30,6 +30,7 @@ GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2
 GPT2_VOCAB_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe"
 GPT2_ENCODER_JSON_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"
 EOT_TEXT = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"  # a bpe tokenizer's file, beside the meta that names it
 
 
 class TokenizerError(Exception):
@@ -248,6 +249,11 @@ class BPETokenizer:
         return {"kind": "bpe", "vocab_size": self.vocab_size, "eot_token": self.eot_token,
                 "tokenizer_json": self.json}
 
+    def file_meta(self):
+        """ The description a directory's meta file keeps when the tokenizer.json beside it holds the rest. """
+        return {"kind": "bpe", "vocab_size": self.vocab_size, "eot_token": self.eot_token,
+                "tokenizer_file": TOKENIZER_FILE, "tokenizer_sha256": tokenizer_file_sha256(self.json)}
+
 
 def _first_line(e):
     text = str(e).strip().splitlines()
@@ -372,6 +378,11 @@ def tokenizer_file_sha256(tokenizer_json):
     return hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
 
 
+def tokenizer_kind(meta):
+    """ 'gpt2', 'char' or 'bpe': a description's kind (nanoGPT's meta.pkl has none: char when it has a vocabulary). """
+    return meta.get("kind", "char" if "stoi" in meta else "gpt2")
+
+
 @functools.lru_cache(maxsize=4)
 def _bpe_tokenizer(tokenizer_json):
     """ One BPETokenizer per tokenizer.json text: building one of a large vocabulary takes a second. """
@@ -391,7 +402,7 @@ def _described_bpe(meta):
 
 def load_tokenizer(meta):
     """ A tokenizer from its description (checkpoint 'tokenizer' entry or dataset meta); None means GPT-2. """
-    kind = "gpt2" if meta is None else meta.get("kind", "char" if "stoi" in meta else "gpt2")
+    kind = "gpt2" if meta is None else tokenizer_kind(meta)
     if kind == "gpt2":
         return GPT2Tokenizer()
     if kind == "bpe":
@@ -464,6 +475,6 @@ def read_dataset_meta(data_dir):
         if not isinstance(meta, dict):
             raise TokenizerError(f"{pkl_path} does not hold a dict; re-run the dataset's prepare.py")
         meta = dict(meta)
-        meta.setdefault("kind", "char" if "stoi" in meta else "gpt2")
+        meta["kind"] = tokenizer_kind(meta)
         return meta
     return None

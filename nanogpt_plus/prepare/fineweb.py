@@ -36,10 +36,11 @@ from tqdm import tqdm
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.prepare.corpus import LOCAL_BUILDERS, _first_line, expand_files
 from nanogpt_plus.prepare.text import find_invalid_utf8
-from nanogpt_plus.prepare.token_files import TOKENIZER_FILE, bpe_meta
+from nanogpt_plus.prepare.token_files import bpe_meta
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.shards import as_token_array, read_header, shard_header, token_dtype, write_shard
-from nanogpt_plus.tokenizer import BPETokenizer, get_gpt2_encoding, read_tokenizer_file, tokenizer_fingerprint
+from nanogpt_plus.tokenizer import (TOKENIZER_FILE, BPETokenizer, get_gpt2_encoding, read_tokenizer_file,
+                                    tokenizer_fingerprint)
 
 FORMAT_VERSION = 1  # of meta.json's layout
 CHUNKSIZE = 16  # documents per task sent to a worker (llm.c's imap chunksize)

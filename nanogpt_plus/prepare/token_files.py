@@ -22,10 +22,9 @@ from tqdm import tqdm
 
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.shards import as_token_array, token_dtype
-from nanogpt_plus.tokenizer import tokenizer_file_sha256
+from nanogpt_plus.tokenizer import TOKENIZER_FILE
 
 UINT32_LIMIT = 2 ** 32  # the largest token files hold uint32 ids
-TOKENIZER_FILE = "tokenizer.json"  # a bpe dataset's tokenizer, beside its meta.json
 
 
 def check_vocab_fits(vocab_size, what="the tokenizer"):
@@ -103,9 +102,7 @@ def write_dataset_meta(out, tokenizer, dtype):
 
 def bpe_meta(tokenizer, dtype):
     """ A bpe dataset's meta.json entries for its tokenizer (read back by tokenizer.read_dataset_meta). """
-    return {"kind": "bpe", "vocab_size": tokenizer.vocab_size, "eot_token": tokenizer.eot_token,
-            "dtype": np.dtype(dtype).name, "tokenizer_file": TOKENIZER_FILE,
-            "tokenizer_sha256": tokenizer_file_sha256(tokenizer.json)}
+    return dict(tokenizer.file_meta(), dtype=np.dtype(dtype).name)
 
 
 def write_meta(out, meta, pickle_too):
