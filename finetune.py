@@ -49,7 +49,7 @@ from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
 from configurator import configure
-from nanogpt_plus.checkpoint import checkpoint_path, init_model, load_checkpoint, save_checkpoint
+from nanogpt_plus.checkpoint import check_tokenizer_fits, checkpoint_path, init_model, load_checkpoint, save_checkpoint
 from nanogpt_plus.finetuning import (TASKS, FinetuneModel, TaskData, TaskHead, add_special_tokens, configure_optimizers,
                                      evaluate, finetune_checkpoint, head_outputs, load_task_data, make_batch,
                                      model_from_finetune_checkpoint, write_predictions)
@@ -319,7 +319,7 @@ def prepare_model_and_data(cfg, task, gpt, tokenizer_meta, source, master):
     if block_size < 5:
         raise UserError(f"block_size {block_size} is too small for the special tokens; use 16 or more")
     tokenizer = load_tokenizer(tokenizer_meta)
-    # the special tokens go after all of the model's rows: init_model refused a tokenizer with more ids than that
+    check_tokenizer_fits(gpt.config, tokenizer_meta, cfg['init_from'])  # else special tokens would share text ids
     special = add_special_tokens(gpt, source)
     label_map = source.get('label_map') if cfg['init_from'] == 'resume' else None
     data = load_task_data(task, cfg['train_file'], cfg['val_file'], tokenizer, special, block_size, label_map)

@@ -39,7 +39,7 @@ import time
 import torch
 
 from configurator import configure
-from nanogpt_plus.checkpoint import describe_source, init_model
+from nanogpt_plus.checkpoint import check_tokenizer_fits, describe_source, init_model
 from nanogpt_plus.engine import MODES, check_sampling_args, generate_stream
 from nanogpt_plus.runtime import UserError, precision, resolve_device, run_main
 from nanogpt_plus.settings import (ATTENTIONS, check_choice, check_non_negative, check_not_empty, check_positive,
@@ -151,7 +151,7 @@ def main():
     model.set_attention(config['attention'])
     tok = load_tokenizer(tokenizer_meta)
     block_size, model_vocab = model.config.block_size, model.config.vocab_size
-    # (a tokenizer larger than its model was refused by init_model)
+    check_tokenizer_fits(model.config, tokenizer_meta, describe_source(config['init_from'], config['out_dir']))
     stop_token = None
     if config['stop_at_eot']:
         if tok.eot_token is None:

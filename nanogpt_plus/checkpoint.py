@@ -223,7 +223,8 @@ def check_tokenizer_fits(config, tokenizer_meta, source):
     """
     A tokenizer with more ids than the model has embedding rows is not the model's: its ids would index past the
     table (and fine-tuning's special tokens would share ids with text). Usually a nanoGPT checkpoint whose
-    dataset meta.pkl is missing here, so that its tokenizer was guessed to be GPT-2's.
+    dataset meta.pkl is missing here, so that its tokenizer was guessed to be GPT-2's. Checked by the scripts
+    that encode or decode text with it (sample.py, finetune.py, export); training and the loss don't need it.
     """
     size = tokenizer_size(tokenizer_meta or {'kind': 'gpt2'})
     if size and int(size) > config.vocab_size:
@@ -377,13 +378,9 @@ def init_model(init_from, out_dir='out', dataset=None, model_settings=None, drop
     ckpt_path = checkpoint_path(init_from, out_dir, resume_file)
     if ckpt_path is not None:
         ckpt = load_checkpoint(ckpt_path, map_location='cpu')
-        model, tokenizer_meta = model_from_checkpoint(ckpt, dropout, on_meta), checkpoint_tokenizer_meta(ckpt)
-        check_tokenizer_fits(model.config, tokenizer_meta, ckpt_path)
-        return model, tokenizer_meta, ckpt
+        return model_from_checkpoint(ckpt, dropout, on_meta), checkpoint_tokenizer_meta(ckpt), ckpt
     if init_from in GPT2_NAMES or is_hf_dir(init_from):
-        model, tokenizer_meta = pretrained_model(init_from, dropout), pretrained_tokenizer_meta(init_from)
-        check_tokenizer_fits(model.config, tokenizer_meta, init_from)
-        return model, tokenizer_meta, None
+        return pretrained_model(init_from, dropout), pretrained_tokenizer_meta(init_from), None
     raise UserError(f"don't know how to load init_from='{init_from}': use scratch, resume (with --out_dir), a "
                     f"training out_dir or ckpt.pt, gpt2/gpt2-medium/gpt2-large/gpt2-xl, or a local Hugging Face "
                     f"GPT-2 directory")
