@@ -12,12 +12,13 @@ import contextlib
 import io
 import json
 import os
+import runpy
 import shutil
 import sys
 
 import pytest
 import torch
-from conftest import bpe_corpus_text, save_test_checkpoint
+from conftest import REPO, bpe_corpus_text, save_test_checkpoint, train_args
 from test_finetune import SINGLE, config, make_task, val_accuracy
 
 import export_hf
@@ -244,3 +245,42 @@ def test_a_tokenizer_larger_than_its_model_is_refused(bpe512, tmp_path):
     with pytest.raises(UserError, match="has 512 tokens but its model only 320"):
         finetune.finetune(config(task='classification', init_from=init_from, out_dir=str(tmp_path / 'ft'),
                                  train_file=train), SINGLE)
+
+
+# -----------------------------------------------------------------------------
+# the whole chain, as a user runs it
+
+def test_prepare_train_sample_eval_export_chain(tmp_path, monkeypatch, capsys):
+    """ data/text/prepare.py (a 300-token BPE, padded to 320 rows) -> train.py -> sample.py -> eval.py ->
+    export_hf.py -> transformers: the same tokenizer and the same greedy tokens at every step. """
+    import eval as eval_script
+    import train
+    corpus = tmp_path / 'corpus'
+    corpus.mkdir()
+    paragraphs = bpe_corpus_text(n_words=8000).split('\n\n')
+    for k in range(4):
+        (corpus / f'doc{k}.txt').write_text('\n\n'.join(paragraphs[k::4]), encoding='utf-8')
+    data, out, hf_dir = tmp_path / 'data', tmp_path / 'out', str(tmp_path / 'hf')
+    monkeypatch.setattr(sys, 'argv', ['prepare.py', f'--input={corpus}/*.txt', '--tokenizer=bpe', '--vocab_size=300',
+                                      f'--out_dir={data}', f'--cache_dir={tmp_path / "cache"}', '--num_proc=1'])
+    runpy.run_path(os.path.join(REPO, 'data', 'text', 'prepare.py'), run_name='__main__')
+    train.main(train_args(str(data), out, max_iters=12, block_size=64, num_threads=1))
+    assert 'padded vocab_size to 320' in capsys.readouterr().out
+    tok = load_tokenizer(load_checkpoint(str(out / 'ckpt.pt'))['tokenizer'])
+    assert tok.vocab_size == 300 and tok.json == (data / 'tokenizer.json').read_text(encoding='utf-8')
+
+    run_script(sample, monkeypatch, f'--out_dir={out}', f'--start={PROMPT}', '--temperature=0', '--num_samples=1',
+               '--max_new_tokens=20', '--device=cpu')
+    model = model_from_checkpoint(load_checkpoint(str(out / 'ckpt.pt'))).eval()
+    ours = greedy_ids(model, tok.encode(PROMPT), 20, tok.vocab_size)
+    assert tok.decode(ours) in capsys.readouterr().out  # sample.py streamed exactly our greedy text
+
+    run_script(eval_script, monkeypatch, f'--out_dir={out}', '--task=loss', '--device=cpu')
+    metrics = json.loads(capsys.readouterr().out.strip().splitlines()[-1])['metrics']
+    assert metrics['bytes'] > metrics['tokens'] and 0 < metrics['bits_per_byte'] < 8
+
+    run_script(export_hf, monkeypatch, f'--out_dir={out}', f'--hf_dir={hf_dir}')
+    from transformers import AutoTokenizer
+    assert hf_greedy(hf_model(hf_dir), tok.encode(PROMPT), 20) == ours
+    text = (corpus / 'doc0.txt').read_text(encoding='utf-8')[:3000] + MIXED
+    assert AutoTokenizer.from_pretrained(hf_dir).encode(text) == tok.encode_ordinary(text)
