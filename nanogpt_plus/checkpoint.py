@@ -23,7 +23,7 @@ import torch
 from model import GPT, GPT2_NAMES, GPTConfig
 from nanogpt_plus.dataloader import dataset_dir
 from nanogpt_plus.files import atomic_write
-from nanogpt_plus.runtime import UserError
+from nanogpt_plus.runtime import UserError, error_line
 from nanogpt_plus.tokenizer import read_dataset_meta, read_named_tokenizer, tokenizer_fingerprint, tokenizer_kind
 
 HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for char and bpe models
@@ -64,7 +64,7 @@ def _torch_save(obj, f):
         if isinstance(cause, OSError):
             raise cause from None
         if 'file write failed' in str(e):
-            raise OSError(f"torch.save could not write the file ({str(e).splitlines()[0][:200]})") from None
+            raise OSError(f"torch.save could not write the file ({error_line(e)})") from None
         raise
 
 
@@ -144,7 +144,7 @@ def model_from_checkpoint(ckpt, dropout=None, on_meta=False):
     try:
         model.load_state_dict(state_dict)
     except RuntimeError as e:
-        raise UserError(f"the checkpoint's weights don't fit its model_args: {str(e).splitlines()[0]}") from None
+        raise UserError(f"the checkpoint's weights don't fit its model_args ({error_line(e, 300)})") from None
     return model
 
 

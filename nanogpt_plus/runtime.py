@@ -45,6 +45,12 @@ class PeerFailed(Exception):
         self.code = code
 
 
+def error_line(error, limit=200):
+    """ 'Type: the first line of its message' (cut to limit characters), for an error quoted inside ours. """
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:limit]}" if lines else type(error).__name__
+
+
 def run_main(main):
     """
     Run a script's main(): errors the user can fix print as one line ('error: ...') and exit code 2; a clean
@@ -67,9 +73,8 @@ def run_main(main):
         if not _several_processes():
             raise
         if lost_peer(e):  # a consequence, not the cause: the rank that failed has printed the cause
-            first_line = (str(e).splitlines() or [''])[0][:200]
             print(f"rank {os.environ.get('RANK')}: stopping without saving, another process of this run is "
-                  f"gone ({type(e).__name__}: {first_line})", file=sys.stderr)
+                  f"gone ({error_line(e)})", file=sys.stderr)
         else:
             traceback.print_exc()
         _exit(1)

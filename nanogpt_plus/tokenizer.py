@@ -24,6 +24,8 @@ import json
 import os
 import pickle
 
+from nanogpt_plus.runtime import error_line
+
 # the sha256 of OpenAI's GPT-2 BPE files, exactly the hashes tiktoken checks for its 'gpt2' encoding
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
@@ -212,7 +214,7 @@ class BPETokenizer:
             self.tok = Tokenizer.from_str(tokenizer_json)
             self.ordinary = Tokenizer.from_str(tokenizer_json)
         except Exception as e:  # the Rust parser's error: a field missing or of the wrong type
-            raise TokenizerError(f"{name} is not a valid tokenizer.json ({_first_line(e)}); use the file "
+            raise TokenizerError(f"{name} is not a valid tokenizer.json ({error_line(e)}); use the file "
                                  f"prepare.py wrote, or --tokenizer=bpe to train a new one") from None
         self.ordinary.encode_special_tokens = True  # encode_ordinary: '<|endoftext|>' in a text is just text
         for t in (self.tok, self.ordinary):
@@ -253,11 +255,6 @@ class BPETokenizer:
         """ The description a directory's meta file keeps when the tokenizer.json beside it holds the rest. """
         return {"kind": "bpe", "vocab_size": self.vocab_size, "eot_token": self.eot_token,
                 "tokenizer_file": TOKENIZER_FILE, "tokenizer_sha256": tokenizer_file_sha256(self.json)}
-
-
-def _first_line(e):
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
 
 
 def _check_byte_level_bpe(tokenizer_json, name):

@@ -23,7 +23,7 @@ import torch
 
 from nanogpt_plus.hardware import device_peak_flops
 from nanogpt_plus.parallel import load_optimizer_state
-from nanogpt_plus.runtime import PTDTYPE, UserError, device_type_of, precision
+from nanogpt_plus.runtime import PTDTYPE, UserError, device_type_of, error_line, precision
 from nanogpt_plus.threads import apply_cpu_threads
 
 
@@ -400,7 +400,7 @@ class MetricsLogger:
                 wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=wandb_dir)
                 self.wandb = wandb
             except Exception as e:  # wandb raises many kinds (UsageError, CommError, ...): all mean "no wandb"
-                print(f"warning: wandb could not start ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                print(f"warning: wandb could not start ({error_line(e)}); "
                       f"continuing without it (set WANDB_MODE=offline to log locally)", file=sys.stderr)
 
     def start(self, iter_num, init_from):

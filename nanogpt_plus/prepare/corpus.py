@@ -29,7 +29,7 @@ from nanogpt_plus.files import atomic_outputs
 from nanogpt_plus.prepare.shakespeare import encode_chars
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_token_batches
-from nanogpt_plus.runtime import UserError
+from nanogpt_plus.runtime import UserError, error_line
 from nanogpt_plus.tokenizer import (BPETokenizer, CharTokenizer, GPT2Tokenizer, check_bpe_vocab_size, load_tokenizer,
                                     read_tokenizer_file, train_bpe)
 
@@ -141,7 +141,7 @@ def load_corpus(dataset="openwebtext", files="", text_column="text", num_proc=1,
             if bad:
                 raise UserError(f"{bad[0]} is not UTF-8 text (invalid byte at byte offset {bad[1]}); "
                                 f"convert it to UTF-8 first") from None
-            raise UserError(f"could not read {', '.join(paths[:3])} ({_first_line(e)}); check that they are "
+            raise UserError(f"could not read {', '.join(paths[:3])} ({error_line(e)}); check that they are "
                             f"valid {builder} files") from None
         where = ", ".join(paths[:3]) + (" ..." if len(paths) > 3 else "")
     else:
@@ -149,7 +149,7 @@ def load_corpus(dataset="openwebtext", files="", text_column="text", num_proc=1,
         try:
             dd = datasets.load_dataset(dataset, name or None, **kwargs)
         except Exception as e:  # unknown name or config, no network, offline mode: all the same to the user
-            raise UserError(f"could not load the Hugging Face dataset {what} ({_first_line(e)}); check the "
+            raise UserError(f"could not load the Hugging Face dataset {what} ({error_line(e)}); check the "
                             f"name{', --name' if name else ''} and the network, or pass local files "
                             f"instead") from None
         if "train" not in dd:
@@ -171,11 +171,6 @@ def has_text(ds, column, rows=1024):
         if pc.max(pc.utf8_length(table[start:start + rows].column(column))).as_py():
             return True
     return False
-
-
-def _first_line(e):
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
 
 
 # -----------------------------------------------------------------------------

@@ -34,10 +34,10 @@ import numpy as np
 from tqdm import tqdm
 
 from nanogpt_plus.files import atomic_write
-from nanogpt_plus.prepare.corpus import LOCAL_BUILDERS, _first_line, expand_files
+from nanogpt_plus.prepare.corpus import LOCAL_BUILDERS, expand_files
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import bpe_meta
-from nanogpt_plus.runtime import UserError
+from nanogpt_plus.runtime import UserError, error_line
 from nanogpt_plus.shards import as_token_array, read_header, shard_header, token_dtype, write_shard
 from nanogpt_plus.tokenizer import (TOKENIZER_FILE, BPETokenizer, get_gpt2_encoding, read_tokenizer_file,
                                     tokenizer_fingerprint)
@@ -181,7 +181,7 @@ def load_local_files(files, kwargs):
     try:
         return datasets.load_dataset(builder, data_files=paths, **kwargs), builder
     except Exception as e:
-        raise UserError(f"could not read {', '.join(paths[:3])} ({_first_line(e)}); check that they are valid "
+        raise UserError(f"could not read {', '.join(paths[:3])} ({error_line(e)}); check that they are valid "
                         f"{builder} files") from None
 
 
@@ -190,13 +190,13 @@ def hub_error(e, dataset, name):
     from datasets.exceptions import DatasetNotFoundError
     what = f"the Hugging Face dataset '{dataset}'"
     if isinstance(e, DatasetNotFoundError):
-        return UserError(f"{what} does not exist or is not public ({_first_line(e)}); check --dataset")
+        return UserError(f"{what} does not exist or is not public ({error_line(e)}); check --dataset")
     if isinstance(e, ValueError) and ("BuilderConfig" in str(e) or "Config name is missing" in str(e)):
-        return UserError(f"{what} has no config '{name}' ({_first_line(e)}); pass one of them with --name=...")
+        return UserError(f"{what} has no config '{name}' ({error_line(e)}); pass one of them with --name=...")
     if isinstance(e, (ConnectionError, OSError, TimeoutError)):
-        return UserError(f"could not reach the Hugging Face Hub for the dataset '{dataset}' ({_first_line(e)}); "
+        return UserError(f"could not reach the Hugging Face Hub for the dataset '{dataset}' ({error_line(e)}); "
                          f"check the network, or pass local files with --files=...")
-    return UserError(f"could not load {what} ({_first_line(e)}); check --dataset and --name, or pass local files "
+    return UserError(f"could not load {what} ({error_line(e)}); check --dataset and --name, or pass local files "
                      f"with --files=...")
 
 
@@ -222,7 +222,7 @@ def guarded(texts, count_so_far):
         yield from texts
     except (ConnectionError, TimeoutError) as e:
         raise UserError(f"lost the connection to the Hugging Face Hub after {count_so_far():,} documents "
-                        f"({_first_line(e)}); re-run with the same settings to resume from the last shard") from None
+                        f"({error_line(e)}); re-run with the same settings to resume from the last shard") from None
 
 
 # -----------------------------------------------------------------------------
