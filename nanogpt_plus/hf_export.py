@@ -23,15 +23,13 @@ import os
 import torch
 
 from model import EXPORT_ACTIVATIONS, hf_key_map
-from nanogpt_plus.checkpoint import GPT2_TOKENS, HF_TOKENIZER_META, check_tokenizer_fits
+from nanogpt_plus.checkpoint import HF_TOKENIZER_META, check_tokenizer_fits
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.tokenizer import EOT_TEXT, load_tokenizer, packaged_gpt2_files
-
-GPT2_EOT = 50256  # GPT-2 BPE's <|endoftext|> id
+from nanogpt_plus.tokenizer import EOT_TEXT, load_tokenizer, packaged_gpt2_files, tokenizer_kind
 
 
-def hf_config(config, eot_token=GPT2_EOT):
+def hf_config(config, eot_token=50256):
     """
     The transformers GPT2Config for our GPTConfig (vocab_size as trained, e.g. nanoGPT's padded 50304).
     eot_token: the tokenizer's end-of-text id, transformers' bos/eos (GPT-2's 50256; None for a char vocabulary).
@@ -189,7 +187,7 @@ TOKENIZER_NOTES = {
 
 def tokenizer_note(kind, tok, n_tokens, vocab_size):
     """ The README's words on the tokenizer: what it is, how it loads, and the ids it never produces. """
-    note = TOKENIZER_NOTES[kind].format(n=n_tokens, eot=getattr(tok, 'eot_token', None))
+    note = TOKENIZER_NOTES[kind].format(n=n_tokens, eot=tok.eot_token)
     if n_tokens < vocab_size:
         note += (f" The model's ids {n_tokens}..{vocab_size - 1} are no tokens (vocab_size padded for speed, or "
                  f"fine-tuning's special tokens): generation_config.json suppresses them.")
@@ -212,11 +210,11 @@ def export(model, tokenizer_meta, hf_dir, source=''):
     goes into the README. Returns hf_dir.
     """
     config = model.config
-    kind = (tokenizer_meta or {}).get('kind', 'gpt2')
+    kind = tokenizer_kind(tokenizer_meta) if tokenizer_meta else 'gpt2'
     if kind not in TOKENIZER_NOTES:
         raise UserError(f"unknown tokenizer kind {kind!r} in the checkpoint; expected 'gpt2', 'char' or 'bpe'")
-    tok = None if kind == 'gpt2' else load_tokenizer(tokenizer_meta)  # GPT-2's files are copied, not read
-    n_tokens, eot = (GPT2_TOKENS, GPT2_EOT) if tok is None else (tok.vocab_size, tok.eot_token)
+    tok = load_tokenizer(tokenizer_meta)
+    n_tokens, eot = tok.vocab_size, tok.eot_token  # GPT-2's 50257 and 50256; a char vocabulary has no eot
     check_tokenizer_fits(config, tokenizer_meta, source or 'the checkpoint')
     os.makedirs(hf_dir, exist_ok=True)
     cfg = hf_config(config, eot)
