@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.shards import RAW_NAMES, find_shards, has_header, open_shard, token_dtype
+from nanogpt_plus.shards import find_shards, has_header, is_shard_name, open_shard, token_dtype
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout above this package
 ORDERS = ('random', 'sequential')  # the values of data_order
@@ -49,8 +49,7 @@ def holds_shards(data_dir):
     """ Whether a directory holds llm.c token shards: a *train*.bin or *val*.bin other than nanoGPT's two. """
     if not os.path.isdir(data_dir):
         return False
-    return any(n.endswith('.bin') and n not in RAW_NAMES and not n.startswith('.') and ('train' in n or 'val' in n)
-               for n in os.listdir(data_dir))
+    return any(is_shard_name(n) for n in os.listdir(data_dir))
 
 
 def dataset_dir(dataset):

@@ -142,19 +142,27 @@ def has_header(path):
 # -----------------------------------------------------------------------------
 # finding a dataset's token files
 
+def is_shard_name(name):
+    """ Whether a file name is a shard's by find_shards' rule: a *train*.bin or *val*.bin other than nanoGPT's. """
+    if not name.endswith(".bin") or name.startswith(".") or name in RAW_NAMES:
+        return False
+    return "train" in name or "val" in name
+
+
 def find_shards(data_dir):
     """
     (train files, val files) of a dataset directory, by name: files called exactly train.bin / val.bin are
     nanoGPT's raw uint16 files; otherwise every *train*.bin (sorted by name) is a training shard and every
     *val*.bin a validation shard, with llm.c's header. Either list may be empty (one split, say); a directory
-    with no token files at all, or with both kinds, is a UserError. Names only: opening validates (open_shard; dataloader.open_token_file for either kind).
+    with no token files at all, or with both kinds, is a UserError. Names only: opening validates (open_shard;
+    dataloader.open_token_file for either kind).
     """
     if not os.path.isdir(data_dir):
         raise UserError(f"no dataset directory at {data_dir}; prepare the dataset first")
     names = sorted(n for n in os.listdir(data_dir) if n.endswith(".bin") and not n.startswith("."))
     raw = [n for n in RAW_NAMES if n in names]
-    train = [n for n in names if "train" in n and n not in RAW_NAMES]
-    val = [n for n in names if "val" in n and n not in RAW_NAMES]
+    shards = [n for n in names if is_shard_name(n)]
+    train, val = [n for n in shards if "train" in n], [n for n in shards if "val" in n]
     both = sorted(set(train) & set(val))
     if both:
         raise UserError(f"{os.path.join(data_dir, both[0])} names both train and val, so its split is unclear; "

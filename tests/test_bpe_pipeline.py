@@ -246,7 +246,8 @@ def test_eval_bits_per_byte_and_tasks_with_a_bpe_tokenizer(bpe512, tmp_path, mon
     assert metrics["bits_per_byte"] == pytest.approx(nll / math.log(2) / metrics["bytes"], rel=1e-9)
     # HellaSwag's and LAMBADA's text encoded with the bpe tokenizer
     hellaswag, lambada = tmp_path / "hs.jsonl", tmp_path / "lambada.jsonl"
-    hellaswag.write_text(json.dumps({"ctx": "Ελλάδα naïve", "endings": ["façade 🎉", "東京 データ"], "label": 1}) + "\n")
+    record = {"ctx": "Ελλάδα naïve", "endings": ["façade 🎉", "東京 データ"], "label": 1}
+    hellaswag.write_text(json.dumps(record) + "\n")
     lambada.write_text(json.dumps({"text": "Москва kalo 世界"}) + "\n")
     (rows, offsets, labels), n = task_examples("hellaswag", str(hellaswag), tok, 64)
     assert n == 1 and labels == [1] and rows[1] == (tok.encode_ordinary("Ελλάδα naïve") +
