@@ -274,6 +274,10 @@ def test_prepare_train_sample_eval_export_chain(tmp_path, monkeypatch, capsys):
     model = model_from_checkpoint(load_checkpoint(str(out / 'ckpt.pt'))).eval()
     ours = greedy_ids(model, tok.encode(PROMPT), 20, tok.vocab_size)
     assert tok.decode(ours) in capsys.readouterr().out  # sample.py streamed exactly our greedy text
+    with torch.no_grad():  # each greedy choice clear of the runner-up (0.17 here), far above the ~1e-6 between
+        logits = model(torch.tensor([ours[:-1]]), torch.tensor([ours[1:]]))[0][0, -20:, :tok.vocab_size]
+    top2 = logits.topk(2, dim=-1).values  # our kernels and transformers': equal tokens below aren't a tie's luck
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-4
 
     run_script(eval_script, monkeypatch, f'--out_dir={out}', '--task=loss', '--device=cpu')
     metrics = json.loads(capsys.readouterr().out.strip().splitlines()[-1])['metrics']
