@@ -119,7 +119,7 @@ def tokenizer_meta(tok, dtype):
     if tok is None:
         # no top-level vocab_size on purpose: a model trained from scratch then pads GPT-2's 50,257 to 50,304,
         # as llm.c and build-nanogpt do
-        return {"kind": "gpt2", "eot_token": 50256, "dtype": np.dtype(dtype).name}
+        return {"kind": "gpt2", "eot_token": get_gpt2_encoding().eot_token, "dtype": np.dtype(dtype).name}
     return bpe_meta(tok, dtype)
 
 
