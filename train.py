@@ -190,11 +190,10 @@ def check_settings(cfg):
     """
     check_not_empty(cfg, 'out_dir', 'dataset', 'init_from')
     check_positive(cfg, 'batch_size', 'block_size', 'gradient_accumulation_steps', 'eval_interval', 'log_interval',
-                   'eval_iters')
+                   'eval_iters', 'sample_tokens')
     check_non_negative(cfg, 'max_iters', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'weight_decay', 'seed',
                        'checkpoint_interval', 'keep_checkpoints', 'skip_loss_z', 'skip_grad_z',
                        'hellaswag_interval', 'hellaswag_examples', 'sample_interval')
-    check_positive(cfg, 'sample_tokens')
     check_range(cfg, 'learning_rate', low=0.0, low_open=True)
     check_range(cfg, 'grad_clip', low=0.0)  # 0 turns clipping off
     for beta in ('beta1', 'beta2'):
