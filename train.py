@@ -749,7 +749,7 @@ def write_checkpoint(run, state, reason='', best=False):
                 keep_best(cfg['out_dir'])
             print(f"saving checkpoint to {cfg['out_dir']}" + (f" ({reason})" if reason else ""))
             save_checkpoint(ckpt, path)
-            if best and not cfg['always_save_checkpoint']:
+            if best:  # evaluate passes best only with always_save_checkpoint=False
                 keep_checkpoint_as(path, os.path.join(cfg['out_dir'], 'ckpt_best.pt'))
             if cfg['keep_checkpoints'] > 0:
                 overwriting = cfg['overwrite'] and cfg['init_from'] != 'resume'  # the old run's snapshots go
