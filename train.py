@@ -190,11 +190,10 @@ def check_settings(cfg):
     """
     check_not_empty(cfg, 'out_dir', 'dataset', 'init_from')
     check_positive(cfg, 'batch_size', 'block_size', 'gradient_accumulation_steps', 'eval_interval', 'log_interval',
-                   'eval_iters')
+                   'eval_iters', 'sample_tokens')
     check_non_negative(cfg, 'max_iters', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'weight_decay', 'seed',
                        'checkpoint_interval', 'keep_checkpoints', 'skip_loss_z', 'skip_grad_z',
                        'hellaswag_interval', 'hellaswag_examples', 'sample_interval')
-    check_positive(cfg, 'sample_tokens')
     check_range(cfg, 'learning_rate', low=0.0, low_open=True)
     check_range(cfg, 'grad_clip', low=0.0)  # 0 turns clipping off
     for beta in ('beta1', 'beta2'):
@@ -750,7 +749,7 @@ def write_checkpoint(run, state, reason='', best=False):
                 keep_best(cfg['out_dir'])
             print(f"saving checkpoint to {cfg['out_dir']}" + (f" ({reason})" if reason else ""))
             save_checkpoint(ckpt, path)
-            if best and not cfg['always_save_checkpoint']:
+            if best:  # evaluate passes best only with always_save_checkpoint=False
                 keep_checkpoint_as(path, os.path.join(cfg['out_dir'], 'ckpt_best.pt'))
             if cfg['keep_checkpoints'] > 0:
                 overwriting = cfg['overwrite'] and cfg['init_from'] != 'resume'  # the old run's snapshots go

@@ -71,8 +71,7 @@ def check_choice(cfg, key, choices):
 def check_flag(cfg, *keys):
     """ Each of keys is True or False (a setting whose default is None takes any literal, so say it here). """
     for key in keys:
-        if key in cfg and cfg[key] not in (True, False):
-            raise UserError(f"{key} must be True or False, got {cfg[key]!r}")
+        check_choice(cfg, key, (True, False))
 
 
 def check_not_empty(cfg, *keys):

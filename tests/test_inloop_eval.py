@@ -7,12 +7,13 @@ import json
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, iter_losses, train_args
+from conftest import REPO, TINY_VOCAB, iter_losses, train_args
 
 import train
 from nanogpt_plus import evaluation
@@ -26,15 +27,11 @@ SAMPLE_LINE = re.compile(r"^sample (\d+): (.*)$", re.M)
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    """ A char dataset of the repeating pattern SYMBOLS with 5% noise (train.bin, val.bin, meta.json). """
-    d = tmp_path_factory.mktemp("spaced_ds")
-    rng = np.random.default_rng(0)
-    tokens = np.tile(np.arange(len(SYMBOLS)), 3000)
-    noise = rng.random(tokens.size) < 0.05
-    tokens[noise] = rng.integers(0, len(SYMBOLS), noise.sum())
-    tokens[:54000].astype(np.uint16).tofile(d / "train.bin")
-    tokens[54000:].astype(np.uint16).tofile(d / "val.bin")
+def dataset(tiny_dataset, tmp_path_factory):
+    """ conftest's tiny dataset (its 20-token pattern with 5% noise), its tokens read as the symbols SYMBOLS. """
+    d = tmp_path_factory.mktemp("spaced_ds") / "data"
+    assert len(SYMBOLS) == TINY_VOCAB
+    shutil.copytree(tiny_dataset, d)
     stoi = {ch: i for i, ch in enumerate(SYMBOLS)}
     (d / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": len(SYMBOLS), "stoi": stoi,
                                              "itos": {i: ch for ch, i in stoi.items()}}))
