@@ -29,7 +29,8 @@ from nanogpt_plus.checkpoint import check_dataset_tokenizer, describe_source, in
 from nanogpt_plus.evaluation import TASKS, evaluate, loss_files
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.runtime import UserError, destroy_distributed, init_distributed, precision, provenance, run_main
-from nanogpt_plus.settings import check_non_negative, check_not_empty, check_positive, check_system
+from nanogpt_plus.settings import check_choice, check_non_negative, check_not_empty, check_positive, check_system
+from nanogpt_plus.weights import WEIGHTS, set_weights
 
 # the scoring is nanogpt_plus/evaluation.py's (one implementation, which other code calls in-process too);
 # this script reads the settings, loads the model, and prints or writes the result
@@ -45,6 +46,7 @@ DEFAULTS = dict(
     max_examples=0,  # 0 = all; else the first N examples (loss: windows), for quick runs
     device='auto',
     dtype='auto',  # auto = bfloat16 on GPUs that support it, float32 on CPU
+    weights='float32',  # how the weights are stored and read: 'float32' (exact), 'bfloat16' or 'int8' (sample.py)
     compile=False,
     output_file='',  # also write the result JSON here
     seed=1337,
@@ -57,6 +59,7 @@ def check_settings(cfg):
     check_positive(cfg, 'batch_size')
     check_non_negative(cfg, 'stride', 'max_examples', 'seed')
     check_system(cfg)
+    check_choice(cfg, 'weights', WEIGHTS)
     if cfg['task'] not in TASKS:
         raise UserError(f"unknown task '{cfg['task']}'; use one of: {', '.join(TASKS)}")
     if cfg['data_file'] and not os.path.exists(cfg['data_file']):
@@ -89,6 +92,7 @@ def main():
         source = describe_source(cfg['init_from'], cfg['out_dir'])
         model.to(device)
         model.eval()
+        set_weights(model, cfg['weights'])  # every row of the head: a loss scores the padded ids too
         # a checkpoint's loss is measured on the dataset it was trained on unless --dataset says otherwise
         dataset = cfg['dataset'] or ((ckpt or {}).get('config') or {}).get('dataset', '')
         if cfg['task'] == 'loss':

@@ -11,6 +11,9 @@ Usage:
     python export_hf.py --out_dir=out --hf_dir=out/hf
     python -c "from transformers import pipeline; print(pipeline('text-generation', model='out/hf')('Hello')[0])"
 
+weights=bfloat16 stores the weights rounded to bfloat16 (half the file; config.json says so, and transformers
+loads them as bfloat16 unless told otherwise); the default float32 is exact.
+
 The weight mapping is model.hf_key_map, the same table GPT.from_pretrained imports with, so
 GPT.from_pretrained('out/hf') gives back exactly the exported model.
 """
@@ -20,23 +23,29 @@ import os
 
 from configurator import configure
 from nanogpt_plus.checkpoint import describe_source, init_model
-from nanogpt_plus.hf_export import export
-from nanogpt_plus.runtime import run_main
+from nanogpt_plus.hf_export import EXPORT_WEIGHTS, export
+from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.settings import check_choice
 
 # the writing is nanogpt_plus/hf_export.py's; this script reads the settings and loads the model
 DEFAULTS = dict(
     init_from='resume',  # 'resume' (ckpt.pt in out_dir), a training out_dir or a ckpt.pt file
     out_dir='out',
     hf_dir='',  # where to write the Hugging Face directory; '' = <out_dir>/hf
+    weights='float32',  # the dtype model.safetensors stores: 'float32' (exact) or 'bfloat16' (half the size)
 )
 
 
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
+    if cfg['weights'] == 'int8':  # a setting every model-loading script shares, but not a format HF's GPT-2 reads
+        raise UserError("weights=int8 is a format for sampling and evaluation (sample.py, eval.py --weights=int8); "
+                        "a Hugging Face directory holds float32 or bfloat16 weights: use one of those")
+    check_choice(cfg, 'weights', EXPORT_WEIGHTS)
     hf_dir = cfg['hf_dir'] or os.path.join(cfg['out_dir'], 'hf')
     model, tokenizer_meta, _ = init_model(cfg['init_from'], cfg['out_dir'])
     source = describe_source(cfg['init_from'], cfg['out_dir'])
-    export(model, tokenizer_meta, hf_dir, source=source)
+    export(model, tokenizer_meta, hf_dir, source=source, weights=cfg['weights'])
     files = sorted(os.listdir(hf_dir))
     print(f"exported {source} to {hf_dir}: {', '.join(files)}")
     print(json.dumps({'hf_dir': hf_dir, 'files': files}))

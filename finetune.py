@@ -57,12 +57,13 @@ from nanogpt_plus.outdir import claim_out_dir, refuse_overwrite
 from nanogpt_plus.parallel import accumulation_per_rank, all_reduce_sum, grad_sync_context, wrap_model
 from nanogpt_plus.runtime import (DistInfo, Interrupted, UserError, destroy_distributed, device_type_of,
                                   init_distributed, precision, provenance, run_main)
-from nanogpt_plus.settings import (check_model_shape, check_non_negative, check_not_empty, check_positive, check_range,
-                                   check_system)
+from nanogpt_plus.settings import (check_choice, check_model_shape, check_non_negative, check_not_empty, check_positive,
+                                   check_range, check_system)
 from nanogpt_plus.tokenizer import load_tokenizer
 from nanogpt_plus.training import (GracefulExit, MetricsLogger, compute_setup, fit_block_size, gather_rng_states,
                                    make_grad_scaler, optimizer_step, out_of_memory_error, restore_training_state,
                                    set_learning_rate, tensors_finite)
+from nanogpt_plus.weights import WEIGHTS, set_weights
 
 BEST_CKPT = 'ckpt.pt'  # the best model so far (by val accuracy), with its head: what predictions use
 LAST_CKPT = 'ckpt_last.pt'  # the latest training state, for --init_from=resume
@@ -112,6 +113,7 @@ DEFAULTS = dict(
     backend='auto',
     device='auto',
     dtype='auto',
+    weights='float32',  # predictions only (--predict_file, no --train_file): 'float32', 'bfloat16' or 'int8' (sample.py)
     compile=False,
     activation_checkpointing=False,  # True: recompute each Block in the backward pass (gpt2-large/xl on one GPU)
     seed=1337,
@@ -565,6 +567,8 @@ def predict_only(cfg, dist_info):
         return
     device = dist_info.device
     model.to(device)
+    model.eval()
+    set_weights(model.gpt, cfg['weights'])  # the task head stays float32: it is one small matrix
     _, ctx = precision(device, cfg['dtype'])
     out_path = cfg['predict_out'] or os.path.join(os.path.dirname(path), 'predictions.jsonl')
     write_predictions(model, ckpt, cfg, ckpt['special_tokens'], load_tokenizer(ckpt['tokenizer']), device, ctx,
@@ -585,6 +589,10 @@ def check_settings(cfg):
     check_system(cfg)
     if cfg['task'] and cfg['task'] not in TASKS:
         raise UserError(f"unknown task '{cfg['task']}': use {', '.join(TASKS)}")
+    check_choice(cfg, 'weights', WEIGHTS)
+    if cfg['weights'] != 'float32' and cfg['train_file']:
+        raise UserError(f"weights={cfg['weights']} is a format for predictions (--predict_file without --train_file); "
+                        f"fine-tuning trains float32 weights (--dtype=bfloat16 computes in bfloat16)")
     if cfg['init_from'] == 'resume' and not os.path.exists(os.path.join(cfg['out_dir'], LAST_CKPT)):
         raise UserError(f"init_from=resume but there is no {os.path.join(cfg['out_dir'], LAST_CKPT)}; check "
                         f"--out_dir or start a new fine-tune with --init_from=<pretrained model>")

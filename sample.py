@@ -41,10 +41,11 @@ import torch
 from configurator import configure
 from nanogpt_plus.checkpoint import check_tokenizer_fits, describe_source, init_model
 from nanogpt_plus.engine import MODES, check_sampling_args, generate_stream
-from nanogpt_plus.runtime import UserError, precision, resolve_device, run_main
+from nanogpt_plus.runtime import PTDTYPE, UserError, precision, resolve_device, run_main
 from nanogpt_plus.settings import (ATTENTIONS, check_choice, check_non_negative, check_not_empty, check_positive,
                                    check_system)
 from nanogpt_plus.tokenizer import TokenizerError, load_tokenizer
+from nanogpt_plus.weights import WEIGHTS, can_pack, set_weights
 
 SEPARATOR = '---------------'
 
@@ -62,6 +63,7 @@ DEFAULTS = dict(
     seed=1337,
     device='auto',  # 'auto', 'cpu', 'cuda', 'cuda:0', 'mps'
     dtype='auto',  # 'auto' (bfloat16/float16 on GPUs, float32 on CPU), 'float32', 'bfloat16', 'float16'
+    weights='float32',  # how the weights are stored and read: 'float32' (exact), 'bfloat16' or 'int8' (see above)
     attention='flash',  # 'flash' (scaled_dot_product_attention) or 'manual'
     compile=False,  # torch.compile the model (with dynamic shapes; pays off on GPUs for long runs)
 )
@@ -127,6 +129,7 @@ def check_settings(config):
     check_non_negative(config, 'max_new_tokens', 'seed')
     check_choice(config, 'mode', MODES)
     check_choice(config, 'attention', ATTENTIONS)
+    check_choice(config, 'weights', WEIGHTS)
     check_system(config)
     try:  # temperature >= 0 (0 = greedy), top_k >= 1 or None, 0 < top_p <= 1: the engine's own rules
         check_sampling_args(config['temperature'], config['top_k'], config['top_p'])
@@ -152,6 +155,8 @@ def main():
     tok = load_tokenizer(tokenizer_meta)
     block_size, model_vocab = model.config.block_size, model.config.vocab_size
     check_tokenizer_fits(model.config, tokenizer_meta, describe_source(config['init_from'], config['out_dir']))
+    # the head scores only the tokenizer's ids: a padded vocabulary's extra rows are never sampled
+    set_weights(model, config['weights'], pack=can_pack(device, PTDTYPE[dtype]), vocab_size=tok.vocab_size)
     stop_token = None
     if config['stop_at_eot']:
         if tok.eot_token is None:
@@ -159,7 +164,8 @@ def main():
                   "token)", file=sys.stderr)
         else:
             stop_token = tok.eot_token
-    print(f"sampling {describe_source(config['init_from'], config['out_dir'])} on {device} ({dtype}), mode={config['mode']}", file=sys.stderr)
+    print(f"sampling {describe_source(config['init_from'], config['out_dir'])} on {device} ({dtype}, "
+          f"{config['weights']} weights), mode={config['mode']}", file=sys.stderr)
     if config['compile']:
         model = torch.compile(model, dynamic=True)  # the cache makes shapes change every step
 

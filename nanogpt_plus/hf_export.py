@@ -28,6 +28,8 @@ from nanogpt_plus.files import atomic_write
 from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import EOT_TEXT, load_tokenizer, packaged_gpt2_files, tokenizer_kind
 
+EXPORT_WEIGHTS = ('float32', 'bfloat16')  # the dtypes model.safetensors may hold
+
 
 def hf_config(config, eot_token=50256):
     """
@@ -203,12 +205,14 @@ def write_readme(hf_dir, source, config, tok_note):
     atomic_write(os.path.join(hf_dir, 'README.md'), lambda f: f.write(text), binary=False)
 
 
-def export(model, tokenizer_meta, hf_dir, source=''):
+def export(model, tokenizer_meta, hf_dir, source='', weights='float32'):
     """
     Write model (a GPT) and its tokenizer (a description dict: {'kind': 'gpt2'}, a character vocabulary or a
     bpe tokenizer.json; None means GPT-2) as the Hugging Face directory hf_dir; source (the checkpoint, say)
-    goes into the README. Returns hf_dir.
+    goes into the README. weights: the dtype of the stored tensors, 'float32' or 'bfloat16'. Returns hf_dir.
     """
+    if weights not in EXPORT_WEIGHTS:
+        raise UserError(f"weights must be one of {', '.join(EXPORT_WEIGHTS)} for a Hugging Face export, got {weights!r}")
     config = model.config
     kind = tokenizer_kind(tokenizer_meta) if tokenizer_meta else 'gpt2'
     if kind not in TOKENIZER_NOTES:
@@ -218,9 +222,12 @@ def export(model, tokenizer_meta, hf_dir, source=''):
     check_tokenizer_fits(config, tokenizer_meta, source or 'the checkpoint')
     os.makedirs(hf_dir, exist_ok=True)
     cfg = hf_config(config, eot)
+    # what transformers' from_pretrained(dtype='auto') loads them as (named torch_dtype before transformers 4.56)
+    setattr(cfg, 'dtype' if hasattr(cfg, 'dtype') else 'torch_dtype', weights)
     cfg.save_pretrained(hf_dir)
     write_generation_config(hf_dir, cfg, n_tokens)
-    tensors = hf_state_dict(model)
+    dtype = getattr(torch, weights)
+    tensors = {name: t.to(dtype) for name, t in hf_state_dict(model).items()}
     atomic_write(os.path.join(hf_dir, 'model.safetensors'),
                  lambda f: f.write(_safetensors_bytes(tensors)))
     write_tokenizer(hf_dir, kind, tok, config.block_size)

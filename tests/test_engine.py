@@ -9,12 +9,17 @@ from torch.nn import functional as F
 from model import GPT, GPTConfig
 from nanogpt_plus.engine import (KVCache, generate, generate_stream, last_position_logits, next_token_probs,
                                  sample_next_token)
+from nanogpt_plus.weights import can_pack, set_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def peaky_model(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, seed=0, attention='flash'):
-    """ A small random float32 GPT whose logits are well separated, so greedy decoding has no near-ties. """
+def peaky_model(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, seed=0, attention='flash',
+                weights='float32'):
+    """
+    A small random GPT whose logits are well separated, so greedy decoding has no near-ties. weights: its
+    matrices' format (nanogpt_plus/weights.py); 'packed' is float32 packed for oneDNN, as sample.py runs on a CPU.
+    """
     torch.manual_seed(seed)
     model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
                           vocab_size=vocab_size))
@@ -23,7 +28,13 @@ def peaky_model(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, se
             if p.dim() == 2:
                 p.mul_(5.0)
     model.set_attention(attention)
-    return model.eval()
+    model.eval()
+    if weights == 'packed':
+        return set_weights(model, 'float32', pack=can_pack('cpu', torch.float32))
+    return set_weights(model, weights)
+
+
+WEIGHTS = ['float32', 'packed', 'bfloat16', 'int8']  # the KV-cache tests run for every weight format
 
 
 def reference_greedy(model, idx, n):
@@ -72,35 +83,40 @@ def test_kv_cache_writes_in_place_and_refuses_overflow():
     assert cache.k.data_ptr() == storage  # reset reuses the preallocated storage
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("attention", ["flash", "manual"])
 @pytest.mark.parametrize("T", [1, 2, 9, 16])
-def test_last_position_logits_equal_the_full_forward(attention, T):
-    model = peaky_model(block_size=16, n_layer=3, attention=attention)
+def test_last_position_logits_equal_the_full_forward(attention, T, weights):
+    model = peaky_model(block_size=16, n_layer=3, attention=attention, weights=weights)
     idx = torch.randint(0, 50, (3, T), generator=torch.Generator().manual_seed(T))
+    # bf16 and int8 round each matmul's result to bfloat16: a last-bit difference may flip one rounding
+    rtol, atol = (1e-5, 1e-4) if weights in ('float32', 'packed') else (2e-2, 5e-2)
     with torch.no_grad():
         expected, _ = model(idx)
-        torch.testing.assert_close(last_position_logits(model, idx), expected, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(last_position_logits(model, idx), expected, rtol=rtol, atol=atol)
 
 
 # -----------------------------------------------------------------------------
 # greedy: cached == naive reference, token for token
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("attention", ["flash", "manual"])
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 @pytest.mark.parametrize("prompt_len,n", [(1, 15), (5, 11), (16, 0), (10, 6)])
-def test_cached_greedy_equals_reference_inside_block(attention, mode, prompt_len, n):
-    model = peaky_model(block_size=16, attention=attention)
+def test_cached_greedy_equals_reference_inside_block(attention, mode, prompt_len, n, weights):
+    model = peaky_model(block_size=16, attention=attention, weights=weights)
     idx = torch.randint(0, 50, (1, prompt_len), generator=torch.Generator().manual_seed(1))
     ref = reference_greedy(model, idx, n)
     out = generate(model, idx, n, temperature=0, mode=mode)
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("attention", ["flash", "manual"])
 @pytest.mark.parametrize("prompt_len,n", [(1, 40), (5, 30), (16, 5), (25, 20)])
-def test_exact_mode_equals_reference_past_block(attention, prompt_len, n):
+def test_exact_mode_equals_reference_past_block(attention, prompt_len, n, weights):
     # (25, 20): a prompt longer than the block, which both crop to its last block_size tokens
-    model = peaky_model(block_size=16, attention=attention)
+    model = peaky_model(block_size=16, attention=attention, weights=weights)
     idx = torch.randint(0, 50, (2, prompt_len), generator=torch.Generator().manual_seed(2))
     ref = reference_greedy(model, idx, n)
     out = generate(model, idx, n, temperature=0, mode='exact')
@@ -108,8 +124,9 @@ def test_exact_mode_equals_reference_past_block(attention, prompt_len, n):
     assert torch.equal(out, ref)
 
 
-def test_fast_mode_past_block_restarts_from_half_window():
-    model = peaky_model(block_size=16)
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_fast_mode_past_block_restarts_from_half_window(weights):
+    model = peaky_model(block_size=16, weights=weights)
     idx = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(3))
     out = generate(model, idx, 45, temperature=0, mode='fast')
     assert torch.equal(out, reference_fast_greedy(model, idx, 45))
@@ -127,8 +144,9 @@ def test_sampling_with_cache_reproduces_reference_draws():
     assert torch.equal(out, ref)
 
 
-def test_batched_greedy_equals_unbatched():
-    model = peaky_model(block_size=16)
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_batched_greedy_equals_unbatched(weights):
+    model = peaky_model(block_size=16, weights=weights)
     idx = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(5))
     for mode in ("exact", "fast"):
         batched = generate(model, idx, 30, temperature=0, mode=mode)
