@@ -30,6 +30,15 @@ use the KV cache: the prompt is forwarded once, then one token per step):
                    continue with the cache: each token then sees between block_size/2 and block_size
                    tokens of context instead of always block_size, at ~2 token-forwards per new token
                    instead of block_size. Output differs from nanoGPT's past the block.
+
+weights: how the model's matrices are stored and read (nanogpt_plus/weights.py), independent of dtype (the
+compute dtype). Each new token reads every weight once, so on a CPU the bytes per weight set the speed:
+  float32 (default)  exact: the checkpoint's weights (on a CPU packed once for oneDNN's float32 kernel: the
+                     same arithmetic, logits equal to the last bits).
+  bfloat16           half the bytes: ~1.5-2x the tokens/s of float32 on a CPU. Greedy text follows float32's
+                     for hundreds of tokens; the held-out loss of a trained model moves by ~1e-4.
+  int8               a quarter of the bytes (per-row scales, weight-only): ~2-3x. About the same quality
+                     cost as bfloat16. README's sampling table has the measured figures.
 """
 
 import codecs
@@ -155,8 +164,10 @@ def main():
     tok = load_tokenizer(tokenizer_meta)
     block_size, model_vocab = model.config.block_size, model.config.vocab_size
     check_tokenizer_fits(model.config, tokenizer_meta, describe_source(config['init_from'], config['out_dir']))
-    # the head scores only the tokenizer's ids: a padded vocabulary's extra rows are never sampled
-    set_weights(model, config['weights'], pack=can_pack(device, PTDTYPE[dtype]), vocab_size=tok.vocab_size)
+    # the head scores only the tokenizer's ids: a padded vocabulary's extra rows are never sampled. float32 on a
+    # CPU is packed for oneDNN, unless torch.compile is to choose the kernels (it packs weights its own way)
+    pack = can_pack(device, PTDTYPE[dtype]) and not config['compile']
+    set_weights(model, config['weights'], pack=pack, vocab_size=tok.vocab_size)
     stop_token = None
     if config['stop_at_eot']:
         if tok.eot_token is None:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import save_test_checkpoint
+from conftest import REPO, save_test_checkpoint
 
 from model import GPT, GPTConfig
 from nanogpt_plus.engine import generate
@@ -222,3 +222,27 @@ def test_finetune_and_export_settings(shakespeare, tmp_path, monkeypatch, capsys
     assert hf_config.get('dtype', hf_config.get('torch_dtype')) == 'bfloat16'
     wte = model.transformer.wte.weight.detach().to(torch.bfloat16)
     assert torch.equal(tensors['transformer.wte.weight'], wte)
+
+
+def test_benchmark_counts_the_bytes_each_format_reads(tmp_path, monkeypatch):
+    import importlib.util
+    monkeypatch.syspath_prepend(os.path.join(REPO, 'scripts'))  # its benchtools
+    spec = importlib.util.spec_from_file_location('bench_weights', os.path.join(REPO, 'scripts', 'bench_weights.py'))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=128)).eval()
+    sizes = {fmt: bench.matrix_bytes(bench.convert(model, fmt)) for fmt in ('plain float32', 'bfloat16', 'int8')}
+    n_matrix = sum(p.numel() for n, p in model.named_parameters() if n.endswith('weight') and p.dim() == 2
+                   and 'wpe' not in n and 'wte' not in n) + model.lm_head.weight.numel()
+    assert sizes['plain float32'] > 4 * n_matrix  # the weights and their biases
+    assert 0.49 < sizes['bfloat16'] / sizes['plain float32'] <= 0.5
+    assert 0.25 < sizes['int8'] / sizes['plain float32'] < 0.3  # plus the scales and float32 biases
+    # the multiple-choice file it scores: HellaSwag's fields, the true continuation at the label
+    text = "".join(chr(97 + i % 26) for i in range(5000))
+    bench.write_choice_task(tmp_path / 'c.jsonl', text, n=20)
+    rows = [json.loads(line) for line in (tmp_path / 'c.jsonl').read_text().splitlines()]
+    assert len(rows) == 20
+    for row in rows:
+        start = text.index(row['ctx'])
+        assert row['endings'][row['label']] == text[start + 64:start + 88] and len(row['endings']) == 4
