@@ -15,6 +15,7 @@ Usage:
 
 import json
 import os
+import zipfile
 
 import torch
 
@@ -111,7 +112,8 @@ def read_tensors(path):
         if path.endswith('.safetensors'):
             from safetensors.torch import load_file
             return load_file(path)
-        return torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+        # mmap needs torch.save's zip format; a file of the legacy format is read the ordinary way
+        return torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as e:  # truncated, not a weights file, a pickled object: all mean it can't be used
         raise UserError(f"{path} is corrupt or not a weights file ({type(e).__name__}: {error_line(e, 200)}); "
                         f"use an intact copy") from None
