@@ -283,8 +283,8 @@ def bench_quality(cfg):
           f"{n} tokens after 10 held-out prompts, the held-out text: {len(tokens):,} tokens ==")
     quality_table(model, tokens[:10 * block].view(10, block)[:, :8], tokens, n)
     choice_accuracy(model, tokenizer_meta, tokens)
-    # GPT-2 124M's shape with random weights (no trained 124M weights offline): the numerics of the formats at
-    # full size; a random model's predictions are near ties everywhere, so its agreement figures are a floor
+    # GPT-2 124M's shape with random weights (no trained 124M weights offline): the formats' numerics at full size
+    # (logits error, loss); a random model's greedy text and argmax say little about a trained one's
     torch.manual_seed(cfg['seed'])
     big = GPT(GPTConfig()).eval()
     from nanogpt_plus.tokenizer import GPT2Tokenizer
