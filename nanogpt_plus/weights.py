@@ -25,6 +25,8 @@ Usage:
     set_weights(model, 'int8', vocab_size=50257)   # vocab_size: score only the tokenizer's real ids
 """
 
+import functools
+
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
@@ -39,9 +41,14 @@ BF16_MAX_ROWS = 2
 INT8_MAX_ROWS = 16
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_has_bf16_kernels():
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def _bf16_fast(device):
     """ Whether bfloat16 matmuls run at full width on device: CUDA, or a CPU whose oneDNN has bf16 kernels. """
-    return device.type != 'cpu' or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return device.type != 'cpu' or _cpu_has_bf16_kernels()
 
 
 class PackedLinear(nn.Module):

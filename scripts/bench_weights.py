@@ -153,6 +153,7 @@ def offline_tiktoken_cache(work):
     tiktoken gives its download URLs, so that nanoGPT's tiktoken.get_encoding('gpt2') runs offline.
     """
     import hashlib
+
     from nanogpt_plus.tokenizer import packaged_gpt2_files
     cache = os.path.join(work, 'tiktoken_cache')
     os.makedirs(cache, exist_ok=True)

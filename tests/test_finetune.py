@@ -306,7 +306,7 @@ def test_multiple_choice_with_2_to_5_choices():
 # -----------------------------------------------------------------------------
 # checkpoint: reload, predict, resume
 
-def test_checkpoint_reloads_and_predicts_the_same(tmp_path):
+def test_checkpoint_reloads_and_predicts_the_same(tmp_path, monkeypatch):
     src = make_source(tmp_path / 'src')
     train, val = make_task(tmp_path, 'classification', n_train=128, n_val=40)
     out = tmp_path / 'out'
@@ -337,6 +337,13 @@ def test_checkpoint_reloads_and_predicts_the_same(tmp_path):
                     '--device=cpu'])
     assert p.returncode == 0, p.stderr
     assert [json.loads(l)['prediction'] for l in open(tmp_path / 'p.jsonl')] == [w['prediction'] for w in written]
+    # with int8 weights (in-process): the same model's predictions, its probabilities within rounding
+    monkeypatch.setattr(sys, 'argv', ['finetune.py', f'--init_from={out}', f'--predict_file={unlabeled}',
+                                      f'--predict_out={tmp_path / "p8.jsonl"}', '--device=cpu', '--weights=int8'])
+    finetune.main()
+    int8 = [json.loads(line) for line in open(tmp_path / 'p8.jsonl')]
+    assert max(abs(a - b) for w, q in zip(written, int8) for a, b in zip(w['probs'], q['probs'])) < 0.05
+    assert int8 != written  # the matrices really were int8 (the probabilities moved)
 
 
 def test_resume_continues_exactly(tmp_path):
