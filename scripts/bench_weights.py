@@ -100,8 +100,9 @@ def bench_speed(cfg):
     torch.manual_seed(cfg['seed'])
     base = GPT(GPTConfig()).eval()  # GPT-2 124M's shape, vocabulary padded to 50304
     models = {fmt: convert(base, fmt, vocab_size=50257) for fmt in FORMATS}
+    default_threads = torch.get_num_threads()
     for threads in parse_ints(cfg['threads'], 'threads'):
-        torch.set_num_threads(threads or os.cpu_count())
+        torch.set_num_threads(threads or default_threads)
         speed_table(models, cfg)
 
 
@@ -168,7 +169,8 @@ def process_seconds(cmd, cwd=REPO, env=None):
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
-        raise UserError(f"{' '.join(cmd[:3])} ... failed: {r.stderr.strip().splitlines()[-1:]}")
+        last = (r.stderr.strip().splitlines() or ['no output on stderr'])[-1]
+        raise UserError(f"{' '.join(cmd[:3])} ... failed (exit code {r.returncode}): {last}")
     return time.perf_counter() - t0
 
 
@@ -256,8 +258,8 @@ def quality_table(model, prompts, tokens, n):
     block = model.config.block_size
     ref = generate(model, prompts, n, temperature=0)[:, prompts.size(1):]
     ref_loss, ref_logits, ref_seconds = held_out_scores(model, tokens, block)
-    print(f"  {'weights':<10} {'same tokens':>11} {'first difference':>16} {'top-1 agreement':>15} {'logits error':>12} "
-          f"{'loss':>8} {'change':>8} {'loss s':>7}")
+    print(f"  {'weights':<10} {'same tokens':>11} {'first difference':>16} {'top-1 agreement':>15} "
+          f"{'logits error':>12} {'loss':>8} {'change':>8} {'loss s':>7}")
     for fmt in ('float32', 'bfloat16', 'int8'):
         m = convert(model, fmt)
         out = generate(m, prompts, n, temperature=0)[:, prompts.size(1):]
@@ -268,8 +270,9 @@ def quality_table(model, prompts, tokens, n):
         error = ((logits - ref_logits).norm() / ref_logits.norm()).item()
         print(f"  {fmt:<10} {same:>10.1%} {statistics.median(firsts):>16.0f} {top1:>14.2%} {error:>12.2e} "
               f"{loss:>8.4f} {loss - ref_loss:>+8.4f} {seconds:>7.2f}")
-    print(f"  (plain float32's loss took {ref_seconds:.2f} s; same tokens: of the greedy tokens, in place; first difference: median over the prompts of the first "
-          "token that differs; top-1 agreement: the next-token argmax given the same held-out text)")
+    print(f"  (plain float32's loss took {ref_seconds:.2f} s; same tokens: of the greedy tokens, in place; first "
+          "difference: median over the prompts of the first token that differs; top-1 agreement: the next-token "
+          "argmax given the same held-out text)")
     sys.stdout.flush()
 
 
