@@ -34,7 +34,7 @@ use the KV cache: the prompt is forwarded once, then one token per step):
 weights: how the model's matrices are stored and read (nanogpt_plus/weights.py), independent of dtype (the
 compute dtype). Each new token reads every weight once, so on a CPU the bytes per weight set the speed:
   float32 (default)  exact: the checkpoint's weights (on a CPU packed once for oneDNN's float32 kernel: the
-                     same arithmetic, logits equal to the last bits).
+                     same arithmetic, logits equal but for the last bits).
   bfloat16           half the bytes. Measured on a 2-core AVX2 CPU, GPT-2 124M: 1.2x float32's tokens/s
                      for one sample (slower for batches there); on a trained model the held-out loss moved by
                      +0.0001, the next-token argmax agreed 99.2% of the time, greedy text for ~80 tokens.
