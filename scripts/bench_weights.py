@@ -7,7 +7,7 @@ process (and nanoGPT's sample.py on the same checkpoint, given its checkout), an
 in quality on a trained model: greedy agreement with float32 over 500 tokens and the held-out loss.
 
 Usage:
-    python scripts/bench_weights.py                                   # everything (~5 minutes on 2 cores)
+    python scripts/bench_weights.py                                   # everything (10-15 minutes on 2 cores)
     python scripts/bench_weights.py --part=speed --batch_sizes=1,10 --tokens=200
     python scripts/bench_weights.py --part=quality --quality_ckpt=out-shakespeare-char
     python scripts/bench_weights.py --part=process --nanogpt_dir=../nanoGPT
