@@ -36,7 +36,8 @@ WEIGHTS = ('float32', 'bfloat16', 'int8')
 # On a CPU without AVX-512, PyTorch's bfloat16 and int8 matmuls are fast for a few rows only (a decoding step
 # of a few samples) and get slower per row than float32 as rows are added; above these row counts the half- or
 # quarter-width weights are widened to the compute dtype for the call and the ordinary matmul runs (the same
-# products: a bfloat16 or int8 value is exact in float32). GPUs and AVX-512 CPUs use the narrow kernel always.
+# products: a bfloat16 or int8 value is exact in float32). For bfloat16, GPUs and AVX-512 CPUs use the narrow
+# kernel always; the int8 kernel is CPU-only, so a GPU always widens.
 BF16_MAX_ROWS = 2
 INT8_MAX_ROWS = 16
 
@@ -49,6 +50,15 @@ def _cpu_has_bf16_kernels():
 def _bf16_fast(device):
     """ Whether bfloat16 matmuls run at full width on device: CUDA, or a CPU whose oneDNN has bf16 kernels. """
     return device.type != 'cpu' or _cpu_has_bf16_kernels()
+
+
+def _widened_linear(x, weight, bias):
+    """
+    x @ weight.T + bias as a float32 matmul of the widened operands, with autocast off: under --dtype=bfloat16
+    it would narrow them back to bfloat16 and run the slow kernel (and, for int8, round weight * scale).
+    """
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
 class PackedLinear(nn.Module):
@@ -80,8 +90,7 @@ class BF16Linear(nn.Module):
             return F.linear(xb, self.weight, self.bias).to(x.dtype)
         # many rows on a CPU without bf16 kernels: the same products and float32 sums in a float32 matmul,
         # rounded to bfloat16 as the bf16 kernel's output is
-        bias = None if self.bias is None else self.bias.float()
-        return F.linear(xb.float(), self.weight.float(), bias).to(torch.bfloat16).to(x.dtype)
+        return _widened_linear(xb, self.weight, self.bias).to(torch.bfloat16).to(x.dtype)
 
     def lookup(self, idx):
         """ Rows idx of the weight, as an embedding table (the tied token embedding): (..., in_features). """
@@ -119,7 +128,7 @@ class Int8Linear(nn.Module):
         if x2.device.type == 'cpu' and x2.size(0) <= INT8_MAX_ROWS:
             y = torch._weight_int8pack_mm(x2.contiguous(), self.weight, self.scale)  # (rows, N) bfloat16
         else:  # many rows, or a GPU (the kernel is CPU-only): the same products in a float32 matmul
-            y = F.linear(x2.float(), self.weight.float() * self.scale.float()[:, None]).to(torch.bfloat16)
+            y = _widened_linear(x2, self.weight.float() * self.scale.float()[:, None], None).to(torch.bfloat16)
         y = y.float() if self.bias is None else y.float() + self.bias
         return y.view(*shape[:-1], y.size(-1)).to(x.dtype)
 

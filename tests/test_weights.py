@@ -90,6 +90,19 @@ def test_each_format_computes_its_documented_product(rows, bias):
     assert BF16_MAX_ROWS < 7 <= INT8_MAX_ROWS < 40  # so the parametrization runs both paths of both formats
 
 
+def test_autocast_keeps_the_widened_paths_products():
+    # --dtype=bfloat16 on a CPU: autocast must not narrow the float32 matmul of the widened weights again
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    x = torch.randn(40, 64)  # above both formats' row limits: the widened path
+    for module in (BF16Linear(linear), Int8Linear(linear)):
+        with torch.no_grad():
+            plain = module(x)
+            with torch.autocast('cpu', dtype=torch.bfloat16):
+                under_autocast = module(x)
+        assert torch.equal(under_autocast, plain), type(module).__name__
+
+
 def test_3d_inputs_and_the_head_rows():
     linear = torch.nn.Linear(32, 50)
     x = torch.randn(2, 5, 32)
