@@ -16,7 +16,7 @@ once, so on a CPU the tokens/s of sampling is set by the bytes per weight:
 
 The matrices are the four Linears of each Block and the output head. The token embedding is the head's
 matrix (tied), so it is looked up in the same rounded weights; the position embedding and the LayerNorms,
-~0.3% of the bytes, stay as they are. set_weights converts a model in place, for inference only: the
+~0.7% of the bytes, stay as they are. set_weights converts a model in place, for inference only: the
 converted model has no gradients and is never saved.
 
 Usage:
