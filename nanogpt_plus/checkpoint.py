@@ -361,13 +361,16 @@ class _ShapesOnly(TorchFunctionMode):
     While a model is built on the meta device, the calls that only fill in values (nn.init's normal_, the causal
     mask's tril) return their tensor unchanged: on meta they compute nothing anyway, but PyTorch runs them through
     its Python reference kernels, whose first call imports torch._dynamo, ~2 s of a sampling run's start-up.
+    A tensor that isn't on meta (one made with an explicit device) is computed as usual: it would be used.
     """
     VALUES_ONLY = {torch.Tensor.normal_, torch.nn.init.normal_, torch.tril}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in self.VALUES_ONLY:
-            return args[0] if args else kwargs['tensor']  # nn.init passes its tensor as tensor=
+            tensor = args[0] if args else kwargs['tensor']  # nn.init passes its tensor as tensor=
+            if tensor.is_meta:
+                return tensor
         return func(*args, **kwargs)
 
 

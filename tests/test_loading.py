@@ -14,7 +14,8 @@ import torch
 from conftest import REPO, save_test_checkpoint
 
 from model import GPT, GPTConfig
-from nanogpt_plus.checkpoint import init_model, load_checkpoint, loaded_model, model_from_checkpoint
+from nanogpt_plus.checkpoint import (_ShapesOnly, init_model, load_checkpoint, loaded_model, meta_model,
+                                     model_from_checkpoint)
 from nanogpt_plus.runtime import UserError
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50, bias=True, gelu='tanh')
@@ -79,6 +80,16 @@ def test_nanogpt_checkpoint_fp16_compiled_with_masks(tmp_path):
     reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     reference.load_state_dict({k: v.half() for k, v in model.state_dict().items()})  # copy_ converts
     assert_same_model(reference, loaded)
+
+
+def test_shapes_only_skips_meta_tensors_only():
+    # the skipped value fills are for meta_model's tensors; a real one made inside the mode still gets its values
+    with _ShapesOnly():
+        drawn, filled = torch.zeros(1000).normal_(), torch.nn.init.normal_(tensor=torch.zeros(1000))
+        mask = torch.tril(torch.ones(3, 3))
+    assert drawn.std() > 0.5 and filled.std() > 0.5
+    assert torch.equal(mask, torch.ones(3, 3).tril())
+    assert meta_model(GPTConfig(**TINY)).lm_head.weight.is_meta
 
 
 def test_a_misfit_checkpoint_is_one_clear_error():
