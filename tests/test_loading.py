@@ -100,6 +100,15 @@ def test_a_misfit_checkpoint_is_one_clear_error():
         loaded_model(GPTConfig(**dict(TINY, n_layer=3)), sd, "the checkpoint's weights don't fit its model_args")
 
 
+def test_an_untied_head_is_refused_and_an_equal_copy_is_not():
+    # a file may hold lm_head.weight as its own tensor: equal to wte it loads tied, different it is refused
+    sd = {k: v.clone() for k, v in random_gpt().state_dict().items()}
+    assert_same_model(random_gpt(), loaded_model(GPTConfig(**TINY), sd, "misfit"))
+    sd['lm_head.weight'] = sd['lm_head.weight'] + 0.01
+    with pytest.raises(UserError, match=r"^misfit \(its lm_head.weight differs from transformer.wte.weight"):
+        loaded_model(GPTConfig(**TINY), sd, "misfit")
+
+
 # -----------------------------------------------------------------------------
 # Hugging Face directories, read without transformers
 
