@@ -173,9 +173,9 @@ def check_one_head(state_dict, misfit):
     differ holds an untied head, which loading would silently replace with one of the two. Refused instead.
     """
     wte, head = state_dict.get('transformer.wte.weight'), state_dict.get('lm_head.weight')
-    if wte is None or head is None or wte is head or wte.shape != head.shape:
-        return  # saved once (the usual case), or missing / misshapen, which load_state_dict reports
-    if not torch.equal(wte, head):
+    if wte is None or head is None or wte is head:
+        return  # saved once (the usual case), or missing, which load_state_dict reports
+    if wte.shape != head.shape or not torch.equal(wte, head):
         raise UserError(f"{misfit} (its lm_head.weight differs from transformer.wte.weight: an untied output head, "
                         f"which this GPT can't hold)")
 

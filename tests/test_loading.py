@@ -198,6 +198,18 @@ def test_what_our_gpt_cant_compute_is_refused(tmp_path, config, message):
         init_model(d)
 
 
+def test_a_saved_head_that_differs_from_wte_is_refused(hf_model, tmp_path):
+    # transformers would load it untied (it warns, and computes another model than ours would)
+    from safetensors.torch import save_file
+    d = str(tmp_path / 'hf')
+    write_variant(hf_model, d, 'hub_names')
+    sd = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    sd['lm_head.weight'] = sd['lm_head.weight'] + 0.01
+    save_file(sd, os.path.join(d, 'model.safetensors'))
+    with pytest.raises(UserError, match="model.safetensors is not a GPT-2 .*lm_head.weight differs from"):
+        init_model(d)
+
+
 def test_a_directory_without_weights_is_refused(tmp_path):
     d = tiny_hf_dir(tmp_path / 'hf')
     os.remove(os.path.join(d, 'model.safetensors'))
