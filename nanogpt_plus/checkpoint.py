@@ -148,7 +148,7 @@ def fp32_copies(state_dict):
     """
     Every tensor of state_dict copied into fresh memory, floating-point ones as float32 (what copy_ into a float32
     model did to an fp16/bf16 file). Entries that are the same view of the same data (the tied wte/lm_head, saved
-    once) get one copy: copying 150M values twice for GPT-2 would cost time and memory for nothing.
+    once) get one copy: copying GPT-2's 38.6M-value (154 MB) embedding twice would cost time and memory for nothing.
     """
     copies, out = {}, {}
     for name, t in state_dict.items():

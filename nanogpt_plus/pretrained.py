@@ -1,9 +1,10 @@
 """
 Hugging Face GPT-2 directories read without transformers: config.json for the architecture, then the weights
 from model.safetensors (memory-mapped by safetensors) or pytorch_model.bin (torch.load, weights_only=True,
-memory-mapped), renamed to ours with model.hf_key_map (Conv1D weights transposed). Importing transformers
-alone takes seconds and from_pretrained builds a second 124M-parameter model; neither is needed to read two
-files. GPT.from_pretrained (model.py) stays the transformers-based reference this path is tested against.
+memory-mapped unless of the legacy non-zip format), renamed to ours with model.hf_key_map (Conv1D weights
+transposed). Importing transformers alone takes seconds and from_pretrained builds a second 124M-parameter
+model; neither is needed to read two files. GPT.from_pretrained (model.py) stays the transformers-based
+reference this path is tested against.
 
 What our GPT can't compute exactly is refused with one line: another model_type, an activation, LayerNorm
 epsilon or attention scaling of its own, an untied head, a missing, unexpected or misshapen tensor.
