@@ -148,7 +148,7 @@ def fp32_copies(state_dict):
     """
     Every tensor of state_dict copied into fresh memory, floating-point ones as float32 (what copy_ into a float32
     model did to an fp16/bf16 file). Entries that are the same view of the same data (the tied wte/lm_head, saved
-    once) get one copy: copying 150M values twice for GPT-2 would cost time and memory for nothing.
+    once) get one copy: copying GPT-2's 38.6M-value (154 MB) embedding twice would cost time and memory for nothing.
     """
     copies, out = {}, {}
     for name, t in state_dict.items():
@@ -167,6 +167,19 @@ def _misfit_detail(error):
     return '; '.join(lines[1:] or lines)[:300]
 
 
+def check_one_head(state_dict, misfit):
+    """
+    Our GPT's head is its token embedding, one matrix: a file whose lm_head.weight and transformer.wte.weight
+    differ holds an untied head, which loading would silently replace with one of the two. Refused instead.
+    """
+    wte, head = state_dict.get('transformer.wte.weight'), state_dict.get('lm_head.weight')
+    if wte is None or head is None or wte is head:
+        return  # saved once (the usual case), or missing, which load_state_dict reports
+    if wte.shape != head.shape or not torch.equal(wte, head):
+        raise UserError(f"{misfit} (its lm_head.weight differs from transformer.wte.weight: an untied output head, "
+                        f"which this GPT can't hold)")
+
+
 def loaded_model(config, state_dict, misfit):
     """
     A GPT of config holding state_dict's weights, built without drawing the random weights that the load would
@@ -179,12 +192,13 @@ def loaded_model(config, state_dict, misfit):
         model = meta_model(config)
     except ValueError as e:  # e.g. n_embd not divisible by n_head
         raise UserError(f"{misfit} ({e})") from None
+    copies = fp32_copies(state_dict)
+    check_one_head(copies, misfit)
     try:
-        model.load_state_dict(fp32_copies(state_dict), assign=True)
+        model.load_state_dict(copies, assign=True)
     except RuntimeError as e:
         raise UserError(f"{misfit} ({_misfit_detail(e)})") from None
-    # assign=True gave wte and lm_head a Parameter each: tie them again, keeping lm_head's values (the one a
-    # copy into a tied model kept too, as lm_head is loaded last)
+    # assign=True gave wte and lm_head a Parameter each (equal values, check_one_head made sure): tie them again
     model.transformer.wte.weight = model.lm_head.weight
     model.init_buffers('cpu')  # the causal masks are no state_dict entries: built here for block_size
     print("number of parameters: %.2fM" % (model.get_num_params() / 1e6,))  # GPT() on meta stays quiet
@@ -361,13 +375,16 @@ class _ShapesOnly(TorchFunctionMode):
     While a model is built on the meta device, the calls that only fill in values (nn.init's normal_, the causal
     mask's tril) return their tensor unchanged: on meta they compute nothing anyway, but PyTorch runs them through
     its Python reference kernels, whose first call imports torch._dynamo, ~2 s of a sampling run's start-up.
+    A tensor that isn't on meta (one made with an explicit device) is computed as usual: it would be used.
     """
     VALUES_ONLY = {torch.Tensor.normal_, torch.nn.init.normal_, torch.tril}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in self.VALUES_ONLY:
-            return args[0] if args else kwargs['tensor']  # nn.init passes its tensor as tensor=
+            tensor = args[0] if args else kwargs['tensor']  # nn.init passes its tensor as tensor=
+            if tensor.is_meta:
+                return tensor
         return func(*args, **kwargs)
 
 

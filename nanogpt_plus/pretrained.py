@@ -1,9 +1,10 @@
 """
 Hugging Face GPT-2 directories read without transformers: config.json for the architecture, then the weights
 from model.safetensors (memory-mapped by safetensors) or pytorch_model.bin (torch.load, weights_only=True,
-memory-mapped), renamed to ours with model.hf_key_map (Conv1D weights transposed). Importing transformers
-alone takes seconds and from_pretrained builds a second 124M-parameter model; neither is needed to read two
-files. GPT.from_pretrained (model.py) stays the transformers-based reference this path is tested against.
+memory-mapped unless of the legacy non-zip format), renamed to ours with model.hf_key_map (Conv1D weights
+transposed). Importing transformers alone takes seconds and from_pretrained builds a second 124M-parameter
+model; neither is needed to read two files. GPT.from_pretrained (model.py) stays the transformers-based
+reference this path is tested against.
 
 What our GPT can't compute exactly is refused with one line: another model_type, an activation, LayerNorm
 epsilon or attention scaling of its own, an untied head, a missing, unexpected or misshapen tensor.
@@ -20,6 +21,7 @@ import zipfile
 import torch
 
 from model import GPT2_NAMES, HF_ACTIVATIONS, GPTConfig, hf_key_map
+from nanogpt_plus.checkpoint import check_one_head
 from nanogpt_plus.runtime import UserError, error_line
 
 WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin')  # in the order transformers prefers them
@@ -123,18 +125,20 @@ def hf_names(tensors):
     """ The tensors under GPT2LMHeadModel's names: the hub's own gpt2 files leave out the 'transformer.' prefix. """
     out = {}
     for name, t in tensors.items():
-        if name.endswith(IGNORED_SUFFIXES) or name == 'lm_head.weight':  # masks; the head is wte, tied
+        if name.endswith(IGNORED_SUFFIXES):  # masks
             continue
-        out[name if name.startswith('transformer.') else 'transformer.' + name] = t
+        out[name if name.startswith(('transformer.', 'lm_head.')) else 'transformer.' + name] = t
     return out
 
 
 def state_dict_from_hf(tensors, config, source):
     """
     Our state_dict (tied lm_head included) from HF tensors, every tensor accounted for. The Conv1D weights come
-    as transposed views; their shapes are checked when the model takes them (checkpoint.loaded_model).
+    as transposed views; their shapes are checked when the model takes them (checkpoint.loaded_model). A saved
+    lm_head.weight must equal wte: transformers loads one that differs as an untied head, which ours can't be.
     """
     theirs, ours = hf_names(tensors), {}
+    saved_head = theirs.pop('lm_head.weight', None)
     for our_name, hf_name, transpose in hf_key_map(config):
         if hf_name not in theirs:
             raise UserError(f"{source} has no tensor {hf_name}, which its config's {config.n_layer}-layer GPT-2 "
@@ -145,6 +149,9 @@ def state_dict_from_hf(tensors, config, source):
         raise UserError(f"{source} holds tensors a GPT-2 has no place for ({', '.join(sorted(theirs)[:3])}); "
                         f"it is another architecture")
     ours['lm_head.weight'] = ours['transformer.wte.weight']
+    if saved_head is not None:  # compared here, so that an equal copy is never copied again as fp32
+        check_one_head(dict(ours, **{'lm_head.weight': saved_head}), f"{source} is not a GPT-2 this project can "
+                       f"run exactly")
     return ours
 
 

@@ -14,7 +14,8 @@ import torch
 from conftest import REPO, save_test_checkpoint
 
 from model import GPT, GPTConfig
-from nanogpt_plus.checkpoint import init_model, load_checkpoint, loaded_model, model_from_checkpoint
+from nanogpt_plus.checkpoint import (_ShapesOnly, init_model, load_checkpoint, loaded_model, meta_model,
+                                     model_from_checkpoint)
 from nanogpt_plus.runtime import UserError
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50, bias=True, gelu='tanh')
@@ -47,7 +48,7 @@ def assert_same_model(a, b):
         assert m.transformer.wte.weight is m.lm_head.weight
     assert len(list(a.parameters())) == len(list(b.parameters()))
     assert all(p.is_contiguous() and p.device.type == 'cpu' for p in b.parameters())
-    for ba, bb in zip(a.buffers(), b.buffers()):
+    for ba, bb in zip(a.buffers(), b.buffers(), strict=True):
         assert torch.equal(ba, bb)
 
 
@@ -76,9 +77,18 @@ def test_nanogpt_checkpoint_fp16_compiled_with_masks(tmp_path):
                tmp_path / 'ckpt.pt')
     loaded, _, _ = init_model(str(tmp_path / 'ckpt.pt'))
     reference = GPT(model.config)
-    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     reference.load_state_dict({k: v.half() for k, v in model.state_dict().items()})  # copy_ converts
     assert_same_model(reference, loaded)
+
+
+def test_shapes_only_skips_meta_tensors_only():
+    # the skipped value fills are for meta_model's tensors; a real one made inside the mode still gets its values
+    with _ShapesOnly():
+        drawn, filled = torch.zeros(1000).normal_(), torch.nn.init.normal_(tensor=torch.zeros(1000))
+        mask = torch.tril(torch.ones(3, 3))
+    assert drawn.std() > 0.5 and filled.std() > 0.5
+    assert torch.equal(mask, torch.ones(3, 3).tril())
+    assert meta_model(GPTConfig(**TINY)).lm_head.weight.is_meta
 
 
 def test_a_misfit_checkpoint_is_one_clear_error():
@@ -87,6 +97,15 @@ def test_a_misfit_checkpoint_is_one_clear_error():
         loaded_model(GPTConfig(**dict(TINY, n_embd=16)), sd, "the checkpoint's weights don't fit its model_args")
     with pytest.raises(UserError, match="Missing key"):
         loaded_model(GPTConfig(**dict(TINY, n_layer=3)), sd, "the checkpoint's weights don't fit its model_args")
+
+
+def test_an_untied_head_is_refused_and_an_equal_copy_is_not():
+    # a file may hold lm_head.weight as its own tensor: equal to wte it loads tied, different it is refused
+    sd = {k: v.clone() for k, v in random_gpt().state_dict().items()}
+    assert_same_model(random_gpt(), loaded_model(GPTConfig(**TINY), sd, "misfit"))
+    sd['lm_head.weight'] = sd['lm_head.weight'] + 0.01
+    with pytest.raises(UserError, match=r"^misfit \(its lm_head.weight differs from transformer.wte.weight"):
+        loaded_model(GPTConfig(**TINY), sd, "misfit")
 
 
 # -----------------------------------------------------------------------------
@@ -175,6 +194,18 @@ def tiny_hf_dir(directory, **config):
 def test_what_our_gpt_cant_compute_is_refused(tmp_path, config, message):
     d = tiny_hf_dir(tmp_path / 'hf', **config)
     with pytest.raises(UserError, match=message):
+        init_model(d)
+
+
+def test_a_saved_head_that_differs_from_wte_is_refused(hf_model, tmp_path):
+    # transformers would load it untied (it warns, and computes another model than ours would)
+    from safetensors.torch import save_file
+    d = str(tmp_path / 'hf')
+    write_variant(hf_model, d, 'hub_names')
+    sd = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    sd['lm_head.weight'] = sd['lm_head.weight'] + 0.01
+    save_file(sd, os.path.join(d, 'model.safetensors'))
+    with pytest.raises(UserError, match="model.safetensors is not a GPT-2 .*lm_head.weight differs from"):
         init_model(d)
 
 
