@@ -23,9 +23,8 @@ import os
 
 from configurator import configure
 from nanogpt_plus.checkpoint import describe_source, init_model
-from nanogpt_plus.hf_export import EXPORT_WEIGHTS, export
-from nanogpt_plus.runtime import UserError, run_main
-from nanogpt_plus.settings import check_choice
+from nanogpt_plus.hf_export import check_export_weights, export
+from nanogpt_plus.runtime import run_main
 
 # the writing is nanogpt_plus/hf_export.py's; this script reads the settings and loads the model
 DEFAULTS = dict(
@@ -38,10 +37,7 @@ DEFAULTS = dict(
 
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
-    if cfg['weights'] == 'int8':  # a setting every model-loading script shares, but not a format HF's GPT-2 reads
-        raise UserError("weights=int8 is a format for sampling and evaluation (sample.py, eval.py --weights=int8); "
-                        "a Hugging Face directory holds float32 or bfloat16 weights: use one of those")
-    check_choice(cfg, 'weights', EXPORT_WEIGHTS)
+    check_export_weights(cfg['weights'])  # before the model is loaded
     hf_dir = cfg['hf_dir'] or os.path.join(cfg['out_dir'], 'hf')
     model, tokenizer_meta, _ = init_model(cfg['init_from'], cfg['out_dir'])
     source = describe_source(cfg['init_from'], cfg['out_dir'])

@@ -165,7 +165,8 @@ def main():
     model.set_attention(config['attention'])
     tok = load_tokenizer(tokenizer_meta)
     block_size, model_vocab = model.config.block_size, model.config.vocab_size
-    check_tokenizer_fits(model.config, tokenizer_meta, describe_source(config['init_from'], config['out_dir']))
+    source = describe_source(config['init_from'], config['out_dir'])
+    check_tokenizer_fits(model.config, tokenizer_meta, source)
     # the head scores only the tokenizer's ids: a padded vocabulary's extra rows are never sampled. float32 on a
     # CPU is packed for oneDNN, unless torch.compile is to choose the kernels (it packs weights its own way)
     pack = can_pack(device, PTDTYPE[dtype]) and not config['compile']
@@ -177,7 +178,7 @@ def main():
                   "token)", file=sys.stderr)
         else:
             stop_token = tok.eot_token
-    print(f"sampling {describe_source(config['init_from'], config['out_dir'])} on {device} ({dtype}, "
+    print(f"sampling {source} on {device} ({dtype}, "
           f"{config['weights']} weights), mode={config['mode']}", file=sys.stderr)
     if config['compile']:
         model = torch.compile(model, dynamic=True)  # the cache makes shapes change every step

@@ -205,14 +205,22 @@ def write_readme(hf_dir, source, config, tok_note):
     atomic_write(os.path.join(hf_dir, 'README.md'), lambda f: f.write(text), binary=False)
 
 
+def check_export_weights(weights):
+    """ The weights setting of an export: one of EXPORT_WEIGHTS (int8, a sampling format, is named as such). """
+    if weights == 'int8':
+        raise UserError("weights=int8 is a format for sampling and evaluation (sample.py, eval.py --weights=int8); "
+                        "a Hugging Face directory holds float32 or bfloat16 weights: use one of those")
+    if weights not in EXPORT_WEIGHTS:
+        raise UserError(f"weights must be 'float32' or 'bfloat16' for a Hugging Face export, got {weights!r}")
+
+
 def export(model, tokenizer_meta, hf_dir, source='', weights='float32'):
     """
     Write model (a GPT) and its tokenizer (a description dict: {'kind': 'gpt2'}, a character vocabulary or a
     bpe tokenizer.json; None means GPT-2) as the Hugging Face directory hf_dir; source (the checkpoint, say)
     goes into the README. weights: the dtype of the stored tensors, 'float32' or 'bfloat16'. Returns hf_dir.
     """
-    if weights not in EXPORT_WEIGHTS:
-        raise UserError(f"weights must be one of {', '.join(EXPORT_WEIGHTS)} for a Hugging Face export, got {weights!r}")
+    check_export_weights(weights)
     config = model.config
     kind = tokenizer_kind(tokenizer_meta) if tokenizer_meta else 'gpt2'
     if kind not in TOKENIZER_NOTES:

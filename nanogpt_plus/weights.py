@@ -148,6 +148,13 @@ class TiedLookup(nn.Module):
         return self.head[0].lookup(idx)
 
 
+def block_matrices(model):
+    """ (module, attribute name) of the four Linears of every Block, in model order: what set_weights converts. """
+    return [(parent, name) for block in model.transformer.h
+            for parent, name in ((block.attn, 'c_attn'), (block.attn, 'c_proj'), (block.mlp, 'c_fc'),
+                                 (block.mlp, 'c_proj'))]
+
+
 def convert_linear(linear, weights, pack, rows=None):
     """ The inference module for one nn.Linear (rows: keep only the first `rows` outputs). """
     if weights == 'bfloat16':
@@ -178,10 +185,8 @@ def set_weights(model, weights, pack=False, vocab_size=None):
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if weights == 'float32' and not pack:
         return model  # nothing to do: the checkpoint's own float32 weights and matmul
-    for block in model.transformer.h:
-        for parent, name in ((block.attn, 'c_attn'), (block.attn, 'c_proj'), (block.mlp, 'c_fc'),
-                             (block.mlp, 'c_proj')):
-            setattr(parent, name, convert_linear(getattr(parent, name), weights, pack))
+    for parent, name in block_matrices(model):
+        setattr(parent, name, convert_linear(getattr(parent, name), weights, pack))
     rows = vocab_size if vocab_size is not None and vocab_size < model.config.vocab_size else None
     head = convert_linear(model.lm_head, weights, pack, rows)
     if weights != 'float32':  # the embedding reads the same rounded matrix as the head

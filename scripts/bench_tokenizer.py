@@ -13,7 +13,6 @@ Usage:
 """
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -21,7 +20,7 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchtools import cpu_model, parse_ints, work_directory, write_jsonl_corpus
+from benchtools import cpu_model, parse_ints, run_checked, work_directory, write_jsonl_corpus
 
 from configurator import configure
 from nanogpt_plus.prepare.plays import benchmark_documents
@@ -47,11 +46,7 @@ MODEL = ['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=64', '--batc
 
 def run(args, what):
     """ A script of this repository as a process; its stdout, or one line naming what failed. """
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ['']
-        raise UserError(f"{what} failed (exit {proc.returncode}): {tail[0]}")
-    return proc.stdout
+    return run_checked([sys.executable, *args], what, cwd=REPO)
 
 
 # -----------------------------------------------------------------------------

@@ -21,19 +21,18 @@ import copy
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 import torch
-from benchtools import cpu_model, parse_ints, work_directory
+from benchtools import cpu_model, parse_ints, run_checked, work_directory
 
 from configurator import configure
 from model import GPT, GPTConfig
 from nanogpt_plus.engine import generate
 from nanogpt_plus.runtime import UserError, run_main
-from nanogpt_plus.weights import can_pack, set_weights
+from nanogpt_plus.weights import block_matrices, can_pack, set_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULTS = dict(
@@ -62,8 +61,7 @@ def convert(model, fmt, vocab_size=None):
 
 def matrix_bytes(model):
     """ The bytes one decoding step reads: every matrix of the Blocks and the head (embedding rows aside). """
-    mods = [m for b in model.transformer.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
-    mods.append(model.lm_head)
+    mods = [getattr(parent, name) for parent, name in block_matrices(model)] + [model.lm_head]
     total = 0
     for m in mods:
         for name in ('weight', 'bias', 'scale'):
@@ -167,10 +165,7 @@ def offline_tiktoken_cache(work):
 
 def process_seconds(cmd, cwd=REPO, env=None):
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ['no output on stderr'])[-1]
-        raise UserError(f"{' '.join(cmd[:3])} ... failed (exit code {r.returncode}): {last}")
+    run_checked(cmd, f"{os.path.basename(cmd[1])} {' '.join(cmd[2:4])} ...", cwd=cwd, env=env)
     return time.perf_counter() - t0
 
 
@@ -217,13 +212,11 @@ def bench_process(cfg, work):
 
 
 def held_out_tokens(ckpt, n=20000):
-    """ The first n tokens of the checkpoint's dataset's val.bin, or None when it is not here. """
-    from nanogpt_plus.dataloader import dataset_dir, raw_token_dtype
-    data_dir = dataset_dir((ckpt.get('config') or {}).get('dataset', ''))
-    path = os.path.join(data_dir, 'val.bin')
-    if not os.path.exists(path):
-        return None
-    return torch.from_numpy(np.memmap(path, dtype=raw_token_dtype(data_dir), mode='r')[:n].astype(np.int64))
+    """ The first n tokens of the checkpoint's dataset's val.bin (one clear error when it is not here). """
+    from nanogpt_plus.dataloader import dataset_dir, open_tokens
+    dataset = (ckpt.get('config') or {}).get('dataset', '')
+    tokens = open_tokens(os.path.join(dataset_dir(dataset), 'val.bin'), dataset)
+    return torch.from_numpy(tokens[:n].astype(np.int64))
 
 
 def held_out_scores(model, tokens, block):
@@ -298,8 +291,6 @@ def bench_quality(cfg):
     model, tokenizer_meta, ckpt = init_model(cfg['quality_ckpt'])
     model.eval()
     tokens = held_out_tokens(ckpt)
-    if tokens is None:
-        raise UserError(f"the dataset of {cfg['quality_ckpt']} has no val.bin here; prepare it first")
     n, block = cfg['quality_tokens'], model.config.block_size
     print(f"\n== quality: {cfg['quality_ckpt']} ({model.get_num_params() / 1e6:.2f}M parameters, trained), greedy "
           f"{n} tokens after 10 held-out prompts, the held-out text: {len(tokens):,} tokens ==")

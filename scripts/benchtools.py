@@ -1,9 +1,11 @@
 """
 What the benchmark scripts share (not an entry point): their lists of integers (--num_procs), a scratch
-directory, a JSONL corpus, the CPU seconds of a process and its workers, and the CPU the figures were measured on.
+directory, a JSONL corpus, the CPU seconds of a process and its workers, a process run with one clear line when it
+fails, and the CPU the figures were measured on.
 
 Usage (from a script in scripts/, which Python puts on sys.path):
-    from benchtools import cpu_model, cpu_seconds, parse_ints, parse_num_procs, work_directory, write_jsonl_corpus
+    from benchtools import (cpu_model, cpu_seconds, parse_ints, parse_num_procs, run_checked, work_directory,
+                            write_jsonl_corpus)
 """
 import json
 import os
@@ -65,3 +67,12 @@ def write_jsonl_corpus(path, documents):
             f.write(line)
             written += len(line)
     return written
+
+
+def run_checked(cmd, what, cwd=None, env=None):
+    """ Run cmd as a process; its stdout, or one line naming what failed with its last line of output. """
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ['no output']
+        raise UserError(f"{what} failed (exit code {proc.returncode}): {tail[0]}")
+    return proc.stdout
