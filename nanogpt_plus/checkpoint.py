@@ -144,6 +144,14 @@ def model_from_checkpoint(ckpt, dropout=None, on_meta=False):
     return loaded_model(config, clean_state_dict(ckpt['model']), "the checkpoint's weights don't fit its model_args")
 
 
+def _view(t):
+    """
+    What makes two tensors the same view of the same data: torch.load gives the tied wte/lm_head, saved once, as
+    two tensor objects over one storage.
+    """
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+
 def fp32_copies(state_dict):
     """
     Every tensor of state_dict copied into fresh memory, floating-point ones as float32 (what copy_ into a float32
@@ -152,7 +160,7 @@ def fp32_copies(state_dict):
     """
     copies, out = {}, {}
     for name, t in state_dict.items():
-        same = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        same = _view(t)
         if same not in copies:
             # contiguous: a transposed view (Hugging Face's Conv1D weights) is copied into nn.Linear's layout
             dtype = torch.float32 if t.is_floating_point() else t.dtype
@@ -167,17 +175,19 @@ def _misfit_detail(error):
     return '; '.join(lines[1:] or lines)[:300]
 
 
-def check_one_head(state_dict, misfit):
+def one_head(state_dict, misfit):
     """
     Our GPT's head is its token embedding, one matrix: a file whose lm_head.weight and transformer.wte.weight
-    differ holds an untied head, which loading would silently replace with one of the two. Refused instead.
+    differ holds an untied head, which loading would silently replace with one of the two. Refused instead; a
+    head saved as an equal copy (a Hugging Face file may hold one) is replaced by wte, so it is copied only once.
     """
     wte, head = state_dict.get('transformer.wte.weight'), state_dict.get('lm_head.weight')
-    if wte is None or head is None or wte is head:
-        return  # saved once (the usual case), or missing, which load_state_dict reports
-    if wte.shape != head.shape or not torch.equal(wte, head):
+    if wte is None or head is None or _view(wte) == _view(head):
+        return state_dict  # saved once (the usual case: not compared, 60 ms for GPT-2), or missing (reported later)
+    if wte.shape != head.shape or not torch.equal(wte, head):  # torch.equal: an fp16 file's tensors compare exactly
         raise UserError(f"{misfit} (its lm_head.weight differs from transformer.wte.weight: an untied output head, "
                         f"which this GPT can't hold)")
+    return dict(state_dict, **{'lm_head.weight': wte})
 
 
 def loaded_model(config, state_dict, misfit):
@@ -192,13 +202,12 @@ def loaded_model(config, state_dict, misfit):
         model = meta_model(config)
     except ValueError as e:  # e.g. n_embd not divisible by n_head
         raise UserError(f"{misfit} ({e})") from None
-    copies = fp32_copies(state_dict)
-    check_one_head(copies, misfit)
+    copies = fp32_copies(one_head(state_dict, misfit))
     try:
         model.load_state_dict(copies, assign=True)
     except RuntimeError as e:
         raise UserError(f"{misfit} ({_misfit_detail(e)})") from None
-    # assign=True gave wte and lm_head a Parameter each (equal values, check_one_head made sure): tie them again
+    # assign=True gave wte and lm_head a Parameter each (one tensor, one_head made sure): tie them again
     model.transformer.wte.weight = model.lm_head.weight
     model.init_buffers('cpu')  # the causal masks are no state_dict entries: built here for block_size
     print("number of parameters: %.2fM" % (model.get_num_params() / 1e6,))  # GPT() on meta stays quiet

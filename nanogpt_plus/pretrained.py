@@ -21,7 +21,6 @@ import zipfile
 import torch
 
 from model import GPT2_NAMES, HF_ACTIVATIONS, GPTConfig, hf_key_map
-from nanogpt_plus.checkpoint import check_one_head
 from nanogpt_plus.runtime import UserError, error_line
 
 WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin')  # in the order transformers prefers them
@@ -133,9 +132,10 @@ def hf_names(tensors):
 
 def state_dict_from_hf(tensors, config, source):
     """
-    Our state_dict (tied lm_head included) from HF tensors, every tensor accounted for. The Conv1D weights come
-    as transposed views; their shapes are checked when the model takes them (checkpoint.loaded_model). A saved
-    lm_head.weight must equal wte: transformers loads one that differs as an untied head, which ours can't be.
+    Our state_dict (lm_head included) from HF tensors, every tensor accounted for. The Conv1D weights come as
+    transposed views; their shapes, and a saved lm_head.weight's equality with wte (transformers would load one
+    that differs as an untied head, which ours can't be), are checked when the model takes them
+    (checkpoint.loaded_model). Without a saved head, lm_head is wte, as transformers ties it.
     """
     theirs, ours = hf_names(tensors), {}
     saved_head = theirs.pop('lm_head.weight', None)
@@ -148,10 +148,7 @@ def state_dict_from_hf(tensors, config, source):
     if theirs:
         raise UserError(f"{source} holds tensors a GPT-2 has no place for ({', '.join(sorted(theirs)[:3])}); "
                         f"it is another architecture")
-    ours['lm_head.weight'] = ours['transformer.wte.weight']
-    if saved_head is not None:  # compared here, so that an equal copy is never copied again as fp32
-        check_one_head(dict(ours, **{'lm_head.weight': saved_head}), f"{source} is not a GPT-2 this project can "
-                       f"run exactly")
+    ours['lm_head.weight'] = ours['transformer.wte.weight'] if saved_head is None else saved_head
     return ours
 
 
