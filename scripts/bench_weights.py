@@ -218,12 +218,11 @@ def bench_process(cfg, work):
 
 def held_out_tokens(ckpt, n=20000):
     """ The first n tokens of the checkpoint's dataset's val.bin, or None when it is not here. """
-    from nanogpt_plus.dataloader import dataset_dir, raw_token_dtype
-    data_dir = dataset_dir((ckpt.get('config') or {}).get('dataset', ''))
-    path = os.path.join(data_dir, 'val.bin')
+    from nanogpt_plus.dataloader import dataset_dir, open_tokens
+    path = os.path.join(dataset_dir((ckpt.get('config') or {}).get('dataset', '')), 'val.bin')
     if not os.path.exists(path):
         return None
-    return torch.from_numpy(np.memmap(path, dtype=raw_token_dtype(data_dir), mode='r')[:n].astype(np.int64))
+    return torch.from_numpy(open_tokens(path)[:n].astype(np.int64))  # its dtype from the meta.json beside it
 
 
 def held_out_scores(model, tokens, block):
