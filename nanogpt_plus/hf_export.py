@@ -26,7 +26,7 @@ from model import EXPORT_ACTIVATIONS, hf_key_map
 from nanogpt_plus.checkpoint import HF_TOKENIZER_META, check_tokenizer_fits
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.runtime import UserError
-from nanogpt_plus.tokenizer import EOT_TEXT, load_tokenizer, packaged_gpt2_files, tokenizer_kind
+from nanogpt_plus.tokenizer import EOT_TEXT, load_tokenizer, packaged_gpt2_files
 
 EXPORT_WEIGHTS = ('float32', 'bfloat16')  # the dtypes model.safetensors may hold
 
@@ -157,15 +157,15 @@ def tokenizer_description(tok):
     return tok.file_meta()  # its sha256 is of the exact text write_bpe_tokenizer writes
 
 
-def write_tokenizer(hf_dir, kind, tok, block_size):
-    """ The tokenizer files of kind, plus (char, bpe) our description for init_model(hf_dir). """
+def write_tokenizer(hf_dir, tok, block_size):
+    """ The tokenizer files of tok's kind, plus (char, bpe) our description for init_model(hf_dir). """
     meta_path = os.path.join(hf_dir, HF_TOKENIZER_META)
-    if kind == 'gpt2':
+    if tok.kind == 'gpt2':
         write_gpt2_tokenizer(hf_dir, block_size)
         if os.path.exists(meta_path):  # an earlier export's: init_model(hf_dir) would read it as this model's
             os.remove(meta_path)
         return
-    if kind == 'char':
+    if tok.kind == 'char':
         write_char_tokenizer(hf_dir, tok.stoi, block_size)
     else:
         write_bpe_tokenizer(hf_dir, tok, block_size)
@@ -187,9 +187,10 @@ TOKENIZER_NOTES = {
 }
 
 
-def tokenizer_note(kind, tok, n_tokens, vocab_size):
-    """ The README's words on the tokenizer: what it is, how it loads, and the ids it never produces. """
-    note = TOKENIZER_NOTES[kind].format(n=n_tokens, eot=tok.eot_token)
+def tokenizer_note(tok, vocab_size):
+    """ The README's words on tok: what it is, how it loads, and the model's ids (of vocab_size) it never has. """
+    n_tokens = tok.vocab_size
+    note = TOKENIZER_NOTES[tok.kind].format(n=n_tokens, eot=tok.eot_token)
     if n_tokens < vocab_size:
         note += (f" The model's ids {n_tokens}..{vocab_size - 1} are no tokens (vocab_size padded for speed, or "
                  f"fine-tuning's special tokens): generation_config.json suppresses them.")
@@ -222,10 +223,7 @@ def export(model, tokenizer_meta, hf_dir, source='', weights='float32'):
     """
     check_export_weights(weights)
     config = model.config
-    kind = tokenizer_kind(tokenizer_meta) if tokenizer_meta else 'gpt2'
-    if kind not in TOKENIZER_NOTES:
-        raise UserError(f"unknown tokenizer kind {kind!r} in the checkpoint; expected 'gpt2', 'char' or 'bpe'")
-    tok = load_tokenizer(tokenizer_meta)
+    tok = load_tokenizer(tokenizer_meta)  # an unknown kind is refused here, in one line
     n_tokens, eot = tok.vocab_size, tok.eot_token  # GPT-2's 50257 and 50256; a char vocabulary has no eot
     check_tokenizer_fits(config, tokenizer_meta, source or 'the checkpoint')
     os.makedirs(hf_dir, exist_ok=True)
@@ -238,8 +236,8 @@ def export(model, tokenizer_meta, hf_dir, source='', weights='float32'):
     tensors = {name: t.to(dtype) for name, t in hf_state_dict(model).items()}
     atomic_write(os.path.join(hf_dir, 'model.safetensors'),
                  lambda f: f.write(_safetensors_bytes(tensors)))
-    write_tokenizer(hf_dir, kind, tok, config.block_size)
-    write_readme(hf_dir, source, config, tokenizer_note(kind, tok, n_tokens, config.vocab_size))
+    write_tokenizer(hf_dir, tok, config.block_size)
+    write_readme(hf_dir, source, config, tokenizer_note(tok, config.vocab_size))
     return hf_dir
 
 

@@ -183,8 +183,9 @@ def write_bpe_dataset(directory, tokenizer, text, val_fraction=0.1):
     """ A bpe dataset in prepare.py's format: train.bin / val.bin (uint16, or uint32 past 65,536 tokens),
     tokenizer.json and meta.json naming it with its sha256, the eot id and the dtype. The text is split by
     characters like nanoGPT's Shakespeare (first 90% train); returns the directory. """
-    from nanogpt_plus.prepare.token_files import TOKENIZER_FILE, bpe_meta
+    from nanogpt_plus.prepare.token_files import bpe_meta
     from nanogpt_plus.shards import token_dtype
+    from nanogpt_plus.tokenizer import TOKENIZER_FILE
     os.makedirs(directory, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
     cut = int(len(text) * (1 - val_fraction))

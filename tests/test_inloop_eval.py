@@ -92,7 +92,9 @@ def test_in_loop_hellaswag_is_eval_py_on_the_checkpoint_of_that_iteration(tmp_pa
     records = [r for r in read_metrics(str(out_dir / 'metrics.jsonl')) if r['type'] == 'hellaswag']
     assert [(r['iter'], r['correct'], r['total']) for r in records] == [(it, lines[it][1], 12) for it in (0, 6, 12)]
     assert all(r['acc_norm'] == r['correct'] / r['total'] for r in records)
-    assert lines[12][1] > lines[0][1]  # the model learnt the pattern: more true continuations chosen
+    # the model learnt the pattern: more true continuations chosen (12/12 against 5/12 at iteration 0 on one
+    # x86 CPU: a margin of 7 examples, not a near-tie that another CPU's kernels could flip)
+    assert lines[12][1] > lines[0][1]
     # drawn beside the loss curves
     plot = runpy.run_path(os.path.join(REPO, 'scripts', 'plot_metrics.py'))['plot']
     assert plot(str(out_dir / 'metrics.jsonl'), str(tmp_path / 'm.png')) == (13, 3, 3)
@@ -109,7 +111,8 @@ def test_hellaswag_examples_and_samples_leave_the_training_unchanged(tmp_path, d
     samples = {int(m.group(1)): m.group(2) for m in SAMPLE_LINE.finditer(out)}
     assert sorted(samples) == [0, 6, 12]
     assert all(len(text) == 20 and set(text) <= set(SYMBOLS) for text in samples.values()), samples
-    # greedy after 'abc': by iteration 12 the model continues the pattern
+    # greedy after 'abc': by iteration 12 the model continues the pattern (along these 8 tokens its top two
+    # logits were >= 0.3 apart, measured, far beyond the ~1e-5 by which CPUs' kernels differ)
     assert samples[12].startswith('defghijk'), samples
     records = [r for r in read_metrics(str(tmp_path / 'tasks' / 'metrics.jsonl')) if r['type'] == 'sample']
     assert [(r['iter'], r['text']) for r in records] == sorted(samples.items())

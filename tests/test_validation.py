@@ -189,8 +189,7 @@ def test_resume_on_another_character_vocabulary_is_refused(dataset, run_dir, tmp
                          meta={"kind": "char", "vocab_size": TINY_VOCAB, "stoi": stoi})
     with pytest.raises(UserError, match="another character vocabulary .* would mean other tokens"):
         train.main(resume_args(other, run_dir))
-    gpt2 = copy_dataset(dataset, tmp_path / "bpe", meta={"kind": "gpt2",
-                                                                                     "vocab_size": 50257})
+    gpt2 = copy_dataset(dataset, tmp_path / "bpe", meta={"kind": "gpt2", "vocab_size": 50257})
     with pytest.raises(UserError, match=r"tokenized with gpt2 \(50,257 tokens\), the model .* with char \(20 tokens\)"):
         train.main(train_args(gpt2, tmp_path / "new", init_from=str(run_dir)))  # its weights, another dataset
 
