@@ -310,6 +310,8 @@ def bench_quality(cfg):
 
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
+    if cfg['nanogpt_dir'] and not os.path.isfile(os.path.join(cfg['nanogpt_dir'], 'sample.py')):
+        raise UserError(f"--nanogpt_dir={cfg['nanogpt_dir']} holds no sample.py; pass a checkout of nanoGPT")
     parts = ('speed', 'startup', 'process', 'quality') if cfg['part'] == 'all' else (cfg['part'],)
     if not set(parts) <= {'speed', 'startup', 'process', 'quality'}:
         raise UserError(f"part must be speed, startup, process, quality or all, got {cfg['part']!r}")

@@ -5,6 +5,7 @@ left behind by a test (like litgpt's conftest).
 import json
 import os
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -206,3 +207,9 @@ def bpe512(tmp_path_factory):
     text = bpe_corpus_text()
     tok = train_bpe(iter(text.split("\n\n")), 512, show_progress=False)
     return tok, write_bpe_dataset(tmp_path_factory.mktemp("bpe512"), tok, text)
+
+
+def run_script(module, monkeypatch, *args):
+    """ An entry point's main() in this process (it reads sys.argv), with these command-line settings. """
+    monkeypatch.setattr(sys, 'argv', [f'{module.__name__}.py', *args])
+    module.main()

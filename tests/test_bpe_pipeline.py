@@ -8,8 +8,8 @@ import json
 import math
 import os
 import shutil
-import sys
 
+import conftest
 import numpy as np
 import pytest
 import torch
@@ -35,9 +35,8 @@ HIGH_IDS = "\x00\x00\x01"  # one token past 65,535 in synthetic_bpe_json(70000):
 
 
 def run_script(module, monkeypatch, capsys, *args):
-    """ sample.py / eval.py in this process (they read sys.argv); returns what they printed on stdout. """
-    monkeypatch.setattr(sys, 'argv', [module.__name__ + '.py', '--device=cpu', *args])
-    module.main()
+    """ sample.py / eval.py in this process on the CPU; returns what they printed on stdout. """
+    conftest.run_script(module, monkeypatch, '--device=cpu', *args)
     return capsys.readouterr().out
 
 

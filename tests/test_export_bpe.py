@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, bpe_corpus_text, save_test_checkpoint, train_args
+from conftest import REPO, bpe_corpus_text, run_script, save_test_checkpoint, train_args
 from test_finetune import SINGLE, config, make_task, val_accuracy
 
 import export_hf
@@ -57,12 +57,6 @@ def bpe_gpt(scale, seed=0, vocab_size=PADDED_VOCAB):
             else:  # LayerNorm weights: random too, so a dropped or misplaced one shows
                 p.add_(0.1 * torch.randn_like(p))
     return model.eval()
-
-
-def run_script(module, monkeypatch, *args):
-    """ A script's main() in this process with these command-line settings. """
-    monkeypatch.setattr(sys, 'argv', [f'{module.__name__}.py', *args])
-    module.main()
 
 
 @pytest.fixture(scope='module')

@@ -6,11 +6,10 @@ model's predictions (greedy agreement and held-out loss, with margins), and ever
 import copy
 import json
 import os
-import sys
 
 import pytest
 import torch
-from conftest import REPO, save_test_checkpoint
+from conftest import REPO, run_script, save_test_checkpoint
 
 from model import GPT, GPTConfig
 from nanogpt_plus.engine import generate
@@ -170,8 +169,8 @@ def test_packed_float32_greedy_is_the_plain_models_text(shakespeare):
 # the scripts' --weights
 
 def run_main(module, argv, monkeypatch, capsys):
-    monkeypatch.setattr(sys, 'argv', [module.__name__ + '.py', *argv])
-    module.main()
+    """ conftest.run_script, and what it printed (stdout and stderr). """
+    run_script(module, monkeypatch, *argv)
     return capsys.readouterr()
 
 
