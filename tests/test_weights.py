@@ -157,12 +157,27 @@ def first_difference(a, b):
     return next((i for i, (s, t) in enumerate(zip(a, b)) if s != t), None)
 
 
+def assert_parts_only_at_a_near_tie(model, got, want, tie, at_least=0):
+    """
+    Greedy ids got == want, or they part at or after position at_least, or where the plain model's two best next
+    tokens were within `tie` (another CPU's or thread count's rounding may pick the other one there).
+    """
+    i = first_difference(got, want)
+    if i is None or i >= at_least:
+        return
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([want[:i][-BLOCK:]]))
+    best_two = logits[0, -1].topk(2).values
+    assert best_two[0] - best_two[1] < tie, f"the texts part at {i}, where the best token led by {best_two.tolist()}"
+
+
 def test_packed_float32_greedy_is_the_plain_models_text(shakespeare):
     model, _, held_out, _ = shakespeare
     prompt = held_out[None, :8]
     plain = generate(model, prompt, 200, temperature=0)[0].tolist()
     packed = converted(model, 'float32', pack=can_pack('cpu', torch.float32))
-    assert generate(packed, prompt, 200, temperature=0)[0].tolist() == plain
+    assert_parts_only_at_a_near_tie(model, generate(packed, prompt, 200, temperature=0)[0].tolist(), plain,
+                                    tie=1e-4, at_least=len(plain))  # here: all 208 ids equal
 
 
 # -----------------------------------------------------------------------------
@@ -184,11 +199,12 @@ def test_sample_weights(shakespeare, weights, monkeypatch, capsys):
     assert f"(float32, {weights} weights)" in out.err
     text = out.out.split('number of parameters', 1)[1].split('\n', 1)[1].split('---------------\n')[0]
     plain = tok.decode(generate(model, held_out[None, :8], 100, temperature=0)[0].tolist()) + '\n'
-    if weights == 'float32':
-        assert text == plain  # the default is exactly the model's own greedy text
-    else:  # the documented agreement: greedy texts part only after many tokens (README: sampling table)
-        differs = first_difference(text, plain)
-        assert differs is None or differs >= 8 + 20, (weights, differs)
+    got, want = tok.encode(text), tok.encode(plain)
+    if weights == 'float32':  # the default is exactly the model's own greedy text (here: all of it)
+        assert_parts_only_at_a_near_tie(model, got, want, tie=1e-4, at_least=len(want))
+    else:  # the documented agreement: greedy texts part only after many tokens (here: none in 100), or at a tie
+        # close enough for bf16's rounding of the logits (~0.4% of them) to flip
+        assert_parts_only_at_a_near_tie(model, got, want, tie=0.1, at_least=8 + 20)
 
 
 def test_sample_refuses_unknown_weights(shakespeare, monkeypatch, capsys):
