@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, iter_losses, train_args
+from helpers import REPO, iter_losses, train_args
 
 import bench
 from model import GPT, GPTConfig

@@ -1,7 +1,7 @@
 """
 The pipeline with the bpe tokenizer kind: the loader's uint16/uint32 token files, the padded model vocabulary,
 train.py -> checkpoint (self-contained) -> sample.py / eval.py / bench.py, tokenizer mismatches refused, llm.c's
-uint32 shards, and an exact resume of a 20k-vocabulary model. Datasets come from conftest's bpe helpers.
+uint32 shards, and an exact resume of a 20k-vocabulary model. Datasets come from tests/helpers.py's bpe helpers.
 """
 import hashlib
 import json
@@ -9,12 +9,12 @@ import math
 import os
 import shutil
 
-import conftest
+import helpers
 import numpy as np
 import pytest
 import torch
-from conftest import (bpe_corpus_text, iter_losses, save_test_checkpoint, synthetic_bpe_json, train_args,
-                      write_bpe_dataset)
+from helpers import (bpe_corpus_text, iter_losses, save_test_checkpoint, synthetic_bpe_json, train_args,
+                     write_bpe_dataset)
 
 import bench
 import eval as eval_script
@@ -36,7 +36,7 @@ HIGH_IDS = "\x00\x00\x01"  # one token past 65,535 in synthetic_bpe_json(70000):
 
 def run_script(module, monkeypatch, capsys, *args):
     """ sample.py / eval.py in this process on the CPU; returns what they printed on stdout. """
-    conftest.run_script(module, monkeypatch, '--device=cpu', *args)
+    helpers.run_script(module, monkeypatch, '--device=cpu', *args)
     return capsys.readouterr().out
 
 

@@ -6,7 +6,7 @@ import sys
 import types
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from configurator import ConfigError, parse_config
 

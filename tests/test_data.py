@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from helpers import REPO
 
 from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.files import atomic_outputs, atomic_write

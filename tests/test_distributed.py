@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, iter_losses, train_args
+from helpers import REPO, iter_losses, train_args
 
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.evaluation import score_examples

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, save_test_checkpoint
+from helpers import REPO, save_test_checkpoint
 
 from model import GPT, GPTConfig
 from nanogpt_plus.evaluation import (evaluate, evaluate_hellaswag, hellaswag_examples, loss_windows, read_task_records,

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, bpe_corpus_text, run_script, save_test_checkpoint, train_args
+from helpers import REPO, bpe_corpus_text, run_script, save_test_checkpoint, train_args
 from test_finetune import SINGLE, config, make_task, val_accuracy
 
 import export_hf

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, save_test_checkpoint
+from helpers import REPO, save_test_checkpoint
 
 from model import EXPORT_ACTIVATIONS, GPT, HF_ACTIVATIONS, GPTConfig
 from nanogpt_plus.checkpoint import init_model

@@ -18,7 +18,7 @@ import types
 
 import pytest
 import torch
-from conftest import REPO, save_test_checkpoint
+from helpers import REPO, save_test_checkpoint
 
 import finetune
 from configurator import ConfigError, parse_config

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from nanogpt_plus.dataloader import open_token_file
 from nanogpt_plus.prepare import fineweb

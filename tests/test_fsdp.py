@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, assert_losses_close, iter_losses, train_args
+from helpers import REPO, assert_losses_close, iter_losses, train_args
 
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint

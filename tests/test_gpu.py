@@ -13,9 +13,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
-from conftest import TINY_VOCAB as VOCAB
-from conftest import assert_losses_close, iter_losses, train_args
+from helpers import REPO
+from helpers import TINY_VOCAB as VOCAB
+from helpers import assert_losses_close, iter_losses, train_args
 
 import bench
 import train
@@ -27,7 +27,7 @@ from nanogpt_plus.hardware import gpu_peak_flops
 pytestmark = pytest.mark.gpu
 
 
-# compile=None and dtype=auto: train.py's own defaults, which on CUDA compile (tests/conftest.py's TINY_RUN
+# compile=None and dtype=auto: train.py's own defaults, which on CUDA compile (tests/helpers.py's TINY_RUN
 # turns compile off for the CPU suite); a test that needs eager says so
 args = functools.partial(train_args, n_embd=64, block_size=32, batch_size=8, max_iters=20, eval_interval=10,
                          lr_decay_iters=20, device='cuda', compile=None, dtype='auto')

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, assert_losses_close, iter_losses, train_args
+from helpers import REPO, assert_losses_close, iter_losses, train_args
 
 import bench
 import train

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, TINY_VOCAB, iter_losses, train_args
+from helpers import REPO, TINY_VOCAB, iter_losses, train_args
 
 import train
 from nanogpt_plus import evaluation

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, save_test_checkpoint
+from helpers import REPO, save_test_checkpoint
 
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import (_ShapesOnly, init_model, load_checkpoint, loaded_model, meta_model,

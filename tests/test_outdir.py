@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, iter_losses, train_args
+from helpers import REPO, iter_losses, train_args
 
 import finetune
 import train

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, bpe_corpus_text, synthetic_bpe_json
+from helpers import REPO, bpe_corpus_text, synthetic_bpe_json
 
 from nanogpt_plus.prepare import corpus
 from nanogpt_plus.runtime import UserError
@@ -160,7 +160,7 @@ def big_tokenizer(tmp_path_factory):
 
 def uint32_texts():
     """ Documents whose tokens include ids past 65,535: runs of low control bytes are the vocabulary's last,
-    three-byte tokens (see conftest.synthetic_bpe_json), next to ordinary and non-ASCII text. """
+    three-byte tokens (see helpers.synthetic_bpe_json), next to ordinary and non-ASCII text. """
     return ["plain words \x00\x00\x00\x00\x01\x02 and café\n", "東京 \x00\x00\x05\x00\x00\x0a 🎉\n",
             "more \x00\x00\x0f\x00\x00\x03 text naïve\n"]
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, save_test_checkpoint
+from helpers import REPO, save_test_checkpoint
 
 from model import GPT, GPTConfig
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer

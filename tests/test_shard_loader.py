@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_VOCAB, iter_losses, train_args, train_one_and_two_ranks
+from helpers import TINY_VOCAB, iter_losses, train_args, train_one_and_two_ranks
 
 import bench
 import train

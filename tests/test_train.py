@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
-from conftest import REPO
-from conftest import TINY_VOCAB as VOCAB
-from conftest import iter_losses, train_args, train_one_and_two_ranks
+from helpers import REPO
+from helpers import TINY_VOCAB as VOCAB
+from helpers import iter_losses, train_args, train_one_and_two_ranks
 
 import train
 from model import GPT, NANOGPT_MODEL_ARGS, GPTConfig

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, TINY_VOCAB, train_args
+from helpers import REPO, TINY_VOCAB, train_args
 
 import bench
 import eval as eval_script

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import REPO, run_script, save_test_checkpoint
+from helpers import REPO, run_script, save_test_checkpoint
 
 from model import GPT, GPTConfig
 from nanogpt_plus.engine import generate
@@ -184,7 +184,7 @@ def test_packed_float32_greedy_is_the_plain_models_text(shakespeare):
 # the scripts' --weights
 
 def run_main(module, argv, monkeypatch, capsys):
-    """ conftest.run_script, and what it printed (stdout and stderr). """
+    """ helpers.run_script, and what it printed (stdout and stderr). """
     run_script(module, monkeypatch, *argv)
     return capsys.readouterr()
 

@@ -1,0 +1,147 @@
+"""
+Shared test helpers, imported by the test modules (`from helpers import ...`; pytest puts tests/ on sys.path):
+the repository path, the tiny training run and its argument builder, loss parsing and comparison, checkpoint
+saving, an in-process entry-point runner, and byte-level BPE corpora, tokenizers and datasets. Fixtures and
+hooks stay in conftest.py.
+"""
+import json
+import os
+import re
+import sys
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY_VOCAB = 20  # the symbols of conftest's tiny_dataset
+
+
+# a 2-layer model and a short schedule on the CPU: what train_args starts from
+TINY_RUN = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, gradient_accumulation_steps=2,
+                max_iters=12, eval_interval=6, eval_iters=4, log_interval=1, warmup_iters=2, lr_decay_iters=12,
+                learning_rate=1e-2, min_lr=1e-3, dropout=0.0, device='cpu', compile=False)
+
+
+def train_args(dataset, out_dir, **settings):
+    """ train.py's --key=value arguments for a tiny run on `dataset` into out_dir: TINY_RUN, then settings. """
+    run = dict(TINY_RUN, dataset=dataset, out_dir=str(out_dir))
+    run.update(settings)
+    return [f"--{k}={v}" for k, v in run.items()]
+
+
+ITER_LINE = re.compile(r"^iter (\d+): loss (\S+),", re.M)  # train.py's (and nanoGPT's) per-iteration line
+
+
+def iter_losses(out):
+    """ {iteration: loss} from train.py's `iter N: loss X, ...` lines. """
+    return {int(m.group(1)): float(m.group(2)) for m in ITER_LINE.finditer(out)}
+
+
+def assert_losses_close(a, b, keys, tol=2e-4):
+    """ The losses of iterations `keys` agree within tol in the two {iteration: loss} dicts. """
+    assert set(keys) <= a.keys() and set(keys) <= b.keys(), (a, b)
+    for k in keys:
+        assert abs(a[k] - b[k]) < tol, (k, a[k], b[k])
+
+
+def train_one_and_two_ranks(args, tmp_path, steps):
+    """
+    train.py with args in one process (out_dir tmp_path/one) and under torchrun with 2 gloo ranks (tmp_path/two),
+    one thread each; both must finish and print the same losses for iterations 0..steps-1 (within 2e-4).
+    Returns the two CompletedProcesses.
+    """
+    import subprocess
+    import sys
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launchers = {'one': [sys.executable, "train.py"],
+                 'two': [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                         "train.py"]}
+    runs = {name: subprocess.run([*cmd, *args, f"--out_dir={tmp_path / name}"], cwd=REPO, capture_output=True,
+                                 text=True, timeout=300, env=env) for name, cmd in launchers.items()}
+    for run in runs.values():
+        assert run.returncode == 0, run.stderr[-2000:]
+    a, b = iter_losses(runs['one'].stdout), iter_losses(runs['two'].stdout)
+    assert a.keys() == b.keys() == set(range(steps))
+    assert_losses_close(a, b, range(steps))
+    return runs['one'], runs['two']
+
+
+def save_test_checkpoint(model, tokenizer_meta, path, dataset='x'):
+    """ A model saved the way train.py saves one (through the one checkpoint builder), at iteration 0. """
+    from nanogpt_plus.checkpoint import build_checkpoint, save_checkpoint
+    ckpt = build_checkpoint(model, iter_num=0, best_val_loss=1e9, config={'dataset': dataset},
+                            tokenizer=tokenizer_meta, provenance={}, optimizer={})
+    save_checkpoint(ckpt, str(path))
+    return str(path)
+
+
+def run_script(module, monkeypatch, *args):
+    """ An entry point's main() in this process (it reads sys.argv), with these command-line settings. """
+    monkeypatch.setattr(sys, 'argv', [f'{module.__name__}.py', *args])
+    module.main()
+
+
+# -----------------------------------------------------------------------------
+# byte-level BPE datasets (the 'bpe' tokenizer kind)
+
+def bpe_corpus_text(n_words=40000, seed=0):
+    """ A deterministic text of made-up words in lines and paragraphs, with accents, CJK and emoji in it:
+    enough repeated structure for a few thousand BPE merges, and every kind of UTF-8 character. """
+    import random
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "té", "vo", "ñu", "zé", "qu", "th", "ing", "er", "on"]
+    vocabulary = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
+    vocabulary += ["世界", "東京", "データ", "🎉", "🚀", "naïve", "façade", "Ελλάδα", "Москва"]
+    words = [rng.choice(vocabulary[:300]) if rng.random() < 0.7 else rng.choice(vocabulary) for _ in range(n_words)]
+    lines, i = [], 0
+    while i < len(words):
+        n = rng.randint(4, 12)
+        lines.append(" ".join(words[i:i + n]).capitalize() + rng.choice([".", ",", "!", "?", ";"]))
+        i += n
+    return "\n".join(line + ("\n" if k % 7 == 6 else "") for k, line in enumerate(lines)) + "\n"
+
+
+def synthetic_bpe_json(vocab_size):
+    """ A valid byte-level BPE tokenizer.json of exactly vocab_size tokens, built without training (for
+    vocabularies no small corpus can fill, e.g. past 65,536): the 256 byte tokens, <|endoftext|>, then merges
+    of a token and a byte into one, in a fixed order. """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from nanogpt_plus.tokenizer import EOT_TEXT, byte_alphabet
+    chars = sorted(byte_alphabet(), key=lambda ch: byte_alphabet()[ch])
+    vocab = {ch: i for i, ch in enumerate(chars)}  # ids 0..255, then <|endoftext|> as 256
+    vocab[EOT_TEXT] = 256
+    merges, firsts = [], list(chars)  # merges of (first, byte): all two-byte tokens, then three-byte ones
+    while len(vocab) < vocab_size:
+        longer = []
+        for a in firsts:
+            for b in chars:
+                if len(vocab) < vocab_size and a + b not in vocab:
+                    vocab[a + b] = len(vocab)
+                    merges.append((a, b))
+                    longer.append(a + b)
+        firsts = longer
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOT_TEXT])
+    return tok.to_str()
+
+
+def write_bpe_dataset(directory, tokenizer, text, val_fraction=0.1):
+    """ A bpe dataset in prepare.py's format: train.bin / val.bin (uint16, or uint32 past 65,536 tokens),
+    tokenizer.json and meta.json naming it with its sha256, the eot id and the dtype. The text is split by
+    characters like nanoGPT's Shakespeare (first 90% train); returns the directory. """
+    from nanogpt_plus.prepare.token_files import bpe_meta
+    from nanogpt_plus.shards import token_dtype
+    from nanogpt_plus.tokenizer import TOKENIZER_FILE
+    os.makedirs(directory, exist_ok=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    cut = int(len(text) * (1 - val_fraction))
+    for split, part in (("train", text[:cut]), ("val", text[cut:])):
+        np.array(tokenizer.encode_ordinary(part), dtype=dtype).tofile(os.path.join(directory, f"{split}.bin"))
+    with open(os.path.join(directory, TOKENIZER_FILE), "w", encoding="utf-8") as f:
+        f.write(tokenizer.json)
+    with open(os.path.join(directory, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(bpe_meta(tokenizer, dtype), f, indent=1)  # prepare.py's entries (test_prepare_text pins them)
+    return str(directory)
