@@ -31,50 +31,25 @@ import time
 import torch
 
 from configurator import configure
-from nanogpt_plus.checkpoint import init_model, scratch_model
-from nanogpt_plus.dataloader import ORDERS, TokenWindowLoader, split_files
+from nanogpt_plus.build import scratch_model
+from nanogpt_plus.checkpoint import init_model
+from nanogpt_plus.dataloader import TokenWindowLoader, split_files
+from nanogpt_plus.dataset import find_dataset
+from nanogpt_plus.device import compute_setup, device_type_of, resolve_device
 from nanogpt_plus.hardware import cpu_peak
+from nanogpt_plus.optimizer import make_grad_scaler, optimizer_step
 from nanogpt_plus.parallel import wrap_model
-from nanogpt_plus.runtime import device_type_of, provenance, resolve_device, run_main
-from nanogpt_plus.settings import (check_choice, check_model_shape, check_non_negative, check_not_empty, check_positive,
-                                   check_range, check_system)
+from nanogpt_plus.runtime import provenance, run_main
+from nanogpt_plus.settings import ADAMW, BENCH, DATA, MODEL, SYSTEM, Schema, check_model_shape, subset
 from nanogpt_plus.threads import describe_thread_choice, tune_cpu_threads
-from nanogpt_plus.training import compute_setup, make_grad_scaler, optimizer_step
 
 # -----------------------------------------------------------------------------
-DEFAULTS = dict(
-    # data: real tokens from a prepared dataset (its train.bin or train shards), or random tokens
-    real_data=True,
-    dataset='openwebtext',
-    data_order='random',  # the training loader's order, as train.py: 'random' or 'sequential'
-    batch_size=12,
-    block_size=1024,
-    # model (train.py's settings and defaults)
-    n_layer=12,
-    n_head=12,
-    n_embd=768,
-    dropout=0.0,
-    bias=False,
-    gelu='none',  # 'none' (exact erf GELU, nanoGPT) or 'tanh' (GPT-2's approximation)
-    attention='flash',  # 'flash' (scaled_dot_product_attention) or 'manual'
-    activation_checkpointing=False,  # True: recompute each Block in the backward pass (train.py's setting)
-    # optimizer step (train.py's)
-    fused=None,  # None = auto (fused AdamW where available); False = PyTorch's default AdamW for the device
-    learning_rate=1e-4,
-    weight_decay=1e-2,
-    grad_clip=1.0,
-    # system
-    device='auto',  # 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'
-    dtype='auto',  # 'auto' (bfloat16/float16 on GPUs, float32 on CPU), 'float32', 'bfloat16', 'float16'
-    compile=None,  # None = auto (as train.py), True/False to force
-    num_threads=0,  # CPU threads for torch; 0 = auto, as train.py (threads.tune_cpu_threads)
-    seed=1337,
-    # what to measure
-    burnin=10,  # untimed steps first (compilation, allocator and cache warm-up)
-    steps=20,  # timed steps
-    profile=False,  # True: a torch.profiler trace and op table instead of the timings
-    profile_dir='bench_log',
-)
+# train.py's settings for the data, model and step (declared in nanogpt_plus/settings.py), plus what to measure
+DEFAULTS = Schema(
+    subset(DATA, 'dataset', 'data_order', 'batch_size', 'block_size'), MODEL,
+    subset(ADAMW, 'learning_rate', 'weight_decay', 'grad_clip'),
+    subset(SYSTEM, 'device', 'dtype', 'compile', 'activation_checkpointing', 'num_threads', 'seed'), BENCH,
+    learning_rate=1e-4, weight_decay=1e-2)
 # -----------------------------------------------------------------------------
 
 
@@ -104,15 +79,8 @@ def peak_memory(device):
 
 def check_settings(cfg):
     """ Every setting, before anything is built: train.py's rules for the model, data and step, plus the timing. """
-    check_not_empty(cfg, 'dataset', 'profile_dir')
-    check_positive(cfg, 'batch_size', 'block_size', 'steps')
-    check_non_negative(cfg, 'burnin', 'weight_decay', 'seed')
-    check_range(cfg, 'learning_rate', low=0.0, low_open=True)
-    check_range(cfg, 'grad_clip', low=0.0)  # 0 turns clipping off
+    DEFAULTS.check(cfg)
     check_model_shape(cfg)
-    check_system(cfg)
-    check_choice(cfg, 'fused', (None, True, False))
-    check_choice(cfg, 'data_order', ORDERS)
 
 
 def main(argv=None):
@@ -166,7 +134,8 @@ def bench_model(cfg):
     the dataset's vocabulary for real data, GPT-2's (padded to 50304) for random tokens, which have no dataset.
     """
     if cfg['real_data']:
-        model, _, _ = init_model('scratch', dataset=cfg['dataset'], model_settings=cfg)
+        model, _, _ = init_model('scratch', dataset=find_dataset(cfg['dataset'], splits=('train',)),
+                                 model_settings=cfg)
         return model
     return scratch_model(cfg, data_meta=None, data_dir=None)
 

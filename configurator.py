@@ -1,20 +1,25 @@
 """
 Settings for every entry point, with nanoGPT's command-line UX (its "Poor Man's Configurator") made
-strict. A script declares its settings and their defaults as a dict and calls configure():
+strict. A script declares its settings as a Schema (each Setting with its default, type, allowed values and
+a one-line help; nanogpt_plus/settings.py holds them all) and calls configure():
 
 $ python train.py config/train_shakespeare_char.py --device=cpu --max_iters=200
+$ python train.py --help          # the script's doc, then every setting with its default and help
 
 A config file is plain Python whose top-level assignments override the defaults; then each --key=value
 overrides again (values parsed with ast.literal_eval, else kept as strings). Unlike nanoGPT, nothing is
-exec'd into the caller's globals, an unknown key or a value of the wrong type is an error that names it,
-and errors end in one sentence and exit code 2 instead of a traceback. The result is a dict of every setting
-whose `given` attribute says which ones a config file or the command line set (a resumed run keeps the
-checkpoint's architecture for the rest).
+exec'd into the caller's globals, an unknown key or a value of the wrong type (None included, where the
+setting has no "None" meaning) is an error that names it, and errors end in one sentence and exit code 2
+instead of a traceback. The result is a dict of every setting whose `given` attribute says which ones a
+config file or the command line set (a resumed run keeps the checkpoint's architecture for the rest).
+A plain dict of defaults works too (the scripts in scripts/): each value then keeps its default's type.
 
 Usage:
-    from configurator import configure
-    config = configure({'batch_size': 12, 'out_dir': 'out'}, doc=__doc__)   # reads sys.argv[1:]
-    'batch_size' in config.given                                               # set by the user?
+    from configurator import Schema, Setting, configure
+    SETTINGS = Schema(Group('run', batch_size=Setting(12, "sequences per batch", low=1)))
+    config = configure(SETTINGS, doc=__doc__)        # reads sys.argv[1:]
+    SETTINGS.check(config)                           # types, choices and ranges: one UserError naming the setting
+    'batch_size' in config.given                     # set by the user?
 """
 
 import ast
@@ -23,9 +28,7 @@ import os
 import sys
 import types
 
-
-class ConfigError(Exception):
-    """ A bad config file or command-line argument; the message says which and what to do. """
+from nanogpt_plus.errors import ConfigError, UserError
 
 
 class Settings(dict):
@@ -39,14 +42,146 @@ class Settings(dict):
         self.given = frozenset(given)
 
 
+# -----------------------------------------------------------------------------
+# the schema: every setting declared once, with its default, type, allowed values and help
+
+class Setting:
+    """
+    One setting: its default, a one-line help, and what it accepts. kind: its type (the default's unless
+    given; an int is accepted where a float is expected); none_ok: None is a value of its own ("auto", "all",
+    "off"; True when the default is None); choices: the allowed values; low/high: bounds (open with
+    low_open/high_open); not_empty: a string that must not be blank.
+    """
+
+    def __init__(self, default, help, kind=None, choices=None, low=None, high=None, low_open=False,
+                 high_open=False, none_ok=None, not_empty=False):
+        if kind is None and default is None:
+            raise TypeError("a setting whose default is None needs its kind")
+        self.default, self.help = default, help
+        self.kind = kind if kind is not None else type(default)
+        self.choices = tuple(choices) if choices is not None else None
+        self.low, self.high, self.low_open, self.high_open = low, high, low_open, high_open
+        self.none_ok = default is None if none_ok is None else none_ok
+        self.not_empty = not_empty
+
+    def with_default(self, default):
+        """ The same setting with another default (an entry point whose own default differs). """
+        other = object.__new__(Setting)
+        other.__dict__.update(self.__dict__, default=default)
+        return other
+
+    def kind_name(self):
+        return self.kind.__name__ + (" or None" if self.none_ok else "")
+
+    def convert(self, key, value, source):
+        """ value as this setting's kind (an int becomes a float where a float is expected), or a ConfigError. """
+        if value is None and self.none_ok:
+            return value
+        if self.kind is float and type(value) is int:
+            return float(value)
+        if type(value) is not self.kind:
+            if self.choices is not None:  # the words that say what to give
+                raise ConfigError(f"{source}: {self._choice_message(key, value)}")
+            got = "None" if value is None else f"{type(value).__name__} ({value!r})"
+            raise ConfigError(f"{source}: {key} expects {self.kind_name()}, got {got}")
+        return value
+
+    def problem(self, key, value):
+        """ Why value is not acceptable for this setting, as one line naming it, or None. """
+        try:
+            value = self.convert(key, value, source=f"--{key}")
+        except ConfigError as e:
+            return str(e)
+        if self.choices is not None and value not in self.choices:
+            return self._choice_message(key, value)
+        if value is None:
+            return None
+        if self.not_empty and not str(value).strip():
+            return f"{key} must not be empty; pass --{key}=<a name>"
+        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if too_low or too_high:
+            return (f"{key} must be {self._describe_range()}, got {value!r}; change --{key} (or the config file that "
+                    f"sets it)")
+        return None
+
+    def _choice_message(self, key, value):
+        words = [repr(c) for c in self.choices]
+        listed = words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+        return f"{key} must be {listed}, got {value!r}"
+
+    def _describe_range(self):
+        """ '> 0', '>= 0 and < 1', '<= 5': the words for the bounds. """
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {self.low}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {self.high}")
+        return " and ".join(parts)
+
+
+class Group(dict):
+    """ Settings that belong together, in the order --help lists them: {name: Setting} with a title. """
+
+    def __init__(self, title, **settings):
+        super().__init__(settings)
+        self.title = title
+
+
+class Schema(dict):
+    """
+    An entry point's settings, composed of groups: {name: default} (what a DEFAULTS dict always was, so
+    dict(schema) gives the plain defaults) plus `specs`, {name: Setting}. Keyword arguments give this entry
+    point's own default of a setting (a plain value) or its own Setting (another meaning or range).
+    """
+
+    def __init__(self, *groups, **own):
+        specs, self.sections = {}, []
+        for group in groups:
+            for name, spec in group.items():
+                if name in specs:
+                    raise ValueError(f"setting {name} is declared twice")
+                specs[name] = spec
+            self.sections.append((group.title, list(group)))
+        for name, value in own.items():
+            if name not in specs:
+                raise ValueError(f"setting {name} is not in any group of this schema")
+            specs[name] = value if isinstance(value, Setting) else specs[name].with_default(value)
+        super().__init__({name: spec.default for name, spec in specs.items()})
+        self.specs = specs
+
+    def check(self, cfg):
+        """ Every value of cfg against its Setting (type, None, choices, range): the first problem as a UserError. """
+        for key, value in cfg.items():
+            spec = self.specs.get(key)
+            message = spec.problem(key, value) if spec is not None else None
+            if message:
+                raise UserError(message)
+
+    def describe(self):
+        """ --help's list: per group, each setting with its default, and its help on the line below. """
+        width = max(len(k) for k in self)
+        lines = []
+        for title, names in self.sections:
+            lines.append(f"\n{title}:")
+            for name in names:
+                lines.append(f"  --{name.ljust(width)} = {self[name]!r}")
+                lines.append(f"      {self.specs[name].help}")
+        return "\n".join(lines)
+
+
 def _closest(key, valid):
     close = difflib.get_close_matches(key, list(valid), n=3, cutoff=0.6)
     return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
-def _check_type(key, value, default, source):
-    """ Return value if it fits the default's type (an int where a float is expected is fine). """
-    if default is None or value is None:
+def _check_type(key, value, defaults, source):
+    """ value if it fits the setting's type (its Setting's kind, else the plain default's), else a ConfigError. """
+    specs = getattr(defaults, 'specs', None)
+    if specs is not None:
+        return specs[key].convert(key, value, source)
+    default = defaults[key]
+    if default is None or value is None:  # a plain dict's None default takes any literal
         return value
     expected = type(default)
     if expected is float and type(value) is int:
@@ -61,13 +196,21 @@ def _read_config_file(path):
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} not found; pass an existing file such as "
                           f"config/train_shakespeare_char.py")
-    with open(path, encoding="utf-8") as f:
-        source = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} could not be read ({e.strerror or e})") from None
     namespace = {"__file__": os.path.abspath(path), "__name__": "__config__"}
     try:
         exec(compile(source, path, "exec"), namespace)
     except SyntaxError as e:
         raise ConfigError(f"config file {path} has a syntax error on line {e.lineno}: {e.msg}") from None
+    except SystemExit as e:  # sys.exit() or exit() in a config file must not end the run as if it had finished
+        raise ConfigError(f"config file {path} calls exit() on line {_failing_line(e, path)}; a config "
+                          f"file only assigns settings: remove that call") from None
     except Exception as e:  # NameError, ImportError, ZeroDivisionError, ...: the file's own code failed
         raise ConfigError(f"config file {path} failed on line {_failing_line(e, path)} "
                           f"({type(e).__name__}: {e}); fix that line") from None
@@ -87,17 +230,17 @@ def _failing_line(error, path):
     return line
 
 
-def _parse_value(text, default):
+def _parse_value(text, kind):
     """
     The value of --key=text: a Python literal where text is one (3, 1e-3, True, None, (0.9, 0.95), 'x'),
-    else text itself, so --device=cuda needs no quotes. A string setting always gets a string:
+    else text itself, so --device=cuda needs no quotes. A string setting (kind str) always gets a string:
     --out_dir=123 means the directory '123'.
     """
     try:
         value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):  # a bare word, an expression, an empty value: not a literal
+    except (ValueError, SyntaxError, MemoryError, RecursionError):  # a bare word, an expression, an empty value
         return text
-    if isinstance(default, str) and not isinstance(value, str):
+    if kind is str and not isinstance(value, str):
         return text
     return value
 
@@ -114,7 +257,7 @@ def parse_config(defaults, argv):
             for key, value in settings.items():
                 if key not in defaults:
                     raise ConfigError(f"unknown setting '{key}' in {arg}{_closest(key, defaults)}")
-                config[key] = _check_type(key, value, defaults[key], arg)
+                config[key] = _check_type(key, value, defaults, arg)
                 given.add(key)
             continue
         if "=" not in arg:
@@ -122,13 +265,18 @@ def parse_config(defaults, argv):
         key, text = arg[2:].split("=", 1)
         if key not in defaults:
             raise ConfigError(f"unknown setting '{key}'{_closest(key, defaults)}")
-        config[key] = _check_type(key, _parse_value(text, defaults[key]), defaults[key], f"--{key}")
+        spec = getattr(defaults, 'specs', {}).get(key)
+        kind = spec.kind if spec is not None else type(defaults[key])
+        config[key] = _check_type(key, _parse_value(text, kind), defaults, f"--{key}")
         given.add(key)
         print(f"Overriding: {key} = {config[key]!r}")
     return Settings(config, given)
 
 
 def format_settings(defaults):
+    """ Every setting with its default (and its help, for a Schema), as --help lists them. """
+    if hasattr(defaults, 'describe'):
+        return defaults.describe()
     width = max(len(k) for k in defaults) if defaults else 0
     return "\n".join(f"  --{k.ljust(width)} = {v!r}" for k, v in defaults.items())
 

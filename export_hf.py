@@ -25,18 +25,15 @@ from configurator import configure
 from nanogpt_plus.checkpoint import describe_source, init_model
 from nanogpt_plus.hf_export import check_export_weights, export
 from nanogpt_plus.runtime import run_main
+from nanogpt_plus.settings import EXPORT, IO, Schema, subset
 
 # the writing is nanogpt_plus/hf_export.py's; this script reads the settings and loads the model
-DEFAULTS = dict(
-    init_from='resume',  # 'resume' (ckpt.pt in out_dir), a training out_dir or a ckpt.pt file
-    out_dir='out',
-    hf_dir='',  # where to write the Hugging Face directory; '' = <out_dir>/hf
-    weights='float32',  # the dtype model.safetensors stores: 'float32' (exact) or 'bfloat16' (half the size)
-)
+DEFAULTS = Schema(subset(IO, 'init_from', 'out_dir'), EXPORT, init_from='resume')
 
 
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
+    DEFAULTS.check(cfg)
     check_export_weights(cfg['weights'])  # before the model is loaded
     hf_dir = cfg['hf_dir'] or os.path.join(cfg['out_dir'], 'hf')
     model, tokenizer_meta, _ = init_model(cfg['init_from'], cfg['out_dir'])

@@ -50,34 +50,20 @@ import time
 import torch
 
 from configurator import configure
-from nanogpt_plus.checkpoint import check_tokenizer_fits, describe_source, init_model
-from nanogpt_plus.engine import MODES, check_sampling_args, generate_stream
-from nanogpt_plus.runtime import PTDTYPE, UserError, precision, resolve_device, run_main
-from nanogpt_plus.settings import (ATTENTIONS, check_choice, check_non_negative, check_not_empty, check_positive,
-                                   check_system)
-from nanogpt_plus.tokenizer import TokenizerError, load_tokenizer
-from nanogpt_plus.weights import WEIGHTS, can_pack, set_weights
+from nanogpt_plus.checkpoint import describe_source, init_model
+from nanogpt_plus.device import PTDTYPE, device_type_of, precision, resolve_compile, resolve_device
+from nanogpt_plus.engine import check_sampling_args, generate_stream
+from nanogpt_plus.errors import UserError
+from nanogpt_plus.runtime import run_main
+from nanogpt_plus.settings import IO, MODEL, SAMPLING, SYSTEM, Schema, subset
+from nanogpt_plus.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
+from nanogpt_plus.weights import can_pack, set_weights
 
 SEPARATOR = '---------------'
 
-DEFAULTS = dict(
-    init_from='resume',  # 'resume' (out_dir/ckpt.pt), a ckpt.pt or out_dir, gpt2*, or a local HF GPT-2 directory
-    out_dir='out',  # read only when init_from='resume'
-    start="\n",  # the prompt text, or "FILE:path" to read it from a file ("<|endoftext|>": BPE's end of text)
-    num_samples=10,  # samples to draw, all in one batch
-    max_new_tokens=500,  # tokens added to each sample
-    temperature=0.8,  # divides the logits: < 1.0 sharper, > 1.0 flatter, 1.0 unchanged; 0 = greedy (argmax)
-    top_k=200,  # draw only among the top_k most likely tokens (None: among all)
-    top_p=1.0,  # nucleus sampling: keep the most likely tokens up to this probability mass (1.0: off)
-    mode='exact',  # 'exact' (nanoGPT's results) or 'fast' (see above)
-    stop_at_eot=False,  # BPE models (gpt2, bpe): end a sample at <|endoftext|>
-    seed=1337,
-    device='auto',  # 'auto', 'cpu', 'cuda', 'cuda:0', 'mps'
-    dtype='auto',  # 'auto' (bfloat16/float16 on GPUs, float32 on CPU), 'float32', 'bfloat16', 'float16'
-    weights='float32',  # how the weights are stored and read: 'float32' (exact), 'bfloat16' or 'int8' (see above)
-    attention='flash',  # 'flash' (scaled_dot_product_attention) or 'manual'
-    compile=False,  # torch.compile the model (with dynamic shapes; pays off on GPUs for long runs)
-)
+# every setting is declared once in nanogpt_plus/settings.py (type, allowed values, help: python sample.py --help)
+DEFAULTS = Schema(subset(IO, 'init_from', 'out_dir'), SAMPLING, subset(MODEL, 'attention'),
+                  subset(SYSTEM, 'device', 'dtype', 'compile', 'seed'), init_from='resume', compile=False)
 
 
 def read_start(start):
@@ -134,14 +120,8 @@ class StreamDecoder:
 
 
 def check_settings(config):
-    """ Every setting, before a model is loaded: counts, the sampling knobs, the choices. """
-    check_not_empty(config, 'init_from', 'out_dir')
-    check_positive(config, 'num_samples')
-    check_non_negative(config, 'max_new_tokens', 'seed')
-    check_choice(config, 'mode', MODES)
-    check_choice(config, 'attention', ATTENTIONS)
-    check_choice(config, 'weights', WEIGHTS)
-    check_system(config)
+    """ Every setting, before a model is loaded: types, choices and counts (settings.py), the sampling knobs. """
+    DEFAULTS.check(config)
     try:  # temperature >= 0 (0 = greedy), top_k >= 1 or None, 0 < top_p <= 1: the engine's own rules
         check_sampling_args(config['temperature'], config['top_k'], config['top_p'])
     except (ValueError, TypeError) as e:
@@ -155,6 +135,7 @@ def main():
 
     device = resolve_device(config['device'])
     dtype, ctx = precision(device, config['dtype'])
+    compile_model = resolve_compile(config['compile'], device_type_of(device))  # None = auto: on CUDA
     torch.manual_seed(config['seed'])
     if 'cuda' in device:
         torch.cuda.manual_seed(config['seed'])
@@ -169,7 +150,7 @@ def main():
     check_tokenizer_fits(model.config, tokenizer_meta, source)
     # the head scores only the tokenizer's ids: a padded vocabulary's extra rows are never sampled. float32 on a
     # CPU is packed for oneDNN, unless torch.compile is to choose the kernels (it packs weights its own way)
-    pack = can_pack(device, PTDTYPE[dtype]) and not config['compile']
+    pack = can_pack(device, PTDTYPE[dtype]) and not compile_model
     set_weights(model, config['weights'], pack=pack, vocab_size=tok.vocab_size)
     stop_token = None
     if config['stop_at_eot']:
@@ -180,7 +161,7 @@ def main():
             stop_token = tok.eot_token
     print(f"sampling {source} on {device} ({dtype}, "
           f"{config['weights']} weights), mode={config['mode']}", file=sys.stderr)
-    if config['compile']:
+    if compile_model:
         model = torch.compile(model, dynamic=True)  # the cache makes shapes change every step
 
     # the prompt's ids, one copy per sample: x is (num_samples, T)

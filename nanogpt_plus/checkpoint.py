@@ -1,6 +1,8 @@
 """
-Checkpoints: atomic save, safe load (weights_only=True), and building a model from any source
-('resume' / a training out_dir / a ckpt.pt file / gpt2* / a local Hugging Face GPT-2 directory).
+Checkpoints: the ckpt.pt format (atomic save, safe load with weights_only=True, the one dict builder), and
+init_from: from 'resume' / a training out_dir / a ckpt.pt file / gpt2* / a local Hugging Face GPT-2 directory
+to (model, tokenizer, checkpoint), with the rules a resumed run must keep (adopt_resumed_run). The models
+themselves are made by build.py; when and where a run saves is the Checkpointer's (checkpointer.py).
 
 A ckpt.pt is nanoGPT's dict ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss', 'config')
 plus our own keys ('model_extra_args', 'tokenizer', 'rng', 'loader', 'scaler', 'provenance', ...), all
@@ -19,13 +21,12 @@ import re
 import zipfile
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from model import GPT, GPT2_NAMES, GPTConfig
-from nanogpt_plus.dataloader import dataset_dir
+from model import GPT2_NAMES, GPTConfig
+from nanogpt_plus.build import fit_block_size, loaded_model, meta_model, pretrained_model, scratch_model
+from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_write
-from nanogpt_plus.runtime import UserError, error_line
-from nanogpt_plus.tokenizer import read_dataset_meta, read_named_tokenizer, tokenizer_fingerprint, tokenizer_kind
+from nanogpt_plus.tokenizer import check_dataset_tokenizer, read_dataset_meta, read_named_tokenizer
 
 HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for char and bpe models
 
@@ -144,76 +145,6 @@ def model_from_checkpoint(ckpt, dropout=None, on_meta=False):
     return loaded_model(config, clean_state_dict(ckpt['model']), "the checkpoint's weights don't fit its model_args")
 
 
-def _view(t):
-    """
-    What makes two tensors the same view of the same data: torch.load gives the tied wte/lm_head, saved once, as
-    two tensor objects over one storage.
-    """
-    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
-
-
-def fp32_copies(state_dict):
-    """
-    Every tensor of state_dict copied into fresh memory, floating-point ones as float32 (what copy_ into a float32
-    model did to an fp16/bf16 file). Entries that are the same view of the same data (the tied wte/lm_head, saved
-    once) get one copy: copying GPT-2's 38.6M-value (154 MB) embedding twice would cost time and memory for nothing.
-    """
-    copies, out = {}, {}
-    for name, t in state_dict.items():
-        same = _view(t)
-        if same not in copies:
-            # contiguous: a transposed view (Hugging Face's Conv1D weights) is copied into nn.Linear's layout
-            dtype = torch.float32 if t.is_floating_point() else t.dtype
-            copies[same] = t.to(dtype, memory_format=torch.contiguous_format, copy=True)
-        out[name] = copies[same]
-    return out
-
-
-def _misfit_detail(error):
-    """ What load_state_dict's error says after its header line (the missing keys, the first wrong shape), cut. """
-    lines = [ln.strip() for ln in str(error).strip().splitlines()]
-    return '; '.join(lines[1:] or lines)[:300]
-
-
-def one_head(state_dict, misfit):
-    """
-    Our GPT's head is its token embedding, one matrix: a file whose lm_head.weight and transformer.wte.weight
-    differ holds an untied head, which loading would silently replace with one of the two. Refused instead; a
-    head saved as an equal copy (a Hugging Face file may hold one) is replaced by wte, so it is copied only once.
-    """
-    wte, head = state_dict.get('transformer.wte.weight'), state_dict.get('lm_head.weight')
-    if wte is None or head is None or _view(wte) == _view(head):
-        return state_dict  # saved once (the usual case: not compared, 60 ms for GPT-2), or missing (reported later)
-    if wte.shape != head.shape or not torch.equal(wte, head):  # torch.equal: an fp16 file's tensors compare exactly
-        raise UserError(f"{misfit} (its lm_head.weight differs from transformer.wte.weight: an untied output head, "
-                        f"which this GPT can't hold)")
-    return dict(state_dict, **{'lm_head.weight': wte})
-
-
-def loaded_model(config, state_dict, misfit):
-    """
-    A GPT of config holding state_dict's weights, built without drawing the random weights that the load would
-    overwrite: the model is made on the meta device (shapes only), then takes fp32 copies of the tensors
-    (fresh memory, not pages of the memory-mapped file, which another process truncating it would turn into a
-    SIGBUS mid-sample), then gets back the tie and the masks that a meta build can't hold. misfit: the words for
-    a state_dict that doesn't fit config (missing or unexpected keys, other shapes), said before load_state_dict's.
-    """
-    try:
-        model = meta_model(config)
-    except ValueError as e:  # e.g. n_embd not divisible by n_head
-        raise UserError(f"{misfit} ({e})") from None
-    copies = fp32_copies(one_head(state_dict, misfit))
-    try:
-        model.load_state_dict(copies, assign=True)
-    except RuntimeError as e:
-        raise UserError(f"{misfit} ({_misfit_detail(e)})") from None
-    # assign=True gave wte and lm_head a Parameter each (one tensor, one_head made sure): tie them again
-    model.transformer.wte.weight = model.lm_head.weight
-    model.init_buffers('cpu')  # the causal masks are no state_dict entries: built here for block_size
-    print("number of parameters: %.2fM" % (model.get_num_params() / 1e6,))  # GPT() on meta stays quiet
-    return model
-
-
 def checkpoint_tokenizer_meta(ckpt, data_root='data'):
     """
     The tokenizer description for a checkpoint: our 'tokenizer' key; for nanoGPT's checkpoints, the meta of
@@ -241,78 +172,6 @@ def tokenizer_known(ckpt, data_root='data'):
     return bool(dataset) and read_dataset_meta(os.path.join(data_root, dataset)) is not None
 
 
-def tokenizer_identity(meta):
-    """
-    What makes two tokenizer descriptions the same: ('gpt2',), ('char', its {character: id} vocabulary) or
-    ('bpe', the fingerprint of its tokenizer.json: the content, whatever its formatting).
-    """
-    kind = tokenizer_kind(meta)
-    if kind == 'char':
-        return kind, {str(ch): int(i) for ch, i in (meta.get('stoi') or {}).items()}
-    if kind == 'bpe':
-        return kind, tokenizer_fingerprint(meta['tokenizer_json']) if meta.get('tokenizer_json') else None
-    return (kind,)
-
-
-TRAIN_REMEDY = "train on a dataset prepared with the model's tokenizer, or from scratch on this one"
-
-
-def check_dataset_tokenizer(dataset, tokenizer_meta, source, remedy=TRAIN_REMEDY):
-    """
-    A model trained with one tokenizer reads another's ids as other tokens and trains on (or is scored) without
-    an error: refuse a dataset whose meta describes another tokenizer (another kind, another character vocabulary,
-    or another bpe tokenizer.json). A dataset without a meta file says nothing about its tokenizer; its ids are
-    checked against the model's vocab_size as they are read (dataloader.check_token_ids). remedy: what to do.
-    """
-    data_dir = dataset_dir(dataset)
-    data_meta = read_dataset_meta(data_dir)
-    if data_meta is None or tokenizer_identity(data_meta) == tokenizer_identity(tokenizer_meta):
-        return
-    raise UserError(f"{_tokenizer_difference(data_dir, data_meta, source, tokenizer_meta)}: its token ids would "
-                    f"mean other tokens to the model; {remedy}")
-
-
-def tokenizer_size(meta):
-    """ The number of token ids a tokenizer description uses (GPT-2's name none: 50,257), None if unknown. """
-    kind = tokenizer_kind(meta)
-    size = meta.get('vocab_size') or (len(meta.get('stoi') or {}) if kind == 'char' else None)
-    return GPT2_TOKENS if size is None and kind == 'gpt2' else size
-
-
-def _describe_tokenizer(meta):
-    """ A description's kind and size for messages, e.g. 'bpe (8,192 tokens)'. """
-    size = tokenizer_size(meta)
-    return f"{tokenizer_kind(meta)} ({int(size):,} tokens)" if size else tokenizer_kind(meta)
-
-
-def check_tokenizer_fits(config, tokenizer_meta, source):
-    """
-    A tokenizer with more ids than the model has embedding rows is not the model's: its ids would index past the
-    table (and fine-tuning's special tokens would share ids with text). Usually a nanoGPT checkpoint whose
-    dataset meta.pkl is missing here, so that its tokenizer was guessed to be GPT-2's. Checked by the scripts
-    that encode or decode text with it (sample.py, finetune.py, export); training and the loss don't need it.
-    """
-    size = tokenizer_size(tokenizer_meta or {'kind': 'gpt2'})
-    if size and int(size) > config.vocab_size:
-        raise UserError(f"the tokenizer of {source} has {int(size):,} tokens but its model only "
-                        f"{config.vocab_size:,}, so it is not the model's (a nanoGPT checkpoint is GPT-2 BPE unless "
-                        f"data/<dataset>/meta.pkl says otherwise): restore its dataset's meta.pkl")
-
-
-def _tokenizer_difference(data_dir, data_meta, source, model_meta):
-    """ The words for how two different tokenizer descriptions differ, naming both. """
-    data, model = tokenizer_identity(data_meta), tokenizer_identity(model_meta)
-    if data[0] != model[0] or data[0] == 'bpe':
-        other = "another tokenizer.json: " if data[0] == model[0] else ""
-        return (f"the dataset {data_dir} is tokenized with {other}{_describe_tokenizer(data_meta)}, the model "
-                f"{source} with {_describe_tokenizer(model_meta)}")
-    if set(data[1]) == set(model[1]):
-        return f"the dataset {data_dir} numbers the model's characters ({source}) differently"
-    data_chars, model_chars = ''.join(sorted(data[1])), ''.join(sorted(model[1]))
-    return (f"the dataset {data_dir} has another character vocabulary ({len(data_chars)} characters "
-            f"{data_chars[:40]!r}) than the model {source} ({len(model_chars)} characters {model_chars[:40]!r})")
-
-
 def checkpoint_path(init_from, out_dir, resume_file='ckpt.pt'):
     """ The checkpoint file init_from names: 'resume' (out_dir/resume_file), a directory holding ckpt.pt, a file. """
     if init_from == 'resume':
@@ -326,17 +185,6 @@ def checkpoint_path(init_from, out_dir, resume_file='ckpt.pt'):
 
 def is_hf_dir(path):
     return os.path.isdir(path) and os.path.exists(os.path.join(path, 'config.json'))
-
-
-def pretrained_model(init_from, dropout=None):
-    """
-    A GPT with the weights of gpt2* or a local Hugging Face GPT-2 directory, read without transformers
-    (nanogpt_plus.pretrained; GPT.from_pretrained is the reference it is tested against).
-    """
-    from nanogpt_plus.pretrained import hf_config_and_weights  # safetensors, huggingface_hub: only on this path
-    print(f"loading weights from pretrained gpt: {init_from}")
-    config, state_dict = hf_config_and_weights(init_from, dropout)
-    return loaded_model(config, state_dict, f"the weights of {init_from} don't fit its config.json")
 
 
 def pretrained_tokenizer_meta(init_from):
@@ -379,75 +227,13 @@ def build_checkpoint(model, iter_num, best_val_loss, config, tokenizer, provenan
     return ckpt
 
 
-class _ShapesOnly(TorchFunctionMode):
-    """
-    While a model is built on the meta device, the calls that only fill in values (nn.init's normal_, the causal
-    mask's tril) return their tensor unchanged: on meta they compute nothing anyway, but PyTorch runs them through
-    its Python reference kernels, whose first call imports torch._dynamo, ~2 s of a sampling run's start-up.
-    A tensor that isn't on meta (one made with an explicit device) is computed as usual: it would be used.
-    """
-    VALUES_ONLY = {torch.Tensor.normal_, torch.nn.init.normal_, torch.tril}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.VALUES_ONLY:
-            tensor = args[0] if args else kwargs['tensor']  # nn.init passes its tensor as tensor=
-            if tensor.is_meta:
-                return tensor
-        return func(*args, **kwargs)
-
-
-def meta_model(config):
-    """ A GPT of this config on the meta device: shapes only, no storage, no random draws (the RNG is untouched). """
-    with torch.device('meta'), _ShapesOnly():
-        return GPT(config)
-
-
-GPT2_TOKENS = 50257  # GPT-2's BPE, whose descriptions name no size
-PAD_MULTIPLE = 64  # a byte-level vocabulary is padded up to a multiple of this: matmul kernels like the shape
-PADDED_KINDS = ('gpt2', 'bpe')  # the byte-level tokenizers, whose vocabularies are padded
-
-
-def model_vocab_size(data_meta, data_dir):
-    """
-    The vocab_size of a new model for a dataset's tokenizer description, printing how it was found: a
-    character vocabulary's exact size (nanoGPT's 65 for Shakespeare), as for a meta that names no kind; a
-    byte-level one's (gpt2, bpe) padded up to a multiple of 64 (GPT-2's 50,257 -> 50,304). The padded ids never
-    appear in the data and are never sampled (the engine draws only below the tokenizer's vocab_size); they
-    only make the matmuls faster.
-    """
-    if data_meta is None or not data_meta.get('vocab_size'):
-        print("defaulting to vocab_size of GPT-2 to 50304 (50257 rounded up for efficiency)")
-        return 50304
-    vocab_size = int(data_meta['vocab_size'])
-    print(f"found vocab_size = {vocab_size} (inside {data_dir})")
-    if data_meta.get('kind') not in PADDED_KINDS:  # a character vocabulary (or a meta.json naming no kind)
-        return vocab_size
-    padded = -(-vocab_size // PAD_MULTIPLE) * PAD_MULTIPLE
-    if padded != vocab_size:
-        print(f"padded vocab_size to {padded:,} (a multiple of {PAD_MULTIPLE}, for speed; ids from {vocab_size:,} "
-              f"up are never sampled)")
-    return padded
-
-
-def scratch_model(model_settings, data_meta, data_dir, on_meta=False):
-    """ A new random GPT from the model settings, its vocab_size from the dataset's meta (model_vocab_size). """
-    print("Initializing a new model from scratch")
-    vocab_size = model_vocab_size(data_meta, data_dir)
-    args = {k: model_settings[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'gelu')}
-    try:
-        config = GPTConfig(vocab_size=vocab_size, **args)
-        return meta_model(config) if on_meta else GPT(config)
-    except ValueError as e:  # e.g. n_embd not divisible by n_head
-        raise UserError(f"{e}; change the model settings") from None
-
-
 def init_model(init_from, out_dir='out', dataset=None, model_settings=None, dropout=None, resume_file='ckpt.pt',
                on_meta=False):
     """
     The one place that turns init_from into (model on the CPU, tokenizer description, checkpoint or None):
       'scratch'        a new GPT from model_settings (n_layer, n_head, n_embd, block_size, bias, dropout, gelu),
-                       with the vocabulary and tokenizer of `dataset` (GPT-2's when it has no meta)
+                       with the vocabulary and tokenizer of `dataset` (a dataset.Dataset; GPT-2's when it has
+                       no meta, or when dataset is None)
       'resume'         out_dir/resume_file (train.py: ckpt.pt; finetune.py: its ckpt_last.pt)
       a path           a ckpt.pt, or a training out_dir holding one
       gpt2*, a path    OpenAI's GPT-2 weights, or a local Hugging Face GPT-2 directory (export_hf.py's too)
@@ -458,8 +244,11 @@ def init_model(init_from, out_dir='out', dataset=None, model_settings=None, drop
     still load real weights (pretrained_model).
     """
     if init_from == 'scratch':
-        data_dir = dataset_dir(dataset)
-        data_meta = read_dataset_meta(data_dir)
+        if model_settings is None:  # sample.py, eval.py, export_hf.py: a script that reads weights
+            raise UserError("init_from=scratch makes a new, untrained model, which only train.py and finetune.py "
+                            "do; pass resume (with --out_dir), a ckpt.pt or out_dir, gpt2* or a Hugging Face "
+                            "directory")
+        data_meta, data_dir = (dataset.meta, dataset.directory) if dataset is not None else (None, None)
         return scratch_model(model_settings, data_meta, data_dir, on_meta), data_meta or {'kind': 'gpt2'}, None
     ckpt_path = checkpoint_path(init_from, out_dir, resume_file)
     if ckpt_path is not None:
@@ -472,6 +261,89 @@ def init_model(init_from, out_dir='out', dataset=None, model_settings=None, drop
                     f"GPT-2 directory")
 
 
+def init_training_model(cfg, data, on_meta=False):
+    """
+    train.py's init_model: (the plain GPT on the CPU, its tokenizer description, the checkpoint read or None)
+    for cfg's init_from, said in one line, checked against the dataset the run trains on (a dataset.Dataset):
+    weights with their own tokenizer must have the dataset's, and the dataset's vocabulary must fit the model.
+    Weights trained on longer windows may train on shorter ones (a resume has the checkpoint's block_size).
+    on_meta: FSDP's ranks other than 0, which get their shards of rank 0's weights (see init_model).
+    """
+    init_from, out_dir = cfg['init_from'], cfg['out_dir']
+    source = checkpoint_path(init_from, out_dir)
+    if init_from == 'resume':
+        print(f"Resuming training from {out_dir}")
+    elif init_from != 'scratch' and source is not None:
+        print(f"Initializing from the weights in {source} (training starts at iter 0)")
+    elif init_from in GPT2_NAMES or is_hf_dir(init_from):
+        print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
+    # the architecture comes from the weights (a new model: from the settings); dropout from the settings always
+    model, tokenizer_meta, ckpt = init_model(init_from, out_dir, dataset=data, model_settings=cfg,
+                                             dropout=cfg['dropout'], on_meta=on_meta)
+    # a new model has the dataset's tokenizer; weights come with their own (unless nanoGPT's left it unknown)
+    if init_from != 'scratch' and tokenizer_known(ckpt):
+        check_dataset_tokenizer(data.directory, data.meta, tokenizer_meta, describe_source(init_from, out_dir))
+    fit_block_size(model, cfg['block_size'])
+    if data.vocab_size and data.vocab_size > model.config.vocab_size:
+        raise UserError(f"the dataset's vocabulary ({data.vocab_size}) is larger than the model's "
+                        f"({model.config.vocab_size}); train from scratch on this dataset")
+    return model, tokenizer_meta, ckpt
+
+
 def describe_source(init_from, out_dir='out', resume_file='ckpt.pt'):
     """ What init_model(init_from, out_dir) reads, for messages: the checkpoint's path, else init_from. """
     return checkpoint_path(init_from, out_dir, resume_file) or init_from
+
+
+# -----------------------------------------------------------------------------
+# resuming: the rules a run that continues from its own checkpoint keeps (train.py and finetune.py alike)
+
+# the settings that shape the model: a resumed run has the checkpoint's, whatever the defaults say
+ARCHITECTURE = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'gelu')
+# what a train.py checkpoint must hold to be resumed (finetune.py's and weights-only files lack the training state)
+RESUME_KEYS = ('model', 'model_args', 'optimizer', 'iter_num', 'best_val_loss', 'config')
+
+
+def adopt_architecture(cfg, ckpt, path, keep_zero=()):
+    """
+    Nothing is cropped or rebuilt on resume, so that the next save can't replace the checkpoint with another
+    model: an architecture setting the user gave must be the checkpoint's (one line naming both otherwise), and
+    one not given takes the checkpoint's value in cfg (so the saved 'config' agrees with 'model_args').
+    keep_zero: settings whose 0 means "the model's" (finetune.py's block_size), which a 0 doesn't contradict.
+    """
+    saved = model_config_from_checkpoint(ckpt)
+    given = getattr(cfg, 'given', cfg.keys())  # a plain dict (a test's): every setting counts as chosen
+    for key in ARCHITECTURE:
+        if key not in cfg:
+            continue
+        chosen = key in given and not (key in keep_zero and cfg[key] == 0)
+        if chosen and cfg[key] != getattr(saved, key):
+            raise UserError(f"--{key}={cfg[key]!r} but the checkpoint {path} has {key}={getattr(saved, key)!r}; "
+                            f"a resumed run keeps the checkpoint's architecture: drop --{key} (or change it in the "
+                            f"config file), or start a new run in another --out_dir")
+        cfg[key] = getattr(saved, key)
+
+
+def adopt_resumed_run(cfg, path):
+    """
+    train.py's --init_from=resume, before any work (its block_size is used before the model is built): the
+    checkpoint must exist and be a train.py training checkpoint, its architecture becomes cfg's
+    (adopt_architecture), and the run must not be over. Its tensors are memory-mapped, not read.
+    """
+    if not os.path.exists(path):
+        raise UserError(f"init_from=resume but there is no checkpoint at {path}; "
+                        f"check --out_dir or start with --init_from=scratch")
+    ckpt = load_checkpoint(path)
+    missing = [k for k in RESUME_KEYS if k not in ckpt]
+    if missing or 'task' in ckpt:  # 'task': finetune.py's checkpoint of a model with a task head
+        what = f"it has no {', '.join(repr(k) for k in missing)}" if missing else "it is a finetune.py checkpoint"
+        raise UserError(f"{path} is not a train.py training checkpoint ({what}: a finetune.py out_dir or a "
+                        f"weights-only file?); to train on its weights from iter 0 use --init_from={path} with "
+                        f"another --out_dir")
+    adopt_architecture(cfg, ckpt, path)
+    # the loop trains iteration max_iters too and then stops, so the final checkpoint of a finished run has
+    # iter_num = max_iters + 1; one at iter_num == max_iters still has that last step to run
+    if int(ckpt['iter_num']) > cfg['max_iters']:
+        raise UserError(f"the run in {cfg['out_dir']} is already complete: its checkpoint is at iter "
+                        f"{int(ckpt['iter_num'])}, past max_iters={cfg['max_iters']}; to train further, resume with "
+                        f"a larger --max_iters (and --lr_decay_iters to match)")

@@ -35,7 +35,7 @@ import os
 import numpy as np
 import torch
 
-from nanogpt_plus.runtime import UserError
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.shards import find_shards, has_header, is_shard_name, open_shard, token_dtype
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout above this package
@@ -109,24 +109,27 @@ def raw_token_dtype(path):
     return np.dtype(dtype)
 
 
-def open_tokens(path, dataset=None):
-    """ nanoGPT's raw token file (uint16, or its meta.json's dtype) as a read-only memmap, or one clear error. """
+def open_tokens(path, dataset=None, dtype=None):
+    """
+    nanoGPT's raw token file as a read-only memmap, or one clear error. dtype: the dataset's (Dataset.raw_dtype,
+    worked out once); None reads it from the meta.json beside the file (raw_token_dtype).
+    """
     if not os.path.exists(path):
         hint = f"run python data/{dataset}/prepare.py first" if dataset else "prepare the dataset first"
         raise UserError(f"no token file at {path}; {hint}")
     size = os.path.getsize(path)
     if size == 0:  # (numpy can't memmap an empty file)
         raise UserError(f"{path} is empty (0 tokens); re-run the dataset's prepare.py on some text")
-    dtype = raw_token_dtype(path)
+    dtype = raw_token_dtype(path) if dtype is None else np.dtype(dtype)
     if size % dtype.itemsize:
         raise UserError(f"{path} is {size:,} bytes, not a whole number of {dtype} tokens ({dtype.itemsize} bytes "
                         f"each), so it is truncated or not a token file of this dataset; re-run prepare.py")
     return np.memmap(path, dtype=dtype, mode='r')
 
 
-def open_token_file(path, dataset=None):
+def open_token_file(path, dataset=None, dtype=None):
     """ Any token file split_files returns, validated, as a read-only memmap of its tokens (never read whole). """
-    return open_shard(path) if has_header(path) else open_tokens(path, dataset)
+    return open_shard(path) if has_header(path) else open_tokens(path, dataset, dtype)
 
 
 # a split up to this many tokens (128 MB) is scanned whole when opened, in well under a second; a larger one
@@ -152,9 +155,9 @@ class TokenSource:
     growing (numpy memmap, see stackoverflow.com/q/45132940).
     """
 
-    def __init__(self, paths, dataset=None):
+    def __init__(self, paths, dataset=None, dtype=None):
         self.paths = list(paths)
-        opened = [open_token_file(p, dataset) for p in self.paths]
+        opened = [open_token_file(p, dataset, dtype) for p in self.paths]
         self.layouts = [(m.dtype, m.offset, len(m)) for m in opened]  # what np.memmap needs to map it again
         self.sizes = np.array([n for _, _, n in self.layouts], dtype=np.int64)  # tokens per file
         self.vocab_size = None  # set by check_vocab for a large split: then every window's ids are checked
@@ -306,9 +309,9 @@ class TokenWindowLoader:
     """ (B, T) batches of a split's token files (a path or a list of them) in data order `order`. """
 
     def __init__(self, paths, batch_size, block_size, seed=1337, rank=0, world_size=1, device='cpu',
-                 dataset=None, order='random'):
+                 dataset=None, order='random', dtype=None):
         paths = [paths] if isinstance(paths, str) else list(paths)
-        self.source = TokenSource(paths, dataset)
+        self.source = TokenSource(paths, dataset, dtype)
         self.block_size = block_size
         self.rank, self.world_size, self.device = rank, world_size, device
         self.order = make_order(order, self.source, batch_size, block_size, seed)  # it keeps the seed and batch size

@@ -29,8 +29,9 @@ import torch
 from torch.nn import functional as F
 
 from nanogpt_plus.dataloader import REPO_DIR, check_token_ids, open_token_file, split_files
+from nanogpt_plus.distributed import all_reduce_sum
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write, read_jsonl
-from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import load_tokenizer, read_dataset_meta
 
 TASKS = ('loss', 'hellaswag', 'lambada')
@@ -42,6 +43,8 @@ DATA_URLS = {
     'lambada': 'https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl',
 }
 DOWNLOAD_TIMEOUT_S = 10
+# train.py's hellaswag_file default: where public_task_file keeps the download, relative to the repository
+HELLASWAG_FILE = 'data/hellaswag/hellaswag_val.jsonl'
 
 
 # -----------------------------------------------------------------------------
@@ -96,11 +99,11 @@ def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcon
                    pad_to=None, progress=False):
     """
     Score every row of every example; returns score_rows' table for all rows, (num_rows, 3). Under DDP
-    (dist_info.ddp) example k goes to rank k % world_size, whose rows' results are written into a zeroed
+    (dist_info.under_torchrun) example k goes to rank k % world_size, whose rows' results are written into a zeroed
     table that is then summed across ranks: adding zeros is exact, so every rank ends with the table one
     process would have computed (up to how the rows were grouped into batches).
     """
-    rank, world_size = (dist_info.rank, dist_info.world_size) if dist_info and dist_info.ddp else (0, 1)
+    rank, world_size = (dist_info.rank, dist_info.world_size) if dist_info and dist_info.under_torchrun else (0, 1)
 
     def rows_of(r):
         return [i for k in range(r, len(example_offsets) - 1, world_size)
@@ -204,6 +207,34 @@ def scored_bytes(parts, lengths):
             return None
         total += int(lengths[scored].sum())
     return total
+
+
+@torch.no_grad()
+def estimate_loss(model, loaders, eval_iters, ctx, dist_info):
+    """
+    train.py's estimate of the loss: {split: mean loss over eval_iters batches} for each loader of
+    {split: loader}; the ranks share the batches (rank r takes r, r + world_size, ...) and the sum is reduced
+    over them.
+    """
+    model.eval()
+    losses = {}
+    # every rank runs the same number of forwards: under FSDP each one all-gathers weights (and DDP's first
+    # broadcasts buffers), so a rank with one forward fewer would leave the others waiting. A rank whose
+    # share ends early runs on past eval_iters and leaves those losses out of the sum.
+    forwards = math.ceil(eval_iters / dist_info.world_size)
+    for split, loader in loaders.items():
+        loader.reset()  # the same batches at every evaluation, so the numbers are comparable
+        total = torch.zeros((), dtype=torch.float64, device=dist_info.device)
+        for k in range(forwards):
+            X, Y = loader.next_batch()  # batch k * world_size + rank of the stream
+            with ctx:
+                _, loss = model(X, Y)
+            if k * dist_info.world_size + dist_info.rank < eval_iters:
+                total += loss.double()
+        total, = all_reduce_sum([total.item()], dist_info)
+        losses[split] = total / eval_iters
+    model.train()
+    return losses
 
 
 # -----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import json
 import os
 from contextlib import contextmanager
 
-from nanogpt_plus.runtime import UserError
+from nanogpt_plus.errors import UserError
 
 # -----------------------------------------------------------------------------
 # atomic outputs

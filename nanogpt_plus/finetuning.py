@@ -12,19 +12,26 @@ Usage:
     examples = read_jsonl('val.jsonl', model.task)
 """
 
+import functools
 import json
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.data import DistributedSampler
 
-from nanogpt_plus.checkpoint import build_checkpoint, model_from_checkpoint
+from nanogpt_plus.build import fit_block_size
+from nanogpt_plus.checkpoint import build_checkpoint, checkpoint_path, load_checkpoint, model_from_checkpoint
+from nanogpt_plus.device import precision
+from nanogpt_plus.distributed import all_reduce_sum
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.files import read_jsonl as read_jsonl_records
-from nanogpt_plus.runtime import UserError
-from nanogpt_plus.tokenizer import TokenizerError
+from nanogpt_plus.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
+from nanogpt_plus.weights import set_weights
 
 TASKS = ('classification', 'entailment', 'similarity', 'multiple_choice')
 # the JSONL fields holding each task's texts (the label is always 'label')
@@ -242,6 +249,82 @@ def load_task_data(task, train_file, val_file, tokenizer, special, block_size, l
 
 
 # -----------------------------------------------------------------------------
+# the epochs: the optimizer steps and their learning rates, and each rank's share of every step's examples.
+# Every epoch is one seeded permutation (a DistributedSampler's: the same on every rank and for every world
+# size); rank r takes positions r, r+W, ... of it, so the micro-batches of all ranks in one optimizer step
+# together hold exactly the examples a single process would take for that step.
+
+@dataclass
+class Schedule:
+    """ The optimizer steps of a fine-tune and their learning rates (warmup, then cosine decay to min_lr). """
+    batch_size: int  # examples per micro-batch on this rank
+    accum: int  # micro-batches per optimizer step on this rank
+    steps_per_epoch: int
+    total_steps: int
+    warmup_iters: int
+    lr_decay_iters: int
+    learning_rate: float
+    min_lr: float
+    decay_lr: bool
+
+    @classmethod
+    def for_run(cls, n_examples, cfg, accum):
+        """ The schedule for n_examples per rank and epoch (a DistributedSampler's share). """
+        steps_per_epoch = math.ceil(n_examples / (cfg['batch_size'] * accum))
+        total_steps = cfg['epochs'] * steps_per_epoch
+        warmup_iters = int(cfg['warmup_frac'] * total_steps)
+        # decay over all steps, so the last one runs at min_lr (and never a decay phase of length 0)
+        lr_decay_iters = max(total_steps - 1, warmup_iters + 1)
+        return cls(cfg['batch_size'], accum, steps_per_epoch, total_steps, warmup_iters, lr_decay_iters,
+                   cfg['learning_rate'], cfg['min_lr'], cfg['decay_lr'])
+
+    @property
+    def per_step(self):
+        return self.batch_size * self.accum  # examples per optimizer step on this rank
+
+
+def step_batches(data, special, schedule, step_in_epoch, order, device):
+    """ This rank's micro-batches of a step: its next batch_size x accum examples of order, as make_batch's. """
+    bs, start = schedule.batch_size, step_in_epoch * schedule.per_step
+    micro = [order[start + m * bs: start + (m + 1) * bs] for m in range(schedule.accum)]
+    # every rank must run the same number of forward/backward passes (DDP); the sampler pads every rank to the
+    # same length, so the number of non-empty micro-batches agrees
+    return [make_batch([data.train_encoded[i] for i in m], [data.train_labels[i] for i in m], special, device)
+            for m in micro if m]
+
+
+def global_batch_counts(data, sampler, schedule, step_in_epoch):
+    """
+    (examples, LM targets) of a step's global batch, all ranks together, as floats: what an all-reduce of every
+    rank's counts would give, without one (a collective, and the .tolist() after it, would wait for the GPU
+    every step). Every rank knows every rank's share of the step from the sampler.
+    """
+    bs, start = schedule.batch_size, step_in_epoch * schedule.per_step
+    n_ex = n_tok = 0
+    for order in epoch_orders(len(sampler.dataset), sampler.num_replicas, sampler.shuffle, sampler.seed,
+                              sampler.drop_last, sampler.epoch):
+        for i in order[start: start + schedule.accum * bs]:  # the examples step_batches takes on that rank
+            n_ex += 1  # one label per example, whatever its number of rows
+            n_tok += data.train_lm_targets[i]
+    return float(n_ex), float(n_tok)
+
+
+@functools.lru_cache(maxsize=1)
+def epoch_orders(n_examples, world_size, shuffle, seed, drop_last, epoch):
+    """
+    Every rank's DistributedSampler order of one epoch, computed here on any rank: the same seed and epoch give
+    the same permutation everywhere (cached: the steps of an epoch all ask for the same one).
+    """
+    orders = []
+    for rank in range(world_size):
+        sampler = DistributedSampler(range(n_examples), num_replicas=world_size, rank=rank, shuffle=shuffle,
+                                     seed=seed, drop_last=drop_last)
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    return tuple(orders)
+
+
+# -----------------------------------------------------------------------------
 # the model: a GPT plus GPT-1's linear head W_y on the Extract position
 
 class TaskHead(nn.Module):
@@ -310,6 +393,30 @@ def add_special_tokens(gpt, source_ckpt):
     v = gpt.config.vocab_size
     gpt.resize_token_embeddings(v + 3)
     return {'start': v, 'delim': v + 1, 'extract': v + 2}
+
+
+def task_model_and_data(cfg, task, gpt, tokenizer_meta, source, resume):
+    """
+    finetune.py's model and data from the source GPT: cropped to --block_size (a pretrained model may train on
+    shorter windows; a resumed one has its own, see adopt_architecture), the special tokens added, the task
+    files encoded with the model's tokenizer (the training labels define the classes, a resumed fine-tune keeps
+    its own) and the head (the resumed one's). Returns (FinetuneModel on the CPU, special, tokenizer, TaskData).
+    """
+    fit_block_size(gpt, cfg['block_size'])
+    if gpt.config.block_size < 5:
+        raise UserError(f"block_size {gpt.config.block_size} is too small for the special tokens; use 16 or more")
+    tokenizer = load_tokenizer(tokenizer_meta)
+    check_tokenizer_fits(gpt.config, tokenizer_meta, cfg['init_from'])  # else special tokens would share text ids
+    special = add_special_tokens(gpt, source)
+    data = load_task_data(task, cfg['train_file'], cfg['val_file'], tokenizer, special, gpt.config.block_size,
+                          source.get('label_map') if resume else None)
+    head = TaskHead(gpt.config.n_embd, head_outputs(task, data.n_classes), cfg['dropout'],
+                    bias=task != 'multiple_choice')
+    if resume:
+        head.load_state_dict(source['head'])
+    gpt.set_attention(cfg['attention'])
+    gpt.set_activation_checkpointing(cfg['activation_checkpointing'])
+    return FinetuneModel(gpt, head, task), special, tokenizer, data
 
 
 def configure_optimizers(model, cfg, device_type):
@@ -382,6 +489,20 @@ def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=N
     return correct, len(indices), loss_sum, preds
 
 
+def evaluate_val(model, data, special, batch_size, ctx, dist_info):
+    """
+    (correct, seen, summed task loss) over data's validation examples, summed over the ranks, each of which
+    scores a strided share with the plain model (its forwards are no collectives; still, every rank runs as
+    many batches as the one with the most, so this stays safe if the model is ever a wrapped one).
+    """
+    n_val, world = len(data.val_encoded), dist_info.world_size
+    most_batches = math.ceil(math.ceil(n_val / world) / batch_size)  # of the rank with the most examples
+    correct, seen, loss_sum, _ = evaluate(model, data.val_encoded, data.val_labels, special, batch_size,
+                                          dist_info.device, ctx, range(dist_info.rank, n_val, world),
+                                          num_batches=most_batches)
+    return tuple(all_reduce_sum([correct, seen, loss_sum], dist_info))
+
+
 def _rounded_probs(logits, choice_mask, task):
     """ Each example's class (or choice) probabilities, rounded for the JSON output; real choices only. """
     probs = logits.softmax(-1).tolist()
@@ -407,3 +528,27 @@ def write_predictions(model, ckpt_info, cfg, special, tokenizer, device, ctx, pa
     text = "\n".join(lines) + "\n"
     atomic_write(out_path, lambda f: f.write(text), binary=False)  # never a half-written predictions file
     print(f"wrote {len(lines)} predictions to {out_path}")
+
+
+def predict_with_checkpoint(cfg, dist_info):
+    """
+    finetune.py --predict_file without --train_file: predictions of the fine-tuned checkpoint init_from names
+    (its out_dir or ckpt.pt), written by rank 0 to predict_out (else predictions.jsonl beside the checkpoint).
+    """
+    path = checkpoint_path(cfg['init_from'], cfg['out_dir'])
+    if path is None:
+        raise UserError(f"--predict_file without --train_file needs --init_from to be a fine-tuned out_dir or "
+                        f"ckpt.pt; {cfg['init_from']} is not one")
+    ckpt = load_checkpoint(path)
+    model = model_from_finetune_checkpoint(ckpt)
+    if cfg['task'] and cfg['task'] != ckpt['task']:
+        raise UserError(f"--task={cfg['task']} but {path} was fine-tuned for {ckpt['task']}; drop --task")
+    if not dist_info.master:
+        return
+    model.to(dist_info.device)
+    model.eval()
+    set_weights(model.gpt, cfg['weights'])  # the task head stays float32: it is one small matrix
+    _, ctx = precision(dist_info.device, cfg['dtype'])
+    out_path = cfg['predict_out'] or os.path.join(os.path.dirname(path), 'predictions.jsonl')
+    write_predictions(model, ckpt, cfg, ckpt['special_tokens'], load_tokenizer(ckpt['tokenizer']), dist_info.device,
+                      ctx, cfg['predict_file'], out_path)

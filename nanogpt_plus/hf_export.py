@@ -23,10 +23,10 @@ import os
 import torch
 
 from model import EXPORT_ACTIVATIONS, hf_key_map
-from nanogpt_plus.checkpoint import HF_TOKENIZER_META, check_tokenizer_fits
+from nanogpt_plus.checkpoint import HF_TOKENIZER_META
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write
-from nanogpt_plus.runtime import UserError
-from nanogpt_plus.tokenizer import EOT_TEXT, load_tokenizer, packaged_gpt2_files
+from nanogpt_plus.tokenizer import EOT_TEXT, check_tokenizer_fits, load_tokenizer, packaged_gpt2_files
 
 EXPORT_WEIGHTS = ('float32', 'bfloat16')  # the dtypes model.safetensors may hold
 

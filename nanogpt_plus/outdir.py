@@ -14,32 +14,26 @@ power cut aside), so a lock whose flock can be taken belongs to a run that is go
 A lock written on another host can't be proven dead from here (flock is not shared over every network
 file system): such a run is refused and told to delete the file if the other run is gone.
 
-Also here: the extra copies of a checkpoint in an out_dir (ckpt_best.pt, the ckpt_<iter>.pt snapshots that
-keep_checkpoints retains), made as hard links to the complete ckpt.pt: no space and no time.
-
 Usage:
     from nanogpt_plus.outdir import claim_out_dir
     with claim_out_dir('out', dist_info):   # rank 0 holds out/run.lock until the block ends, however it ends
         ...
-    snapshot_checkpoint('out', iter_num=2000, keep=3)  # out/ckpt.pt also as ckpt_2000.pt; older ones pruned
 """
 
 import fcntl
 import json
 import os
-import re
 import shlex
-import shutil
 import socket
 import sys
 from contextlib import contextmanager
 from datetime import datetime
 
+from nanogpt_plus.distributed import master_decides
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import remove_stale_temps_in, temp_path
-from nanogpt_plus.runtime import UserError, master_decides
 
 LOCK_NAME = 'run.lock'
-SNAPSHOT = re.compile(r'^ckpt_(\d+)\.pt$')  # ckpt_<iter>.pt
 
 
 class OutDirLock:
@@ -228,50 +222,15 @@ def refuse_overwrite(out_dir, checkpoint, script, argv, resumable=True):
                      f"or pass another --out_dir")
 
 
-# -----------------------------------------------------------------------------
-# extra copies of the checkpoint
-
-def keep_checkpoint_as(path, new_path):
-    """ new_path (and its .json sidecar) becomes the complete checkpoint at path, atomically. """
-    _keep_file_as(path, new_path)
-    sidecar = os.path.splitext(path)[0] + '.json'
-    if os.path.exists(sidecar):
-        _keep_file_as(sidecar, os.path.splitext(new_path)[0] + '.json')
-
-
-def _keep_file_as(path, new_path):
-    # a hard link to the file (the next save renames a new file over path, so the link keeps this one);
-    # a copy where the file system has no links
-    tmp = temp_path(new_path)
-    try:
-        try:
-            os.link(path, tmp)
-        except OSError:
-            shutil.copyfile(path, tmp)
-        os.replace(tmp, new_path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def snapshot_checkpoint(out_dir, iter_num, keep, drop_later=False):
+def check_new_run(out_dir, checkpoints, script, argv, overwrite, resumable=True):
     """
-    After out_dir/ckpt.pt of iteration iter_num is complete: keep it as ckpt_<iter_num>.pt too, then delete
-    the snapshots other than the `keep` newest up to iter_num. Snapshots of larger iterations belong to another
-    line of the run: one that --overwrite=True replaces (drop_later: deleted), or one the user went back from by
-    resuming an older snapshot (left alone: never deleted without being asked). Returns the deleted names.
+    On rank 0, with out_dir locked: a new run (not a resume) into an out_dir that holds one of `checkpoints`
+    (file names) is refused with the commands to continue the earlier run (when resumable) or to start over,
+    unless overwrite. With overwrite the earlier files stay until the new run's saves replace them.
     """
-    keep_checkpoint_as(os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, f'ckpt_{iter_num}.pt'))
-    iters = sorted(int(m.group(1)) for m in map(SNAPSHOT.match, os.listdir(out_dir)) if m)
-    kept = set([i for i in iters if i <= iter_num][-keep:])
-    deleted = []
-    for i in iters:
-        if i in kept or (i > iter_num and not drop_later):
-            continue
-        for name in (f'ckpt_{i}.pt', f'ckpt_{i}.json'):
-            try:
-                os.remove(os.path.join(out_dir, name))
-                deleted.append(name)
-            except FileNotFoundError:
-                pass
-    return deleted
+    held = [name for name in checkpoints if os.path.isfile(os.path.join(out_dir, name))]
+    if not held:
+        return
+    if not overwrite:
+        raise refuse_overwrite(out_dir, held[0], script, argv, resumable=resumable)
+    print(f"overwrite=True: the earlier run's checkpoints in {out_dir} stay until this run's saves replace them")

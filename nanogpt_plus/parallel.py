@@ -1,7 +1,7 @@
 """
 Spreading training over processes: DDP or FSDP2 around the plain model (then torch.compile), control of the
-gradient communication during accumulation, the full (unsharded) state dicts a checkpoint stores and their
-re-sharding on resume, and small reductions over ranks.
+gradient communication during accumulation, and the full (unsharded) state dicts a checkpoint stores and their
+re-sharding on resume.
 
 Usage:
     from nanogpt_plus.parallel import wrap_model, grad_sync_context, full_state_dicts
@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from nanogpt_plus.runtime import PTDTYPE, UserError
+from nanogpt_plus.device import PTDTYPE
 
 
 def wrap_model(model, dist_info, compile_model=False, parallelism='ddp', dtype='float32'):
@@ -23,7 +23,7 @@ def wrap_model(model, dist_info, compile_model=False, parallelism='ddp', dtype='
     'float16') sets FSDP's mixed precision. The caller keeps `model` itself for checkpoints: it never gets
     the '_orig_mod.'/'module.' prefixes of the wrappers.
     """
-    distributed = dist_info is not None and dist_info.ddp
+    distributed = dist_info is not None and dist_info.under_torchrun
     fsdp = distributed and parallelism == 'fsdp'
     if fsdp:
         shard_model(model, dist_info, dtype)  # in place: the compiled module below is the sharded one
@@ -199,30 +199,3 @@ def grad_sync_context(model, sync):
             model.set_requires_gradient_sync(True)
     else:
         yield
-
-
-def all_reduce_sum(values, dist_info):
-    """ Sum over ranks of a list of floats (returns them unchanged in a single process). """
-    if not dist_info.ddp:
-        return list(values)
-    import torch.distributed as dist
-    t = torch.tensor(values, dtype=torch.float64, device=dist_info.device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_reduce_mean(values, dist_info):
-    """ Mean over ranks of a list of floats (returns them unchanged in a single process). """
-    return [v / dist_info.world_size for v in all_reduce_sum(values, dist_info)]
-
-
-def accumulation_per_rank(gradient_accumulation_steps, dist_info):
-    """
-    The micro-steps each of world_size processes runs, so that the global batch (batch_size x
-    gradient_accumulation_steps) is the same for any number of processes.
-    """
-    w = dist_info.world_size
-    if gradient_accumulation_steps % w != 0:
-        raise UserError(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be divisible by the "
-                        f"number of processes ({w}); pick a multiple of {w}")
-    return gradient_accumulation_steps // w

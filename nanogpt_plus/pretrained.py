@@ -21,7 +21,7 @@ import zipfile
 import torch
 
 from model import GPT2_NAMES, HF_ACTIVATIONS, GPTConfig, hf_key_map
-from nanogpt_plus.runtime import UserError, error_line
+from nanogpt_plus.errors import UserError, error_line
 
 WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin')  # in the order transformers prefers them
 # GPT2Config's defaults, for the keys an older config.json (the hub's own gpt2 one) leaves out

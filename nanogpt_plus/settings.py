@@ -1,16 +1,28 @@
 """
-The small checks every entry point's check function is a list of: each raises a UserError with one line that
-names the setting, the value it got and what it accepts, before the script does any work. The types are the
-configurator's business (a setting keeps its default's type); these are the ranges and choices.
+Every setting of the entry points, declared once: its default, its type and what it accepts, and a one-line
+help that `python <script>.py --help` prints. Each script composes the groups it uses into a Schema (its
+DEFAULTS), giving its own default where it differs (finetune.py's learning rate is GPT-1's, say); the
+configurator refuses a value of the wrong type as it reads it, and Schema.check refuses the rest (a choice
+not offered, a value out of range) in one line naming the setting, before the script does any work. The checks
+between settings (n_embd divisible by n_head, min_lr not above learning_rate) are check_model_shape and the
+scripts' own check_settings.
+
+The groups follow nanoGPT's train.py: I/O, wandb logging, data, model, AdamW, learning-rate decay, system;
+then the extras this project adds (in-loop evaluation, the spike guard) and the other scripts' own.
 
 Usage:
-    from nanogpt_plus.settings import check_choice, check_positive, check_range
-    check_positive(cfg, 'batch_size', 'block_size')                 # each >= 1
-    check_range(cfg, 'dropout', low=0.0, high=1.0, high_open=True)   # 0 <= dropout < 1
-    check_choice(cfg, 'gelu', ('none', 'tanh'))
+    from nanogpt_plus import settings
+    DEFAULTS = settings.Schema(settings.IO, settings.DATA, ..., learning_rate=6.25e-5)
+    cfg = configure(DEFAULTS, argv, doc=__doc__)
+    DEFAULTS.check(cfg)
 """
 
-from nanogpt_plus.runtime import UserError
+from configurator import Group, Schema, Setting  # noqa: F401  (Schema: what the scripts compose)
+from nanogpt_plus.dataloader import ORDERS
+from nanogpt_plus.engine import MODES
+from nanogpt_plus.errors import UserError
+from nanogpt_plus.evaluation import HELLASWAG_FILE
+from nanogpt_plus.weights import WEIGHTS
 
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 BACKENDS = ('auto', 'nccl', 'gloo')
@@ -18,84 +30,202 @@ ATTENTIONS = ('flash', 'manual')
 GELUS = ('none', 'tanh')
 
 
-def _bad(key, value, allowed):
-    return UserError(f"{key} must be {allowed}, got {value!r}; change --{key} (or the config file that sets it)")
+def positive(default, help):
+    """ A count or size: >= 1. """
+    return Setting(default, help, low=1)
 
 
-def check_positive(cfg, *keys):
-    """
-    Each of keys is >= 1 (sizes and counts). A key cfg lacks, or None (where None means auto or off), is skipped,
-    so one list fits every script; the same holds for the checks below.
-    """
-    for key in keys:
-        if cfg.get(key) is not None and cfg[key] < 1:
-            raise _bad(key, cfg[key], ">= 1")
+def non_negative(default, help):
+    """ >= 0 (0 usually means "off" or "all"). """
+    return Setting(default, help, low=0)
 
 
-def check_non_negative(cfg, *keys):
-    """ Each of keys is >= 0. """
-    for key in keys:
-        if cfg.get(key) is not None and cfg[key] < 0:
-            raise _bad(key, cfg[key], ">= 0")
+def flag(default, help):
+    return Setting(default, help, kind=bool)
 
 
-def check_range(cfg, key, low=None, high=None, low_open=False, high_open=False):
-    """ low <= cfg[key] <= high (< with low_open/high_open; None: no bound on that side). """
-    if cfg.get(key) is None:  # absent from this script, or None where None means "off"/"auto"
-        return
-    value = cfg[key]
-    too_low = low is not None and (value <= low if low_open else value < low)
-    too_high = high is not None and (value >= high if high_open else value > high)
-    if too_low or too_high:
-        raise _bad(key, value, _describe_range(low, high, low_open, high_open))
+# -----------------------------------------------------------------------------
+# train.py's, in nanoGPT's order
 
+IO = Group(
+    'I/O',
+    out_dir=Setting('out', "the run's directory: ckpt.pt, metrics.jsonl, run.lock (init_from='resume' reads it)",
+                    not_empty=True),
+    eval_interval=positive(2000, "evaluate the train and val loss every N iterations (and checkpoint)"),
+    log_interval=positive(1, "print and log the loss every N iterations"),
+    eval_iters=positive(200, "batches per split in each evaluation"),
+    eval_only=flag(False, "True: evaluate once at iteration 0, then exit"),
+    always_save_checkpoint=flag(True, "True: save at every evaluation; False: only when the val loss improved"),
+    checkpoint_interval=non_negative(0, "save the training state every N iterations; 0 = at each evaluation"),
+    keep_checkpoints=non_negative(0, "K > 0: also keep the last K saves as ckpt_<iter>.pt; 0 = ckpt.pt only"),
+    overwrite=flag(False, "True: a new run may replace the checkpoints already in out_dir (else it is refused)"),
+    init_from=Setting('scratch', "'scratch', 'resume' (out_dir's run), gpt2*, a Hugging Face GPT-2 directory, "
+                                 "or a ckpt.pt / training out_dir", not_empty=True),
+)
 
-def _describe_range(low, high, low_open, high_open):
-    """ '> 0', '>= 0 and < 1', '<= 5': the words for a range. """
-    parts = []
-    if low is not None:
-        parts.append(f"{'>' if low_open else '>='} {low}")
-    if high is not None:
-        parts.append(f"{'<' if high_open else '<='} {high}")
-    return " and ".join(parts)
+INLOOP = Group(
+    'zero-shot HellaSwag and samples while training',
+    hellaswag_interval=non_negative(0, "score HellaSwag (eval.py's scoring) every N iterations; 0 = off"),
+    hellaswag_examples=non_negative(0, "the first N validation examples only; 0 = all 10,042"),
+    hellaswag_file=Setting(HELLASWAG_FILE, "this default is downloaded once (as eval.py does), or a JSONL file "
+                                           "of yours"),
+    sample_interval=non_negative(0, "every N iterations print sample_tokens greedy tokens after sample_prompt; "
+                                    "0 = off"),
+    sample_tokens=positive(32, "tokens in each in-loop sample"),
+    sample_prompt=Setting('', "'' = the end-of-text token (a character tokenizer's first character)"),
+)
 
+WANDB = Group(
+    'wandb logging',
+    wandb_log=flag(False, "True: send the metrics to Weights & Biases too"),
+    wandb_project=Setting('owt', "the wandb project"),
+    wandb_run_name=Setting('gpt2', "the run's name in the wandb project"),
+)
 
-def check_choice(cfg, key, choices):
-    """ cfg[key] is one of choices. """
-    if key in cfg and cfg[key] not in choices:
-        words = [repr(c) for c in choices]
-        listed = words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
-        raise UserError(f"{key} must be {listed}, got {cfg[key]!r}")
+DATA = Group(
+    'data',
+    dataset=Setting('openwebtext', "a name under data/ or a directory: nanoGPT's train.bin/val.bin, or llm.c "
+                                   "token shards", not_empty=True),
+    data_order=Setting('random', "'random' (nanoGPT's random windows) or 'sequential' (llm.c's: each token once "
+                                 "per epoch)", choices=ORDERS),
+    gradient_accumulation_steps=positive(5 * 8, "micro-batches per optimizer step (all processes together): "
+                                                "a big batch in a small memory"),
+    batch_size=positive(12, "sequences per micro-batch, per process"),
+    block_size=positive(1024, "the context length: tokens per sequence"),
+)
 
+MODEL = Group(
+    'model',
+    n_layer=positive(12, "Transformer blocks"),
+    n_head=positive(12, "attention heads per block"),
+    n_embd=positive(768, "the width: embedding and residual-stream size"),
+    dropout=Setting(0.0, "0.0 suits pretraining; fine-tuning usually wants 0.1 or more", low=0.0, high=1.0,
+                    high_open=True),
+    bias=flag(False, "biases in the Linear and LayerNorm layers (GPT-2 has them; without is a bit faster)"),
+    gelu=Setting('none', "'none' = exact GELU (nanoGPT), 'tanh' = GPT-2's approximation (new models)",
+                 choices=GELUS),
+    attention=Setting('flash', "'flash' (scaled_dot_product_attention) or 'manual'", choices=ATTENTIONS),
+)
 
-def check_flag(cfg, *keys):
-    """ Each of keys is True or False (a setting whose default is None takes any literal, so say it here). """
-    for key in keys:
-        check_choice(cfg, key, (True, False))
+ADAMW = Group(
+    'adamw optimizer',
+    learning_rate=Setting(6e-4, "the peak learning rate, reached at the end of the warmup", low=0.0,
+                          low_open=True),
+    max_iters=non_negative(600000, "the last iteration (training stops after it)"),
+    weight_decay=Setting(1e-1, "AdamW's weight decay (of the 2-D weights only)", low=0),
+    beta1=Setting(0.9, "AdamW's beta1", low=0.0, high=1.0, high_open=True),
+    beta2=Setting(0.95, "AdamW's beta2", low=0.0, high=1.0, high_open=True),
+    grad_clip=Setting(1.0, "the largest global gradient norm; 0.0 turns clipping off", low=0.0),
+)
 
+SPIKE_GUARD = Group(
+    "the spike guard (llm.c's -sl/-sg)",
+    skip_loss_z=Setting(0.0, "skip an update whose loss is more than this many standard deviations above its "
+                             "mean over the last 128 steps; 0.0 = off", low=0),
+    skip_grad_z=Setting(0.0, "the same for the gradient norm; 0.0 = off", low=0),
+)
 
-def check_not_empty(cfg, *keys):
-    """ Each of keys is a non-empty string (a directory or a name that must be given). """
-    for key in keys:
-        if key in cfg and not str(cfg[key]).strip():
-            raise UserError(f"{key} must not be empty; pass --{key}=<a name>")
+LR_DECAY = Group(
+    'learning rate decay',
+    decay_lr=flag(True, "linear warmup, then cosine decay to min_lr; False: learning_rate throughout"),
+    warmup_iters=non_negative(2000, "iterations of the linear warmup"),
+    lr_decay_iters=non_negative(600000, "where the cosine ends; Chinchilla puts it at about max_iters"),
+    min_lr=Setting(6e-5, "the rate after lr_decay_iters; Chinchilla suggests about learning_rate/10", low=0),
+)
 
+SYSTEM = Group(
+    'system',
+    backend=Setting('auto', "'auto' = nccl for CUDA, gloo for CPU; or 'nccl', 'gloo'", choices=BACKENDS),
+    parallelism=Setting('ddp', "under torchrun: 'ddp' (a full model copy per rank) or 'fsdp' (shard the model, "
+                               "FSDP2)", choices=('ddp', 'fsdp')),
+    device=Setting('auto', "'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:N', 'mps'", not_empty=True),
+    dtype=Setting('auto', "'auto' (bfloat16 if the GPU has it, else float16; float32 on CPU), 'float32', "
+                          "'bfloat16', 'float16'", choices=DTYPES),
+    compile=Setting(None, "torch.compile the model: None = auto (on for CUDA, where it pays for itself), "
+                          "True/False to force", kind=bool, choices=(None, True, False)),
+    activation_checkpointing=flag(False, "True: recompute each Block in the backward pass (less memory, more "
+                                         "compute)"),
+    num_threads=non_negative(0, "CPU threads for torch; 0 = auto (time all cores, half, ..., 1; keep the "
+                                "fastest; re-checked while training)"),
+    seed=non_negative(1337, "the seed of the model's initialisation, the data order, dropout and sampling"),
+)
 
 def check_model_shape(cfg):
-    """ The architecture settings GPTConfig/GPT would otherwise reject with a ValueError deep in the build. """
-    check_positive(cfg, 'n_layer', 'n_head', 'n_embd')
-    check_range(cfg, 'dropout', low=0.0, high=1.0, high_open=True)
-    check_choice(cfg, 'gelu', GELUS)
-    check_choice(cfg, 'attention', ATTENTIONS)
-    check_flag(cfg, 'bias')
-    if all(k in cfg for k in ('n_embd', 'n_head')) and cfg['n_embd'] % cfg['n_head']:
+    """ The architecture combination GPTConfig/GPT would otherwise reject deep in the build. """
+    if all(cfg.get(k) for k in ('n_embd', 'n_head')) and cfg['n_embd'] % cfg['n_head']:
         raise UserError(f"n_embd ({cfg['n_embd']}) must be divisible by n_head ({cfg['n_head']}): each head "
                         f"gets n_embd / n_head dimensions; change one of them")
 
 
-def check_system(cfg):
-    """ dtype, backend, compile and num_threads, as far as they can be checked without a device. """
-    check_choice(cfg, 'dtype', DTYPES)
-    check_choice(cfg, 'backend', BACKENDS)
-    check_choice(cfg, 'compile', (None, True, False))
-    check_non_negative(cfg, 'num_threads')
+# -----------------------------------------------------------------------------
+# the other scripts' own settings
+
+WEIGHTS_SETTING = Setting('float32', "how the weights are stored and read: 'float32' (exact), 'bfloat16' or "
+                                     "'int8' (weight-only, per row)", choices=WEIGHTS)
+
+SAMPLING = Group(
+    'sampling',
+    start=Setting("\n", "the prompt text, or \"FILE:path\" to read it from a file ('<|endoftext|>': BPE's end "
+                        "of text)"),
+    num_samples=positive(10, "samples to draw, all in one batch"),
+    max_new_tokens=non_negative(500, "tokens added to each sample"),
+    temperature=Setting(0.8, "divides the logits: < 1.0 sharper, > 1.0 flatter; 0 = greedy (argmax)"),
+    top_k=Setting(200, "draw only among the top_k most likely tokens (None: among all)", none_ok=True),
+    top_p=Setting(1.0, "nucleus sampling: keep the most likely tokens up to this probability mass (1.0: off)",
+                  none_ok=True),
+    mode=Setting('exact', "'exact' (nanoGPT's results) or 'fast' (a KV cache in the model's dtype, see "
+                          "sample.py)", choices=MODES),
+    stop_at_eot=flag(False, "BPE models (gpt2, bpe): end a sample at <|endoftext|>"),
+    weights=WEIGHTS_SETTING,
+)
+
+EVALUATION = Group(
+    'zero-shot evaluation',
+    task=Setting('loss', "loss | hellaswag | lambada"),
+    data_file=Setting('', "the token file (loss) or JSONL (hellaswag, lambada); '' = the task's default"),
+    split=Setting('val', "loss: the split of the dataset to score", not_empty=True),
+    stride=non_negative(0, "loss: 0 = non-overlapping block_size windows; S = a sliding window, every token "
+                           "scored once"),
+    max_examples=non_negative(0, "0 = all; else the first N examples (loss: windows), for quick runs"),
+    output_file=Setting('', "also write the result JSON here"),
+    weights=WEIGHTS_SETTING,
+)
+
+FINETUNING = Group(
+    'fine-tuning (GPT-1)',
+    task=Setting('', "classification | entailment | similarity | multiple_choice ('' = the checkpoint's, when "
+                     "predicting or resuming)"),
+    train_file=Setting('', "JSONL with labels"),
+    val_file=Setting('', "JSONL with labels; the accuracy after every epoch picks the model kept as ckpt.pt"),
+    predict_file=Setting('', "JSONL without (or with ignored) labels: write predictions of the best model"),
+    predict_out=Setting('', "where the predictions go ('' = out_dir/predictions.jsonl)"),
+    epochs=positive(3, "passes over the training file"),
+    lm_loss_weight=Setting(0.5, "lambda in L3 = L2 + lambda * L1 (the auxiliary LM loss); 0 turns it off", low=0),
+    warmup_frac=Setting(0.002, "warm up over this fraction of all steps, then decay to min_lr by the last step",
+                        low=0.0, high=1.0),
+    eval_batch_size=non_negative(0, "examples per forward pass in evaluation; 0 = batch_size"),
+    weights=WEIGHTS_SETTING,  # predictions only (--predict_file without --train_file)
+)
+
+EXPORT = Group(
+    'export',
+    hf_dir=Setting('', "where to write the Hugging Face directory; '' = <out_dir>/hf"),
+    weights=Setting('float32', "the dtype model.safetensors stores: 'float32' (exact) or 'bfloat16' (half the "
+                               "size)"),
+)
+
+BENCH = Group(
+    'what bench.py measures',
+    real_data=flag(True, "True: batches of the dataset's train split; False: random tokens"),
+    fused=Setting(None, "None = auto (fused AdamW where available); False = PyTorch's default AdamW for the "
+                        "device", kind=bool, choices=(None, True, False)),
+    burnin=non_negative(10, "untimed steps first (compilation, allocator and cache warm-up)"),
+    steps=positive(20, "timed steps"),
+    profile=flag(False, "True: a torch.profiler trace and op table instead of the timings"),
+    profile_dir=Setting('bench_log', "where the profiler trace goes", not_empty=True),
+)
+
+
+def subset(group, *names):
+    """ The settings `names` of a group (a script that uses some of them), in the group's order. """
+    return Group(group.title, **{k: v for k, v in group.items() if k in names})

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write
-from nanogpt_plus.runtime import UserError
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4  # 1024: the tokens start here

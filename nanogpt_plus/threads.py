@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from nanogpt_plus.runtime import UserError
+from nanogpt_plus.errors import UserError
 
 
 def apply_cpu_threads(num_threads):
@@ -134,3 +134,34 @@ class ThreadRetuner:
         torch.set_num_threads(self.todo[0])
         self.times = []
         self.warmup = 1
+
+
+def choose_threads(model, loader, ctx, dist_info, fsdp=False):
+    """
+    num_threads=0 on the CPU: small models run faster on fewer threads than cores (per-op overhead outweighs
+    the parallelism), so time the candidates on a batch of an evaluation stream (rewound before every
+    evaluation, so the training stream is untouched) and keep the fastest. Returns a ThreadRetuner that
+    re-checks while training, as the machine's load changes (None when there was nothing to choose).
+    Under FSDP the other ranks' models are on the meta device and can't run a forward: rank 0 times for them
+    all and its choice is set on every rank (same cores per process, same model: the same best count).
+    """
+    if not fsdp:
+        return _time_threads(model, loader, ctx, dist_info.master)
+    import torch.distributed as dist
+    choice = [None, None]  # (threads, the counts timed, or None when there was nothing to choose)
+    if dist_info.rank == 0:
+        retuner = _time_threads(model, loader, ctx, master=True)
+        choice = [torch.get_num_threads(), retuner and retuner.candidates]
+    dist.broadcast_object_list(choice, src=0)
+    threads, candidates = choice
+    torch.set_num_threads(threads)
+    return ThreadRetuner(candidates) if candidates else None
+
+
+def _time_threads(model, loader, ctx, master):
+    threads, timings = tune_cpu_threads(model, *loader.next_batch(), ctx)
+    if not timings:
+        return None
+    if master:
+        print(describe_thread_choice(threads, timings))
+    return ThreadRetuner(list(timings))  # the thread counts it timed

@@ -25,7 +25,7 @@ import json
 import os
 import pickle
 
-from nanogpt_plus.runtime import error_line
+from nanogpt_plus.errors import TokenizerError, UserError, error_line
 
 # the sha256 of OpenAI's GPT-2 BPE files, exactly the hashes tiktoken checks for its 'gpt2' encoding
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -34,10 +34,6 @@ GPT2_VOCAB_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings
 GPT2_ENCODER_JSON_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"
 EOT_TEXT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"  # a bpe tokenizer's file, beside the meta that names it
-
-
-class TokenizerError(Exception):
-    """ A problem the user can fix (missing files, unknown characters); the message says how. """
 
 
 def _tiktoken_cache_has_gpt2():
@@ -476,3 +472,80 @@ def read_dataset_meta(data_dir):
         meta["kind"] = tokenizer_kind(meta)
         return meta
     return None
+
+
+# -----------------------------------------------------------------------------
+# compatibility: whether a dataset's tokens mean to a model what they meant to the tokenizer that made them
+
+def tokenizer_identity(meta):
+    """
+    What makes two tokenizer descriptions the same: ('gpt2',), ('char', its {character: id} vocabulary) or
+    ('bpe', the fingerprint of its tokenizer.json: the content, whatever its formatting).
+    """
+    kind = tokenizer_kind(meta)
+    if kind == 'char':
+        return kind, {str(ch): int(i) for ch, i in (meta.get('stoi') or {}).items()}
+    if kind == 'bpe':
+        return kind, tokenizer_fingerprint(meta['tokenizer_json']) if meta.get('tokenizer_json') else None
+    return (kind,)
+
+
+TRAIN_REMEDY = "train on a dataset prepared with the model's tokenizer, or from scratch on this one"
+
+
+def check_dataset_tokenizer(data_dir, data_meta, tokenizer_meta, source, remedy=TRAIN_REMEDY):
+    """
+    A model trained with one tokenizer reads another's ids as other tokens and trains on (or is scored) without
+    an error: refuse a dataset whose meta describes another tokenizer (another kind, another character vocabulary,
+    or another bpe tokenizer.json). A dataset without a meta file says nothing about its tokenizer; its ids are
+    checked against the model's vocab_size as they are read (dataloader.check_token_ids). remedy: what to do.
+    """
+    if data_meta is None or tokenizer_identity(data_meta) == tokenizer_identity(tokenizer_meta):
+        return
+    raise UserError(f"{_tokenizer_difference(data_dir, data_meta, source, tokenizer_meta)}: its token ids would "
+                    f"mean other tokens to the model; {remedy}")
+
+
+def tokenizer_size(meta):
+    """ The number of token ids a tokenizer description uses (GPT-2's name none: 50,257), None if unknown. """
+    kind = tokenizer_kind(meta)
+    size = meta.get('vocab_size') or (len(meta.get('stoi') or {}) if kind == 'char' else None)
+    return GPT2_TOKENS if size is None and kind == 'gpt2' else size
+
+
+def _describe_tokenizer(meta):
+    """ A description's kind and size for messages, e.g. 'bpe (8,192 tokens)'. """
+    size = tokenizer_size(meta)
+    return f"{tokenizer_kind(meta)} ({int(size):,} tokens)" if size else tokenizer_kind(meta)
+
+
+def check_tokenizer_fits(config, tokenizer_meta, source):
+    """
+    A tokenizer with more ids than the model has embedding rows is not the model's: its ids would index past the
+    table (and fine-tuning's special tokens would share ids with text). Usually a nanoGPT checkpoint whose
+    dataset meta.pkl is missing here, so that its tokenizer was guessed to be GPT-2's. Checked by the scripts
+    that encode or decode text with it (sample.py, finetune.py, export); training and the loss don't need it.
+    """
+    size = tokenizer_size(tokenizer_meta or {'kind': 'gpt2'})
+    if size and int(size) > config.vocab_size:
+        raise UserError(f"the tokenizer of {source} has {int(size):,} tokens but its model only "
+                        f"{config.vocab_size:,}, so it is not the model's (a nanoGPT checkpoint is GPT-2 BPE unless "
+                        f"data/<dataset>/meta.pkl says otherwise): restore its dataset's meta.pkl")
+
+
+def _tokenizer_difference(data_dir, data_meta, source, model_meta):
+    """ The words for how two different tokenizer descriptions differ, naming both. """
+    data, model = tokenizer_identity(data_meta), tokenizer_identity(model_meta)
+    if data[0] != model[0] or data[0] == 'bpe':
+        other = "another tokenizer.json: " if data[0] == model[0] else ""
+        return (f"the dataset {data_dir} is tokenized with {other}{_describe_tokenizer(data_meta)}, the model "
+                f"{source} with {_describe_tokenizer(model_meta)}")
+    if set(data[1]) == set(model[1]):
+        return f"the dataset {data_dir} numbers the model's characters ({source}) differently"
+    data_chars, model_chars = ''.join(sorted(data[1])), ''.join(sorted(model[1]))
+    return (f"the dataset {data_dir} has another character vocabulary ({len(data_chars)} characters "
+            f"{data_chars[:40]!r}) than the model {source} ({len(model_chars)} characters {model_chars[:40]!r})")
+
+
+GPT2_TOKENS = 50257  # GPT-2's BPE, whose descriptions name no size
+

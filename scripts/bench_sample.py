@@ -23,7 +23,8 @@ import torch
 from configurator import configure
 from model import GPT, GPTConfig
 from nanogpt_plus.engine import generate
-from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.errors import UserError
+from nanogpt_plus.runtime import run_main
 
 DEFAULTS = dict(
     which='both',  # 'both', 'gpt2' (124M shape) or 'char' (shakespeare_char shape)

@@ -23,9 +23,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from benchtools import cpu_model, parse_ints, run_checked, work_directory, write_jsonl_corpus
 
 from configurator import configure
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare.plays import benchmark_documents
 from nanogpt_plus.prepare.shakespeare import shakespeare_text
-from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.runtime import run_main
 from nanogpt_plus.tokenizer import get_gpt2_encoding, train_bpe
 
 defaults = {

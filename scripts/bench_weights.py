@@ -31,7 +31,8 @@ from benchtools import cpu_model, parse_ints, run_checked, work_directory
 from configurator import configure
 from model import GPT, GPTConfig
 from nanogpt_plus.engine import generate
-from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.errors import UserError
+from nanogpt_plus.runtime import run_main
 from nanogpt_plus.weights import block_matrices, can_pack, set_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from contextlib import contextmanager
 
-from nanogpt_plus.runtime import UserError
+from nanogpt_plus.errors import UserError
 
 
 def parse_ints(text, setting):

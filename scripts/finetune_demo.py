@@ -24,8 +24,9 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from configurator import configure
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare import plays as dc
-from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.runtime import run_main
 from nanogpt_plus.tokenizer import read_dataset_meta
 
 PLAYS = ('tragedies/macbeth', 'tragedies/hamlet', 'tragedies/othello', 'comedies/a-midsummer-night-s-dream')

@@ -11,8 +11,9 @@ $ python scripts/plot_metrics.py --out_dir=out --output=loss.png
 import os
 
 from configurator import configure
-from nanogpt_plus.runtime import UserError, run_main
-from nanogpt_plus.training import read_metrics
+from nanogpt_plus.errors import UserError
+from nanogpt_plus.metrics import read_metrics
+from nanogpt_plus.runtime import run_main
 
 DEFAULTS = dict(out_dir='out', output='')
 

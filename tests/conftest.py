@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+
 from helpers import TINY_VOCAB, bpe_corpus_text, write_bpe_dataset
 
 # hermetic: Hugging Face libraries and wandb must never reach for the network inside the test suite

@@ -10,10 +10,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, iter_losses, train_args
 
 import bench
+from helpers import REPO, iter_losses, train_args
 from model import GPT, GPTConfig
+from nanogpt_plus import threads
 from nanogpt_plus.threads import ThreadRetuner, thread_candidates, tune_cpu_threads
 
 TINY = ['--device=cpu', '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=4',
@@ -106,7 +107,7 @@ def test_missing_dataset_is_one_clear_error(tmp_path):
 
 
 def test_negative_thread_count_is_one_clear_error():
-    from nanogpt_plus.runtime import UserError
+    from nanogpt_plus.errors import UserError
     with pytest.raises(UserError, match=r"num_threads must be >= 0, got -1"):
         bench.main(TINY + ['--num_threads=-1'])
 
@@ -207,7 +208,7 @@ def test_train_retunes_threads_only_in_auto_mode(tiny_dataset, tmp_path, monkeyp
         made[-1].seen = []
         return made[-1]
 
-    monkeypatch.setattr(train, 'ThreadRetuner', make)
+    monkeypatch.setattr(threads, 'ThreadRetuner', make)  # what train.py's thread choice makes
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

@@ -9,23 +9,26 @@ import math
 import os
 import shutil
 
-import helpers
 import numpy as np
 import pytest
 import torch
-from helpers import (bpe_corpus_text, iter_losses, save_test_checkpoint, synthetic_bpe_json, train_args,
-                     write_bpe_dataset)
 
 import bench
 import eval as eval_script
+import helpers
 import sample
 import train
+from helpers import (bpe_corpus_text, iter_losses, save_test_checkpoint, synthetic_bpe_json, train_args,
+                     write_bpe_dataset)
 from model import GPT, GPTConfig
-from nanogpt_plus.checkpoint import load_checkpoint, model_vocab_size
+from nanogpt_plus import periodic
+from nanogpt_plus.build import model_vocab_size
+from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.dataloader import TokenSource, open_token_file, split_files
 from nanogpt_plus.engine import generate
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import evaluate, task_examples
-from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.runtime import run_main
 from nanogpt_plus.shards import read_header, write_shard
 from nanogpt_plus.tokenizer import BPETokenizer, read_dataset_meta, tokenizer_fingerprint
 
@@ -218,8 +221,8 @@ def test_padded_ids_are_never_sampled(small_bpe, tmp_path, monkeypatch, capsys):
         out = train_generate(*args, **kwargs)
         drawn_in_loop.extend(out[0].tolist())
         return out
-    train_generate = train.generate
-    monkeypatch.setattr(train, "generate", recording_generate)
+    train_generate = periodic.generate  # train.py's in-loop samples
+    monkeypatch.setattr(periodic, "generate", recording_generate)
     train.main(train_args(data, tmp_path / "out", init_from=str(tmp_path / "ckpt.pt"), block_size=8,
                           sample_interval=1, sample_tokens=12, **dict(tiny_args, max_iters=0)))
     assert "sample 0: " in capsys.readouterr().out

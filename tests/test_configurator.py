@@ -6,9 +6,9 @@ import sys
 import types
 
 import pytest
-from helpers import REPO
 
 from configurator import ConfigError, parse_config
+from helpers import REPO
 
 DEFAULTS = dict(batch_size=12, learning_rate=6e-4, out_dir='out', compile=None, decay_lr=True, betas=(0.9, 0.95))
 

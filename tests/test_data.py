@@ -13,9 +13,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import REPO
 
+from helpers import REPO
 from nanogpt_plus.dataloader import TokenWindowLoader
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_outputs, atomic_write
 from nanogpt_plus.prepare import plays, shakespeare
 from nanogpt_plus.prepare.corpus import expand_files, load_corpus, prepare_corpus
@@ -23,7 +24,6 @@ from nanogpt_plus.prepare.plays import TINY_SHAKESPEARE_CHARS, shakespeare_subst
 from nanogpt_plus.prepare.shakespeare import TINY_SHAKESPEARE_URL, prepare_bpe, prepare_char, shakespeare_text
 from nanogpt_plus.prepare.text import download_text, find_invalid_utf8, read_text_file
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_token_batches, write_tokens
-from nanogpt_plus.runtime import UserError
 from nanogpt_plus.shards import as_token_array
 from nanogpt_plus.tokenizer import get_gpt2_encoding, load_tokenizer, read_dataset_meta
 

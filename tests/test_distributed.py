@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-from helpers import REPO, iter_losses, train_args
 
+from helpers import REPO, iter_losses, train_args
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.evaluation import score_examples
 
@@ -162,7 +162,7 @@ class CountingModel(torch.nn.Module):
 
 
 class FakeDist:
-    ddp, device = True, 'cpu'
+    under_torchrun, device = True, 'cpu'
 
     def __init__(self, rank, world_size):
         self.rank, self.world_size = rank, world_size

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import REPO, save_test_checkpoint
 
+from helpers import REPO, save_test_checkpoint
 from model import GPT, GPTConfig
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import (evaluate, evaluate_hellaswag, hellaswag_examples, loss_windows, read_task_records,
                                      score_examples)
-from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
 CHARS = "abcdefgh é\n"

@@ -18,17 +18,17 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, bpe_corpus_text, run_script, save_test_checkpoint, train_args
 from test_finetune import SINGLE, config, make_task, val_accuracy
 
 import export_hf
 import finetune
 import sample
+from helpers import REPO, bpe_corpus_text, run_script, save_test_checkpoint, train_args
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import HF_TOKENIZER_META, init_model, load_checkpoint, model_from_checkpoint
 from nanogpt_plus.engine import generate
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.hf_export import export
-from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import EOT_TEXT, TokenizerError, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, save_test_checkpoint
 
+from helpers import REPO, save_test_checkpoint
 from model import EXPORT_ACTIVATIONS, GPT, HF_ACTIVATIONS, GPTConfig
 from nanogpt_plus.checkpoint import init_model
 from nanogpt_plus.hf_export import export, hf_config, hf_state_dict

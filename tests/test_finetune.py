@@ -18,16 +18,19 @@ import types
 
 import pytest
 import torch
-from helpers import REPO, save_test_checkpoint
 
 import finetune
+import helpers
 from configurator import ConfigError, parse_config
+from helpers import REPO, save_test_checkpoint
 from model import GPT, GPTConfig
+from nanogpt_plus import checkpointer as checkpointer_mod
 from nanogpt_plus import finetuning
 from nanogpt_plus.checkpoint import init_model, load_checkpoint
-from nanogpt_plus.runtime import DistInfo, UserError
+from nanogpt_plus.distributed import DistInfo
+from nanogpt_plus.errors import UserError
+from nanogpt_plus.signals import GracefulExit
 from nanogpt_plus.tokenizer import CharTokenizer, load_tokenizer
-from nanogpt_plus.training import GracefulExit
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ."
 LETTERS = "abcdef"
@@ -358,6 +361,41 @@ def test_resume_continues_exactly(tmp_path):
     assert res['epochs'] == 2 and res['steps'] == 16
     assert res == dict(full, out_dir=str(tmp_path / 'b'))
     assert_same_training_state(tmp_path / 'a', tmp_path / 'b')
+
+
+def test_resume_keeps_the_models_architecture(tmp_path, monkeypatch, capsys):
+    """ train.py's rules on --init_from=resume: nothing cropped, a different architecture setting refused. """
+    src = make_source(tmp_path / 'src', block_size=64)
+    train, val = make_task(tmp_path, 'classification', n_train=32, n_val=8)
+    out = tmp_path / 'ft'
+    common = [f'--init_from={src}', f'--out_dir={out}', f'--train_file={train}', f'--val_file={val}',
+              '--task=classification', '--device=cpu', '--batch_size=8']
+    helpers.run_script(finetune, monkeypatch, *common, '--epochs=1')
+    last = (out / 'ckpt_last.pt').read_bytes()
+    resume = [a for a in common if not a.startswith('--init_from')] + ['--init_from=resume', '--epochs=2']
+    for bad, message in (('--block_size=32', r"--block_size=32 but the checkpoint .*ckpt_last.pt has block_size=64"),
+                         ('--n_layer=3', r"--n_layer=3 but the checkpoint .*ckpt_last.pt has n_layer=2")):
+        with pytest.raises(UserError, match=message):
+            helpers.run_script(finetune, monkeypatch, *resume, bad)
+        assert (out / 'ckpt_last.pt').read_bytes() == last  # nothing written
+    helpers.run_script(finetune, monkeypatch, *resume, '--block_size=64')  # the model's own: fine
+    assert load_checkpoint(str(out / 'ckpt_last.pt'))['model_args']['block_size'] == 64
+
+
+def test_a_failed_save_is_one_line_on_every_rank(tmp_path, monkeypatch):
+    """ finetune.py writes through train.py's Checkpointer: an OSError names the file and what to do. """
+    src = make_source(tmp_path / 'src')
+    train, val = make_task(tmp_path, 'classification', n_train=16, n_val=4)
+    out = tmp_path / 'ft'
+    (out / 'ckpt_last.pt').mkdir(parents=True)  # a directory where the file goes: the rename fails
+    with pytest.raises(UserError, match=rf"could not write the checkpoint {out / 'ckpt_last.pt'} \(.*\); make room"):
+        finetune.finetune(config(task='classification', init_from=src, out_dir=str(out), train_file=train,
+                                 val_file=val, epochs=1, batch_size=8), SINGLE)
+    # the weights are voted finite on every rank before anything is written
+    monkeypatch.setattr(checkpointer_mod, 'tensors_finite', lambda tensors: False)
+    with pytest.raises(UserError, match="weights are not finite at iter 2; not saving"):
+        finetune.finetune(config(task='classification', init_from=src, out_dir=str(tmp_path / 'ft2'),
+                                 train_file=train, val_file=val, epochs=1, batch_size=8), SINGLE)
 
 
 def test_interrupted_fine_tune_resumes_exactly(tmp_path, monkeypatch, capsys):

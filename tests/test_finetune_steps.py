@@ -11,8 +11,8 @@ from test_finetune import SINGLE, config, make_source, make_task
 from torch.utils.data import DistributedSampler
 
 import finetune
-from nanogpt_plus.finetuning import n_lm_targets
-from nanogpt_plus.runtime import DistInfo
+from nanogpt_plus.distributed import DistInfo
+from nanogpt_plus.finetuning import global_batch_counts, n_lm_targets, step_batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -55,11 +55,12 @@ def test_host_counts_equal_the_all_reduced_counts(world_size, batch_size, accum)
         for step in range(steps):
             state = finetune.FinetuneState(epoch=epoch, step_in_epoch=step)
             # what the all-reduce summed: every rank's micro-batches, counted by make_batch
-            batches = [b for run, order in zip(runs, orders) for b in finetune.step_batches(run, state, order)]
+            batches = [b for run, order in zip(runs, orders)
+                       for b in step_batches(run.data, run.special, run.schedule, state.step_in_epoch, order, 'cpu')]
             reduced = (float(sum(b['labels'].numel() for b in batches)), float(sum(b['n_lm_targets'] for b in batches)))
             assert reduced[0] > 0
             for run in runs:  # each rank computes the same, alone
-                assert finetune.global_batch_counts(run, state) == reduced
+                assert global_batch_counts(run.data, run.sampler, run.schedule, state.step_in_epoch) == reduced
 
 
 def test_train_steps_run_no_collective(tmp_path, monkeypatch):

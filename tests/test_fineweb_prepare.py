@@ -13,12 +13,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import REPO
 
+from helpers import REPO
 from nanogpt_plus.dataloader import open_token_file
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare import fineweb
 from nanogpt_plus.prepare.fineweb import ShardWriter, prepare_fineweb
-from nanogpt_plus.runtime import UserError
 from nanogpt_plus.shards import as_token_array, find_shards, open_shard, read_header, write_shard
 from nanogpt_plus.tokenizer import get_gpt2_encoding
 

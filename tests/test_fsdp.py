@@ -12,12 +12,12 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, assert_losses_close, iter_losses, train_args
 
+from helpers import REPO, assert_losses_close, iter_losses, train_args
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from nanogpt_plus.distributed import DistInfo
 from nanogpt_plus.parallel import full_state_dicts, load_optimizer_state, mixed_precision_policy, wrap_model
-from nanogpt_plus.runtime import DistInfo
 
 # 4 micro-batches per step = 2 per rank: exercises FSDP's gradient accumulation without sync
 args = functools.partial(train_args, gradient_accumulation_steps=4, max_iters=6, eval_interval=3, lr_decay_iters=6,
@@ -111,7 +111,7 @@ def fsdp_worker(rank, init_file, out_dir, dtype):
     try:
         torch.manual_seed(0)
         model = GPT(GPTConfig(**TINY))
-        info = DistInfo(ddp=True, rank=rank, local_rank=rank, world_size=2, device='cpu')
+        info = DistInfo(under_torchrun=True, rank=rank, local_rank=rank, world_size=2, device='cpu')
         wrap_model(model, info, parallelism='fsdp', dtype=dtype)
         seen = []  # the dtype of a Block's weight while the Block runs: FSDP's all-gathered copy
         model.transformer.h[0].attn.c_attn.register_forward_pre_hook(lambda m, _: seen.append(m.weight.dtype))
@@ -192,7 +192,7 @@ def test_ddp_then_compile_without_buffer_broadcasts(tmp_path):
     from torch.nn.parallel import DistributedDataParallel as DDP
     dist.init_process_group('gloo', init_method=f'file://{tmp_path / "pg"}', rank=0, world_size=1)
     raw = GPT(GPTConfig(**TINY))
-    info = DistInfo(ddp=True, rank=0, local_rank=0, world_size=1, device='cpu')
+    info = DistInfo(under_torchrun=True, rank=0, local_rank=0, world_size=1, device='cpu')
     model = wrap_model(raw, info, compile_model=True, parallelism='ddp')  # compiles lazily: nothing runs yet
     # the compiled module is the DDP one (what dynamo's DDPOptimizer needs to overlap the all-reduces)
     assert isinstance(model, OptimizedModule) and isinstance(model._orig_mod, DDP)
@@ -241,7 +241,8 @@ def test_resumed_optimizer_state_does_not_keep_the_checkpoint_mapped(tmp_path):
 # FSDP's ranks other than 0 build the model on the meta device and are sent their shards by rank 0
 
 def test_init_model_on_meta_allocates_nothing_and_draws_nothing(tmp_path):
-    from nanogpt_plus.checkpoint import init_model, scratch_model
+    from nanogpt_plus.build import scratch_model
+    from nanogpt_plus.checkpoint import init_model
     path = str(tmp_path / 'ckpt.pt')
     model = GPT(GPTConfig(**TINY))
     save_checkpoint({'model': model.state_dict(), 'model_args': model.config.model_args()}, path)
@@ -261,9 +262,9 @@ def test_init_model_on_meta_allocates_nothing_and_draws_nothing(tmp_path):
 def meta_worker(rank, init_file, out_dir, source):
     import torch.distributed as dist
 
-    from nanogpt_plus.checkpoint import init_model, scratch_model
+    from nanogpt_plus.build import fit_block_size, scratch_model
+    from nanogpt_plus.checkpoint import init_model
     from nanogpt_plus.parallel import shard_model
-    from nanogpt_plus.training import fit_block_size
     torch.set_num_threads(1)
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
     try:
@@ -276,7 +277,7 @@ def meta_worker(rank, init_file, out_dir, source):
             model, _, _ = init_model(os.path.join(out_dir, 'ckpt.pt'), on_meta=rank != 0)
             fit_block_size(model, 8)  # cropped on meta too: the masks must come back at the cropped size
         result = {'meta_before': all(t.is_meta for t in list(model.parameters()) + list(model.buffers()))}
-        shard_model(model, DistInfo(ddp=True, rank=rank, local_rank=rank, world_size=2, device='cpu'))
+        shard_model(model, DistInfo(under_torchrun=True, rank=rank, local_rank=rank, world_size=2, device='cpu'))
         result['tied'] = model.lm_head.weight is model.transformer.wte.weight
         result['local'] = {n: p.to_local().clone() for n, p in model.named_parameters()}
         result['masks'] = [b.attn.bias.clone() for b in model.transformer.h]

@@ -13,12 +13,12 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import REPO
-from helpers import TINY_VOCAB as VOCAB
-from helpers import assert_losses_close, iter_losses, train_args
 
 import bench
 import train
+from helpers import REPO
+from helpers import TINY_VOCAB as VOCAB
+from helpers import assert_losses_close, iter_losses, train_args
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.engine import KVCache, generate

@@ -11,14 +11,16 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, assert_losses_close, iter_losses, train_args
 
 import bench
 import train
+from helpers import REPO, assert_losses_close, iter_losses, train_args
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import load_checkpoint
-from nanogpt_plus.runtime import UserError, run_main
-from nanogpt_plus.training import SPIKE_WINDOW, SpikeGuard, skip_update, take_update, unscale_and_clip
+from nanogpt_plus.errors import UserError
+from nanogpt_plus.optimizer import skip_update, take_update, unscale_and_clip
+from nanogpt_plus.runtime import run_main
+from nanogpt_plus.spike_guard import SPIKE_WINDOW, SpikeGuard
 
 tiny_args = functools.partial(train_args, dropout=0.1, num_threads=1)  # fixed threads: bitwise runs
 PLAIN_FORWARD = GPT.forward  # what inject_spike wraps (never a wrapper a previous injection left)

@@ -13,12 +13,13 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import REPO, TINY_VOCAB, iter_losses, train_args
 
 import train
+from helpers import REPO, TINY_VOCAB, iter_losses, train_args
 from nanogpt_plus import evaluation
-from nanogpt_plus.runtime import UserError, run_main
-from nanogpt_plus.training import read_metrics
+from nanogpt_plus.errors import UserError
+from nanogpt_plus.metrics import read_metrics
+from nanogpt_plus.runtime import run_main
 
 # the tiny dataset's repeating pattern, over 19 letters and a space (HellaSwag endings are scored after a space)
 SYMBOLS = 'abcdefghijklmnopqrs '

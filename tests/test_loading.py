@@ -11,12 +11,12 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, save_test_checkpoint
 
+from helpers import REPO, save_test_checkpoint
 from model import GPT, GPTConfig
-from nanogpt_plus.checkpoint import (_ShapesOnly, init_model, load_checkpoint, loaded_model, meta_model,
-                                     model_from_checkpoint)
-from nanogpt_plus.runtime import UserError
+from nanogpt_plus.build import _ShapesOnly, loaded_model, meta_model
+from nanogpt_plus.checkpoint import init_model, load_checkpoint, model_from_checkpoint
+from nanogpt_plus.errors import UserError
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50, bias=True, gelu='tanh')
 

@@ -16,13 +16,15 @@ import time
 
 import pytest
 import torch
-from helpers import REPO, iter_losses, train_args
 
 import finetune
 import train
+from helpers import REPO, iter_losses, train_args
+from nanogpt_plus.errors import EXIT_INTERRUPTED, UserError
+from nanogpt_plus.metrics import read_metrics
 from nanogpt_plus.outdir import LOCK_NAME, OutDirLock
-from nanogpt_plus.runtime import EXIT_INTERRUPTED, UserError, run_main
-from nanogpt_plus.training import GracefulExit, read_metrics
+from nanogpt_plus.runtime import run_main
+from nanogpt_plus.signals import GracefulExit
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

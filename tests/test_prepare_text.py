@@ -14,10 +14,10 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import REPO, bpe_corpus_text, synthetic_bpe_json
 
+from helpers import REPO, bpe_corpus_text, synthetic_bpe_json
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare import corpus
-from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import load_tokenizer, read_dataset_meta
 
 SCRIPT = os.path.join(REPO, "data", "text", "prepare.py")

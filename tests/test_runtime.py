@@ -1,12 +1,15 @@
 """
-nanogpt_plus.runtime's choices that depend on the GPU, checked on the CPU by standing in for torch.cuda.
+nanogpt_plus.device's choices that depend on the GPU, checked on the CPU by standing in for torch.cuda, and
+runtime.run_main's endings: exit codes, and the process group torn down once, by run_main.
 """
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from nanogpt_plus.runtime import resolve_dtype
+from nanogpt_plus.device import resolve_dtype
+from nanogpt_plus.errors import ConfigError, Interrupted, TokenizerError, UserError, exit_code
+from nanogpt_plus.runtime import run_main
 
 
 def fake_gpu(monkeypatch, major, emulates_bf16):
@@ -46,3 +49,25 @@ def test_explicit_dtypes_are_kept(monkeypatch):
     assert resolve_dtype('bfloat16', 'cuda') == 'bfloat16'  # asked for: the user's choice, emulated or not
     assert resolve_dtype('float16', 'cuda') == 'float16'
     assert resolve_dtype('float32', 'cuda') == 'float32'
+
+
+def test_user_errors_share_one_exit_code():
+    for error in (UserError("x"), ConfigError("x"), TokenizerError("x")):
+        assert isinstance(error, UserError) and exit_code(error) == 2
+    assert exit_code(Interrupted()) == 75 and exit_code(RuntimeError()) == 1
+
+
+def test_run_main_tears_the_process_group_down_after_main(tmp_path, capsys):
+    import torch.distributed as dist
+
+    def main():  # a script's main() that joined a process group (as init_distributed does under torchrun)
+        dist.init_process_group('gloo', init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    run_main(main)
+    assert not dist.is_initialized()  # no script does it itself: run_main does, once main() has returned
+
+    def failing():
+        dist.init_process_group('gloo', init_method=f"file://{tmp_path / 'store2'}", rank=0, world_size=1)
+        raise UserError("a setting is wrong")
+    with pytest.raises(SystemExit) as e:
+        run_main(failing)
+    assert e.value.code == 2 and capsys.readouterr().err == "error: a setting is wrong\n"

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, save_test_checkpoint
 
+from helpers import REPO, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 

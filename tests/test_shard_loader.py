@@ -13,13 +13,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_VOCAB, iter_losses, train_args, train_one_and_two_ranks
 
 import bench
 import train
+from helpers import TINY_VOCAB, iter_losses, train_args, train_one_and_two_ranks
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.dataloader import TokenWindowLoader, split_files
-from nanogpt_plus.runtime import UserError
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.shards import write_shard
 
 tiny_args = functools.partial(train_args, dropout=0.1, num_threads=1)  # fixed threads: bitwise runs

@@ -7,8 +7,8 @@ import hashlib
 import json
 
 import pytest
-from helpers import bpe_corpus_text, synthetic_bpe_json, write_bpe_dataset
 
+from helpers import bpe_corpus_text, synthetic_bpe_json, write_bpe_dataset
 from nanogpt_plus.tokenizer import (EOT_TEXT, MIN_BPE_VOCAB, BPETokenizer, CharTokenizer, GPT2Tokenizer, TokenizerError,
                                     load_tokenizer, read_dataset_meta, read_tokenizer_file, tokenizer_fingerprint,
                                     train_bpe)

@@ -10,15 +10,15 @@ import time
 
 import pytest
 import torch
+
+import train
 from helpers import REPO
 from helpers import TINY_VOCAB as VOCAB
 from helpers import iter_losses, train_args, train_one_and_two_ranks
-
-import train
 from model import GPT, NANOGPT_MODEL_ARGS, GPTConfig
 from nanogpt_plus import checkpoint as checkpoint_mod
 from nanogpt_plus.checkpoint import load_checkpoint, save_checkpoint
-from nanogpt_plus.runtime import EXIT_INTERRUPTED, UserError
+from nanogpt_plus.errors import EXIT_INTERRUPTED, UserError
 from nanogpt_plus.tokenizer import read_dataset_meta
 
 tiny_args = functools.partial(train_args, dropout=0.1, num_threads=1)  # fixed threads: bitwise runs
@@ -289,7 +289,7 @@ def test_plot_metrics(dataset, tmp_path, capsys):
 
 
 def test_lr_schedule():
-    from nanogpt_plus.training import get_lr
+    from nanogpt_plus.optimizer import get_lr
     lrs = [get_lr(it, 1e-3, 10, 100, 1e-4) for it in range(120)]
     assert lrs[0] == pytest.approx(1e-3 / 11) and lrs[9] == pytest.approx(1e-3 * 10 / 11)  # linear warmup
     assert lrs[10] == pytest.approx(1e-3)  # cosine starts at the max

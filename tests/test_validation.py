@@ -11,7 +11,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, TINY_VOCAB, train_args
 
 import bench
 import eval as eval_script
@@ -19,11 +18,13 @@ import finetune
 import sample
 import train
 from configurator import ConfigError, Settings, parse_config
+from helpers import REPO, TINY_VOCAB, train_args
 from model import GPT, GPTConfig
 from nanogpt_plus import dataloader, finetuning
-from nanogpt_plus.checkpoint import build_checkpoint, load_checkpoint, save_checkpoint
+from nanogpt_plus.checkpoint import ARCHITECTURE, build_checkpoint, load_checkpoint, save_checkpoint
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import WriteFailed, atomic_write
-from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.runtime import run_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -167,7 +168,7 @@ def test_resume_with_another_architecture_is_refused(dataset, run_dir, setting, 
 def test_resume_takes_the_checkpoints_architecture(dataset, run_dir, capsys):
     # none of the model settings given: the defaults (GPT-2 124M, block_size 1024) give way to the checkpoint's
     args = [a for a in resume_args(dataset, run_dir, max_iters=8, eval_interval=4, lr_decay_iters=8)
-            if a.split("=")[0][2:] not in train.ARCHITECTURE]
+            if a.split("=")[0][2:] not in ARCHITECTURE]
     train.main(args)
     assert "tokens per iteration will be: 128" in capsys.readouterr().out  # 2 x 4 x block_size 16
     ckpt = load_checkpoint(str(run_dir / "ckpt.pt"))

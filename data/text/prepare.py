@@ -21,8 +21,9 @@ The tokenized splits are cached by Hugging Face datasets (--cache_dir), so a sec
 import os
 
 from configurator import configure
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare.corpus import prepare_corpus
-from nanogpt_plus.runtime import UserError, run_main
+from nanogpt_plus.runtime import run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

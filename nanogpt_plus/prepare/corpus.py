@@ -25,11 +25,11 @@ import time
 
 import numpy as np
 
+from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_outputs
 from nanogpt_plus.prepare.shakespeare import encode_chars
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_token_batches
-from nanogpt_plus.runtime import UserError, error_line
 from nanogpt_plus.tokenizer import (BPETokenizer, CharTokenizer, GPT2Tokenizer, check_bpe_vocab_size, load_tokenizer,
                                     read_tokenizer_file, train_bpe)
 

@@ -33,11 +33,11 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.prepare.corpus import LOCAL_BUILDERS, expand_files
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import bpe_meta
-from nanogpt_plus.runtime import UserError, error_line
 from nanogpt_plus.shards import as_token_array, read_header, shard_header, token_dtype, write_shard
 from nanogpt_plus.tokenizer import (TOKENIZER_FILE, BPETokenizer, get_gpt2_encoding, read_tokenizer_file,
                                     tokenizer_fingerprint)

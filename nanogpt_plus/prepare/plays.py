@@ -14,7 +14,7 @@ import os
 import re
 import unicodedata
 
-from nanogpt_plus.runtime import UserError
+from nanogpt_plus.errors import UserError
 
 TINY_SHAKESPEARE_CHARS = 1_115_394  # the size of the real file; the substitute stops just short of it
 

@@ -16,11 +16,11 @@ import os
 import numpy as np
 
 from configurator import configure
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_outputs
 from nanogpt_plus.prepare.plays import shakespeare_substitute
 from nanogpt_plus.prepare.text import download_text, read_text_file
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_tokens
-from nanogpt_plus.runtime import UserError
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"

@@ -13,7 +13,7 @@ import codecs
 import os
 import urllib.request
 
-from nanogpt_plus.runtime import UserError
+from nanogpt_plus.errors import UserError
 
 
 def read_text_file(path):

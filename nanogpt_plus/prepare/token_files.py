@@ -20,7 +20,7 @@ import pickle
 import numpy as np
 from tqdm import tqdm
 
-from nanogpt_plus.runtime import UserError
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.shards import as_token_array, token_dtype
 from nanogpt_plus.tokenizer import TOKENIZER_FILE
 

@@ -1,0 +1,107 @@
+"""
+Where and in what precision a script computes: the device ('auto' resolved), the dtype and its autocast
+context, TF32 on CUDA, whether to torch.compile, and (for training) the peak FLOP/s MFU is measured against
+and the CPU thread count.
+
+Usage:
+    from nanogpt_plus.device import precision, resolve_device
+    device = resolve_device('auto')               # cuda, else mps, else cpu
+    dtype, ctx = precision(device, 'auto')        # TF32 on CUDA, dtype, autocast context
+"""
+
+from contextlib import nullcontext
+
+import torch
+
+from nanogpt_plus.errors import UserError
+from nanogpt_plus.hardware import device_peak_flops
+from nanogpt_plus.threads import apply_cpu_threads
+
+PTDTYPE = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+def resolve_device(device='auto'):
+    """ 'auto' -> cuda, else mps, else cpu; validates explicit choices ('cpu', 'cuda', 'cuda:N', 'mps'). """
+    if device == 'auto':
+        if torch.cuda.is_available():
+            return 'cuda'
+        if getattr(torch.backends, 'mps', None) is not None and torch.backends.mps.is_available():
+            return 'mps'
+        return 'cpu'
+    kind, _, index = device.partition(':')
+    if kind not in ('cpu', 'cuda', 'mps') or (index and not index.isdigit()) or (index and kind != 'cuda'):
+        raise UserError(f"unknown device '{device}': use auto, cpu, cuda, cuda:N or mps")
+    if kind == 'cuda':
+        if not torch.cuda.is_available():
+            raise UserError(f"device '{device}' was asked for but CUDA is not available; use --device=cpu (or auto)")
+        if index and int(index) >= torch.cuda.device_count():
+            raise UserError(f"device '{device}' does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    if kind == 'mps' and not (getattr(torch.backends, 'mps', None) and torch.backends.mps.is_available()):
+        raise UserError("device 'mps' was asked for but MPS is not available; use --device=cpu (or auto)")
+    return device
+
+
+def device_type_of(device):
+    return 'cuda' if 'cuda' in str(device) else ('mps' if 'mps' in str(device) else 'cpu')
+
+
+def resolve_dtype(dtype, device):
+    """ 'auto' -> bfloat16 on GPUs with native bf16, float16 on other GPUs, float32 elsewhere. """
+    device_type = device_type_of(device)
+    if dtype == 'auto':
+        if device_type == 'cuda':
+            # by default is_bf16_supported() also says yes where bf16 is only emulated (V100, T4: no bf16
+            # tensor cores), which runs far slower than fp16 with a GradScaler; count native support only
+            return 'bfloat16' if torch.cuda.is_bf16_supported(including_emulation=False) else 'float16'
+        return 'float32'
+    if dtype not in PTDTYPE:
+        raise UserError(f"unknown dtype '{dtype}': use auto, float32, bfloat16 or float16")
+    if dtype == 'float16' and device_type == 'cpu':
+        raise UserError("float16 training is not supported on CPU; use --dtype=bfloat16 or float32")
+    return dtype
+
+
+def autocast_context(device, dtype):
+    """ Mixed precision for the forward pass; float32 (and so the CPU default) runs without autocast. """
+    device_type = device_type_of(device)
+    if dtype == 'float32':
+        return nullcontext()
+    return torch.amp.autocast(device_type=device_type, dtype=PTDTYPE[dtype])
+
+
+def enable_tf32():
+    """ float32 matmuls and convolutions on CUDA may use TF32 tensor cores (10-bit mantissa inputs, fp32 sums). """
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def precision(device, dtype):
+    """ The numerics of a run on device: TF32 on CUDA, dtype ('auto' resolved) and its autocast context. """
+    if device_type_of(device) == 'cuda':
+        enable_tf32()
+    dtype = resolve_dtype(dtype, device)
+    return dtype, autocast_context(device, dtype)
+
+
+def resolve_compile(setting, device_type):
+    """
+    compile=None (auto) compiles on CUDA only: on the CPU the compile time (20-100 s on 2 cores) costs
+    about what it saves over a few thousand small-model iterations (measured with bench.py).
+    """
+    return setting if setting is not None else device_type == 'cuda'
+
+
+def compute_setup(device, dtype, compile_setting, num_threads, peak=True):
+    """
+    Everything a run on `device` decides before building the model: TF32 on CUDA, the dtype ('auto'
+    resolved), the autocast context, whether to torch.compile, the device's peak FLOP/s for MFU (None
+    with peak=False: on a CPU finding it runs a short matmul probe), and the CPU thread count.
+    Returns (dtype, ctx, compile_model, peak_flops).
+    """
+    device_type = device_type_of(device)
+    dtype, ctx = precision(device, dtype)
+    compile_model = resolve_compile(compile_setting, device_type)
+    # MFU against the whole device: on the CPU every core torch uses by default, whatever num_threads
+    peak_flops = device_peak_flops(device, PTDTYPE[dtype]) if peak else None
+    apply_cpu_threads(num_threads)
+    return dtype, ctx, compile_model, peak_flops

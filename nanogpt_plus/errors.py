@@ -1,0 +1,86 @@
+"""
+The errors every script can end with and the exit code of each. This module imports nothing of ours, so
+every other module (and configurator.py) may import it without a cycle.
+
+  UserError      something the user can fix (a setting, a missing file, a bad checkpoint): one line, exit 2
+  ConfigError    a bad config file or --key=value (a UserError)
+  TokenizerError text a tokenizer can't encode, tokenizer files that can't be used (a UserError)
+  Interrupted    a signal stopped the run after it saved: exit 75, "resume me"
+  PeerFailed     another rank failed at something all ranks depend on and said why: exit with its code
+
+Usage:
+    from nanogpt_plus.errors import UserError
+    raise UserError("no token file at data/x/train.bin; run python data/x/prepare.py first")
+"""
+
+import os
+
+# the exit code of a run stopped cleanly by SIGTERM/SIGINT after saving its checkpoint: sysexits.h's
+# EX_TEMPFAIL ("temporary failure, retry"), so a scheduler can tell "interrupted, resume me" from done (0),
+# a user error (2), a crash (1) and a second Ctrl-C (130)
+EXIT_INTERRUPTED = 75
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """ Something the user can fix (missing data, bad checkpoint, bad option); the message says how. """
+
+
+class ConfigError(UserError):
+    """ A bad config file or command-line argument; the message says which and what to do. """
+
+
+class TokenizerError(UserError):
+    """ A problem with a tokenizer the user can fix (missing files, unknown characters); the message says how. """
+
+
+class Interrupted(Exception):
+    """ A signal stopped the run and its state is saved; run_main exits EXIT_INTERRUPTED without a traceback. """
+
+
+class PeerFailed(Exception):
+    """
+    Rank 0 failed at something all ranks depend on (a checkpoint it alone writes) and prints why itself; the
+    other ranks raise this to stop with the same exit code without printing the message a second time.
+    """
+
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
+def exit_code(error):
+    """ The exit code a script ends with for error, so the ranks that didn't raise it can end alike. """
+    if isinstance(error, PeerFailed):
+        return error.code
+    if isinstance(error, Interrupted):
+        return EXIT_INTERRUPTED
+    if isinstance(error, UserError):
+        return EXIT_USER_ERROR
+    return 130 if isinstance(error, KeyboardInterrupt) else 1
+
+
+def error_line(error, limit=200):
+    """ 'Type: the first line of its message' (cut to limit characters), for an error quoted inside ours. """
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:limit]}" if lines else type(error).__name__
+
+
+def out_of_memory_error(iter_num, checkpoint_path, fsdp=True):
+    """
+    The one line a CUDA out-of-memory error in a training loop ends with: what to change so the step fits.
+    Nothing is saved after it (a checkpoint needs memory too, and the step's state is half-done), so the last
+    checkpoint, at checkpoint_path, stays as it was.
+    """
+    if os.path.exists(checkpoint_path):
+        kept = f"the last checkpoint, {checkpoint_path}, is kept (nothing was saved after the error)"
+        then = "resume with --init_from=resume"
+    else:
+        kept, then = f"no checkpoint had been saved to {os.path.dirname(checkpoint_path)} yet", "start again"
+    fixes = ["a smaller --batch_size with more --gradient_accumulation_steps (the same tokens per step)",
+             "--activation_checkpointing=True (recompute each Block in the backward pass)"]
+    if fsdp:
+        fixes.append("--parallelism=fsdp under torchrun (shard the weights and optimizer state)")
+    fixes.append("a smaller --block_size")
+    return UserError(f"out of GPU memory at iter {iter_num}; {kept}. To fit, use " + ", ".join(fixes[:-1])
+                     + f" or {fixes[-1]}, then {then}")

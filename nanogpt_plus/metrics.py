@@ -1,0 +1,123 @@
+"""
+Metrics logging: one JSON object per line in out_dir/metrics.jsonl (and, when asked, the same numbers to
+wandb), marked with the run (start) each record belongs to, and reading a file back as one true trajectory
+across resumes.
+
+Usage:
+    from nanogpt_plus.metrics import MetricsLogger, read_metrics
+    logger = MetricsLogger('out/metrics.jsonl', enabled=master)
+    logger.start(iter_num, init_from)
+    logger.log({'type': 'iter', 'iter': 5, 'loss': 2.1})
+    records = read_metrics('out/metrics.jsonl')
+"""
+
+import json
+import os
+import sys
+import time
+from datetime import datetime
+
+from nanogpt_plus.errors import error_line
+
+
+class MetricsLogger:
+    """
+    One JSON object per line in out_dir/metrics.jsonl (always, on the master rank) and, when asked, the
+    same numbers to wandb. A wandb that can't start (not installed, not logged in, offline without
+    WANDB_MODE=offline) is a warning, not a crash.
+
+    Every start of a run into the out_dir is a new 'run' (1, 2, ... counted from the file): each record
+    carries its number, and start() writes a {'type': 'start', 'run', 'iter', ...} record first, so a
+    resumed run's repeated iterations can be told from the ones they replace (read_metrics).
+    """
+
+    def __init__(self, path, enabled=True, wandb_log=False, wandb_project=None, wandb_run_name=None,
+                 config=None, wandb_dir=None):
+        self.enabled = enabled
+        self.path = path
+        self.wandb = None
+        self.t_start = time.time()
+        self.run = None
+        if not enabled:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.run = last_run_number(path) + 1
+        self.file = open(path, 'a', encoding='utf-8')
+        if self.file.tell() and not _ends_with_newline(path):
+            self.file.write("\n")  # a run killed mid-line left half a record: ours start on a line of their own
+        if wandb_log:
+            try:
+                import wandb
+                wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=wandb_dir)
+                self.wandb = wandb
+            except Exception as e:  # wandb raises many kinds (UsageError, CommError, ...): all mean "no wandb"
+                print(f"warning: wandb could not start ({error_line(e)}); "
+                      f"continuing without it (set WANDB_MODE=offline to log locally)", file=sys.stderr)
+
+    def start(self, iter_num, init_from):
+        """ The record that opens this run: where it starts (a resume: the checkpoint's iteration) and from what. """
+        self.log({'type': 'start', 'iter': iter_num, 'init_from': init_from,
+                  'time': datetime.now().astimezone().isoformat(timespec='seconds')})
+
+    def log(self, record):
+        if not self.enabled:
+            return
+        record = dict(record, run=self.run, wall_time=round(time.time() - self.t_start, 3))
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb is not None and record.get('type') != 'start':
+            numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ('iter', 'run')}
+            self.wandb.log(numbers, step=record.get('iter'))
+
+    def close(self):
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def last_run_number(path):
+    """ The highest 'run' of the start records in a metrics file (0 for none, or no file). """
+    last = 0
+    for record in _metrics_records(path):
+        if record.get('type') == 'start':
+            last = max(last, int(record.get('run') or 0))
+    return last
+
+
+def read_metrics(path):
+    """
+    The records of a metrics.jsonl that make up the run's true trajectory, in order: a later run's records
+    replace an earlier run's at iterations from its start on (a resume from iter 1000 drops the first run's
+    records past 1000; a new run from iter 0 into the same out_dir drops all of them). Its 'start' records
+    stay. Records of files from before the 'run' marks pass as they are.
+    """
+    kept = []
+    for record in _metrics_records(path):
+        if record.get('type') == 'start':
+            start = record.get('iter', 0)
+            kept = [r for r in kept if r.get('type') == 'start' or r.get('iter', -1) < start]
+        kept.append(record)
+    return kept
+
+
+def _metrics_records(path):
+    """ The JSON objects of a metrics file, skipping lines a killed run left unfinished; none for no file. """
+    if not os.path.exists(path):
+        return
+    with open(path, encoding='utf-8', errors='replace') as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # half a line: the process was killed while writing it
+            if isinstance(record, dict):
+                yield record
+
+
+def _ends_with_newline(path):
+    with open(path, 'rb') as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+

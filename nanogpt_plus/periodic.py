@@ -1,0 +1,125 @@
+"""
+What train.py does every N iterations besides training and the loss evaluation: zero-shot HellaSwag with
+the training model (hellaswag_interval, eval.py's scoring) and a greedy sample after a prompt
+(sample_interval), each printed as one line and logged to metrics.jsonl.
+
+Usage:
+    tasks = PeriodicTasks(cfg, dist_info, tokenizer_meta, block_size, ctx, compiled)   # at set-up: files, prompt
+    ran = tasks.run(iter_num, model, raw_model, logger)   # in the loop, on every rank
+"""
+
+import os
+
+import torch
+
+from nanogpt_plus.distributed import master_decides
+from nanogpt_plus.engine import generate
+from nanogpt_plus.errors import TokenizerError, UserError
+from nanogpt_plus.evaluation import HELLASWAG_FILE, public_task_file, score_hellaswag, task_data_file, task_examples
+from nanogpt_plus.tokenizer import load_tokenizer
+
+
+class PeriodicTasks:
+
+    def __init__(self, cfg, dist_info, tokenizer_meta, block_size, ctx, compiled):
+        """
+        Everything read before the first iteration, so that a missing HellaSwag file (offline) or a prompt the
+        tokenizer can't encode stops the run at set-up with one line, not at the first interval.
+        """
+        self.cfg, self.dist_info, self.ctx = cfg, dist_info, ctx
+        self.tokenizer_meta = tokenizer_meta
+        self.pad_to = cfg['block_size'] if compiled else None  # compiled: one shape, one graph
+        self.hellaswag = load_hellaswag(cfg, dist_info, tokenizer_meta, block_size)
+        self.prompt = sampling_prompt(cfg, dist_info, tokenizer_meta)
+
+    def run(self, iter_num, model, raw_model, logger):
+        """
+        HellaSwag and a sample when they are due at iter_num (before the val-loss evaluation). Returns whether
+        anything ran (that iteration's time then says nothing about the training step's).
+        """
+        hellaswag = self.hellaswag is not None and due(self.cfg['hellaswag_interval'], iter_num)
+        sample = self.prompt is not None and due(self.cfg['sample_interval'], iter_num)
+        if hellaswag:
+            self.score_hellaswag(iter_num, model, logger)
+        if sample and self.dist_info.master:
+            self.print_sample(iter_num, raw_model, logger)
+        return hellaswag or sample
+
+    def score_hellaswag(self, iter_num, model, logger):
+        """
+        Score HellaSwag with the training model (compiled, wrapped: every rank takes its share of the examples
+        and joins every forward) in eval mode under the run's autocast; print its line and log it (rank 0).
+        """
+        model.eval()
+        counts = score_hellaswag(model, self.hellaswag, self.cfg['batch_size'], self.dist_info.device, self.ctx,
+                                 self.dist_info, self.pad_to)
+        model.train()
+        correct, total = counts['correct_norm'], counts['total']
+        if self.dist_info.master:
+            print(f"hellaswag {iter_num}: acc_norm {correct / total:.4f} ({correct}/{total})")
+            logger.log({'type': 'hellaswag', 'iter': iter_num, 'acc_norm': correct / total,
+                        'correct': correct, 'total': total})
+
+    def print_sample(self, iter_num, raw_model, logger):
+        """ `sample N: <text>`: sample_tokens greedy tokens after the prompt, from the plain model (rank 0 only). """
+        tokenizer = load_tokenizer(self.tokenizer_meta)
+        idx = torch.tensor([self.prompt], dtype=torch.long, device=self.dist_info.device)
+        raw_model.eval()  # greedy: no randomness drawn, so the training RNGs (and a resume) are untouched
+        out = generate(raw_model, idx, self.cfg['sample_tokens'], temperature=0.0, ctx=self.ctx,
+                       vocab_size=tokenizer.vocab_size)
+        raw_model.train()
+        text = tokenizer.decode(out[0, idx.size(1):].tolist())
+        text = text.replace('\\', '\\\\').replace('\n', '\\n').replace('\r', '\\r')  # one line
+        print(f"sample {iter_num}: {text}")
+        logger.log({'type': 'sample', 'iter': iter_num, 'text': text})
+
+
+def due(interval, iter_num):
+    """ Whether a task run every `interval` iterations (0 = never) runs at this one. """
+    return interval > 0 and iter_num % interval == 0
+
+
+def load_hellaswag(cfg, dist_info, tokenizer_meta, block_size):
+    """
+    The HellaSwag examples the loop scores (evaluation.task_examples: eval.py's), or None when
+    hellaswag_interval is 0. The default file is downloaded once, by rank 0, the others waiting to hear
+    whether it worked; offline without it, every rank stops here with one line, before any training.
+    """
+    if cfg['hellaswag_interval'] == 0:
+        return None
+    path = cfg['hellaswag_file']
+    if path == HELLASWAG_FILE and not os.path.exists(path):
+        path = public_task_file('hellaswag')  # the repo's copy, wherever train.py runs from
+        master_decides(dist_info, lambda: task_data_file('hellaswag', setting='hellaswag_file'))
+    else:
+        task_data_file('hellaswag', path, setting='hellaswag_file')  # a file of the user's must exist
+    try:
+        examples, total = task_examples('hellaswag', path, load_tokenizer(tokenizer_meta), block_size,
+                                        cfg['hellaswag_examples'])
+    except TokenizerError as e:  # a char-level vocabulary without the letters (or the space) of the endings
+        raise UserError(f"HellaSwag ({path}) can't be scored with this model's tokenizer: {e}; or set "
+                        f"--hellaswag_interval=0") from None
+    if dist_info.master:
+        print(f"hellaswag: {total:,} examples of {path}, scored every {cfg['hellaswag_interval']} iterations")
+    return examples
+
+
+def sampling_prompt(cfg, dist_info, tokenizer_meta):
+    """
+    The token ids of the prompt the loop's samples continue, or None when sample_interval is 0 (or under
+    FSDP, where rank 0 alone holds no whole model to sample from and a batch of one would make every rank
+    join each decoding step: the samples are left out, said once here).
+    """
+    if cfg['sample_interval'] == 0:
+        return None
+    if dist_info.under_torchrun and cfg['parallelism'] == 'fsdp':
+        if dist_info.master:
+            print("note: sample_interval is ignored under parallelism=fsdp; sample from a checkpoint with sample.py")
+        return None
+    tokenizer = load_tokenizer(tokenizer_meta)
+    if not cfg['sample_prompt']:
+        return [tokenizer.eot_token if tokenizer.eot_token is not None else 0]
+    try:
+        return tokenizer.encode(cfg['sample_prompt'])
+    except TokenizerError as e:
+        raise UserError(f"--sample_prompt: {e}") from None

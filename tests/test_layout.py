@@ -1,0 +1,84 @@
+"""
+The shape of the code (DESIGN.md): train.py and finetune.py stay as short as nanoGPT's train.py, the package
+has no import cycle (function-level imports included), errors.py is a leaf, no entry point imports another,
+and tests share helpers through tests/helpers.py, not conftest.
+"""
+import ast
+import glob
+import os
+
+import pytest
+
+from helpers import REPO
+
+ENTRY_POINTS = ['train', 'sample', 'bench', 'eval', 'finetune', 'export_hf']
+TOP_LEVEL = ['model', 'configurator']  # the front-door modules the package imports
+
+
+def our_modules():
+    """ {module name: path} of the package and the top-level modules it imports. """
+    modules = {name: os.path.join(REPO, f"{name}.py") for name in TOP_LEVEL}
+    for path in glob.glob(os.path.join(REPO, 'nanogpt_plus', '**', '*.py'), recursive=True):
+        rel = os.path.relpath(path, REPO)[:-len('.py')].replace(os.sep, '.')
+        modules[rel[:-len('.__init__')] if rel.endswith('.__init__') else rel] = path
+    return modules
+
+
+def imports_of(path, known):
+    """ The modules of `known` that the file imports anywhere in it (inside functions too). """
+    found = set()
+    for node in ast.walk(ast.parse(open(path, encoding='utf-8').read())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            # `from nanogpt_plus import threads` imports nanogpt_plus.threads
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in known}
+    return found
+
+
+def test_no_import_cycle_anywhere_in_the_package():
+    modules = our_modules()
+    graph = {m: imports_of(p, modules) - {m} for m, p in modules.items()}
+    # a cycle through the package's __init__ (which imports nothing) can't happen: the parent of every module
+    state = {}
+
+    def visit(m, stack):
+        state[m] = 'open'
+        for n in sorted(graph[m]):
+            if state.get(n) == 'open':
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n, stack + [n])
+        state[m] = 'done'
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_errors_is_a_leaf():
+    modules = our_modules()
+    assert imports_of(modules['nanogpt_plus.errors'], modules) == set()
+
+
+@pytest.mark.parametrize("script", ['train', 'finetune'])
+def test_training_scripts_stay_short(script):
+    with open(os.path.join(REPO, f"{script}.py"), encoding='utf-8') as f:
+        assert len(f.readlines()) <= 400
+
+
+def test_no_entry_point_imports_another():
+    for name in ENTRY_POINTS:
+        imported = imports_of(os.path.join(REPO, f"{name}.py"), set(ENTRY_POINTS) - {name})
+        assert not imported, (name, imported)
+
+
+def test_tests_share_helpers_not_conftest():
+    for path in glob.glob(os.path.join(REPO, 'tests', '*.py')):
+        tree = ast.parse(open(path, encoding='utf-8').read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == 'conftest' or \
+                    isinstance(node, ast.Import) and any(a.name == 'conftest' for a in node.names):
+                pytest.fail(f"{os.path.basename(path)} imports conftest; import tests/helpers.py instead")

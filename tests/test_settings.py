@@ -1,0 +1,124 @@
+"""
+One settings schema (nanogpt_plus/settings.py): every setting of every entry point declared once with its
+default, type and help; --help lists them; a value of the wrong type, None included, is one line and exit 2.
+"""
+import subprocess
+import sys
+
+import pytest
+
+import bench
+import eval as eval_script
+import export_hf
+import finetune
+import sample
+import train
+from configurator import ConfigError, Group, Schema, Setting, parse_config
+from helpers import REPO
+from nanogpt_plus import settings
+from nanogpt_plus.errors import UserError
+
+SCRIPTS = {'train': train, 'finetune': finetune, 'sample': sample, 'eval': eval_script, 'bench': bench,
+           'export_hf': export_hf}
+
+# nanoGPT's train.py settings, with their defaults there (the interface other tools and users rely on)
+NANOGPT_TRAIN = dict(
+    out_dir='out', eval_interval=2000, log_interval=1, eval_iters=200, eval_only=False, always_save_checkpoint=True,
+    init_from='scratch', wandb_log=False, wandb_project='owt', wandb_run_name='gpt2', dataset='openwebtext',
+    gradient_accumulation_steps=40, batch_size=12, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0,
+    bias=False, learning_rate=6e-4, max_iters=600000, weight_decay=1e-1, beta1=0.9, beta2=0.95, grad_clip=1.0,
+    decay_lr=True, warmup_iters=2000, lr_decay_iters=600000, min_lr=6e-5, backend='auto', device='auto',
+    dtype='auto', compile=None)
+
+
+def test_train_keeps_nanogpts_settings_and_defaults():
+    assert len(NANOGPT_TRAIN) == 33
+    assert {k: train.DEFAULTS[k] for k in NANOGPT_TRAIN} == NANOGPT_TRAIN
+    # nanoGPT's device/dtype/compile defaults name one machine ('cuda', 'bfloat16', True); ours choose for it
+    assert train.DEFAULTS.specs['compile'].none_ok
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_setting_has_a_type_and_a_one_line_help(name):
+    schema = SCRIPTS[name].DEFAULTS
+    assert isinstance(schema, Schema)
+    for key, spec in schema.specs.items():
+        assert spec.help.strip() and "\n" not in spec.help, key
+        assert spec.problem(key, spec.default) is None, key  # every default is valid
+
+
+@pytest.mark.parametrize("name", ['train', 'finetune', 'sample', 'eval', 'export_hf'])
+def test_help_lists_every_setting_with_default_and_help(name):
+    r = subprocess.run([sys.executable, f"{name}.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for key, spec in SCRIPTS[name].DEFAULTS.specs.items():
+        at = next((i for i, ln in enumerate(lines) if ln.strip().startswith(f"--{key} ")), None)
+        assert at is not None, key
+        assert lines[at].endswith(f"= {spec.default!r}") and lines[at + 1].strip() == spec.help, lines[at:at + 2]
+
+
+def test_shared_settings_are_declared_once():
+    # the settings several scripts share are the same Setting (one help, one type), whatever default a script gives
+    for key in ('out_dir', 'seed', 'dtype', 'device', 'init_from', 'compile', 'batch_size', 'learning_rate'):
+        declared = {SCRIPTS[n].DEFAULTS.specs[key].help for n in SCRIPTS if key in SCRIPTS[n].DEFAULTS}
+        assert len(declared) == 1, (key, declared)
+    assert finetune.DEFAULTS['learning_rate'] == 6.25e-5 and train.DEFAULTS['learning_rate'] == 6e-4
+    assert sample.DEFAULTS['init_from'] == 'resume' and train.DEFAULTS['init_from'] == 'scratch'
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--decay_lr=None", "decay_lr expects bool, got None"),
+    ("--always_save_checkpoint=None", "always_save_checkpoint expects bool, got None"),
+    ("--batch_size=None", "batch_size expects int, got None"),
+    ("--learning_rate=None", "learning_rate expects float, got None"),
+    ("--batch_size=3.5", "batch_size expects int, got float"),
+    ("--compile=yes", "compile must be None, True or False, got 'yes'"),
+])
+def test_a_value_of_the_wrong_type_is_refused_where_it_is_read(arg, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(train.DEFAULTS, [arg])
+
+
+def test_none_where_it_means_something_is_taken():
+    assert parse_config(train.DEFAULTS, ["--compile=None"])["compile"] is None  # auto
+    assert parse_config(sample.DEFAULTS, ["--top_k=None"])["top_k"] is None  # no top-k
+    assert parse_config(train.DEFAULTS, ["--out_dir=None"])["out_dir"] == "None"  # a string setting: a name
+
+
+def test_config_file_values_are_checked_too(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("decay_lr = None\n")
+    with pytest.raises(ConfigError, match=f"{path}: decay_lr expects bool, got None"):
+        parse_config(train.DEFAULTS, [str(path)])
+
+
+def test_check_refuses_a_none_that_came_another_way():
+    # a dict built in code (a test's, a script's) goes through the same check as the command line
+    with pytest.raises(UserError, match="max_iters expects int, got None"):
+        train.check_settings(dict(train.DEFAULTS, max_iters=None))
+    with pytest.raises(UserError, match="epochs expects int, got None"):
+        finetune.check_settings(dict(finetune.DEFAULTS, epochs=None))
+    # a value of the right type but not among the choices: the check names them
+    with pytest.raises(UserError, match="data_order must be 'random' or 'sequential', got 'shuffled'"):
+        train.check_settings(parse_config(train.DEFAULTS, ["--data_order=shuffled"]))
+
+
+@pytest.mark.parametrize("arg", ["--decay_lr=None", "--batch_size=None"])
+def test_wrong_type_on_the_command_line_is_one_line_exit_2(arg, tmp_path):
+    r = subprocess.run([sys.executable, "train.py", arg, f"--out_dir={tmp_path}"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: --") and r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def test_schema_composition_rules():
+    a = Group('a', x=Setting(1, "x", low=0), y=Setting('s', "y"))
+    schema = Schema(a, x=5)
+    assert dict(schema) == {'x': 5, 'y': 's'} and schema.specs['x'].help == "x"  # another default, same setting
+    with pytest.raises(ValueError, match="declared twice"):
+        Schema(a, Group('b', x=Setting(2, "again")))
+    with pytest.raises(ValueError, match="not in any group"):
+        Schema(a, z=3)
+    with pytest.raises(TypeError):
+        Setting(None, "a None default needs its kind")
+    assert settings.subset(a, 'y') == {'y': a['y']}
