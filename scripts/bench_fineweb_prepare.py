@@ -15,20 +15,21 @@ import time
 
 from benchtools import cpu_model, cpu_seconds, parse_num_procs, work_directory  # scripts/ is on sys.path
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.prepare.fineweb import prepare_fineweb
 from nanogpt_plus.prepare.plays import benchmark_documents
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.tokenizer import get_gpt2_encoding
 
-defaults = {
-    'size_mb': 30,            # size of the generated corpus (its text)
-    'num_procs': '1,2',       # the num_proc values to compare
-    'shard_size': 10 ** 6,    # tokens per shard (a 30 MB corpus makes ~10 shards)
-    'repeats': 3,             # runs per num_proc; the fastest is reported (other load on the machine only slows)
-    'seed': 1337,             # the generated corpus is the same for a given seed
-    'work_dir': '',           # where the corpus, caches and outputs go ('' = a temporary directory, removed after)
-}
+DEFAULTS = Schema(Group(
+    'benchmark',
+    size_mb=Setting(30, "size of the generated corpus (its text), in MB", low=1),
+    num_procs=Setting('1,2', "the num_proc values to compare, comma separated"),
+    shard_size=Setting(10 ** 6, "tokens per shard (a 30 MB corpus makes ~10 shards)", low=1, high=2 ** 31 - 1),
+    repeats=Setting(3, "runs per num_proc; the fastest is reported (other load on the machine only slows)", low=1),
+    seed=Setting(1337, "the generated corpus is the same for a given seed", low=0),
+    work_dir=Setting('', "where the corpus, caches and outputs go ('' = a temporary directory, removed after)"),
+))
 
 
 def generate_parquet(path, size_mb, seed):
@@ -61,7 +62,8 @@ def fastest(work, corpus, num_proc, shard_size, repeats):
 
 
 def main():
-    config = configure(defaults, doc=__doc__)
+    config = configure(DEFAULTS, doc=__doc__)
+    DEFAULTS.check(config)
     num_procs = parse_num_procs(config['num_procs'])
     with work_directory(config['work_dir'], "bench_fineweb_") as work:
         corpus = os.path.join(work, "corpus.parquet")

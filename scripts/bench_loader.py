@@ -18,20 +18,21 @@ import time
 import numpy as np
 from benchtools import cpu_model, work_directory  # (scripts/ is on sys.path when a script in it runs)
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.dataloader import TokenWindowLoader, split_files
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.shards import write_shard
 
-defaults = {
-    'tokens': 100_000_000,     # tokens in train.bin (and in all the shards together)
-    'shard_tokens': 10_000_000,  # tokens per shard
-    'batch_size': 64,
-    'block_size': 1024,
-    'batches': 300,            # timed next_batch calls per configuration (after 10 untimed ones)
-    'seed': 1337,
-    'work_dir': '',            # where the files go ('' = a temporary directory, removed after)
-}
+DEFAULTS = Schema(Group(
+    'benchmark',
+    tokens=Setting(100_000_000, "tokens in train.bin (and in all the shards together)", low=1),
+    shard_tokens=Setting(10_000_000, "tokens per shard", low=1, high=2 ** 31 - 1),
+    batch_size=Setting(64, "sequences per batch (B)", low=1),
+    block_size=Setting(1024, "tokens per sequence (T)", low=1),
+    batches=Setting(300, "timed next_batch calls per configuration (after 10 untimed ones)", low=1),
+    seed=Setting(1337, "the random token ids and the loaders' data order", low=0),
+    work_dir=Setting('', "where the files go ('' = a temporary directory, removed after)"),
+))
 
 
 def write_files(work, tokens, shard_tokens, seed):
@@ -61,7 +62,8 @@ def time_loader(loader, batches):
 
 
 def main():
-    config = configure(defaults, doc=__doc__)
+    config = configure(DEFAULTS, doc=__doc__)
+    DEFAULTS.check(config)
     B, T = config['batch_size'], config['block_size']
     with work_directory(config['work_dir'], 'bench_loader_') as work:
         raw, shards = write_files(work, config['tokens'], config['shard_tokens'], config['seed'])

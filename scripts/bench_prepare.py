@@ -14,22 +14,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from benchtools import cpu_seconds, parse_num_procs, work_directory, write_jsonl_corpus
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.prepare.corpus import prepare_corpus
 from nanogpt_plus.prepare.plays import benchmark_documents
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.tokenizer import get_gpt2_encoding
 
-defaults = {
-    'size_mb': 50,         # size of the generated corpus
-    'num_procs': '1,2',    # the num_proc values to compare
-    'seed': 1337,          # the generated corpus is the same for a given seed
-    'work_dir': '',        # where the corpus, caches and outputs go ('' = a temporary directory, removed after)
-}
+DEFAULTS = Schema(Group(
+    'benchmark',
+    size_mb=Setting(50, "size of the generated corpus, in MB", low=1),
+    num_procs=Setting('1,2', "the num_proc values to compare, comma separated"),
+    seed=Setting(1337, "the generated corpus is the same for a given seed", low=0),
+    work_dir=Setting('', "where the corpus, caches and outputs go ('' = a temporary directory, removed after)"),
+))
 
 
 def main():
-    config = configure(defaults, doc=__doc__)
+    config = configure(DEFAULTS, doc=__doc__)
+    DEFAULTS.check(config)
     num_procs = parse_num_procs(config['num_procs'])
     with work_directory(config['work_dir'], "bench_prepare_") as work:
         corpus = os.path.join(work, "corpus.jsonl")

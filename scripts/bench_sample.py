@@ -20,20 +20,21 @@ import time
 
 import torch
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from model import GPT, GPTConfig
 from nanogpt_plus.engine import generate
-from nanogpt_plus.errors import UserError
 from nanogpt_plus.runtime import run_main
 
-DEFAULTS = dict(
-    which='both',  # 'both', 'gpt2' (124M shape) or 'char' (shakespeare_char shape)
-    max_new_tokens=500,
-    num_samples=10,  # the batched figure, and nanoGPT's sample.py default
-    nanogpt_samples=10,  # nanoGPT's sequential samples actually timed (the rest extrapolated)
-    threads=0,  # torch.set_num_threads; 0 = torch's default
-    seed=1337,
-)
+DEFAULTS = Schema(Group(
+    'benchmark',
+    which=Setting('both', "'both', 'gpt2' (124M shape) or 'char' (shakespeare_char shape)",
+                  choices=('both', 'gpt2', 'char')),
+    max_new_tokens=Setting(500, "tokens generated per sample", low=1),
+    num_samples=Setting(10, "samples in the batched figure (nanoGPT's sample.py default)", low=1),
+    nanogpt_samples=Setting(10, "nanoGPT's sequential samples actually timed (the rest extrapolated)", low=1),
+    threads=Setting(0, "torch.set_num_threads; 0 = torch's default", low=0),
+    seed=Setting(1337, "the random weights and the sampling", low=0),
+))
 
 MODELS = {
     'gpt2': GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
@@ -120,8 +121,7 @@ def bench_model(which, cfg):
 
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
-    if cfg['which'] not in ('both', 'gpt2', 'char'):
-        raise UserError(f"which must be both, gpt2 or char, got {cfg['which']!r}")
+    DEFAULTS.check(cfg)
     if cfg['threads'] > 0:
         torch.set_num_threads(cfg['threads'])
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads, float32, "

@@ -22,22 +22,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from benchtools import cpu_model, parse_ints, run_checked, work_directory, write_jsonl_corpus
 
-from configurator import configure
-from nanogpt_plus.errors import UserError
+from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.prepare.plays import benchmark_documents
 from nanogpt_plus.prepare.shakespeare import shakespeare_text
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.tokenizer import get_gpt2_encoding, train_bpe
 
-defaults = {
-    'part': 'all',          # 'train', 'bpb' or 'all'
-    'size_mb': 50,          # train: size of the generated corpus
-    'vocab_sizes': '4096,16384',  # train: the BPE sizes to time
-    'tokenizers': 'char,gpt2,bpe:1024,bpe:4096,bpe:16384',  # bpb: what to compare
-    'max_iters': 1000,      # bpb: training iterations per tokenizer (the same budget for each)
-    'seed': 1337,
-    'work_dir': '',         # where corpora, datasets and runs go ('' = a temporary directory, removed after)
-}
+DEFAULTS = Schema(Group(
+    'benchmark',
+    part=Setting('all', "'train', 'bpb' or 'all'", choices=('train', 'bpb', 'all')),
+    size_mb=Setting(50, "train: size of the generated corpus, in MB", low=1),
+    vocab_sizes=Setting('4096,16384', "train: the BPE sizes to time, comma separated"),
+    tokenizers=Setting('char,gpt2,bpe:1024,bpe:4096,bpe:16384', "bpb: what to compare, comma separated"),
+    max_iters=Setting(1000, "bpb: training iterations per tokenizer (the same budget for each)", low=1),
+    seed=Setting(1337, "the generated corpus is the same for a given seed", low=0),
+    work_dir=Setting('', "where corpora, datasets and runs go ('' = a temporary directory, removed after)"),
+))
 
 # the small model and budget every tokenizer gets (config/train_shakespeare_char_cpu.py's shape)
 MODEL = ['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=64', '--batch_size=12',
@@ -132,9 +132,8 @@ def bits_per_byte_of(work, spec, text_path, max_iters):
 
 
 def main():
-    config = configure(defaults, doc=__doc__)
-    if config['part'] not in ('train', 'bpb', 'all'):
-        raise UserError(f"--part must be train, bpb or all, got {config['part']!r}")
+    config = configure(DEFAULTS, doc=__doc__)
+    DEFAULTS.check(config)
     print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     with work_directory(config['work_dir'], "bench_tokenizer_") as work:
         if config['part'] in ('train', 'all'):

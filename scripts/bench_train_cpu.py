@@ -40,18 +40,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import numpy as np
 import torch
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.runtime import run_main
 
-DEFAULTS = dict(
-    mode='compare',  # 'compare', 'nanogpt' (the baseline loop), 'ours' (train.py) or 'floor' (see below)
-    max_iters=300,
-    rounds=2,
-    baseline_threads=0,  # torch threads for the baseline; 0 = torch's default, as nanoGPT
-    ours_args='',  # extra --key=value arguments for train.py, space-separated (e.g. '--num_threads=1')
-    out_dir='',  # '' = a temporary directory
-    dataset='shakespeare_char',  # a prepared dataset: name under data/ or a directory
-)
+DEFAULTS = Schema(Group(
+    'benchmark',
+    mode=Setting('compare', "'compare', 'nanogpt' (the baseline loop), 'ours' (train.py) or 'floor' (see above)",
+                 choices=('compare', 'nanogpt', 'ours', 'floor')),
+    max_iters=Setting(300, "training iterations of each run", low=1),
+    rounds=Setting(2, "compare: how many times the two runs alternate", low=1),
+    baseline_threads=Setting(0, "torch threads for the baseline; 0 = torch's default, as nanoGPT", low=0),
+    ours_args=Setting('', "extra --key=value arguments for train.py, space-separated (e.g. '--num_threads=1')"),
+    out_dir=Setting('', "where the runs go ('' = a temporary directory)"),
+    dataset=Setting('shakespeare_char', "a prepared dataset: name under data/ or a directory", not_empty=True),
+))
 
 # nanoGPT's laptop command (README): python train.py config/train_shakespeare_char.py --device=cpu
 # --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4
@@ -272,6 +274,7 @@ def run(cmd):
 
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
+    DEFAULTS.check(cfg)
     out_dir = cfg['out_dir'] or tempfile.mkdtemp(prefix='bench_train_cpu_')
     os.makedirs(out_dir, exist_ok=True)
     if cfg['mode'] == 'floor':
@@ -294,8 +297,8 @@ def main():
         for name, cmd in (('nanogpt', base_cmd), ('ours', ours_cmd)):
             ms, mean, val, wall, threads = run(cmd)
             results[name].append(ms)
-            print(f"round {r} {name:8s}: median {ms:7.2f} ms/iter (mean {mean:7.2f}), final val loss {val:.4f}, wall {wall:6.1f} s, "
-                  f"threads {threads}, load {os.getloadavg()[0]:.2f}", flush=True)
+            print(f"round {r} {name:8s}: median {ms:7.2f} ms/iter (mean {mean:7.2f}), final val loss {val:.4f}, "
+                  f"wall {wall:6.1f} s, threads {threads}, load {os.getloadavg()[0]:.2f}", flush=True)
     base, ours = statistics.median(results['nanogpt']), statistics.median(results['ours'])
     print(f"nanoGPT baseline: {base:.2f} ms/iter, ours: {ours:.2f} ms/iter, speed-up {base / ours:.2f}x "
           f"(median over rounds of per-run medians)")

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from benchtools import cpu_model, parse_ints, run_checked, work_directory
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from model import GPT, GPTConfig
 from nanogpt_plus.engine import generate
 from nanogpt_plus.errors import UserError
@@ -36,18 +36,20 @@ from nanogpt_plus.runtime import run_main
 from nanogpt_plus.weights import block_matrices, can_pack, set_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULTS = dict(
-    part='all',  # speed | startup | process | quality | all
-    tokens=200,  # new tokens per speed measurement
-    batch_sizes='1,10',
-    threads='0',  # torch threads for the speed part, e.g. 1,2 (0: torch's default, all cores)
-    repeats=3,
-    quality_ckpt='out-shakespeare-char',  # a trained model (out_dir or ckpt.pt) for the quality figures
-    quality_tokens=500,
-    nanogpt_dir='',  # a checkout of nanoGPT: also time its sample.py on the same 124M checkpoint
-    work_dir='',  # where the 124M checkpoint and HF directory go ('' = a temporary directory)
-    seed=1337,
-)
+PARTS = ('speed', 'startup', 'process', 'quality')
+DEFAULTS = Schema(Group(
+    'benchmark',
+    part=Setting('all', "speed | startup | process | quality | all", choices=PARTS + ('all',)),
+    tokens=Setting(200, "new tokens per speed measurement", low=1),
+    batch_sizes=Setting('1,10', "the batch sizes of the speed part, comma separated"),
+    threads=Setting('0', "torch threads for the speed part, e.g. 1,2 (0: torch's default, all cores)"),
+    repeats=Setting(3, "runs of each measurement; the median is reported", low=1),
+    quality_ckpt=Setting('out-shakespeare-char', "a trained model (out_dir or ckpt.pt) for the quality figures"),
+    quality_tokens=Setting(500, "greedy tokens per prompt in the quality part", low=1),
+    nanogpt_dir=Setting('', "a checkout of nanoGPT: also time its sample.py on the same 124M checkpoint"),
+    work_dir=Setting('', "where the 124M checkpoint and HF directory go ('' = a temporary directory)"),
+    seed=Setting(1337, "the random weights and prompts", low=0),
+))
 FORMATS = ('plain float32', 'float32', 'bfloat16', 'int8')  # 'plain float32': nn.Linear as it was, no packing
 GPT2_PROMPT = [15496, 11, 314, 1101, 257, 3303, 2746, 11]  # "Hello, I'm a language model," in GPT-2 BPE
 
@@ -311,11 +313,10 @@ def bench_quality(cfg):
 
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
+    DEFAULTS.check(cfg)
     if cfg['nanogpt_dir'] and not os.path.isfile(os.path.join(cfg['nanogpt_dir'], 'sample.py')):
         raise UserError(f"--nanogpt_dir={cfg['nanogpt_dir']} holds no sample.py; pass a checkout of nanoGPT")
-    parts = ('speed', 'startup', 'process', 'quality') if cfg['part'] == 'all' else (cfg['part'],)
-    if not set(parts) <= {'speed', 'startup', 'process', 'quality'}:
-        raise UserError(f"part must be speed, startup, process, quality or all, got {cfg['part']!r}")
+    parts = PARTS if cfg['part'] == 'all' else (cfg['part'],)
     print(f"torch {torch.__version__}, CPU: {cpu_model()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     with work_directory(cfg['work_dir'], 'bench_weights_') as work:

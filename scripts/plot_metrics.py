@@ -10,12 +10,16 @@ $ python scripts/plot_metrics.py --out_dir=out --output=loss.png
 
 import os
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.metrics import read_metrics
 from nanogpt_plus.runtime import run_main
 
-DEFAULTS = dict(out_dir='out', output='')
+DEFAULTS = Schema(Group(
+    'plot',
+    out_dir=Setting('out', "the training run's directory, whose metrics.jsonl is plotted", not_empty=True),
+    output=Setting('', "the PNG to write ('' = out_dir/metrics.png)"),
+))
 
 
 def iterations_and_evaluations(path):
@@ -43,7 +47,8 @@ def plot(metrics_path, png_path):
     iters, evals, scores = iterations_and_evaluations(metrics_path)
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={'height_ratios': [3, 1]})
     if iters:
-        ax_loss.plot([r['iter'] for r in iters], [r['loss'] for r in iters], lw=0.8, alpha=0.6, label='train (per iter)')
+        ax_loss.plot([r['iter'] for r in iters], [r['loss'] for r in iters], lw=0.8, alpha=0.6,
+                     label='train (per iter)')
         ax_lr.plot([r['iter'] for r in iters], [r['lr'] for r in iters], color='tab:gray')
     if evals:
         ax_loss.plot([r['iter'] for r in evals], [r['train_loss'] for r in evals], 'o-', label='train (eval)')
@@ -65,6 +70,7 @@ def plot(metrics_path, png_path):
 
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
+    DEFAULTS.check(cfg)
     png = cfg['output'] or os.path.join(cfg['out_dir'], 'metrics.png')
     n_iter, n_eval, n_hellaswag = plot(os.path.join(cfg['out_dir'], 'metrics.jsonl'), png)
     scores = f" (and {n_hellaswag} HellaSwag scores)" if n_hellaswag else ""

@@ -251,6 +251,25 @@ def test_resume_rewrites_a_damaged_shard_and_refuses_other_settings(corpus, full
         prepare(out, corpus[0], tmp_path / "cache")
 
 
+def test_a_raw_dataset_is_refused_and_replaced_with_overwrite(corpus, full_run, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    for split in ("train", "val"):
+        np.arange(10, dtype=np.uint16).tofile(out / f"{split}.bin")
+    (out / "meta.json").write_text('{"kind": "gpt2", "vocab_size": 50257, "dtype": "uint16"}')
+    with pytest.raises(UserError, match=r"holds a train\.bin/val\.bin dataset \(train\.bin, val\.bin\) and this "
+                                        r"script writes a dataset of llm\.c token shards; pass --overwrite=True"):
+        prepare(out, corpus[0], tmp_path / "cache")
+    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]  # untouched
+    prepare(out, corpus[0], tmp_path / "cache", overwrite=True)
+    assert shard_bytes(out) == shard_bytes(full_run)  # the shards alone: train.bin and val.bin are gone
+    assert read_meta(out)["shards"] == read_meta(full_run)["shards"]
+    # shards again into their own directory: no --overwrite needed, the run finds all of them done
+    capsys.readouterr()
+    prepare(out, corpus[0], tmp_path / "cache")
+    assert "nothing to do" in capsys.readouterr().out
+
+
 def test_max_tokens_is_exact_and_a_larger_one_continues(corpus, full_run, tmp_path):
     out = tmp_path / "out"
     n = 2 * SHARD + 1234  # not a whole number of shards
@@ -351,4 +370,5 @@ def test_script_on_local_files(corpus, full_run, tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         script(*args, "--shard_size=0")
     assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
-        "error: shard_size must be between 1 and 2,147,483,647 tokens (llm.c's int32 count), got 0"]
+        "error: shard_size must be >= 1 and <= 2147483647, got 0; change --shard_size (or the config file that "
+        "sets it)"]

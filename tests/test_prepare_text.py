@@ -198,15 +198,15 @@ def other_tokenizer_json(kind):
 
 
 ERRORS = {
-    "vocab_too_small": (["--vocab_size=256"], "vocab_size=256 is smaller than a byte-level BPE's base vocabulary"),
+    "vocab_too_small": (["--vocab_size=256"], "vocab_size must be >= 257, got 256"),
     "vocab_too_large": (["--vocab_size=5000"], r"the corpus fills only [\d,]+ of the 5,000 tokens asked for"),
     "corrupt_json": (["--tokenizer={tmp}/corrupt.json"], r"corrupt\.json is not valid JSON .*it is corrupt"),
     "not_bpe": (["--tokenizer={tmp}/wordlevel.json"], "is a WordLevel tokenizer, not a byte-level BPE"),
     "not_byte_level": (["--tokenizer={tmp}/whitespace.json"], "is a BPE over characters, not bytes"),
     "unknown_tokenizer": (["--tokenizer=sentencepiece"], "unknown tokenizer 'sentencepiece' .*--tokenizer=bpe"),
     "vocab_size_for_char": (["--tokenizer=char", "--vocab_size=512"], "--vocab_size applies to --tokenizer=bpe only"),
-    "val_fraction_0": (["--val_fraction=0"], r"held out for val must be between 0 and 1 \(exclusive\), got 0"),
-    "val_fraction_1.5": (["--val_fraction=1.5"], "must be between 0 and 1 .*got 1.5"),
+    "val_fraction_0": (["--val_fraction=0"], r"val_fraction must be > 0\.0 and < 1\.0, got 0\.0"),
+    "val_fraction_1.5": (["--val_fraction=1.5"], r"val_fraction must be > 0\.0 and < 1\.0, got 1\.5"),
     "empty_corpus": (["--input={tmp}/empty.jsonl"], "holds no text"),
     "no_input": (["--input="], "no text given; pass --input=FILES"),
 }

@@ -22,30 +22,39 @@ default size) plus the documents in flight, never the corpus. Read a shard with 
 """
 import os
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.prepare.fineweb import prepare_fineweb
+from nanogpt_plus.prepare.settings import NUM_PROC, OVERWRITE, out_dir_setting
 from nanogpt_plus.runtime import run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-defaults = {
-    'dataset': 'HuggingFaceFW/fineweb-edu',  # Hugging Face dataset (used when files is ''), e.g. HuggingFaceFW/fineweb
-    'name': 'sample-10BT',     # its config ('' for none): sample-10BT, sample-100BT, ...
-    'files': '',               # local files instead: comma-separated paths or globs (.parquet, .jsonl, .json, .txt)
-    'text_column': 'text',     # the column holding the documents (.txt files: one document per paragraph)
-    'streaming': False,        # stream the dataset instead of downloading it first: disk holds only the shards
-    # tokenizer worker processes: cpu_count() counts hyperthreads, and BPE encoding gains little from a core's second
-    'num_proc': max(1, min(8, (os.cpu_count() or 2) // 2)),
-    'shard_size': 10 ** 8,     # tokens per shard (llm.c's 100M: 200 MB files); the last shard holds the rest
-    'max_tokens': 0,           # stop after this many tokens in all (0 = the whole corpus), e.g. 10**9 for a short run
-    'prefix': 'edufineweb',    # shard names: <prefix>_val_000000.bin, <prefix>_train_000001.bin, ...
-    'tokenizer': 'gpt2',       # 'gpt2', or the path of a byte-level BPE tokenizer.json (data/text/prepare.py's)
-    'out_dir': HERE,           # where the shards and meta.json go
-}
+DEFAULTS = Schema(
+    Group('the documents',
+          dataset=Setting('HuggingFaceFW/fineweb-edu', "Hugging Face dataset (used when files is ''), e.g. "
+                                                       "HuggingFaceFW/fineweb"),
+          name=Setting('sample-10BT', "its config ('' for none): sample-10BT, sample-100BT, ..."),
+          files=Setting('', "local files instead: comma-separated paths or globs (.parquet, .jsonl, .json, .txt)"),
+          text_column=Setting('text', "the column holding the documents (.txt files: one document per paragraph)",
+                              not_empty=True),
+          streaming=Setting(False, "stream the dataset instead of downloading it first: disk holds only the shards")),
+    Group('the shards',
+          num_proc=NUM_PROC,
+          # llm.c's header counts a shard's tokens in an int32
+          shard_size=Setting(10 ** 8, "tokens per shard (llm.c's 100M: 200 MB files); the last shard holds the rest",
+                             low=1, high=2 ** 31 - 1),
+          max_tokens=Setting(0, "stop after this many tokens in all (0 = the whole corpus), e.g. 1000000000 for a "
+                                "short run", low=0),
+          prefix=Setting('edufineweb', "shard names: <prefix>_val_000000.bin, <prefix>_train_000001.bin, ..."),
+          tokenizer=Setting('gpt2', "'gpt2', or the path of a byte-level BPE tokenizer.json (data/text/prepare.py's)"),
+          out_dir=out_dir_setting(HERE, "the shards and meta.json"),
+          overwrite=OVERWRITE),
+)
 
 
 def main():
-    config = configure(defaults, doc=__doc__)
+    config = configure(DEFAULTS, doc=__doc__)
+    DEFAULTS.check(config)
     prepare_fineweb(**config)
 
 

@@ -17,30 +17,37 @@ For your own tokenizer (a BPE trained on the corpus, characters, a tokenizer.jso
 """
 import os
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.prepare.corpus import prepare_corpus
+from nanogpt_plus.prepare.settings import CACHE_DIR, NUM_PROC, OVERWRITE, SAMPLE_BY, SEED, TEXT_COLUMN, out_dir_setting
 from nanogpt_plus.runtime import run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-defaults = {
-    'dataset': 'openwebtext',  # Hugging Face dataset name (used when files is '')
-    'name': '',                # the dataset's config name, e.g. 'sample-10BT' of HuggingFaceFW/fineweb ('' = none)
-    'files': '',               # local files instead: comma-separated paths or globs (.txt, .jsonl, .json, .parquet)
-    'text_column': 'text',     # the column holding the documents (.jsonl / .parquet / Hub datasets)
-    'sample_by': 'paragraph',  # .txt files: one document per 'line', 'paragraph' (blank-line separated) or 'document'
-    # tokenizer worker processes: cpu_count() counts hyperthreads, and BPE encoding gains little from a core's second
-    'num_proc': max(1, min(8, (os.cpu_count() or 2) // 2)),
-    'test_size': 0.0005,       # fraction of documents for val (nanoGPT: 0.0005, ~4,000 of owt's 8M documents)
-    'seed': 2357,              # the shuffle before the split (nanoGPT's)
-    'total_batches': 1024,     # the splits are written in this many batches (memory: one batch)
-    'out_dir': HERE,           # where train.bin, val.bin and meta.json go
-    'cache_dir': '',           # Hugging Face datasets cache ('' = its default, ~/.cache/huggingface/datasets)
-}
+DEFAULTS = Schema(
+    Group('the documents',
+          dataset=Setting('openwebtext', "Hugging Face dataset name (used when files is '')"),
+          name=Setting('', "the dataset's config name, e.g. 'sample-10BT' of HuggingFaceFW/fineweb ('' = none)"),
+          files=Setting('', "local files instead: comma-separated paths or globs (.txt, .jsonl, .json, .parquet)"),
+          text_column=TEXT_COLUMN,
+          sample_by=Setting('paragraph', ".txt files: one document per 'line', 'paragraph' (blank-line separated) "
+                                         "or 'document'", choices=SAMPLE_BY)),
+    Group('the split',
+          test_size=Setting(0.0005, "fraction of documents for val (nanoGPT: 0.0005, ~4,000 of owt's 8M documents)",
+                            low=0.0, high=1.0, low_open=True, high_open=True),
+          seed=SEED),
+    Group('the run',
+          num_proc=NUM_PROC,
+          total_batches=Setting(1024, "the splits are written in this many batches (memory: one batch)", low=1),
+          out_dir=out_dir_setting(HERE, "train.bin, val.bin and meta.json"),
+          overwrite=OVERWRITE,
+          cache_dir=CACHE_DIR),
+)
 
 
 def main():
-    config = configure(defaults, doc=__doc__)
+    config = configure(DEFAULTS, doc=__doc__)
+    DEFAULTS.check(config)
     prepare_corpus(**config)
 
 

@@ -14,14 +14,15 @@ On the real tiny Shakespeare: train 301,966 tokens, val 36,059.
 """
 import os
 
-from nanogpt_plus.prepare.shakespeare import prepare_bpe, shakespeare_main
+from nanogpt_plus.prepare.shakespeare import prepare_bpe, shakespeare_main, shakespeare_settings
 from nanogpt_plus.runtime import run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULTS = shakespeare_settings(HERE)  # --input, --url, --timeout, --out_dir, --overwrite (see --help)
 
 
 def main():
-    shakespeare_main(HERE, __doc__, prepare_bpe)  # settings: --input, --out_dir, --url, --timeout
+    shakespeare_main(DEFAULTS, __doc__, prepare_bpe)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,15 @@ On the real tiny Shakespeare: 1,115,394 characters, vocab size 65, train 1,003,8
 """
 import os
 
-from nanogpt_plus.prepare.shakespeare import prepare_char, shakespeare_main
+from nanogpt_plus.prepare.shakespeare import prepare_char, shakespeare_main, shakespeare_settings
 from nanogpt_plus.runtime import run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULTS = shakespeare_settings(HERE)  # --input, --url, --timeout, --out_dir, --overwrite (see --help)
 
 
 def main():
-    shakespeare_main(HERE, __doc__, prepare_char)  # settings: --input, --out_dir, --url, --timeout
+    shakespeare_main(DEFAULTS, __doc__, prepare_char)
 
 
 if __name__ == "__main__":

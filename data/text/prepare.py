@@ -20,32 +20,44 @@ The tokenized splits are cached by Hugging Face datasets (--cache_dir), so a sec
 """
 import os
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare.corpus import prepare_corpus
+from nanogpt_plus.prepare.settings import (CACHE_DIR, NUM_PROC, OVERWRITE, SAMPLE_BY, SEED, TEXT_COLUMN,
+                                           out_dir_setting)
 from nanogpt_plus.runtime import run_main
+from nanogpt_plus.tokenizer import MIN_BPE_VOCAB
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-defaults = {
-    'input': '',               # comma-separated paths or globs of .txt / .jsonl / .json / .parquet files
-    'dataset': '',             # a Hugging Face dataset name instead (used when input is '')
-    'name': '',                # the dataset's config name ('' = its default)
-    'text_column': 'text',     # the column holding the documents (.jsonl / .json / .parquet / Hub datasets)
-    'sample_by': 'document',   # .txt files: one document per 'document' (file), 'paragraph' or 'line'
-    'tokenizer': 'bpe',        # 'bpe' (trained here), 'gpt2', 'char', or the path of a tokenizer.json to reuse
-    'vocab_size': 8192,        # tokens of the trained BPE (--tokenizer=bpe only), at least 257
-    'val_fraction': 0.1,       # the share held out for val: of the characters (one document) or the documents
-    'seed': 2357,              # the shuffle that picks the val documents
-    # tokenizer worker processes: cpu_count() counts hyperthreads, and BPE encoding gains little from a core's second
-    'num_proc': max(1, min(8, (os.cpu_count() or 2) // 2)),
-    'out_dir': HERE,           # where train.bin, val.bin, meta.json (and tokenizer.json) go
-    'cache_dir': '',           # Hugging Face datasets cache ('' = its default, ~/.cache/huggingface/datasets)
-}
+DEFAULTS = Schema(
+    Group('the text',
+          input=Setting('', "comma-separated paths or globs of .txt / .jsonl / .json / .parquet files"),
+          dataset=Setting('', "a Hugging Face dataset name instead (used when input is '')"),
+          name=Setting('', "the dataset's config name ('' = its default)"),
+          text_column=TEXT_COLUMN,
+          sample_by=Setting('document', ".txt files: one document per 'document' (file), 'paragraph' or 'line'",
+                            choices=SAMPLE_BY)),
+    Group('the tokenizer',
+          tokenizer=Setting('bpe', "'bpe' (trained here), 'gpt2', 'char', or the path of a tokenizer.json to reuse",
+                            not_empty=True),
+          vocab_size=Setting(8192, f"tokens of the trained BPE (--tokenizer=bpe only), at least {MIN_BPE_VOCAB}",
+                             low=MIN_BPE_VOCAB)),
+    Group('the split',
+          val_fraction=Setting(0.1, "the share held out for val: of the characters (one document) or the documents",
+                               low=0.0, high=1.0, low_open=True, high_open=True),
+          seed=SEED),
+    Group('the run',
+          num_proc=NUM_PROC,
+          out_dir=out_dir_setting(HERE, "train.bin, val.bin, meta.json (and tokenizer.json)"),
+          overwrite=OVERWRITE,
+          cache_dir=CACHE_DIR),
+)
 
 
 def main(argv=None):
-    config = configure(defaults, argv, doc=__doc__)
+    config = configure(DEFAULTS, argv, doc=__doc__)
+    DEFAULTS.check(config)
     if not config['input'] and not config['dataset']:
         raise UserError("no text given; pass --input=FILES (paths or globs) or --dataset=NAME")
     # vocab_size is the trained BPE's: asked for with another tokenizer it is an error (prepare_corpus says so)
@@ -54,7 +66,7 @@ def main(argv=None):
     prepare_corpus(config['out_dir'], dataset=config['dataset'], files=config['input'], name=config['name'],
                    text_column=config['text_column'], sample_by=config['sample_by'], tokenizer=config['tokenizer'],
                    vocab_size=vocab_size, test_size=config['val_fraction'], seed=config['seed'],
-                   num_proc=config['num_proc'], cache_dir=config['cache_dir'])
+                   num_proc=config['num_proc'], cache_dir=config['cache_dir'], overwrite=config['overwrite'])
 
 
 if __name__ == "__main__":

@@ -13,8 +13,11 @@ What is where (import from the submodule itself; this file re-exports nothing):
     corpus.py        any corpus (openwebtext, data/text: local .txt/.jsonl/.parquet) with any tokenizer (gpt2,
                      char, a byte-level BPE trained on it, a tokenizer.json): split, tokenized in parallel
     fineweb.py       FineWeb(-Edu) or local files into llm.c's token shards, resumable (nanogpt_plus/shards.py)
+    settings.py      the settings the prepare scripts share (with their help), and check_out_dir: no script writes
+                     where another kind of dataset or a training run lies, unless --overwrite=True
 
 Usage (from a prepare script):
-    from nanogpt_plus.prepare.shakespeare import prepare_char, shakespeare_main
-    shakespeare_main(HERE, __doc__, prepare_char)       # settings, text, train.bin/val.bin/meta in HERE
+    from nanogpt_plus.prepare.shakespeare import prepare_char, shakespeare_main, shakespeare_settings
+    DEFAULTS = shakespeare_settings(HERE)               # the script's settings, for --help and the checks
+    shakespeare_main(DEFAULTS, __doc__, prepare_char)   # settings, text, train.bin/val.bin/meta in HERE
 """

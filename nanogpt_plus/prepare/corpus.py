@@ -27,6 +27,7 @@ import numpy as np
 
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_outputs
+from nanogpt_plus.prepare.settings import RAW, SAMPLE_BY, check_out_dir
 from nanogpt_plus.prepare.shakespeare import encode_chars
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_token_batches
@@ -43,14 +44,16 @@ TEXT_ROWS = 256  # documents (or pieces) read at a time for the tokenizer's trai
 
 def prepare_corpus(out_dir, dataset="openwebtext", files="", text_column="text", num_proc=1, test_size=0.0005,
                    seed=2357, total_batches=1024, cache_dir="", sample_by="paragraph", load_from_cache_file=True,
-                   progress=True, name="", tokenizer="gpt2", vocab_size=None):
+                   progress=True, name="", tokenizer="gpt2", vocab_size=None, overwrite=False):
     """
     nanoGPT's openwebtext/prepare.py for any corpus: train.bin, val.bin and meta.json in out_dir (+ meta.pkl
     for char, tokenizer.json for bpe). tokenizer: 'gpt2', 'char', 'bpe' (trained on the train split, of
     vocab_size tokens, None = 8,192) or the path of a tokenizer.json; test_size: the share held out for val.
+    An out_dir holding token shards or a training run is refused unless overwrite (settings.check_out_dir).
     """
     check_options(num_proc, test_size)
     tok = given_tokenizer(tokenizer, vocab_size)  # now, so a bad choice fails before the corpus is read
+    check_out_dir(out_dir, RAW, overwrite)  # after the cheap checks: with overwrite it removes the shards there
     ds, text_column = load_corpus(dataset, files, text_column, num_proc, cache_dir, sample_by, name)
     print(n_documents(len(ds)))
     splits, by_documents = split_corpus(ds, text_column, test_size, seed, piece_chars(tok))
@@ -129,7 +132,7 @@ def load_corpus(dataset="openwebtext", files="", text_column="text", num_proc=1,
         paths = expand_files(files)
         builder = LOCAL_BUILDERS[os.path.splitext(paths[0])[1].lower()]
         if builder == "text":
-            if sample_by not in ("line", "paragraph", "document"):
+            if sample_by not in SAMPLE_BY:
                 raise UserError(f"unknown sample_by '{sample_by}': use line, paragraph or document")
             kwargs["sample_by"] = sample_by
             text_column = "text"  # the text builder's only column

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.prepare.corpus import LOCAL_BUILDERS, expand_files
+from nanogpt_plus.prepare.settings import SHARDS, check_out_dir
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import bpe_meta
 from nanogpt_plus.shards import as_token_array, read_header, shard_header, token_dtype, write_shard
@@ -49,15 +50,18 @@ READ_BATCH = 256  # documents read from the dataset at a time
 
 def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", files="", text_column="text",
                     streaming=False, num_proc=1, shard_size=10 ** 8, max_tokens=0, prefix="edufineweb",
-                    cache_dir="", progress=True, tokenizer="gpt2"):
+                    cache_dir="", progress=True, tokenizer="gpt2", overwrite=False):
     """
     Shards <prefix>_{val,train}_NNNNNN.bin and meta.json in out_dir (resuming a run left there); a summary.
-    tokenizer: 'gpt2' or the path of a byte-level BPE tokenizer.json (or of a directory holding one).
+    tokenizer: 'gpt2' or the path of a byte-level BPE tokenizer.json (or of a directory holding one). An out_dir
+    holding train.bin/val.bin or a training run is refused unless overwrite (settings.check_out_dir).
     """
     check_options(num_proc, shard_size, max_tokens, prefix)
     tok = chosen_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size if tok else get_gpt2_encoding().n_vocab)
     settings = output_settings(dataset, name, files, text_column, streaming, shard_size, prefix, dtype, tok)
+    # before resume reads meta.json: another dataset's would look like shards of other settings
+    check_out_dir(out_dir, SHARDS, overwrite)
     records, end_of_corpus = resume(out_dir, settings, max_tokens)
     done = sum(r["tokens"] for r in records)
     if end_of_corpus or (max_tokens and done >= max_tokens):

@@ -15,10 +15,11 @@ import os
 
 import numpy as np
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_outputs
 from nanogpt_plus.prepare.plays import shakespeare_substitute
+from nanogpt_plus.prepare.settings import OVERWRITE, RAW, check_out_dir, out_dir_setting
 from nanogpt_plus.prepare.text import download_text, read_text_file
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_tokens
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -29,20 +30,27 @@ TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/mast
 # -----------------------------------------------------------------------------
 # the scripts: settings and where the text comes from
 
-def shakespeare_main(script_dir, doc, prepare):
-    """ The main() of both Shakespeare prepare.py scripts: settings, the text (see shakespeare_text), prepare. """
-    config = configure(shakespeare_settings(script_dir), doc=doc)
-    prepare(shakespeare_text_for(config), config['out_dir'])
-
-
 def shakespeare_settings(script_dir):
-    """ The settings (and defaults) of both Shakespeare prepare.py scripts; outputs go beside the script. """
-    return {
-        'input': '',         # a UTF-8 text file to use instead of tiny Shakespeare
-        'out_dir': script_dir,  # where train.bin, val.bin, meta (and a fetched input.txt) go
-        'url': TINY_SHAKESPEARE_URL,  # where to download tiny Shakespeare from ('' = never download)
-        'timeout': 10.0,     # seconds to wait for the download before using the offline substitute
-    }
+    """ The settings of both Shakespeare prepare.py scripts (each script's DEFAULTS); outputs go beside it. """
+    return Schema(
+        Group('the text',
+              input=Setting('', "a UTF-8 text file to use instead of tiny Shakespeare"),
+              url=Setting(TINY_SHAKESPEARE_URL, "where to download tiny Shakespeare from ('' = never download)"),
+              timeout=Setting(10.0, "seconds to wait for the download before using the offline substitute",
+                              low=0, low_open=True)),
+        Group('output',
+              out_dir=out_dir_setting(script_dir, "train.bin, val.bin, meta (and a fetched input.txt)"),
+              overwrite=OVERWRITE),
+    )
+
+
+def shakespeare_main(defaults, doc, prepare):
+    """ The main() of both Shakespeare prepare.py scripts: settings, the text (see shakespeare_text), prepare. """
+    config = configure(defaults, doc=doc)
+    defaults.check(config)
+    # before the text: a fetched input.txt is saved in out_dir too
+    check_out_dir(config['out_dir'], RAW, config['overwrite'])
+    prepare(shakespeare_text_for(config), config['out_dir'])
 
 
 def shakespeare_text_for(config):
