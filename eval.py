@@ -16,7 +16,8 @@ Usage:
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2 --task=hellaswag
 
 The last line printed is one line of JSON: {"task": ..., "metrics": {...}, "num_examples": ..., ...};
---output_file=PATH writes the same JSON to a file.
+--output_file=PATH writes the same JSON to a file (not over a checkpoint, a dataset's file or the --data_file
+unless --overwrite=True; an earlier result there is simply replaced).
 """
 
 import json
@@ -30,7 +31,7 @@ from nanogpt_plus.device import device_type_of, precision, resolve_compile
 from nanogpt_plus.distributed import init_distributed
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import TASKS, evaluate, loss_files
-from nanogpt_plus.files import atomic_write
+from nanogpt_plus.files import atomic_write, check_output
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.settings import DATA, EVALUATION, IO, SYSTEM, Schema, Setting, subset
 from nanogpt_plus.tokenizer import check_dataset_tokenizer, read_dataset_meta
@@ -39,7 +40,7 @@ from nanogpt_plus.weights import set_weights
 # the scoring is nanogpt_plus/evaluation.py's (one implementation, which other code calls in-process too);
 # this script reads the settings, loads the model, and prints or writes the result
 DEFAULTS = Schema(
-    subset(IO, 'init_from', 'out_dir'), EVALUATION, subset(DATA, 'dataset', 'batch_size'),
+    subset(IO, 'init_from', 'out_dir', 'overwrite'), EVALUATION, subset(DATA, 'dataset', 'batch_size'),
     subset(SYSTEM, 'device', 'dtype', 'compile', 'seed'), init_from='resume', compile=False,
     dataset=Setting('', "loss: data/<dataset>/<split>.bin or its <split> shards; '' = the checkpoint's training "
                         "dataset"),
@@ -53,6 +54,8 @@ def check_settings(cfg):
         raise UserError(f"unknown task '{cfg['task']}'; use one of: {', '.join(TASKS)}")
     if cfg['data_file'] and not os.path.exists(cfg['data_file']):
         raise UserError(f"no data file at {cfg['data_file']}; pass --data_file=PATH to an existing file")
+    if cfg['output_file']:  # now, not after an evaluation that may take hours
+        check_output(cfg['output_file'], 'output_file', cfg['overwrite'], inputs={'data_file': cfg['data_file']})
 
 
 def check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta, source):

@@ -11,6 +11,9 @@ Usage:
     python export_hf.py --out_dir=out --hf_dir=out/hf
     python -c "from transformers import pipeline; print(pipeline('text-generation', model='out/hf')('Hello')[0])"
 
+hf_dir may be new, empty or an earlier export (whose files are replaced); a directory holding a checkpoint, a
+dataset's files or other files, or the model's own directory, is refused unless --overwrite=True.
+
 weights=bfloat16 stores the weights rounded to bfloat16 (half the file; config.json says so, and transformers
 loads them as bfloat16 unless told otherwise); the default float32 is exact.
 
@@ -23,12 +26,13 @@ import os
 
 from configurator import configure
 from nanogpt_plus.checkpoint import describe_source, init_model
+from nanogpt_plus.files import check_output
 from nanogpt_plus.hf_export import check_export_weights, export
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.settings import EXPORT, IO, Schema, subset
 
 # the writing is nanogpt_plus/hf_export.py's; this script reads the settings and loads the model
-DEFAULTS = Schema(subset(IO, 'init_from', 'out_dir'), EXPORT, init_from='resume')
+DEFAULTS = Schema(subset(IO, 'init_from', 'out_dir', 'overwrite'), EXPORT, init_from='resume')
 
 
 def main():
@@ -36,6 +40,10 @@ def main():
     DEFAULTS.check(cfg)
     check_export_weights(cfg['weights'])  # before the model is loaded
     hf_dir = cfg['hf_dir'] or os.path.join(cfg['out_dir'], 'hf')
+    # before the model is loaded: into a new or empty directory or an earlier export, not a checkpoint's or a
+    # dataset's directory, nor the model's own, nor one of other files (its README.md would be replaced)
+    check_output(hf_dir, 'hf_dir', cfg['overwrite'], kind='directory', inputs={'init_from': cfg['init_from']},
+                 earlier=('config.json', 'model.safetensors'))
     model, tokenizer_meta, _ = init_model(cfg['init_from'], cfg['out_dir'])
     source = describe_source(cfg['init_from'], cfg['out_dir'])
     export(model, tokenizer_meta, hf_dir, source=source, weights=cfg['weights'])

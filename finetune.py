@@ -55,6 +55,7 @@ from nanogpt_plus.dataset import find_dataset
 from nanogpt_plus.device import compute_setup, device_type_of
 from nanogpt_plus.distributed import accumulation_per_rank, all_reduce_sum, init_distributed
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
+from nanogpt_plus.files import check_output
 from nanogpt_plus.finetuning import (TASKS, FinetuneModel, Schedule, configure_optimizers, evaluate_val,
                                      finetune_checkpoint, global_batch_counts, model_from_finetune_checkpoint,
                                      predict_with_checkpoint, step_batches, task_model_and_data, write_predictions)
@@ -149,6 +150,9 @@ def main():
     dist_info = init_distributed(cfg['device'], cfg['backend'])
     if not cfg['train_file'] and cfg['predict_file']:
         return predict_with_checkpoint(cfg, dist_info)
+    if cfg['predict_file']:  # the best model's predictions come after the training: their path is checked now
+        check_output(cfg['predict_out'] or os.path.join(cfg['out_dir'], 'predictions.jsonl'), 'predict_out',
+                     cfg['overwrite'], inputs={k: cfg[k] for k in ('train_file', 'val_file', 'predict_file')})
     # rank 0 holds out_dir/run.lock for the whole fine-tune; a new one over an earlier one's checkpoints needs
     # --overwrite=True (continuing it is possible when its training state is there)
     guarded = [LAST_CKPT, BEST_CKPT] if cfg['init_from'] != 'resume' else []

@@ -28,7 +28,7 @@ from nanogpt_plus.checkpoint import build_checkpoint, checkpoint_path, load_chec
 from nanogpt_plus.device import precision
 from nanogpt_plus.distributed import all_reduce_sum
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.files import atomic_write
+from nanogpt_plus.files import atomic_write, check_output
 from nanogpt_plus.files import read_jsonl as read_jsonl_records
 from nanogpt_plus.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
 from nanogpt_plus.weights import set_weights
@@ -539,6 +539,8 @@ def predict_with_checkpoint(cfg, dist_info):
     if path is None:
         raise UserError(f"--predict_file without --train_file needs --init_from to be a fine-tuned out_dir or "
                         f"ckpt.pt; {cfg['init_from']} is not one")
+    out_path = cfg['predict_out'] or os.path.join(os.path.dirname(path), 'predictions.jsonl')
+    check_output(out_path, 'predict_out', cfg['overwrite'], inputs={'predict_file': cfg['predict_file']})
     ckpt = load_checkpoint(path)
     model = model_from_finetune_checkpoint(ckpt)
     if cfg['task'] and cfg['task'] != ckpt['task']:
@@ -549,6 +551,5 @@ def predict_with_checkpoint(cfg, dist_info):
     model.eval()
     set_weights(model.gpt, cfg['weights'])  # the task head stays float32: it is one small matrix
     _, ctx = precision(dist_info.device, cfg['dtype'])
-    out_path = cfg['predict_out'] or os.path.join(os.path.dirname(path), 'predictions.jsonl')
     write_predictions(model, ckpt, cfg, ckpt['special_tokens'], load_tokenizer(ckpt['tokenizer']), dist_info.device,
                       ctx, cfg['predict_file'], out_path)

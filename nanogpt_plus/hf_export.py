@@ -222,23 +222,35 @@ def export(model, tokenizer_meta, hf_dir, source='', weights='float32'):
     goes into the README. weights: the dtype of the stored tensors, 'float32' or 'bfloat16'. Returns hf_dir.
     """
     check_export_weights(weights)
-    config = model.config
     tok = load_tokenizer(tokenizer_meta)  # an unknown kind is refused here, in one line
-    n_tokens, eot = tok.vocab_size, tok.eot_token  # GPT-2's 50257 and 50256; a char vocabulary has no eot
-    check_tokenizer_fits(config, tokenizer_meta, source or 'the checkpoint')
+    check_tokenizer_fits(model.config, tokenizer_meta, source or 'the checkpoint')
+    try:
+        _write_export(model, tok, hf_dir, source, weights)
+    except OSError as e:
+        if isinstance(e, UserError):
+            raise  # atomic_write's WriteFailed: already one line, naming the file
+        # transformers' save_pretrained and the tokenizer copies write directly: a permission, a full disk, ...
+        where = f"{e.filename}: " if e.filename else ""
+        raise UserError(f"could not write the Hugging Face directory {hf_dir} ({where}{e.strerror or e}); fix its "
+                        f"permissions or make room (or pass another --hf_dir) and export again") from None
+    return hf_dir
+
+
+def _write_export(model, tok, hf_dir, source, weights):
+    """ export's files: the configs, the weights, the tokenizer, the README. """
+    config = model.config
     os.makedirs(hf_dir, exist_ok=True)
-    cfg = hf_config(config, eot)
+    cfg = hf_config(config, tok.eot_token)  # GPT-2's end of text is 50256; a char vocabulary has none
     # what transformers' from_pretrained(dtype='auto') loads them as (named torch_dtype before transformers 4.56)
     setattr(cfg, 'dtype' if hasattr(cfg, 'dtype') else 'torch_dtype', weights)
     cfg.save_pretrained(hf_dir)
-    write_generation_config(hf_dir, cfg, n_tokens)
+    write_generation_config(hf_dir, cfg, tok.vocab_size)  # ids from the tokenizer's size up are never generated
     dtype = getattr(torch, weights)
     tensors = {name: t.to(dtype) for name, t in hf_state_dict(model).items()}
     atomic_write(os.path.join(hf_dir, 'model.safetensors'),
                  lambda f: f.write(_safetensors_bytes(tensors)))
     write_tokenizer(hf_dir, tok, config.block_size)
     write_readme(hf_dir, source, config, tokenizer_note(tok, config.vocab_size))
-    return hf_dir
 
 
 def _safetensors_bytes(tensors):

@@ -7,11 +7,12 @@ model; neither is needed to read two files. GPT.from_pretrained (model.py) stays
 reference this path is tested against.
 
 What our GPT can't compute exactly is refused with one line: another model_type, an activation, LayerNorm
-epsilon or attention scaling of its own, an untied head, a missing, unexpected or misshapen tensor.
+epsilon or attention scaling of its own, an untied head, a missing, unexpected or misshapen tensor; and so is a
+config.json value of the wrong JSON type, or a pickled object in a pytorch_model.bin (never run).
 
 Usage:
     from nanogpt_plus.pretrained import hf_config_and_weights
-    config, state_dict = hf_config_and_weights('gpt2')   # or a local directory; then checkpoint.loaded_model
+    config, state_dict, path = hf_config_and_weights('gpt2')   # or a local directory; then build.loaded_model
 """
 
 import json
@@ -30,6 +31,11 @@ HF_DEFAULTS = dict(model_type='gpt2', activation_function='gelu_new', layer_norm
                    tie_word_embeddings=True, add_cross_attention=False, vocab_size=50257, n_positions=1024,
                    n_embd=768, n_layer=12, n_head=12)
 IGNORED_SUFFIXES = ('.attn.bias', '.attn.masked_bias')  # causal-mask buffers older transformers saved
+# the JSON type each key must have; anything else ("768", 768.0, null, true) is a broken file, said here in one
+# line rather than as a TypeError wherever the value is first used (or, for a flag, silently read as truthy)
+SIZE_KEYS = ('vocab_size', 'n_positions', 'n_embd', 'n_layer', 'n_head')
+FLAG_KEYS = ('scale_attn_weights', 'scale_attn_by_inverse_layer_idx', 'reorder_and_upcast_attn',
+             'tie_word_embeddings', 'add_cross_attention')
 
 
 def hub_offline_error(name):
@@ -75,7 +81,33 @@ def read_hf_config(path):
                         f"config.json") from None
     if not isinstance(found, dict):
         raise UserError(f"{path} is not a Hugging Face config (no JSON object); use an intact config.json")
-    return dict(HF_DEFAULTS, **found)
+    hf = dict(HF_DEFAULTS, **found)
+    wrong = mistyped(hf)
+    if wrong is not None:
+        key, expected = wrong
+        raise UserError(f"{path}: {key} is {json.dumps(hf[key])[:60]}, which is not {expected}; fix the file (or "
+                        f"save the model again with transformers' save_pretrained)")
+    return hf
+
+
+def mistyped(hf):
+    """ (key, the type it needs) for the first value of a config dict whose JSON type is wrong, or None. """
+    def size(v):  # bool is an int to Python, not to JSON
+        return isinstance(v, int) and not isinstance(v, bool) and v > 0
+    for key in SIZE_KEYS:
+        if not size(hf[key]):
+            return key, "a positive integer"
+    if hf['n_inner'] is not None and not size(hf['n_inner']):
+        return 'n_inner', "a positive integer or null"
+    if isinstance(hf['layer_norm_epsilon'], bool) or not isinstance(hf['layer_norm_epsilon'], (int, float)):
+        return 'layer_norm_epsilon', "a number"
+    for key in FLAG_KEYS:
+        if not isinstance(hf[key], bool):
+            return key, "true or false"
+    for key in ('model_type', 'activation_function'):
+        if not isinstance(hf[key], str):
+            return key, "a string"
+    return None
 
 
 def refusal(hf):
@@ -91,7 +123,7 @@ def refusal(hf):
     for key, ours in (('scale_attn_weights', True), ('scale_attn_by_inverse_layer_idx', False),
                       ('reorder_and_upcast_attn', False), ('tie_word_embeddings', True),
                       ('add_cross_attention', False)):
-        if bool(hf[key]) != ours:
+        if hf[key] != ours:
             return f"{key} is {hf[key]}, ours is {ours}"
     return None
 
@@ -109,15 +141,25 @@ def gpt_config(hf, source, dropout=None):
 
 def read_tensors(path):
     """ {name: tensor} of a weights file, memory-mapped: only the pages that are copied out are read. """
-    try:
-        if path.endswith('.safetensors'):
-            from safetensors.torch import load_file
+    if path.endswith('.safetensors'):
+        from safetensors.torch import load_file
+        try:
             return load_file(path)
+        except Exception as e:  # truncated, not a safetensors file: either way it can't be used
+            raise UserError(f"{path} is corrupt or not a weights file ({error_line(e, 200)}); use an intact "
+                            f"copy") from None
+    try:
         # mmap needs torch.save's zip format; a file of the legacy format is read the ordinary way
-        return torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
-    except Exception as e:  # truncated, not a weights file, a pickled object: all mean it can't be used
-        raise UserError(f"{path} is corrupt or not a weights file ({type(e).__name__}: {error_line(e, 200)}); "
-                        f"use an intact copy") from None
+        tensors = torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception as e:  # truncated, not a weights file, a pickled object
+        # the ckpt.pt reader's words for what torch.load refused (never torch's advice to load the file with
+        # weights_only=False, i.e. to run its code); imported here, as checkpoint.py imports this module
+        from nanogpt_plus.checkpoint import _load_error
+        raise _load_error(path, e) from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise UserError(f"{path} is not a state dict of tensors; use a Hugging Face model's pytorch_model.bin or "
+                        f"model.safetensors")
+    return tensors
 
 
 def hf_names(tensors):
@@ -135,7 +177,7 @@ def state_dict_from_hf(tensors, config, source):
     Our state_dict (lm_head included) from HF tensors, every tensor accounted for. The Conv1D weights come as
     transposed views; their shapes, and a saved lm_head.weight's equality with wte (transformers would load one
     that differs as an untied head, which ours can't be), are checked when the model takes them
-    (checkpoint.loaded_model). Without a saved head, lm_head is wte, as transformers ties it.
+    (build.loaded_model). Without a saved head, lm_head is wte, as transformers ties it.
     """
     theirs, ours = hf_names(tensors), {}
     saved_head = theirs.pop('lm_head.weight', None)
@@ -153,7 +195,7 @@ def state_dict_from_hf(tensors, config, source):
 
 
 def hf_config_and_weights(init_from, dropout=None):
-    """ (GPTConfig, our state_dict) of a gpt2* name or a local Hugging Face GPT-2 directory. """
+    """ (GPTConfig, our state_dict, the weights file) of a gpt2* name or a local Hugging Face GPT-2 directory. """
     config_path, weights_path = hub_files(init_from) if init_from in GPT2_NAMES else local_files(init_from)
     config = gpt_config(read_hf_config(config_path), init_from, dropout)
-    return config, state_dict_from_hf(read_tensors(weights_path), config, weights_path)
+    return config, state_dict_from_hf(read_tensors(weights_path), config, weights_path), weights_path

@@ -6,6 +6,7 @@ in one line; and a sampling run imports none of the heavy libraries it doesn't u
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -194,6 +195,77 @@ def tiny_hf_dir(directory, **config):
 def test_what_our_gpt_cant_compute_is_refused(tmp_path, config, message):
     d = tiny_hf_dir(tmp_path / 'hf', **config)
     with pytest.raises(UserError, match=message):
+        init_model(d)
+
+
+@pytest.mark.parametrize('key, value, expected', [
+    ('n_embd', "32", "a positive integer"), ('n_layer', 2.0, "a positive integer"), ('n_head', None, "a positive"),
+    ('vocab_size', True, "a positive integer"), ('n_positions', -16, "a positive integer"),
+    ('n_inner', "128", "a positive integer or null"), ('layer_norm_epsilon', "1e-5", "a number"),
+    ('tie_word_embeddings', "false", "true or false"), ('activation_function', None, "a string"),
+])
+def test_config_values_of_the_wrong_json_type_are_refused(tmp_path, key, value, expected):
+    # a string where transformers writes an int would fail deep in the build; "false" would read as true
+    d = tiny_hf_dir(tmp_path / 'hf', **{key: value})
+    with pytest.raises(UserError, match=rf"config.json: {key} is {re.escape(json.dumps(value))}, which is not "
+                                        rf"{expected}.*; fix the file"):
+        init_model(d)
+
+
+def save_with(tensors, path):
+    """ tensors as a safetensors file, torch.save's pytorch_model.bin or one of our ckpt.pt, by path's name. """
+    if path.endswith('.safetensors'):
+        from safetensors.torch import save_file
+        save_file(tensors, path)
+    else:
+        torch.save(tensors, path)
+
+
+@pytest.mark.parametrize('name, dtype', [('model.safetensors', torch.float32), ('pytorch_model.bin', torch.float16),
+                                         ('ckpt.pt', torch.bfloat16)])
+def test_non_finite_weights_are_refused_at_load(tmp_path, name, dtype):
+    # found where the float32 copies are made, naming the file and the first tensor holding a NaN or inf
+    model = random_gpt()
+    if name == 'ckpt.pt':
+        sd = {k: v.to(dtype) for k, v in model.state_dict().items()}
+        sd['transformer.h.1.mlp.c_fc.weight'][3, 4] = float('inf')
+        sd['transformer.h.1.mlp.c_proj.weight'][0, 0] = float('nan')
+        torch.save({'model': sd, 'model_args': model.config.model_args(), 'iter_num': 0, 'config': {}},
+                   tmp_path / name)
+        source, first = 'the checkpoint', 'transformer.h.1.mlp.c_fc.weight'  # its path is checkpoint.py's to give
+        init_from = str(tmp_path / name)
+    else:
+        from nanogpt_plus.hf_export import hf_state_dict
+        init_from = tiny_hf_dir(tmp_path / 'hf')
+        os.remove(os.path.join(init_from, 'model.safetensors'))
+        sd = {k: v.to(dtype).contiguous() for k, v in hf_state_dict(model).items()}
+        sd['transformer.h.0.attn.c_attn.weight'][1, 2] = float('-inf')  # the first in our order and the file's
+        sd['transformer.ln_f.bias'][5] = float('nan')
+        save_with(sd, os.path.join(init_from, name))
+        source, first = re.escape(os.path.join(init_from, name)), 'transformer.h.0.attn.c_attn.weight'
+    with pytest.raises(UserError, match=rf"^{source} holds NaN or infinite values \(the first in {first}\)"):
+        init_model(init_from)
+    # huge but finite values whose sum overflows are no NaN: the exact check is what decides
+    big = {k: v.clone() for k, v in random_gpt().state_dict().items()}
+    big['transformer.h.0.mlp.c_fc.weight'].fill_(3e38)
+    loaded_model(GPTConfig(**TINY), big, "misfit")
+
+
+def test_a_pickled_object_in_pytorch_model_bin_is_refused_in_our_words(tmp_path):
+    # torch.load(weights_only=True) refuses it with advice to load it with weights_only=False, i.e. to run the
+    # file's code; the line the user sees is ours (checkpoint._load_error's, as for a ckpt.pt)
+    d = tiny_hf_dir(tmp_path / 'hf')
+    os.remove(os.path.join(d, 'model.safetensors'))
+    torch.save({'transformer.wte.weight': torch.zeros(2), 'payload': os.system}, os.path.join(d, 'pytorch_model.bin'))
+    with pytest.raises(UserError) as e:
+        init_model(d)
+    message = str(e.value)
+    assert re.match(r".*pytorch_model.bin holds a pickled Python object \(\S*system\) that loading could run as "
+                    r"code; .*re-save the file's tensors", message), message
+    assert 'weights_only' not in message and '\n' not in message
+    # and a pytorch_model.bin that is no state dict of tensors
+    torch.save([torch.zeros(2)], os.path.join(d, 'pytorch_model.bin'))
+    with pytest.raises(UserError, match=r"pytorch_model.bin is not a state dict of tensors"):
         init_model(d)
 
 
