@@ -58,7 +58,8 @@ from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
 from nanogpt_plus.files import check_output
 from nanogpt_plus.finetuning import (TASKS, FinetuneModel, Schedule, configure_optimizers, evaluate_val,
                                      finetune_checkpoint, global_batch_counts, model_from_finetune_checkpoint,
-                                     predict_with_checkpoint, step_batches, task_model_and_data, write_predictions)
+                                     predict_with_checkpoint, predictions_path, step_batches, task_model_and_data,
+                                     write_predictions)
 from nanogpt_plus.metrics import MetricsLogger
 from nanogpt_plus.optimizer import make_grad_scaler, optimizer_step, set_learning_rate
 from nanogpt_plus.outdir import check_new_run, claim_out_dir
@@ -151,14 +152,13 @@ def main():
     if not cfg['train_file'] and cfg['predict_file']:
         return predict_with_checkpoint(cfg, dist_info)
     if cfg['predict_file']:  # the best model's predictions come after the training: their path is checked now
-        check_output(cfg['predict_out'] or os.path.join(cfg['out_dir'], 'predictions.jsonl'), 'predict_out',
-                     cfg['overwrite'], inputs={k: cfg[k] for k in ('train_file', 'val_file', 'predict_file')})
+        check_output(predictions_path(cfg), 'predict_out', cfg['overwrite'],
+                     inputs={k: cfg[k] for k in ('train_file', 'val_file', 'predict_file')})
     # rank 0 holds out_dir/run.lock for the whole fine-tune; a new one over an earlier one's checkpoints needs
-    # --overwrite=True (continuing it is possible when its training state is there)
+    # --overwrite=True (or continues it, with --init_from=resume, when its training state is there)
     guarded = [LAST_CKPT, BEST_CKPT] if cfg['init_from'] != 'resume' else []
-    resumable = os.path.isfile(os.path.join(cfg['out_dir'], LAST_CKPT))
     with claim_out_dir(cfg['out_dir'], dist_info, prepare=lambda: check_new_run(
-            cfg['out_dir'], guarded, 'finetune.py', argv, cfg['overwrite'], resumable=resumable)):
+            cfg['out_dir'], guarded, 'finetune.py', argv, cfg['overwrite'], resume_file=LAST_CKPT)):
         result = finetune(cfg, dist_info)
     if result['interrupted']:
         raise Interrupted()  # ckpt_last.pt saved, resumable: exit code 75
@@ -189,8 +189,7 @@ def finetune(cfg, dist_info):
             if state.interrupted:
                 save_last(run, state, f"interrupted at epoch {state.epoch}, step {state.step_in_epoch}")
                 if run.dist_info.master:
-                    print(f"stopped cleanly; continue with --init_from=resume --out_dir={cfg['out_dir']} "
-                          f"(exit code 75)")
+                    print(f"stopped cleanly; continue with --init_from=resume --out_dir={cfg['out_dir']} (exit 75)")
             else:
                 end_epoch(run, state)
     except torch.OutOfMemoryError:  # torch.cuda.OutOfMemoryError: one line that says what to change
@@ -339,8 +338,7 @@ def end_epoch(run, state):
     """ After the last step of an epoch: evaluate, keep the model if it is the best so far, save the state. """
     record = evaluate_epoch(run, state)
     state.history.append(record)
-    if run.dist_info.master:
-        run.logger.log(dict(record, type='eval'))
+    run.logger.log(dict(record, type='eval'))  # (rank 0's logger writes; the others' do nothing)
     # without a val file every epoch counts as the best, so ckpt.pt is the last epoch's model
     if 'val_acc' not in record or state.best_val_acc is None or record['val_acc'] > state.best_val_acc:
         state.best_val_acc, state.best_epoch = record.get('val_acc'), state.epoch
@@ -392,7 +390,7 @@ def finish(run, state):
         best = load_checkpoint(os.path.join(cfg['out_dir'], BEST_CKPT))
         best_model = model_from_finetune_checkpoint(best).to(run.dist_info.device)
         write_predictions(best_model, best, cfg, run.special, run.tokenizer, run.dist_info.device, run.ctx,
-                          cfg['predict_file'], cfg['predict_out'] or os.path.join(cfg['out_dir'], 'predictions.jsonl'))
+                          cfg['predict_file'], predictions_path(cfg))
     if run.dist_info.master:
         print(json.dumps(result))
     return result

@@ -31,6 +31,7 @@ The pieces live in nanogpt_plus/: the Checkpointer decides when and where to sav
 in-loop HellaSwag and samples, settings.py declares every setting (python train.py --help).
 """
 
+import functools
 import json
 import math
 import os
@@ -42,17 +43,17 @@ import torch
 
 from configurator import configure
 from model import GPT
-from nanogpt_plus.checkpoint import adopt_resumed_run, build_checkpoint, checkpoint_path, init_training_model
-from nanogpt_plus.checkpointer import Checkpointer, restore_training_state
+from nanogpt_plus.checkpoint import adopt_resumed_run, build_checkpoint, init_training_model
+from nanogpt_plus.checkpointer import Checkpointer, prepare_out_dir, restore_training_state, resume_point
 from nanogpt_plus.dataloader import TokenWindowLoader
-from nanogpt_plus.dataset import find_dataset
-from nanogpt_plus.device import compute_setup, device_type_of
+from nanogpt_plus.dataset import find_dataset, padded_tokenizer_size
+from nanogpt_plus.device import check_model_memory, compute_setup, device_type_of
 from nanogpt_plus.distributed import accumulation_per_rank, all_reduce_mean, fail_everywhere, init_distributed
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
 from nanogpt_plus.evaluation import estimate_loss
 from nanogpt_plus.metrics import MetricsLogger
 from nanogpt_plus.optimizer import make_grad_scaler, set_learning_rate, skip_update, take_update, unscale_and_clip
-from nanogpt_plus.outdir import check_new_run, claim_out_dir
+from nanogpt_plus.outdir import claim_out_dir
 from nanogpt_plus.parallel import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.periodic import PeriodicTasks
 from nanogpt_plus.runtime import provenance, run_main
@@ -106,35 +107,48 @@ class TrainState:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = configure(DEFAULTS, argv, doc=__doc__)
-    check_settings(cfg)
-    if cfg['init_from'] == 'resume':  # the checkpoint's architecture becomes the run's; a finished run is refused
-        adopt_resumed_run(cfg, checkpoint_path('resume', cfg['out_dir']))
-    dist_info = init_distributed(cfg['device'], cfg['backend'])  # torchrun's ranks, or a single process
-    # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run ends); a new
-    # run (not a resume, not eval_only) into an out_dir that holds a checkpoint needs --overwrite=True
-    guarded = ['ckpt.pt'] if cfg['init_from'] != 'resume' and not cfg['eval_only'] else []
-    with claim_out_dir(cfg['out_dir'], dist_info,
-                       prepare=lambda: check_new_run(cfg['out_dir'], guarded, 'train.py', argv, cfg['overwrite'])):
-        finished = train(cfg, dist_info)
+    # SIGINT/SIGTERM set a flag from here on: one during set-up (minutes for a big model) stops the run after it
+    exit_request = GracefulExit().install()
+    try:
+        cfg = configure(DEFAULTS, argv, doc=__doc__)
+        check_settings(cfg)
+        if cfg['init_from'] == 'resume':  # the checkpoint's architecture becomes the run's; a finished run is refused
+            adopt_resumed_run(cfg, resume_point(cfg['out_dir'], cfg['resume_from']))
+        dist_info = init_distributed(cfg['device'], cfg['backend'])  # torchrun's ranks, or a single process
+        # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run ends)
+        with claim_out_dir(cfg['out_dir'], dist_info, prepare=lambda: prepare_out_dir(cfg, 'train.py', argv)):
+            finished = train(cfg, dist_info, exit_request)
+    finally:
+        exit_request.uninstall()
     if not finished:
         raise Interrupted()  # saved and resumable: exit code 75
 
 
 def check_settings(cfg):
-    """ Every setting, before any work: its type, choices and range (settings.py), and the model's shape. """
+    """ Every setting, before any work: its type, choices and range (settings.py), then their combinations. """
     DEFAULTS.check(cfg)
     check_model_shape(cfg)
+    if cfg['init_from'] == 'scratch':  # a resumed or pretrained model has its own size, which fitted before
+        check_model_memory(cfg['n_layer'], cfg['n_embd'], cfg['block_size'])
+    if cfg['decay_lr'] and cfg['min_lr'] > cfg['learning_rate']:  # the "decay" would raise the rate
+        raise UserError(f"min_lr ({cfg['min_lr']}) is above learning_rate ({cfg['learning_rate']}), so the decay "
+                        f"would raise the learning rate; set --min_lr to at most learning_rate (about 1/10 of it)")
+    if cfg['resume_from'] and cfg['init_from'] != 'resume':
+        raise UserError(f"--resume_from={cfg['resume_from']} goes back to a snapshot of the run in out_dir: it "
+                        f"needs --init_from=resume")
 
 
-def train(cfg, dist_info):
+def train(cfg, dist_info, exit_request):
     """
     Train from init_from until iteration max_iters (or a signal), checkpointing into out_dir. Returns True
     when the run is complete (its final checkpoint saved), False when a signal stopped it (saved too).
     """
     run, state = setup(cfg, dist_info)
-    exit_request = GracefulExit().install()
     try:
+        if exit_request.should_stop(dist_info):  # a signal during set-up: before the first step, nothing to save
+            if dist_info.master:
+                print(f"stopped before iter {state.iter_num}: a signal came during set-up; nothing new to save")
+            return False
         while True:
             finished = iteration(run, state, exit_request)
             if finished is not None:
@@ -142,13 +156,13 @@ def train(cfg, dist_info):
     except torch.OutOfMemoryError:  # torch.cuda.OutOfMemoryError: one line that says what to change
         raise out_of_memory_error(state.iter_num, run.checkpointer.path()) from None
     finally:
-        exit_request.uninstall()
         run.logger.close()
 
 
 def iteration(run, state, exit_request):
     """ One iteration of the loop. Returns None to go on, True when the run is complete, False after a signal. """
     cfg, dist_info = run.cfg, run.dist_info
+    build = functools.partial(checkpoint, run, state)  # what a save at this iteration holds (Checkpointer.write)
     # determine and set the learning rate for this iteration
     lr = set_learning_rate(run.optimizer, state.iter_num, cfg['learning_rate'], cfg['warmup_iters'],
                            cfg['lr_decay_iters'], cfg['min_lr'], cfg['decay_lr'])
@@ -157,11 +171,11 @@ def iteration(run, state, exit_request):
     evaluating, saved = state.iter_num % cfg['eval_interval'] == 0, False
     if evaluating:
         val_loss = evaluate(run, state, lr)
-        saved = run.checkpointer.evaluated(state.iter_num, val_loss, lambda gathered: checkpoint(run, state, gathered))
+        saved = run.checkpointer.evaluated(state.iter_num, val_loss, build)
     if state.iter_num == 0 and cfg['eval_only']:
         return True
     if run.checkpointer.due(state.iter_num, state.local_iter_num) and not saved:
-        run.checkpointer.save(state.iter_num, lambda gathered: checkpoint(run, state, gathered))
+        run.checkpointer.save(state.iter_num, build)
 
     # forward and backward over the micro-batches; DDP all-reduces the gradients once, after the last backward
     step_loss = torch.zeros((), device=dist_info.device)  # this rank's loss: a tensor, so no sync per micro-step
@@ -203,12 +217,10 @@ def iteration(run, state, exit_request):
     # iter_num = max_iters + 1, the steps done), or after SIGINT/SIGTERM (checked every iteration: torchrun
     # kills the workers soon after its signal)
     if state.iter_num > cfg['max_iters']:
-        run.checkpointer.save(state.iter_num, lambda gathered: checkpoint(run, state, gathered),
-                              reason=f"final, iter {state.iter_num}")
+        run.checkpointer.save(state.iter_num, build, reason=f"final, iter {state.iter_num}")
         return True
     if exit_request.should_stop(dist_info):
-        run.checkpointer.save(state.iter_num, lambda gathered: checkpoint(run, state, gathered),
-                              reason=f"interrupted at iter {state.iter_num}")
+        run.checkpointer.save(state.iter_num, build, reason=f"interrupted at iter {state.iter_num}")
         if dist_info.master:
             print(f"stopped cleanly; continue with --init_from=resume --out_dir={cfg['out_dir']} (exit code 75)")
         return False
@@ -235,8 +247,9 @@ def setup(cfg, dist_info):
     # under FSDP only rank 0 holds the full model: the others build it on the meta device (no memory, no init)
     on_meta = dist_info.under_torchrun and cfg['parallelism'] == 'fsdp' and dist_info.rank != 0
     raw_model, tokenizer_meta, ckpt = init_training_model(cfg, data, on_meta)
+    tokenizer_ids = padded_tokenizer_size(raw_model.config.vocab_size, tokenizer_meta)
     for loader in (train_loader, *eval_loaders.values()):
-        loader.check_vocab(raw_model.config.vocab_size)  # an id the model has no embedding for: one line
+        loader.check_vocab(raw_model.config.vocab_size, tokenizer_ids)  # an id the model or tokenizer lacks: one line
     # now, not at the first hellaswag_interval: a missing file (offline) or a bad prompt stops the run here
     tasks = PeriodicTasks(cfg, dist_info, tokenizer_meta, raw_model.config.block_size, ctx, compile_model)
     model, optimizer, scaler, thread_retuner = prepare_training(cfg, dist_info, raw_model, dtype, ctx,

@@ -17,7 +17,6 @@ Usage:
 
 import json
 import os
-import re
 import zipfile
 
 import torch
@@ -25,7 +24,7 @@ import torch
 from model import GPT2_NAMES, GPTConfig
 from nanogpt_plus.build import fit_block_size, loaded_model, meta_model, pretrained_model, scratch_model
 from nanogpt_plus.errors import UserError, error_line
-from nanogpt_plus.files import atomic_write
+from nanogpt_plus.files import atomic_write, load_error
 from nanogpt_plus.tokenizer import check_dataset_tokenizer, read_dataset_meta, read_named_tokenizer
 
 HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for char and bpe models
@@ -70,25 +69,6 @@ def _torch_save(obj, f):
         raise
 
 
-def _load_error(path, error):
-    """
-    The one line for a file torch.load refused: a pickled Python object (unsafe), else corrupt. Never torch's
-    own text around it, which advises loading with weights_only=False, i.e. running the file's code.
-    """
-    text = str(error)
-    # torch names the global it refused: 'Unsupported global: GLOBAL x.y' or 'unsupported GLOBAL x.y whose ...'
-    found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", text, re.IGNORECASE)
-    if found:
-        return UserError(f"checkpoint {path} holds a pickled Python object ({found.group(1)}) that loading could "
-                         f"run as code; this project loads only tensors and plain values. Use a checkpoint written "
-                         f"by this project, or re-save the file's tensors with torch.save in a trusted session")
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and 'weights_only' not in ln]
-    detail = next((ln for ln in lines if not ln.startswith(('Please file', 'Check the documentation'))), '')
-    detail = detail.split('. ')[0].rstrip('.')[:200]  # its first sentence: what failed, not torch's guesses why
-    return UserError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail}); "
-                     f"use another checkpoint")
-
-
 def load_checkpoint(path, map_location='cpu'):
     """
     torch.load with weights_only=True and one clear error for a missing or corrupt file. The tensors are
@@ -103,7 +83,7 @@ def load_checkpoint(path, map_location='cpu'):
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, foreign pickle, ... all mean the file can't be used
-        raise _load_error(path, e) from None
+        raise load_error(path, e) from None
     if not isinstance(ckpt, dict) or 'model' not in ckpt or 'model_args' not in ckpt:
         raise UserError(f"checkpoint {path} has no 'model'/'model_args' entries; is it a nanoGPT checkpoint?")
     return ckpt

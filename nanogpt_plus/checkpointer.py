@@ -19,6 +19,7 @@ Usage:
         ckpt.save(iter_num, build)
 """
 
+import fcntl
 import os
 import re
 import shutil
@@ -26,16 +27,18 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogpt_plus.checkpoint import save_checkpoint
+from nanogpt_plus.checkpoint import load_checkpoint, save_checkpoint
 from nanogpt_plus.distributed import all_reduce_sum, fail_everywhere, master_decides
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.files import temp_path
+from nanogpt_plus.files import atomic_write
+from nanogpt_plus.outdir import check_new_run
 from nanogpt_plus.parallel import full_state_dicts, load_optimizer_state, local_parameters
 from nanogpt_plus.rng import gather_rng_states, set_rng_state
 
 CHECKPOINT = 'ckpt.pt'  # train.py's checkpoint: the training state to resume from (the best model without always_save)
 BEST = 'ckpt_best.pt'  # with always_save_checkpoint=False: the best model so far, kept beside ckpt.pt
 SNAPSHOT = re.compile(r'^ckpt_(\d+)\.pt$')  # ckpt_<iter>.pt, the snapshots keep_checkpoints retains
+FICLONE = 0x40049409  # linux/fs.h: make this file a copy-on-write clone of another
 
 
 @dataclass
@@ -52,7 +55,8 @@ class Checkpointer:
                  checkpoint_interval=0, keep_checkpoints=0, replaces_a_run=False):
         """
         model: the plain module whose weights are saved (sharded in place under FSDP); optimizer: its optimizer.
-        replaces_a_run: a new run with --overwrite=True, whose saves replace an earlier run's snapshots.
+        replaces_a_run: a new run with --overwrite=True: its first save replaces the earlier run's ckpt.pt and
+        deletes the earlier run's other checkpoints (ckpt_best.pt, snapshots), which it was allowed to replace.
         """
         self.out_dir, self.dist_info = out_dir, dist_info
         self.model, self.optimizer = model, optimizer
@@ -93,32 +97,28 @@ class Checkpointer:
 
     def save(self, iter_num, build, reason='', best=False):
         """
-        out_dir/ckpt.pt of iteration iter_num; every rank calls this. best=True: the best model so far
-        (always_save_checkpoint=False), also kept as ckpt_best.pt. Snapshots follow (keep_checkpoints).
+        out_dir/ckpt.pt of iteration iter_num; every rank calls this. best=True: the model of an evaluation that
+        improved the val loss (always_save_checkpoint=False), also copied to ckpt_best.pt: only such a model, of
+        this run and with its own val loss, is ever kept as the best. Snapshots follow (keep_checkpoints).
         """
         def after_write(path):
+            if self.replaces_a_run:  # --overwrite=True: the earlier run's other checkpoints go at our first save
+                for name in checkpoint_files(self.out_dir):
+                    if name != CHECKPOINT:
+                        _remove(self.out_dir, name)
+                self.replaces_a_run = False
             if best:
-                keep_checkpoint_as(path, self.path(BEST))
+                copy_checkpoint(path, self.path(BEST))
             if self.keep > 0:
-                snapshot_checkpoint(self.out_dir, iter_num, self.keep, drop_later=self.replaces_a_run)
+                snapshot_checkpoint(self.out_dir, iter_num, self.keep)
 
-        # without always_save_checkpoint ckpt.pt is the best model until a save that isn't (a checkpoint_interval
-        # save, an interrupted or final one) replaces it: then keep it as ckpt_best.pt first, if not kept yet
-        before_write = self.keep_best if not self.always_save and not best else None
         self.write(CHECKPOINT, build, iter_num, announce=f"saving checkpoint to {self.out_dir}"
-                   + (f" ({reason})" if reason else ""), before_write=before_write, after_write=after_write)
-
-    def keep_best(self):
-        path, best_path = self.path(), self.path(BEST)
-        if os.path.exists(path) and not os.path.exists(best_path):
-            keep_checkpoint_as(path, best_path)
-            print(f"kept the best checkpoint so far as {best_path}")
+                   + (f" ({reason})" if reason else ""), after_write=after_write)
 
     # -------------------------------------------------------------------------
     # the write, the same for every file
 
-    def write(self, name, build, iter_num, training_state=True, announce=None, done=None, before_write=None,
-              after_write=None):
+    def write(self, name, build, iter_num, training_state=True, announce=None, done=None, after_write=None):
         """
         out_dir/name, holding build(Gathered) (called on rank 0 only). Every rank calls this: the weights are
         voted finite, then (training_state) the optimizer state, full weights and every rank's RNG state are
@@ -132,8 +132,6 @@ class Checkpointer:
         def save():
             ckpt = build(gathered)
             try:
-                if before_write is not None:
-                    before_write()
                 if announce:
                     print(announce)
                 save_checkpoint(ckpt, path)
@@ -181,50 +179,136 @@ def restore_training_state(ckpt, optimizer, scaler, dist_info):
 
 
 # -----------------------------------------------------------------------------
-# extra copies of the checkpoint
+# the files of a run in its out_dir: ckpt.pt, ckpt_best.pt, the snapshots, and lines of a run left behind
 
-def keep_checkpoint_as(path, new_path):
-    """ new_path (and its .json sidecar) becomes the complete checkpoint at path, atomically. """
-    _keep_file_as(path, new_path)
-    sidecar = os.path.splitext(path)[0] + '.json'
-    if os.path.exists(sidecar):
-        _keep_file_as(sidecar, os.path.splitext(new_path)[0] + '.json')
+def snapshots(out_dir):
+    """ {iteration: file name} of the ckpt_<iter>.pt snapshots in out_dir. """
+    return {int(m.group(1)): m.group(0) for m in map(SNAPSHOT.match, os.listdir(out_dir)) if m}
 
 
-def _keep_file_as(path, new_path):
-    # a hard link to the file (the next save renames a new file over path, so the link keeps this one);
-    # a copy where the file system has no links
-    tmp = temp_path(new_path)
-    try:
+def checkpoint_files(out_dir):
+    """ The names of the checkpoints a train.py run keeps in out_dir (ckpt.pt, ckpt_best.pt, snapshots). """
+    if not os.path.isdir(out_dir):
+        return []
+    named = [n for n in (CHECKPOINT, BEST) if os.path.isfile(os.path.join(out_dir, n))]
+    return named + [name for _, name in sorted(snapshots(out_dir).items())]
+
+
+def copy_checkpoint(path, new_path):
+    """
+    new_path (and its .json sidecar) becomes a copy of the complete checkpoint at path, atomically. A copy,
+    never a hard link: with a link, a file copied over one name (cp ckpt_2000.pt ckpt.pt) would be written
+    through into the other. Where the file system can clone (btrfs, XFS: copy-on-write), the copy takes no
+    time and no space until one of them changes.
+    """
+    for src, dst in ((path, new_path), (sidecar_of(path), sidecar_of(new_path))):
+        if src == path or os.path.exists(src):
+            atomic_write(dst, lambda f, src=src: _clone_into(src, f))
+
+
+def _clone_into(path, f):
+    with open(path, 'rb') as source:
         try:
-            os.link(path, tmp)
-        except OSError:
-            shutil.copyfile(path, tmp)
-        os.replace(tmp, new_path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+            fcntl.ioctl(f.fileno(), FICLONE, source.fileno())
+        except OSError:  # no reflinks here (ext4, tmpfs, another file system): copy the bytes
+            shutil.copyfileobj(source, f, 1 << 24)
 
 
-def snapshot_checkpoint(out_dir, iter_num, keep, drop_later=False):
+def sidecar_of(path):
+    return os.path.splitext(path)[0] + '.json'
+
+
+def saved_iter(path):
+    """ The iter_num of a checkpoint file, read from the file itself (memory-mapped: its tensors aren't read). """
+    return int(load_checkpoint(path)['iter_num'])  # not the .json sidecar: a file copied by hand may lack its own
+
+
+def snapshot_checkpoint(out_dir, iter_num, keep):
     """
-    After out_dir/ckpt.pt of iteration iter_num is complete: keep it as ckpt_<iter_num>.pt too, then delete
-    the snapshots other than the `keep` newest up to iter_num. Snapshots of larger iterations belong to another
-    line of the run: one that --overwrite=True replaces (drop_later: deleted), or one the user went back from by
-    resuming an older snapshot (left alone: never deleted without being asked). Returns the deleted names.
+    After out_dir/ckpt.pt of iteration iter_num is complete: copy it to ckpt_<iter_num>.pt, then delete the
+    snapshots other than the `keep` newest. (Those of another line of the run never count: branch_off moved
+    them away before this line's first save.) Returns the deleted names.
     """
-    keep_checkpoint_as(os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, f'ckpt_{iter_num}.pt'))
-    iters = sorted(int(m.group(1)) for m in map(SNAPSHOT.match, os.listdir(out_dir)) if m)
-    kept = set([i for i in iters if i <= iter_num][-keep:])
+    copy_checkpoint(os.path.join(out_dir, CHECKPOINT), os.path.join(out_dir, f'ckpt_{iter_num}.pt'))
+    iters = sorted(snapshots(out_dir))
     deleted = []
-    for i in iters:
-        if i in kept or (i > iter_num and not drop_later):
-            continue
-        for name in (f'ckpt_{i}.pt', f'ckpt_{i}.json'):
-            try:
-                os.remove(os.path.join(out_dir, name))
-                deleted.append(name)
-            except FileNotFoundError:
-                pass
+    for i in iters[:-keep]:
+        deleted += _remove(out_dir, f'ckpt_{i}.pt')
     return deleted
 
+
+def _remove(out_dir, name):
+    """ Delete a checkpoint and its sidecar; returns the names deleted. """
+    deleted = []
+    for n in (name, os.path.splitext(name)[0] + '.json'):
+        try:
+            os.remove(os.path.join(out_dir, n))
+            deleted.append(n)
+        except FileNotFoundError:
+            pass
+    return deleted
+
+
+def resume_point(out_dir, resume_from=''):
+    """ The file --init_from=resume continues from: ckpt.pt, or the snapshot resume_from names ('2000' or its name). """
+    if not resume_from:
+        return os.path.join(out_dir, CHECKPOINT)
+    name = f'ckpt_{resume_from}.pt' if resume_from.isdigit() else resume_from
+    if not SNAPSHOT.match(name):
+        raise UserError(f"--resume_from={resume_from!r} is not a snapshot: give its iteration (2000) or its name "
+                        f"(ckpt_2000.pt) in out_dir")
+    path = os.path.join(out_dir, name)
+    if not os.path.isfile(path):
+        held = ', '.join(snapshots(out_dir).values()) if os.path.isdir(out_dir) else ''
+        raise UserError(f"there is no snapshot {path} to resume from; {out_dir} holds "
+                        f"{held or 'no snapshots'} (--keep_checkpoints=K keeps the last K saves)")
+    return path
+
+
+def branch_off(out_dir, resume_from=''):
+    """
+    On rank 0, out_dir locked, before a resumed run writes anything. A run resumed at iteration k (ckpt.pt's, or
+    the snapshot resume_from names) continues a line of its own: the files of the line it leaves (ckpt.pt when
+    going back to a snapshot, the snapshots of later iterations, a ckpt_best.pt saved after k) move unchanged
+    into out_dir/abandoned_<n>/, so the new line's saves can neither overwrite nor prune them; then the snapshot
+    becomes ckpt.pt (a copy). The same happens when the user copied an older snapshot over ckpt.pt by hand.
+    metrics.jsonl stays: its reader drops the left line's records past k (metrics.read_metrics).
+    """
+    start = resume_point(out_dir, resume_from)
+    k = saved_iter(start)
+    later = [name for i, name in sorted(snapshots(out_dir).items()) if i > k]
+    if os.path.isfile(os.path.join(out_dir, BEST)) and saved_iter(os.path.join(out_dir, BEST)) > k:
+        later.append(BEST)
+    current = os.path.join(out_dir, CHECKPOINT)
+    leaving = resume_from and os.path.isfile(current)  # ckpt.pt is the latest state of the line left behind
+    if later or leaving:
+        n = 1 + max([int(d.rsplit('_', 1)[1]) for d in os.listdir(out_dir)
+                     if d.startswith('abandoned_') and d.rsplit('_', 1)[1].isdigit()] or [0])
+        keep_dir = os.path.join(out_dir, f'abandoned_{n}')
+        os.makedirs(keep_dir)
+        for name in later:  # moved (a kill halfway leaves each file in one of the two places)
+            for part in (name, os.path.splitext(name)[0] + '.json'):
+                if os.path.exists(os.path.join(out_dir, part)):
+                    os.replace(os.path.join(out_dir, part), os.path.join(keep_dir, part))
+        if leaving:  # copied, then replaced below: out_dir always holds a ckpt.pt to resume from
+            copy_checkpoint(current, os.path.join(keep_dir, CHECKPOINT))
+            later.insert(0, CHECKPOINT)
+        print(f"resuming at iter {k}: the later files of this run ({', '.join(later)}) are kept, unchanged, in "
+              f"{keep_dir}")
+    if resume_from:
+        copy_checkpoint(start, current)
+
+
+def prepare_out_dir(cfg, script, argv):
+    """
+    train.py's start in its out_dir, on rank 0 with out_dir locked: a resume continues a line of its own
+    (branch_off keeps the files of the line it leaves); a new run into an out_dir that holds an earlier run's
+    checkpoints (ckpt.pt, ckpt_best.pt, snapshots) is refused with the commands to resume it or start over,
+    unless --overwrite=True. eval_only runs write no checkpoint and change nothing.
+    """
+    if cfg['eval_only']:
+        return
+    if cfg['init_from'] == 'resume':
+        branch_off(cfg['out_dir'], cfg['resume_from'])
+        return
+    check_new_run(cfg['out_dir'], checkpoint_files(cfg['out_dir']), script, argv, cfg['overwrite'])

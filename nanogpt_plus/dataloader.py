@@ -137,15 +137,31 @@ def open_token_file(path, dataset=None, dtype=None):
 SCAN_TOKENS = 1 << 26
 
 
-def check_token_ids(tokens, vocab_size, path):
+def check_token_ids(tokens, vocab_size, path, tokenizer_size=None):
     """
     A token id >= the model's vocab_size has no embedding: an IndexError deep in the model on the CPU, a
-    device-side assert on a GPU. Refuse it in one line naming the file (tokens: an array or a tensor).
+    device-side assert on a GPU. One >= the tokenizer's size (tokenizer_size, when the model's vocabulary is
+    padded past it) has an embedding row but means no text: the data was made with another tokenizer. Refuse
+    either in one line naming the file (tokens: an array or a tensor).
     """
     top = int(tokens.max())
     if top >= vocab_size:
         raise UserError(f"{path} holds token ids up to {top}, beyond the model's vocab_size ({vocab_size}); was it "
                         f"prepared with another tokenizer? Re-run prepare.py, or use the model this data was made for")
+    if tokenizer_size and top >= tokenizer_size:
+        raise UserError(f"{path} holds token ids up to {top}, beyond the tokenizer's vocabulary ({tokenizer_size:,} "
+                        f"tokens; the model's ids from {tokenizer_size:,} to {vocab_size:,} are padding, which no "
+                        f"text has); was it prepared with another tokenizer? Re-run prepare.py, or use the model "
+                        f"this data was made for")
+
+
+def file_identity(path):
+    """ (device, inode, size, mtime) of a file, None when it is gone: what changes when the file is replaced. """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class TokenSource:
@@ -160,10 +176,17 @@ class TokenSource:
         opened = [open_token_file(p, dataset, dtype) for p in self.paths]
         self.layouts = [(m.dtype, m.offset, len(m)) for m in opened]  # what np.memmap needs to map it again
         self.sizes = np.array([n for _, _, n in self.layouts], dtype=np.int64)  # tokens per file
-        self.vocab_size = None  # set by check_vocab for a large split: then every window's ids are checked
+        # each file as it was validated: another file under its name (a dataset prepared again while the run
+        # reads it, perhaps with another vocabulary) is refused at the next read instead of trained on
+        self.pins = [file_identity(p) for p in self.paths]
+        self.vocab_size = self.tokenizer_size = None  # set by check_vocab for a large split: every window checked
 
     def tokens(self, i):
-        """ File i's tokens, a fresh read-only memmap. """
+        """ File i's tokens, a fresh read-only memmap (of the file validated at start-up, or one line). """
+        if file_identity(self.paths[i]) != self.pins[i]:
+            raise UserError(f"{self.paths[i]} changed while the run was reading it (replaced, prepared again, "
+                            f"truncated or deleted); the run stops here without saving. Restore the dataset the run "
+                            f"started with and resume with --init_from=resume, or start a new run on the new one")
         dtype, offset, n = self.layouts[i]
         return np.memmap(self.paths[i], dtype=dtype, mode='r', offset=offset, shape=(n,))
 
@@ -175,16 +198,16 @@ class TokenSource:
             rows = np.flatnonzero(files == i)
             window[rows] = self.tokens(i)[starts[rows, None] + span]
             if self.vocab_size is not None:  # on the CPU, before the device sees an id it has no embedding for
-                check_token_ids(window[rows], self.vocab_size, self.paths[i])
+                check_token_ids(window[rows], self.vocab_size, self.paths[i], self.tokenizer_size)
         return torch.from_numpy(window)
 
-    def check_vocab(self, vocab_size):
-        """ Refuse ids >= vocab_size (the model's): now for a small split, else in each window read. """
+    def check_vocab(self, vocab_size, tokenizer_size=None):
+        """ Refuse ids the model (or its tokenizer) doesn't have: now for a small split, else in each read. """
         if self.sizes.sum() <= SCAN_TOKENS:
             for i, path in enumerate(self.paths):
-                check_token_ids(self.tokens(i), vocab_size, path)  # all of it, now
+                check_token_ids(self.tokens(i), vocab_size, path, tokenizer_size)  # all of it, now
         else:
-            self.vocab_size = vocab_size
+            self.vocab_size, self.tokenizer_size = vocab_size, tokenizer_size
 
     def describe(self):
         """ The split's files, for messages: the file, or the shards' directory. """
@@ -318,9 +341,9 @@ class TokenWindowLoader:
         self.micro_step = 0  # global micro-batch counter, shared by all ranks
         self._pin = 'cuda' in str(device)
 
-    def check_vocab(self, vocab_size):
-        """ Refuse ids >= vocab_size (the model's): now for a small split, else in each batch next_batch reads. """
-        self.source.check_vocab(vocab_size)
+    def check_vocab(self, vocab_size, tokenizer_size=None):
+        """ Refuse ids the model (or its tokenizer) doesn't have: now for a small split, else in each batch read. """
+        self.source.check_vocab(vocab_size, tokenizer_size)
 
     @property
     def epoch(self):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from nanogpt_plus.dataloader import (TokenWindowLoader, dataset_dir, evaluation_order, holds_shards, raw_token_dtype,
                                      split_files)
-from nanogpt_plus.tokenizer import read_dataset_meta
+from nanogpt_plus.tokenizer import read_dataset_meta, tokenizer_size
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,12 @@ def find_dataset(name, splits=('train', 'val')):
     # the raw files' dtype from meta.json, once (shards carry theirs in their headers); none asked for: no files
     raw_dtype = raw_token_dtype(files[splits[0]][0]) if splits and not shards else None
     return Dataset(name, directory, files, shards, raw_dtype, read_dataset_meta(directory))
+
+
+def padded_tokenizer_size(model_vocab, tokenizer_meta):
+    """
+    The tokenizer's vocabulary size where it is below the model's vocab_size (a byte-level vocabulary padded to a
+    multiple of 64), else None: a dataset holding ids in the padding was made with another tokenizer.
+    """
+    size = tokenizer_size(tokenizer_meta or {'kind': 'gpt2'})
+    return int(size) if size and int(size) < model_vocab else None

@@ -105,3 +105,35 @@ def compute_setup(device, dtype, compile_setting, num_threads, peak=True):
     peak_flops = device_peak_flops(device, PTDTYPE[dtype]) if peak else None
     apply_cpu_threads(num_threads)
     return dtype, ctx, compile_model, peak_flops
+
+
+def available_host_memory():
+    """ The bytes of RAM this machine can give a new allocation now (/proc/meminfo's MemAvailable), or None. """
+    try:
+        with open('/proc/meminfo', encoding='ascii') as f:
+            for line in f:
+                if line.startswith('MemAvailable:'):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None  # not Linux: no check
+
+
+def check_model_memory(n_layer, n_embd, block_size, vocab_size=50304):
+    """
+    Refuse, before anything is built, a model whose fixed allocations can't fit this machine's free memory,
+    instead of being killed by the kernel a minute later: each Block's causal mask (block_size^2 bytes, so a
+    long context costs quadratically) and the weights with their gradients and AdamW's two moments (16 bytes per
+    parameter). Activations come on top of that, so passing says "not hopeless", not "fits".
+    """
+    available = available_host_memory()
+    if available is None:
+        return
+    masks = n_layer * block_size ** 2
+    params = 12 * n_layer * n_embd ** 2 + (vocab_size + block_size) * n_embd
+    need = masks + 16 * params
+    if need > available:
+        raise UserError(f"this model needs at least {need / 2**30:,.1f} GiB of memory before any activation "
+                        f"({masks / 2**30:,.1f} GiB of causal masks: n_layer x block_size^2 bytes; "
+                        f"{16 * params / 2**30:,.1f} GiB of weights, gradients and AdamW state), and this machine "
+                        f"has {available / 2**30:,.1f} GiB free; use a smaller --block_size (or model)")

@@ -25,6 +25,7 @@ these, so re-running replaces it.
 import glob
 import json
 import os
+import re
 import sys
 import zipfile
 from contextlib import contextmanager
@@ -351,3 +352,23 @@ def _utf8_line(raw, path, lineno):
     except UnicodeDecodeError as e:
         raise UserError(f"{path} line {lineno} is not UTF-8 text (byte {raw[e.start]:#04x} at position {e.start + 1}); "
                         f"save the file as UTF-8") from None
+
+
+def load_error(path, error):
+    """
+    The one line for a file torch.load refused (a ckpt.pt, a Hugging Face pytorch_model.bin): a pickled Python
+    object (unsafe), else corrupt. Never torch's own text around it, which advises loading with
+    weights_only=False, i.e. running the file's code.
+    """
+    text = str(error)
+    # torch names the global it refused: 'Unsupported global: GLOBAL x.y' or 'unsupported GLOBAL x.y whose ...'
+    found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", text, re.IGNORECASE)
+    if found:
+        return UserError(f"checkpoint {path} holds a pickled Python object ({found.group(1)}) that loading could "
+                         f"run as code; this project loads only tensors and plain values. Use a checkpoint written "
+                         f"by this project, or re-save the file's tensors with torch.save in a trusted session")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and 'weights_only' not in ln]
+    detail = next((ln for ln in lines if not ln.startswith(('Please file', 'Check the documentation'))), '')
+    detail = detail.split('. ')[0].rstrip('.')[:200]  # its first sentence: what failed, not torch's guesses why
+    return UserError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail}); "
+                     f"use another checkpoint")

@@ -539,7 +539,7 @@ def predict_with_checkpoint(cfg, dist_info):
     if path is None:
         raise UserError(f"--predict_file without --train_file needs --init_from to be a fine-tuned out_dir or "
                         f"ckpt.pt; {cfg['init_from']} is not one")
-    out_path = cfg['predict_out'] or os.path.join(os.path.dirname(path), 'predictions.jsonl')
+    out_path = predictions_path(cfg, os.path.dirname(path))
     check_output(out_path, 'predict_out', cfg['overwrite'], inputs={'predict_file': cfg['predict_file']})
     ckpt = load_checkpoint(path)
     model = model_from_finetune_checkpoint(ckpt)
@@ -553,3 +553,8 @@ def predict_with_checkpoint(cfg, dist_info):
     _, ctx = precision(dist_info.device, cfg['dtype'])
     write_predictions(model, ckpt, cfg, ckpt['special_tokens'], load_tokenizer(ckpt['tokenizer']), dist_info.device,
                       ctx, cfg['predict_file'], out_path)
+
+
+def predictions_path(cfg, directory=None):
+    """ Where finetune.py writes predictions: --predict_out, else predictions.jsonl in directory (out_dir). """
+    return cfg['predict_out'] or os.path.join(cfg['out_dir'] if directory is None else directory, 'predictions.jsonl')

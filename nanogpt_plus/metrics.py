@@ -17,7 +17,7 @@ import sys
 import time
 from datetime import datetime
 
-from nanogpt_plus.errors import error_line
+from nanogpt_plus.errors import UserError, error_line
 
 
 class MetricsLogger:
@@ -41,8 +41,15 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise UserError(f"{path} is not a file (a directory is in its place?); move it away, or pass another "
+                            f"--out_dir")
         self.run = last_run_number(path) + 1
-        self.file = open(path, 'a', encoding='utf-8')
+        try:
+            self.file = open(path, 'a', encoding='utf-8')
+        except OSError as e:
+            raise UserError(f"could not open {path} for writing ({e.strerror or e}); pass an --out_dir this user can "
+                            f"write to") from None
         if self.file.tell() and not _ends_with_newline(path):
             self.file.write("\n")  # a run killed mid-line left half a record: ours start on a line of their own
         if wandb_log:
@@ -82,7 +89,7 @@ def last_run_number(path):
     last = 0
     for record in _metrics_records(path):
         if record.get('type') == 'start':
-            last = max(last, int(record.get('run') or 0))
+            last = max(last, record.get('run') or 0)
     return last
 
 
@@ -103,17 +110,25 @@ def read_metrics(path):
 
 
 def _metrics_records(path):
-    """ The JSON objects of a metrics file, skipping lines a killed run left unfinished; none for no file. """
-    if not os.path.exists(path):
+    """
+    The records of a metrics file, skipping lines a killed run left unfinished and any record that isn't one of
+    ours (not an object, or an 'iter' or 'run' that is no whole number: a file edited or written by another
+    tool), so that such a line costs itself and not the run; none for no file.
+    """
+    if not os.path.isfile(path):
         return
     with open(path, encoding='utf-8', errors='replace') as f:
         for line in f:
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue  # half a line: the process was killed while writing it
-            if isinstance(record, dict):
+            if isinstance(record, dict) and all(_whole(record.get(k, 0)) for k in ('iter', 'run')):
                 yield record
+
+
+def _whole(value):
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _ends_with_newline(path):

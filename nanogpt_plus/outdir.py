@@ -46,8 +46,15 @@ class OutDirLock:
 
     def acquire(self):
         make_out_dir(self.out_dir)
+        if os.path.lexists(self.path) and not os.path.isfile(self.path):
+            raise UserError(f"{self.path} is not a lock file (a directory or another kind of file is in its place); "
+                            f"move it away, or pass another --out_dir")
         tmp = temp_path(self.path)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:  # a read-only file system, no write permission, a full disk
+            raise UserError(f"could not write in out_dir {self.out_dir} ({e.strerror or e}); pass an --out_dir this "
+                            f"user can write to") from None
         try:
             flock_new_file(fd, self.out_dir)
             os.write(fd, (json.dumps(lock_record()) + "\n").encode())
@@ -222,15 +229,16 @@ def refuse_overwrite(out_dir, checkpoint, script, argv, resumable=True):
                      f"or pass another --out_dir")
 
 
-def check_new_run(out_dir, checkpoints, script, argv, overwrite, resumable=True):
+def check_new_run(out_dir, checkpoints, script, argv, overwrite, resume_file='ckpt.pt'):
     """
     On rank 0, with out_dir locked: a new run (not a resume) into an out_dir that holds one of `checkpoints`
-    (file names) is refused with the commands to continue the earlier run (when resumable) or to start over,
-    unless overwrite. With overwrite the earlier files stay until the new run's saves replace them.
+    (file names) is refused with the commands to continue the earlier run (when it left its resume_file) or to
+    start over, unless overwrite. With overwrite the earlier files stay until the new run's saves replace them.
     """
     held = [name for name in checkpoints if os.path.isfile(os.path.join(out_dir, name))]
     if not held:
         return
     if not overwrite:
+        resumable = os.path.isfile(os.path.join(out_dir, resume_file))
         raise refuse_overwrite(out_dir, held[0], script, argv, resumable=resumable)
     print(f"overwrite=True: the earlier run's checkpoints in {out_dir} stay until this run's saves replace them")

@@ -23,6 +23,7 @@ import torch
 
 from model import GPT2_NAMES, HF_ACTIVATIONS, GPTConfig, hf_key_map
 from nanogpt_plus.errors import UserError, error_line
+from nanogpt_plus.files import load_error
 
 WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin')  # in the order transformers prefers them
 # GPT2Config's defaults, for the keys an older config.json (the hub's own gpt2 one) leaves out
@@ -154,8 +155,7 @@ def read_tensors(path):
     except Exception as e:  # truncated, not a weights file, a pickled object
         # the ckpt.pt reader's words for what torch.load refused (never torch's advice to load the file with
         # weights_only=False, i.e. to run its code); imported here, as checkpoint.py imports this module
-        from nanogpt_plus.checkpoint import _load_error
-        raise _load_error(path, e) from None
+        raise load_error(path, e) from None
     if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
         raise UserError(f"{path} is not a state dict of tensors; use a Hugging Face model's pytorch_model.bin or "
                         f"model.safetensors")

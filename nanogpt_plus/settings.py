@@ -58,9 +58,13 @@ IO = Group(
     always_save_checkpoint=flag(True, "True: save at every evaluation; False: only when the val loss improved"),
     checkpoint_interval=non_negative(0, "save the training state every N iterations; 0 = at each evaluation"),
     keep_checkpoints=non_negative(0, "K > 0: also keep the last K saves as ckpt_<iter>.pt; 0 = ckpt.pt only"),
-    overwrite=flag(False, "True: a new run may replace the checkpoints already in out_dir (else it is refused)"),
+    overwrite=flag(False, "True: an output may replace what is otherwise refused: an earlier run's checkpoints in "
+                          "out_dir; a checkpoint, a dataset's files or an input named by output_file, hf_dir or "
+                          "predict_out"),
     init_from=Setting('scratch', "'scratch', 'resume' (out_dir's run), gpt2*, a Hugging Face GPT-2 directory, "
                                  "or a ckpt.pt / training out_dir", not_empty=True),
+    resume_from=Setting('', "with init_from='resume': go back to a snapshot, its iteration (2000) or name "
+                            "(ckpt_2000.pt); '' = ckpt.pt"),
 )
 
 INLOOP = Group(
@@ -147,8 +151,10 @@ SYSTEM = Group(
                                          "compute)"),
     num_threads=non_negative(0, "CPU threads for torch; 0 = auto (time all cores, half, ..., 1; keep the "
                                 "fastest; re-checked while training)"),
-    seed=non_negative(1337, "the seed of the model's initialisation, the data order, dropout and sampling"),
+    seed=Setting(1337, "the seed of the model's initialisation, the data order, dropout and sampling", low=0,
+                 high=2 ** 32 - 1),
 )
+
 
 def check_model_shape(cfg):
     """ The architecture combination GPTConfig/GPT would otherwise reject deep in the build. """

@@ -1,18 +1,22 @@
 """
 Fault injection for train.py's checkpoints (a script, not a test): train a small model that saves its
-state every iteration (checkpoint_interval=1, a checkpoint of ~40 MB, so saves take a noticeable time),
-SIGKILL it at random moments (many land during a save), and check after each kill that
-  - ckpt.pt loads with torch.load(weights_only=True),
+state every iteration (checkpoint_interval=1, a checkpoint of ~40 MB, so saves take a noticeable time) and
+keeps the last 3 as snapshots (keep_checkpoints=3: a snapshot copy and a pruning after every save), SIGKILL it
+at random moments (many land during a save), and check after each kill that
+  - ckpt.pt and every snapshot load with torch.load(weights_only=True),
   - the next start removes every temp file the killed run left and takes over its lock,
-  - --init_from=resume continues at the checkpoint's iteration (and iter_num advances over the kills),
-then stop a last resume with SIGTERM (exit 75, no lock or temp file left). Prints a summary; exit 1 = a
-check failed.
+  - --init_from=resume continues at the checkpoint's iteration (and iter_num advances over the kills).
+Halfway, one start goes back to the oldest snapshot (--resume_from): from then on, after every kill, the files
+of the line it left (moved to out/abandoned_1/) must be byte for byte what they were. A last resume is stopped
+with SIGTERM (exit 75, no lock or temp file left). Prints a summary; exit 1 = a check failed.
 
 Usage:
 $ python scripts/fault_inject.py                    # 20 kills, in a temp directory
 $ python scripts/fault_inject.py --kills=50 --seed=1 --max_delay=3.0
 """
 
+import glob
+import hashlib
 import json
 import os
 import random
@@ -47,10 +51,11 @@ def make_dataset(directory, vocab=64):
 class Training:
     """ train.py running in a child process, its output collected by two reader threads. """
 
-    def __init__(self, data_dir, out_dir, resume):
+    def __init__(self, data_dir, out_dir, resume, resume_from=''):
         settings = dict(MODEL, dataset=data_dir, out_dir=out_dir, init_from='resume' if resume else 'scratch',
-                        checkpoint_interval=1, max_iters=100000, lr_decay_iters=100000, eval_interval=100000,
-                        eval_iters=1, log_interval=1, device='cpu', compile=False, num_threads=1)
+                        resume_from=resume_from, checkpoint_interval=1, keep_checkpoints=3, max_iters=100000,
+                        lr_decay_iters=100000, eval_interval=100000, eval_iters=1, log_interval=1, device='cpu',
+                        compile=False, num_threads=1)
         self.proc = subprocess.Popen([sys.executable, '-u', 'train.py'] + [f'--{k}={v}' for k, v in settings.items()],
                                      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS='1'))
@@ -90,6 +95,31 @@ def checkpoint_iter(out_dir):
     return int(load_checkpoint(path)['iter_num'])  # train.py's own loader: torch.load(weights_only=True)
 
 
+def snapshot_iters(out_dir):
+    return sorted(int(os.path.basename(p)[5:-3]) for p in glob.glob(os.path.join(out_dir, 'ckpt_*.pt'))
+                  if os.path.basename(p)[5:-3].isdigit())
+
+
+def check_snapshots(out_dir):
+    """ The snapshots in out_dir that do not load, as failures. """
+    failures = []
+    for i in snapshot_iters(out_dir):
+        try:
+            load_checkpoint(os.path.join(out_dir, f'ckpt_{i}.pt'))
+        except Exception as e:  # what a torn snapshot would raise
+            failures.append(f"snapshot ckpt_{i}.pt does not load: {type(e).__name__}: {e}")
+    return failures
+
+
+def fingerprints(directory):
+    """ {name: sha256} of the files of a directory (a line of the run left behind). """
+    result = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), 'rb') as f:
+            result[name] = hashlib.sha256(f.read()).hexdigest()
+    return result
+
+
 def check_start(run, out_dir, expected_iter, left_lock, left_temps):
     """ The failures of a start after a kill: temp files left, lock not taken over, not resumed where saved. """
     failures = []
@@ -114,11 +144,18 @@ def main():
     make_dataset(data_dir)
     failures, mid_save, temp_bytes, iters = [], 0, 0, [0]
     left_lock = left_temps = False
+    abandoned, left_line = os.path.join(out_dir, 'abandoned_1'), None  # the line left by going back, its hashes
     for k in range(cfg['kills']):
         saved_iter = checkpoint_iter(out_dir) if os.path.isdir(out_dir) else None
-        run = Training(data_dir, out_dir, resume=saved_iter is not None)
+        # halfway: go back to the oldest snapshot, as a user would after a loss spike
+        back = k == cfg['kills'] // 2 and saved_iter is not None and len(snapshot_iters(out_dir)) > 1
+        resume_from = str(snapshot_iters(out_dir)[0]) if back else ''
+        run = Training(data_dir, out_dir, resume=saved_iter is not None, resume_from=resume_from)
         run.started.wait(timeout=120)
-        problems = check_start(run, out_dir, saved_iter or 0, left_lock, left_temps)
+        problems = check_start(run, out_dir, int(resume_from) if back else saved_iter or 0, left_lock, left_temps)
+        if back:
+            left_line = fingerprints(abandoned)
+            print(f"went back to iter {resume_from}: {', '.join(left_line)} kept in {abandoned}", flush=True)
         time.sleep(rng.uniform(0, cfg['max_delay']))
         run.kill()
         left = [n for n in temp_files(out_dir) if n.endswith(f'.tmp.{run.proc.pid}')]
@@ -129,13 +166,17 @@ def main():
             iters.append(checkpoint_iter(out_dir) or 0)
         except Exception as e:  # what a torn checkpoint would raise
             problems.append(f"ckpt.pt does not load after the kill: {type(e).__name__}: {e}")
+        problems += check_snapshots(out_dir)
+        if left_line is not None and fingerprints(abandoned) != left_line:
+            problems.append(f"the line left behind in {abandoned} changed")
         print(f"kill {k + 1:2d}: started at iter {run.first_iter}, killed with ckpt.pt at iter {iters[-1]}"
               f"{', mid-save (' + ', '.join(left) + ')' if left else ''}"
               f"{'; FAILED: ' + '; '.join(problems) if problems else ''}", flush=True)
         failures += problems
     failures += finish(data_dir, out_dir, iters[-1], left_lock, left_temps)
     print(f"\nkills: {cfg['kills']}, mid-save: {mid_save} (their temp files: {temp_bytes / 2**20:.0f} MB, "
-          f"removed by the next start), ckpt.pt loaded with weights_only=True after every kill; "
+          f"removed by the next start), ckpt.pt and every snapshot loaded with weights_only=True after every kill; "
+          f"the line left by going back {'unchanged' if left_line else 'not made'}; "
           f"iter_num {iters[0]} -> {iters[-1]} over the kills; failures: {len(failures)}")
     for f in failures:
         print(f"  {f}")

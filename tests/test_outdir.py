@@ -175,18 +175,22 @@ def test_checkpoint_interval_and_keep_checkpoints(dataset, tmp_path, capsys):
     assert snapshots(tmp_path) == ["ckpt_10.json", "ckpt_10.pt", "ckpt_8.json", "ckpt_8.pt"]
     for it in (8, 10):
         assert torch.load(tmp_path / f"ckpt_{it}.pt", weights_only=True)["iter_num"] == it
-    assert os.path.samefile(tmp_path / "ckpt.pt", tmp_path / "ckpt_10.pt")  # a hard link: no space, no time
+    # a copy, not a hard link: a file written over one name (cp ckpt_8.pt ckpt.pt) must not change the other
+    assert not os.path.samefile(tmp_path / "ckpt.pt", tmp_path / "ckpt_10.pt")
+    assert (tmp_path / "ckpt.pt").read_bytes() == (tmp_path / "ckpt_10.pt").read_bytes()
     # a new run over it: the old run's snapshots (8 and 10 > its iterations) go at its first save
     (tmp_path / "ckpt_50.pt").write_bytes(b"from a run before that")
     run_train(capsys, tiny_args(dataset, tmp_path, max_iters=3, eval_interval=100, checkpoint_interval=2,
                                 keep_checkpoints=2, overwrite=True))
     assert snapshots(tmp_path) == ["ckpt_2.json", "ckpt_2.pt", "ckpt_4.json", "ckpt_4.pt"]
     assert torch.load(tmp_path / "ckpt_2.pt", weights_only=True)["iter_num"] == 2
-    # going back: resume the older snapshot; the later one is another line of the run and is never deleted
+    # going back: resume the older snapshot; the later one is another line of the run: kept apart, never deleted
+    # or counted (its name could collide with this line's)
     shutil.copyfile(tmp_path / "ckpt_2.pt", tmp_path / "ckpt.pt")
     run_train(capsys, tiny_args(dataset, tmp_path, max_iters=2, eval_interval=100, checkpoint_interval=2,
                                 keep_checkpoints=1, init_from="resume"))
-    assert snapshots(tmp_path) == ["ckpt_3.json", "ckpt_3.pt", "ckpt_4.json", "ckpt_4.pt"]  # 2 pruned, 4 kept
+    assert snapshots(tmp_path) == ["ckpt_3.json", "ckpt_3.pt"]  # 2 pruned
+    assert snapshots(tmp_path / "abandoned_1") == ["ckpt_4.json", "ckpt_4.pt"]  # 4 kept, apart
 
 
 def test_checkpoint_interval_keeps_the_best_model_apart(dataset, tmp_path, capsys):
