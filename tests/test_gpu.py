@@ -1,14 +1,22 @@
 """
-The CUDA paths, run by scripts/gpu_check.sh on a machine with a GPU (skipped without one, see conftest.py),
-in the configuration users run: train.py's defaults on CUDA (dtype=auto, compile on) with bf16 and fp16 +
-GradScaler, fused AdamW, nccl DDP and FSDP (+ compile, and fp16 under FSDP) with 1 process (with 2+ GPUs also
-FSDP == DDP on 2 ranks), a resume on CUDA, KV-cache sampling in fp32 and under bf16 autocast, and bench.py's
-MFU against the GPU's own peak.
+The CUDA paths, run by scripts/gpu_check.sh on a machine with a GPU (skipped without one, see conftest.py), in the
+configuration users run: train.py's defaults on CUDA (dtype=auto, compile on) with bf16 and fp16 + GradScaler,
+fused AdamW, nccl DDP and FSDP (+ compile, and fp16 under FSDP) with 1 process, a resume on CUDA, KV-cache sampling
+in fp32 and under bf16 autocast, and bench.py's MFU against the GPU's own peak.
+
+With 2+ GPUs, the multi-rank paths on K = min(GPUs, 4) nccl ranks (the *_on_k_ranks tests; each skips with "needs
+2 CUDA GPUs" on fewer): DDP and FSDP with bf16 and compile against one rank, FSDP == DDP in fp32, a resume across
+ranks, the spike guard, in-loop HellaSwag under compile, and SIGTERM to torchrun.
 """
+import contextlib
 import functools
+import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -16,13 +24,16 @@ import torch
 
 import bench
 import train
-from helpers import REPO
+from helpers import REPO, TINY_VOCAB
 from helpers import TINY_VOCAB as VOCAB
 from helpers import assert_losses_close, iter_losses, train_args
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.engine import KVCache, generate
 from nanogpt_plus.hardware import gpu_peak_flops
+from nanogpt_plus.metrics import read_metrics
+from test_distributed import start, stop, wait_for_line, workers_of
+from test_inloop_eval import HELLASWAG_LINE, SYMBOLS, hellaswag_lines, run_eval_script
 
 pytestmark = pytest.mark.gpu
 
@@ -36,6 +47,18 @@ args = functools.partial(train_args, n_embd=64, block_size=32, batch_size=8, max
 def native_bf16():
     """ bf16 tensor cores (Ampere and later); V100/T4 only emulate it, and dtype=auto gives them fp16. """
     return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def torchrun_command(nproc):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def torchrun(nproc, cmd_args, timeout=300):
+    """ train.py under torchrun with nproc processes, to its end, which must be a success; returns its stdout. """
+    r = subprocess.run(torchrun_command(nproc) + ["train.py", *cmd_args], cwd=REPO, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout
 
 
 def test_default_configuration_compiles_and_picks_the_dtype(dataset, tmp_path, capsys):
@@ -97,30 +120,17 @@ def test_compile_trains(dataset, tmp_path, capsys):
     assert not any(k.startswith("_orig_mod.") for k in ck["model"])
 
 
-# multi-rank nccl needs 2+ GPUs (test_fsdp_equals_ddp_on_two_gpus); with 1 process nccl, DDP/FSDP wrapping,
-# compile of the wrapped model and the sharded checkpoints still run
+# with 1 process nccl, DDP/FSDP wrapping, compile of the wrapped model and the sharded checkpoints still run; more
+# ranks need more GPUs (the *_on_k_ranks tests below)
 @pytest.mark.parametrize("parallelism, dtype", [("ddp", "auto"), ("fsdp", "auto"), ("fsdp", "float16")])
 def test_nccl_one_process(dataset, tmp_path, parallelism, dtype):
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                        "train.py", *args(dataset, tmp_path, backend='nccl', parallelism=parallelism, dtype=dtype,
-                                          max_iters=10, eval_interval=5)],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "compiling the model" in r.stdout
-    losses = list(iter_losses(r.stdout).values())
+    out = torchrun(1, args(dataset, tmp_path, backend='nccl', parallelism=parallelism, dtype=dtype, max_iters=10,
+                           eval_interval=5))
+    assert "compiling the model" in out
+    losses = list(iter_losses(out).values())
     assert len(losses) == 11 and all(np.isfinite(losses)) and losses[-1] < losses[0]
     ck = load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert all(type(v) is torch.Tensor for v in ck["model"].values())  # full tensors, never DTensors
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_fsdp_equals_ddp_on_two_gpus(dataset, tmp_path):
-    """ tests/test_fsdp.py's check on nccl: 2 ranks, 2 micro-steps each, the same losses (fp32; TF32 matmuls). """
-    from test_fsdp import args as fsdp_args
-    from test_fsdp import train as torchrun
-    ddp = torchrun(fsdp_args(dataset, tmp_path / "ddp", device='cuda', dtype='float32'))
-    fsdp = torchrun(fsdp_args(dataset, tmp_path / "fsdp", device='cuda', dtype='float32', parallelism='fsdp'))
-    assert_losses_close(iter_losses(ddp), iter_losses(fsdp), range(7), tol=2e-3)
 
 
 def test_resume_on_cuda_continues_exactly(dataset, tmp_path, capsys, monkeypatch):
@@ -201,3 +211,241 @@ def test_bench_on_cuda_reports_mfu_against_the_gpu(capsys, monkeypatch):
     assert m, out
     assert float(m.group(1)) == pytest.approx(gpu_peak_flops(torch.cuda.get_device_name(), dtype) / 1e12, rel=1e-3)
     assert "peak CUDA memory allocated" in out
+
+
+# -----------------------------------------------------------------------------
+# several GPUs: the multi-rank paths over nccl on K ranks; each test skips ("needs 2 CUDA GPUs") with fewer GPUs
+
+# 4 ranks at most: 3 and 4 already split the batches and HellaSwag's examples unevenly and shard tensors whose rows
+# don't divide by the ranks, while every further rank adds a process and its NCCL set-up to each run
+K = min(torch.cuda.device_count(), 4)
+multi_gpu = pytest.mark.skipif(K < 2, reason="needs 2 CUDA GPUs")
+
+
+def k_rank_args(dataset, out_dir, **settings):
+    """ args() with 2 micro-batches per rank in every step: a global batch that 1 rank takes as 2K micro-steps. """
+    return args(dataset, out_dir, gradient_accumulation_steps=2 * K, **settings)
+
+
+def write_char_dataset(directory, train_tokens, val_tokens, symbols):
+    """ A character dataset of these token ids (train.bin, val.bin) over `symbols` (meta.json). Returns it. """
+    os.makedirs(directory, exist_ok=True)
+    np.asarray(train_tokens, dtype=np.uint16).tofile(os.path.join(directory, "train.bin"))
+    np.asarray(val_tokens, dtype=np.uint16).tofile(os.path.join(directory, "val.bin"))
+    stoi = {ch: i for i, ch in enumerate(symbols)}
+    with open(os.path.join(directory, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump({"kind": "char", "vocab_size": len(symbols), "stoi": stoi,
+                   "itos": {i: ch for ch, i in stoi.items()}}, f)
+    return str(directory)
+
+
+def grad_norms(out_dir):
+    """ {iteration: gradient norm before clipping} from a run's metrics.jsonl. """
+    return {r["iter"]: r["grad_norm"] for r in read_metrics(str(out_dir / "metrics.jsonl")) if r["type"] == "iter"}
+
+
+@multi_gpu
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_bf16_compiled_on_k_ranks_equals_one_rank(dataset, tmp_path, parallelism):
+    """
+    DDP and FSDP with bf16 and compile on K ranks, against the same run on 1 rank that takes all 2K micro-batches:
+    the loader strides one stream over the ranks, so every step has the same global batch and the losses agree.
+    Within 2e-2: the ranks' gradients are summed in another order, and bf16 rounds such differences up (the
+    tolerance of test_resume_default_configuration_on_cuda). The gradient norms of the first steps agree within
+    2 %: under FSDP the norm spans every rank's shards. Both bite: on the CPU with 2 gloo ranks, ranks that all
+    read rank 0's micro-batches missed the losses at iteration 1, and a norm over one rank's shards read 0.71 of
+    the true one.
+    """
+    if not native_bf16():
+        pytest.skip("this GPU has no bfloat16")
+    run = functools.partial(k_rank_args, dataset, parallelism=parallelism, dtype='bfloat16', max_iters=10,
+                            lr_decay_iters=10)
+    one, many = torchrun(1, run(tmp_path / "one")), torchrun(K, run(tmp_path / "many"))
+    assert "compiling the model" in many
+    losses = iter_losses(many)
+    assert sorted(losses) == list(range(11)) and all(np.isfinite(list(losses.values()))) and losses[10] < losses[0]
+    assert_losses_close(iter_losses(one), losses, range(11), tol=2e-2)
+    norms_one, norms_many = grad_norms(tmp_path / "one"), grad_norms(tmp_path / "many")
+    for it in range(5):
+        assert norms_many[it] == pytest.approx(norms_one[it], rel=2e-2), (it, norms_one, norms_many)
+    ck = load_checkpoint(str(tmp_path / "many" / "ckpt.pt"))
+    assert ck["provenance"]["world_size"] == K and ck["provenance"]["dtype"] == "bfloat16"
+    assert all(type(v) is torch.Tensor for v in ck["model"].values())  # full tensors, never DTensors
+    if parallelism == "fsdp":  # each rank stores about 1/K of the parameters
+        m = re.search(r"^fsdp: this rank holds ([\d,]+) of ([\d,]+) parameters", many, re.M)
+        assert m, many[-2000:]
+        local, total = (int(g.replace(",", "")) for g in m.groups())
+        assert 0.9 / K < local / total < 1.1 / K, (local, total)
+
+
+@multi_gpu
+def test_fsdp_equals_ddp_fp32_on_k_ranks(dataset, tmp_path):
+    """ tests/test_fsdp.py's check on nccl: K ranks, 2 micro-steps each, the same losses (fp32 eager; TF32 matmuls). """
+    from test_fsdp import args as fsdp_args
+    run = functools.partial(fsdp_args, dataset, device='cuda', dtype='float32', gradient_accumulation_steps=2 * K)
+    ddp = torchrun(K, run(tmp_path / "ddp"))
+    fsdp = torchrun(K, run(tmp_path / "fsdp", parallelism='fsdp'))
+    assert_losses_close(iter_losses(ddp), iter_losses(fsdp), range(7), tol=2e-3)
+
+
+@multi_gpu
+def test_stop_and_resume_on_k_ranks_continues_the_run(dataset, tmp_path):
+    """
+    Stopped by max_iters on K ranks and resumed on K ranks (train.py's defaults: DDP, compiled, bf16 or fp16): the
+    losses of an uninterrupted K-rank run, within test_resume_default_configuration_on_cuda's 2e-2. Resumed without
+    the loader's position or without AdamW's state, they would part by up to 0.2 and 0.1 (measured on the CPU, fp32,
+    with this data and batch).
+    """
+    run = functools.partial(k_rank_args, dataset)
+    full = iter_losses(torchrun(K, run(tmp_path / "full")))
+    part1 = iter_losses(torchrun(K, run(tmp_path / "split", max_iters=10)))
+    ck = load_checkpoint(str(tmp_path / "split" / "ckpt.pt"))
+    assert ck["iter_num"] == 11 and len(ck["rng"]) == K  # part 1's final save: 11 steps, every rank's RNG states
+    part2 = iter_losses(torchrun(K, run(tmp_path / "split", init_from="resume")))
+    assert min(part2) == 11 and sorted(full) == list(range(21))
+    assert_losses_close(full, {**part1, **part2}, range(21), tol=2e-2)
+
+
+SPIKE_AT = 135  # the guard judges steps once its window holds SPIKE_WINDOW (128) of them
+SPIKE_SKIP_LINE = re.compile(r"^iter (\d+): skipped the update: loss ", re.M)  # skipped for its loss (named first)
+
+
+def spiked_dataset(directory, tokens_per_iter, spike_at, iters):
+    """
+    conftest's tiny pattern (5 % noise) for `iters` iterations read in order (data_order=sequential), with the
+    tokens of iteration spike_at's global batch replaced by random ones: a loss spike on every rank at once. With
+    the batches of 2 and 4 ranks (in one process on the CPU, fp32) that step's loss was 34-37 standard deviations
+    above its running mean and its gradient norm 7.5-10.6; the guard skipped no other step.
+    """
+    rng = np.random.default_rng(0)
+    n = -(-(iters * tokens_per_iter + 1) // TINY_VOCAB) * TINY_VOCAB  # whole periods of the pattern
+    tokens = np.tile(np.arange(TINY_VOCAB), n // TINY_VOCAB)
+    noise = rng.random(n) < 0.05
+    tokens[noise] = rng.integers(0, TINY_VOCAB, noise.sum())
+    first = spike_at * tokens_per_iter
+    tokens[first:first + tokens_per_iter] = rng.integers(0, TINY_VOCAB, tokens_per_iter)
+    return write_char_dataset(directory, tokens, tokens[:6000], [chr(97 + i) for i in range(TINY_VOCAB)])
+
+
+@multi_gpu
+def test_spike_guard_on_k_ranks_skips_the_spiked_update(tmp_path):
+    """
+    The spike guard under FSDP (bf16, compiled) on K ranks: the loss is averaged over the ranks and the gradient
+    norm spans all shards, so every rank judges the spiked step alike. It is skipped, AdamW takes no step for it,
+    and the run goes on to its end.
+    """
+    if not native_bf16():
+        pytest.skip("this GPU has no bfloat16")
+    last = SPIKE_AT + 4
+    data = spiked_dataset(tmp_path / "data", 2 * K * 8 * 32, SPIKE_AT, last + 2)  # 2K micro-batches of 8 x 32
+    out = torchrun(K, k_rank_args(data, tmp_path / "out", parallelism='fsdp', dtype='bfloat16',
+                                  data_order='sequential', max_iters=last, lr_decay_iters=last, eval_interval=1000,
+                                  skip_loss_z=5.0, skip_grad_z=5.0))
+    skips = SPIKE_SKIP_LINE.findall(out)
+    assert [int(it) for it in skips] == [SPIKE_AT], out[-3000:]
+    assert sorted(iter_losses(out)) == list(range(last + 1))
+    ck = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))
+    assert ck["spike_guard"]["skipped"] == 1
+    # iterations 0..last ran and one update was skipped: every parameter's AdamW step count is last, not last + 1
+    assert {float(s["step"]) for s in ck["optimizer"]["state"].values()} == {float(last)}
+
+
+@pytest.fixture(scope="module")
+def spaced_dataset(tiny_dataset, tmp_path_factory):
+    """ conftest's tiny dataset read as SYMBOLS, whose last symbol is a space (HellaSwag scores after a space). """
+    tokens = {split: np.fromfile(os.path.join(tiny_dataset, f"{split}.bin"), dtype=np.uint16)
+              for split in ("train", "val")}
+    return write_char_dataset(tmp_path_factory.mktemp("spaced"), tokens["train"], tokens["val"], SYMBOLS)
+
+
+@pytest.fixture(scope="module")
+def hellaswag_jsonl(tmp_path_factory):
+    """ 12 examples in HellaSwag's format: the pattern's end as the context, its start among 3 random endings. """
+    rng = np.random.default_rng(1)
+    letters = SYMBOLS.strip()
+    path = tmp_path_factory.mktemp("hellaswag") / "hellaswag.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for k in range(12):
+            true = letters[:2 + k % 3]
+            endings = ["".join(rng.choice(list(letters), len(true))) for _ in range(3)]
+            endings.insert(k % 4, true)
+            f.write(json.dumps({"ctx": letters[-(3 + k % 6):], "endings": endings, "label": k % 4}) + "\n")
+    return str(path)
+
+
+@multi_gpu
+def test_in_loop_hellaswag_compiled_on_k_ranks_is_eval_py(spaced_dataset, hellaswag_jsonl, tmp_path, monkeypatch,
+                                                          capsys):
+    """
+    HellaSwag scored in the loop by the compiled DDP model on K ranks, each scoring its share of the 12 examples
+    (as many forwards as the others, padded): one line per scoring, every example counted once, and at iteration
+    12 the count eval.py gives on that iteration's checkpoint. By then the model has learnt the pattern (12/12,
+    against 0/12 at iteration 0, on the CPU with this batch): no near-tie that bf16 could flip.
+    """
+    out = torchrun(K, k_rank_args(spaced_dataset, tmp_path / "out", max_iters=12, eval_interval=6, lr_decay_iters=12,
+                                  hellaswag_interval=6, hellaswag_file=hellaswag_jsonl, keep_checkpoints=3))
+    assert "compiling the model" in out
+    lines = hellaswag_lines(out)
+    assert sorted(lines) == [0, 6, 12] and len(HELLASWAG_LINE.findall(out)) == 3, out[-3000:]  # rank 0 prints
+    assert [total for _, _, total in lines.values()] == [12, 12, 12]
+    assert lines[12][1] > lines[0][1]
+    result = run_eval_script(monkeypatch, capsys, tmp_path / "out" / "ckpt_12.pt", hellaswag_jsonl)
+    assert result["num_examples"] == 12 and round(result["metrics"]["acc_norm"] * 12) == lines[12][1]
+
+
+# torchrun starts each worker through this script, so that the test learns every worker's exit code. torchrun
+# sends its SIGTERM to each worker's process group: train.py gets it and stops, while the wrapper only waits
+RECORD_EXIT = """
+import os, signal, subprocess, sys
+signal.signal(signal.SIGTERM, lambda signum, frame: None)
+code = subprocess.call([sys.executable, "train.py", *sys.argv[2:]])
+with open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"]), "w") as f:
+    f.write(str(code))
+sys.exit(code)
+"""
+
+
+def stop_with_workers(proc):
+    """ test_distributed.stop, after killing each worker's process group: the wrapper and the train.py under it. """
+    if proc.poll() is None:
+        for pid in workers_of(proc):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)  # torchrun starts every worker in a session (and group) of its own
+    stop(proc)
+
+
+@multi_gpu
+def test_sigterm_to_torchrun_under_nccl_on_k_ranks(dataset, tmp_path):
+    """
+    Preemption under nccl: SIGTERM to torchrun mid-run. Every worker stops at the same iteration, rank 0 saves, and
+    each exits 75 ("resumable") well before torchrun's SIGKILL 30 s on; the checkpoint holds every rank's RNG
+    states and resumes on K ranks. (test_distributed.py does this with gloo on the CPU.)
+    """
+    codes = tmp_path / "exit_codes"
+    codes.mkdir()
+    (tmp_path / "record_exit.py").write_text(RECORD_EXIT)
+    # no log line after iter 0: the stop must not wait for one
+    endless = k_rank_args(dataset, tmp_path / "out", max_iters=100000, lr_decay_iters=100000, eval_interval=100000,
+                          log_interval=100000)
+    proc = start(torchrun_command(K) + [str(tmp_path / "record_exit.py"), str(codes), *endless])
+    try:
+        seen = wait_for_line(proc, "iter 0:", timeout=300)  # compiled and training
+        time.sleep(2.0)  # some iterations in
+        proc.send_signal(signal.SIGTERM)  # a scheduler's preemption: torchrun passes it on to every worker once
+        signalled = time.time()
+        out, err = proc.communicate(timeout=28)
+        stopped_in = time.time() - signalled
+    finally:
+        stop_with_workers(proc)
+    seen += out
+    exits = {p.name: p.read_text() for p in codes.iterdir()}
+    assert exits == {f"rank{r}": "75" for r in range(K)}, (exits, err[-3000:])
+    assert "stopped cleanly" in seen and stopped_in < 25, (stopped_in, seen[-2000:])
+    assert err.count("received SIGTERM: all processes stop here and save a checkpoint") == 1, err[-3000:]
+    saves = re.findall(r"saving checkpoint to .* \(interrupted at iter (\d+)\)", seen)
+    assert len(saves) == 1, seen[-2000:]
+    stopped_at = int(saves[0])
+    ck = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))
+    assert ck["iter_num"] == stopped_at > 1 and len(ck["rng"]) == K
+    resumed = torchrun(K, endless + ["--log_interval=1", "--init_from=resume", f"--max_iters={stopped_at + 1}"])
+    assert sorted(iter_losses(resumed)) == [stopped_at, stopped_at + 1]
