@@ -49,11 +49,11 @@ from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
 from configurator import configure
-from nanogpt_plus.checkpoint import adopt_architecture, checkpoint_path, init_model, load_checkpoint
+from nanogpt_plus.checkpoint import adopt_resumed_finetune, checkpoint_path, init_model, load_checkpoint
 from nanogpt_plus.checkpointer import Checkpointer, restore_training_state
 from nanogpt_plus.dataset import find_dataset
 from nanogpt_plus.device import compute_setup, device_type_of
-from nanogpt_plus.distributed import accumulation_per_rank, all_reduce_sum, init_distributed
+from nanogpt_plus.distributed import accumulation_per_rank, all_reduce_sum, every_rank, init_distributed
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
 from nanogpt_plus.files import check_output
 from nanogpt_plus.finetuning import (TASKS, FinetuneModel, Schedule, configure_optimizers, evaluate_val,
@@ -145,10 +145,9 @@ def main():
     argv = sys.argv[1:]
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     check_settings(cfg)
-    if cfg['init_from'] == 'resume':  # train.py's rule: the checkpoint's architecture, nothing cropped or rebuilt
-        path = os.path.join(cfg['out_dir'], LAST_CKPT)
-        adopt_architecture(cfg, load_checkpoint(path), path, keep_zero=('block_size',))
     dist_info = init_distributed(cfg['device'], cfg['backend'])
+    if cfg['init_from'] == 'resume':  # train.py's rules: the checkpoint's architecture; one verdict for all ranks
+        every_rank(dist_info, lambda: adopt_resumed_finetune(cfg, os.path.join(cfg['out_dir'], LAST_CKPT)))
     if not cfg['train_file'] and cfg['predict_file']:
         return predict_with_checkpoint(cfg, dist_info)
     if cfg['predict_file']:  # the best model's predictions come after the training: their path is checked now
@@ -173,11 +172,6 @@ def check_settings(cfg):
     if cfg['weights'] != 'float32' and cfg['train_file']:
         raise UserError(f"weights={cfg['weights']} is a format for predictions (--predict_file without --train_file); "
                         f"fine-tuning trains float32 weights (--dtype=bfloat16 computes in bfloat16)")
-    if cfg['init_from'] == 'resume':
-        path = os.path.join(cfg['out_dir'], LAST_CKPT)
-        if not os.path.exists(path):
-            raise UserError(f"init_from=resume but there is no {path}; check --out_dir or start a new fine-tune "
-                            f"with --init_from=<pretrained model>")
 
 
 def finetune(cfg, dist_info):

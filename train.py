@@ -46,13 +46,14 @@ from model import GPT
 from nanogpt_plus.checkpoint import adopt_resumed_run, build_checkpoint, init_training_model
 from nanogpt_plus.checkpointer import Checkpointer, prepare_out_dir, restore_training_state, resume_point
 from nanogpt_plus.dataloader import TokenWindowLoader
-from nanogpt_plus.dataset import find_dataset, padded_tokenizer_size
+from nanogpt_plus.dataset import padded_tokenizer_size, training_data
 from nanogpt_plus.device import check_model_memory, compute_setup, device_type_of
-from nanogpt_plus.distributed import accumulation_per_rank, all_reduce_mean, fail_everywhere, init_distributed
+from nanogpt_plus.distributed import accumulation_per_rank, every_rank, fail_everywhere, init_distributed
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
 from nanogpt_plus.evaluation import estimate_loss
 from nanogpt_plus.metrics import MetricsLogger
-from nanogpt_plus.optimizer import make_grad_scaler, set_learning_rate, skip_update, take_update, unscale_and_clip
+from nanogpt_plus.optimizer import (make_grad_scaler, read_step, set_learning_rate, skip_update, take_update,
+                                    unscale_and_clip)
 from nanogpt_plus.outdir import claim_out_dir
 from nanogpt_plus.parallel import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.periodic import PeriodicTasks
@@ -112,9 +113,10 @@ def main(argv=None):
     try:
         cfg = configure(DEFAULTS, argv, doc=__doc__)
         check_settings(cfg)
-        if cfg['init_from'] == 'resume':  # the checkpoint's architecture becomes the run's; a finished run is refused
-            adopt_resumed_run(cfg, resume_point(cfg['out_dir'], cfg['resume_from']))
         dist_info = init_distributed(cfg['device'], cfg['backend'])  # torchrun's ranks, or a single process
+        if cfg['init_from'] == 'resume':  # the checkpoint's architecture becomes the run's; a finished run is refused
+            # on every rank with one verdict: a node whose disk lacks the checkpoint stops them all, in one line
+            every_rank(dist_info, lambda: adopt_resumed_run(cfg, resume_point(cfg['out_dir'], cfg['resume_from'])))
         # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run ends)
         with claim_out_dir(cfg['out_dir'], dist_info, prepare=lambda: prepare_out_dir(cfg, 'train.py', argv)):
             finished = train(cfg, dist_info, exit_request)
@@ -166,12 +168,16 @@ def iteration(run, state, exit_request):
     # determine and set the learning rate for this iteration
     lr = set_learning_rate(run.optimizer, state.iter_num, cfg['learning_rate'], cfg['warmup_iters'],
                            cfg['lr_decay_iters'], cfg['min_lr'], cfg['decay_lr'])
-    # HellaSwag and a sample when due, then the train/val loss, after which the checkpointer may save
-    scored = run.tasks.run(state.iter_num, run.model, run.raw_model, run.logger)
+    # HellaSwag and a sample when due, then the train/val loss, after which the checkpointer may save. A signal
+    # ends a long pass between its batches (poll: every rank agrees), and the run stops here, saving this state
+    poll = functools.partial(exit_request.should_stop, dist_info)
+    scored = run.tasks.run(state.iter_num, run.model, run.raw_model, run.logger, poll)
     evaluating, saved = state.iter_num % cfg['eval_interval'] == 0, False
-    if evaluating:
-        val_loss = evaluate(run, state, lr)
+    val_loss = evaluate(run, state, lr, poll) if evaluating and not exit_request.agreed else None
+    if val_loss is not None:
         saved = run.checkpointer.evaluated(state.iter_num, val_loss, build)
+    if exit_request.agreed:
+        return stop_cleanly(run, state, build)
     if state.iter_num == 0 and cfg['eval_only']:
         return True
     if run.checkpointer.due(state.iter_num, state.local_iter_num) and not saved:
@@ -189,15 +195,22 @@ def iteration(run, state, exit_request):
             # fetch the next batch now: on a GPU it loads while the forward pass still runs
             if last:
                 state.loader_state = run.train_loader.state_dict()  # a checkpoint of this step resumes at the next
-            state.batch = run.train_loader.next_batch()
+            try:
+                state.batch = run.train_loader.next_batch()
+            except UserError as e:  # this rank's next batch is unusable: finish the step with the other ranks, then
+                exit_request.fail(e)  # all stop at the agreement below, with this error (not one rank alone)
             run.scaler.scale(loss).backward()  # the scaler multiplies float16 losses so small gradients survive
         step_loss += loss.detach()
 
     # unscale and clip the gradients, then take the update, or skip it when the spike guard says so
     grad_norm = unscale_and_clip(run.model, run.optimizer, run.scaler, cfg['grad_clip'], measure=cfg['skip_grad_z'] > 0)
-    lossf, grad_norm = read_step(run, step_loss, grad_norm)
-    if not math.isfinite(lossf):
-        fail_everywhere(non_finite_loss(lossf, state.iter_num, cfg['out_dir']), dist_info)
+    # the step's loss and grad norm as floats (a host sync and an all-reduce) only where they are used: at log
+    # steps, and every step for the spike guard; a non-finite loss stops the run there, before the update
+    logging, lossf = state.iter_num % cfg['log_interval'] == 0, None
+    if logging or state.spike_guard.enabled:
+        lossf, grad_norm = read_step(step_loss, grad_norm, dist_info)
+        if not math.isfinite(lossf):
+            fail_everywhere(non_finite_loss(lossf, state.iter_num, cfg['out_dir']), dist_info)
     spike = state.spike_guard.check(lossf, grad_norm) if state.spike_guard.enabled else None
     if spike is None:
         take_update(run.optimizer, run.scaler)
@@ -205,26 +218,31 @@ def iteration(run, state, exit_request):
         skip_update(run.optimizer, run.scaler)  # the weights and AdamW state stay as they were
         report_skip(run, state, spike)
 
-    # timing and logging
-    dt = lap(state)
-    if state.iter_num % cfg['log_interval'] == 0:
+    # timing and logging (the time since the previous iteration: evaluations and saves included, as nanoGPT's)
+    now = time.time()
+    dt, state.lap_start = now - state.lap_start, now
+    if logging:
         log_iteration(run, state, lossf, grad_norm, lr, dt)
     retune_threads(run, state, dt, evaluating or scored)
     state.iter_num += 1
     state.local_iter_num += 1
 
     # termination: after max_iters, with a final checkpoint (the steps since the last save are not thrown away:
-    # iter_num = max_iters + 1, the steps done), or after SIGINT/SIGTERM (checked every iteration: torchrun
-    # kills the workers soon after its signal)
+    # iter_num = max_iters + 1, the steps done), or after SIGINT/SIGTERM. The ranks agree every iteration
+    # (torchrun kills the workers soon after its signal), which also stops all of them when one failed above
+    stopping = exit_request.should_stop(dist_info)
     if state.iter_num > cfg['max_iters']:
         run.checkpointer.save(state.iter_num, build, reason=f"final, iter {state.iter_num}")
         return True
-    if exit_request.should_stop(dist_info):
-        run.checkpointer.save(state.iter_num, build, reason=f"interrupted at iter {state.iter_num}")
-        if dist_info.master:
-            print(f"stopped cleanly; continue with --init_from=resume --out_dir={cfg['out_dir']} (exit code 75)")
-        return False
-    return None
+    return stop_cleanly(run, state, build) if stopping else None
+
+
+def stop_cleanly(run, state, build):
+    """ After a signal: save this iteration's state, so --init_from=resume continues exactly here. """
+    run.checkpointer.save(state.iter_num, build, reason=f"interrupted at iter {state.iter_num}")
+    if run.dist_info.master:
+        print(f"stopped cleanly; continue with --init_from=resume --out_dir={run.cfg['out_dir']} (exit code 75)")
+    return False
 
 
 # -----------------------------------------------------------------------------
@@ -241,12 +259,10 @@ def setup(cfg, dist_info):
     torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank, data does not (see dataloader)
     dtype, ctx, compile_model, peak_flops = compute_setup(dist_info.device, cfg['dtype'], cfg['compile'],
                                                           cfg['num_threads'], peak=master)  # only rank 0 reports MFU
-    data = find_dataset(cfg['dataset'])  # its files, dtype and tokenizer, worked out once
-    train_loader, eval_loaders = data.training_loaders(cfg['batch_size'], cfg['block_size'], cfg['seed'],
-                                                       cfg['data_order'], dist_info)
+    data, train_loader, eval_loaders = training_data(cfg, dist_info)  # worked out once; one verdict for all ranks
     # under FSDP only rank 0 holds the full model: the others build it on the meta device (no memory, no init)
     on_meta = dist_info.under_torchrun and cfg['parallelism'] == 'fsdp' and dist_info.rank != 0
-    raw_model, tokenizer_meta, ckpt = init_training_model(cfg, data, on_meta)
+    raw_model, tokenizer_meta, ckpt = every_rank(dist_info, lambda: init_training_model(cfg, data, on_meta))
     tokenizer_ids = padded_tokenizer_size(raw_model.config.vocab_size, tokenizer_meta)
     for loader in (train_loader, *eval_loaders.values()):
         loader.check_vocab(raw_model.config.vocab_size, tokenizer_ids)  # an id the model or tokenizer lacks: one line
@@ -262,8 +278,9 @@ def setup(cfg, dist_info):
                                 cfg['checkpoint_interval'], cfg['keep_checkpoints'],
                                 replaces_a_run=cfg['overwrite'] and cfg['init_from'] != 'resume')
     state = TrainState(spike_guard=SpikeGuard(cfg['skip_loss_z'], cfg['skip_grad_z']))
-    if cfg['init_from'] == 'resume':
-        resume(state, checkpointer, ckpt, scaler, train_loader, dist_info)
+    if cfg['init_from'] == 'resume':  # continue where the checkpoint stopped, exactly
+        state.iter_num, checkpointer.best_val_loss = int(ckpt['iter_num']), float(ckpt['best_val_loss'])
+        restore_training_state(ckpt, optimizer, scaler, dist_info, train_loader, state.spike_guard)
     logger = MetricsLogger(os.path.join(cfg['out_dir'], 'metrics.jsonl'), enabled=master,
                            wandb_log=cfg['wandb_log'], wandb_project=cfg['wandb_project'],
                            wandb_run_name=cfg['wandb_run_name'], config=cfg, wandb_dir=cfg['out_dir'])
@@ -305,26 +322,17 @@ def prepare_training(cfg, dist_info, raw_model, dtype, ctx, compile_model, tunin
     return model, optimizer, scaler, thread_retuner
 
 
-def resume(state, checkpointer, ckpt, scaler, train_loader, dist_info):
-    """ Continue where the checkpoint stopped: counters, optimizer, GradScaler, RNGs and the data position. """
-    state.iter_num = int(ckpt['iter_num'])
-    checkpointer.best_val_loss = float(ckpt['best_val_loss'])
-    restore_training_state(ckpt, checkpointer.optimizer, scaler, dist_info)
-    if ckpt.get('spike_guard'):  # its running statistics: the guard decides as the uninterrupted run would
-        state.spike_guard.load_state_dict(ckpt['spike_guard'])
-    if ckpt.get('loader'):
-        train_loader.load_state_dict(ckpt['loader'])
-    elif dist_info.master:
-        print("warning: the checkpoint has no data-loader state (a nanoGPT checkpoint?); "
-              "the data order after resuming will differ from an uninterrupted run", file=sys.stderr)
-
-
 # -----------------------------------------------------------------------------
 # the steps of one iteration
 
-def evaluate(run, state, lr):
-    """ Both splits' losses, printed and logged (rank 0); a non-finite val loss stops the run. Returns the val loss. """
-    losses = estimate_loss(run.model, run.eval_loaders, run.cfg['eval_iters'], run.ctx, run.dist_info)
+def evaluate(run, state, lr, poll=None):
+    """
+    Both splits' losses, printed and logged (rank 0); a non-finite val loss stops the run. Returns the val loss
+    (None when a signal ended the estimate).
+    """
+    losses = estimate_loss(run.model, run.eval_loaders, run.cfg['eval_iters'], run.ctx, run.dist_info, poll)
+    if losses is None:
+        return None
     if run.dist_info.master:
         print(f"step {state.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         run.logger.log({'type': 'eval', 'iter': state.iter_num, 'train_loss': losses['train'],
@@ -343,29 +351,11 @@ def checkpoint(run, state, gathered):
                             spike_guard=state.spike_guard.state_dict(), scaler=scaler)
 
 
-def read_step(run, step_loss, grad_norm):
-    """
-    The step's loss (the mean over micro-batches and ranks) and grad norm (None when not measured) as floats,
-    the same on every rank, in one all-reduce: the stop on a non-finite loss and the spike guard decide before
-    the update, alike everywhere (the grad norm is the same on every rank; averaging it keeps it bitwise so).
-    """
-    values = all_reduce_mean([step_loss.item()] + ([float(grad_norm)] if grad_norm is not None else []),
-                             run.dist_info)
-    return values[0], (values[1] if grad_norm is not None else None)
-
-
 def report_skip(run, state, spike):
     """ A line (every time) and a metrics record for an update the spike guard skipped (rank 0). """
     if run.dist_info.master:
         print(f"iter {state.iter_num}: skipped the update: {spike.describe()}")
         run.logger.log(dict(spike.record(state.iter_num), skipped_updates=state.spike_guard.skipped))
-
-
-def lap(state):
-    """ Seconds since the previous call (evaluations and checkpoints included, as nanoGPT's timing). """
-    now = time.time()
-    dt, state.lap_start = now - state.lap_start, now
-    return dt
 
 
 def log_iteration(run, state, lossf, grad_norm, lr, dt):

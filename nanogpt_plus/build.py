@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from model import GPT, GPTConfig
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.pretrained import hf_config_and_weights
+from nanogpt_plus.pretrained import hf_config, hf_config_and_weights
 
 
 def _view(t):
@@ -103,11 +103,15 @@ def loaded_model(config, state_dict, misfit, source='the checkpoint'):
     return model
 
 
-def pretrained_model(init_from, dropout=None):
+def pretrained_model(init_from, dropout=None, on_meta=False):
     """
     A GPT with the weights of gpt2* or a local Hugging Face GPT-2 directory, read without transformers
-    (nanogpt_plus.pretrained; GPT.from_pretrained is the reference it is tested against).
+    (nanogpt_plus.pretrained; GPT.from_pretrained is the reference it is tested against). on_meta=True: its
+    architecture only, on the meta device, from config.json alone (FSDP's ranks other than 0: gpt2-xl's 6 GB of
+    float32 weights are read by rank 0 only, which sends every rank its shards).
     """
+    if on_meta:
+        return meta_model(hf_config(init_from, dropout))
     print(f"loading weights from pretrained gpt: {init_from}")
     config, state_dict, path = hf_config_and_weights(init_from, dropout)
     return loaded_model(config, state_dict, f"the weights of {init_from} don't fit its config.json", path)

@@ -220,8 +220,8 @@ def init_model(init_from, out_dir='out', dataset=None, model_settings=None, drop
     dropout overrides the saved dropout (architecture settings always come from the weights).
     on_meta=True (FSDP's ranks other than 0, which are sent their shards by rank 0): the same architecture on the
     meta device, without initialising or loading weights; the checkpoint (memory-mapped) is still returned, for
-    the optimizer, loader and RNG states, its 'model' tensors untouched. gpt2* and Hugging Face directories
-    still load real weights (pretrained_model).
+    the optimizer, loader and RNG states, its 'model' tensors untouched; gpt2* and Hugging Face directories
+    give their config.json's architecture without reading (or downloading) the weights.
     """
     if init_from == 'scratch':
         if model_settings is None:  # sample.py, eval.py, export_hf.py: a script that reads weights
@@ -235,7 +235,7 @@ def init_model(init_from, out_dir='out', dataset=None, model_settings=None, drop
         ckpt = load_checkpoint(ckpt_path, map_location='cpu')
         return model_from_checkpoint(ckpt, dropout, on_meta), checkpoint_tokenizer_meta(ckpt), ckpt
     if init_from in GPT2_NAMES or is_hf_dir(init_from):
-        return pretrained_model(init_from, dropout), pretrained_tokenizer_meta(init_from), None
+        return pretrained_model(init_from, dropout, on_meta), pretrained_tokenizer_meta(init_from), None
     raise UserError(f"don't know how to load init_from='{init_from}': use scratch, resume (with --out_dir), a "
                     f"training out_dir or ckpt.pt, gpt2/gpt2-medium/gpt2-large/gpt2-xl, or a local Hugging Face "
                     f"GPT-2 directory")
@@ -327,3 +327,14 @@ def adopt_resumed_run(cfg, path):
         raise UserError(f"the run in {cfg['out_dir']} is already complete: its checkpoint is at iter "
                         f"{int(ckpt['iter_num'])}, past max_iters={cfg['max_iters']}; to train further, resume with "
                         f"a larger --max_iters (and --lr_decay_iters to match)")
+
+
+def adopt_resumed_finetune(cfg, path):
+    """
+    finetune.py's --init_from=resume, before any work: its ckpt_last.pt must be there, and the run keeps its
+    architecture (adopt_architecture, train.py's rule; finetune's block_size=0 means the model's own).
+    """
+    if not os.path.exists(path):
+        raise UserError(f"init_from=resume but there is no {path}; check --out_dir or start a new fine-tune "
+                        f"with --init_from=<pretrained model>")
+    adopt_architecture(cfg, load_checkpoint(path), path, keep_zero=('block_size',))

@@ -23,6 +23,7 @@ import fcntl
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.outdir import check_new_run
 from nanogpt_plus.parallel import full_state_dicts, load_optimizer_state, local_parameters
-from nanogpt_plus.rng import gather_rng_states, set_rng_state
+from nanogpt_plus.rng import gather_rng_states, restore_rng_states
 
 CHECKPOINT = 'ckpt.pt'  # train.py's checkpoint: the training state to resume from (the best model without always_save)
 BEST = 'ckpt_best.pt'  # with always_save_checkpoint=False: the best model so far, kept beside ckpt.pt
@@ -168,14 +169,26 @@ def tensors_finite(tensors):
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 
-def restore_training_state(ckpt, optimizer, scaler, dist_info):
-    """ On resume: the optimizer state (sharded for FSDP), the GradScaler's if saved, and this rank's RNGs. """
+def restore_training_state(ckpt, optimizer, scaler, dist_info, loader=None, spike_guard=None):
+    """
+    On resume: the optimizer state (sharded for FSDP), the GradScaler's if saved, this rank's RNGs (derived
+    ones for ranks the checkpoint has none for, rng.restore_rng_states) and, when given, the training loader's
+    position and the spike guard's running statistics, so the run goes on as the uninterrupted one would.
+    """
     load_optimizer_state(optimizer, ckpt['optimizer'])
     if ckpt.get('scaler'):
         scaler.load_state_dict(ckpt['scaler'])
     rng = ckpt.get('rng')
-    if rng:
-        set_rng_state(rng[dist_info.rank] if dist_info.rank < len(rng) else rng[0])
+    if rng and restore_rng_states(rng, dist_info.rank) and dist_info.rank == len(rng):  # the first such rank says
+        print(f"note: the checkpoint holds the RNG states of {len(rng)} rank(s); ranks {len(rng)} and up got "
+              f"their own, drawn from rank 0's (their dropout differs from a run on {len(rng)} rank(s))")
+    if spike_guard is not None and ckpt.get('spike_guard'):
+        spike_guard.load_state_dict(ckpt['spike_guard'])
+    if loader is not None and ckpt.get('loader'):
+        loader.load_state_dict(ckpt['loader'])
+    elif loader is not None and dist_info.master:
+        print("warning: the checkpoint has no data-loader state (a nanoGPT checkpoint?); the data order after "
+              "resuming will differ from an uninterrupted run", file=sys.stderr)
 
 
 # -----------------------------------------------------------------------------

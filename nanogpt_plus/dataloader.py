@@ -133,8 +133,9 @@ def open_token_file(path, dataset=None, dtype=None):
 
 
 # a split up to this many tokens (128 MB) is scanned whole when opened, in well under a second; a larger one
-# (OpenWebText's 9B tokens, FineWeb's 10B) is checked batch by batch instead, as its windows are read
-SCAN_TOKENS = 1 << 26
+# (OpenWebText's 9B tokens, FineWeb's 10B) is checked batch by batch instead, as its windows are read. The
+# environment variable lowers it, so that tests can take the per-batch path on small files
+SCAN_TOKENS = int(os.environ.get('NANOGPT_PLUS_SCAN_TOKENS', 1 << 26))
 
 
 def check_token_ids(tokens, vocab_size, path, tokenizer_size=None):

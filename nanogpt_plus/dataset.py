@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from nanogpt_plus.dataloader import (TokenWindowLoader, dataset_dir, evaluation_order, holds_shards, raw_token_dtype,
                                      split_files)
+from nanogpt_plus.distributed import every_rank
 from nanogpt_plus.tokenizer import read_dataset_meta, tokenizer_size
 
 
@@ -61,6 +62,19 @@ def find_dataset(name, splits=('train', 'val')):
     # the raw files' dtype from meta.json, once (shards carry theirs in their headers); none asked for: no files
     raw_dtype = raw_token_dtype(files[splits[0]][0]) if splits and not shards else None
     return Dataset(name, directory, files, shards, raw_dtype, read_dataset_meta(directory))
+
+
+def training_data(cfg, dist_info):
+    """
+    train.py's dataset and loaders, (Dataset, train_loader, {'train': ..., 'val': ...}), opened on every rank with
+    one verdict: a node whose disk lacks the data (or holds another copy that fails its checks) ends every rank
+    with the same line, instead of one rank stopping while the others wait for it in a collective.
+    """
+    def open_all():
+        data = find_dataset(cfg['dataset'])
+        return (data, *data.training_loaders(cfg['batch_size'], cfg['block_size'], cfg['seed'], cfg['data_order'],
+                                             dist_info))
+    return every_rank(dist_info, open_all)
 
 
 def padded_tokenizer_size(model_vocab, tokenizer_meta):

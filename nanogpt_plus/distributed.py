@@ -9,6 +9,7 @@ Usage:
 """
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -132,3 +133,47 @@ def accumulation_per_rank(gradient_accumulation_steps, dist_info):
         raise UserError(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be divisible by the "
                         f"number of processes ({w}); pick a multiple of {w}")
     return gradient_accumulation_steps // w
+
+
+def every_rank(dist_info, fn):
+    """
+    Run fn() on every rank (each checks what only it can see: a file on its own node's disk) and reach one
+    verdict: when fn raises on any rank, the lowest such rank raises its error (the one line printed, naming
+    the rank and host when the ranks disagreed) and every other rank stops quietly with the same exit code,
+    instead of walking on into a collective the failed rank never joins. Returns fn()'s result. One
+    all_gather_object with several processes.
+    """
+    error, result = None, None
+    try:
+        result = fn()
+    except Exception as e:  # every kind: the other ranks must hear of it before anyone raises
+        error = e
+    if not dist_info.under_torchrun:
+        if error is not None:
+            raise error
+        return result
+    import torch.distributed as dist
+    outcomes = [None] * dist_info.world_size
+    dist.all_gather_object(outcomes, (None if error is None else exit_code(error), socket.gethostname()))
+    failed = [r for r, (code, _) in enumerate(outcomes) if code is not None]
+    if not failed:
+        return result
+    first = failed[0]
+    if dist_info.rank != first:
+        raise PeerFailed(f"rank {first} failed", outcomes[first][0])
+    if len(failed) < dist_info.world_size and isinstance(error, UserError):  # a file one node has, another lacks
+        fine = sorted({host for code, host in outcomes if code is None})
+        raise type(error)(f"{error} [rank {first} on {outcomes[first][1]}; ranks on {', '.join(fine)} found what "
+                          f"they needed: every node must see this path (a shared file system, or a copy on each "
+                          f"node), see docs/training.md#many-machines]") from None
+    raise error
+
+
+def broadcast_object(obj, dist_info, src=0):
+    """ rank src's obj on every rank (pickled over the process group); obj itself in a single process. """
+    if not dist_info.under_torchrun:
+        return obj
+    import torch.distributed as dist
+    box = [obj if dist_info.rank == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

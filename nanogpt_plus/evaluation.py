@@ -96,12 +96,13 @@ def score_rows(model, rows, indices, batch_size, device, ctx=nullcontext(), pad_
 
 
 def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcontext(), dist_info=None,
-                   pad_to=None, progress=False):
+                   pad_to=None, progress=False, poll=None):
     """
     Score every row of every example; returns score_rows' table for all rows, (num_rows, 3). Under DDP
     (dist_info.under_torchrun) example k goes to rank k % world_size, whose rows' results are written into a zeroed
     table that is then summed across ranks: adding zeros is exact, so every rank ends with the table one
-    process would have computed (up to how the rows were grouped into batches).
+    process would have computed (up to how the rows were grouped into batches). poll: called after every batch
+    on every rank (train.py's stop agreement); when it returns True the pass ends there and returns None.
     """
     rank, world_size = (dist_info.rank, dist_info.world_size) if dist_info and dist_info.under_torchrun else (0, 1)
 
@@ -110,12 +111,21 @@ def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcon
                 for i in range(example_offsets[k], example_offsets[k + 1])]
     mine = rows_of(rank)
     table = torch.zeros(example_offsets[-1], 3, dtype=torch.float64)
-    table[mine] = score_rows(model, rows, mine, batch_size, device, ctx, pad_to, progress)
     # every rank runs as many forwards as the busiest: a wrapped model's forwards (FSDP all-gathers the
     # weights in each) are collectives. The extra ones score a single row and are thrown away.
-    batches = [math.ceil(len(rows_of(r)) / batch_size) for r in range(world_size)]
-    for _ in range(max(batches) - batches[rank]):
-        score_rows(model, rows, [0], 1, device, ctx, pad_to)
+    batches = max(math.ceil(len(rows_of(r)) / batch_size) for r in range(world_size))
+    steps = range(batches)
+    if progress:
+        from tqdm import tqdm
+        steps = tqdm(steps, desc='eval', unit='batch')
+    for b in steps:
+        chunk = mine[b * batch_size:(b + 1) * batch_size]
+        if chunk:
+            table[chunk] = score_rows(model, rows, chunk, batch_size, device, ctx, pad_to)
+        else:
+            score_rows(model, rows, [0], 1, device, ctx, pad_to)
+        if poll is not None and poll():
+            return None
     if world_size > 1:
         import torch.distributed as dist
         table = table.to(dist_info.device)  # nccl reduces only tensors on the GPU
@@ -210,11 +220,11 @@ def scored_bytes(parts, lengths):
 
 
 @torch.no_grad()
-def estimate_loss(model, loaders, eval_iters, ctx, dist_info):
+def estimate_loss(model, loaders, eval_iters, ctx, dist_info, poll=None):
     """
     train.py's estimate of the loss: {split: mean loss over eval_iters batches} for each loader of
     {split: loader}; the ranks share the batches (rank r takes r, r + world_size, ...) and the sum is reduced
-    over them.
+    over them. poll: called after every batch on every rank; when it returns True the estimate stops: None.
     """
     model.eval()
     losses = {}
@@ -231,6 +241,9 @@ def estimate_loss(model, loaders, eval_iters, ctx, dist_info):
                 _, loss = model(X, Y)
             if k * dist_info.world_size + dist_info.rank < eval_iters:
                 total += loss.double()
+            if poll is not None and poll():
+                model.train()
+                return None
         total, = all_reduce_sum([total.item()], dist_info)
         losses[split] = total / eval_iters
     model.train()
@@ -287,15 +300,15 @@ def hellaswag_metrics(counts):
 
 
 def score_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None, pad_to=None,
-                    progress=False):
+                    progress=False, poll=None):
     """
     hellaswag_counts of model on examples, hellaswag_examples' (rows, offsets, labels), the same on every rank
     (score_examples splits the examples across them). The one scoring of HellaSwag: eval.py's (through
-    evaluate_hellaswag) and train.py's in-loop figure both come from here.
+    evaluate_hellaswag) and train.py's in-loop figure both come from here. None when poll stopped the pass.
     """
     rows, offsets, labels = examples
-    table = score_examples(model, rows, offsets, batch_size, device, ctx, dist_info, pad_to, progress)
-    return hellaswag_counts(table, offsets, labels)
+    table = score_examples(model, rows, offsets, batch_size, device, ctx, dist_info, pad_to, progress, poll)
+    return None if table is None else hellaswag_counts(table, offsets, labels)
 
 
 def evaluate_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None, pad_to=None,

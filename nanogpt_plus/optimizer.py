@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from nanogpt_plus.distributed import all_reduce_mean
+
 
 def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
     """
@@ -84,3 +86,12 @@ def skip_update(optimizer, scaler):
         scaler.update(new_scale=scaler.get_scale())
     optimizer.zero_grad(set_to_none=True)
 
+
+def read_step(step_loss, grad_norm, dist_info):
+    """
+    A step's loss (this rank's micro-batch mean, a tensor) and grad norm (a tensor, or None when not measured)
+    as floats, the same on every rank, in one all-reduce (and the host sync it costs): the loss averaged over
+    ranks; the grad norm is already the same on every rank, and averaging it keeps it bitwise so.
+    """
+    values = all_reduce_mean([step_loss.item()] + ([float(grad_norm)] if grad_norm is not None else []), dist_info)
+    return values[0], (values[1] if grad_norm is not None else None)

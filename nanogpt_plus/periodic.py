@@ -12,10 +12,10 @@ import os
 
 import torch
 
-from nanogpt_plus.distributed import master_decides
+from nanogpt_plus.distributed import broadcast_object, master_decides
 from nanogpt_plus.engine import generate
 from nanogpt_plus.errors import TokenizerError, UserError
-from nanogpt_plus.evaluation import HELLASWAG_FILE, public_task_file, score_hellaswag, task_data_file, task_examples
+from nanogpt_plus.evaluation import HELLASWAG_FILE, score_hellaswag, task_data_file, task_examples
 from nanogpt_plus.tokenizer import load_tokenizer
 
 
@@ -32,28 +32,32 @@ class PeriodicTasks:
         self.hellaswag = load_hellaswag(cfg, dist_info, tokenizer_meta, block_size)
         self.prompt = sampling_prompt(cfg, dist_info, tokenizer_meta)
 
-    def run(self, iter_num, model, raw_model, logger):
+    def run(self, iter_num, model, raw_model, logger, poll=None):
         """
         HellaSwag and a sample when they are due at iter_num (before the val-loss evaluation). Returns whether
-        anything ran (that iteration's time then says nothing about the training step's).
+        anything ran (that iteration's time then says nothing about the training step's). poll: the stop
+        agreement, asked between HellaSwag's batches (a pass over 10,042 examples can outlast the time torchrun
+        gives between its SIGTERM and its SIGKILL); when it says stop, the pass ends unscored.
         """
         hellaswag = self.hellaswag is not None and due(self.cfg['hellaswag_interval'], iter_num)
         sample = self.prompt is not None and due(self.cfg['sample_interval'], iter_num)
         if hellaswag:
-            self.score_hellaswag(iter_num, model, logger)
+            self.score_hellaswag(iter_num, model, logger, poll)
         if sample and self.dist_info.master:
             self.print_sample(iter_num, raw_model, logger)
         return hellaswag or sample
 
-    def score_hellaswag(self, iter_num, model, logger):
+    def score_hellaswag(self, iter_num, model, logger, poll=None):
         """
         Score HellaSwag with the training model (compiled, wrapped: every rank takes its share of the examples
         and joins every forward) in eval mode under the run's autocast; print its line and log it (rank 0).
         """
         model.eval()
         counts = score_hellaswag(model, self.hellaswag, self.cfg['batch_size'], self.dist_info.device, self.ctx,
-                                 self.dist_info, self.pad_to)
+                                 self.dist_info, self.pad_to, poll=poll)
         model.train()
+        if counts is None:  # stopped by a signal: no figure for this iteration
+            return
         correct, total = counts['correct_norm'], counts['total']
         if self.dist_info.master:
             print(f"hellaswag {iter_num}: acc_norm {correct / total:.4f} ({correct}/{total})")
@@ -82,26 +86,32 @@ def due(interval, iter_num):
 def load_hellaswag(cfg, dist_info, tokenizer_meta, block_size):
     """
     The HellaSwag examples the loop scores (evaluation.task_examples: eval.py's), or None when
-    hellaswag_interval is 0. The default file is downloaded once, by rank 0, the others waiting to hear
-    whether it worked; offline without it, every rank stops here with one line, before any training.
+    hellaswag_interval is 0. Rank 0 alone finds the file (downloading the default once, into the repo),
+    reads and tokenizes it; every rank learns whether that worked and gets the examples over the process
+    group, so the file need only be on rank 0's node (there is no shared disk between machines) and a rank
+    never decides by itself whether to join a collective. Offline without it, every rank stops here with one
+    line, before any training.
     """
     if cfg['hellaswag_interval'] == 0:
         return None
-    path = cfg['hellaswag_file']
-    if path == HELLASWAG_FILE and not os.path.exists(path):
-        path = public_task_file('hellaswag')  # the repo's copy, wherever train.py runs from
-        master_decides(dist_info, lambda: task_data_file('hellaswag', setting='hellaswag_file'))
-    else:
-        task_data_file('hellaswag', path, setting='hellaswag_file')  # a file of the user's must exist
-    try:
-        examples, total = task_examples('hellaswag', path, load_tokenizer(tokenizer_meta), block_size,
-                                        cfg['hellaswag_examples'])
-    except TokenizerError as e:  # a char-level vocabulary without the letters (or the space) of the endings
-        raise UserError(f"HellaSwag ({path}) can't be scored with this model's tokenizer: {e}; or set "
-                        f"--hellaswag_interval=0") from None
-    if dist_info.master:
+    loaded = []
+
+    def load():
+        path = cfg['hellaswag_file']
+        if path == HELLASWAG_FILE and not os.path.exists(path):
+            path = task_data_file('hellaswag', setting='hellaswag_file')  # the repo's copy, wherever train.py runs
+        else:
+            task_data_file('hellaswag', path, setting='hellaswag_file')  # a file of the user's must exist
+        try:
+            examples, total = task_examples('hellaswag', path, load_tokenizer(tokenizer_meta), block_size,
+                                            cfg['hellaswag_examples'])
+        except TokenizerError as e:  # a char-level vocabulary without the letters (or the space) of the endings
+            raise UserError(f"HellaSwag ({path}) can't be scored with this model's tokenizer: {e}; or set "
+                            f"--hellaswag_interval=0") from None
         print(f"hellaswag: {total:,} examples of {path}, scored every {cfg['hellaswag_interval']} iterations")
-    return examples
+        loaded.append(examples)
+    master_decides(dist_info, load)
+    return broadcast_object(loaded[0] if loaded else None, dist_info)
 
 
 def sampling_prompt(cfg, dist_info, tokenizer_meta):

@@ -194,6 +194,22 @@ def state_dict_from_hf(tensors, config, source):
     return ours
 
 
+def hf_config(init_from, dropout=None):
+    """
+    The GPTConfig alone of a gpt2* name or a local Hugging Face GPT-2 directory: config.json, its weights neither
+    read nor downloaded (FSDP's ranks other than 0 build the model on the meta device and get their shards).
+    """
+    if init_from in GPT2_NAMES:
+        from huggingface_hub import hf_hub_download
+        try:
+            config_path = hf_hub_download(init_from, 'config.json')
+        except Exception:  # offline, no such repo, a network error: huggingface_hub's errors vary, all mean this
+            raise hub_offline_error(init_from) from None
+    else:
+        config_path = os.path.join(init_from, 'config.json')
+    return gpt_config(read_hf_config(config_path), init_from, dropout)
+
+
 def hf_config_and_weights(init_from, dropout=None):
     """ (GPTConfig, our state_dict, the weights file) of a gpt2* name or a local Hugging Face GPT-2 directory. """
     config_path, weights_path = hub_files(init_from) if init_from in GPT2_NAMES else local_files(init_from)

@@ -55,3 +55,21 @@ def gather_rng_states(dist_info):
     dist.all_gather_object(states, state)
     return states
 
+
+
+def restore_rng_states(states, rank):
+    """
+    On resume, this rank's RNG states from a checkpoint's list of every saved rank's. A rank the checkpoint has no
+    state for (resuming on more ranks than were saved) starts from rank 0's, then is reseeded with a number drawn
+    from it plus its rank: its own stream, the same on every resume, never another rank's copy (which would give
+    two ranks the same dropout masks). Returns whether the state was derived.
+    """
+    if rank < len(states):
+        set_rng_state(states[rank])
+        return False
+    set_rng_state(states[0])
+    seed = int(torch.randint(2 ** 62, (1,)).item()) + rank
+    torch.manual_seed(seed)  # every device's generator too
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    return True

@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from nanogpt_plus.errors import PeerFailed, exit_code
+
 
 class GracefulExit:
     """
@@ -22,15 +24,19 @@ class GracefulExit:
     the current iteration and save. A second Ctrl-C exits at once.
 
     Under torchrun the launcher forwards one signal to every worker and SIGKILLs them --shutdown_timeout
-    seconds later (30 by default), so the ranks agree on the flag after every iteration (should_stop) rather
-    than at log steps only. The same signal arrives when torchrun tears the job down because one rank failed;
-    the agreement then fails (the peer is gone) and the rank exits without saving, so a worker only announces
-    the stop once every rank has joined the agreement.
+    seconds later (30 by default), so the ranks agree on the flag after every iteration (should_stop), and
+    between the batches of a long evaluation, rather than at log steps only. The same agreement carries "this
+    rank failed" (an error it met while the others could go on: its next batch is unreadable), so every rank
+    stops at once with that error. The signal also arrives when torchrun tears the job down because one rank
+    died; the agreement then fails (the peer is gone) and the rank exits without saving, so a worker only
+    announces the stop once every rank has joined the agreement.
     """
 
     def __init__(self):
         self.requested = False
         self.signum = 0  # the signal received, 0 = none
+        self.agreed = False  # every rank knows of a signal: the run stops at the next place it can save
+        self.failure = None  # an error this rank met that every rank must stop for (fail)
         self._previous = {}
         self._flag_group = None  # the (gloo, CPU) process group the flag is all-reduced over
 
@@ -40,8 +46,6 @@ class GracefulExit:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread
                 pass
-        if _in_process_group():
-            self._cpu_group()  # a collective: made here, before the loop, where every rank calls install()
         return self
 
     def _handle(self, signum, frame):
@@ -54,28 +58,45 @@ class GracefulExit:
 
     def should_stop(self, dist_info):
         """
-        True on every rank once any rank got a signal, at the same iteration on all of them: call it once per
-        iteration on every rank. With several processes that is a one-number all-reduce each time, over a
-        gloo group on the CPU: it never waits for the GPU (no host sync, unlike a flag on the device); it costs
-        0.5-0.7 ms per iteration measured with 2 ranks on a busy 2-core CPU, against a training step of tens of
-        milliseconds (tiny models) to seconds. Rank 0 then prints why the run stops.
+        True on every rank once any rank got a signal, at the same call on all of them: call it at the same
+        places on every rank (once per iteration, between evaluation batches). With several processes that is a
+        two-number all-reduce each time, over a gloo group on the CPU: it never waits for the GPU (no host sync,
+        unlike a flag on the device); it costs 0.5-0.7 ms measured with 2 ranks on a busy 2-core CPU, against a
+        training step of tens of milliseconds (tiny models) to seconds. Rank 0 then says why the run stops.
+        An error this rank met where it could still go on with the others (fail() recorded it) is heard of here
+        by every rank: this rank raises it (its line is the one printed), the others stop with its exit code.
         """
+        failure = self.failure
         if not dist_info.under_torchrun:
+            if failure is not None:
+                raise failure
+            self.agreed = self.requested
             return self.requested
         import torch.distributed as dist
-        flag = torch.tensor([self.signum], dtype=torch.int64)  # the signal (max over ranks) or 0
+
+        # the signal and the failure's exit code, each the max over ranks (0: none)
+        flag = torch.tensor([self.signum, 0 if failure is None else exit_code(failure)], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group())
-        signum = int(flag.item())
-        if signum and dist_info.master:
+        signum, failed = flag.tolist()
+        if failed:
+            if failure is not None:
+                raise failure
+            raise PeerFailed("another rank failed and said why", failed)
+        if signum and not self.agreed and dist_info.master:
             print(f"received {signal.Signals(signum).name}: all processes stop here and save a checkpoint",
                   file=sys.stderr, flush=True)
+        self.agreed = self.agreed or bool(signum)
         return bool(signum)
+
+    def fail(self, error):
+        """ Record an error this rank met while the step could still be finished; the next should_stop raises it. """
+        self.failure = self.failure or error
 
     def _cpu_group(self):
         import torch.distributed as dist
         if dist.get_backend() == 'gloo':
             return None  # the default group already reduces CPU tensors
-        if self._flag_group is None:  # made by install() on every rank (new_group is a collective)
+        if self._flag_group is None:  # made at the first agreement, where every rank calls (a collective)
             self._flag_group = dist.new_group(backend='gloo')
         return self._flag_group
 

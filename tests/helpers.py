@@ -22,6 +22,28 @@ TINY_RUN = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, gra
                 learning_rate=1e-2, min_lr=1e-3, dropout=0.0, device='cpu', compile=False)
 
 
+FRAME = re.compile(r'^\s*File "([^"]+)", line \d+', re.M)
+
+
+def project_frames(text, root=REPO):
+    """
+    The traceback frames in text that are this project's own files under root: not an installed package's, even
+    where the packages live inside root (a virtual environment in the clone, as a newcomer makes one: .venv/).
+    torchrun's own report of a failed worker is a traceback of its files only, so this is how a test tells "no
+    worker traceback" from "no traceback at all".
+    """
+    ours = []
+    for path in FRAME.findall(text):
+        rel = os.path.relpath(os.path.abspath(path), root)
+        parts = rel.split(os.sep)
+        if rel.startswith('..') or {'site-packages', 'dist-packages'} & set(parts):
+            continue
+        if len(parts) > 1 and os.path.exists(os.path.join(root, parts[0], 'pyvenv.cfg')):
+            continue  # inside a virtual environment's directory
+        ours.append(path)
+    return ours
+
+
 def train_args(dataset, out_dir, **settings):
     """ train.py's --key=value arguments for a tiny run on `dataset` into out_dir: TINY_RUN, then settings. """
     run = dict(TINY_RUN, dataset=dataset, out_dir=str(out_dir))

@@ -259,6 +259,22 @@ def test_init_model_on_meta_allocates_nothing_and_draws_nothing(tmp_path):
         assert {k: v.shape for k, v in m.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
 
 
+def test_a_pretrained_model_on_meta_reads_only_its_config(tmp_path, monkeypatch):
+    """ FSDP's ranks other than 0 and a Hugging Face directory (or gpt2*): config.json only, no weights read. """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from nanogpt_plus import pretrained
+    from nanogpt_plus.checkpoint import init_model
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=60)).save_pretrained(
+        tmp_path / 'hf')
+    real, _, _ = init_model(str(tmp_path / 'hf'))
+    monkeypatch.setattr(pretrained, 'read_tensors', lambda path: pytest.fail(f"rank >0 read the weights {path}"))
+    meta, tokenizer_meta, _ = init_model(str(tmp_path / 'hf'), on_meta=True)
+    assert meta.config == real.config and tokenizer_meta == {'kind': 'gpt2'}
+    assert all(t.is_meta for t in meta.parameters()) and meta.lm_head.weight is meta.transformer.wte.weight
+    assert {k: v.shape for k, v in meta.state_dict().items()} == {k: v.shape for k, v in real.state_dict().items()}
+
+
 def meta_worker(rank, init_file, out_dir, source):
     import torch.distributed as dist
 

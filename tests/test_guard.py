@@ -174,10 +174,18 @@ def test_resume_with_the_spike_guard_is_exact(dataset, tmp_path, capsys, monkeyp
 
 
 def test_nan_at_a_non_log_iteration_stops(dataset, tmp_path, monkeypatch):
-    """ The non-finite check runs every iteration, not only at log steps (log_interval=4 here). """
+    """
+    The loss is read (a host sync) at log steps, and at every step only when the spike guard needs it (issue 25):
+    a NaN at a non-log iteration stops the run at the next place that reads a loss (here the evaluation at 6,
+    log_interval=4), never saving the weights it left; with the spike guard on, at that very iteration.
+    """
     inject_spike(monkeypatch, 5, factor=float('nan'))
+    with pytest.raises(UserError, match=r"loss is nan at iter 6; stopping without saving"):
+        train.main(tiny_args(dataset, tmp_path / 'a', max_iters=12, log_interval=4))
+    assert not (tmp_path / 'a' / 'ckpt.pt').exists()
+    inject_spike(monkeypatch, 5, factor=float('nan'))  # counted again from this run's first forward
     with pytest.raises(UserError, match=r"loss is nan at iter 5; stopping without saving"):
-        train.main(tiny_args(dataset, tmp_path, max_iters=12, log_interval=4))
+        train.main(tiny_args(dataset, tmp_path / 'b', max_iters=12, log_interval=4, skip_loss_z=5.0))
 
 
 # -----------------------------------------------------------------------------

@@ -29,6 +29,10 @@ def run(dataset, out_dir, capsys=None, **settings):
     return capsys.readouterr().out if capsys else None
 
 
+def snapshot_names(directory):
+    return sorted(n for n in os.listdir(directory) if n.startswith('ckpt_') and n.endswith('.pt'))
+
+
 def files(directory):
     return {n: (directory / n).read_bytes() for n in sorted(os.listdir(directory)) if n.endswith('.pt')}
 
@@ -53,7 +57,7 @@ def test_snapshots_are_copies_nothing_done_to_one_name_changes_another(dataset, 
 def test_going_back_to_a_snapshot_keeps_the_line_it_leaves(dataset, tmp_path, capsys):
     out = tmp_path / 'out'
     first = run(dataset, out, capsys, checkpoint_interval=2, keep_checkpoints=3, max_iters=9, lr_decay_iters=12)
-    assert sorted(n for n in os.listdir(out) if n.startswith('ckpt_') and n.endswith('.pt')) == ['ckpt_10.pt', 'ckpt_6.pt', 'ckpt_8.pt']
+    assert snapshot_names(out) == ['ckpt_10.pt', 'ckpt_6.pt', 'ckpt_8.pt']
     line = files(out)
     second = run(dataset, out, capsys, init_from='resume', resume_from='6', max_iters=11, lr_decay_iters=12,
                  checkpoint_interval=2, keep_checkpoints=3)
@@ -65,7 +69,7 @@ def test_going_back_to_a_snapshot_keeps_the_line_it_leaves(dataset, tmp_path, ca
     # keep window counts them only: ckpt_6.pt, shared history, was pruned in its turn
     a, b = iter_losses(first), iter_losses(second)
     assert min(b) == 6 and all(a[i] == b[i] for i in range(6, 10))
-    assert sorted(n for n in os.listdir(out) if n.startswith('ckpt_') and n.endswith('.pt')) == ['ckpt_10.pt', 'ckpt_12.pt', 'ckpt_8.pt']
+    assert snapshot_names(out) == ['ckpt_10.pt', 'ckpt_12.pt', 'ckpt_8.pt']
     assert files(kept) == {n: line[n] for n in ('ckpt.pt', 'ckpt_8.pt', 'ckpt_10.pt')}
     assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] == 12
     # the metrics file reads as the new line's trajectory from iter 6 on
@@ -214,8 +218,8 @@ def test_a_metrics_file_with_records_of_another_kind_is_read_past(dataset, tmp_p
 
 def test_a_signal_during_set_up_stops_before_the_first_iteration(dataset, tmp_path):
     # SIGTERM while the dataset is being read (set-up): exit 75 and one line, not 143
-    code = ("import os, signal, train; real = train.find_dataset\n"
-            "train.find_dataset = lambda *a, **k: (os.kill(os.getpid(), signal.SIGTERM), real(*a, **k))[1]\n"
+    code = ("import os, signal, train; real = train.training_data\n"
+            "train.training_data = lambda *a, **k: (os.kill(os.getpid(), signal.SIGTERM), real(*a, **k))[1]\n"
             "from nanogpt_plus.runtime import run_main; run_main(train.main)")
     r = subprocess.run([sys.executable, '-c', code] + train_args(dataset, tmp_path / 'out', num_threads=1), cwd=REPO,
                        capture_output=True, text=True, timeout=120)

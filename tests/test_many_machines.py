@@ -1,0 +1,196 @@
+"""
+Many machines (issue 25): two torchrun agents as two nodes, each running in its own copy of the repository
+(no shared disk), and 2 gloo ranks on one node where one rank meets something the other doesn't. Every run ends
+on every node within a minute, finished or with one clear line; none hangs.
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import REPO, TINY_VOCAB, iter_losses, project_frames, train_args
+from nanogpt_plus.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.slow
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+SYMBOLS = 'abcdefghijklmnopqrs '  # the tiny dataset's tokens as characters, a space among them (HellaSwag needs it)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def node_copy(dst, dataset):
+    """ A working copy of the repository for one node (what a node's own disk holds), with the dataset in it. """
+    dst.mkdir(parents=True)
+    for name in ('train.py', 'finetune.py', 'model.py', 'configurator.py'):
+        shutil.copy(os.path.join(REPO, name), dst / name)
+    shutil.copytree(os.path.join(REPO, 'nanogpt_plus'), dst / 'nanogpt_plus',
+                    ignore=shutil.ignore_patterns('__pycache__'))
+    shutil.copytree(dataset, dst / 'data' / 'tiny')
+    stoi = {ch: i for i, ch in enumerate(SYMBOLS)}
+    (dst / 'data' / 'tiny' / 'meta.json').write_text(json.dumps(
+        {"kind": "char", "vocab_size": TINY_VOCAB, "stoi": stoi, "itos": {i: c for c, i in stoi.items()}}))
+    return dst
+
+
+def two_nodes(copies, args, timeout=60):
+    """ train.py under two torchrun agents (--nnodes=2, one process each), each in its own copy; both must end. """
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nnodes=2', '--nproc_per_node=1',
+                               f'--node_rank={i}', '--master_addr=127.0.0.1', f'--master_port={port}', 'train.py',
+                               *args], cwd=copy, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                              start_new_session=True)
+             for i, copy in enumerate(copies)]
+    began, results = time.time(), []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1, timeout - (time.time() - began)))
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # its workers too: a hang must not outlive the test
+                p.communicate()
+    assert len(results) == 2, f"a node was still running after {timeout} s"
+    return results
+
+
+def hellaswag_jsonl(path, n=12):
+    """ HellaSwag-format examples in the tiny dataset's letters (the true ending continues the pattern). """
+    rng = np.random.default_rng(1)
+    letters = SYMBOLS.strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, 'w', encoding='utf-8') as f:
+        for k in range(n):
+            ctx, true = letters[-(3 + k % 6):], letters[:2 + k % 3]
+            endings = [''.join(rng.choice(list(letters), len(true))) for _ in range(3)]
+            endings.insert(k % 4, true)
+            f.write(json.dumps({'ctx': ctx, 'endings': endings, 'label': k % 4}) + '\n')
+    return path
+
+
+def tiny(out_dir, **settings):
+    return train_args('data/tiny', out_dir, num_threads=1, **settings)
+
+
+# -----------------------------------------------------------------------------
+# two nodes without a shared disk
+
+def test_hellaswag_file_on_one_node_only_is_scored_on_both(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    hellaswag_jsonl(nodes[0] / 'data' / 'hellaswag' / 'hellaswag_val.jsonl')  # the default path, on node 0 only
+    results = two_nodes(nodes, tiny('out', max_iters=4, eval_interval=4, hellaswag_interval=2))
+    assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:] + results[1].stderr[-2000:]
+    assert "hellaswag 2: acc_norm" in results[0].stdout and "hellaswag 4: acc_norm" in results[0].stdout
+
+
+def test_resume_with_out_dir_on_one_node_only_is_one_line_on_both(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    first = subprocess.run([sys.executable, 'train.py', *tiny('out', max_iters=3)], cwd=nodes[0], env=ENV,
+                           capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    results = two_nodes(nodes, tiny('out', max_iters=6, init_from='resume'))
+    assert all(r.returncode != 0 for r in results)
+    errors = [line for r in results for line in r.stderr.splitlines() if line.startswith('error: ')]
+    assert len(errors) == 1, errors  # one line, from the node that lacks the checkpoint
+    assert "there is no checkpoint at out/ckpt.pt" in errors[0] and "every node must see this path" in errors[0]
+    # no worker traceback (torchrun's own launcher prints one of its ChildFailedError: frames of its files only)
+    assert not any(project_frames(r.stderr, node) for node, r in zip(nodes, results)), results[1].stderr[-3000:]
+
+
+# -----------------------------------------------------------------------------
+# 2 gloo ranks on one node: what one rank meets, every rank stops for
+
+TORCHRUN = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
+
+
+def launch(script, args, timeout=90, env=None, cwd=REPO):
+    return subprocess.run(TORCHRUN + [script, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=dict(ENV, **(env or {})))
+
+
+def test_a_bad_token_id_met_by_one_rank_stops_every_rank_with_one_line(tiny_dataset, tmp_path):
+    d = tmp_path / 'data'
+    shutil.copytree(tiny_dataset, d)
+    tokens = np.fromfile(d / 'train.bin', dtype=np.uint16)
+    # sequential order, batch 4 x 16: micro-batch k reads tokens [64k, 64k + 65) and goes to rank k % 2; the
+    # batches of iteration i+1 are fetched during iteration i. Put an id the model has no embedding for where only
+    # micro-batch 5 reads it: rank 1's, fetched during iteration 1
+    tokens[5 * 64 + 10] = TINY_VOCAB + 3
+    tokens.tofile(d / 'train.bin')
+    # the per-batch check (splits over 64M tokens) instead of the start-up scan of the whole file
+    r = launch('train.py', train_args(str(d), tmp_path / 'out', data_order='sequential', num_threads=1,
+                                      eval_interval=100),
+               env={'NANOGPT_PLUS_SCAN_TOKENS': '0'})
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith('error: ')]
+    assert len(errors) == 1 and f"holds token ids up to {TINY_VOCAB + 3}" in errors[0], r.stderr[-3000:]
+    assert 'another process of this run is gone' not in r.stderr  # both stopped at the agreement, together
+    assert max(iter_losses(r.stdout)) == 1  # iteration 1 fetched the bad batch and finished; no step used it
+
+
+def test_finetune_rank0_cannot_write_stops_every_rank_with_one_line(tmp_path):
+    from test_finetune import make_source, make_task
+    src = make_source(tmp_path / 'src')
+    train_file, val_file = make_task(tmp_path, 'classification', n_train=32, n_val=8)
+    (tmp_path / 'ft' / 'ckpt_last.pt').mkdir(parents=True)  # a directory where rank 0 must write the file
+    began = time.time()
+    r = launch('finetune.py', ['--task=classification', f'--init_from={src}', f'--train_file={train_file}',
+                               f'--val_file={val_file}', f'--out_dir={tmp_path / "ft"}', '--device=cpu',
+                               '--batch_size=8', '--gradient_accumulation_steps=2', '--epochs=1'], timeout=60)
+    assert time.time() - began < 45 and r.returncode != 0
+    assert r.stderr.count("error: could not write the checkpoint") == 1, r.stderr[-3000:]
+    assert not project_frames(r.stderr), r.stderr[-3000:]  # no worker traceback (torchrun's own is no frame of ours)
+
+
+def test_sigterm_during_in_loop_hellaswag_stops_between_batches(tiny_dataset, tmp_path):
+    data = node_copy(tmp_path / 'node', tiny_dataset) / 'data' / 'tiny'
+    hs = hellaswag_jsonl(tmp_path / 'hs.jsonl', n=20000)  # a pass of a minute or more on these cores
+    proc = subprocess.Popen(TORCHRUN + ['train.py', *train_args(str(data), tmp_path / 'out', num_threads=1,
+                                                                 hellaswag_interval=5, hellaswag_file=str(hs),
+                                                                 batch_size=2)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            start_new_session=True)
+    try:
+        # the pass at iteration 0 begins right after set-up: signal it once both ranks are in it
+        deadline = time.time() + 90
+        for line in proc.stdout:
+            if line.startswith('provenance: ') or time.time() > deadline:  # the end of set-up
+                break
+        time.sleep(3)
+        signalled = time.time()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        took = time.time() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert took < 20, f"the ranks took {took:.0f} s to stop after SIGTERM"
+    assert 'stopped cleanly' in out and 'hellaswag 0: acc_norm' not in out, err[-2000:]
+    assert load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))['iter_num'] == 0  # the state before iteration 0
+
+
+def test_resuming_on_more_ranks_gives_the_new_ranks_their_own_rng(dataset, tmp_path):
+    out = tmp_path / 'out'
+    one = subprocess.run([sys.executable, 'train.py', *train_args(dataset, out, max_iters=2, dropout=0.1,
+                                                                   num_threads=1)],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert len(load_checkpoint(str(out / 'ckpt.pt'))['rng']) == 1
+    two = launch('train.py', train_args(dataset, out, max_iters=4, dropout=0.1, num_threads=1, init_from='resume'))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "ranks 1 and up got their own, drawn from rank 0's" in two.stdout
+    rng = load_checkpoint(str(out / 'ckpt.pt'))['rng']
+    assert len(rng) == 2 and not torch.equal(rng[0]['torch'], rng[1]['torch'])  # distinct dropout streams
