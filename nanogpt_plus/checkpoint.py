@@ -113,16 +113,18 @@ def model_config_from_checkpoint(ckpt, dropout=None):
         raise UserError(f"the checkpoint's model_args don't describe a GPT ({e})") from None
 
 
-def model_from_checkpoint(ckpt, dropout=None, on_meta=False):
+def model_from_checkpoint(ckpt, dropout=None, on_meta=False, source='the checkpoint'):
     """
     A GPT with the checkpoint's architecture and weights (on the CPU; move it yourself). on_meta=True: the
     architecture only, on the meta device, and the checkpoint's 'model' tensors are never read (so none of their
-    memory-mapped pages are loaded); FSDP's ranks other than 0 get their shards from rank 0 instead.
+    memory-mapped pages are loaded); FSDP's ranks other than 0 get their shards from rank 0 instead. source: the
+    file, for messages (a NaN in its weights names it).
     """
     config = model_config_from_checkpoint(ckpt, dropout)
     if on_meta:
         return meta_model(config)
-    return loaded_model(config, clean_state_dict(ckpt['model']), "the checkpoint's weights don't fit its model_args")
+    return loaded_model(config, clean_state_dict(ckpt['model']), "the checkpoint's weights don't fit its model_args",
+                        source)
 
 
 def checkpoint_tokenizer_meta(ckpt, data_root='data'):
@@ -233,7 +235,7 @@ def init_model(init_from, out_dir='out', dataset=None, model_settings=None, drop
     ckpt_path = checkpoint_path(init_from, out_dir, resume_file)
     if ckpt_path is not None:
         ckpt = load_checkpoint(ckpt_path, map_location='cpu')
-        return model_from_checkpoint(ckpt, dropout, on_meta), checkpoint_tokenizer_meta(ckpt), ckpt
+        return model_from_checkpoint(ckpt, dropout, on_meta, ckpt_path), checkpoint_tokenizer_meta(ckpt), ckpt
     if init_from in GPT2_NAMES or is_hf_dir(init_from):
         return pretrained_model(init_from, dropout, on_meta), pretrained_tokenizer_meta(init_from), None
     raise UserError(f"don't know how to load init_from='{init_from}': use scratch, resume (with --out_dir), a "

@@ -14,6 +14,8 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY_VOCAB = 20  # the symbols of conftest's tiny_dataset
+# the tiny dataset's repeating pattern read as 19 letters and a space (HellaSwag endings are scored after a space)
+SPACED_SYMBOLS = 'abcdefghijklmnopqrs '
 
 
 # a 2-layer model and a short schedule on the CPU: what train_args starts from
@@ -167,3 +169,21 @@ def write_bpe_dataset(directory, tokenizer, text, val_fraction=0.1):
     with open(os.path.join(directory, "meta.json"), "w", encoding="utf-8") as f:
         json.dump(bpe_meta(tokenizer, dtype), f, indent=1)  # prepare.py's entries (test_prepare_text pins them)
     return str(directory)
+
+
+def write_hellaswag(path, n=12, seed=1):
+    """
+    n examples in HellaSwag's JSONL format in the tiny dataset's letters (SPACED_SYMBOLS): the end of its pattern as
+    the context, the pattern's start (the true continuation, after the scorer's space) among 3 random endings.
+    Returns the path.
+    """
+    rng = np.random.default_rng(seed)
+    letters = SPACED_SYMBOLS.strip()
+    os.makedirs(os.path.dirname(str(path)) or '.', exist_ok=True)
+    with open(path, 'w', encoding='utf-8') as f:
+        for k in range(n):
+            true = letters[:2 + k % 3]
+            endings = [''.join(rng.choice(list(letters), len(true))) for _ in range(3)]
+            endings.insert(k % 4, true)
+            f.write(json.dumps({'ctx': letters[-(3 + k % 6):], 'endings': endings, 'label': k % 4}) + '\n')
+    return str(path)

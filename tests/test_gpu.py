@@ -21,19 +21,20 @@ import time
 import numpy as np
 import pytest
 import torch
+from test_distributed import start, stop, wait_for_line, workers_of
+from test_inloop_eval import HELLASWAG_LINE, SYMBOLS, hellaswag_lines, run_eval_script
 
 import bench
 import train
-from helpers import REPO, TINY_VOCAB
+from helpers import REPO
+from helpers import TINY_VOCAB
 from helpers import TINY_VOCAB as VOCAB
-from helpers import assert_losses_close, iter_losses, train_args
+from helpers import assert_losses_close, iter_losses, train_args, write_hellaswag
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.engine import KVCache, generate
 from nanogpt_plus.hardware import gpu_peak_flops
 from nanogpt_plus.metrics import read_metrics
-from test_distributed import start, stop, wait_for_line, workers_of
-from test_inloop_eval import HELLASWAG_LINE, SYMBOLS, hellaswag_lines, run_eval_script
 
 pytestmark = pytest.mark.gpu
 
@@ -361,16 +362,7 @@ def spaced_dataset(tiny_dataset, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hellaswag_jsonl(tmp_path_factory):
     """ 12 examples in HellaSwag's format: the pattern's end as the context, its start among 3 random endings. """
-    rng = np.random.default_rng(1)
-    letters = SYMBOLS.strip()
-    path = tmp_path_factory.mktemp("hellaswag") / "hellaswag.jsonl"
-    with open(path, "w", encoding="utf-8") as f:
-        for k in range(12):
-            true = letters[:2 + k % 3]
-            endings = ["".join(rng.choice(list(letters), len(true))) for _ in range(3)]
-            endings.insert(k % 4, true)
-            f.write(json.dumps({"ctx": letters[-(3 + k % 6):], "endings": endings, "label": k % 4}) + "\n")
-    return str(path)
+    return write_hellaswag(tmp_path_factory.mktemp("hellaswag") / "hellaswag.jsonl")
 
 
 @multi_gpu

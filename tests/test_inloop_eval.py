@@ -11,18 +11,16 @@ import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import train
-from helpers import REPO, TINY_VOCAB, iter_losses, train_args
+from helpers import REPO, SPACED_SYMBOLS, TINY_VOCAB, iter_losses, train_args, write_hellaswag
 from nanogpt_plus import evaluation
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.metrics import read_metrics
 from nanogpt_plus.runtime import run_main
 
-# the tiny dataset's repeating pattern, over 19 letters and a space (HellaSwag endings are scored after a space)
-SYMBOLS = 'abcdefghijklmnopqrs '
+SYMBOLS = SPACED_SYMBOLS  # the tiny dataset's pattern as 19 letters and a space (HellaSwag scores after a space)
 HELLASWAG_LINE = re.compile(r"^hellaswag (\d+): acc_norm (\d\.\d{4}) \((\d+)/(\d+)\)$", re.M)
 SAMPLE_LINE = re.compile(r"^sample (\d+): (.*)$", re.M)
 
@@ -42,18 +40,7 @@ def dataset(tiny_dataset, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hellaswag_file(tmp_path_factory):
     """ 12 HellaSwag-format examples from the pattern: the true continuation among 3 random endings. """
-    rng = np.random.default_rng(1)
-    letters = SYMBOLS.strip()
-    path = tmp_path_factory.mktemp("hs") / "hs.jsonl"
-    with open(path, 'w', encoding='utf-8') as f:
-        for k in range(12):
-            # the end of the pattern, then (the space being the scorer's) its start
-            ctx, true = letters[-(3 + k % 6):], letters[:2 + k % 3]
-            endings = [''.join(rng.choice(list(letters), len(true))) for _ in range(3)]
-            label = k % 4
-            endings.insert(label, true)
-            f.write(json.dumps({'ctx': ctx, 'endings': endings, 'label': label}) + '\n')
-    return str(path)
+    return write_hellaswag(tmp_path_factory.mktemp("hs") / "hs.jsonl")
 
 
 def run_train(capsys, dataset, out_dir, **settings):

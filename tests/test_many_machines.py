@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import REPO, TINY_VOCAB, iter_losses, project_frames, train_args
+from helpers import REPO, SPACED_SYMBOLS, TINY_VOCAB, iter_losses, project_frames, train_args, write_hellaswag
 from nanogpt_plus.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-SYMBOLS = 'abcdefghijklmnopqrs '  # the tiny dataset's tokens as characters, a space among them (HellaSwag needs it)
+SYMBOLS = SPACED_SYMBOLS  # the tiny dataset's tokens as characters, a space among them (HellaSwag needs it)
 
 
 def free_port():
@@ -66,20 +66,6 @@ def two_nodes(copies, args, timeout=60):
     return results
 
 
-def hellaswag_jsonl(path, n=12):
-    """ HellaSwag-format examples in the tiny dataset's letters (the true ending continues the pattern). """
-    rng = np.random.default_rng(1)
-    letters = SYMBOLS.strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, 'w', encoding='utf-8') as f:
-        for k in range(n):
-            ctx, true = letters[-(3 + k % 6):], letters[:2 + k % 3]
-            endings = [''.join(rng.choice(list(letters), len(true))) for _ in range(3)]
-            endings.insert(k % 4, true)
-            f.write(json.dumps({'ctx': ctx, 'endings': endings, 'label': k % 4}) + '\n')
-    return path
-
-
 def tiny(out_dir, **settings):
     return train_args('data/tiny', out_dir, num_threads=1, **settings)
 
@@ -89,7 +75,7 @@ def tiny(out_dir, **settings):
 
 def test_hellaswag_file_on_one_node_only_is_scored_on_both(tiny_dataset, tmp_path):
     nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
-    hellaswag_jsonl(nodes[0] / 'data' / 'hellaswag' / 'hellaswag_val.jsonl')  # the default path, on node 0 only
+    write_hellaswag(nodes[0] / 'data' / 'hellaswag' / 'hellaswag_val.jsonl')  # the default path, on node 0 only
     results = two_nodes(nodes, tiny('out', max_iters=4, eval_interval=4, hellaswag_interval=2))
     assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:] + results[1].stderr[-2000:]
     assert "hellaswag 2: acc_norm" in results[0].stdout and "hellaswag 4: acc_norm" in results[0].stdout
@@ -156,7 +142,7 @@ def test_finetune_rank0_cannot_write_stops_every_rank_with_one_line(tmp_path):
 
 def test_sigterm_during_in_loop_hellaswag_stops_between_batches(tiny_dataset, tmp_path):
     data = node_copy(tmp_path / 'node', tiny_dataset) / 'data' / 'tiny'
-    hs = hellaswag_jsonl(tmp_path / 'hs.jsonl', n=20000)  # a pass of a minute or more on these cores
+    hs = write_hellaswag(tmp_path / 'hs.jsonl', n=20000)  # a pass of a minute or more on these cores
     proc = subprocess.Popen(TORCHRUN + ['train.py', *train_args(str(data), tmp_path / 'out', num_threads=1,
                                                                  hellaswag_interval=5, hellaswag_file=str(hs),
                                                                  batch_size=2)],
