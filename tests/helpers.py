@@ -36,7 +36,9 @@ def project_frames(text, root=REPO):
     """
     ours = []
     for path in FRAME.findall(text):
-        rel = os.path.relpath(os.path.abspath(path), root)
+        if not os.path.isabs(path):  # "<frozen runpy>", "<string>": no file of anyone's
+            continue
+        rel = os.path.relpath(path, root)
         parts = rel.split(os.sep)
         if rel.startswith('..') or {'site-packages', 'dist-packages'} & set(parts):
             continue
