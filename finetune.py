@@ -58,8 +58,8 @@ from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
 from nanogpt_plus.files import check_output
 from nanogpt_plus.finetuning import (TASKS, FinetuneModel, Schedule, configure_optimizers, evaluate_val,
                                      finetune_checkpoint, global_batch_counts, model_from_finetune_checkpoint,
-                                     predict_with_checkpoint, predictions_path, step_batches, task_model_and_data,
-                                     write_predictions)
+                                     predict_with_checkpoint, predictions_path, resolve_learning_rate, step_batches,
+                                     task_model_and_data, write_predictions)
 from nanogpt_plus.metrics import MetricsLogger
 from nanogpt_plus.optimizer import make_grad_scaler, optimizer_step, set_learning_rate
 from nanogpt_plus.outdir import check_new_run, claim_out_dir
@@ -73,8 +73,8 @@ BEST_CKPT = 'ckpt.pt'  # the best model so far (by val accuracy), with its head:
 LAST_CKPT = 'ckpt_last.pt'  # the latest training state, for --init_from=resume
 
 # -----------------------------------------------------------------------------
-# the settings: GPT-1's fine-tuning recipe (lr 6.25e-5, batch 32, 3 epochs, dropout 0.1, warmup over 0.2% of
-# training, lambda 0.5); the model settings are for init_from=scratch (the weights fix the rest)
+# the settings: GPT-1's fine-tuning recipe (batch 32, 3 epochs, dropout 0.1, warmup over 0.2% of training, lambda
+# 0.5, lr 6.25e-5 scaled to the width); the model settings are for init_from=scratch (the weights fix the rest)
 DEFAULTS = Schema(
     FINETUNING, subset(IO, 'out_dir', 'log_interval', 'overwrite', 'init_from'),
     subset(DATA, 'dataset', 'gradient_accumulation_steps', 'batch_size', 'block_size'), MODEL,
@@ -84,8 +84,9 @@ DEFAULTS = Schema(
     out_dir='out-finetune', log_interval=10, gradient_accumulation_steps=1, batch_size=32, dropout=0.1,
     block_size=Setting(0, "0 = the source model's; smaller crops a pretrained model (a resume keeps its own)",
                        low=0),
-    learning_rate=6.25e-5, weight_decay=0.01, beta2=0.999, min_lr=0.0, wandb_project='finetune',
-    wandb_run_name='finetune', compile=False)
+    learning_rate=Setting(0.0, "the peak learning rate; 0 = scaled from the model's width: 6.25e-5 x (768 / n_embd) "
+                               "** 1.5, GPT-1's rate at GPT-1's width (a resume: the rate it used)", low=0),
+    weight_decay=0.01, beta2=0.999, min_lr=0.0, wandb_project='finetune', wandb_run_name='finetune', compile=False)
 # -----------------------------------------------------------------------------
 
 
@@ -208,6 +209,11 @@ def setup(cfg, dist_info):
     # the model: the same initial weights on every rank (head, new embeddings), then per-rank dropout
     torch.manual_seed(cfg['seed'])
     gpt, tokenizer_meta, source = load_source(cfg)
+    # 0 = the rate for the source model's width, known only now; cfg (and so every checkpoint) keeps the number used
+    learning_rate, how = resolve_learning_rate(cfg, gpt.config.n_embd, source if resume else None)
+    cfg = dict(cfg, learning_rate=learning_rate)
+    if dist_info.master:
+        print(f"learning rate {learning_rate:.4g} ({how})")
     task = cfg['task'] or source.get('task') if resume else cfg['task']
     if resume and task != source.get('task'):
         raise UserError(f"--task={task} but the fine-tune in {cfg['out_dir']} is {source.get('task')}; "
@@ -378,8 +384,8 @@ def finish(run, state):
     """ The result dict (printed as the last line, as JSON), after predictions of the best model if asked. """
     cfg = run.cfg
     result = {'task': run.task, 'val_acc': state.best_val_acc, 'best_epoch': state.best_epoch,
-              'epochs': state.epoch, 'steps': state.iter_num, 'out_dir': cfg['out_dir'],
-              'interrupted': state.interrupted}
+              'epochs': state.epoch, 'steps': state.iter_num, 'learning_rate': cfg['learning_rate'],
+              'out_dir': cfg['out_dir'], 'interrupted': state.interrupted}
     if cfg['predict_file'] and not state.interrupted and run.dist_info.master:
         best = load_checkpoint(os.path.join(cfg['out_dir'], BEST_CKPT))
         best_model = model_from_finetune_checkpoint(best).to(run.dist_info.device)

@@ -419,6 +419,44 @@ def task_model_and_data(cfg, task, gpt, tokenizer_meta, source, resume):
     return FinetuneModel(gpt, head, task), special, tokenizer, data
 
 
+# -----------------------------------------------------------------------------
+# the learning rate: GPT-1's for a model as wide as GPT-1, larger for narrower ones
+
+GPT1_LEARNING_RATE = 6.25e-5  # GPT-1's fine-tuning rate (Radford et al. 2018, section 4.1)...
+GPT1_WIDTH = 768  # ...for its 768-wide model; GPT-2 small is as wide, so it keeps the recipe exactly
+WIDTH_EXPONENT = 1.5  # fitted to the best rates measured at widths 128 and 256 (docs/finetuning.md)
+
+
+def scaled_learning_rate(n_embd):
+    """
+    The fine-tuning rate learning_rate=0 gives a model of width n_embd: 6.25e-5 x (768 / n_embd) ** 1.5, which is
+    GPT-1's rate at GPT-1's width. Adam moves every weight by about the rate each step and a matrix adds n_embd such
+    moves into each output, so a narrower model needs a larger rate for the same change (muP's 1 / width); from
+    GPT-1's point, the middle of the best rates docs/finetuning.md measured (about 8e-4 at width 128, 3.7e-4 at
+    256) needs an exponent of 1.4 to 1.6, and 1 / width (3.75e-4 at 128) under-trains the quick-start model. It gets
+    9.2e-4; gpt2-medium gets 4.1e-5 and gpt2-xl 2.1e-5 (extrapolated: nothing above 768 was measured).
+    """
+    return GPT1_LEARNING_RATE * (GPT1_WIDTH / n_embd) ** WIDTH_EXPONENT
+
+
+def resolve_learning_rate(cfg, n_embd, resumed=None):
+    """
+    (the peak learning rate of the fine-tune, how it was chosen). An explicit --learning_rate wins; 0 means the
+    rate the interrupted run used (resumed: its ckpt_last.pt, whose config holds the number), else
+    scaled_learning_rate of the source model's width. min_lr must not be above it (the decay would raise it).
+    """
+    if cfg['learning_rate'] > 0:
+        lr, how = cfg['learning_rate'], "--learning_rate"
+    elif resumed is not None and (resumed.get('config') or {}).get('learning_rate', 0) > 0:
+        lr, how = resumed['config']['learning_rate'], "the resumed fine-tune's"
+    else:
+        lr, how = scaled_learning_rate(n_embd), f"learning_rate=0: 6.25e-5 x (768 / n_embd {n_embd}) ** 1.5"
+    if cfg['decay_lr'] and cfg['min_lr'] > lr:
+        raise UserError(f"min_lr ({cfg['min_lr']:g}) is above the learning rate ({lr:g}, {how}), so the decay would "
+                        f"raise the rate; set --min_lr to at most that (0.0, the default, decays to zero)")
+    return lr, how
+
+
 def configure_optimizers(model, cfg, device_type):
     """ GPT.configure_optimizers' AdamW over the GPT and the head (its weight decays, its bias does not). """
     optimizer = model.gpt.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],

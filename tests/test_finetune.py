@@ -484,6 +484,70 @@ def test_gpt2_bpe_model_from_a_local_hf_directory(tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# the default learning rate (learning_rate=0): GPT-1's at GPT-1's width, larger for narrower models
+
+def resolved_rate(n_embd, resumed=None, **settings):
+    return finetuning.resolve_learning_rate(dict(finetune.DEFAULTS, **settings), n_embd, resumed)[0]
+
+
+def test_default_learning_rate_follows_the_width():
+    assert finetune.DEFAULTS['learning_rate'] == 0.0 and "0 = scaled from the model's width" in \
+        finetune.DEFAULTS.specs['learning_rate'].help  # --help says what 0 means
+    assert resolved_rate(768) == 6.25e-5  # GPT-1's rate for GPT-1's (and GPT-2 small's) width, exactly
+    # narrower: 6.25e-5 x (768 / n_embd) ** 1.5 (the quick-start model is 128 wide), the wider GPT-2s below it
+    assert resolved_rate(128) == pytest.approx(6.25e-5 * 6 ** 1.5, rel=1e-12) == pytest.approx(9.186e-4, rel=1e-3)
+    assert resolved_rate(1600) < resolved_rate(1024) < 6.25e-5 < resolved_rate(384) < resolved_rate(128)
+    # GPT-1's recipe file on GPT-2 small (gpt2 is 768 wide) keeps GPT-1's rate
+    cfg = parse_config(finetune.DEFAULTS, [os.path.join(REPO, 'config', 'finetune_classification.py')])
+    assert finetuning.resolve_learning_rate(cfg, 768)[0] == 6.25e-5
+    # an explicit rate wins, whatever the width; a resume with 0 keeps the rate its run used
+    assert resolved_rate(128, learning_rate=2e-3) == 2e-3 and resolved_rate(768, learning_rate=1e-4) == 1e-4
+    assert resolved_rate(128, resumed={'config': {'learning_rate': 7e-4}}) == 7e-4
+    assert resolved_rate(128, resumed={'config': {'learning_rate': 7e-4}}, learning_rate=1e-3) == 1e-3
+    # min_lr above the rate would make the "decay" a rise: refused in one line, unless there is no decay
+    with pytest.raises(UserError, match=r"min_lr \(0.001\) is above the learning rate \(6.25e-05"):
+        resolved_rate(768, min_lr=1e-3)
+    assert resolved_rate(768, min_lr=1e-3, decay_lr=False) == 6.25e-5
+
+
+def test_the_rate_used_is_printed_and_saved(tmp_path, capsys):
+    src = make_source(tmp_path / 'src', n_embd=32)
+    train, val = make_task(tmp_path, 'classification', n_train=16, n_val=8)
+    common = dict(task='classification', init_from=src, train_file=train, val_file=val, batch_size=8,
+                  decay_lr=False)  # no decay: every step runs at the peak rate
+    expected = 6.25e-5 * (768 / 32) ** 1.5
+    res = finetune.finetune(config(out_dir=str(tmp_path / 'a'), epochs=1, **dict(common, learning_rate=0.0)), SINGLE)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith('learning rate')]
+    assert lines == [f"learning rate {expected:.4g} (learning_rate=0: 6.25e-5 x (768 / n_embd 32) ** 1.5)"]
+    assert res['learning_rate'] == pytest.approx(expected, rel=1e-12)
+    for name in (finetune.BEST_CKPT, finetune.LAST_CKPT):  # the number used, not the 0 asked for
+        assert load_checkpoint(str(tmp_path / 'a' / name))['config']['learning_rate'] == res['learning_rate']
+    last = load_checkpoint(str(tmp_path / 'a' / finetune.LAST_CKPT))
+    assert {g['lr'] for g in last['optimizer']['param_groups']} == {res['learning_rate']}  # what the steps used
+    # a fine-tune given its own rate, resumed with learning_rate=0, goes on at that rate (not the width's)
+    finetune.finetune(config(out_dir=str(tmp_path / 'b'), epochs=1, **dict(common, learning_rate=2e-3)), SINGLE)
+    capsys.readouterr()
+    res = finetune.finetune(config(out_dir=str(tmp_path / 'b'), epochs=2, **dict(common, init_from='resume',
+                                                                                  learning_rate=0.0)), SINGLE)
+    assert "learning rate 0.002 (the resumed fine-tune's)" in capsys.readouterr().out
+    assert res['learning_rate'] == 2e-3 and res['steps'] == 4
+    assert load_checkpoint(str(tmp_path / 'b' / finetune.LAST_CKPT))['config']['learning_rate'] == 2e-3
+
+
+def test_demo_spelling_task_changes_only_the_spelling():
+    """ scripts/finetune_demo.py's 'scrambled' class: the same letters in each word, only their inside order moved. """
+    demo = runpy.run_path(os.path.join(REPO, 'scripts', 'finetune_demo.py'))
+    line = "Hereafter, the rest is silence; Antonio's wit"
+    out = demo['scrambled'](line, random.Random(0))
+    assert out != line and len(out) == len(line)
+    for a, b in zip(line.split(' '), out.split(' ')):
+        assert sorted(a) == sorted(b) and (a[0], a[-1]) == (b[0], b[-1])  # case and punctuation stay put
+        if sum(c.isalpha() for c in a) < 4:
+            assert a == b  # "the", "is": nothing to shuffle
+    assert demo['scrambled']("seen a bee", random.Random(0)) == "seen a bee"  # no other order: the caller skips it
+
+
+# -----------------------------------------------------------------------------
 # the shipped fine-tuning configs: every setting they assign is one their script knows
 
 @pytest.mark.parametrize('name,script', [('finetune_classification.py', 'finetune'),
