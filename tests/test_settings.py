@@ -60,10 +60,11 @@ def test_help_lists_every_setting_with_default_and_help(name):
 
 def test_shared_settings_are_declared_once():
     # the settings several scripts share are the same Setting (one help, one type), whatever default a script gives
-    for key in ('out_dir', 'seed', 'dtype', 'device', 'init_from', 'compile', 'batch_size', 'learning_rate'):
+    # (finetune.py's learning_rate and block_size are settings of their own: 0 = the model's, scaled / kept)
+    for key in ('out_dir', 'seed', 'dtype', 'device', 'init_from', 'compile', 'batch_size', 'weight_decay'):
         declared = {SCRIPTS[n].DEFAULTS.specs[key].help for n in SCRIPTS if key in SCRIPTS[n].DEFAULTS}
         assert len(declared) == 1, (key, declared)
-    assert finetune.DEFAULTS['learning_rate'] == 6.25e-5 and train.DEFAULTS['learning_rate'] == 6e-4
+    assert finetune.DEFAULTS['weight_decay'] == 0.01 and train.DEFAULTS['weight_decay'] == 0.1
     assert sample.DEFAULTS['init_from'] == 'resume' and train.DEFAULTS['init_from'] == 'scratch'
 
 
