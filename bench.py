@@ -37,7 +37,7 @@ from nanogpt_plus.dataloader import TokenWindowLoader, split_files
 from nanogpt_plus.dataset import find_dataset
 from nanogpt_plus.device import compute_setup, device_type_of, resolve_device
 from nanogpt_plus.hardware import cpu_peak
-from nanogpt_plus.optimizer import make_grad_scaler, optimizer_step
+from nanogpt_plus.optimizer import make_grad_scaler, make_optimizer, optimizer_step
 from nanogpt_plus.parallel import wrap_model
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.settings import ADAMW, BENCH, DATA, MODEL, SYSTEM, Schema, check_model_shape, subset
@@ -47,7 +47,8 @@ from nanogpt_plus.threads import describe_thread_choice, tune_cpu_threads
 # train.py's settings for the data, model and step (declared in nanogpt_plus/settings.py), plus what to measure
 DEFAULTS = Schema(
     subset(DATA, 'dataset', 'data_order', 'batch_size', 'block_size'), MODEL,
-    subset(ADAMW, 'learning_rate', 'weight_decay', 'grad_clip'),
+    subset(ADAMW, 'learning_rate', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'optimizer', 'muon_lr',
+           'muon_momentum', 'muon_weight_decay'),
     subset(SYSTEM, 'device', 'dtype', 'compile', 'activation_checkpointing', 'num_threads', 'seed'), BENCH,
     learning_rate=1e-4, weight_decay=1e-2)
 # -----------------------------------------------------------------------------
@@ -110,13 +111,16 @@ def main(argv=None):
         threads, timings = tune_cpu_threads(model, X, Y, ctx)
         if timings:
             print(describe_thread_choice(threads, timings))
-    optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], (0.9, 0.95), device_type,
-                                           fused=cfg['fused'])
+    if cfg['optimizer'] == 'adamw':
+        optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
+                                               (cfg['beta1'], cfg['beta2']), device_type, fused=cfg['fused'])
+    else:
+        optimizer = make_optimizer(model, cfg, device_type)  # Muon's Newton-Schulz steps are no model FLOPs
     scaler = make_grad_scaler(device_type, dtype)
     raw_model = model
     model = wrap_model(model, None, compile_model)
     print("provenance: " + str(dict(provenance(device), dtype=dtype, compile=compile_model,
-                                    gelu=raw_model.config.gelu)))
+                                    gelu=raw_model.config.gelu, **raw_model.config.modern())))
     step = functools.partial(train_step, model, optimizer, scaler, ctx, next_batch, cfg['grad_clip'])
 
     if cfg['profile']:

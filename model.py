@@ -1,7 +1,8 @@
 """
 GPT-2 as one PyTorch module, meant to be read top to bottom: token and position embeddings, n_layer
 pre-norm Transformer blocks (causal self-attention, then a 4x wide GELU MLP), a final LayerNorm, and an
-output head that is the token embedding matrix again.
+output head that is the token embedding matrix again. GPTConfig's modern options (rotary positions, RMSNorm,
+QK-norm, ReLU^2, a logit soft cap, an untied head; all off by default) each change a few lines where they act.
 
 Parameters carry GPT-2's own names (wte, wpe, h.<i>.ln_1, attn.c_attn, mlp.c_fc, ln_f, ...), so OpenAI's
 released weights load through a name-for-name table (hf_key_map, at the end of this file), and nanoGPT's
@@ -50,6 +51,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
+        self.qk_norm = config.qk_norm  # RMS-normalise each head's queries and keys (no gains): bounded scores
         # True: F.scaled_dot_product_attention, which runs a fused kernel where the device has one.
         # False: the same softmax(q k^T / sqrt(hs)) v written out below, the readable reference.
         # GPT.set_attention switches; tests/test_model.py checks that both give the same results.
@@ -70,7 +72,7 @@ class CausalSelfAttention(nn.Module):
         mask = torch.tril(torch.ones(block_size, block_size, dtype=torch.bool, device=device))
         self.bias = mask.view(1, 1, block_size, block_size)
 
-    def forward(self, x, kv_cache=None):
+    def forward(self, x, kv_cache=None, rope=None):
         B, T, C = x.size()  # batch, new tokens, n_embd
         hs = C // self.n_head  # head size
 
@@ -79,6 +81,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)
+        if self.qk_norm:
+            q, k = F.rms_norm(q, (hs,), eps=1e-5), F.rms_norm(k, (hs,), eps=1e-5)
+        if rope is not None:  # rotary positions: turn q and k by angles of their positions (cached k already are)
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
 
         # with a KV cache, the T new tokens sit at positions pos..pos+T-1 and attend to everything
         # cached before them as well: k, v become (B, nh, pos+T, hs)
@@ -112,8 +118,28 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+def rotary_tables(block_size, head_size, base=10000.0, device=None):
+    """
+    Rotary position embedding (RoPE, Su et al., arXiv:2104.09864): the cos and sin, (block_size, head_size/2),
+    of the angle pos * base^(-2i/head_size) by which pair i of a query or key at position pos is turned.
+    """
+    inv_freq = base ** (-torch.arange(0, head_size, 2, dtype=torch.float32, device=device) / head_size)
+    angles = torch.outer(torch.arange(block_size, dtype=torch.float32, device=device), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """
+    Turn x (B, nh, T, hs) position by position: the pairs are (x[..., i], x[..., i + hs/2]) (the half-split
+    layout of GPT-NeoX and Llama), each turned by its angle. q.k then depends on the positions' difference only.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (T, hs/2) float32 tables; keep autocast's bf16 in bf16
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
 class MLP(nn.Module):
-    """ Position-wise feed-forward layer: C -> 4C, GELU, 4C -> C. """
+    """ Position-wise feed-forward layer: C -> 4C, GELU (or ReLU squared), 4C -> C. """
 
     def __init__(self, config):
         super().__init__()
@@ -121,15 +147,27 @@ class MLP(nn.Module):
         # GPT-2's released weights were trained with the tanh approximation of GELU ('gelu_new' in
         # transformers); nanoGPT uses the exact erf form. GPTConfig.gelu picks one.
         self.gelu = nn.GELU(approximate=config.gelu)
+        # mlp_act='relu2': relu(x)^2 (So et al., Primer, arXiv:2109.08668), cheaper than GELU and sparse
+        self.relu2 = config.mlp_act == 'relu2'
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
         x = self.c_fc(x)
-        x = self.gelu(x)
+        x = F.relu(x).square() if self.relu2 else self.gelu(x)
         x = self.c_proj(x)
         x = self.dropout(x)
         return x
+
+
+def make_norm(config):
+    """
+    nn.LayerNorm: eps=1e-5 as in GPT-2; bias=False (PyTorch >= 2.1) leaves out the bias parameter.
+    norm='rmsnorm': nn.RMSNorm (Zhang & Sennrich, arXiv:1910.07467), x / rms(x) * weight: no mean, no bias.
+    """
+    if config.norm == 'rmsnorm':
+        return nn.RMSNorm(config.n_embd, eps=1e-5)
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
 
 
 class Block(nn.Module):
@@ -137,14 +175,13 @@ class Block(nn.Module):
 
     def __init__(self, config, layer_idx=0):
         super().__init__()
-        # nn.LayerNorm: eps=1e-5 as in GPT-2; bias=False (PyTorch >= 2.1) leaves out the bias parameter
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config, layer_idx)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None):
-        x = x + self.attn(self.ln_1(x), kv_cache=kv_cache)
+    def forward(self, x, kv_cache=None, rope=None):
+        x = x + self.attn(self.ln_1(x), kv_cache=kv_cache, rope=rope)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -161,15 +198,46 @@ class GPTConfig:
     # 'none' = exact GELU (nanoGPT), 'tanh' = GPT-2's original approximation. Not part of nanoGPT's
     # model_args; checkpoints keep it under their own key (see model_extra_args below).
     gelu: str = 'none'
+    # the modern options (modded-nanogpt's speedrun, Llama): the defaults are GPT-2 (see MODERN below)
+    pos: str = 'learned'  # 'learned' = GPT-2's wpe table; 'rope' = rotary positions on q and k, no wpe
+    norm: str = 'layernorm'  # or 'rmsnorm'
+    qk_norm: bool = False  # True: RMS-normalise queries and keys per head before the scores
+    mlp_act: str = 'gelu'  # or 'relu2': relu(x)^2
+    logit_softcap: float = 0.0  # C > 0: logits = C * tanh(logits / C), bounded to (-C, C); 0 = off
+    tie_embeddings: bool = True  # False: lm_head is a matrix of its own, not wte
+
+    def __post_init__(self):
+        for name, allowed in MODERN_CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.pos == 'rope' and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"pos='rope' needs an even head size, got n_embd / n_head = {self.n_embd // self.n_head}")
+        if self.logit_softcap < 0:
+            raise ValueError(f"GPTConfig.logit_softcap must be 0 (off) or positive, got {self.logit_softcap}")
+
+    def modern(self):
+        """ The options set away from GPT-2's, {name: value}: what GPT-2's and nanoGPT's formats can't hold. """
+        return {k: getattr(self, k) for k, default in MODERN.items() if getattr(self, k) != default}
 
     def model_args(self):
-        """ The nanoGPT-compatible dict a checkpoint stores under 'model_args'. """
-        return {k: getattr(self, k) for k in NANOGPT_MODEL_ARGS}
+        """
+        The dict a checkpoint stores under 'model_args': nanoGPT's keys, so that nanoGPT's sample.py builds the
+        model, plus every modern option that is on, so that it refuses a model it would compute wrongly
+        (its GPTConfig raises "unexpected keyword argument 'pos'") instead of loading part of it.
+        """
+        return {**{k: getattr(self, k) for k in NANOGPT_MODEL_ARGS}, **self.modern()}
 
     def model_extra_args(self):
         """ Settings beyond nanoGPT's; stored under 'model_extra_args' in a checkpoint. """
         names = [f.name for f in fields(self) if f.name not in NANOGPT_MODEL_ARGS]
         return {k: getattr(self, k) for k in names}
+
+
+# GPTConfig's modern options and their GPT-2 values; the ones with a choice of names, and those names
+MODERN = {'pos': 'learned', 'norm': 'layernorm', 'qk_norm': False, 'mlp_act': 'gelu', 'logit_softcap': 0.0,
+          'tie_embeddings': True}
+MODERN_CHOICES = {'gelu': ('none', 'tanh'), 'pos': ('learned', 'rope'), 'norm': ('layernorm', 'rmsnorm'),
+                  'mlp_act': ('gelu', 'relu2')}
 
 
 class GPT(nn.Module):
@@ -178,21 +246,26 @@ class GPT(nn.Module):
         super().__init__()
         if config.vocab_size is None or config.block_size is None:
             raise ValueError("GPTConfig needs a vocab_size and a block_size")
-        if config.gelu not in ('none', 'tanh'):
-            raise ValueError(f"GPTConfig.gelu must be 'none' or 'tanh', got {config.gelu!r}")
         self.config = config
 
+        layers = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))  # token embeddings (and the output head)
+        if config.pos == 'learned':
+            layers['wpe'] = nn.Embedding(config.block_size, config.n_embd)  # learned absolute position embeddings
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),  # token embeddings (and the output head)
-            wpe=nn.Embedding(config.block_size, config.n_embd),  # learned absolute position embeddings
+            **layers,
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            ln_f=make_norm(config),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # weight tying, as in GPT-2 (Press & Wolf, arXiv:1608.05859): the head and the token embedding are one
-        # Parameter, so parameters() and the optimizer see it once; state_dict lists it under both names
-        self.transformer.wte.weight = self.lm_head.weight
+        if config.tie_embeddings:
+            # weight tying, as in GPT-2 (Press & Wolf, arXiv:1608.05859): the head and the token embedding are one
+            # Parameter, so parameters() and the optimizer see it once; state_dict lists it under both names
+            self.transformer.wte.weight = self.lm_head.weight
+        # pos='rope': the rotary cos/sin tables, like the masks rebuilt from block_size, never saved
+        self.register_buffer('rope_cos', None, persistent=False)
+        self.register_buffer('rope_sin', None, persistent=False)
+        self.reset_rotary()
         self.init_weights()
         self.activation_checkpointing = False  # recompute the Blocks in the backward pass: set_activation_checkpointing
 
@@ -223,16 +296,41 @@ class GPT(nn.Module):
     def get_num_params(self, non_embedding=True):
         """
         The number of parameter values, the tied wte/lm_head matrix counted once. non_embedding=True (the
-        default: the figure printed at start-up and used for MFU) leaves out the position table wpe, which
-        is only looked up; wte stays in, because as lm_head it is multiplied with every position.
+        default: the figure printed at start-up and used for MFU) leaves out the tables that are only looked
+        up: the position table wpe, and wte when the head is a matrix of its own (tied, wte stays in, because
+        as lm_head it is multiplied with every position).
         """
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        if non_embedding:
+            if 'wpe' in self.transformer:
+                n -= self.transformer.wpe.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.transformer.wte.weight.numel()
+        return n
+
+    def reset_rotary(self, device=None):
+        """ pos='rope': (re)build the cos/sin tables for block_size positions, on `device` (default: where they are). """
+        if self.config.pos != 'rope':
+            return
+        if device is None and self.rope_cos is not None:
+            device = self.rope_cos.device
+        self.rope_cos, self.rope_sin = rotary_tables(self.config.block_size, self.config.n_embd // self.config.n_head,
+                                                     device=device)
+
+    def rotary(self, pos0, t):
+        """ The (cos, sin) rows of positions pos0..pos0+t-1 for the attention layers; None without rope. """
+        if self.rope_cos is None:
+            return None
+        return self.rope_cos[pos0:pos0 + t], self.rope_sin[pos0:pos0 + t]
 
     def init_buffers(self, device=None):
-        """ Rebuild every Block's causal mask (non-persistent, so no state dict restores it) for the current block_size. """
+        """
+        Rebuild every Block's causal mask and the rotary tables (non-persistent, so no state dict restores them)
+        for the current block_size.
+        """
         for block in self.transformer.h:
             block.attn.reset_mask(self.config.block_size, device)
+        self.reset_rotary(device)
 
     def set_attention(self, path):
         """ Select the attention implementation: 'flash' (scaled_dot_product_attention) or 'manual'. """
@@ -257,23 +355,26 @@ class GPT(nn.Module):
         if pos0 + t > self.config.block_size:
             raise ValueError(f"Cannot forward sequence of length {pos0 + t}, "
                              f"block size is only {self.config.block_size}")
-        pos = torch.arange(pos0, pos0 + t, dtype=torch.long, device=idx.device)  # (T,)
-        tok_emb = self.transformer.wte(idx)  # (B, T, C)
-        pos_emb = self.transformer.wpe(pos)  # (T, C), the same for every row of the batch
-        return self.transformer.drop(tok_emb + pos_emb)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        if 'wpe' in self.transformer:  # rotary positions act in the attention instead
+            pos = torch.arange(pos0, pos0 + t, dtype=torch.long, device=idx.device)  # (T,)
+            x = x + self.transformer.wpe(pos)  # (T, C), the same for every row of the batch
+        return self.transformer.drop(x)
 
     def hidden_states(self, idx, kv_cache=None):
         """ The final (post ln_f) hidden states, (B, T, n_embd), for the tokens idx (B, T). """
         t = idx.size(1)
-        x = self.embed(idx, pos0=kv_cache.pos if kv_cache is not None else 0)
+        pos0 = kv_cache.pos if kv_cache is not None else 0
+        x = self.embed(idx, pos0)
+        rope = self.rotary(pos0, t)
         # only a training forward that will run backward needs the recomputation (never with a KV cache)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and kv_cache is None
         for block in self.transformer.h:
             if recompute:
                 # use_reentrant=False: the variant PyTorch recommends; works with DDP, FSDP2 and torch.compile
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, None, rope, use_reentrant=False)
             else:
-                x = block(x, kv_cache=kv_cache)
+                x = block(x, kv_cache=kv_cache, rope=rope)
         if kv_cache is not None:
             kv_cache.advance(t)  # every layer has written its keys/values for these t positions
         return self.transformer.ln_f(x)
@@ -287,13 +388,21 @@ class GPT(nn.Module):
         x = self.hidden_states(idx, kv_cache=kv_cache)
         if targets is None and not all_positions:
             # indexing with the list [-1] keeps the time dimension; lm_head runs for one position only
-            return self.lm_head(x[:, [-1], :]), None
-        logits = self.lm_head(x)
+            return self.head(x[:, [-1], :]), None
+        logits = self.head(x)
         if targets is None:
             return logits, None
         # reshape, not view: targets may be a non-contiguous slice such as idx[:, 1:]
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def head(self, x):
+        """ Hidden states (..., n_embd) -> logits (..., vocab_size): lm_head, then the soft cap if there is one. """
+        logits = self.lm_head(x)
+        cap = self.config.logit_softcap
+        if cap:  # Gemma 2's soft cap: near x for small logits, never beyond +-cap, so no logit runs away
+            logits = cap * torch.tanh(logits / cap)
+        return logits
 
     def crop_block_size(self, block_size):
         """
@@ -303,26 +412,34 @@ class GPT(nn.Module):
         """
         if block_size > self.config.block_size:
             raise ValueError(f"can only crop the block size down: {block_size} > {self.config.block_size}")
-        wpe = self.transformer.wpe
-        wpe.weight = nn.Parameter(wpe.weight[:block_size])
-        wpe.num_embeddings = self.config.block_size = block_size
+        if 'wpe' in self.transformer:
+            wpe = self.transformer.wpe
+            wpe.weight = nn.Parameter(wpe.weight[:block_size])
+            wpe.num_embeddings = block_size
+        self.config.block_size = block_size
         for block in self.transformer.h:
             block.attn.bias = block.attn.bias[:, :, :block_size, :block_size]
+        if self.rope_cos is not None:
+            self.rope_cos, self.rope_sin = self.rope_cos[:block_size], self.rope_sin[:block_size]
 
     def resize_token_embeddings(self, vocab_size):
         """
-        Grow the (tied) token embedding table to vocab_size rows, e.g. to add GPT-1's Start / Delim /
-        Extract tokens for fine-tuning. Existing rows are kept; new rows get the usual N(0, 0.02) init.
+        Grow the token embedding table (and the head: the same matrix when tied) to vocab_size rows, e.g. to add
+        GPT-1's Start / Delim / Extract tokens for fine-tuning. Existing rows are kept; new rows get the usual
+        N(0, 0.02) init.
         """
-        old = self.transformer.wte.weight
-        if vocab_size < old.size(0):
-            raise ValueError(f"can only grow the vocabulary: {vocab_size} < {old.size(0)}")
-        new = torch.empty(vocab_size, old.size(1), dtype=old.dtype, device=old.device)
-        with torch.no_grad():
-            new[:old.size(0)] = old
-            torch.nn.init.normal_(new[old.size(0):], mean=0.0, std=0.02)
-        self.lm_head.weight = nn.Parameter(new)
-        self.transformer.wte.weight = self.lm_head.weight  # keep the tie
+        def grown(old):
+            if vocab_size < old.size(0):
+                raise ValueError(f"can only grow the vocabulary: {vocab_size} < {old.size(0)}")
+            new = torch.empty(vocab_size, old.size(1), dtype=old.dtype, device=old.device)
+            with torch.no_grad():
+                new[:old.size(0)] = old
+                torch.nn.init.normal_(new[old.size(0):], mean=0.0, std=0.02)
+            return nn.Parameter(new)
+
+        untied = not self.config.tie_embeddings
+        self.lm_head.weight = grown(self.lm_head.weight)
+        self.transformer.wte.weight = grown(self.transformer.wte.weight) if untied else self.lm_head.weight
         self.transformer.wte.num_embeddings = vocab_size
         self.lm_head.out_features = vocab_size
         self.config.vocab_size = vocab_size
@@ -450,6 +567,10 @@ _HF_CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'ml
 
 def hf_key_map(config):
     """ [(our state_dict key, HF GPT2LMHeadModel state_dict key, transpose?)] for every tensor we own. """
+    if config.modern():  # GPT-2's layout has no place for them (no rotary, no RMSNorm, a tied head, ...)
+        name, value = next(iter(config.modern().items()))
+        raise ValueError(f"a model with {name}={value!r} has no GPT-2 (Hugging Face) form: GPT-2 has "
+                         f"{name}={MODERN[name]!r}")
     rows = [('transformer.wte.weight', 'transformer.wte.weight', False),
             ('transformer.wpe.weight', 'transformer.wpe.weight', False)]
     for i in range(config.n_layer):

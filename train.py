@@ -52,8 +52,8 @@ from nanogpt_plus.distributed import accumulation_per_rank, every_rank, fail_eve
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
 from nanogpt_plus.evaluation import estimate_loss
 from nanogpt_plus.metrics import MetricsLogger
-from nanogpt_plus.optimizer import (make_grad_scaler, read_step, set_learning_rate, skip_update, take_update,
-                                    unscale_and_clip)
+from nanogpt_plus.optimizer import (make_grad_scaler, make_optimizer, read_step, set_learning_rate, skip_update,
+                                    take_update, unscale_and_clip)
 from nanogpt_plus.outdir import claim_out_dir
 from nanogpt_plus.parallel import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.periodic import PeriodicTasks
@@ -135,6 +135,9 @@ def check_settings(cfg):
     if cfg['decay_lr'] and cfg['min_lr'] > cfg['learning_rate']:  # the "decay" would raise the rate
         raise UserError(f"min_lr ({cfg['min_lr']}) is above learning_rate ({cfg['learning_rate']}), so the decay "
                         f"would raise the learning rate; set --min_lr to at most learning_rate (about 1/10 of it)")
+    if cfg['optimizer'] == 'muon' and cfg['parallelism'] == 'fsdp':
+        raise UserError("optimizer='muon' orthogonalises whole matrices, which FSDP splits over the ranks; use "
+                        "--parallelism=ddp with Muon, or --optimizer=adamw with FSDP")
     if cfg['resume_from'] and cfg['init_from'] != 'resume':
         raise UserError(f"--resume_from={cfg['resume_from']} goes back to a snapshot of the run in out_dir: it "
                         f"needs --init_from=resume")
@@ -167,7 +170,8 @@ def iteration(run, state, exit_request):
     build = functools.partial(checkpoint, run, state)  # what a save at this iteration holds (Checkpointer.write)
     # determine and set the learning rate for this iteration
     lr = set_learning_rate(run.optimizer, state.iter_num, cfg['learning_rate'], cfg['warmup_iters'],
-                           cfg['lr_decay_iters'], cfg['min_lr'], cfg['decay_lr'])
+                           cfg['lr_decay_iters'], cfg['min_lr'], cfg['decay_lr'], cfg['lr_schedule'],
+                           cfg['cooldown_frac'])
     # HellaSwag and a sample when due, then the train/val loss, after which the checkpointer may save. A signal
     # ends a long pass between its batches (poll: every rank agrees), and the run stops here, saving this state
     poll = functools.partial(exit_request.should_stop, dist_info)
@@ -317,8 +321,7 @@ def prepare_training(cfg, dist_info, raw_model, dtype, ctx, compile_model, tunin
     if fsdp and dist_info.master:
         print(f"fsdp: this rank holds {local_param_count(raw_model):,} of "
               f"{raw_model.get_num_params(non_embedding=False):,} parameters")
-    optimizer = raw_model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
-                                               (cfg['beta1'], cfg['beta2']), device_type)
+    optimizer = make_optimizer(raw_model, cfg, device_type)
     return model, optimizer, scaler, thread_retuner
 
 

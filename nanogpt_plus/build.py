@@ -13,7 +13,7 @@ Usage:
 import torch
 from torch.overrides import TorchFunctionMode
 
-from model import GPT, GPTConfig
+from model import GPT, MODERN, GPTConfig
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.pretrained import hf_config, hf_config_and_weights
 
@@ -91,14 +91,15 @@ def loaded_model(config, state_dict, misfit, source='the checkpoint'):
         model = meta_model(config)
     except ValueError as e:  # e.g. n_embd not divisible by n_head
         raise UserError(f"{misfit} ({e})") from None
-    copies = fp32_copies(one_head(state_dict, misfit), source)
+    copies = fp32_copies(one_head(state_dict, misfit) if config.tie_embeddings else state_dict, source)
     try:
         model.load_state_dict(copies, assign=True)
     except RuntimeError as e:
         raise UserError(f"{misfit} ({_misfit_detail(e)})") from None
-    # assign=True gave wte and lm_head a Parameter each (one tensor, one_head made sure): tie them again
-    model.transformer.wte.weight = model.lm_head.weight
-    model.init_buffers('cpu')  # the causal masks are no state_dict entries: built here for block_size
+    if config.tie_embeddings:
+        # assign=True gave wte and lm_head a Parameter each (one tensor, one_head made sure): tie them again
+        model.transformer.wte.weight = model.lm_head.weight
+    model.init_buffers('cpu')  # the causal masks (and rotary tables) are no state_dict entries: built for block_size
     print("number of parameters: %.2fM" % (model.get_num_params() / 1e6,))  # GPT() on meta stays quiet
     return model
 
@@ -171,7 +172,8 @@ def scratch_model(model_settings, data_meta, data_dir, on_meta=False):
     """ A new random GPT from the model settings, its vocab_size from the dataset's meta (model_vocab_size). """
     print("Initializing a new model from scratch")
     vocab_size = model_vocab_size(data_meta, data_dir)
-    args = {k: model_settings[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'gelu')}
+    names = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'gelu') + tuple(MODERN)
+    args = {k: model_settings[k] for k in names if k in model_settings}
     try:
         config = GPTConfig(vocab_size=vocab_size, **args)
         return meta_model(config) if on_meta else GPT(config)

@@ -21,7 +21,7 @@ import zipfile
 
 import torch
 
-from model import GPT2_NAMES, GPTConfig
+from model import GPT2_NAMES, MODERN, GPTConfig
 from nanogpt_plus.build import fit_block_size, loaded_model, meta_model, pretrained_model, scratch_model
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_write, load_error
@@ -281,7 +281,7 @@ def describe_source(init_from, out_dir='out', resume_file='ckpt.pt'):
 # resuming: the rules a run that continues from its own checkpoint keeps (train.py and finetune.py alike)
 
 # the settings that shape the model: a resumed run has the checkpoint's, whatever the defaults say
-ARCHITECTURE = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'gelu')
+ARCHITECTURE = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'gelu') + tuple(MODERN)
 # what a train.py checkpoint must hold to be resumed (finetune.py's and weights-only files lack the training state)
 RESUME_KEYS = ('model', 'model_args', 'optimizer', 'iter_num', 'best_val_loss', 'config')
 
@@ -306,6 +306,20 @@ def adopt_architecture(cfg, ckpt, path, keep_zero=()):
         cfg[key] = getattr(saved, key)
 
 
+def adopt_optimizer(cfg, ckpt, path):
+    """
+    A resumed run continues its optimizer's state, so it keeps its optimizer: one given that differs is refused,
+    one not given is the checkpoint's (a checkpoint from before the setting existed was trained with AdamW).
+    """
+    if 'optimizer' not in cfg:
+        return
+    saved = (ckpt.get('config') or {}).get('optimizer', 'adamw')
+    if 'optimizer' in getattr(cfg, 'given', cfg.keys()) and cfg['optimizer'] != saved:
+        raise UserError(f"--optimizer={cfg['optimizer']} but the run in {path} was trained with optimizer={saved}, "
+                        f"whose state it continues; drop --optimizer, or start a new run in another --out_dir")
+    cfg['optimizer'] = saved
+
+
 def adopt_resumed_run(cfg, path):
     """
     train.py's --init_from=resume, before any work (its block_size is used before the model is built): the
@@ -323,6 +337,7 @@ def adopt_resumed_run(cfg, path):
                         f"weights-only file?); to train on its weights from iter 0 use --init_from={path} with "
                         f"another --out_dir")
     adopt_architecture(cfg, ckpt, path)
+    adopt_optimizer(cfg, ckpt, path)
     # the loop trains iteration max_iters too and then stops, so the final checkpoint of a finished run has
     # iter_num = max_iters + 1; one at iter_num == max_iters still has that last step to run
     if int(ckpt['iter_num']) > cfg['max_iters']:

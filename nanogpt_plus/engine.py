@@ -119,16 +119,17 @@ def last_position_logits(model, idx):
     if idx.size(1) < 2:
         return model(idx)[0]
     *lower_blocks, last_block = model.transformer.h
+    T = idx.size(1)
     x = model.embed(idx)
     for block in lower_blocks:
-        x = block(x)
+        x = block(x, rope=model.rotary(0, T))
     # the last block: keys/values of positions 0..T-2 (through its attention only), then the last
     # position through the whole block, attending to all of them
     prefix = _PrefixKV()
-    last_block.attn(last_block.ln_1(x[:, :-1]), kv_cache=prefix)
-    prefix.advance(idx.size(1) - 1)
-    x = last_block(x[:, -1:], kv_cache=prefix)
-    return model.lm_head(model.transformer.ln_f(x))
+    last_block.attn(last_block.ln_1(x[:, :-1]), kv_cache=prefix, rope=model.rotary(0, T - 1))
+    prefix.advance(T - 1)
+    x = last_block(x[:, -1:], kv_cache=prefix, rope=model.rotary(T - 1, 1))
+    return model.head(model.transformer.ln_f(x))
 
 
 class _PrefixKV:

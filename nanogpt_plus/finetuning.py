@@ -375,7 +375,7 @@ class FinetuneModel(nn.Module):
             logits = self.head(feats)
         lm_loss_sum = None
         if lm_targets is not None:
-            lm_logits = self.gpt.lm_head(h)
+            lm_logits = self.gpt.head(h)
             lm_loss_sum = F.cross_entropy(lm_logits.view(-1, lm_logits.size(-1)).float(), lm_targets.view(-1),
                                           ignore_index=-1, reduction='sum')
         return logits.float(), lm_loss_sum

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from model import EXPORT_ACTIVATIONS, hf_key_map
+from model import EXPORT_ACTIVATIONS, MODERN, hf_key_map
 from nanogpt_plus.checkpoint import HF_TOKENIZER_META
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write
@@ -215,6 +215,13 @@ def check_export_weights(weights):
         raise UserError(f"weights must be 'float32' or 'bfloat16' for a Hugging Face export, got {weights!r}")
 
 
+def check_gpt2_form(config, source):
+    """ Hugging Face's GPT2LMHeadModel computes GPT-2 only: a model with a modern option on is refused, naming it. """
+    for name, value in config.modern().items():
+        raise UserError(f"{source} has {name}={value!r}, which a Hugging Face GPT-2 can't hold (GPT-2 has "
+                        f"{name}={MODERN[name]!r}); only models trained with GPT-2's architecture export")
+
+
 def export(model, tokenizer_meta, hf_dir, source='', weights='float32'):
     """
     Write model (a GPT) and its tokenizer (a description dict: {'kind': 'gpt2'}, a character vocabulary or a
@@ -222,6 +229,7 @@ def export(model, tokenizer_meta, hf_dir, source='', weights='float32'):
     goes into the README. weights: the dtype of the stored tensors, 'float32' or 'bfloat16'. Returns hf_dir.
     """
     check_export_weights(weights)
+    check_gpt2_form(model.config, source or 'the checkpoint')
     tok = load_tokenizer(tokenizer_meta)  # an unknown kind is refused here, in one line
     check_tokenizer_fits(model.config, tokenizer_meta, source or 'the checkpoint')
     try:

@@ -1,15 +1,18 @@
 """
-The optimizer side of a training step, shared by train.py and finetune.py: the learning-rate schedule (and
-setting it on the optimizer), the GradScaler, and the step itself in two halves (unscale and clip, then take
-or skip the update), so that the spike guard can refuse an update in between.
+The optimizer side of a training step, shared by train.py and finetune.py: the optimizer itself (AdamW, or
+Muon with AdamW), the learning-rate schedule (and setting it on the optimizer), the GradScaler, and the step
+itself in two halves (unscale and clip, then take or skip the update), so that the spike guard can refuse an
+update in between.
 
 Usage:
-    from nanogpt_plus.optimizer import set_learning_rate, unscale_and_clip, take_update
+    from nanogpt_plus.optimizer import make_optimizer, set_learning_rate, unscale_and_clip, take_update
+    optimizer = make_optimizer(model, cfg, 'cpu')    # AdamW, or Muon + AdamW (optimizer='muon')
     lr = set_learning_rate(optimizer, iter_num, 6e-4, 2000, 600000, 6e-5)
     grad_norm = unscale_and_clip(model, optimizer, scaler, grad_clip=1.0)
     take_update(optimizer, scaler)
 """
 
+import contextlib
 import math
 
 import torch
@@ -17,26 +20,148 @@ import torch
 from nanogpt_plus.distributed import all_reduce_mean
 
 
-def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
+def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr, schedule='cosine', cooldown_frac=0.2):
     """
-    The learning rate of iteration `it`, nanoGPT's schedule: a linear ramp up to learning_rate over
-    warmup_iters, a half cosine from learning_rate down to min_lr that ends at lr_decay_iters, then min_lr.
+    The learning rate of iteration `it`: a linear ramp up to learning_rate over warmup_iters, then
+      - 'cosine' (nanoGPT's): a half cosine from learning_rate down to min_lr that ends at lr_decay_iters;
+      - 'wsd' (warmup-stable-decay, arXiv:2404.06395): learning_rate until the last cooldown_frac of
+        lr_decay_iters, then a straight line down to min_lr at lr_decay_iters;
+    and min_lr after lr_decay_iters.
     """
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)  # never 0, so iteration 0 already learns
     if it > lr_decay_iters or lr_decay_iters <= warmup_iters:  # past the decay, or no decay phase at all
         return min_lr
+    if schedule == 'wsd':
+        cooldown_start = max(warmup_iters, lr_decay_iters - cooldown_frac * lr_decay_iters)
+        if it < cooldown_start:
+            return learning_rate
+        progress = (it - cooldown_start) / max(lr_decay_iters - cooldown_start, 1)  # 0 -> 1 over the cooldown
+        return learning_rate + progress * (min_lr - learning_rate)
     progress = (it - warmup_iters) / (lr_decay_iters - warmup_iters)  # 0 after the warmup, 1 at lr_decay_iters
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))  # from 1 down to 0
     return min_lr + cosine * (learning_rate - min_lr)
 
 
-def set_learning_rate(optimizer, it, learning_rate, warmup_iters, lr_decay_iters, min_lr, decay_lr=True):
-    """ Set iteration `it`'s learning rate on every parameter group and return it (no decay_lr: learning_rate). """
-    lr = get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr) if decay_lr else learning_rate
+def set_learning_rate(optimizer, it, learning_rate, warmup_iters, lr_decay_iters, min_lr, decay_lr=True,
+                      schedule='cosine', cooldown_frac=0.2):
+    """
+    Set iteration `it`'s learning rate on every parameter group and return it (no decay_lr: learning_rate). A
+    group with an 'lr_ratio' (Muon's: muon_lr / learning_rate) gets the schedule's rate times that ratio.
+    """
+    if decay_lr:
+        lr = get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr, schedule, cooldown_frac)
+    else:
+        lr = learning_rate
     for group in optimizer.param_groups:
-        group['lr'] = lr
+        group['lr'] = lr * group['lr_ratio'] if 'lr_ratio' in group else lr
     return lr
+
+
+def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
+    """
+    torch.optim.Muon's orthogonalisation (the same quintic Newton-Schulz iteration, the same coefficients and
+    steps) computed in float32 instead of bfloat16. tests/test_modern.py checks it against PyTorch's own.
+    """
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T  # iterate on the wide orientation: its Gram matrix x x^T is the smaller one
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1: inside the iteration's range
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
+    return x.T if tall else x
+
+
+@contextlib.contextmanager
+def float32_newton_schulz(enabled=True):
+    """
+    Within it, torch.optim.Muon orthogonalises in float32 (newton_schulz_float32). PyTorch's Muon casts to
+    bfloat16, which GPUs multiply at full speed but a CPU without AVX-512 BF16 does not: on this project's AMD
+    EPYC (AVX2) the 16 matrices of the laptop Shakespeare model take ~900 ms in bfloat16, ~40 ms in float32.
+    The optimizer (momentum, Nesterov, learning-rate adjustment, weight decay, state) stays PyTorch's.
+    """
+    import torch.optim._muon as muon_impl
+    original = getattr(muon_impl, '_zeropower_via_newtonschulz', None)
+    if not enabled or original is None:  # a PyTorch that has moved it: keep its own
+        yield
+        return
+    muon_impl._zeropower_via_newtonschulz = newton_schulz_float32
+    try:
+        yield
+    finally:
+        muon_impl._zeropower_via_newtonschulz = original
+
+
+def make_optimizer(model, cfg, device_type):
+    """
+    The optimizer of train.py's settings: AdamW over every parameter (model.configure_optimizers), or for
+    optimizer='muon' Muon over the Blocks' 2-D matrices and AdamW over the rest (MuonWithAdamW).
+    """
+    betas = (cfg['beta1'], cfg['beta2'])
+    if cfg.get('optimizer', 'adamw') == 'adamw':
+        return model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], betas, device_type)
+    return MuonWithAdamW(model, cfg['learning_rate'], cfg['weight_decay'], betas, cfg['muon_lr'],
+                         cfg['muon_momentum'], cfg['muon_weight_decay'], device_type)
+
+
+class MuonWithAdamW:
+    """
+    Muon (Jordan et al. 2024; PyTorch's torch.optim.Muon) for the hidden matrices, the 2-D weights inside the
+    Blocks: each update is the momentum of the gradient made orthogonal (its singular values set to ~1) by a
+    few Newton-Schulz steps, so every direction of a matrix learns at the same rate. Muon is for such matrices
+    only; the embeddings, the head and the vectors (gains, biases) keep AdamW, in configure_optimizers' two
+    groups at learning_rate. One object with the optimizer interface the loop, the GradScaler and the
+    checkpoints use (param_groups, step, zero_grad, state_dict, load_state_dict). Its state dict holds both
+    optimizers' ({'muon': ..., 'adamw': ...}), so a resume continues both exactly.
+    """
+
+    def __init__(self, model, learning_rate, weight_decay, betas, muon_lr, momentum, muon_weight_decay, device_type):
+        hidden = [p for n, p in model.named_parameters()
+                  if p.requires_grad and p.dim() == 2 and n.startswith('transformer.h.')]
+        hidden_ids = {id(p) for p in hidden}
+        rest = [p for p in model.parameters() if p.requires_grad and id(p) not in hidden_ids]
+        decay = [p for p in rest if p.dim() >= 2]
+        no_decay = [p for p in rest if p.dim() < 2]
+        print(f"muon: {len(hidden)} matrices with {sum(p.numel() for p in hidden):,} parameters; adamw: "
+              f"{len(rest)} tensors with {sum(p.numel() for p in rest):,} parameters")
+        # lr_ratio: set_learning_rate gives Muon the schedule's rate times muon_lr / learning_rate
+        self.muon = torch.optim.Muon([{'params': hidden, 'lr_ratio': muon_lr / learning_rate}], lr=muon_lr,
+                                     momentum=momentum, weight_decay=muon_weight_decay)
+        kernel = {'fused': True} if device_type in ('cuda', 'cpu') else {}
+        self.adamw = torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay},
+                                        {'params': no_decay, 'weight_decay': 0.0}],
+                                       lr=learning_rate, betas=betas, **kernel)
+        self.optimizers = (self.muon, self.adamw)
+        self.float32_ns = device_type == 'cpu'  # see float32_newton_schulz
+
+    @property
+    def param_groups(self):
+        return self.muon.param_groups + self.adamw.param_groups
+
+    @property
+    def state(self):
+        return {**self.muon.state, **self.adamw.state}
+
+    def step(self, closure=None):
+        with float32_newton_schulz(self.float32_ns):
+            self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none=True):
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return {'muon': self.muon.state_dict(), 'adamw': self.adamw.state_dict()}
+
+    def load_state_dict(self, state_dict):
+        if set(state_dict) != {'muon', 'adamw'}:
+            raise ValueError("not a Muon+AdamW optimizer state (a checkpoint of an optimizer='adamw' run?)")
+        self.muon.load_state_dict(state_dict['muon'])
+        self.adamw.load_state_dict(state_dict['adamw'])
 
 
 def make_grad_scaler(device_type, dtype):

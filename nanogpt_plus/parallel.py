@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from nanogpt_plus.device import PTDTYPE
+from nanogpt_plus.errors import UserError
 
 
 def wrap_model(model, dist_info, compile_model=False, parallelism='ddp', dtype='float32'):
@@ -153,6 +154,14 @@ def load_optimizer_state(optimizer, state_dict):
     copies of the optimizer state are never paged in from disk).
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
+    parts = getattr(optimizer, 'optimizers', None)  # MuonWithAdamW: its two optimizers, each its own state dict
+    if parts is not None and set(state_dict) == {'muon', 'adamw'}:
+        load_optimizer_state(optimizer.muon, state_dict['muon'])
+        load_optimizer_state(optimizer.adamw, state_dict['adamw'])
+        return
+    if parts is not None or 'state' not in state_dict:
+        raise UserError("the checkpoint's optimizer state is not of this run's optimizer setting (adamw vs muon); "
+                        "resume with the optimizer it was trained with")
     params = [p for group in optimizer.param_groups for p in group['params']]
     if any(isinstance(p, DTensor) for p in params):
         import torch.distributed as dist

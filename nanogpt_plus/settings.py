@@ -18,6 +18,7 @@ Usage:
 """
 
 from configurator import Group, Schema, Setting  # noqa: F401  (Schema: what the scripts compose)
+from model import MODERN_CHOICES
 from nanogpt_plus.dataloader import ORDERS
 from nanogpt_plus.engine import MODES
 from nanogpt_plus.errors import UserError
@@ -27,7 +28,9 @@ from nanogpt_plus.weights import WEIGHTS
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 BACKENDS = ('auto', 'nccl', 'gloo')
 ATTENTIONS = ('flash', 'manual')
-GELUS = ('none', 'tanh')
+GELUS = MODERN_CHOICES['gelu']
+OPTIMIZERS = ('adamw', 'muon')
+LR_SCHEDULES = ('cosine', 'wsd')
 
 
 def positive(default, help):
@@ -109,6 +112,15 @@ MODEL = Group(
     gelu=Setting('none', "'none' = exact GELU (nanoGPT), 'tanh' = GPT-2's approximation (new models)",
                  choices=GELUS),
     attention=Setting('flash', "'flash' (scaled_dot_product_attention) or 'manual'", choices=ATTENTIONS),
+    # the modern options (config/train_*_fast.py, *_speedrun.py); the defaults are GPT-2's
+    pos=Setting('learned', "positions: 'learned' (GPT-2's wpe table) or 'rope' (rotary, on queries and keys)",
+                choices=MODERN_CHOICES['pos']),
+    norm=Setting('layernorm', "'layernorm' (GPT-2) or 'rmsnorm'", choices=MODERN_CHOICES['norm']),
+    qk_norm=flag(False, "True: RMS-normalise each head's queries and keys before the attention scores"),
+    mlp_act=Setting('gelu', "the MLP's activation: 'gelu' (see gelu) or 'relu2' (relu(x)^2)",
+                    choices=MODERN_CHOICES['mlp_act']),
+    logit_softcap=Setting(0.0, "C > 0: the logits become C*tanh(logits/C); 0.0 = off", low=0.0),
+    tie_embeddings=flag(True, "True: the output head is the token embedding (GPT-2); False: a matrix of its own"),
 )
 
 ADAMW = Group(
@@ -120,6 +132,12 @@ ADAMW = Group(
     beta1=Setting(0.9, "AdamW's beta1", low=0.0, high=1.0, high_open=True),
     beta2=Setting(0.95, "AdamW's beta2", low=0.0, high=1.0, high_open=True),
     grad_clip=Setting(1.0, "the largest global gradient norm; 0.0 turns clipping off", low=0.0),
+    optimizer=Setting('adamw', "'adamw' (every parameter) or 'muon' (Muon for the Blocks' matrices, AdamW at "
+                               "learning_rate for the rest)", choices=OPTIMIZERS),
+    muon_lr=Setting(0.02, "optimizer='muon': Muon's peak learning rate (the schedule scales it as learning_rate)",
+                    low=0.0, low_open=True),
+    muon_momentum=Setting(0.95, "optimizer='muon': Muon's (Nesterov) momentum", low=0.0, high=1.0, high_open=True),
+    muon_weight_decay=Setting(0.0, "optimizer='muon': Muon's decoupled weight decay (p -= lr * wd * p)", low=0),
 )
 
 SPIKE_GUARD = Group(
@@ -131,7 +149,11 @@ SPIKE_GUARD = Group(
 
 LR_DECAY = Group(
     'learning rate decay',
-    decay_lr=flag(True, "linear warmup, then cosine decay to min_lr; False: learning_rate throughout"),
+    decay_lr=flag(True, "linear warmup, then the lr_schedule's decay to min_lr; False: learning_rate throughout"),
+    lr_schedule=Setting('cosine', "'cosine' (nanoGPT) or 'wsd': warmup, constant, then a linear cooldown to "
+                                  "min_lr over the last cooldown_frac of lr_decay_iters", choices=LR_SCHEDULES),
+    cooldown_frac=Setting(0.2, "lr_schedule='wsd': the fraction of lr_decay_iters spent cooling down", low=0.0,
+                          high=1.0),
     warmup_iters=non_negative(2000, "iterations of the linear warmup"),
     lr_decay_iters=non_negative(600000, "where the cosine ends; Chinchilla puts it at about max_iters"),
     min_lr=Setting(6e-5, "the rate after lr_decay_iters; Chinchilla suggests about learning_rate/10", low=0),
@@ -161,6 +183,10 @@ def check_model_shape(cfg):
     if all(cfg.get(k) for k in ('n_embd', 'n_head')) and cfg['n_embd'] % cfg['n_head']:
         raise UserError(f"n_embd ({cfg['n_embd']}) must be divisible by n_head ({cfg['n_head']}): each head "
                         f"gets n_embd / n_head dimensions; change one of them")
+    head_size = cfg['n_embd'] // cfg['n_head'] if all(cfg.get(k) for k in ('n_embd', 'n_head')) else 0
+    if cfg.get('pos') == 'rope' and head_size % 2:
+        raise UserError(f"pos='rope' turns pairs of each head's {head_size} dimensions, an odd number; choose "
+                        f"n_embd and n_head so that n_embd / n_head is even")
 
 
 # -----------------------------------------------------------------------------

@@ -189,7 +189,7 @@ def set_weights(model, weights, pack=False, vocab_size=None):
         setattr(parent, name, convert_linear(getattr(parent, name), weights, pack))
     rows = vocab_size if vocab_size is not None and vocab_size < model.config.vocab_size else None
     head = convert_linear(model.lm_head, weights, pack, rows)
-    if weights != 'float32':  # the embedding reads the same rounded matrix as the head
+    if weights != 'float32' and model.config.tie_embeddings:  # the embedding reads the head's rounded matrix
         model.transformer.wte = TiedLookup(head)
     model.lm_head = head
     return model
