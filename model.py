@@ -309,7 +309,7 @@ class GPT(nn.Module):
         return n
 
     def reset_rotary(self, device=None):
-        """ pos='rope': (re)build the cos/sin tables for block_size positions, on `device` (default: where they are). """
+        """ pos='rope': (re)build the cos/sin tables for block_size positions on `device` (default: where they are). """
         if self.config.pos != 'rope':
             return
         if device is None and self.rope_cos is not None:

@@ -213,7 +213,7 @@ def init_model(init_from, out_dir='out', dataset=None, model_settings=None, drop
                on_meta=False):
     """
     The one place that turns init_from into (model on the CPU, tokenizer description, checkpoint or None):
-      'scratch'        a new GPT from model_settings (n_layer, n_head, n_embd, block_size, bias, dropout, gelu),
+      'scratch'        a new GPT from model_settings (n_layer, n_head, ..., gelu, and the modern options),
                        with the vocabulary and tokenizer of `dataset` (a dataset.Dataset; GPT-2's when it has
                        no meta, or when dataset is None)
       'resume'         out_dir/resume_file (train.py: ckpt.pt; finetune.py: its ckpt_last.pt)

@@ -18,18 +18,21 @@ Modes:
   fineweb   the same comparison on a FineWeb-like corpus in llm.c shards, made with data/fineweb/prepare.py
             --files from text already on this machine (the long descriptions of the installed Python packages
             and Python's pydoc topics: English prose and markdown, ~2.4 MB), at a model a CPU trains in minutes.
+  speedrun  for a GPU: GPT-2 124M on that corpus, config/train_gpt2_fineweb.py against
+            config/train_gpt2_speedrun.py for speedrun_iters steps of 16 x 1024 tokens each (both schedules
+            shortened to that): median ms/iter, median MFU and the val loss at the same last step.
 
 Usage:
 $ python scripts/bench_recipes.py                                  # compare, 1 round
 $ python scripts/bench_recipes.py --mode=ablation
 $ python scripts/bench_recipes.py --mode=fineweb --rounds=1
+$ python scripts/bench_recipes.py --mode=speedrun --device=cuda --speedrun_iters=300     # ~5 minutes on one H200
 """
 
 import glob
 import json
 import os
 import statistics
-import subprocess
 import sys
 import sysconfig
 
@@ -41,8 +44,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULTS = Schema(Group(
     'benchmark',
-    mode=Setting('compare', "'compare', 'ablation' or 'fineweb' (see above)", choices=('compare', 'ablation',
-                                                                                        'fineweb')),
+    mode=Setting('compare', "'compare', 'ablation', 'fineweb' or 'speedrun' (see above)",
+                 choices=('compare', 'ablation', 'fineweb', 'speedrun')),
+    speedrun_iters=Setting(300, "speedrun: the steps of each run", low=2),
+    device=Setting('cuda', "speedrun: the device of both runs", not_empty=True),
     rounds=Setting(1, "how many times the runs alternate", low=1),
     snapshot_every=Setting(100, "iterations between scored snapshots (the fast recipe: half of it)", low=1),
     num_threads=Setting(2, "torch threads of every run (fixed, so the runs are comparable)", low=1),
@@ -194,6 +199,26 @@ def fineweb_corpus(work):
     return data_dir
 
 
+def speedrun(work, cfg, data):
+    """ GPT-2 124M, the GPT-2 recipe vs the speedrun's, the same short run of each on the local corpus. """
+    steps = cfg['speedrun_iters']
+    short = [f'--dataset={data}', f'--device={cfg["device"]}', f'--max_iters={steps}', f'--lr_decay_iters={steps}',
+             f'--warmup_iters={max(1, steps // 10)}', '--batch_size=16', '--gradient_accumulation_steps=1',
+             f'--eval_interval={steps}', '--eval_iters=20', '--hellaswag_interval=0', '--keep_checkpoints=0',
+             '--log_interval=1']
+    print(f"{'recipe':10s} {'ms/iter':>8s} {'MFU':>6s} {'val loss at ' + str(steps):>16s}")
+    for name, config in (('gpt2', 'config/train_gpt2_fineweb.py'), ('speedrun', 'config/train_gpt2_speedrun.py')):
+        out_dir = os.path.join(work, name)
+        cmd = [sys.executable, 'train.py', config, f'--out_dir={out_dir}', '--overwrite=True', *short]
+        run_checked(cmd, f"train.py {config}", cwd=REPO)
+        records = [json.loads(line) for line in open(os.path.join(out_dir, 'metrics.jsonl'))]
+        iters = [r for r in records if r['type'] == 'iter' and r['iter'] >= 10]  # after compiling
+        ms = statistics.median(r['time_ms'] for r in iters)
+        mfu = statistics.median(r['mfu'] for r in iters)
+        val = [r['val_loss'] for r in records if r['type'] == 'eval' and r['iter'] == steps][-1]
+        print(f"{name:10s} {ms:8.1f} {100 * mfu:5.1f}% {val:16.4f}", flush=True)
+
+
 def main(argv=None):
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     DEFAULTS.check(cfg)
@@ -203,6 +228,8 @@ def main(argv=None):
             compare(work, cfg, {'nanogpt': [], 'fast': []}, {'nanogpt': BASELINE, 'fast': FAST}.get)
         elif cfg['mode'] == 'ablation':
             ablation(work, cfg)
+        elif cfg['mode'] == 'speedrun':
+            speedrun(work, cfg, fineweb_corpus(work))
         else:
             data = fineweb_corpus(work)
             recipes = {name: [f'--dataset={data}', *FINEWEB_MODEL, *args] for name, args in FINEWEB_RECIPES.items()}

@@ -107,7 +107,8 @@ def settings_of(path):
 def test_shipped_configs_are_valid():
     """ Every config/*.py that train.py reads parses against train.py's settings. """
     import train
-    names = ["train_shakespeare_char.py", "train_shakespeare_char_cpu.py", "train_gpt2.py", "finetune_shakespeare.py",
+    names = ["train_shakespeare_char.py", "train_shakespeare_char_cpu.py", "train_shakespeare_char_fast.py",
+             "train_gpt2.py", "train_gpt2_fineweb.py", "train_gpt2_speedrun.py", "finetune_shakespeare.py",
              "eval_gpt2.py", "eval_gpt2_medium.py", "eval_gpt2_large.py", "eval_gpt2_xl.py"]
     for name in names:
         path = os.path.join(REPO, "config", name)
@@ -128,5 +129,11 @@ def test_shipped_configs_are_valid():
     laptop = dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128, max_iters=2000,
                   lr_decay_iters=2000, dropout=0.0, eval_iters=20, log_interval=1)
     assert {k: cpu[k] for k in laptop} == laptop
+    # the fast recipe trains the same model on the same batches; only the recipe differs
+    fast = parse_config(train.DEFAULTS, [os.path.join(REPO, "config", "train_shakespeare_char_fast.py")])
+    same = ('dataset', 'block_size', 'batch_size', 'n_layer', 'n_head', 'n_embd', 'dropout',
+            'gradient_accumulation_steps')
+    assert {k: fast[k] for k in same} == {k: cpu[k] for k in same}
+    assert (fast['optimizer'], fast['pos'], fast['qk_norm'], fast['lr_schedule']) == ('muon', 'rope', True, 'wsd')
     xl = parse_config(train.DEFAULTS, [os.path.join(REPO, "config", "eval_gpt2_xl.py")])
     assert xl["init_from"] == "gpt2-xl" and xl["eval_only"] is True
