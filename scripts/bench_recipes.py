@@ -70,12 +70,12 @@ OPTIONS = {
 # the FineWeb-like comparison: a 4 x 128 GPT with GPT-2's vocabulary, 1,024 tokens per step
 FINEWEB_MODEL = ['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=128', '--batch_size=8',
                  '--gradient_accumulation_steps=1', '--dropout=0.0', '--data_order=sequential', '--device=cpu',
-                 '--compile=False', '--eval_iters=10', '--eval_interval=100', '--warmup_iters=30', '--beta2=0.99',
-                 '--hellaswag_interval=0', '--sample_interval=0']
+                 '--compile=False', '--dtype=float32', '--eval_iters=10', '--eval_interval=100', '--warmup_iters=30',
+                 '--beta2=0.99', '--hellaswag_interval=0', '--sample_interval=0']
 FINEWEB_RECIPES = {
-    'nanogpt': ['--max_iters=600', '--lr_decay_iters=600', '--learning_rate=1e-3', '--min_lr=1e-4'],
-    'fast': ['--max_iters=300', '--lr_decay_iters=300', '--learning_rate=3e-3', '--min_lr=3e-4',
-             '--optimizer=muon', '--muon_lr=0.03', '--mlp_act=relu2', '--lr_schedule=wsd', '--cooldown_frac=0.4'],
+    'nanogpt': ['--max_iters=400', '--lr_decay_iters=400', '--learning_rate=1e-3', '--min_lr=1e-4'],
+    'fast': ['--max_iters=200', '--lr_decay_iters=200', '--learning_rate=1e-3', '--min_lr=1e-4', '--optimizer=muon',
+             '--pos=rope', '--qk_norm=True', '--lr_schedule=wsd', '--cooldown_frac=0.4'],  # the laptop recipe's
 }
 
 
@@ -194,7 +194,7 @@ def fineweb_corpus(work):
     size = write_jsonl_corpus(corpus, docs)
     data_dir = os.path.join(work, 'fineweb_local')
     run_checked([sys.executable, 'data/fineweb/prepare.py', f'--files={corpus}', f'--out_dir={data_dir}',
-                 '--shard_size=100000', '--num_proc=2', '--overwrite=True'], "data/fineweb/prepare.py", cwd=REPO)
+                 '--shard_size=50000', '--num_proc=2', '--overwrite=True'], "data/fineweb/prepare.py", cwd=REPO)
     print(f"corpus: {len(docs)} documents, {size / 1e6:.1f} MB of JSONL -> {data_dir}")
     return data_dir
 

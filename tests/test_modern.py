@@ -818,3 +818,20 @@ def test_fsdp_with_the_options_equals_one_process(dataset, tmp_path):
     assert b['model'].keys() == a['model'].keys()
     for k in a['model']:
         assert_close(a['model'][k], b['model'][k], atol=3e-4, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_compile_on_cpu_with_the_options(dataset, tmp_path):
+    """ torch.compile of a model with every option (and Muon): the same losses as the eager run, to float32 noise. """
+    pytest.importorskip("torch._inductor")
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+        pytest.skip("torch.compile's CPU code does not build under ATEN_CPU_CAPABILITY=default (see test_train.py)")
+    settings = dict(max_iters=3, eval_interval=3, lr_decay_iters=3, dropout=0.0)
+    eager = iter_losses(run_train(modern_args(dataset, tmp_path / 'eager', **settings)))
+    out = run_train(modern_args(dataset, tmp_path / 'compiled', compile=True, **settings))
+    assert "compiling the model" in out
+    compiled = iter_losses(out)
+    assert compiled.keys() == eager.keys() and len(eager) == 4
+    # inductor fuses the rotary, norm and activation arithmetic differently: equal to ~1e-5, not bitwise
+    assert all(abs(compiled[i] - eager[i]) < 1e-3 for i in eager), (eager, compiled)
+    assert not any('_orig_mod' in k for k in load_checkpoint(str(tmp_path / 'compiled' / 'ckpt.pt'))['model'])
