@@ -111,11 +111,7 @@ def main(argv=None):
         threads, timings = tune_cpu_threads(model, X, Y, ctx)
         if timings:
             print(describe_thread_choice(threads, timings))
-    if cfg['optimizer'] == 'adamw':
-        optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
-                                               (cfg['beta1'], cfg['beta2']), device_type, fused=cfg['fused'])
-    else:
-        optimizer = make_optimizer(model, cfg, device_type)  # Muon's Newton-Schulz steps are no model FLOPs
+    optimizer = make_optimizer(model, cfg, device_type, fused=cfg['fused'])  # Muon's work is no model FLOPs
     scaler = make_grad_scaler(device_type, dtype)
     raw_model = model
     model = wrap_model(model, None, compile_model)

@@ -496,15 +496,16 @@ class GPT(nn.Module):
                 sd[ours].copy_(src)
         return model
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, fused=None):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, fused=None, params=None):
         """
         AdamW in two groups: weight_decay for every parameter with 2 or more dimensions (the Linear weights
         and the embedding tables: the tensors that multiply or look up activations), none for the vectors
         (biases and LayerNorm weights, which only shift and scale them). fused=None: the fused AdamW kernel
         wherever this PyTorch has one (CUDA; CPU since 2.4), the same update in one kernel per step;
-        False: PyTorch's default AdamW for the device.
+        False: PyTorch's default AdamW for the device. params: the parameters AdamW takes (default: all of them;
+        Muon's runs give it those Muon doesn't take).
         """
-        trainable = [p for p in self.parameters() if p.requires_grad]
+        trainable = [p for p in (self.parameters() if params is None else params) if p.requires_grad]
         decay = [p for p in trainable if p.dim() >= 2]
         no_decay = [p for p in trainable if p.dim() < 2]
         groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
@@ -567,10 +568,8 @@ _HF_CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'ml
 
 def hf_key_map(config):
     """ [(our state_dict key, HF GPT2LMHeadModel state_dict key, transpose?)] for every tensor we own. """
-    if config.modern():  # GPT-2's layout has no place for them (no rotary, no RMSNorm, a tied head, ...)
-        name, value = next(iter(config.modern().items()))
-        raise ValueError(f"a model with {name}={value!r} has no GPT-2 (Hugging Face) form: GPT-2 has "
-                         f"{name}={MODERN[name]!r}")
+    for name, value in config.modern().items():  # GPT-2's layout has no place for them (rotary, RMSNorm, ...)
+        raise ValueError(f"{name}={value!r}, which a Hugging Face GPT-2 can't hold (GPT-2 has {name}={MODERN[name]!r})")
     rows = [('transformer.wte.weight', 'transformer.wte.weight', False),
             ('transformer.wpe.weight', 'transformer.wpe.weight', False)]
     for i in range(config.n_layer):

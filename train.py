@@ -168,7 +168,7 @@ def iteration(run, state, exit_request):
     """ One iteration of the loop. Returns None to go on, True when the run is complete, False after a signal. """
     cfg, dist_info = run.cfg, run.dist_info
     build = functools.partial(checkpoint, run, state)  # what a save at this iteration holds (Checkpointer.write)
-    # determine and set the learning rate for this iteration
+    # the schedule's rate for this iteration, on every parameter group (Muon's scaled to muon_lr)
     lr = set_learning_rate(run.optimizer, state.iter_num, cfg['learning_rate'], cfg['warmup_iters'],
                            cfg['lr_decay_iters'], cfg['min_lr'], cfg['decay_lr'], cfg['lr_schedule'],
                            cfg['cooldown_frac'])

@@ -121,8 +121,9 @@ def last_position_logits(model, idx):
     *lower_blocks, last_block = model.transformer.h
     T = idx.size(1)
     x = model.embed(idx)
+    rope = model.rotary(0, T)
     for block in lower_blocks:
-        x = block(x, rope=model.rotary(0, T))
+        x = block(x, rope=rope)
     # the last block: keys/values of positions 0..T-2 (through its attention only), then the last
     # position through the whole block, attending to all of them
     prefix = _PrefixKV()

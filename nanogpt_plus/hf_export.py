@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from model import EXPORT_ACTIVATIONS, MODERN, hf_key_map
+from model import EXPORT_ACTIVATIONS, hf_key_map
 from nanogpt_plus.checkpoint import HF_TOKENIZER_META
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write
@@ -216,10 +216,14 @@ def check_export_weights(weights):
 
 
 def check_gpt2_form(config, source):
-    """ Hugging Face's GPT2LMHeadModel computes GPT-2 only: a model with a modern option on is refused, naming it. """
-    for name, value in config.modern().items():
-        raise UserError(f"{source} has {name}={value!r}, which a Hugging Face GPT-2 can't hold (GPT-2 has "
-                        f"{name}={MODERN[name]!r}); only models trained with GPT-2's architecture export")
+    """
+    Hugging Face's GPT2LMHeadModel computes GPT-2 only: a model with a modern option on (which hf_key_map, the
+    table the export writes with, has no row for) is refused before anything is written, naming the option.
+    """
+    try:
+        hf_key_map(config)
+    except ValueError as e:
+        raise UserError(f"{source} has {e}; only models trained with GPT-2's architecture export") from None
 
 
 def export(model, tokenizer_meta, hf_dir, source='', weights='float32'):

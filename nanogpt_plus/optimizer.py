@@ -13,6 +13,7 @@ Usage:
 """
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -95,16 +96,18 @@ def float32_newton_schulz(enabled=True):
         muon_impl._zeropower_via_newtonschulz = original
 
 
-def make_optimizer(model, cfg, device_type):
+def make_optimizer(model, cfg, device_type, fused=None):
     """
     The optimizer of train.py's settings: AdamW over every parameter (model.configure_optimizers), or for
-    optimizer='muon' Muon over the Blocks' 2-D matrices and AdamW over the rest (MuonWithAdamW).
+    optimizer='muon' Muon over the Blocks' 2-D matrices and AdamW over the rest (MuonWithAdamW). fused: AdamW's
+    kernel choice (configure_optimizers'; None = fused wherever PyTorch has it).
     """
-    betas = (cfg['beta1'], cfg['beta2'])
+    adamw = functools.partial(model.configure_optimizers, cfg['weight_decay'], cfg['learning_rate'],
+                              (cfg['beta1'], cfg['beta2']), device_type, fused)
     if cfg.get('optimizer', 'adamw') == 'adamw':
-        return model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], betas, device_type)
-    return MuonWithAdamW(model, cfg['learning_rate'], cfg['weight_decay'], betas, cfg['muon_lr'],
-                         cfg['muon_momentum'], cfg['muon_weight_decay'], device_type)
+        return adamw()
+    return MuonWithAdamW(model, adamw, cfg['learning_rate'], cfg['muon_lr'], cfg['muon_momentum'],
+                         cfg['muon_weight_decay'], float32_ns=device_type == 'cpu')
 
 
 class MuonWithAdamW:
@@ -112,38 +115,30 @@ class MuonWithAdamW:
     Muon (Jordan et al. 2024; PyTorch's torch.optim.Muon) for the hidden matrices, the 2-D weights inside the
     Blocks: each update is the momentum of the gradient made orthogonal (its singular values set to ~1) by a
     few Newton-Schulz steps, so every direction of a matrix learns at the same rate. Muon is for such matrices
-    only; the embeddings, the head and the vectors (gains, biases) keep AdamW, in configure_optimizers' two
-    groups at learning_rate. One object with the optimizer interface the loop, the GradScaler and the
-    checkpoints use (param_groups, step, zero_grad, state_dict, load_state_dict). Its state dict holds both
-    optimizers' ({'muon': ..., 'adamw': ...}), so a resume continues both exactly.
+    only; the embeddings, the head and the vectors (gains, biases) keep AdamW, made by adamw(params=...)
+    (configure_optimizers' two groups at learning_rate). One object with the optimizer interface the loop, the
+    GradScaler and the checkpoints use (param_groups, step, zero_grad, state_dict, load_state_dict). Its state
+    dict holds each of its parts' ({'muon': ..., 'adamw': ...}), so a resume continues both exactly.
+    float32_ns: orthogonalise in float32 (the CPU; see float32_newton_schulz).
     """
 
-    def __init__(self, model, learning_rate, weight_decay, betas, muon_lr, momentum, muon_weight_decay, device_type):
+    def __init__(self, model, adamw, learning_rate, muon_lr, momentum, muon_weight_decay, float32_ns=False):
         hidden = [p for n, p in model.named_parameters()
                   if p.requires_grad and p.dim() == 2 and n.startswith('transformer.h.')]
         hidden_ids = {id(p) for p in hidden}
         rest = [p for p in model.parameters() if p.requires_grad and id(p) not in hidden_ids]
-        decay = [p for p in rest if p.dim() >= 2]
-        no_decay = [p for p in rest if p.dim() < 2]
         print(f"muon: {len(hidden)} matrices with {sum(p.numel() for p in hidden):,} parameters; adamw: "
               f"{len(rest)} tensors with {sum(p.numel() for p in rest):,} parameters")
         # lr_ratio: set_learning_rate gives Muon the schedule's rate times muon_lr / learning_rate
         self.muon = torch.optim.Muon([{'params': hidden, 'lr_ratio': muon_lr / learning_rate}], lr=muon_lr,
                                      momentum=momentum, weight_decay=muon_weight_decay)
-        kernel = {'fused': True} if device_type in ('cuda', 'cpu') else {}
-        self.adamw = torch.optim.AdamW([{'params': decay, 'weight_decay': weight_decay},
-                                        {'params': no_decay, 'weight_decay': 0.0}],
-                                       lr=learning_rate, betas=betas, **kernel)
-        self.optimizers = (self.muon, self.adamw)
-        self.float32_ns = device_type == 'cpu'  # see float32_newton_schulz
+        self.adamw = adamw(params=rest)
+        self.parts = {'muon': self.muon, 'adamw': self.adamw}  # what state_dict holds, and load_optimizer_state loads
+        self.float32_ns = float32_ns
 
     @property
     def param_groups(self):
         return self.muon.param_groups + self.adamw.param_groups
-
-    @property
-    def state(self):
-        return {**self.muon.state, **self.adamw.state}
 
     def step(self, closure=None):
         with float32_newton_schulz(self.float32_ns):
@@ -151,17 +146,17 @@ class MuonWithAdamW:
         self.adamw.step()
 
     def zero_grad(self, set_to_none=True):
-        for opt in self.optimizers:
+        for opt in self.parts.values():
             opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
-        return {'muon': self.muon.state_dict(), 'adamw': self.adamw.state_dict()}
+        return {name: opt.state_dict() for name, opt in self.parts.items()}
 
     def load_state_dict(self, state_dict):
-        if set(state_dict) != {'muon', 'adamw'}:
+        if set(state_dict) != set(self.parts):
             raise ValueError("not a Muon+AdamW optimizer state (a checkpoint of an optimizer='adamw' run?)")
-        self.muon.load_state_dict(state_dict['muon'])
-        self.adamw.load_state_dict(state_dict['adamw'])
+        for name, opt in self.parts.items():
+            opt.load_state_dict(state_dict[name])
 
 
 def make_grad_scaler(device_type, dtype):

@@ -154,10 +154,10 @@ def load_optimizer_state(optimizer, state_dict):
     copies of the optimizer state are never paged in from disk).
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
-    parts = getattr(optimizer, 'optimizers', None)  # MuonWithAdamW: its two optimizers, each its own state dict
-    if parts is not None and set(state_dict) == {'muon', 'adamw'}:
-        load_optimizer_state(optimizer.muon, state_dict['muon'])
-        load_optimizer_state(optimizer.adamw, state_dict['adamw'])
+    parts = getattr(optimizer, 'parts', None)  # an optimizer made of several (MuonWithAdamW): each its own state
+    if parts is not None and set(state_dict) == set(parts):
+        for name, part in parts.items():
+            load_optimizer_state(part, state_dict[name])
         return
     if parts is not None or 'state' not in state_dict:
         raise UserError("the checkpoint's optimizer state is not of this run's optimizer setting (adamw vs muon); "

@@ -38,6 +38,8 @@ import sysconfig
 
 from benchtools import cpu_model, run_checked, work_directory, write_jsonl_corpus  # scripts/ is on sys.path
 from configurator import Group, Schema, Setting, configure
+from nanogpt_plus.checkpointer import snapshots
+from nanogpt_plus.metrics import read_metrics
 from nanogpt_plus.runtime import run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +95,7 @@ def train(work, name, config, args, snapshot_every, num_threads):
 
 def training_times(out_dir):
     """ {iteration: seconds of training up to and including it}, eval/save iterations at the median. """
-    records = [json.loads(line) for line in open(os.path.join(out_dir, 'metrics.jsonl'))]
+    records = read_metrics(os.path.join(out_dir, 'metrics.jsonl'))  # the run's own trajectory
     busy = {r['iter'] for r in records if r['type'] == 'eval'}  # the iterations that also evaluated
     steps = {r['iter']: r['time_ms'] for r in records if r['type'] == 'iter'}
     median = statistics.median(steps.values())
@@ -117,13 +119,11 @@ def curve(out_dir, num_threads):
     """ [(iteration, training seconds, full-val loss)] of a run's snapshots, and its median ms/iter. """
     times, median = training_times(out_dir)
     points = []
-    for name in os.listdir(out_dir):
-        if name.startswith('ckpt_') and name[5:-3].isdigit() and name.endswith('.pt'):
-            it = int(name[5:-3])
-            # ckpt_<n>.pt holds the weights after iterations 0..n-1 (iter_num n, the next to run)
-            points.append((it, times.get(it - 1, max(times.values())),
-                           full_val_loss(os.path.join(out_dir, name), num_threads)))
-    return sorted(points), median
+    for it, name in sorted(snapshots(out_dir).items()):
+        # ckpt_<n>.pt holds the weights after iterations 0..n-1 (iter_num n, the next to run)
+        points.append((it, times.get(it - 1, max(times.values())),
+                       full_val_loss(os.path.join(out_dir, name), num_threads)))
+    return points, median
 
 
 def first_reaching(points, target):
@@ -211,7 +211,7 @@ def speedrun(work, cfg, data):
         out_dir = os.path.join(work, name)
         cmd = [sys.executable, 'train.py', config, f'--out_dir={out_dir}', '--overwrite=True', *short]
         run_checked(cmd, f"train.py {config}", cwd=REPO)
-        records = [json.loads(line) for line in open(os.path.join(out_dir, 'metrics.jsonl'))]
+        records = read_metrics(os.path.join(out_dir, 'metrics.jsonl'))
         iters = [r for r in records if r['type'] == 'iter' and r['iter'] >= 10]  # after compiling
         ms = statistics.median(r['time_ms'] for r in iters)
         mfu = statistics.median(r['mfu'] for r in iters)

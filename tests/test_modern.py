@@ -37,8 +37,8 @@ from nanogpt_plus.distributed import DistInfo
 from nanogpt_plus.engine import KVCache, generate, last_position_logits
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.finetuning import FinetuneModel, make_batch, model_from_finetune_checkpoint
-from nanogpt_plus.optimizer import (MuonWithAdamW, float32_newton_schulz, get_lr, newton_schulz_float32,
-                                    set_learning_rate)
+from nanogpt_plus.optimizer import (MuonWithAdamW, float32_newton_schulz, get_lr, make_optimizer,
+                                    newton_schulz_float32, set_learning_rate)
 from nanogpt_plus.parallel import load_optimizer_state
 from nanogpt_plus.tokenizer import CharTokenizer
 from nanogpt_plus.weights import set_weights
@@ -489,7 +489,12 @@ BLOCK_MATRICES = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight',
 
 
 def muon_optimizer(model, learning_rate=1e-3, muon_lr=0.02):
-    return MuonWithAdamW(model, learning_rate, 0.1, (0.9, 0.95), muon_lr, 0.95, 0.0, 'cpu')
+    """ What train.py builds for optimizer='muon' on the CPU (make_optimizer). """
+    cfg = dict(optimizer='muon', learning_rate=learning_rate, weight_decay=0.1, beta1=0.9, beta2=0.95,
+               muon_lr=muon_lr, muon_momentum=0.95, muon_weight_decay=0.0)
+    opt = make_optimizer(model, cfg, 'cpu')
+    assert isinstance(opt, MuonWithAdamW) and opt.float32_ns
+    return opt
 
 
 @pytest.mark.parametrize('options', [{}, ALL_OPTIONS], ids=['gpt2', 'all'])
