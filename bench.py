@@ -31,12 +31,11 @@ import time
 import torch
 
 from configurator import configure
-from nanogpt_plus.build import scratch_model
-from nanogpt_plus.checkpoint import init_model
-from nanogpt_plus.dataloader import TokenWindowLoader, split_files
-from nanogpt_plus.dataset import find_dataset
+from nanogpt_plus.dataloader import TokenWindowLoader
+from nanogpt_plus.dataset import find_dataset, split_files
 from nanogpt_plus.device import compute_setup, device_type_of, resolve_device
 from nanogpt_plus.hardware import cpu_peak
+from nanogpt_plus.init_from import init_model, scratch_model
 from nanogpt_plus.optimizer import make_grad_scaler, make_optimizer, optimizer_step
 from nanogpt_plus.parallel import wrap_model
 from nanogpt_plus.runtime import provenance, run_main
@@ -100,7 +99,8 @@ def main(argv=None):
                                    seed=cfg['seed'], device=device, dataset=cfg['dataset'], order=cfg['data_order'])
     model = bench_model(cfg)
     if loader is not None:
-        loader.check_vocab(model.config.vocab_size)  # an id the model has no embedding for: one line
+        # an id the model has no embedding for: one line
+        loader.check_vocab(model.config.vocab_size)
     model.set_attention(cfg['attention'])
     model.set_activation_checkpointing(cfg['activation_checkpointing'])
     model.to(device)
@@ -111,7 +111,8 @@ def main(argv=None):
         threads, timings = tune_cpu_threads(model, X, Y, ctx)
         if timings:
             print(describe_thread_choice(threads, timings))
-    optimizer = make_optimizer(model, cfg, device_type, fused=cfg['fused'])  # Muon's work is no model FLOPs
+    # Muon's work is no model FLOPs
+    optimizer = make_optimizer(model, cfg, device_type, fused=cfg['fused'])
     scaler = make_grad_scaler(device_type, dtype)
     raw_model = model
     model = wrap_model(model, None, compile_model)
@@ -123,7 +124,8 @@ def main(argv=None):
         profile(step, X, Y, cfg['burnin'], cfg['profile_dir'], device_type)
         return
     if device_type == 'cuda':
-        torch.cuda.reset_peak_memory_stats(device)  # the peak of the training steps (weights, AdamW state included)
+        # the peak of the training steps (weights, AdamW state included)
+        torch.cuda.reset_peak_memory_stats(device)
     times = time_steps(step, X, Y, cfg['burnin'], cfg['steps'], device)
     report(times, raw_model, cfg['batch_size'], peak_flops, device, dtype, device_threads)
 
@@ -166,7 +168,9 @@ def profile(step, X, Y, burnin, profile_dir, device_type):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device_type == 'cuda':
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    skipped, warm_up, recorded = 5, 5, 5
+    skipped = 5
+    warm_up = 5
+    recorded = 5
     total = burnin + skipped + warm_up + recorded
     schedule = torch.profiler.schedule(wait=skipped, warmup=warm_up, active=recorded, repeat=1)
     with torch.profiler.profile(

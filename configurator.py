@@ -57,10 +57,14 @@ class Setting:
                  high_open=False, none_ok=None, not_empty=False):
         if kind is None and default is None:
             raise TypeError("a setting whose default is None needs its kind")
-        self.default, self.help = default, help
+        self.default = default
+        self.help = help
         self.kind = kind if kind is not None else type(default)
         self.choices = tuple(choices) if choices is not None else None
-        self.low, self.high, self.low_open, self.high_open = low, high, low_open, high_open
+        self.low = low
+        self.high = high
+        self.low_open = low_open
+        self.high_open = high_open
         self.none_ok = default is None if none_ok is None else none_ok
         self.not_empty = not_empty
 
@@ -136,7 +140,8 @@ class Schema(dict):
     """
 
     def __init__(self, *groups, **own):
-        specs, self.sections = {}, []
+        specs = {}
+        self.sections = []
         for group in groups:
             for name, spec in group.items():
                 if name in specs:
@@ -208,10 +213,12 @@ def _read_config_file(path):
         exec(compile(source, path, "exec"), namespace)
     except SyntaxError as e:
         raise ConfigError(f"config file {path} has a syntax error on line {e.lineno}: {e.msg}") from None
-    except SystemExit as e:  # sys.exit() or exit() in a config file must not end the run as if it had finished
+    # sys.exit() or exit() in a config file must not end the run as if it had finished
+    except SystemExit as e:
         raise ConfigError(f"config file {path} calls exit() on line {_failing_line(e, path)}; a config "
                           f"file only assigns settings: remove that call") from None
-    except Exception as e:  # NameError, ImportError, ZeroDivisionError, ...: the file's own code failed
+    # NameError, ImportError, ZeroDivisionError, ...: the file's own code failed
+    except Exception as e:
         raise ConfigError(f"config file {path} failed on line {_failing_line(e, path)} "
                           f"({type(e).__name__}: {e}); fix that line") from None
     # keep plain settings; skip imports, helpers and dunders
@@ -238,7 +245,8 @@ def _parse_value(text, kind):
     """
     try:
         value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):  # a bare word, an expression, an empty value
+    # a bare word, an expression, an empty value
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
         return text
     if kind is str and not isinstance(value, str):
         return text
@@ -247,7 +255,8 @@ def _parse_value(text, kind):
 
 def parse_config(defaults, argv):
     """ defaults overridden by argv (config files and --key=value, in order) as Settings; raises ConfigError. """
-    config, given = dict(defaults), set()
+    config = dict(defaults)
+    given = set()
     for arg in argv:
         if not arg.startswith("--"):
             # anything without the leading -- names a config file

@@ -26,15 +26,17 @@ import os
 import torch
 
 from configurator import configure
-from nanogpt_plus.checkpoint import describe_source, init_model, tokenizer_known
+from nanogpt_plus.checkpoint import tokenizer_known
+from nanogpt_plus.dataset import check_dataset_tokenizer, read_dataset_meta
 from nanogpt_plus.device import device_type_of, precision, resolve_compile
 from nanogpt_plus.distributed import init_distributed
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import TASKS, evaluate, loss_files
-from nanogpt_plus.files import atomic_write, check_output
+from nanogpt_plus.files import atomic_write
+from nanogpt_plus.init_from import describe_source, init_model
+from nanogpt_plus.outputs import check_output
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.settings import DATA, EVALUATION, IO, SYSTEM, Schema, Setting, subset
-from nanogpt_plus.tokenizer import check_dataset_tokenizer, read_dataset_meta
 from nanogpt_plus.weights import set_weights
 
 # the scoring is nanogpt_plus/evaluation.py's (one implementation, which other code calls in-process too);

@@ -25,9 +25,9 @@ import json
 import os
 
 from configurator import configure
-from nanogpt_plus.checkpoint import describe_source, init_model
-from nanogpt_plus.files import check_output
 from nanogpt_plus.hf_export import check_export_weights, export
+from nanogpt_plus.init_from import describe_source, init_model
+from nanogpt_plus.outputs import check_output
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.settings import EXPORT, IO, Schema, subset
 

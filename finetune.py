@@ -21,9 +21,7 @@ $ python finetune.py --task=classification --init_from=out-shakespeare-char --ou
       --train_file=train.jsonl --val_file=val.jsonl
 $ python finetune.py config/finetune_classification.py --init_from=gpt2 --train_file=... --val_file=...
 $ python finetune.py ... --init_from=scratch --dataset=shakespeare_char   # no pretraining, for comparison
-
-With DDP (each rank gets its DistributedSampler share of every global batch):
-$ torchrun --standalone --nproc_per_node=2 finetune.py ... --device=cpu
+$ torchrun --standalone --nproc_per_node=2 finetune.py ... --device=cpu   # DDP: each rank a share of each batch
 
 Resume an interrupted fine-tune (Ctrl-C or SIGTERM saves out_dir/ckpt_last.pt and exits with code 75) with
 train.py's rules (the model is the checkpoint's: an architecture setting that differs is refused):
@@ -49,43 +47,36 @@ from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
 from configurator import configure
-from nanogpt_plus.checkpoint import adopt_resumed_finetune, checkpoint_path, init_model, load_checkpoint
-from nanogpt_plus.checkpointer import Checkpointer, restore_training_state
+from nanogpt_plus import finetuning, settings
+from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.dataset import find_dataset
 from nanogpt_plus.device import compute_setup, device_type_of
 from nanogpt_plus.distributed import accumulation_per_rank, all_reduce_sum, every_rank, init_distributed
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
-from nanogpt_plus.files import check_output
-from nanogpt_plus.finetuning import (TASKS, FinetuneModel, Schedule, configure_optimizers, evaluate_val,
-                                     finetune_checkpoint, global_batch_counts, model_from_finetune_checkpoint,
-                                     predict_with_checkpoint, predictions_path, resolve_learning_rate, step_batches,
-                                     task_model_and_data, write_predictions)
+from nanogpt_plus.init_from import adopt_resumed_finetune, checkpoint_path, init_model
 from nanogpt_plus.metrics import MetricsLogger
 from nanogpt_plus.optimizer import make_grad_scaler, optimizer_step, set_learning_rate
-from nanogpt_plus.outdir import check_new_run, claim_out_dir
+from nanogpt_plus.out_dir import check_new_run, claim_out_dir
+from nanogpt_plus.outputs import check_output
 from nanogpt_plus.parallel import grad_sync_context, wrap_model
 from nanogpt_plus.runtime import provenance, run_main
-from nanogpt_plus.settings import (ADAMW, DATA, FINETUNING, IO, LR_DECAY, MODEL, SYSTEM, WANDB, Schema, Setting,
-                                   check_model_shape, subset)
+from nanogpt_plus.saving import Checkpointer, restore_training_state
 from nanogpt_plus.signals import GracefulExit
 
-BEST_CKPT = 'ckpt.pt'  # the best model so far (by val accuracy), with its head: what predictions use
+BEST_CKPT = 'ckpt.pt'  # the best model so far (by val accuracy), with its head
 LAST_CKPT = 'ckpt_last.pt'  # the latest training state, for --init_from=resume
 
 # -----------------------------------------------------------------------------
 # the settings: GPT-1's fine-tuning recipe (batch 32, 3 epochs, dropout 0.1, warmup over 0.2% of training, lambda
 # 0.5, lr 6.25e-5 scaled to the width); the model settings are for init_from=scratch (the weights fix the rest)
-DEFAULTS = Schema(
-    FINETUNING, subset(IO, 'out_dir', 'log_interval', 'overwrite', 'init_from'),
-    subset(DATA, 'dataset', 'gradient_accumulation_steps', 'batch_size', 'block_size'), MODEL,
-    subset(ADAMW, 'learning_rate', 'weight_decay', 'beta1', 'beta2', 'grad_clip'),
-    subset(LR_DECAY, 'decay_lr', 'min_lr'), WANDB,
-    subset(SYSTEM, 'backend', 'device', 'dtype', 'compile', 'activation_checkpointing', 'seed'),
+DEFAULTS = settings.Schema(
+    settings.FINETUNING, settings.subset(settings.IO, 'out_dir', 'log_interval', 'overwrite', 'init_from'),
+    settings.subset(settings.DATA, 'dataset', 'gradient_accumulation_steps', 'batch_size', 'block_size'),
+    settings.MODEL, settings.subset(settings.ADAMW, 'learning_rate', 'weight_decay', 'beta1', 'beta2', 'grad_clip'),
+    settings.subset(settings.LR_DECAY, 'decay_lr', 'min_lr'), settings.WANDB,
+    settings.subset(settings.SYSTEM, 'backend', 'device', 'dtype', 'compile', 'activation_checkpointing', 'seed'),
     out_dir='out-finetune', log_interval=10, gradient_accumulation_steps=1, batch_size=32, dropout=0.1,
-    block_size=Setting(0, "0 = the source model's; smaller crops a pretrained model (a resume keeps its own)",
-                       low=0),
-    learning_rate=Setting(0.0, "the peak learning rate; 0 = scaled from the model's width: 6.25e-5 x (768 / n_embd) "
-                               "** 1.5, GPT-1's rate at GPT-1's width (a resume: the rate it used)", low=0),
+    block_size=settings.FINETUNE_BLOCK_SIZE, learning_rate=settings.FINETUNE_LEARNING_RATE,
     weight_decay=0.01, beta2=0.999, min_lr=0.0, wandb_project='finetune', wandb_run_name='finetune', compile=False)
 # -----------------------------------------------------------------------------
 
@@ -96,7 +87,7 @@ class FinetuneRun:
     cfg: dict
     dist_info: object  # distributed.DistInfo
     task: str
-    raw_model: FinetuneModel  # the plain module: what checkpoints save and evaluation runs
+    raw_model: finetuning.FinetuneModel  # the plain module: what is saved and evaluated
     model: torch.nn.Module  # raw_model wrapped for DDP (and compiled): what the training steps run
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -108,7 +99,7 @@ class FinetuneRun:
     source_name: str  # what the fine-tune started from, kept in its checkpoints
     provenance: dict
     sampler: DistributedSampler  # this rank's share of each epoch's permutation
-    schedule: Schedule
+    schedule: finetuning.Schedule
     checkpointer: Checkpointer
     logger: MetricsLogger
     exit_request: GracefulExit
@@ -126,8 +117,8 @@ class FinetuneState:
     iter_num: int = 0
     best_val_acc: float = None
     best_epoch: int = None
-    history: list = field(default_factory=list)  # one record per finished epoch (train loss, val accuracy)
-    last_loss: float = None  # the train loss of the last logged step (every epoch's last step is logged)
+    history: list = field(default_factory=list)  # a record per finished epoch (losses, accuracy)
+    last_loss: float = None  # the train loss of the last logged step (each epoch's last is)
     interrupted: bool = False
 
     @classmethod
@@ -147,12 +138,14 @@ def main():
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     check_settings(cfg)
     dist_info = init_distributed(cfg['device'], cfg['backend'])
-    if cfg['init_from'] == 'resume':  # train.py's rules: the checkpoint's architecture; one verdict for all ranks
+    # train.py's rules: the checkpoint's architecture; one verdict for all ranks
+    if cfg['init_from'] == 'resume':
         every_rank(dist_info, lambda: adopt_resumed_finetune(cfg, os.path.join(cfg['out_dir'], LAST_CKPT)))
     if not cfg['train_file'] and cfg['predict_file']:
-        return predict_with_checkpoint(cfg, dist_info)
-    if cfg['predict_file']:  # the best model's predictions come after the training: their path is checked now
-        check_output(predictions_path(cfg), 'predict_out', cfg['overwrite'],
+        return finetuning.predict_with_checkpoint(cfg, dist_info)
+    # the best model's predictions come after the training: their path is checked now
+    if cfg['predict_file']:
+        check_output(finetuning.predictions_path(cfg), 'predict_out', cfg['overwrite'],
                      inputs={k: cfg[k] for k in ('train_file', 'val_file', 'predict_file')})
     # rank 0 holds out_dir/run.lock for the whole fine-tune; a new one over an earlier one's checkpoints needs
     # --overwrite=True (or continues it, with --init_from=resume, when its training state is there)
@@ -167,9 +160,9 @@ def main():
 def check_settings(cfg):
     """ Every setting, before any work: types, choices and ranges (settings.py), then the combinations and files. """
     DEFAULTS.check(cfg)
-    check_model_shape(cfg)
-    if cfg['task'] and cfg['task'] not in TASKS:
-        raise UserError(f"unknown task '{cfg['task']}': use {', '.join(TASKS)}")
+    settings.check_model_shape(cfg)
+    if cfg['task'] and cfg['task'] not in finetuning.TASKS:
+        raise UserError(f"unknown task '{cfg['task']}': use {', '.join(finetuning.TASKS)}")
     if cfg['weights'] != 'float32' and cfg['train_file']:
         raise UserError(f"weights={cfg['weights']} is a format for predictions (--predict_file without --train_file); "
                         f"fine-tuning trains float32 weights (--dtype=bfloat16 computes in bfloat16)")
@@ -198,19 +191,21 @@ def finetune(cfg, dist_info):
 def setup(cfg, dist_info):
     """ Everything the loop needs (FinetuneRun) and the state it starts from: new, or ckpt_last.pt's. """
     accum = accumulation_per_rank(cfg['gradient_accumulation_steps'], dist_info)
-    device, resume = dist_info.device, cfg['init_from'] == 'resume'
+    device = dist_info.device
+    resume = cfg['init_from'] == 'resume'
     dtype, ctx, compile_model, _ = compute_setup(device, cfg['dtype'], cfg['compile'], num_threads=0, peak=False)
-    run_provenance = dict(provenance(device), dtype=dtype, world_size=dist_info.world_size)  # kept in checkpoints
+    # kept in the checkpoints
+    run_provenance = dict(provenance(device), dtype=dtype, world_size=dist_info.world_size)
     if dist_info.master:
         print("provenance: " + json.dumps(run_provenance))
     if not cfg['task'] and not resume:  # (check_settings refused any other unknown task)
-        raise UserError(f"unknown task '': pass --task=one of {', '.join(TASKS)}")
+        raise UserError(f"unknown task '': pass --task=one of {', '.join(finetuning.TASKS)}")
 
     # the model: the same initial weights on every rank (head, new embeddings), then per-rank dropout
     torch.manual_seed(cfg['seed'])
     gpt, tokenizer_meta, source = load_source(cfg)
     # 0 = the rate for the source model's width, known only now; cfg (and so every checkpoint) keeps the number used
-    learning_rate, how = resolve_learning_rate(cfg, gpt.config.n_embd, source if resume else None)
+    learning_rate, how = finetuning.resolve_learning_rate(cfg, gpt.config.n_embd, source if resume else None)
     cfg = dict(cfg, learning_rate=learning_rate)
     if dist_info.master:
         print(f"learning rate {learning_rate:.4g} ({how})")
@@ -218,18 +213,18 @@ def setup(cfg, dist_info):
     if resume and task != source.get('task'):
         raise UserError(f"--task={task} but the fine-tune in {cfg['out_dir']} is {source.get('task')}; "
                         f"drop --task to resume it")
-    raw_model, special, tokenizer, data = task_model_and_data(cfg, task, gpt, tokenizer_meta, source, resume)
+    raw_model, special, tokenizer, data = finetuning.task_model_and_data(cfg, task, gpt, tokenizer_meta, source, resume)
     raw_model.to(device)
     if not cfg['val_file'] and dist_info.master:
         print("warning: no --val_file; the model of the last epoch is kept and val_acc is null", file=sys.stderr)
     torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank; data order does not
 
-    optimizer = configure_optimizers(raw_model, cfg, device_type_of(device))
+    optimizer = finetuning.configure_optimizers(raw_model, cfg, device_type_of(device))
     scaler = make_grad_scaler(device_type_of(device), dtype)
     model = wrap_model(raw_model, dist_info, compile_model)
     sampler = DistributedSampler(range(len(data.train_encoded)), num_replicas=dist_info.world_size,
                                  rank=dist_info.rank, shuffle=True, seed=cfg['seed'], drop_last=False)
-    schedule = Schedule.for_run(len(sampler), cfg, accum)
+    schedule = finetuning.Schedule.for_run(len(sampler), cfg, accum)
     state = FinetuneState()
     if resume:
         restore_training_state(source, optimizer, scaler, dist_info)
@@ -243,7 +238,8 @@ def setup(cfg, dist_info):
     logger.start(state.iter_num, cfg['init_from'])
     # a resumed fine-tune still names the model it started from, not its own ckpt_last.pt
     source_name = source.get('source_model', cfg['init_from']) if resume else cfg['init_from']
-    checkpointer = Checkpointer(cfg['out_dir'], dist_info, raw_model, optimizer)  # ckpt.pt and ckpt_last.pt
+    # ckpt.pt, ckpt_last.pt
+    checkpointer = Checkpointer(cfg['out_dir'], dist_info, raw_model, optimizer)
     return FinetuneRun(cfg, dist_info, task, raw_model, model, optimizer, scaler, ctx, data, special, tokenizer,
                        tokenizer_meta, source_name, run_provenance, sampler, schedule, checkpointer, logger,
                        GracefulExit().install(), time.time()), state
@@ -262,8 +258,10 @@ def load_source(cfg):
             raise UserError(f"init_from {init_from} is the checkpoint in --out_dir, which fine-tuning would "
                             f"overwrite; pass a different --out_dir (or --init_from=resume to continue an "
                             f"interrupted fine-tune)")
-    model_settings = dict(cfg, block_size=cfg['block_size'] or 1024)  # 0 means the source model's; scratch has none
-    data = find_dataset(cfg['dataset'], splits=()) if init_from == 'scratch' else None  # its tokenizer only
+    # 0 means the source model's; scratch has none
+    model_settings = dict(cfg, block_size=cfg['block_size'] or 1024)
+    # the tokenizer
+    data = find_dataset(cfg['dataset'], splits=()) if init_from == 'scratch' else None
     gpt, tokenizer_meta, source = init_model(init_from, cfg['out_dir'], dataset=data, model_settings=model_settings,
                                              dropout=cfg['dropout'], resume_file=LAST_CKPT)
     return gpt, tokenizer_meta, source or {}
@@ -278,7 +276,7 @@ def run_epoch(run, state):
         last_of_epoch = state.step_in_epoch == run.schedule.steps_per_epoch
         if state.iter_num % run.cfg['log_interval'] == 0 or last_of_epoch:
             log_step(run, state, lr, step_losses, grad_norm)
-        if run.exit_request.should_stop(run.dist_info):  # every step: torchrun kills soon after its signal
+        if run.exit_request.should_stop(run.dist_info):  # every step: torchrun kills soon after
             state.interrupted = True
             return
 
@@ -288,13 +286,14 @@ def train_step(run, state, order):
     One optimizer step over this rank's micro-batches of the step's global batch. Returns the learning
     rate, this rank's (task loss, LM loss) of the step as tensors (no sync), and the gradient norm.
     """
-    s, cfg = run.schedule, run.cfg
+    s = run.schedule
+    cfg = run.cfg
     lr = set_learning_rate(run.optimizer, state.iter_num, s.learning_rate, s.warmup_iters, s.lr_decay_iters,
                            s.min_lr, s.decay_lr)
-    batches = step_batches(run.data, run.special, s, state.step_in_epoch, order, run.dist_info.device)
+    batches = finetuning.step_batches(run.data, run.special, s, state.step_in_epoch, order, run.dist_info.device)
     # normalise by the counts of the whole global batch (all micro-batches, all ranks): the gradient is then
     # exactly that of one big batch, for any world size and accumulation
-    n_ex, n_tok = global_batch_counts(run.data, run.sampler, s, state.step_in_epoch)
+    n_ex, n_tok = finetuning.global_batch_counts(run.data, run.sampler, s, state.step_in_epoch)
     step_cls = torch.zeros((), device=run.dist_info.device)
     step_lm = torch.zeros((), device=run.dist_info.device)
     for k, b in enumerate(batches):
@@ -341,7 +340,7 @@ def end_epoch(run, state):
     run.logger.log(dict(record, type='eval'))  # (rank 0's logger writes; the others' do nothing)
     # without a val file every epoch counts as the best, so ckpt.pt is the last epoch's model
     if 'val_acc' not in record or state.best_val_acc is None or record['val_acc'] > state.best_val_acc:
-        state.best_val_acc, state.best_epoch = record.get('val_acc'), state.epoch
+        state.best_val_acc, state.best_epoch = record.get('val_acc'), state.epoch  # the best so far
         path = run.checkpointer.path(BEST_CKPT)
         run.checkpointer.write(BEST_CKPT, lambda gathered: checkpoint(
             run, state, epoch=state.epoch, val_acc=state.best_val_acc, val_loss=record.get('val_loss'),
@@ -356,7 +355,7 @@ def evaluate_epoch(run, state):
     record = {'epoch': state.epoch, 'iter': state.iter_num, 'train_loss': state.last_loss}
     if run.data.val_encoded is None:
         return record
-    correct, seen, loss_sum = evaluate_val(run.raw_model, run.data, run.special,
+    correct, seen, loss_sum = finetuning.evaluate_val(run.raw_model, run.data, run.special,
                                            run.cfg['eval_batch_size'] or run.cfg['batch_size'], run.ctx, run.dist_info)
     record.update(val_acc=correct / seen, val_loss=loss_sum / seen)
     if run.dist_info.master:
@@ -367,7 +366,7 @@ def evaluate_epoch(run, state):
 
 def checkpoint(run, state, **extra):
     """ The fine-tune's checkpoint dict at this state: the GPT, its head and labels, then extra. """
-    return finetune_checkpoint(run.raw_model, state.iter_num, run.cfg, run.tokenizer_meta, run.provenance,
+    return finetuning.finetune_checkpoint(run.raw_model, state.iter_num, run.cfg, run.tokenizer_meta, run.provenance,
                                run.data.label_map, run.special, run.source_name, **extra)
 
 
@@ -388,9 +387,9 @@ def finish(run, state):
               'out_dir': cfg['out_dir'], 'interrupted': state.interrupted}
     if cfg['predict_file'] and not state.interrupted and run.dist_info.master:
         best = load_checkpoint(os.path.join(cfg['out_dir'], BEST_CKPT))
-        best_model = model_from_finetune_checkpoint(best).to(run.dist_info.device)
-        write_predictions(best_model, best, cfg, run.special, run.tokenizer, run.dist_info.device, run.ctx,
-                          cfg['predict_file'], predictions_path(cfg))
+        best_model = finetuning.model_from_finetune_checkpoint(best).to(run.dist_info.device)
+        finetuning.write_predictions(best_model, best, cfg, run.special, run.tokenizer, run.dist_info.device, run.ctx,
+                          cfg['predict_file'], finetuning.predictions_path(cfg))
     if run.dist_info.master:
         print(json.dumps(result))
     return result

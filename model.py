@@ -30,7 +30,8 @@ from torch.utils.checkpoint import checkpoint
 # the keys of GPTConfig that nanoGPT's own GPTConfig knows; checkpoints store exactly these as
 # 'model_args' so that nanoGPT's sample.py can still build the model from our checkpoints
 NANOGPT_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout')
-GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')  # the OpenAI checkpoints from_pretrained knows
+# the OpenAI checkpoints from_pretrained knows
+GPT2_NAMES = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 
 
 class CausalSelfAttention(nn.Module):
@@ -51,7 +52,8 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
-        self.qk_norm = config.qk_norm  # RMS-normalise each head's queries and keys (no gains): bounded scores
+        # RMS-normalise each head's queries and keys (no gains): bounded scores
+        self.qk_norm = config.qk_norm
         # True: F.scaled_dot_product_attention, which runs a fused kernel where the device has one.
         # False: the same softmax(q k^T / sqrt(hs)) v written out below, the readable reference.
         # GPT.set_attention switches; tests/test_model.py checks that both give the same results.
@@ -82,9 +84,12 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)
         if self.qk_norm:
-            q, k = F.rms_norm(q, (hs,), eps=1e-5), F.rms_norm(k, (hs,), eps=1e-5)
-        if rope is not None:  # rotary positions: turn q and k by angles of their positions (cached k already are)
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q = F.rms_norm(q, (hs,), eps=1e-5)
+            k = F.rms_norm(k, (hs,), eps=1e-5)
+        # rotary positions: turn q and k by angles of their positions (cached k already are)
+        if rope is not None:
+            q = apply_rotary(q, *rope)
+            k = apply_rotary(k, *rope)
 
         # with a KV cache, the T new tokens sit at positions pos..pos+T-1 and attend to everything
         # cached before them as well: k, v become (B, nh, pos+T, hs)
@@ -110,7 +115,8 @@ class CausalSelfAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         else:
             scores = (q @ k.mT) * (1.0 / math.sqrt(hs))
-            scores = scores.masked_fill(~self.bias[:, :, pos:pos + T, :Tk], float('-inf'))  # no peeking ahead
+            # no peeking ahead
+            scores = scores.masked_fill(~self.bias[:, :, pos:pos + T, :Tk], float('-inf'))
             weights = self.attn_dropout(F.softmax(scores, dim=-1))
             y = weights @ v
         # (B, nh, T, hs) -> (B, T, nh, hs) -> (B, T, C): each token's head outputs concatenated
@@ -134,7 +140,9 @@ def apply_rotary(x, cos, sin):
     layout of GPT-NeoX and Llama), each turned by its angle. q.k then depends on the positions' difference only.
     """
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (T, hs/2) float32 tables; keep autocast's bf16 in bf16
+    # (T, hs/2) float32 tables; keep autocast's bf16 in bf16
+    cos = cos.to(x.dtype)
+    sin = sin.to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
@@ -189,17 +197,20 @@ class Block(nn.Module):
 @dataclass
 class GPTConfig:
     block_size: int = 1024
-    vocab_size: int = 50304  # GPT-2's 50257 tokens rounded up to a multiple of 64, which matmul kernels like
+    # GPT-2's 50257 tokens rounded up to a multiple of 64, which matmul kernels like
+    vocab_size: int = 50304
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
-    bias: bool = True  # biases in every Linear and LayerNorm, as GPT-2 has (its weights need them); False: none
+    # biases in every Linear and LayerNorm, as GPT-2 has (its weights need them); False: none
+    bias: bool = True
     # 'none' = exact GELU (nanoGPT), 'tanh' = GPT-2's original approximation. Not part of nanoGPT's
     # model_args; checkpoints keep it under their own key (see model_extra_args below).
     gelu: str = 'none'
     # the modern options (modded-nanogpt's speedrun, Llama): the defaults are GPT-2 (see MODERN below)
-    pos: str = 'learned'  # 'learned' = GPT-2's wpe table; 'rope' = rotary positions on q and k, no wpe
+    # 'learned' = GPT-2's wpe table; 'rope' = rotary positions on q and k, no wpe
+    pos: str = 'learned'
     norm: str = 'layernorm'  # or 'rmsnorm'
     qk_norm: bool = False  # True: RMS-normalise queries and keys per head before the scores
     mlp_act: str = 'gelu'  # or 'relu2': relu(x)^2
@@ -248,9 +259,11 @@ class GPT(nn.Module):
             raise ValueError("GPTConfig needs a vocab_size and a block_size")
         self.config = config
 
-        layers = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))  # token embeddings (and the output head)
+        # token embeddings (and the output head)
+        layers = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
         if config.pos == 'learned':
-            layers['wpe'] = nn.Embedding(config.block_size, config.n_embd)  # learned absolute position embeddings
+            # learned absolute position embeddings
+            layers['wpe'] = nn.Embedding(config.block_size, config.n_embd)
         self.transformer = nn.ModuleDict(dict(
             **layers,
             drop=nn.Dropout(config.dropout),
@@ -267,7 +280,8 @@ class GPT(nn.Module):
         self.register_buffer('rope_sin', None, persistent=False)
         self.reset_rotary()
         self.init_weights()
-        self.activation_checkpointing = False  # recompute the Blocks in the backward pass: set_activation_checkpointing
+        # recompute the Blocks in the backward pass: set_activation_checkpointing
+        self.activation_checkpointing = False
 
         # report number of parameters (meta-device models are built only to count, stay quiet)
         if self.lm_head.weight.device.type != 'meta':
@@ -400,7 +414,8 @@ class GPT(nn.Module):
         """ Hidden states (..., n_embd) -> logits (..., vocab_size): lm_head, then the soft cap if there is one. """
         logits = self.lm_head(x)
         cap = self.config.logit_softcap
-        if cap:  # Gemma 2's soft cap: near x for small logits, never beyond +-cap, so no logit runs away
+        # Gemma 2's soft cap: near x for small logits, never beyond +-cap, so no logit runs away
+        if cap:
             logits = cap * torch.tanh(logits / cap)
         return logits
 
@@ -420,7 +435,8 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             block.attn.bias = block.attn.bias[:, :, :block_size, :block_size]
         if self.rope_cos is not None:
-            self.rope_cos, self.rope_sin = self.rope_cos[:block_size], self.rope_sin[:block_size]
+            self.rope_cos = self.rope_cos[:block_size]
+            self.rope_sin = self.rope_sin[:block_size]
 
     def resize_token_embeddings(self, vocab_size):
         """
@@ -481,7 +497,8 @@ class GPT(nn.Module):
         if gelu is None:
             raise ValueError(f"unsupported activation_function {hf.activation_function!r} in the Hugging Face config")
         config_args = dict(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, block_size=hf.n_positions,
-                           vocab_size=hf.vocab_size, bias=True, gelu=gelu)  # GPT-2 checkpoints always have biases
+                           # GPT-2 checkpoints always have biases
+                           vocab_size=hf.vocab_size, bias=True, gelu=gelu)
         config_args['dropout'] = 0.0
         config_args.update(override_args or {})
         model = cls(GPTConfig(**config_args))
@@ -509,11 +526,13 @@ class GPT(nn.Module):
         decay = [p for p in trainable if p.dim() >= 2]
         no_decay = [p for p in trainable if p.dim() < 2]
         groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
-        n_decay, n_no_decay = sum(p.numel() for p in decay), sum(p.numel() for p in no_decay)
+        n_decay = sum(p.numel() for p in decay)
+        n_no_decay = sum(p.numel() for p in no_decay)
         print(f"num decayed parameter tensors: {len(decay)}, with {n_decay:,} parameters")
         print(f"num non-decayed parameter tensors: {len(no_decay)}, with {n_no_decay:,} parameters")
         use_fused = fused_adamw_available(device_type) if fused is None else bool(fused)
-        kernel = {'fused': True} if use_fused else {}  # nothing: let PyTorch choose (foreach or for-loop)
+        # nothing: let PyTorch choose (foreach or for-loop)
+        kernel = {'fused': True} if use_fused else {}
         optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **kernel)
         print(f"using fused AdamW: {use_fused}")
         return optimizer
@@ -529,7 +548,10 @@ class GPT(nn.Module):
         # q k^T and weights x v products, 12 * n_layer * n_head * head_size * T (T = block_size)
         N = self.get_num_params()
         cfg = self.config
-        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+        L = cfg.n_layer
+        H = cfg.n_head
+        Q = cfg.n_embd // cfg.n_head
+        T = cfg.block_size
         flops_per_token = 6 * N + 12 * L * H * Q * T
         flops_per_iter = flops_per_token * T * fwdbwd_per_iter  # T tokens per pass
         flops_per_second = flops_per_iter * (1.0 / dt)
@@ -545,11 +567,13 @@ class GPT(nn.Module):
         otherwise stay on. This is the plain reference that the KV-cached sampler in engine.py is tested against.
         """
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size:]  # only the last block_size tokens fit the model
+            # only the last block_size tokens fit the model
+            context = idx[:, -self.config.block_size:]
             logits, _ = self(context)
             logits = logits[:, -1] / temperature  # (B, vocab_size) for the next token
             if top_k is not None:
-                kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+                # (B, 1)
+                kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                 logits = logits.masked_fill(logits < kth_largest, float('-inf'))
             probs = logits.softmax(dim=-1)
             next_token = torch.multinomial(probs, num_samples=1)  # (B, 1)
@@ -562,13 +586,15 @@ class GPT(nn.Module):
 # export_hf.py (export). HF's GPT-2 uses Conv1D modules, whose weights are the transpose of nn.Linear's.
 
 HF_ACTIVATIONS = {'gelu_new': 'tanh', 'gelu_pytorch_tanh': 'tanh', 'gelu_fast': 'tanh', 'gelu': 'none'}
-EXPORT_ACTIVATIONS = {'tanh': 'gelu_new', 'none': 'gelu'}  # GPTConfig.gelu -> the name export_hf.py writes
+# GPTConfig.gelu -> the name export_hf.py writes
+EXPORT_ACTIVATIONS = {'tanh': 'gelu_new', 'none': 'gelu'}
 _HF_CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
 
 
 def hf_key_map(config):
     """ [(our state_dict key, HF GPT2LMHeadModel state_dict key, transpose?)] for every tensor we own. """
-    for name, value in config.modern().items():  # GPT-2's layout has no place for them (rotary, RMSNorm, ...)
+    # GPT-2's layout has no place for them (rotary, RMSNorm, ...)
+    for name, value in config.modern().items():
         raise ValueError(f"{name}={value!r}, which a Hugging Face GPT-2 can't hold (GPT-2 has {name}={MODERN[name]!r})")
     rows = [('transformer.wte.weight', 'transformer.wte.weight', False),
             ('transformer.wpe.weight', 'transformer.wpe.weight', False)]

@@ -50,13 +50,13 @@ import time
 import torch
 
 from configurator import configure
-from nanogpt_plus.checkpoint import describe_source, init_model
 from nanogpt_plus.device import PTDTYPE, device_type_of, precision, resolve_compile, resolve_device
 from nanogpt_plus.engine import check_sampling_args, generate_stream
-from nanogpt_plus.errors import UserError
+from nanogpt_plus.errors import TokenizerError, UserError
+from nanogpt_plus.init_from import describe_source, init_model
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.settings import IO, MODEL, SAMPLING, SYSTEM, Schema, subset
-from nanogpt_plus.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
+from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
 from nanogpt_plus.weights import can_pack, set_weights
 
 SEPARATOR = '---------------'
@@ -122,7 +122,8 @@ class StreamDecoder:
 def check_settings(config):
     """ Every setting, before a model is loaded: types, choices and counts (settings.py), the sampling knobs. """
     DEFAULTS.check(config)
-    try:  # temperature >= 0 (0 = greedy), top_k >= 1 or None, 0 < top_p <= 1: the engine's own rules
+    # temperature >= 0 (0 = greedy), top_k >= 1 or None, 0 < top_p <= 1: the engine's own rules
+    try:
         check_sampling_args(config['temperature'], config['top_k'], config['top_p'])
     except (ValueError, TypeError) as e:
         raise UserError(str(e)) from None
@@ -135,7 +136,8 @@ def main():
 
     device = resolve_device(config['device'])
     dtype, ctx = precision(device, config['dtype'])
-    compile_model = resolve_compile(config['compile'], device_type_of(device))  # None = auto: on CUDA
+    # None = auto: on CUDA
+    compile_model = resolve_compile(config['compile'], device_type_of(device))
     torch.manual_seed(config['seed'])
     if 'cuda' in device:
         torch.cuda.manual_seed(config['seed'])
@@ -145,7 +147,8 @@ def main():
     model.eval()
     model.set_attention(config['attention'])
     tok = load_tokenizer(tokenizer_meta)
-    block_size, model_vocab = model.config.block_size, model.config.vocab_size
+    block_size = model.config.block_size
+    model_vocab = model.config.vocab_size
     source = describe_source(config['init_from'], config['out_dir'])
     check_tokenizer_fits(model.config, tokenizer_meta, source)
     # the head scores only the tokenizer's ids: a padded vocabulary's extra rows are never sampled. float32 on a
@@ -166,7 +169,8 @@ def main():
 
     # the prompt's ids, one copy per sample: x is (num_samples, T)
     start_ids = encode_prompt(tok, read_start(config['start']), block_size, model_vocab)
-    num_samples, stream = config['num_samples'], config['num_samples'] == 1
+    num_samples = config['num_samples']
+    stream = config['num_samples'] == 1
     x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...].repeat(num_samples, 1)
     # one generator for the whole batch: the same seed gives the same samples
     generator = torch.Generator(device=device).manual_seed(config['seed'])

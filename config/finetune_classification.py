@@ -9,7 +9,8 @@ out_dir = 'out-ft-classification'
 
 epochs = 3
 batch_size = 32
-learning_rate = 0.0  # = 6.25e-5 for GPT-2 small (768 wide, like GPT-1); scaled to the width for the others
+# = 6.25e-5 for GPT-2 small (768 wide, like GPT-1); scaled to the width for the others
+learning_rate = 0.0
 warmup_frac = 0.002  # warm up over 0.2% of training, then decay
 min_lr = 0.0
 dropout = 0.1

@@ -25,7 +25,8 @@ n_head = 4
 n_embd = 128
 dropout = 0.0
 pos = 'rope'  # rotary positions instead of the learned wpe table
-qk_norm = True  # RMS-normalised queries and keys: Muon's larger steps keep the attention scores bounded
+# RMS-normalised queries and keys: Muon's larger steps keep the attention scores bounded
+qk_norm = True
 
 # Muon (its own rate, muon_lr=0.02) for the hidden matrices, AdamW at learning_rate for the embedding and gains
 optimizer = 'muon'

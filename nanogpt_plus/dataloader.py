@@ -18,10 +18,11 @@ meta.json says "dtype": "uint32", for vocabularies past 65,536), or a list of ll
 Either way every process computes the same sequence of micro-batches, and micro-batch k belongs to rank
 k % world_size (each call to next_batch consumes world_size micro-batches). So the global batch of an
 optimizer step is the same for any world size: 2 ranks x 2 accumulation steps see exactly the micro-batches
-1 rank x 4 steps sees; and any rank's state_dict resumes all of them.
+1 rank x 4 steps sees; and any rank's state_dict resumes all of them. training_data opens train.py's dataset
+(dataset.py says what its files are) and loaders, on every rank with one verdict.
 
 Usage:
-    from nanogpt_plus.dataloader import TokenWindowLoader, split_files
+    from nanogpt_plus.dataloader import TokenWindowLoader
     loader = TokenWindowLoader(split_files('shakespeare_char', 'train'), batch_size=12, block_size=64,
                                seed=1337, rank=0, world_size=1, device='cpu', order='random')
     x, y = loader.next_batch()          # (B, T) int64 inputs and targets shifted by one
@@ -29,85 +30,19 @@ Usage:
     loader.check_vocab(model.config.vocab_size)   # ids the model has no embedding for: one line, not a crash
 """
 
-import json
 import os
 
 import numpy as np
 import torch
 
+from nanogpt_plus.dataset import find_dataset, raw_token_dtype
+from nanogpt_plus.distributed import every_rank
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.shards import find_shards, has_header, is_shard_name, open_shard, token_dtype
-
-REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout above this package
-ORDERS = ('random', 'sequential')  # the values of data_order
-
+from nanogpt_plus.settings import ORDERS
+from nanogpt_plus.shards import has_header, open_shard
 
 # -----------------------------------------------------------------------------
-# finding and opening a dataset's token files
-
-def holds_shards(data_dir):
-    """ Whether a directory holds llm.c token shards: a *train*.bin or *val*.bin other than nanoGPT's two. """
-    if not os.path.isdir(data_dir):
-        return False
-    return any(is_shard_name(n) for n in os.listdir(data_dir))
-
-
-def dataset_dir(dataset):
-    """ data/<dataset> (relative to the working directory, like nanoGPT, else to this repo), or a path. """
-    for candidate in (dataset, os.path.join('data', dataset), os.path.join(REPO_DIR, 'data', dataset)):
-        if os.path.isdir(candidate) and (os.path.exists(os.path.join(candidate, 'train.bin'))
-                                         or holds_shards(candidate)):
-            return candidate
-    return os.path.join('data', dataset)
-
-
-def split_files(dataset, split):
-    """
-    The token files of a dataset's split ('train' or 'val'), in order: its llm.c shards (by shards.find_shards'
-    naming rule), else nanoGPT's data_dir/<split>.bin (whose absence open_token_file reports, with the
-    prepare.py to run). dataset is a name under data/ or a directory.
-    """
-    data_dir = dataset_dir(dataset)
-    if not holds_shards(data_dir):
-        return [os.path.join(data_dir, f'{split}.bin')]
-    if split not in ('train', 'val'):
-        raise UserError(f"a directory of token shards has the splits train and val, not '{split}'; "
-                        f"use --split=train or --split=val")
-    files = find_shards(data_dir)[0 if split == 'train' else 1]
-    if not files:
-        raise UserError(f"{data_dir} has no {split} shards (no *{split}*.bin file); prepare the dataset again "
-                        f"with its {split} split")
-    return files
-
-
-RAW_DTYPES = ('uint16', 'uint32')  # the dtypes a raw train.bin/val.bin can have (meta.json's "dtype")
-
-
-def raw_token_dtype(path):
-    """
-    The dtype of a raw token file: its directory's meta.json "dtype" (prepare.py records it), else uint16
-    (nanoGPT's, and what a directory without meta.json or with nanoGPT's meta.pkl holds). Only that key is
-    read (and vocab_size): a bpe meta.json names its tokenizer.json rather than holding it, so this never parses
-    a tokenizer. uint16 for a vocabulary past 65,536 is refused: its ids were cut, or the file is uint32 and
-    would read as twice as many small, wrong ids that no vocabulary check catches.
-    """
-    meta_path = os.path.join(os.path.dirname(path), 'meta.json')
-    if not os.path.exists(meta_path):
-        return np.dtype(np.uint16)
-    try:
-        with open(meta_path, encoding='utf-8') as f:
-            meta = json.load(f)
-        dtype, vocab_size = meta.get('dtype', 'uint16'), meta.get('vocab_size')
-    except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"{meta_path} is unreadable ({e}); re-run the dataset's prepare.py") from None
-    if dtype not in RAW_DTYPES:
-        raise UserError(f"{meta_path} says the token files are {dtype!r}, not one of {', '.join(RAW_DTYPES)}; "
-                        f"re-run the dataset's prepare.py")
-    if isinstance(vocab_size, int) and np.dtype(dtype).itemsize < token_dtype(vocab_size).itemsize:
-        raise UserError(f"{meta_path} says the token files are {dtype}, but its vocabulary of {vocab_size:,} tokens "
-                        f"needs {token_dtype(vocab_size)}; re-run the dataset's prepare.py (it records the dtype)")
-    return np.dtype(dtype)
-
+# opening a split's token files
 
 def open_tokens(path, dataset=None, dtype=None):
     """
@@ -175,12 +110,14 @@ class TokenSource:
     def __init__(self, paths, dataset=None, dtype=None):
         self.paths = list(paths)
         opened = [open_token_file(p, dataset, dtype) for p in self.paths]
-        self.layouts = [(m.dtype, m.offset, len(m)) for m in opened]  # what np.memmap needs to map it again
+        # what np.memmap needs to map it again
+        self.layouts = [(m.dtype, m.offset, len(m)) for m in opened]
         self.sizes = np.array([n for _, _, n in self.layouts], dtype=np.int64)  # tokens per file
         # each file as it was validated: another file under its name (a dataset prepared again while the run
         # reads it, perhaps with another vocabulary) is refused at the next read instead of trained on
         self.pins = [file_identity(p) for p in self.paths]
-        self.vocab_size = self.tokenizer_size = None  # set by check_vocab for a large split: every window checked
+        # set by check_vocab for a large split: every window checked
+        self.vocab_size = self.tokenizer_size = None
 
     def tokens(self, i):
         """ File i's tokens, a fresh read-only memmap (of the file validated at start-up, or one line). """
@@ -198,7 +135,8 @@ class TokenSource:
         for i in np.unique(files):
             rows = np.flatnonzero(files == i)
             window[rows] = self.tokens(i)[starts[rows, None] + span]
-            if self.vocab_size is not None:  # on the CPU, before the device sees an id it has no embedding for
+            # on the CPU, before the device sees an id it has no embedding for
+            if self.vocab_size is not None:
                 check_token_ids(window[rows], self.vocab_size, self.paths[i], self.tokenizer_size)
         return torch.from_numpy(window)
 
@@ -208,7 +146,8 @@ class TokenSource:
             for i, path in enumerate(self.paths):
                 check_token_ids(self.tokens(i), vocab_size, path, tokenizer_size)  # all of it, now
         else:
-            self.vocab_size, self.tokenizer_size = vocab_size, tokenizer_size
+            self.vocab_size = vocab_size
+            self.tokenizer_size = tokenizer_size
 
     def describe(self):
         """ The split's files, for messages: the file, or the shards' directory. """
@@ -225,10 +164,13 @@ class RandomOrder:
     name = 'random'
 
     def __init__(self, sizes, batch_size, block_size, seed):
-        windows = np.maximum(sizes - block_size, 0)  # start positions whose T+1 tokens fit in the file
-        self.ends = np.cumsum(windows)  # global window g lies in the first file whose end is above g
+        # start positions whose T+1 tokens fit in the file
+        windows = np.maximum(sizes - block_size, 0)
+        # global window g lies in the first file whose end is above g
+        self.ends = np.cumsum(windows)
         self.begins = self.ends - windows
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size = batch_size
+        self.seed = seed
         self.generator = torch.Generator()
         self.reset()
 
@@ -252,21 +194,30 @@ class SequentialOrder:
     name = 'sequential'
 
     def __init__(self, sizes, batch_size, block_size, names):
-        self.sizes, self.names = sizes, names
-        self.step = batch_size * block_size  # a micro-batch reads step + 1 tokens and moves on by step
-        self.starts = np.arange(batch_size, dtype=np.int64) * block_size  # its windows, relative to position
+        self.sizes = sizes
+        self.names = names
+        # a micro-batch reads step + 1 tokens and moves on by step
+        self.step = batch_size * block_size
+        # its windows, relative to position
+        self.starts = np.arange(batch_size, dtype=np.int64) * block_size
         self.reset()
 
     def reset(self):
-        self.file, self.position, self.epoch = 0, 0, 0
+        self.file = 0
+        self.position = 0
+        self.epoch = 0
 
     def draw(self):
         # the init check (a file holds a micro-batch) ends this loop within one pass over the files
         while self.position + self.step + 1 > self.sizes[self.file]:
-            self.file, self.position = self.file + 1, 0
-            if self.file == len(self.sizes):  # the end of an epoch: every micro-batch once, start again
-                self.file, self.epoch = 0, self.epoch + 1
-        files, starts = np.full(len(self.starts), self.file), self.position + self.starts
+            self.file = self.file + 1
+            self.position = 0
+            # the end of an epoch: every micro-batch once, start again
+            if self.file == len(self.sizes):
+                self.file = 0
+                self.epoch = self.epoch + 1
+        files = np.full(len(self.starts), self.file)
+        starts = self.position + self.starts
         self.position += self.step
         return files, starts
 
@@ -280,12 +231,15 @@ class SequentialOrder:
         if file >= len(self.names) or self.names[file] != state['file_name']:
             raise UserError(f"the checkpoint's data position is in the shard {state['file_name']}, which is not "
                             f"shard {file} of this dataset; resume on the dataset the run was started on")
-        self.file, self.position, self.epoch = file, int(state['position']), int(state['epoch'])
+        self.file = file
+        self.position = int(state['position'])
+        self.epoch = int(state['epoch'])
 
 
 def make_order(order, source, batch_size, block_size, seed):
     """ The order of windows over source, after checking that its files are long enough for it. """
-    largest, where = int(source.sizes.max()), source.describe()
+    largest = int(source.sizes.max())
+    where = source.describe()
     if order == 'random':
         if largest <= block_size:
             what = f"{where} has only {largest} tokens" if len(source.paths) == 1 else \
@@ -337,8 +291,11 @@ class TokenWindowLoader:
         paths = [paths] if isinstance(paths, str) else list(paths)
         self.source = TokenSource(paths, dataset, dtype)
         self.block_size = block_size
-        self.rank, self.world_size, self.device = rank, world_size, device
-        self.order = make_order(order, self.source, batch_size, block_size, seed)  # it keeps the seed and batch size
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        # it keeps the seed and batch size
+        self.order = make_order(order, self.source, batch_size, block_size, seed)
         self.micro_step = 0  # global micro-batch counter, shared by all ranks
         self._pin = 'cuda' in str(device)
 
@@ -371,9 +328,43 @@ class TokenWindowLoader:
         return dict(self.order.state_dict(), order=self.order.name, micro_step=self.micro_step)
 
     def load_state_dict(self, state):
-        saved = state.get('order', 'random')  # checkpoints from before data_order drew random windows
+        # checkpoints from before data_order drew random windows
+        saved = state.get('order', 'random')
         if saved != self.order.name:
             raise UserError(f"the checkpoint's data loader read the {saved} order, but data_order is "
                             f"'{self.order.name}'; resume with --data_order={saved}")
         self.order.load_state_dict(state)
         self.micro_step = int(state['micro_step'])
+
+
+# -----------------------------------------------------------------------------
+# train.py's data
+
+def training_data(cfg, dist_info):
+    """
+    train.py's dataset and loaders, (Dataset, train_loader, {'train': ..., 'val': ...}), opened on every rank with
+    one verdict: a node whose disk lacks the data (or holds another copy that fails its checks) ends every rank
+    with the same line, instead of one rank stopping while the others wait for it in a collective.
+    """
+    def open_all():
+        data = find_dataset(cfg['dataset'])
+        return (data, *training_loaders(data, cfg['batch_size'], cfg['block_size'], cfg['seed'], cfg['data_order'],
+                                        dist_info))
+    return every_rank(dist_info, open_all)
+
+
+def training_loaders(data, batch_size, block_size, seed, data_order, dist_info):
+    """
+    train.py's loaders of a dataset.Dataset: the training stream (in data_order, strided over ranks) and one fixed
+    stream per split to evaluate on: the train split's at random windows (a sample of the whole training set, not
+    just its start); the val split's in evaluation_order (shards: sequentially from the start; train.bin's:
+    random). Returns (train_loader, {'train': ..., 'val': ...}).
+    """
+    def loader(split, seed, order):
+        return TokenWindowLoader(data.files(split), batch_size, block_size, seed=seed, rank=dist_info.rank,
+                                 world_size=dist_info.world_size, device=dist_info.device, dataset=data.name,
+                                 order=order, dtype=data.raw_dtype)
+    train_loader = loader('train', seed, data_order)
+    evaluation = {'train': loader('train', seed + 1, 'random'),
+                  'val': loader('val', seed + 2, evaluation_order(data.files('val')))}
+    return train_loader, evaluation

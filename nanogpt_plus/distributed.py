@@ -20,7 +20,8 @@ from nanogpt_plus.errors import PeerFailed, UserError, exit_code
 
 @dataclass
 class DistInfo:
-    under_torchrun: bool  # started by torchrun (RANK in the environment): a process group exists, even of one
+    # started by torchrun (RANK in the environment): a process group exists, even of one
+    under_torchrun: bool
     rank: int
     local_rank: int
     world_size: int
@@ -40,7 +41,8 @@ def init_distributed(device='auto', backend='auto'):
     device = resolve_device(device)
     if int(os.environ.get('RANK', -1)) == -1:
         return DistInfo(False, 0, 0, 1, device)
-    rank, local_rank = int(os.environ['RANK']), int(os.environ['LOCAL_RANK'])
+    rank = int(os.environ['RANK'])
+    local_rank = int(os.environ['LOCAL_RANK'])
     world_size = int(os.environ['WORLD_SIZE'])
     device_type = device_type_of(device)
     if device_type == 'cuda':
@@ -70,7 +72,8 @@ def several_processes():
 def lost_peer(error):
     """ Whether error is a collective failing because another rank is gone (gloo) or unreachable (nccl). """
     import torch.distributed as dist
-    if isinstance(error, dist.DistError):  # DistBackendError (nccl errors, timeouts), DistNetworkError, ...
+    # DistBackendError (nccl errors, timeouts), DistNetworkError, ...
+    if isinstance(error, dist.DistError):
         return True
     # gloo raises a plain RuntimeError when the peer's socket closes
     return isinstance(error, RuntimeError) and any(
@@ -87,7 +90,8 @@ def master_decides(dist_info, fn):
     if dist_info.master:
         try:
             fn()
-        except BaseException as e:  # every kind, a second Ctrl-C too: the other ranks must hear of it first
+        # every kind, a second Ctrl-C too: the other ranks must hear of it first
+        except BaseException as e:
             error = e
     outcome = None if error is None else exit_code(error)
     if dist_info.under_torchrun:
@@ -143,7 +147,8 @@ def every_rank(dist_info, fn):
     instead of walking on into a collective the failed rank never joins. Returns fn()'s result. One
     all_gather_object with several processes.
     """
-    error, result = None, None
+    error = None
+    result = None
     try:
         result = fn()
     except Exception as e:  # every kind: the other ranks must hear of it before anyone raises
@@ -161,7 +166,8 @@ def every_rank(dist_info, fn):
     first = failed[0]
     if dist_info.rank != first:
         raise PeerFailed(f"rank {first} failed", outcomes[first][0])
-    if len(failed) < dist_info.world_size and isinstance(error, UserError):  # a file one node has, another lacks
+    # a file one node has, another lacks
+    if len(failed) < dist_info.world_size and isinstance(error, UserError):
         fine = sorted({host for code, host in outcomes if code is None})
         raise type(error)(f"{error} [rank {first} on {outcomes[first][1]}; ranks on {', '.join(fine)} found what "
                           f"they needed: every node must see this path (a shared file system, or a copy on each "

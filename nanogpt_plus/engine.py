@@ -27,7 +27,7 @@ from contextlib import nullcontext
 import torch
 from torch.nn import functional as F
 
-MODES = ('exact', 'fast')
+from nanogpt_plus.settings import MODES
 
 
 class KVCache:
@@ -142,8 +142,10 @@ class _PrefixKV:
 
     def update(self, layer_idx, k, v):
         if self.k is not None:
-            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
-        self.k, self.v = k, v
+            k = torch.cat((self.k, k), dim=2)
+            v = torch.cat((self.v, v), dim=2)
+        self.k = k
+        self.v = v
         return k, v
 
     def advance(self, T):
@@ -191,7 +193,8 @@ def generate_stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
             logits = logits[:, :vocab_size]
         next_tok = sample_next_token(logits, generator, temperature, top_k, top_p)  # (B, 1)
         if stop_token is not None:
-            next_tok = next_tok.masked_fill(done[:, None], stop_token)  # finished rows stay finished
+            # finished rows stay finished
+            next_tok = next_tok.masked_fill(done[:, None], stop_token)
             done |= next_tok[:, 0] == stop_token
         yield next_tok[:, 0]
         if step == max_new_tokens - 1 or (stop_token is not None and bool(done.all())):

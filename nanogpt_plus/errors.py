@@ -76,7 +76,8 @@ def out_of_memory_error(iter_num, checkpoint_path, fsdp=True):
         kept = f"the last checkpoint, {checkpoint_path}, is kept (nothing was saved after the error)"
         then = "resume with --init_from=resume"
     else:
-        kept, then = f"no checkpoint had been saved to {os.path.dirname(checkpoint_path)} yet", "start again"
+        kept = f"no checkpoint had been saved to {os.path.dirname(checkpoint_path)} yet"
+        then = "start again"
     fixes = ["a smaller --batch_size with more --gradient_accumulation_steps (the same tokens per step)",
              "--activation_checkpointing=True (recompute each Block in the backward pass)"]
     if fsdp:
@@ -84,3 +85,10 @@ def out_of_memory_error(iter_num, checkpoint_path, fsdp=True):
     fixes.append("a smaller --block_size")
     return UserError(f"out of GPU memory at iter {iter_num}; {kept}. To fit, use " + ", ".join(fixes[:-1])
                      + f" or {fixes[-1]}, then {then}")
+
+
+def non_finite_loss(value, iter_num, out_dir):
+    """ The one line a NaN or infinite loss stops a training run with: nothing is saved over the last good state. """
+    return UserError(f"loss is {value} at iter {iter_num}; stopping without saving, so the last good "
+                     f"checkpoint in {out_dir} is kept. Lower the learning rate (or use "
+                     f"--dtype=bfloat16/float32) and resume with --init_from=resume")

@@ -28,11 +28,11 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from nanogpt_plus.dataloader import REPO_DIR, check_token_ids, open_token_file, split_files
-from nanogpt_plus.distributed import all_reduce_sum
+from nanogpt_plus.dataloader import check_token_ids, open_token_file
+from nanogpt_plus.dataset import REPO_DIR, read_dataset_meta, split_files
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write, read_jsonl
-from nanogpt_plus.tokenizer import load_tokenizer, read_dataset_meta
+from nanogpt_plus.tokenizer import load_tokenizer
 
 TASKS = ('loss', 'hellaswag', 'lambada')
 # the fields each JSONL task's records must have
@@ -43,8 +43,6 @@ DATA_URLS = {
     'lambada': 'https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl',
 }
 DOWNLOAD_TIMEOUT_S = 10
-# train.py's hellaswag_file default: where public_task_file keeps the download, relative to the repository
-HELLASWAG_FILE = 'data/hellaswag/hellaswag_val.jsonl'
 
 
 # -----------------------------------------------------------------------------
@@ -77,16 +75,20 @@ def score_rows(model, rows, indices, batch_size, device, ctx=nullcontext(), pad_
         idx = torch.zeros(len(batch), T, dtype=torch.long)
         targets = torch.full((len(batch), T), -1, dtype=torch.long)
         for b, (tokens, n_target) in enumerate(batch):
-            tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))  # a list, or a slice of a token file's memmap
+            # a list, or a slice of a token file's memmap
+            tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
             n = len(tokens) - 1  # the row's input length
             idx[b, :n] = tokens[:-1]
             targets[b, n - n_target:n] = tokens[n + 1 - n_target:]
-        idx, targets = idx.to(device), targets.to(device)
-        with ctx:  # logits at every position; the per-token losses are taken below rather than by the model
+        idx = idx.to(device)
+        targets = targets.to(device)
+        # logits at every position; the per-token losses are taken below rather than by the model
+        with ctx:
             logits, _ = model(idx, all_positions=True)  # (B, T, vocab_size)
         logits = logits.float()
         losses = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
-                                 reduction='none').view(targets.shape)  # (B, T), 0 where the target is -1
+                                 # (B, T), 0 where the target is -1
+                                 reduction='none').view(targets.shape)
         scored = targets != -1
         greedy = ((logits.argmax(-1) == targets) | ~scored).all(dim=1)
         out[start:start + len(batch), 0] = losses.double().sum(dim=1).cpu()
@@ -148,7 +150,10 @@ def loss_windows(num_tokens, block_size, stride=0):
     if not 1 <= stride <= block_size:
         raise UserError(f"stride must be between 1 and block_size ({block_size}), got {stride}; 0 means "
                         f"non-overlapping windows")
-    windows, begin, scored_upto = [], 0, 0  # targets tokens[1:scored_upto + 1] are already scored
+    # targets tokens[1:scored_upto + 1] are already scored
+    windows = []
+    begin = 0
+    scored_upto = 0
     while scored_upto < num_tokens - 1:
         end = min(begin + block_size, num_tokens - 1)
         windows.append((begin, end, end - scored_upto))
@@ -187,7 +192,8 @@ def token_byte_lengths(tokenizer):
 
 def loss_metrics(table, num_bytes):
     """ Mean loss and perplexity per token of score_rows' table; bits per byte when num_bytes is known. """
-    nll, count = table[:, 0].sum().item(), table[:, 1].sum().item()
+    nll = table[:, 0].sum().item()
+    count = table[:, 1].sum().item()
     metrics = {'loss': nll / count, 'perplexity': math.exp(nll / count), 'tokens': int(count)}
     if num_bytes is not None:
         metrics['bits_per_byte'] = nll / math.log(2) / num_bytes
@@ -219,37 +225,6 @@ def scored_bytes(parts, lengths):
     return total
 
 
-@torch.no_grad()
-def estimate_loss(model, loaders, eval_iters, ctx, dist_info, poll=None):
-    """
-    train.py's estimate of the loss: {split: mean loss over eval_iters batches} for each loader of
-    {split: loader}; the ranks share the batches (rank r takes r, r + world_size, ...) and the sum is reduced
-    over them. poll: called after every batch on every rank; when it returns True the estimate stops: None.
-    """
-    model.eval()
-    losses = {}
-    # every rank runs the same number of forwards: under FSDP each one all-gathers weights (and DDP's first
-    # broadcasts buffers), so a rank with one forward fewer would leave the others waiting. A rank whose
-    # share ends early runs on past eval_iters and leaves those losses out of the sum.
-    forwards = math.ceil(eval_iters / dist_info.world_size)
-    for split, loader in loaders.items():
-        loader.reset()  # the same batches at every evaluation, so the numbers are comparable
-        total = torch.zeros((), dtype=torch.float64, device=dist_info.device)
-        for k in range(forwards):
-            X, Y = loader.next_batch()  # batch k * world_size + rank of the stream
-            with ctx:
-                _, loss = model(X, Y)
-            if k * dist_info.world_size + dist_info.rank < eval_iters:
-                total += loss.double()
-            if poll is not None and poll():
-                model.train()
-                return None
-        total, = all_reduce_sum([total.item()], dist_info)
-        losses[split] = total / eval_iters
-    model.train()
-    return losses
-
-
 # -----------------------------------------------------------------------------
 # multiple choice (HellaSwag) and last word (LAMBADA) JSONL tasks
 
@@ -263,9 +238,13 @@ def hellaswag_examples(records, tokenizer, block_size, path='data'):
     One row per ending: the context's tokens, then the tokens of ' ' + ending (the way the standard harnesses
     tokenize it), only the ending scored. path names the file in errors. Returns (rows, offsets, labels).
     """
-    rows, offsets, labels = [], [0], []
+    rows = []
+    offsets = [0]
+    labels = []
     for lineno, rec in records:
-        ctx, endings, label = rec['ctx'], rec['endings'], rec['label']
+        ctx = rec['ctx']
+        endings = rec['endings']
+        label = rec['label']
         if isinstance(label, str) and label.strip().isdigit():
             label = int(label)  # the Hugging Face copy of HellaSwag stores labels as strings
         ok = (isinstance(ctx, str) and ctx and isinstance(endings, list) and len(endings) >= 2
@@ -288,7 +267,8 @@ def hellaswag_counts(table, offsets, labels):
     correct = correct_norm = 0
     for k, label in enumerate(labels):
         choices = table[offsets[k]:offsets[k + 1]]
-        total, mean = choices[:, 0], choices[:, 0] / choices[:, 1]
+        total = choices[:, 0]
+        mean = choices[:, 0] / choices[:, 1]
         correct += int(total.argmin().item() == label)
         correct_norm += int(mean.argmin().item() == label)
     return {'correct': correct, 'correct_norm': correct_norm, 'total': len(labels)}
@@ -400,14 +380,16 @@ def loss_files(data_file, dataset, split):
 
 def loss_parts(paths, dataset, vocab_size, block_size, stride=0, max_examples=0):
     """ [(tokens as a memmap, loss_windows over them)] per file; max_examples > 0 keeps the first windows only. """
-    parts, left = [], max_examples
+    parts = []
+    left = max_examples
     for path in paths:
         if max_examples and left <= 0:
             break  # the files after the last window kept are not even opened
         tokens = open_token_file(path, dataset or None)
         if len(tokens) < 2:
             raise UserError(f"{path} has fewer than 2 tokens; nothing to score")
-        check_token_ids(tokens, vocab_size, path)  # else an embedding lookup fails deep in the model
+        # else an embedding lookup fails deep in the model
+        check_token_ids(tokens, vocab_size, path)
         windows = loss_windows(len(tokens), block_size, stride)
         if max_examples:
             windows = windows[:left]
@@ -423,7 +405,8 @@ def loss_task(model, tokenizer_meta, paths, dataset, stride, batch_size, max_exa
     # the tokenizer the files were made with (their dataset's meta, else the model's) counts their bytes
     meta = read_dataset_meta(os.path.dirname(os.path.abspath(paths[0]))) or tokenizer_meta
     metrics = evaluate_loss(model, parts, load_tokenizer(meta), batch_size, **run)
-    path = paths[0] if len(paths) == 1 else os.path.dirname(paths[0])  # several shards: their directory
+    # several shards: their directory
+    path = paths[0] if len(paths) == 1 else os.path.dirname(paths[0])
     return metrics, sum(len(windows) for _, windows in parts), path
 
 

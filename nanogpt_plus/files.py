@@ -1,6 +1,6 @@
 """
 Files on disk: the one atomic writer every output goes through (datasets, checkpoints, exports, eval
-results), the one rule for where an output may go (check_output), and reading JSONL files with one-line errors.
+results), and reading JSONL files with one-line errors. Where an output may go at all is outputs.py's.
 
 An output is written under a hidden temporary name beside it (.train.bin.tmp.<pid>, .ckpt.pt.tmp.<pid>),
 fsynced, and renamed over the real name only when complete, so a crash at any moment leaves either the old
@@ -14,20 +14,11 @@ Usage:
         ids.tofile(out.path('train.bin'))
         ...
     records = read_jsonl('val.jsonl', required_keys=('text',))        # [(line number, dict)]
-    check_output('out/eval.json', 'output_file', overwrite=False)     # before the work: refused in one line
-
-An output path names something the user has (a setting they typed, a default beside their files), so before
-any work check_output refuses one that would replace a checkpoint, a dataset's files, a directory holding
-them, or a file the run reads, unless --overwrite=True; an earlier output of the same script is none of
-these, so re-running replaces it.
 """
 
 import glob
 import json
 import os
-import re
-import sys
-import zipfile
 from contextlib import contextmanager
 
 from nanogpt_plus.errors import UserError
@@ -88,14 +79,16 @@ class AtomicOutputs:
         remove_stale_temps(final)
         tmp = temp_path(final)
         self.pending.append((tmp, final))
-        self.writing = final  # outputs are written in the order they are asked for: a failure is this one's
+        # outputs are written in the order they are asked for: a failure is this one's
+        self.writing = final
         return tmp
 
     def commit(self):
         # every file's data reaches the disk before the first rename, so no final name ever points at
         # a half-written file, even after a power cut between two renames
         for tmp, final in self.pending:
-            self.writing = final  # a full disk can surface only now, as fsync writes out the cached pages
+            # a full disk can surface only now, as fsync writes out the cached pages
+            self.writing = final
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
         for tmp, final in self.pending:
@@ -127,7 +120,8 @@ def atomic_outputs(directory):
             raise
         raise write_failed(e, out.writing) from None
     finally:
-        out.discard()  # after an error (or Ctrl-C) the temp files go; the old outputs stay as they were
+        # after an error (or Ctrl-C) the temp files go; the old outputs stay as they were
+        out.discard()
 
 
 def atomic_write(path, write_fn, binary=True):
@@ -188,132 +182,6 @@ def _fsync_dir(path):
 
 
 # -----------------------------------------------------------------------------
-# where an output may go
-
-# what an output never replaces unprompted: checkpoints (ckpt.pt, snapshots, a Hugging Face pytorch_model.bin,
-# any file torch.save wrote) and a dataset's files: its token files (nanoGPT's train.bin/val.bin, llm.c's shards;
-# all .bin), and beside them the meta and tokenizer.json that say how to read them. They cost hours to remake.
-CHECKPOINT_SUFFIX = '.pt'
-TOKEN_SUFFIX = '.bin'
-DATASET_DESCRIPTIONS = ('meta.json', 'meta.pkl', 'tokenizer.json')
-ZIP_MAGIC = b'PK\x03\x04'
-# torch.save's legacy (non-zip) format starts with its magic number, pickled: protocol 2, a 10-byte long
-LEGACY_TORCH_MAGIC = b'\x80\x02\x8a\x0a' + (0x1950a86a20f9469cfc6c).to_bytes(10, 'little')
-
-
-def torch_saved(path):
-    """ Whether the file at path was written by torch.save: a zip holding a data.pkl, or the legacy format. """
-    try:
-        with open(path, 'rb') as f:
-            head = f.read(len(LEGACY_TORCH_MAGIC))
-        if head.startswith(ZIP_MAGIC):
-            with zipfile.ZipFile(path) as z:  # reads the zip's directory only
-                return any(n == 'data.pkl' or n.endswith('/data.pkl') for n in z.namelist())
-    except (OSError, zipfile.BadZipFile):
-        return False  # unreadable, or a zip of something else: not a checkpoint we could tell apart
-    return head == LEGACY_TORCH_MAGIC
-
-
-def protected(path):
-    """ What the existing file at path is, if an output must not replace it ('the checkpoint x'), else None. """
-    name = os.path.basename(path)
-    if name.endswith(CHECKPOINT_SUFFIX) or torch_saved(path):
-        return f"the checkpoint {path}"
-    if name.endswith(TOKEN_SUFFIX):
-        return f"the token file {path}"
-    if name in DATASET_DESCRIPTIONS and _holds_token_files(os.path.dirname(path) or '.'):
-        return f"the dataset file {path}"
-    return None
-
-
-def _holds_token_files(directory):
-    try:
-        return any(n.endswith(TOKEN_SUFFIX) for n in os.listdir(directory))
-    except OSError:
-        return False
-
-
-def _protected_in(directory):
-    """ The first file directly in directory that protected() names, or None. """
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if os.path.isfile(path) and not name.startswith('.'):  # .x.tmp.<pid>: a writer's temp file, not data
-            what = protected(path)
-            if what:
-                return what
-    return None
-
-
-def _same(a, b):
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False  # one of them doesn't exist: nothing to replace
-
-
-def _check_writable(path, setting, kind):
-    """ The output can be made: the nearest existing directory on its way is a directory this user may write. """
-    place = path if kind == 'directory' else os.path.dirname(os.path.abspath(path))
-    while not os.path.lexists(place):
-        place = os.path.dirname(os.path.abspath(place))  # makedirs creates the rest
-    if not os.path.isdir(place):
-        raise UserError(f"--{setting}={path} is inside {place}, which is a file, not a directory; pass another "
-                        f"--{setting}")
-    if not os.access(place, os.W_OK | os.X_OK):
-        raise UserError(f"--{setting}={path}: this user may not write in {place}; fix its permissions or pass "
-                        f"another --{setting}")
-
-
-def _conflict(path, kind, inputs, earlier):
-    """ What writing the output at path would replace (check_output's words), or None. """
-    if kind == 'file':
-        # a .pt name is a checkpoint's even before one is there: finetune.py writes its ckpt.pt after the check
-        if path.endswith(CHECKPOINT_SUFFIX):
-            exists = os.path.exists(path)
-            return f"would replace the checkpoint {path}" if exists else "is named like a checkpoint (*.pt)"
-        what = protected(path) if os.path.isfile(path) else None
-        if what:
-            return f"would replace {what}"
-    elif os.path.isdir(path):
-        what = _protected_in(path)
-        if what:  # its files would be replaced (a dataset's tokenizer.json) or mixed with an export's
-            return f"would write into {path}, which holds {what}"
-        # files of some other kind: the script's fixed names (README.md, config.json) may be among them
-        if earlier and not all(os.path.isfile(os.path.join(path, n)) for n in earlier) and \
-                any(not n.startswith('.') for n in os.listdir(path)):
-            return (f"would write into {path}, which holds files and no earlier output of this script "
-                    f"({' and '.join(earlier)})")
-    for name, source in (inputs or {}).items():
-        if source and _same(source, path):
-            return f"would {'replace' if kind == 'file' else 'write into'} the --{name} this run reads, {source}"
-    return None
-
-
-def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=()):
-    """
-    Refuse, in one line naming setting, an output path (kind 'file', or 'directory' for one written into)
-    that would replace a checkpoint or a dataset's file (protected), write into a directory holding one (or,
-    given earlier: the names an earlier output of the script there holds, into a directory of other files), or
-    replace one of inputs ({setting: path} the run reads), unless overwrite; and one that can't be written at
-    all. Call it before the work, so nothing is computed for an output that is then refused. What a script
-    wrote itself (an eval JSON, predictions.jsonl, an export directory) is none of these: re-running replaces it.
-    """
-    if kind == 'directory' and os.path.isfile(path):
-        raise UserError(f"--{setting}={path} is a file, not a directory; pass a directory (a new one, or an "
-                        f"earlier output of this script)")
-    if kind == 'file' and os.path.isdir(path):
-        raise UserError(f"--{setting}={path} is a directory; pass a file path")
-    _check_writable(path, setting, kind)
-    conflict = _conflict(path, kind, inputs, earlier)
-    if conflict is None:
-        return
-    if not overwrite:
-        raise UserError(f"--{setting}={path} {conflict}; pass another --{setting}, or --overwrite=True to write "
-                        f"there anyway")
-    print(f"warning: --{setting}={path} {conflict} (overwrite=True)", file=sys.stderr)
-
-
-# -----------------------------------------------------------------------------
 # reading
 
 def read_jsonl(path, required_keys=(), missing_hint="pass an existing JSONL file"):
@@ -352,23 +220,3 @@ def _utf8_line(raw, path, lineno):
     except UnicodeDecodeError as e:
         raise UserError(f"{path} line {lineno} is not UTF-8 text (byte {raw[e.start]:#04x} at position {e.start + 1}); "
                         f"save the file as UTF-8") from None
-
-
-def load_error(path, error):
-    """
-    The one line for a file torch.load refused (a ckpt.pt, a Hugging Face pytorch_model.bin): a pickled Python
-    object (unsafe), else corrupt. Never torch's own text around it, which advises loading with
-    weights_only=False, i.e. running the file's code.
-    """
-    text = str(error)
-    # torch names the global it refused: 'Unsupported global: GLOBAL x.y' or 'unsupported GLOBAL x.y whose ...'
-    found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", text, re.IGNORECASE)
-    if found:
-        return UserError(f"checkpoint {path} holds a pickled Python object ({found.group(1)}) that loading could "
-                         f"run as code; this project loads only tensors and plain values. Use a checkpoint written "
-                         f"by this project, or re-save the file's tensors with torch.save in a trusted session")
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and 'weights_only' not in ln]
-    detail = next((ln for ln in lines if not ln.startswith(('Please file', 'Check the documentation'))), '')
-    detail = detail.split('. ')[0].rstrip('.')[:200]  # its first sentence: what failed, not torch's guesses why
-    return UserError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail}); "
-                     f"use another checkpoint")

@@ -23,14 +23,15 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
-from nanogpt_plus.build import fit_block_size
-from nanogpt_plus.checkpoint import build_checkpoint, checkpoint_path, load_checkpoint, model_from_checkpoint
+from nanogpt_plus.checkpoint import build_checkpoint, load_checkpoint
 from nanogpt_plus.device import precision
 from nanogpt_plus.distributed import all_reduce_sum
-from nanogpt_plus.errors import UserError
-from nanogpt_plus.files import atomic_write, check_output
+from nanogpt_plus.errors import TokenizerError, UserError
+from nanogpt_plus.files import atomic_write
 from nanogpt_plus.files import read_jsonl as read_jsonl_records
-from nanogpt_plus.tokenizer import TokenizerError, check_tokenizer_fits, load_tokenizer
+from nanogpt_plus.init_from import checkpoint_path, fit_block_size, model_from_checkpoint
+from nanogpt_plus.outputs import check_output
+from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
 from nanogpt_plus.weights import set_weights
 
 TASKS = ('classification', 'entailment', 'similarity', 'multiple_choice')
@@ -117,7 +118,8 @@ def label_ids(examples, task, label_map, path):
 
 def _choice_index(ex, path):
     """ The index of a multiple-choice example's right choice; its label is that index or the choice's text. """
-    label, choices = ex['label'], ex['texts'][1:]
+    label = ex['label']
+    choices = ex['texts'][1:]
     if isinstance(label, str):
         if label not in choices:
             raise UserError(f"{path} line {ex['line']}: label {label!r} is not one of the choices")
@@ -136,7 +138,8 @@ def truncate_pair(a, b, budget, keep_end_a=False):
     so a short text keeps all of its tokens. a loses its end, or its start when keep_end_a (a multiple-
     choice context, whose end is what the choices continue); b always loses its end.
     """
-    la, lb = len(a), len(b)
+    la = len(a)
+    lb = len(b)
     while la + lb > budget:
         if la >= lb:
             la -= 1
@@ -151,7 +154,9 @@ def encode_example(texts, task, encode, special, block_size):
     GPT-1's input transformations: the token sequences of one example (one per forward row), each
     [Start] ... [Extract] and at most block_size long. Special tokens are never truncated.
     """
-    s, d, e = special['start'], special['delim'], special['extract']
+    s = special['start']
+    d = special['delim']
+    e = special['extract']
     if task == 'classification':
         a, _ = truncate_pair(encode(texts[0]), [], block_size - 2)
         return [[s] + a + [e]]
@@ -198,24 +203,28 @@ def make_batch(seqs_list, labels, special, device):
         t = torch.tensor(r, dtype=torch.long)
         idx[i, :len(r)] = t
         targets[i, :len(r) - 1] = t[1:]
-    targets[targets >= special['start']] = -1  # the special tokens (appended last) are never LM targets
+    # the special tokens (appended last) are never LM targets
+    targets[targets >= special['start']] = -1
     extract_pos = torch.tensor([len(r) - 1 for r in rows], dtype=torch.long)
     n_max = max(len(seqs) for seqs in seqs_list)
     choice_mask = torch.tensor([[j < len(seqs) for j in range(n_max)] for seqs in seqs_list], dtype=torch.bool)
     batch = {'idx': idx, 'extract_pos': extract_pos, 'lm_targets': targets, 'choice_mask': choice_mask,
              'labels': None if labels is None else torch.tensor(labels, dtype=torch.long)}
     batch = {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
-    batch['n_lm_targets'] = int((targets != -1).sum())  # counted before the copy: no device sync later
+    # counted before the copy: no device sync later
+    batch['n_lm_targets'] = int((targets != -1).sum())
     return batch
 
 
 @dataclass
 class TaskData:
     """ The encoded training (and optional validation) examples of a fine-tune, with their class ids. """
-    label_map: dict  # {raw label: class id}; None for multiple choice (the label is the choice's index)
+    # {raw label: class id}; None for multiple choice (the label is the choice's index)
+    label_map: dict
     train_encoded: list
     train_labels: list
-    train_lm_targets: list = None  # each training example's number of LM targets (n_lm_targets), counted once
+    # each training example's number of LM targets (n_lm_targets), counted once
+    train_lm_targets: list = None
     val_encoded: list = None  # None without a val file
     val_labels: list = None
 
@@ -285,7 +294,8 @@ class Schedule:
 
 def step_batches(data, special, schedule, step_in_epoch, order, device):
     """ This rank's micro-batches of a step: its next batch_size x accum examples of order, as make_batch's. """
-    bs, start = schedule.batch_size, step_in_epoch * schedule.per_step
+    bs = schedule.batch_size
+    start = step_in_epoch * schedule.per_step
     micro = [order[start + m * bs: start + (m + 1) * bs] for m in range(schedule.accum)]
     # every rank must run the same number of forward/backward passes (DDP); the sampler pads every rank to the
     # same length, so the number of non-empty micro-batches agrees
@@ -299,11 +309,13 @@ def global_batch_counts(data, sampler, schedule, step_in_epoch):
     rank's counts would give, without one (a collective, and the .tolist() after it, would wait for the GPU
     every step). Every rank knows every rank's share of the step from the sampler.
     """
-    bs, start = schedule.batch_size, step_in_epoch * schedule.per_step
+    bs = schedule.batch_size
+    start = step_in_epoch * schedule.per_step
     n_ex = n_tok = 0
     for order in epoch_orders(len(sampler.dataset), sampler.num_replicas, sampler.shuffle, sampler.seed,
                               sampler.drop_last, sampler.epoch):
-        for i in order[start: start + schedule.accum * bs]:  # the examples step_batches takes on that rank
+        # the examples step_batches takes on that rank
+        for i in order[start: start + schedule.accum * bs]:
             n_ex += 1  # one label per example, whatever its number of rows
             n_tok += data.train_lm_targets[i]
     return float(n_ex), float(n_tok)
@@ -338,7 +350,8 @@ class TaskHead(nn.Module):
         super().__init__()
         self.dropout = nn.Dropout(dropout)
         self.linear = nn.Linear(n_embd, n_out, bias=bias)
-        torch.nn.init.normal_(self.linear.weight, mean=0.0, std=0.02)  # like every other Linear of the GPT
+        # like every other Linear of the GPT
+        torch.nn.init.normal_(self.linear.weight, mean=0.0, std=0.02)
         if bias:
             torch.nn.init.zeros_(self.linear.bias)
 
@@ -359,11 +372,14 @@ class FinetuneModel(nn.Module):
 
     def __init__(self, gpt, head, task):
         super().__init__()
-        self.gpt, self.head, self.task = gpt, head, task
+        self.gpt = gpt
+        self.head = head
+        self.task = task
 
     def forward(self, idx, extract_pos, choice_mask, lm_targets=None):
         h = self.gpt.hidden_states(idx)  # (R, T, C)
-        feats = h[torch.arange(h.size(0), device=h.device), extract_pos]  # (R, C): the Extract positions
+        # (R, C): the Extract positions
+        feats = h[torch.arange(h.size(0), device=h.device), extract_pos]
         if self.task == 'similarity':
             # rows come in pairs (a $ b, b $ a) per example; their sum is symmetric in the two texts
             logits = self.head(feats.view(-1, 2, feats.size(-1)).sum(1))
@@ -406,7 +422,8 @@ def task_model_and_data(cfg, task, gpt, tokenizer_meta, source, resume):
     if gpt.config.block_size < 5:
         raise UserError(f"block_size {gpt.config.block_size} is too small for the special tokens; use 16 or more")
     tokenizer = load_tokenizer(tokenizer_meta)
-    check_tokenizer_fits(gpt.config, tokenizer_meta, cfg['init_from'])  # else special tokens would share text ids
+    # else special tokens would share text ids
+    check_tokenizer_fits(gpt.config, tokenizer_meta, cfg['init_from'])
     special = add_special_tokens(gpt, source)
     data = load_task_data(task, cfg['train_file'], cfg['val_file'], tokenizer, special, gpt.config.block_size,
                           source.get('label_map') if resume else None)
@@ -423,7 +440,8 @@ def task_model_and_data(cfg, task, gpt, tokenizer_meta, source, resume):
 # the learning rate: GPT-1's for a model as wide as GPT-1, larger for narrower ones
 
 GPT1_LEARNING_RATE = 6.25e-5  # GPT-1's fine-tuning rate (Radford et al. 2018, section 4.1)...
-GPT1_WIDTH = 768  # ...for its 768-wide model; GPT-2 small is as wide, so it keeps the recipe exactly
+# ...for its 768-wide model; GPT-2 small is as wide, so it keeps the recipe exactly
+GPT1_WIDTH = 768
 WIDTH_EXPONENT = 1.5  # fitted to the best rates measured at widths 128 and 256 (docs/finetuning.md)
 
 
@@ -446,11 +464,14 @@ def resolve_learning_rate(cfg, n_embd, resumed=None):
     scaled_learning_rate of the source model's width. min_lr must not be above it (the decay would raise it).
     """
     if cfg['learning_rate'] > 0:
-        lr, how = cfg['learning_rate'], "--learning_rate"
+        lr = cfg['learning_rate']
+        how = "--learning_rate"
     elif resumed is not None and (resumed.get('config') or {}).get('learning_rate', 0) > 0:
-        lr, how = resumed['config']['learning_rate'], "the resumed fine-tune's"
+        lr = resumed['config']['learning_rate']
+        how = "the resumed fine-tune's"
     else:
-        lr, how = scaled_learning_rate(n_embd), f"learning_rate=0: 6.25e-5 x (768 / n_embd {n_embd}) ** 1.5"
+        lr = scaled_learning_rate(n_embd)
+        how = f"learning_rate=0: 6.25e-5 x (768 / n_embd {n_embd}) ** 1.5"
     if cfg['decay_lr'] and cfg['min_lr'] > lr:
         raise UserError(f"min_lr ({cfg['min_lr']:g}) is above the learning rate ({lr:g}, {how}), so the decay would "
                         f"raise the rate; set --min_lr to at most that (0.0, the default, decays to zero)")
@@ -507,7 +528,9 @@ def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=N
     was_training = model.training
     model.eval()
     indices = list(range(len(encoded))) if indices is None else list(indices)
-    correct, loss_sum, preds = 0, 0.0, []
+    correct = 0
+    loss_sum = 0.0
+    preds = []
     for i in range(0, len(indices), batch_size):
         chunk = indices[i:i + batch_size]
         batch = make_batch([encoded[j] for j in chunk], None if labels is None else [labels[j] for j in chunk],
@@ -533,8 +556,10 @@ def evaluate_val(model, data, special, batch_size, ctx, dist_info):
     scores a strided share with the plain model (its forwards are no collectives; still, every rank runs as
     many batches as the one with the most, so this stays safe if the model is ever a wrapped one).
     """
-    n_val, world = len(data.val_encoded), dist_info.world_size
-    most_batches = math.ceil(math.ceil(n_val / world) / batch_size)  # of the rank with the most examples
+    n_val = len(data.val_encoded)
+    world = dist_info.world_size
+    # of the rank with the most examples
+    most_batches = math.ceil(math.ceil(n_val / world) / batch_size)
     correct, seen, loss_sum, _ = evaluate(model, data.val_encoded, data.val_labels, special, batch_size,
                                           dist_info.device, ctx, range(dist_info.rank, n_val, world),
                                           num_batches=most_batches)
@@ -564,7 +589,8 @@ def write_predictions(model, ckpt_info, cfg, special, tokenizer, device, ctx, pa
         out['probs'] = probs
         lines.append(json.dumps(out))
     text = "\n".join(lines) + "\n"
-    atomic_write(out_path, lambda f: f.write(text), binary=False)  # never a half-written predictions file
+    # never a half-written predictions file
+    atomic_write(out_path, lambda f: f.write(text), binary=False)
     print(f"wrote {len(lines)} predictions to {out_path}")
 
 

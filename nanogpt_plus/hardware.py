@@ -39,14 +39,16 @@ def device_peak_flops(device, dtype=torch.float32):
         return gpu_peak_flops(name, dtype)
     if device.type == 'cpu':
         return cpu_peak()[0]
-    return 312e12  # mps and others: no reliable figure; nanoGPT's A100 number, set NANOGPT_PEAK_FLOPS to fix
+    # mps and others: no reliable figure; nanoGPT's A100 number, set NANOGPT_PEAK_FLOPS to fix
+    return 312e12
 
 
 def gpu_peak_flops(name, dtype):
     for fragment, half, tf32 in GPU_PEAK_TFLOPS:
         if fragment in name:
             return (half if dtype in (torch.bfloat16, torch.float16) else tf32) * 1e12
-    return 312e12 if dtype in (torch.bfloat16, torch.float16) else 156e12  # unknown GPU: assume an A100
+    # unknown GPU: assume an A100
+    return 312e12 if dtype in (torch.bfloat16, torch.float16) else 156e12
 
 
 def cpu_peak(num_cores=None):
@@ -104,7 +106,8 @@ def measured_matmul_flops(num_threads, n=MATMUL_PROBE_SIZE, repeats=5):
 @functools.lru_cache(maxsize=None)
 def _cpu_info():
     """ (vector ISA, clock in Hz) from /proc/cpuinfo and sysfs, with safe guesses where unreadable. """
-    flags, mhz = set(), None
+    flags = set()
+    mhz = None
     try:
         with open('/proc/cpuinfo') as f:
             for line in f:

@@ -23,10 +23,11 @@ import os
 import torch
 
 from model import EXPORT_ACTIVATIONS, hf_key_map
-from nanogpt_plus.checkpoint import HF_TOKENIZER_META
+from nanogpt_plus.bpe import EOT_TEXT
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write
-from nanogpt_plus.tokenizer import EOT_TEXT, check_tokenizer_fits, load_tokenizer, packaged_gpt2_files
+from nanogpt_plus.pretrained import HF_TOKENIZER_META
+from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer, packaged_gpt2_files
 
 EXPORT_WEIGHTS = ('float32', 'bfloat16')  # the dtypes model.safetensors may hold
 
@@ -40,7 +41,8 @@ def hf_config(config, eot_token=50256):
 
     return GPT2Config(
         vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd,
-        n_layer=config.n_layer, n_head=config.n_head, n_inner=None,  # None = 4 * n_embd, as in our MLP
+        # None = 4 * n_embd, as in our MLP
+        n_layer=config.n_layer, n_head=config.n_head, n_inner=None,
         activation_function=EXPORT_ACTIVATIONS[config.gelu], layer_norm_epsilon=1e-5,
         resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
         bos_token_id=eot_token, eos_token_id=eot_token, tie_word_embeddings=True,
@@ -75,12 +77,14 @@ def hf_state_dict(model):
     out = {}
     for ours, theirs, transpose in hf_key_map(config):
         t = sd[ours].detach().cpu()
-        out[theirs] = (t.t() if transpose else t).contiguous()  # safetensors wants contiguous storage
+        # safetensors wants contiguous storage
+        out[theirs] = (t.t() if transpose else t).contiguous()
     if not config.bias:
         # the biases HF's GPT-2 always has: every row of the bias=True table that the bias=False one lacks
         for ours, theirs, _ in hf_key_map(dataclasses.replace(config, bias=True)):
             if theirs not in out:
-                weight = sd[ours[:-len('bias')] + 'weight']  # Linear (out, in) or LayerNorm (C,): size(0) = out
+                # Linear (out, in) or LayerNorm (C,): size(0) = out
+                weight = sd[ours[:-len('bias')] + 'weight']
                 out[theirs] = torch.zeros(weight.size(0), dtype=weight.dtype)
     return out
 
@@ -109,7 +113,8 @@ def write_gpt2_tokenizer(hf_dir, block_size):
             json.dump(settings, f, indent=2)
         # from_pretrained reads the files by name, which works the same in transformers 4.x and 5.x
         tok = GPT2TokenizerFast.from_pretrained(tmp)
-        for name in ('vocab.json', 'merges.txt'):  # kept too: the slow GPT-2 tokenizers read these two
+        # kept too: the slow GPT-2 tokenizers read these two
+        for name in ('vocab.json', 'merges.txt'):
             shutil.copyfile(os.path.join(tmp, name), os.path.join(hf_dir, name))
     tok.save_pretrained(hf_dir)
 
@@ -125,7 +130,8 @@ def write_char_tokenizer(hf_dir, stoi, block_size):
     # WordLevel needs an unknown token; reuse the first character so no id outside the model's vocabulary exists
     unk = min(stoi, key=stoi.get)
     tok = Tokenizer(models.WordLevel(vocab=stoi, unk_token=unk))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r'[\s\S]'), behavior='isolated')  # not '.': '\n' is a character too
+    # not '.': '\n' is a character too
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r'[\s\S]'), behavior='isolated')
     tok.decoder = decoders.Fuse()  # join tokens without the spaces WordLevel would put between them
     PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=block_size,
                             clean_up_tokenization_spaces=False).save_pretrained(hf_dir)
@@ -162,7 +168,8 @@ def write_tokenizer(hf_dir, tok, block_size):
     meta_path = os.path.join(hf_dir, HF_TOKENIZER_META)
     if tok.kind == 'gpt2':
         write_gpt2_tokenizer(hf_dir, block_size)
-        if os.path.exists(meta_path):  # an earlier export's: init_model(hf_dir) would read it as this model's
+        # an earlier export's: init_model(hf_dir) would read it as this model's
+        if os.path.exists(meta_path):
             os.remove(meta_path)
         return
     if tok.kind == 'char':
@@ -252,11 +259,13 @@ def _write_export(model, tok, hf_dir, source, weights):
     """ export's files: the configs, the weights, the tokenizer, the README. """
     config = model.config
     os.makedirs(hf_dir, exist_ok=True)
-    cfg = hf_config(config, tok.eot_token)  # GPT-2's end of text is 50256; a char vocabulary has none
+    # GPT-2's end of text is 50256; a char vocabulary has none
+    cfg = hf_config(config, tok.eot_token)
     # what transformers' from_pretrained(dtype='auto') loads them as (named torch_dtype before transformers 4.56)
     setattr(cfg, 'dtype' if hasattr(cfg, 'dtype') else 'torch_dtype', weights)
     cfg.save_pretrained(hf_dir)
-    write_generation_config(hf_dir, cfg, tok.vocab_size)  # ids from the tokenizer's size up are never generated
+    # ids from the tokenizer's size up are never generated
+    write_generation_config(hf_dir, cfg, tok.vocab_size)
     dtype = getattr(torch, weights)
     tensors = {name: t.to(dtype) for name, t in hf_state_dict(model).items()}
     atomic_write(os.path.join(hf_dir, 'model.safetensors'),

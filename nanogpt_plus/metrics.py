@@ -51,13 +51,15 @@ class MetricsLogger:
             raise UserError(f"could not open {path} for writing ({e.strerror or e}); pass an --out_dir this user can "
                             f"write to") from None
         if self.file.tell() and not _ends_with_newline(path):
-            self.file.write("\n")  # a run killed mid-line left half a record: ours start on a line of their own
+            # a run killed mid-line left half a record: ours start on a line of their own
+            self.file.write("\n")
         if wandb_log:
             try:
                 import wandb
                 wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=wandb_dir)
                 self.wandb = wandb
-            except Exception as e:  # wandb raises many kinds (UsageError, CommError, ...): all mean "no wandb"
+            # wandb raises many kinds (UsageError, CommError, ...): all mean "no wandb"
+            except Exception as e:
                 print(f"warning: wandb could not start ({error_line(e)}); "
                       f"continuing without it (set WANDB_MODE=offline to log locally)", file=sys.stderr)
 

@@ -30,16 +30,20 @@ def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr, schedule='co
     and min_lr after lr_decay_iters.
     """
     if it < warmup_iters:
-        return learning_rate * (it + 1) / (warmup_iters + 1)  # never 0, so iteration 0 already learns
-    if it > lr_decay_iters or lr_decay_iters <= warmup_iters:  # past the decay, or no decay phase at all
+        # never 0, so iteration 0 already learns
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    # past the decay, or no decay phase at all
+    if it > lr_decay_iters or lr_decay_iters <= warmup_iters:
         return min_lr
     if schedule == 'wsd':
         cooldown_start = max(warmup_iters, lr_decay_iters - cooldown_frac * lr_decay_iters)
         if it < cooldown_start:
             return learning_rate
-        progress = (it - cooldown_start) / max(lr_decay_iters - cooldown_start, 1)  # 0 -> 1 over the cooldown
+        # 0 -> 1 over the cooldown
+        progress = (it - cooldown_start) / max(lr_decay_iters - cooldown_start, 1)
         return learning_rate + progress * (min_lr - learning_rate)
-    progress = (it - warmup_iters) / (lr_decay_iters - warmup_iters)  # 0 after the warmup, 1 at lr_decay_iters
+    # 0 after the warmup, 1 at lr_decay_iters
+    progress = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))  # from 1 down to 0
     return min_lr + cosine * (learning_rate - min_lr)
 
@@ -69,10 +73,12 @@ def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
     tall = x.size(0) > x.size(1)
     if tall:
         x = x.T  # iterate on the wide orientation: its Gram matrix x x^T is the smaller one
-    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1: inside the iteration's range
+    # spectral norm <= Frobenius norm <= 1: inside the iteration's range
+    x = x / x.norm().clamp(min=eps)
     for _ in range(ns_steps):
         gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
+        # a x + (b G + c G^2) x
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
 
 
@@ -133,7 +139,8 @@ class MuonWithAdamW:
         self.muon = torch.optim.Muon([{'params': hidden, 'lr_ratio': muon_lr / learning_rate}], lr=muon_lr,
                                      momentum=momentum, weight_decay=muon_weight_decay)
         self.adamw = adamw(params=rest)
-        self.parts = {'muon': self.muon, 'adamw': self.adamw}  # what state_dict holds, and load_optimizer_state loads
+        # what state_dict holds, and load_optimizer_state loads
+        self.parts = {'muon': self.muon, 'adamw': self.adamw}
         self.float32_ns = float32_ns
 
     @property
@@ -193,7 +200,8 @@ def take_update(optimizer, scaler):
     """ The second half: step (the scaler skips it if float16 gradients overflowed), update the scaler, zero. """
     scaler.step(optimizer)
     scaler.update()
-    optimizer.zero_grad(set_to_none=True)  # None, not zeros: the memory is free until the next backward
+    # None, not zeros: the memory is free until the next backward
+    optimizer.zero_grad(set_to_none=True)
 
 
 def skip_update(optimizer, scaler):

@@ -27,7 +27,8 @@ def wrap_model(model, dist_info, compile_model=False, parallelism='ddp', dtype='
     distributed = dist_info is not None and dist_info.under_torchrun
     fsdp = distributed and parallelism == 'fsdp'
     if fsdp:
-        shard_model(model, dist_info, dtype)  # in place: the compiled module below is the sharded one
+        # in place: the compiled module below is the sharded one
+        shard_model(model, dist_info, dtype)
     elif distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
         device_ids = [dist_info.local_rank] if 'cuda' in dist_info.device else None
@@ -140,7 +141,8 @@ def full_state_dicts(model, optimizer):
             del whole  # before the next one is gathered
         return gathered[id(t)]
     model_state = {k: full(v) for k, v in model.state_dict(keep_vars=True).items()}
-    opt = optimizer.state_dict()  # AdamW's own format: state keyed by parameter index, values sharded
+    # AdamW's own format: state keyed by parameter index, values sharded
+    opt = optimizer.state_dict()
     opt_state = {i: {k: full(v) for k, v in s.items()} for i, s in sorted(opt['state'].items())}
     if not keep:
         return None, None
@@ -154,7 +156,8 @@ def load_optimizer_state(optimizer, state_dict):
     copies of the optimizer state are never paged in from disk).
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
-    parts = getattr(optimizer, 'parts', None)  # an optimizer made of several (MuonWithAdamW): each its own state
+    # an optimizer made of several (MuonWithAdamW): each its own state
+    parts = getattr(optimizer, 'parts', None)
     if parts is not None and set(state_dict) == set(parts):
         for name, part in parts.items():
             load_optimizer_state(part, state_dict[name])
@@ -172,7 +175,8 @@ def load_optimizer_state(optimizer, state_dict):
             full = v.to(p.device) if source else torch.empty(v.shape, dtype=v.dtype, device=p.device)
             return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0)
         state = {}
-        for i, s in sorted(state_dict['state'].items()):  # the same order on every rank: collectives
+        # the same order on every rank: collectives
+        for i, s in sorted(state_dict['state'].items()):
             p = params[int(i)]
             state[i] = {k: shard(v, p) if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.shape
                         else v for k, v in s.items()}

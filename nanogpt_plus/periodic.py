@@ -15,7 +15,8 @@ import torch
 from nanogpt_plus.distributed import broadcast_object, master_decides
 from nanogpt_plus.engine import generate
 from nanogpt_plus.errors import TokenizerError, UserError
-from nanogpt_plus.evaluation import HELLASWAG_FILE, score_hellaswag, task_data_file, task_examples
+from nanogpt_plus.evaluation import score_hellaswag, task_data_file, task_examples
+from nanogpt_plus.settings import HELLASWAG_FILE
 from nanogpt_plus.tokenizer import load_tokenizer
 
 
@@ -26,7 +27,9 @@ class PeriodicTasks:
         Everything read before the first iteration, so that a missing HellaSwag file (offline) or a prompt the
         tokenizer can't encode stops the run at set-up with one line, not at the first interval.
         """
-        self.cfg, self.dist_info, self.ctx = cfg, dist_info, ctx
+        self.cfg = cfg
+        self.dist_info = dist_info
+        self.ctx = ctx
         self.tokenizer_meta = tokenizer_meta
         self.pad_to = cfg['block_size'] if compiled else None  # compiled: one shape, one graph
         self.hellaswag = load_hellaswag(cfg, dist_info, tokenizer_meta, block_size)
@@ -58,7 +61,8 @@ class PeriodicTasks:
         model.train()
         if counts is None:  # stopped by a signal: no figure for this iteration
             return
-        correct, total = counts['correct_norm'], counts['total']
+        correct = counts['correct_norm']
+        total = counts['total']
         if self.dist_info.master:
             print(f"hellaswag {iter_num}: acc_norm {correct / total:.4f} ({correct}/{total})")
             logger.log({'type': 'hellaswag', 'iter': iter_num, 'acc_norm': correct / total,
@@ -68,7 +72,8 @@ class PeriodicTasks:
         """ `sample N: <text>`: sample_tokens greedy tokens after the prompt, from the plain model (rank 0 only). """
         tokenizer = load_tokenizer(self.tokenizer_meta)
         idx = torch.tensor([self.prompt], dtype=torch.long, device=self.dist_info.device)
-        raw_model.eval()  # greedy: no randomness drawn, so the training RNGs (and a resume) are untouched
+        # greedy: no randomness drawn, so the training RNGs (and a resume) are untouched
+        raw_model.eval()
         out = generate(raw_model, idx, self.cfg['sample_tokens'], temperature=0.0, ctx=self.ctx,
                        vocab_size=tokenizer.vocab_size)
         raw_model.train()
@@ -99,13 +104,16 @@ def load_hellaswag(cfg, dist_info, tokenizer_meta, block_size):
     def load():
         path = cfg['hellaswag_file']
         if path == HELLASWAG_FILE and not os.path.exists(path):
-            path = task_data_file('hellaswag', setting='hellaswag_file')  # the repo's copy, wherever train.py runs
+            # the repo's copy, wherever train.py runs
+            path = task_data_file('hellaswag', setting='hellaswag_file')
         else:
-            task_data_file('hellaswag', path, setting='hellaswag_file')  # a file of the user's must exist
+            # a file of the user's must exist
+            task_data_file('hellaswag', path, setting='hellaswag_file')
         try:
             examples, total = task_examples('hellaswag', path, load_tokenizer(tokenizer_meta), block_size,
                                             cfg['hellaswag_examples'])
-        except TokenizerError as e:  # a char-level vocabulary without the letters (or the space) of the endings
+        # a char-level vocabulary without the letters (or the space) of the endings
+        except TokenizerError as e:
             raise UserError(f"HellaSwag ({path}) can't be scored with this model's tokenizer: {e}; or set "
                             f"--hellaswag_interval=0") from None
         print(f"hellaswag: {total:,} examples of {path}, scored every {cfg['hellaswag_interval']} iterations")

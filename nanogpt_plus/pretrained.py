@@ -8,11 +8,12 @@ reference this path is tested against.
 
 What our GPT can't compute exactly is refused with one line: another model_type, an activation, LayerNorm
 epsilon or attention scaling of its own, an untied head, a missing, unexpected or misshapen tensor; and so is a
-config.json value of the wrong JSON type, or a pickled object in a pytorch_model.bin (never run).
+config.json value of the wrong JSON type, or a pickled object in a pytorch_model.bin (never run). An export of
+a char or bpe model (export_hf.py) names its tokenizer in nanogpt_tokenizer.json, read by pretrained_tokenizer_meta.
 
 Usage:
     from nanogpt_plus.pretrained import hf_config_and_weights
-    config, state_dict, path = hf_config_and_weights('gpt2')   # or a local directory; then build.loaded_model
+    config, state_dict, path = hf_config_and_weights('gpt2')   # or a local directory; then init_from.loaded_model
 """
 
 import json
@@ -22,16 +23,19 @@ import zipfile
 import torch
 
 from model import GPT2_NAMES, HF_ACTIVATIONS, GPTConfig, hf_key_map
+from nanogpt_plus.bpe import read_named_tokenizer
+from nanogpt_plus.checkpoint import load_error
 from nanogpt_plus.errors import UserError, error_line
-from nanogpt_plus.files import load_error
 
+HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for char and bpe models
 WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin')  # in the order transformers prefers them
 # GPT2Config's defaults, for the keys an older config.json (the hub's own gpt2 one) leaves out
 HF_DEFAULTS = dict(model_type='gpt2', activation_function='gelu_new', layer_norm_epsilon=1e-5, n_inner=None,
                    scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
                    tie_word_embeddings=True, add_cross_attention=False, vocab_size=50257, n_positions=1024,
                    n_embd=768, n_layer=12, n_head=12)
-IGNORED_SUFFIXES = ('.attn.bias', '.attn.masked_bias')  # causal-mask buffers older transformers saved
+# causal-mask buffers older transformers saved
+IGNORED_SUFFIXES = ('.attn.bias', '.attn.masked_bias')
 # the JSON type each key must have; anything else ("768", 768.0, null, true) is a broken file, said here in one
 # line rather than as a TypeError wherever the value is first used (or, for a flag, silently read as truthy)
 SIZE_KEYS = ('vocab_size', 'n_positions', 'n_embd', 'n_layer', 'n_head')
@@ -51,7 +55,8 @@ def hub_files(name):
     from huggingface_hub import hf_hub_download
     try:
         config_path = hf_hub_download(name, 'config.json')
-    except Exception:  # offline, no such repo, a network error: huggingface_hub's errors vary, all mean this
+    # offline, no such repo, a network error: huggingface_hub's errors vary, all mean this
+    except Exception:
         raise hub_offline_error(name) from None
     for filename in WEIGHT_FILES:
         try:
@@ -177,9 +182,10 @@ def state_dict_from_hf(tensors, config, source):
     Our state_dict (lm_head included) from HF tensors, every tensor accounted for. The Conv1D weights come as
     transposed views; their shapes, and a saved lm_head.weight's equality with wte (transformers would load one
     that differs as an untied head, which ours can't be), are checked when the model takes them
-    (build.loaded_model). Without a saved head, lm_head is wte, as transformers ties it.
+    (init_from.loaded_model). Without a saved head, lm_head is wte, as transformers ties it.
     """
-    theirs, ours = hf_names(tensors), {}
+    theirs = hf_names(tensors)
+    ours = {}
     saved_head = theirs.pop('lm_head.weight', None)
     for our_name, hf_name, transpose in hf_key_map(config):
         if hf_name not in theirs:
@@ -203,7 +209,8 @@ def hf_config(init_from, dropout=None):
         from huggingface_hub import hf_hub_download
         try:
             config_path = hf_hub_download(init_from, 'config.json')
-        except Exception:  # offline, no such repo, a network error: huggingface_hub's errors vary, all mean this
+        # offline, no such repo, a network error: huggingface_hub's errors vary, all mean this
+        except Exception:
             raise hub_offline_error(init_from) from None
     else:
         config_path = os.path.join(init_from, 'config.json')
@@ -215,3 +222,22 @@ def hf_config_and_weights(init_from, dropout=None):
     config_path, weights_path = hub_files(init_from) if init_from in GPT2_NAMES else local_files(init_from)
     config = gpt_config(read_hf_config(config_path), init_from, dropout)
     return config, state_dict_from_hf(read_tensors(weights_path), config, weights_path), weights_path
+
+
+def pretrained_tokenizer_meta(init_from):
+    """
+    The tokenizer of a pretrained model: GPT-2's, unless export_hf.py left a nanogpt_tokenizer.json (a char
+    vocabulary, or a bpe description naming the directory's tokenizer.json, which is read in here).
+    """
+    meta_path = os.path.join(init_from, HF_TOKENIZER_META)
+    if not (os.path.isdir(init_from) and os.path.exists(meta_path)):
+        return {'kind': 'gpt2'}
+    try:
+        with open(meta_path, encoding='utf-8') as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{meta_path} is unreadable ({e}); re-export the model with export_hf.py") from None
+    if meta.get('kind') == 'bpe' and 'tokenizer_json' not in meta:
+        meta['tokenizer_json'] = read_named_tokenizer(init_from, meta, f"{init_from} was exported",
+                                                      "re-export the model with export_hf.py")
+    return meta

@@ -32,7 +32,8 @@ def run_main(main):
     """
     try:
         main()
-    except Interrupted as e:  # saved, and the script said how to resume; every rank stopped at one iteration
+    # saved, and the script said how to resume; every rank stopped at one iteration
+    except Interrupted as e:
         destroy_distributed()
         _exit(exit_code(e))
     except PeerFailed as e:  # rank 0 said why; no teardown: a rank may still be gone
@@ -41,7 +42,8 @@ def run_main(main):
         print("interrupted", file=sys.stderr)
         _exit(130)
     except Exception as e:
-        if exit_code(e) == EXIT_USER_ERROR:  # UserError, ConfigError, TokenizerError: the user's to fix
+        # UserError, ConfigError, TokenizerError: the user's to fix
+        if exit_code(e) == EXIT_USER_ERROR:
             print(f"error: {e}", file=sys.stderr)
             _exit(EXIT_USER_ERROR)
         if not several_processes():

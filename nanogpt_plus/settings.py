@@ -4,8 +4,8 @@ help that `python <script>.py --help` prints. Each script composes the groups it
 DEFAULTS), giving its own default where it differs (finetune.py's learning rate is GPT-1's, say); the
 configurator refuses a value of the wrong type as it reads it, and Schema.check refuses the rest (a choice
 not offered, a value out of range) in one line naming the setting, before the script does any work. The checks
-between settings (n_embd divisible by n_head, min_lr not above learning_rate) are check_model_shape and the
-scripts' own check_settings.
+between settings (n_embd divisible by n_head, min_lr not above learning_rate) are check_model_shape and
+check_training below, and the other scripts' own check_settings.
 
 The groups follow nanoGPT's train.py: I/O, wandb logging, data, model, AdamW, learning-rate decay, system;
 then the extras this project adds (in-loop evaluation, the spike guard) and the other scripts' own.
@@ -19,18 +19,23 @@ Usage:
 
 from configurator import Group, Schema, Setting  # noqa: F401  (Schema: what the scripts compose)
 from model import MODERN_CHOICES
-from nanogpt_plus.dataloader import ORDERS
-from nanogpt_plus.engine import MODES
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.evaluation import HELLASWAG_FILE
-from nanogpt_plus.weights import WEIGHTS
 
+# The values a choice setting may take live here, with the settings, so that reading this table imports no part
+# of the code that acts on them (the sampling engine, the weight formats, the evaluation tasks); those modules
+# take their lists from here.
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 BACKENDS = ('auto', 'nccl', 'gloo')
 ATTENTIONS = ('flash', 'manual')
 GELUS = MODERN_CHOICES['gelu']
 OPTIMIZERS = ('adamw', 'muon')
 LR_SCHEDULES = ('cosine', 'wsd')
+# data_order: nanoGPT's random windows, or llm.c's pass over every token (nanogpt_plus/dataloader.py)
+ORDERS = ('random', 'sequential')
+MODES = ('exact', 'fast')  # sample.py's mode (nanogpt_plus/engine.py)
+WEIGHTS = ('float32', 'bfloat16', 'int8')  # weight formats for inference (nanogpt_plus/weights.py)
+# where the in-loop HellaSwag and eval.py keep their download, relative to the repository
+HELLASWAG_FILE = 'data/hellaswag/hellaswag_val.jsonl'
 
 
 def positive(default, help):
@@ -189,6 +194,20 @@ def check_model_shape(cfg):
                         f"n_embd and n_head so that n_embd / n_head is even")
 
 
+def check_training(cfg):
+    """ train.py's combinations of settings, once each one passed its own check (Schema.check). """
+    check_model_shape(cfg)
+    if cfg['decay_lr'] and cfg['min_lr'] > cfg['learning_rate']:  # the "decay" would raise the rate
+        raise UserError(f"min_lr ({cfg['min_lr']}) is above learning_rate ({cfg['learning_rate']}), so the decay "
+                        f"would raise the learning rate; set --min_lr to at most learning_rate (about 1/10 of it)")
+    if cfg['optimizer'] == 'muon' and cfg['parallelism'] == 'fsdp':
+        raise UserError("optimizer='muon' orthogonalises whole matrices, which FSDP splits over the ranks; use "
+                        "--parallelism=ddp with Muon, or --optimizer=adamw with FSDP")
+    if cfg['resume_from'] and cfg['init_from'] != 'resume':
+        raise UserError(f"--resume_from={cfg['resume_from']} goes back to a snapshot of the run in out_dir: it "
+                        f"needs --init_from=resume")
+
+
 # -----------------------------------------------------------------------------
 # the other scripts' own settings
 
@@ -238,6 +257,13 @@ FINETUNING = Group(
     eval_batch_size=non_negative(0, "examples per forward pass in evaluation; 0 = batch_size"),
     weights=WEIGHTS_SETTING,  # predictions only (--predict_file without --train_file)
 )
+
+# finetune.py's own meaning of two of train.py's settings
+FINETUNE_BLOCK_SIZE = Setting(0, "0 = the source model's; smaller crops a pretrained model (a resume keeps its own)",
+                              low=0)
+FINETUNE_LEARNING_RATE = Setting(0.0, "the peak learning rate; 0 = scaled from the model's width: 6.25e-5 x "
+                                      "(768 / n_embd) ** 1.5, GPT-1's rate at GPT-1's width (a resume: the rate it "
+                                      "used)", low=0)
 
 EXPORT = Group(
     'export',

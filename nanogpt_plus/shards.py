@@ -91,7 +91,8 @@ def write_shard(path, tokens):
     if tokens.ndim != 1 or not 0 < len(tokens) <= MAX_TOKENS:
         raise ValueError(f"a shard holds 1 to {MAX_TOKENS:,} tokens in a flat array, got shape {tokens.shape}")
     header = shard_header(len(tokens), tokens.dtype)
-    data = tokens.astype(tokens.dtype.newbyteorder("<"), copy=False)  # little-endian, as llm.c's files are
+    # little-endian, as llm.c's files are
+    data = tokens.astype(tokens.dtype.newbyteorder("<"), copy=False)
 
     def write(f):
         f.write(header)
@@ -162,7 +163,8 @@ def find_shards(data_dir):
     names = sorted(n for n in os.listdir(data_dir) if n.endswith(".bin") and not n.startswith("."))
     raw = [n for n in RAW_NAMES if n in names]
     shards = [n for n in names if is_shard_name(n)]
-    train, val = [n for n in shards if "train" in n], [n for n in shards if "val" in n]
+    train = [n for n in shards if "train" in n]
+    val = [n for n in shards if "val" in n]
     both = sorted(set(train) & set(val))
     if both:
         raise UserError(f"{os.path.join(data_dir, both[0])} names both train and val, so its split is unclear; "
@@ -171,7 +173,8 @@ def find_shards(data_dir):
         raise UserError(f"{data_dir} holds both nanoGPT's {'/'.join(raw)} and llm.c shards ({(train + val)[0]}, "
                         f"...); keep one kind of token file per directory")
     if raw:
-        train, val = [n for n in raw if n == "train.bin"], [n for n in raw if n == "val.bin"]
+        train = [n for n in raw if n == "train.bin"]
+        val = [n for n in raw if n == "val.bin"]
     if not (train or val):
         raise UserError(f"{data_dir} has no token files (train.bin/val.bin, or *train*.bin / *val*.bin shards); "
                         f"prepare the dataset first")

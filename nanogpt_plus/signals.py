@@ -35,7 +35,8 @@ class GracefulExit:
     def __init__(self):
         self.requested = False
         self.signum = 0  # the signal received, 0 = none
-        self.agreed = False  # every rank knows of a signal: the run stops at the next place it can save
+        # every rank knows of a signal: the run stops at the next place it can save
+        self.agreed = False
         self.failure = None  # an error this rank met that every rank must stop for (fail)
         self._previous = {}
         self._flag_group = None  # the (gloo, CPU) process group the flag is all-reduced over
@@ -51,7 +52,8 @@ class GracefulExit:
     def _handle(self, signum, frame):
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.requested, self.signum = True, int(signum)
+        self.requested = True
+        self.signum = int(signum)
         if not _in_process_group():  # several processes: should_stop says it, once they all agreed
             print(f"\nreceived {signal.Signals(signum).name}: finishing this iteration, then saving a checkpoint",
                   file=sys.stderr, flush=True)
@@ -96,7 +98,8 @@ class GracefulExit:
         import torch.distributed as dist
         if dist.get_backend() == 'gloo':
             return None  # the default group already reduces CPU tensors
-        if self._flag_group is None:  # made at the first agreement, where every rank calls (a collective)
+        # made at the first agreement, where every rank calls (a collective)
+        if self._flag_group is None:
             self._flag_group = dist.new_group(backend='gloo')
         return self._flag_group
 

@@ -29,7 +29,8 @@ class SpikeGuard:
     def __init__(self, skip_loss_z=0.0, skip_grad_z=0.0, window=SPIKE_WINDOW):
         self.limits = {'loss': float(skip_loss_z), 'grad_norm': float(skip_grad_z)}
         self.window = window
-        self.history = {'loss': [], 'grad_norm': []}  # the last `window` finite values of each, oldest first
+        # the last `window` finite values of each, oldest first
+        self.history = {'loss': [], 'grad_norm': []}
         self.skipped = 0  # updates skipped so far in the run (a resumed run goes on counting)
 
     @property
@@ -76,7 +77,9 @@ class Spike:
     """ A step the SpikeGuard refused: {name: (value, z, running mean)} and the names that were too high. """
 
     def __init__(self, stats, outliers, limits):
-        self.stats, self.outliers, self.limits = stats, outliers, limits
+        self.stats = stats
+        self.outliers = outliers
+        self.limits = limits
 
     def describe(self):
         """ 'loss 4.1234 is 6.2 standard deviations above its running mean 3.1000 (skip_loss_z=5.0)', ... """
@@ -91,7 +94,8 @@ class Spike:
 
     def record(self, iter_num):
         """ The metrics record of the skip. """
-        (loss, loss_z, _), (grad_norm, grad_z, _) = self.stats['loss'], self.stats['grad_norm']
+        (loss, loss_z, _) = self.stats['loss']
+        (grad_norm, grad_z, _) = self.stats['grad_norm']
         return {'type': 'skip', 'iter': iter_num, 'loss': loss, 'grad_norm': grad_norm, 'loss_z': loss_z,
                 'grad_z': grad_z}
 

@@ -25,7 +25,8 @@ def apply_cpu_threads(num_threads):
 
 def thread_candidates():
     """ The CPU thread counts worth trying: torch's current count (one per core by default), half, ..., 1. """
-    candidates, n = [], torch.get_num_threads()
+    candidates = []
+    n = torch.get_num_threads()
     while n >= 1:
         candidates.append(n)
         n = n // 2 if n > 1 else 0
@@ -90,7 +91,8 @@ class ThreadRetuner:
 
     def __init__(self, candidates, interval=250, probe=8, window=50):
         self.candidates = list(candidates)
-        self.interval, self.probe = interval, probe
+        self.interval = interval
+        self.probe = probe
         self.recent = collections.deque(maxlen=window)  # the current count's latest iteration times
         self.since_round = 0  # ordinary iterations since the last round
         self.todo = []  # candidates still to time in this round; the first one is being timed

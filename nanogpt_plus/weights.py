@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-WEIGHTS = ('float32', 'bfloat16', 'int8')
+from nanogpt_plus.settings import WEIGHTS
 
 # On a CPU without AVX-512, PyTorch's bfloat16 and int8 matmuls are fast for a few rows only (a decoding step
 # of a few samples) and get slower per row than float32 as rows are added; above these row counts the half- or
@@ -67,8 +67,10 @@ class PackedLinear(nn.Module):
     def __init__(self, linear, rows=None):
         super().__init__()
         weight = linear.weight.detach()[:rows]
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # packed for 1-row inputs: decoding
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        # packed for 1-row inputs: decoding
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         self.bias = None if linear.bias is None else linear.bias.detach()[:rows].clone()
 
     def forward(self, x):
@@ -106,7 +108,8 @@ def quantize_int8(weight):
     weight = weight.detach().float()
     exact = weight.abs().amax(dim=1).clamp(min=1e-30) / 127
     scale = exact.to(torch.bfloat16)
-    next_up = (scale.view(torch.int16) + 1).view(torch.bfloat16)  # positive bfloat16s: the bit pattern + 1
+    # positive bfloat16s: the bit pattern + 1
+    next_up = (scale.view(torch.int16) + 1).view(torch.bfloat16)
     scale = torch.where(scale.float() < exact, next_up, scale)
     q = torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
@@ -119,14 +122,16 @@ class Int8Linear(nn.Module):
         super().__init__()
         q, scale = quantize_int8(linear.weight[:rows])
         self.register_buffer('weight', q)
-        self.register_buffer('scale', scale)  # bfloat16: the kernel takes them in the activations' dtype
+        # bfloat16: the kernel takes them in the activations' dtype
+        self.register_buffer('scale', scale)
         self.register_buffer('bias', None if linear.bias is None else linear.bias.detach()[:rows].clone())
 
     def forward(self, x):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         if x2.device.type == 'cpu' and x2.size(0) <= INT8_MAX_ROWS:
-            y = torch._weight_int8pack_mm(x2.contiguous(), self.weight, self.scale)  # (rows, N) bfloat16
+            # (rows, N) bfloat16
+            y = torch._weight_int8pack_mm(x2.contiguous(), self.weight, self.scale)
         else:  # many rows, or a GPU (the kernel is CPU-only): the same products in a float32 matmul
             y = _widened_linear(x2, self.weight.float() * self.scale.float()[:, None], None).to(torch.bfloat16)
         y = y.float() if self.bias is None else y.float() + self.bias
@@ -189,7 +194,8 @@ def set_weights(model, weights, pack=False, vocab_size=None):
         setattr(parent, name, convert_linear(getattr(parent, name), weights, pack))
     rows = vocab_size if vocab_size is not None and vocab_size < model.config.vocab_size else None
     head = convert_linear(model.lm_head, weights, pack, rows)
-    if weights != 'float32' and model.config.tie_embeddings:  # the embedding reads the head's rounded matrix
+    # the embedding reads the head's rounded matrix
+    if weights != 'float32' and model.config.tie_embeddings:
         model.transformer.wte = TiedLookup(head)
     model.lm_head = head
     return model

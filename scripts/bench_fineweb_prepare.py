@@ -13,8 +13,8 @@ import os
 import shutil
 import time
 
-from benchtools import cpu_model, cpu_seconds, parse_num_procs, work_directory  # scripts/ is on sys.path
-
+# scripts/ is on sys.path
+from benchtools import cpu_model, cpu_seconds, parse_num_procs, work_directory
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.prepare.fineweb import prepare_fineweb
 from nanogpt_plus.prepare.plays import benchmark_documents
@@ -71,8 +71,10 @@ def main():
         size, n_docs = generate_parquet(corpus, config['size_mb'], config['seed'])
         print(f"generated a {size / 1e6:.1f} MB parquet corpus of {n_docs:,} documents in {time.time() - t0:.1f} s")
         print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-        get_gpt2_encoding()  # build the tokenizer once, outside the timings (forked workers inherit it)
-        run_one(work, corpus, 1, config['shard_size'])  # warm-up: datasets' Arrow cache of the corpus
+        # build the tokenizer once, outside the timings (forked workers inherit it)
+        get_gpt2_encoding()
+        # warm-up: datasets' Arrow cache of the corpus
+        run_one(work, corpus, 1, config['shard_size'])
         results = [(p, *fastest(work, corpus, p, config['shard_size'], config['repeats'])) for p in num_procs]
         print_table(results, size)
         print(f"load average now: {os.getloadavg()[0]:.1f} (figures are only comparable on an otherwise idle machine)")

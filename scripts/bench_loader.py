@@ -16,10 +16,12 @@ import statistics
 import time
 
 import numpy as np
-from benchtools import cpu_model, work_directory  # (scripts/ is on sys.path when a script in it runs)
 
+# (scripts/ is on sys.path when a script in it runs)
+from benchtools import cpu_model, work_directory
 from configurator import Group, Schema, Setting, configure
-from nanogpt_plus.dataloader import TokenWindowLoader, split_files
+from nanogpt_plus.dataloader import TokenWindowLoader
+from nanogpt_plus.dataset import split_files
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.shards import write_shard
 
@@ -64,7 +66,8 @@ def time_loader(loader, batches):
 def main():
     config = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(config)
-    B, T = config['batch_size'], config['block_size']
+    B = config['batch_size']
+    T = config['block_size']
     with work_directory(config['work_dir'], 'bench_loader_') as work:
         raw, shards = write_files(work, config['tokens'], config['shard_tokens'], config['seed'])
         print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")

@@ -10,15 +10,14 @@ Usage:
 import os
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 from benchtools import cpu_seconds, parse_num_procs, work_directory, write_jsonl_corpus
-
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.prepare.corpus import prepare_corpus
 from nanogpt_plus.prepare.plays import benchmark_documents
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.tokenizer import get_gpt2_encoding
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULTS = Schema(Group(
     'benchmark',
@@ -39,8 +38,10 @@ def main():
         size = write_jsonl_corpus(corpus, benchmark_documents(config['size_mb'], config['seed']))
         print(f"generated {size / 1e6:.1f} MB corpus in {time.time() - t0:.1f} s; cpu cores: {os.cpu_count()}, "
               f"load average: {os.getloadavg()[0]:.1f}")
-        get_gpt2_encoding()  # build the tokenizer once, outside the timings (forked workers inherit it)
-        results, outputs = [], []
+        # build the tokenizer once, outside the timings (forked workers inherit it)
+        get_gpt2_encoding()
+        results = []
+        outputs = []
         for num_proc in num_procs:
             out = os.path.join(work, f"out_{num_proc}")
             cpu0 = cpu_seconds()

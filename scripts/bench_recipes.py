@@ -36,10 +36,11 @@ import statistics
 import sys
 import sysconfig
 
-from benchtools import cpu_model, run_checked, work_directory, write_jsonl_corpus  # scripts/ is on sys.path
+# scripts/ is on sys.path
+from benchtools import cpu_model, run_checked, work_directory, write_jsonl_corpus
 from configurator import Group, Schema, Setting, configure
-from nanogpt_plus.checkpointer import snapshots
 from nanogpt_plus.metrics import read_metrics
+from nanogpt_plus.out_dir import snapshots
 from nanogpt_plus.runtime import run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,7 +78,8 @@ FINEWEB_MODEL = ['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=128'
 FINEWEB_RECIPES = {
     'nanogpt': ['--max_iters=400', '--lr_decay_iters=400', '--learning_rate=1e-3', '--min_lr=1e-4'],
     'fast': ['--max_iters=200', '--lr_decay_iters=200', '--learning_rate=1e-3', '--min_lr=1e-4', '--optimizer=muon',
-             '--pos=rope', '--qk_norm=True', '--lr_schedule=wsd', '--cooldown_frac=0.4'],  # the laptop recipe's
+             # the laptop recipe's
+             '--pos=rope', '--qk_norm=True', '--lr_schedule=wsd', '--cooldown_frac=0.4'],
 }
 
 
@@ -99,9 +101,11 @@ def training_times(out_dir):
     busy = {r['iter'] for r in records if r['type'] == 'eval'}  # the iterations that also evaluated
     steps = {r['iter']: r['time_ms'] for r in records if r['type'] == 'iter'}
     median = statistics.median(steps.values())
-    total, out = 0.0, {}
+    total = 0.0
+    out = {}
     for it in sorted(steps):
-        plain = it not in busy and it - 1 not in busy and it > 0  # a save lands in the step after the eval
+        # a save lands in the step after the eval
+        plain = it not in busy and it - 1 not in busy and it > 0
         total += (steps[it] if plain else median) / 1000
         out[it] = total
     return out, median
@@ -139,7 +143,8 @@ def show(name, points, median):
 
 def compare(work, cfg, recipes, config_of):
     """ Alternate the recipes for `rounds` rounds; per round the target is the baseline's final loss. """
-    ratios, finals = [], {name: [] for name in recipes}
+    ratios = []
+    finals = {name: [] for name in recipes}
     for r in range(cfg['rounds']):
         results = {}
         for name, args in recipes.items():
@@ -147,7 +152,8 @@ def compare(work, cfg, recipes, config_of):
             out_dir = train(work, f"{name}_{r}", config_of(name), args, every, cfg['num_threads'])
             results[name] = curve(out_dir, cfg['num_threads'])
         base_points, _ = results['nanogpt']
-        target, base_time = base_points[-1][2], base_points[-1][1]
+        target = base_points[-1][2]
+        base_time = base_points[-1][1]
         for name, (points, median) in results.items():
             show(f"round {r} {name}", points, median)
             finals[name].append((points[-1][2], points[-1][1], median))
@@ -185,7 +191,8 @@ def fineweb_corpus(work):
     docs = []
     for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()['purelib'], '*.dist-info', 'METADATA'))):
         text = open(path, encoding='utf-8', errors='replace').read()
-        body = text.split('\n\n', 1)[1] if '\n\n' in text else ''  # the long description, after the headers
+        # the long description, after the headers
+        body = text.split('\n\n', 1)[1] if '\n\n' in text else ''
         if len(body) > 200:
             docs.append(body)
     import pydoc_data.topics

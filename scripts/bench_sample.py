@@ -44,8 +44,10 @@ MODELS = {
 
 def timed(fn, warmup=None):
     if warmup is not None:
-        warmup()  # first calls pay one-off costs (allocator, oneDNN kernel selection): keep them out
-    t0, c0 = time.perf_counter(), time.process_time()
+        # first calls pay one-off costs (allocator, oneDNN kernel selection): keep them out
+        warmup()
+    t0 = time.perf_counter()
+    c0 = time.process_time()
     out = fn()
     # wall-clock seconds and this process's CPU seconds: on a CPU shared with other jobs the wall clock
     # also counts the time other processes ran, the CPU time (with threads=1) only our own work
@@ -53,7 +55,8 @@ def timed(fn, warmup=None):
 
 
 def report(rows):
-    ref_wall, ref_cpu = rows[0][1] / rows[0][2][0], rows[0][1] / rows[0][2][1]
+    ref_wall = rows[0][1] / rows[0][2][0]
+    ref_cpu = rows[0][1] / rows[0][2][1]
     print(f"  {'path':<42} {'tokens':>6} {'wall s':>8} {'tok/s':>7} {'vs ref':>7} {'CPU s':>8} "
           f"{'tok/CPU-s':>9} {'vs ref':>7}  greedy == ref")
     for name, n, (wall, cpu), same in rows:
@@ -63,7 +66,8 @@ def report(rows):
 
 
 def bench_model(which, cfg):
-    N, S = cfg['max_new_tokens'], cfg['num_samples']
+    N = cfg['max_new_tokens']
+    S = cfg['num_samples']
     torch.manual_seed(cfg['seed'])
     model = GPT(MODELS[which]).eval()
     block_size = model.config.block_size
@@ -109,7 +113,8 @@ def bench_model(which, cfg):
                 for _ in range(k):
                     model.generate(idx, N, temperature=0.8, top_k=200)
         _, (wall_k, cpu_k) = timed(nanogpt)
-        wall_nano, cpu_nano = wall_k * S / k, cpu_k * S / k
+        wall_nano = wall_k * S / k
+        cpu_nano = cpu_k * S / k
         extrap = "" if k == S else f" (timed {k} of them, x{S / k:g})"
         print(f"\n  nanoGPT's sample.py, {S} samples x {N} tokens one after another{extrap}: wall {wall_nano:.1f} s "
               f"({S * N / wall_nano:.1f} tokens/s), CPU {cpu_nano:.1f} s ({S * N / cpu_nano:.1f} tokens/CPU-s)")

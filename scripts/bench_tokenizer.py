@@ -18,15 +18,15 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 from benchtools import cpu_model, parse_ints, run_checked, work_directory, write_jsonl_corpus
-
 from configurator import Group, Schema, Setting, configure
+from nanogpt_plus.bpe import train_bpe
 from nanogpt_plus.prepare.plays import benchmark_documents
 from nanogpt_plus.prepare.shakespeare import shakespeare_text
 from nanogpt_plus.runtime import run_main
-from nanogpt_plus.tokenizer import get_gpt2_encoding, train_bpe
+from nanogpt_plus.tokenizer import get_gpt2_encoding
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULTS = Schema(Group(
     'benchmark',
@@ -103,7 +103,8 @@ def bench_bits_per_byte(work, tokenizers, max_iters):
 
 def bits_per_byte_of(work, spec, text_path, max_iters):
     kind, _, vocab = spec.partition(":")
-    label = f"{int(vocab) // 1024}k" if vocab.isdigit() and int(vocab) % 1024 == 0 else vocab  # 4096 -> 4k
+    # 4096 -> 4k
+    label = f"{int(vocab) // 1024}k" if vocab.isdigit() and int(vocab) % 1024 == 0 else vocab
     name = f"{kind} {label}" if vocab else kind
     data = os.path.join(work, "data_" + spec.replace(":", "_"))
     out = os.path.join(work, "out_" + spec.replace(":", "_"))
@@ -119,7 +120,9 @@ def bits_per_byte_of(work, spec, text_path, max_iters):
         meta = json.load(f)
     with open(os.path.join(out, "ckpt.json"), encoding="utf-8") as f:
         model_vocab = json.load(f)["model_args"]["vocab_size"]
-    vocab_size, itemsize = meta["vocab_size"], np.dtype(meta["dtype"]).itemsize  # the dtype prepare.py wrote
+    # the dtype prepare.py wrote
+    vocab_size = meta["vocab_size"]
+    itemsize = np.dtype(meta["dtype"]).itemsize
     train_tokens = os.path.getsize(os.path.join(data, "train.bin")) // itemsize
     metrics = result["metrics"]
     times = [float(line.split("time ")[1].split("ms")[0]) for line in log.splitlines() if line.startswith("iter ")]

@@ -35,13 +35,13 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import numpy as np
 import torch
 
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.runtime import run_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULTS = Schema(Group(
     'benchmark',
@@ -82,17 +82,20 @@ def nanogpt_loop(max_iters, out_dir, threads, dataset='shakespeare_char'):
     It prints the `step N: ...` and `iter N: ...` lines train.py prints, which run() parses.
     """
     from model import GPT, GPTConfig
-    from nanogpt_plus.dataloader import dataset_dir
-    from nanogpt_plus.tokenizer import read_dataset_meta
-    c = dict(LAPTOP, max_iters=max_iters, dataset=dataset)  # the schedule of the 2000-iteration run, cut short or not
+    from nanogpt_plus.dataset import dataset_dir, read_dataset_meta
+    # the schedule of the 2000-iteration run, cut short or not
+    c = dict(LAPTOP, max_iters=max_iters, dataset=dataset)
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(1337)
     data_dir = dataset_dir(c['dataset'])
-    T, B, accum = c['block_size'], c['batch_size'], c['gradient_accumulation_steps']
+    T = c['block_size']
+    B = c['batch_size']
+    accum = c['gradient_accumulation_steps']
 
     def read_batch(split):
-        tokens = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')  # opened anew each time
+        # opened anew each time
+        tokens = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
         starts = torch.randint(high=len(tokens) - T, size=(B,))
         x = torch.stack([torch.from_numpy(tokens[s:s + T].astype(np.int64)) for s in starts])
         y = torch.stack([torch.from_numpy(tokens[s + 1:s + 1 + T].astype(np.int64)) for s in starts])
@@ -115,7 +118,10 @@ def nanogpt_loop(max_iters, out_dir, threads, dataset='shakespeare_char'):
         return means
 
     def lr_at(it):
-        top, bottom, warmup, decay_end = c['learning_rate'], c['min_lr'], c['warmup_iters'], c['lr_decay_iters']
+        top = c['learning_rate']
+        bottom = c['min_lr']
+        warmup = c['warmup_iters']
+        decay_end = c['lr_decay_iters']
         if it < warmup:
             return top * (it + 1) / (warmup + 1)
         if it > decay_end:
@@ -123,7 +129,9 @@ def nanogpt_loop(max_iters, out_dir, threads, dataset='shakespeare_char'):
         progress = (it - warmup) / (decay_end - warmup)  # 0 -> 1 over the cosine
         return bottom + 0.5 * (1.0 + math.cos(math.pi * progress)) * (top - bottom)
 
-    it, best_val, mfu_avg = 0, 1e9, -1.0
+    it = 0
+    best_val = 1e9
+    mfu_avg = -1.0
     X, Y = read_batch('train')
     t_prev = time.time()
     while it <= c['max_iters']:
@@ -152,7 +160,8 @@ def nanogpt_loop(max_iters, out_dir, threads, dataset='shakespeare_char'):
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         now = time.time()
-        dt, t_prev = now - t_prev, now
+        dt = now - t_prev
+        t_prev = now
         if it % c['log_interval'] == 0:
             lossf = loss.item() * accum
             if it >= 5:  # this process starts at iteration 0: the first 5 iterations are warm-up
@@ -172,9 +181,9 @@ def matmul_floor(rounds=3, steps=40, threads=0, dataset='shakespeare_char'):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from model import GPT, GPTConfig
-    from nanogpt_plus.dataloader import TokenWindowLoader, dataset_dir
+    from nanogpt_plus.dataloader import TokenWindowLoader
+    from nanogpt_plus.dataset import dataset_dir, read_dataset_meta
     from nanogpt_plus.hardware import measured_matmul_flops
-    from nanogpt_plus.tokenizer import read_dataset_meta
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(1337)
@@ -213,11 +222,14 @@ def matmul_floor(rounds=3, steps=40, threads=0, dataset='shakespeare_char'):
 
     with RecordMatmuls():
         step('ours')
-    replay, flops = [], 0
+    replay = []
+    flops = 0
     for func, operands in recorded:
         tensors = [torch.empty_strided(shape, stride).normal_() for shape, stride in operands]
         replay.append((func, tensors))
-        a_shape, b_shape = operands[-2][0], operands[-1][0]  # addmm's bias comes first
+        # addmm's bias comes first
+        a_shape = operands[-2][0]
+        b_shape = operands[-1][0]
         flops += 2 * math.prod(a_shape) * b_shape[-1]
 
     def replay_all():
@@ -260,7 +272,8 @@ def run(cmd):
     wall = time.time() - t
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    times, val = [], None
+    times = []
+    val = None
     for line in proc.stdout.splitlines():
         m = ITER_LINE.match(line)
         if m and int(m.group(1)) >= 5:  # like nanoGPT's MFU: let the loop settle first
@@ -299,7 +312,8 @@ def main():
             results[name].append(ms)
             print(f"round {r} {name:8s}: median {ms:7.2f} ms/iter (mean {mean:7.2f}), final val loss {val:.4f}, "
                   f"wall {wall:6.1f} s, threads {threads}, load {os.getloadavg()[0]:.2f}", flush=True)
-    base, ours = statistics.median(results['nanogpt']), statistics.median(results['ours'])
+    base = statistics.median(results['nanogpt'])
+    ours = statistics.median(results['ours'])
     print(f"nanoGPT baseline: {base:.2f} ms/iter, ours: {ours:.2f} ms/iter, speed-up {base / ours:.2f}x "
           f"(median over rounds of per-run medians)")
 

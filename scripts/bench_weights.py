@@ -26,8 +26,8 @@ import time
 
 import numpy as np
 import torch
-from benchtools import cpu_model, parse_ints, run_checked, work_directory
 
+from benchtools import cpu_model, parse_ints, run_checked, work_directory
 from configurator import Group, Schema, Setting, configure
 from model import GPT, GPTConfig
 from nanogpt_plus.engine import generate
@@ -50,8 +50,10 @@ DEFAULTS = Schema(Group(
     work_dir=Setting('', "where the 124M checkpoint and HF directory go ('' = a temporary directory)"),
     seed=Setting(1337, "the random weights and prompts", low=0),
 ))
-FORMATS = ('plain float32', 'float32', 'bfloat16', 'int8')  # 'plain float32': nn.Linear as it was, no packing
-GPT2_PROMPT = [15496, 11, 314, 1101, 257, 3303, 2746, 11]  # "Hello, I'm a language model," in GPT-2 BPE
+# 'plain float32': nn.Linear as it was, no packing
+FORMATS = ('plain float32', 'float32', 'bfloat16', 'int8')
+# "Hello, I'm a language model," in GPT-2 BPE
+GPT2_PROMPT = [15496, 11, 314, 1101, 257, 3303, 2746, 11]
 
 
 def convert(model, fmt, vocab_size=None):
@@ -91,7 +93,8 @@ def read_bandwidth(nbytes, repeats=5):
 
 def tokens_per_second(model, batch, tokens):
     idx = torch.tensor([GPT2_PROMPT] * batch)
-    generate(model, idx, 4, temperature=0)  # the first calls pay one-off costs (allocator, oneDNN set-up)
+    # the first calls pay one-off costs (allocator, oneDNN set-up)
+    generate(model, idx, 4, temperature=0)
     t0 = time.perf_counter()
     generate(model, idx, tokens, temperature=0)
     return batch * tokens / (time.perf_counter() - t0)
@@ -113,7 +116,8 @@ def speed_table(models, cfg):
     print(f"\n== speed: GPT-2 124M shape, greedy, {cfg['tokens']} new tokens after an 8-token prompt, "
           f"{torch.get_num_threads()} threads ==")
     print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s (a read of a float32 tensor as large as the weights)")
-    results, batches = {}, parse_ints(cfg['batch_sizes'], 'batch_sizes')
+    results = {}
+    batches = parse_ints(cfg['batch_sizes'], 'batch_sizes')
     for batch in batches:
         for _ in range(cfg['repeats']):
             for fmt in FORMATS:  # interleaved, so that a noisy moment hits every format alike
@@ -138,7 +142,8 @@ def write_124m_sources(work):
     """ A 124M ckpt.pt (out_dir) and a Hugging Face directory of the same random weights, once per work_dir. """
     from nanogpt_plus.checkpoint import build_checkpoint, save_checkpoint
     from nanogpt_plus.hf_export import export
-    out_dir, hf_dir = os.path.join(work, 'out-124m'), os.path.join(work, 'hf-124m')
+    out_dir = os.path.join(work, 'out-124m')
+    hf_dir = os.path.join(work, 'hf-124m')
     if not os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
         torch.manual_seed(0)
         model = GPT(GPTConfig())
@@ -208,7 +213,8 @@ def bench_process(cfg, work):
                '--device=cpu', '--dtype=float32', '--compile=False', '--num_samples=1', '--max_new_tokens=300',
                '--top_k=1', '--start=Hello']
         env = dict(os.environ, TIKTOKEN_CACHE_DIR=offline_tiktoken_cache(work))
-        nano = process_seconds(cmd, cwd=cfg['nanogpt_dir'], env=env)  # once: slow; it reads its configurator.py
+        # once: slow; it reads its configurator.py
+        nano = process_seconds(cmd, cwd=cfg['nanogpt_dir'], env=env)
         print(f"  nanoGPT's sample.py (top_k=1)  {nano:6.1f} s: ours is " +
               ", ".join(f"{nano / s:.1f}x faster with {w}" for w, s in ours.items()))
     sys.stdout.flush()
@@ -216,7 +222,8 @@ def bench_process(cfg, work):
 
 def held_out_tokens(ckpt, n=20000):
     """ The first n tokens of the checkpoint's dataset's val.bin (one clear error when it is not here). """
-    from nanogpt_plus.dataloader import dataset_dir, open_tokens
+    from nanogpt_plus.dataloader import open_tokens
+    from nanogpt_plus.dataset import dataset_dir
     dataset = (ckpt.get('config') or {}).get('dataset', '')
     tokens = open_tokens(os.path.join(dataset_dir(dataset), 'val.bin'), dataset)
     return torch.from_numpy(tokens[:n].astype(np.int64))
@@ -262,7 +269,8 @@ def quality_table(model, prompts, tokens, n):
         same = (out == ref).float().mean().item()
         firsts = [next((i for i in range(n) if out[r, i] != ref[r, i]), n) for r in range(out.size(0))]
         loss, logits, seconds = held_out_scores(m, tokens, block)
-        top1 = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()  # given the same text
+        # given the same text
+        top1 = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
         error = ((logits - ref_logits).norm() / ref_logits.norm()).item()
         print(f"  {fmt:<10} {same:>10.1%} {statistics.median(firsts):>16.0f} {top1:>14.2%} {error:>12.2e} "
               f"{loss:>8.4f} {loss - ref_loss:>+8.4f} {seconds:>7.2f}")
@@ -290,11 +298,12 @@ def choice_accuracy(model, tokenizer_meta, tokens):
 
 
 def bench_quality(cfg):
-    from nanogpt_plus.checkpoint import init_model
+    from nanogpt_plus.init_from import init_model
     model, tokenizer_meta, ckpt = init_model(cfg['quality_ckpt'])
     model.eval()
     tokens = held_out_tokens(ckpt)
-    n, block = cfg['quality_tokens'], model.config.block_size
+    n = cfg['quality_tokens']
+    block = model.config.block_size
     print(f"\n== quality: {cfg['quality_ckpt']} ({model.get_num_params() / 1e6:.2f}M parameters, trained), greedy "
           f"{n} tokens after 10 held-out prompts, the held-out text: {len(tokens):,} tokens ==")
     quality_table(model, tokens[:10 * block].view(10, block)[:, :8], tokens, n)

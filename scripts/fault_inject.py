@@ -33,7 +33,8 @@ from configurator import configure
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.runtime import run_main
 
-DEFAULTS = dict(kills=20, seed=0, max_delay=1.5)  # max_delay: the longest wait (s) after the first iter line
+# max_delay: the longest wait (s) after the first iter line
+DEFAULTS = dict(kills=20, seed=0, max_delay=1.5)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = dict(n_layer=4, n_head=4, n_embd=256, block_size=64, batch_size=4, gradient_accumulation_steps=1)
 
@@ -59,7 +60,8 @@ class Training:
         self.proc = subprocess.Popen([sys.executable, '-u', 'train.py'] + [f'--{k}={v}' for k, v in settings.items()],
                                      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS='1'))
-        self.out, self.err = [], []
+        self.out = []
+        self.err = []
         self.first_iter = None  # the iteration of the first `iter N:` line
         self.started = threading.Event()
         self.readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
@@ -92,7 +94,8 @@ def checkpoint_iter(out_dir):
     path = os.path.join(out_dir, 'ckpt.pt')
     if not os.path.exists(path):
         return None
-    return int(load_checkpoint(path)['iter_num'])  # train.py's own loader: torch.load(weights_only=True)
+    # train.py's own loader: torch.load(weights_only=True)
+    return int(load_checkpoint(path)['iter_num'])
 
 
 def snapshot_iters(out_dir):
@@ -139,12 +142,18 @@ def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     rng = random.Random(cfg['seed'])
     work = tempfile.mkdtemp(prefix='fault_inject_')
-    data_dir, out_dir = os.path.join(work, 'data'), os.path.join(work, 'out')
+    data_dir = os.path.join(work, 'data')
+    out_dir = os.path.join(work, 'out')
     os.makedirs(data_dir)
     make_dataset(data_dir)
-    failures, mid_save, temp_bytes, iters = [], 0, 0, [0]
+    failures = []
+    mid_save = 0
+    temp_bytes = 0
+    iters = [0]
     left_lock = left_temps = False
-    abandoned, left_line = os.path.join(out_dir, 'abandoned_1'), None  # the line left by going back, its hashes
+    # the line left by going back, its hashes
+    abandoned = os.path.join(out_dir, 'abandoned_1')
+    left_line = None
     for k in range(cfg['kills']):
         saved_iter = checkpoint_iter(out_dir) if os.path.isdir(out_dir) else None
         # halfway: go back to the oldest snapshot, as a user would after a loss spike
@@ -161,7 +170,8 @@ def main():
         left = [n for n in temp_files(out_dir) if n.endswith(f'.tmp.{run.proc.pid}')]
         mid_save += bool(left)
         temp_bytes += sum(os.path.getsize(os.path.join(out_dir, n)) for n in left)
-        left_lock, left_temps = os.path.exists(os.path.join(out_dir, 'run.lock')), bool(left)
+        left_lock = os.path.exists(os.path.join(out_dir, 'run.lock'))
+        left_temps = bool(left)
         try:
             iters.append(checkpoint_iter(out_dir) or 0)
         except Exception as e:  # what a torn checkpoint would raise

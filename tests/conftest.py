@@ -74,7 +74,7 @@ def one_thread():
 def bpe512(tmp_path_factory):
     """ (tokenizer, dataset directory): a vocab-512 byte-level BPE trained on bpe_corpus_text, and a
     dataset of that text in its tokens (usable as --dataset). """
-    from nanogpt_plus.tokenizer import train_bpe
+    from nanogpt_plus.bpe import train_bpe
     text = bpe_corpus_text()
     tok = train_bpe(iter(text.split("\n\n")), 512, show_progress=False)
     return tok, write_bpe_dataset(tmp_path_factory.mktemp("bpe512"), tok, text)

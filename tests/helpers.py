@@ -55,7 +55,8 @@ def train_args(dataset, out_dir, **settings):
     return [f"--{k}={v}" for k, v in run.items()]
 
 
-ITER_LINE = re.compile(r"^iter (\d+): loss (\S+),", re.M)  # train.py's (and nanoGPT's) per-iteration line
+# train.py's (and nanoGPT's) per-iteration line
+ITER_LINE = re.compile(r"^iter (\d+): loss (\S+),", re.M)
 
 
 def iter_losses(out):
@@ -86,7 +87,8 @@ def train_one_and_two_ranks(args, tmp_path, steps):
                                  text=True, timeout=300, env=env) for name, cmd in launchers.items()}
     for run in runs.values():
         assert run.returncode == 0, run.stderr[-2000:]
-    a, b = iter_losses(runs['one'].stdout), iter_losses(runs['two'].stdout)
+    a = iter_losses(runs['one'].stdout)
+    b = iter_losses(runs['two'].stdout)
     assert a.keys() == b.keys() == set(range(steps))
     assert_losses_close(a, b, range(steps))
     return runs['one'], runs['two']
@@ -119,7 +121,8 @@ def bpe_corpus_text(n_words=40000, seed=0):
     vocabulary = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
     vocabulary += ["世界", "東京", "データ", "🎉", "🚀", "naïve", "façade", "Ελλάδα", "Москва"]
     words = [rng.choice(vocabulary[:300]) if rng.random() < 0.7 else rng.choice(vocabulary) for _ in range(n_words)]
-    lines, i = [], 0
+    lines = []
+    i = 0
     while i < len(words):
         n = rng.randint(4, 12)
         lines.append(" ".join(words[i:i + n]).capitalize() + rng.choice([".", ",", "!", "?", ";"]))
@@ -133,11 +136,13 @@ def synthetic_bpe_json(vocab_size):
     of a token and a byte into one, in a fixed order. """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from nanogpt_plus.tokenizer import EOT_TEXT, byte_alphabet
+    from nanogpt_plus.bpe import EOT_TEXT, byte_alphabet
     chars = sorted(byte_alphabet(), key=lambda ch: byte_alphabet()[ch])
     vocab = {ch: i for i, ch in enumerate(chars)}  # ids 0..255, then <|endoftext|> as 256
     vocab[EOT_TEXT] = 256
-    merges, firsts = [], list(chars)  # merges of (first, byte): all two-byte tokens, then three-byte ones
+    # merges of (first, byte): all two-byte tokens, then three-byte ones
+    merges = []
+    firsts = list(chars)
     while len(vocab) < vocab_size:
         longer = []
         for a in firsts:
@@ -158,9 +163,9 @@ def write_bpe_dataset(directory, tokenizer, text, val_fraction=0.1):
     """ A bpe dataset in prepare.py's format: train.bin / val.bin (uint16, or uint32 past 65,536 tokens),
     tokenizer.json and meta.json naming it with its sha256, the eot id and the dtype. The text is split by
     characters like nanoGPT's Shakespeare (first 90% train); returns the directory. """
+    from nanogpt_plus.bpe import TOKENIZER_FILE
     from nanogpt_plus.prepare.token_files import bpe_meta
     from nanogpt_plus.shards import token_dtype
-    from nanogpt_plus.tokenizer import TOKENIZER_FILE
     os.makedirs(directory, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
     cut = int(len(text) * (1 - val_fraction))
@@ -169,7 +174,8 @@ def write_bpe_dataset(directory, tokenizer, text, val_fraction=0.1):
     with open(os.path.join(directory, TOKENIZER_FILE), "w", encoding="utf-8") as f:
         f.write(tokenizer.json)
     with open(os.path.join(directory, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump(bpe_meta(tokenizer, dtype), f, indent=1)  # prepare.py's entries (test_prepare_text pins them)
+        # prepare.py's entries (test_prepare_text pins them)
+        json.dump(bpe_meta(tokenizer, dtype), f, indent=1)
     return str(directory)
 
 

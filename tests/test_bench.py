@@ -37,7 +37,8 @@ def test_timing_mode_prints_nanogpt_line_and_honest_mfu(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert len(re.findall(r"^\d+/4 loss: [\d.]+$", out, re.M)) == 4  # the timed steps
     m = re.search(r"^time per iteration: ([\d.]+)ms, MFU: ([\d.]+)%$", out, re.M)
-    dt, mfu = float(m.group(1)) / 1000, float(m.group(2)) / 100
+    dt = float(m.group(1)) / 1000
+    mfu = float(m.group(2)) / 100
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304, bias=False))
     N = model.get_num_params()
     flops_per_iter = (6 * N + 12 * 2 * 2 * 16 * 16) * 16 * 4  # PaLM's estimate, batch 4 x 16 tokens
@@ -185,7 +186,8 @@ def test_thread_retuner_judges_by_throughput_not_the_typical_iteration():
     try:
         torch.set_num_threads(2)
         retuner = ThreadRetuner([2, 1], interval=20, probe=4, window=20)
-        for i in range(20):  # 2 threads: usually 20 ms, but every 5th iteration stalls for 200 ms (mean 56)
+        # 2 threads: usually 20 ms, but every 5th iteration stalls for 200 ms (mean 56)
+        for i in range(20):
             retuner.observe(0.2 if i % 5 == 4 else 0.02)
         drive_retuner(retuner, {1: 30.0, 2: 20.0}, 1 + 4)  # 1 thread: a steady 30 ms
         assert torch.get_num_threads() == 1
@@ -231,7 +233,8 @@ def test_train_retunes_threads_only_in_auto_mode(tiny_dataset, tmp_path, monkeyp
 
 def test_matmul_floor_replays_every_matmul_of_the_step(tiny_dataset, capsys):
     import importlib.util
-    spec = importlib.util.spec_from_file_location('bench_train_cpu', os.path.join(REPO, 'scripts', 'bench_train_cpu.py'))
+    path = os.path.join(REPO, 'scripts', 'bench_train_cpu.py')
+    spec = importlib.util.spec_from_file_location('bench_train_cpu', path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     before = torch.get_num_threads()
@@ -241,9 +244,12 @@ def test_matmul_floor_replays_every_matmul_of_the_step(tiny_dataset, capsys):
         torch.set_num_threads(before)
     # 4 Linears per block + lm_head forward, each with two products backward (input and weight grads)
     assert result['count'] == 3 * (4 * 4 + 1)
-    from nanogpt_plus.tokenizer import read_dataset_meta
-    c, vocab, tokens = module.LAPTOP, read_dataset_meta(tiny_dataset)['vocab_size'], 12 * 64
-    params = 4 * 12 * c['n_embd'] ** 2 + vocab * c['n_embd']  # the matmul weights, lm_head = wte included
+    from nanogpt_plus.dataset import read_dataset_meta
+    c = module.LAPTOP
+    vocab = read_dataset_meta(tiny_dataset)['vocab_size']
+    tokens = 12 * 64
+    # the matmul weights, lm_head = wte included
+    params = 4 * 12 * c['n_embd'] ** 2 + vocab * c['n_embd']
     assert result['flops'] == 6 * tokens * params
     assert all(result[k] > 0 for k in ('nanogpt', 'ours', 'matmuls'))
     out = capsys.readouterr().out

@@ -18,23 +18,32 @@ import eval as eval_script
 import helpers
 import sample
 import train
-from helpers import (bpe_corpus_text, iter_losses, save_test_checkpoint, synthetic_bpe_json, train_args,
-                     write_bpe_dataset)
+from helpers import (
+    bpe_corpus_text,
+    iter_losses,
+    save_test_checkpoint,
+    synthetic_bpe_json,
+    train_args,
+    write_bpe_dataset,
+)
 from model import GPT, GPTConfig
 from nanogpt_plus import periodic
-from nanogpt_plus.build import model_vocab_size
+from nanogpt_plus.bpe import BPETokenizer, tokenizer_fingerprint
 from nanogpt_plus.checkpoint import load_checkpoint
-from nanogpt_plus.dataloader import TokenSource, open_token_file, split_files
+from nanogpt_plus.dataloader import TokenSource, open_token_file
+from nanogpt_plus.dataset import read_dataset_meta, split_files
 from nanogpt_plus.engine import generate
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import evaluate, task_examples
+from nanogpt_plus.init_from import model_vocab_size
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.shards import read_header, write_shard
-from nanogpt_plus.tokenizer import BPETokenizer, read_dataset_meta, tokenizer_fingerprint
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-tiny_args = dict(num_threads=1, max_iters=1, eval_interval=1, eval_iters=2)  # the shortest train.py run
-HIGH_IDS = "\x00\x00\x01"  # one token past 65,535 in synthetic_bpe_json(70000): its three-byte merges come last
+# the shortest train.py run
+tiny_args = dict(num_threads=1, max_iters=1, eval_interval=1, eval_iters=2)
+# one token past 65,535 in synthetic_bpe_json(70000): its three-byte merges come last
+HIGH_IDS = "\x00\x00\x01"
 
 
 def run_script(module, monkeypatch, capsys, *args):
@@ -83,7 +92,8 @@ def uint32_data(tmp_path_factory):
 def test_raw_token_files_take_their_dtype_from_meta_json(tmp_path):
     ids = np.array([0, 65535, 65536, 123456], dtype=np.uint32)
     ids.tofile(tmp_path / "train.bin")
-    assert open_token_file(str(tmp_path / "train.bin")).dtype == np.uint16  # no meta.json: nanoGPT's uint16
+    # no meta.json: nanoGPT's uint16
+    assert open_token_file(str(tmp_path / "train.bin")).dtype == np.uint16
     assert len(open_token_file(str(tmp_path / "train.bin"))) == 8
     # a bpe meta.json: only its "dtype" is read (the tokenizer.json it names is not even opened)
     meta = {"kind": "bpe", "vocab_size": 200000, "dtype": "uint32", "tokenizer_file": "missing.json"}
@@ -107,11 +117,13 @@ def test_raw_token_files_take_their_dtype_from_meta_json(tmp_path):
 
 
 def test_a_new_model_pads_byte_level_vocabularies_to_a_multiple_of_64(capsys):
-    assert model_vocab_size({"kind": "char", "vocab_size": 65, "stoi": {}}, "d") == 65  # nanoGPT's Shakespeare
+    # nanoGPT's Shakespeare
+    assert model_vocab_size({"kind": "char", "vocab_size": 65, "stoi": {}}, "d") == 65
     assert model_vocab_size({"kind": "gpt2", "vocab_size": 50257}, "d") == 50304
     assert model_vocab_size({"kind": "bpe", "vocab_size": 8193}, "d") == 8256
     assert model_vocab_size({"kind": "bpe", "vocab_size": 512}, "d") == 512
-    assert model_vocab_size({"vocab_size": 20}, "d") == 20  # a meta.json naming no kind: kept as it is
+    # a meta.json naming no kind: kept as it is
+    assert model_vocab_size({"vocab_size": 20}, "d") == 20
     assert model_vocab_size(None, "d") == 50304
     out = capsys.readouterr().out.splitlines()
     assert out == ["found vocab_size = 65 (inside d)",
@@ -139,7 +151,8 @@ def test_sample_runs_on_a_copied_checkpoint_whose_dataset_is_gone(bpe512_run, tm
     out = run_script(sample, monkeypatch, capsys, f"--init_from={tmp_path / 'elsewhere'}", f"--start={prompt}",
                      "--num_samples=2", "--max_new_tokens=6")
     samples = out.split("number of parameters", 1)[1].split("\n", 1)[1].split(sample.SEPARATOR + "\n")
-    assert len(samples) == 3 and all(s.startswith(prompt) for s in samples[:2]) and samples[2] == ""  # 2 samples
+    # 2 samples
+    assert len(samples) == 3 and all(s.startswith(prompt) for s in samples[:2]) and samples[2] == ""
     assert sample.encode_prompt(tok, prompt, 16, 512) == [tok.eot_token] + tok.encode_ordinary(prompt[13:])
 
 
@@ -226,7 +239,8 @@ def test_padded_ids_are_never_sampled(small_bpe, tmp_path, monkeypatch, capsys):
     train.main(train_args(data, tmp_path / "out", init_from=str(tmp_path / "ckpt.pt"), block_size=8,
                           sample_interval=1, sample_tokens=12, **dict(tiny_args, max_iters=0)))
     assert "sample 0: " in capsys.readouterr().out
-    assert len(drawn_in_loop) == 13 and max(drawn_in_loop) < tok.vocab_size  # the prompt (eot) and 12 tokens
+    # the prompt (eot) and 12 tokens
+    assert len(drawn_in_loop) == 13 and max(drawn_in_loop) < tok.vocab_size
 
 
 # -----------------------------------------------------------------------------
@@ -241,13 +255,15 @@ def test_eval_bits_per_byte_and_tasks_with_a_bpe_tokenizer(bpe512, tmp_path, mon
                      "--batch_size=64")
     metrics = json.loads(out.strip().splitlines()[-1])["metrics"]
     val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16)
-    text = tok.decode(val[1:])  # every target of the non-overlapping windows: all tokens but the first
+    # every target of the non-overlapping windows: all tokens but the first
+    text = tok.decode(val[1:])
     assert "\ufffd" not in text and metrics["tokens"] == len(val) - 1
     assert metrics["bytes"] == len(text.encode("utf-8")) > metrics["tokens"]
     nll = metrics["loss"] * metrics["tokens"]
     assert metrics["bits_per_byte"] == pytest.approx(nll / math.log(2) / metrics["bytes"], rel=1e-9)
     # HellaSwag's and LAMBADA's text encoded with the bpe tokenizer
-    hellaswag, lambada = tmp_path / "hs.jsonl", tmp_path / "lambada.jsonl"
+    hellaswag = tmp_path / "hs.jsonl"
+    lambada = tmp_path / "lambada.jsonl"
     record = {"ctx": "Ελλάδα naïve", "endings": ["façade 🎉", "東京 データ"], "label": 1}
     hellaswag.write_text(json.dumps(record) + "\n")
     lambada.write_text(json.dumps({"text": "Москва kalo 世界"}) + "\n")

@@ -115,7 +115,8 @@ def test_shipped_configs_are_valid():
         cfg = parse_config(train.DEFAULTS, [path])
         # every setting the file assigns arrives with the file's value; everything else keeps its default
         assigned, again = (settings_of(path) for _ in range(2))
-        varying = {k for k in assigned if assigned[k] != again[k]}  # e.g. wandb_run_name = 'ft-' + str(time.time())
+        # e.g. wandb_run_name = 'ft-' + str(time.time())
+        varying = {k for k in assigned if assigned[k] != again[k]}
         assert assigned and {k: cfg[k] for k in assigned if k not in varying} == \
             {k: v for k, v in assigned.items() if k not in varying}, name
         assert all(type(cfg[k]) is type(assigned[k]) for k in varying), name

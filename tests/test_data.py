@@ -16,6 +16,7 @@ import torch
 
 from helpers import REPO
 from nanogpt_plus.dataloader import TokenWindowLoader
+from nanogpt_plus.dataset import read_dataset_meta
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_outputs, atomic_write
 from nanogpt_plus.prepare import plays, shakespeare
@@ -25,7 +26,7 @@ from nanogpt_plus.prepare.shakespeare import TINY_SHAKESPEARE_URL, prepare_bpe, 
 from nanogpt_plus.prepare.text import download_text, find_invalid_utf8, read_text_file
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_token_batches, write_tokens
 from nanogpt_plus.shards import as_token_array
-from nanogpt_plus.tokenizer import get_gpt2_encoding, load_tokenizer, read_dataset_meta
+from nanogpt_plus.tokenizer import get_gpt2_encoding, load_tokenizer
 
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n" * 40
         + "First Citizen:\nYou are all resolved rather to die than to famish?\n")
@@ -60,7 +61,8 @@ def test_char_pipeline_exact_counts_vocab_and_meta(tmp_path):
     assert counts == {"chars": n, "vocab_size": len(chars), "train_tokens": int(n * 0.9),
                       "val_tokens": n - int(n * 0.9)}
     stoi = {ch: i for i, ch in enumerate(chars)}
-    train, val = tokens(tmp_path / "train.bin"), tokens(tmp_path / "val.bin")
+    train = tokens(tmp_path / "train.bin")
+    val = tokens(tmp_path / "val.bin")
     assert train.tolist() == [stoi[c] for c in TEXT[:int(n * 0.9)]]
     assert val.tolist() == [stoi[c] for c in TEXT[int(n * 0.9):]]
     # nanoGPT's meta.pkl: exactly its three keys, readable by plain pickle
@@ -170,7 +172,8 @@ def test_bpe_counts_equal_encode_ordinary(tmp_path):
     counts = prepare_bpe(TEXT, str(tmp_path))
     enc = get_gpt2_encoding()
     n = len(TEXT)
-    train_ids, val_ids = enc.encode_ordinary(TEXT[:int(n * 0.9)]), enc.encode_ordinary(TEXT[int(n * 0.9):])
+    train_ids = enc.encode_ordinary(TEXT[:int(n * 0.9)])
+    val_ids = enc.encode_ordinary(TEXT[int(n * 0.9):])
     assert counts["train_tokens"] == len(train_ids) and counts["val_tokens"] == len(val_ids)
     assert tokens(tmp_path / "train.bin").tolist() == train_ids
     assert tokens(tmp_path / "val.bin").tolist() == val_ids
@@ -270,7 +273,8 @@ def test_corpus_hub_config_name_reaches_load_dataset(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     load_corpus(dataset="HuggingFaceFW/fineweb", name="sample-10BT", cache_dir=str(tmp_path / "cache"))
     load_corpus(dataset="openwebtext", cache_dir=str(tmp_path / "cache"))
-    assert calls == [("HuggingFaceFW/fineweb", "sample-10BT"), ("openwebtext", None)]  # '' = no config
+    # '' = no config
+    assert calls == [("HuggingFaceFW/fineweb", "sample-10BT"), ("openwebtext", None)]
     monkeypatch.undo()
     with pytest.raises(UserError, match=r"could not load the Hugging Face dataset 'nope' \(config 'cfg'\).*--name"):
         load_corpus(dataset="nope", name="cfg", cache_dir=str(tmp_path / "cache"))
@@ -416,14 +420,16 @@ def test_loader_cuda_branch_pins_one_contiguous_window_and_yields_the_same_batch
         return self  # no CUDA here: stand in for the page-locked copy
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
-    B, T = 4, 16
+    B = 4
+    T = 16
     loaders = {}
     for pin in (False, True):
         loaders[pin] = TokenWindowLoader(str(path), B, T, seed=7, rank=rank, world_size=world_size, device='cpu')
         loaders[pin]._pin = pin  # what device='cuda' sets
     expected = reference_batches(data, B, T, 7, 3, rank, world_size)
     for k in range(3):
-        (x_cpu, y_cpu), (x_pin, y_pin) = loaders[False].next_batch(), loaders[True].next_batch()
+        (x_cpu, y_cpu) = loaders[False].next_batch()
+        (x_pin, y_pin) = loaders[True].next_batch()
         for x, y in ((x_cpu, y_cpu), (x_pin, y_pin)):
             assert x.dtype == y.dtype == torch.int64 and x.is_contiguous() and y.is_contiguous()
             assert torch.equal(x, expected[k][0]) and torch.equal(y, expected[k][1])

@@ -64,20 +64,23 @@ def test_uneven_evaluation_finishes_with_the_single_process_losses(dataset, tmp_
     two = launch(train_args(dataset, tmp_path / "two", parallelism=parallelism, **common))
     one = launch(train_args(dataset, tmp_path / "one", **common), nproc=1)
     assert two.returncode == 0 and one.returncode == 0, two.stderr[-2000:] + one.stderr[-2000:]
-    (a,), (b,) = EVAL_LINE.findall(one.stdout), EVAL_LINE.findall(two.stdout)
+    (a,) = EVAL_LINE.findall(one.stdout)
+    (b,) = EVAL_LINE.findall(two.stdout)
     # the ranks sum their shares of the batches in another order: equal within rounding, not bitwise
     assert all(abs(float(x) - float(y)) < 2e-4 for x, y in zip(a, b)), (a, b)
 
 
 @pytest.mark.slow
 def test_a_checkpoint_rank0_cannot_write_stops_every_rank_with_one_message(dataset, tmp_path):
-    os.makedirs(tmp_path / "ckpt.pt")  # a directory where rank 0 must write the file: the save fails
+    # a directory where rank 0 must write the file: the save fails
+    os.makedirs(tmp_path / "ckpt.pt")
     began = time.time()
     r = launch(train_args(dataset, tmp_path, max_iters=3, eval_interval=3, num_threads=1), timeout=40)
     assert time.time() - began < 30, "the ranks waited for each other"
     assert r.returncode != 0
     assert r.stderr.count("error: could not write the checkpoint") == 1, r.stderr[-3000:]
-    assert not project_frames(r.stderr), r.stderr[-3000:]  # no worker traceback (torchrun prints its summary)
+    # no worker traceback (torchrun prints its summary)
+    assert not project_frames(r.stderr), r.stderr[-3000:]
     assert "finishing this iteration" not in r.stderr
 
 
@@ -110,7 +113,8 @@ def start_endless_run(dataset, out_dir, log_interval):
 
 def wait_for_line(proc, prefix, timeout=60):
     """ Read proc's stdout until a line starts with prefix; returns what was read. """
-    seen, deadline = "", time.time() + timeout
+    seen = ""
+    deadline = time.time() + timeout
     while time.time() < deadline:
         line = proc.stdout.readline()
         seen += line
@@ -128,14 +132,16 @@ def test_sigterm_to_torchrun_stops_every_rank_at_once_and_resumes(dataset, tmp_p
     try:
         seen = wait_for_line(proc, "iter 0:")
         time.sleep(1.0)  # some iterations in
-        proc.send_signal(signal.SIGTERM)  # what a scheduler does on preemption: torchrun forwards it once
+        # what a scheduler does on preemption: torchrun forwards it once
+        proc.send_signal(signal.SIGTERM)
         signalled = time.time()
         out, err = proc.communicate(timeout=28)
         stopped_in = time.time() - signalled
     finally:
         stop(proc)
     seen += out
-    assert proc.returncode == 1, err[-3000:]  # torchrun's own code after a signal (its SignalException), as before
+    # torchrun's own code after a signal (its SignalException), as before
+    assert proc.returncode == 1, err[-3000:]
     m = re.findall(r"saving checkpoint to .* \(interrupted at iter (\d+)\)", seen)
     assert len(m) == 1, seen[-2000:] + err[-3000:]
     stopped_at = int(m[0])
@@ -162,18 +168,22 @@ class CountingModel(torch.nn.Module):
 
 
 class FakeDist:
-    under_torchrun, device = True, 'cpu'
+    under_torchrun = True
+    device = 'cpu'
 
     def __init__(self, rank, world_size):
-        self.rank, self.world_size = rank, world_size
+        self.rank = rank
+        self.world_size = world_size
 
 
 def test_score_examples_runs_as_many_forwards_on_every_rank(monkeypatch):
     # 5 examples of one row over 2 ranks with batches of 2: rank 0 has 3 rows (2 batches), rank 1 has 2 (1)
     import torch.distributed as dist
-    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None: None)  # one process plays each rank in turn
+    # one process plays each rank in turn
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None: None)
     rows = [([1, 2, 3], 2)] * 5
-    counts, tables = [], []
+    counts = []
+    tables = []
     for rank in range(2):
         model = CountingModel()
         tables.append(score_examples(model, rows, list(range(6)), 2, 'cpu', dist_info=FakeDist(rank, 2)))
@@ -198,9 +208,12 @@ class CountingClassifier(torch.nn.Module):
 
 def test_finetune_validation_runs_as_many_batches_on_every_rank():
     from nanogpt_plus.finetuning import evaluate
-    encoded, labels, special = [[[1, 2, 3]]] * 3, [0, 1, 0], {'start': 10}
+    encoded = [[[1, 2, 3]]] * 3
+    labels = [0, 1, 0]
+    special = {'start': 10}
     results = []
-    for rank in range(2):  # 3 examples, batches of 1: rank 0 has 2, rank 1 one plus a padding forward
+    # 3 examples, batches of 1: rank 0 has 2, rank 1 one plus a padding forward
+    for rank in range(2):
         model = CountingClassifier()
         correct, seen, _, preds = evaluate(model, encoded, labels, special, 1, 'cpu', torch.no_grad(),
                                            range(rank, 3, 2), num_batches=2)

@@ -7,8 +7,14 @@ import torch
 from torch.nn import functional as F
 
 from model import GPT, GPTConfig
-from nanogpt_plus.engine import (KVCache, generate, generate_stream, last_position_logits, next_token_probs,
-                                 sample_next_token)
+from nanogpt_plus.engine import (
+    KVCache,
+    generate,
+    generate_stream,
+    last_position_logits,
+    next_token_probs,
+    sample_next_token,
+)
 from nanogpt_plus.weights import can_pack, set_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -34,7 +40,8 @@ def peaky_model(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, se
     return set_weights(model, weights)
 
 
-WEIGHTS = ['float32', 'packed', 'bfloat16', 'int8']  # the KV-cache tests run for every weight format
+# the KV-cache tests run for every weight format
+WEIGHTS = ['float32', 'packed', 'bfloat16', 'int8']
 
 
 def reference_greedy(model, idx, n):
@@ -66,12 +73,14 @@ def reference_fast_greedy(model, idx, n):
 
 def test_kv_cache_writes_in_place_and_refuses_overflow():
     cache = KVCache(n_layer=2, max_len=5)
-    k, v = torch.randn(3, 2, 4, 8), torch.randn(3, 2, 4, 8)
+    k = torch.randn(3, 2, 4, 8)
+    v = torch.randn(3, 2, 4, 8)
     k_all, v_all = cache.update(0, k, v)
     assert k_all.shape == (3, 2, 4, 8) and torch.equal(k_all, k) and torch.equal(v_all, v)
     cache.update(1, k, v)
     cache.advance(4)
-    k1, v1 = torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8)
+    k1 = torch.randn(3, 2, 1, 8)
+    v1 = torch.randn(3, 2, 1, 8)
     k_all, _ = cache.update(0, k1, v1)
     assert torch.equal(k_all, torch.cat((k, k1), dim=2))
     storage = cache.k.data_ptr()
@@ -230,7 +239,8 @@ def test_temperature_scales_logits_and_zero_is_greedy():
     greedy = next_token_probs(logits, temperature=0)
     assert torch.equal(greedy, torch.tensor([[0.0, 0.0, 1.0, 0.0]]))  # no division by zero, no NaN
     assert sample_next_token(logits, temperature=0).tolist() == [[2]]
-    assert torch.equal(logits, torch.tensor([[1.0, 2.0, 3.0, 0.5]]))  # the caller's logits are untouched
+    # the caller's logits are untouched
+    assert torch.equal(logits, torch.tensor([[1.0, 2.0, 3.0, 0.5]]))
 
 
 def test_top_k_keeps_exactly_the_k_largest():
@@ -280,7 +290,8 @@ def test_top_p_keeps_the_smallest_nucleus():
     torch.testing.assert_close(next_token_probs(logits, top_p=0.01), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
     torch.testing.assert_close(next_token_probs(logits, top_p=1.0), p)
     # combined with top_k (applied first) and temperature
-    probs = next_token_probs(logits, top_k=3, top_p=0.6)  # renormalised over {1, 3, 2}: 0.526, 0.316, 0.158
+    # renormalised over {1, 3, 2}: 0.526, 0.316, 0.158
+    probs = next_token_probs(logits, top_k=3, top_p=0.6)
     torch.testing.assert_close(probs, torch.tensor([[0.0, 0.5, 0.0, 0.3]]) / 0.8)
 
 

@@ -16,8 +16,14 @@ import torch.nn.functional as F
 from helpers import REPO, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.evaluation import (evaluate, evaluate_hellaswag, hellaswag_examples, loss_windows, read_task_records,
-                                     score_examples)
+from nanogpt_plus.evaluation import (
+    evaluate,
+    evaluate_hellaswag,
+    hellaswag_examples,
+    loss_windows,
+    read_task_records,
+    score_examples,
+)
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
 CHARS = "abcdefgh é\n"
@@ -162,13 +168,17 @@ def test_lambada_against_hand_computation(tmp_path):
     texts = hits + [wrong_last, 'abc defgh ab' * 3 + 'éa', 'h\ng ab']
     path = write_jsonl(tmp_path / 'lambada.jsonl', [{'text': t} for t in texts])
 
-    nlls, greedy = [], []
+    nlls = []
+    greedy = []
     for text in texts:
         context, word = text.rsplit(' ', 1)
         full = tok.encode(context + ' ' + word)
-        nll, ok = 0.0, True
-        start = max(0, len(full) - 17)  # the passage is cropped from the left to block_size + 1 tokens
-        for j in range(len(context), len(full)):  # each target char of ' ' + word, after everything before it
+        nll = 0.0
+        ok = True
+        # the passage is cropped from the left to block_size + 1 tokens
+        start = max(0, len(full) - 17)
+        # each target char of ' ' + word, after everything before it
+        for j in range(len(context), len(full)):
             with torch.no_grad():
                 logits = model(torch.tensor([full[start:j]]))[0][0, -1].double()
             nll -= F.log_softmax(logits, -1)[full[j]].item()
@@ -241,7 +251,8 @@ def test_loss_and_bits_per_byte_against_hand_computation(tmp_path):
     assert result['metrics']['loss'] == pytest.approx(nll / (2 * T), rel=1e-6)
 
     # --dataset (a name under data/ or a directory) and --split pick the token file
-    np.zeros(4, dtype=np.uint16).tofile(data_dir / 'train.bin')  # dataset_dir recognises a dataset by it
+    # dataset_dir recognises a dataset by it
+    np.zeros(4, dtype=np.uint16).tofile(data_dir / 'train.bin')
     by_name = run_task(model, 'loss', tok, dataset=str(data_dir), split='val')
     assert by_name['data_file'] == str(data_dir / 'val.bin') and by_name['metrics']['tokens'] == len(ids) - 1
 
@@ -261,14 +272,16 @@ def test_cli_ddp_equals_single_process(tmp_path):
     os.makedirs(tmp_path / 'ds')
     rng = np.random.default_rng(0)
     rng.integers(0, tok.vocab_size, 203).astype(np.uint16).tofile(tmp_path / 'ds' / 'val.bin')
-    np.zeros(20, dtype=np.uint16).tofile(tmp_path / 'ds' / 'train.bin')  # dataset_dir looks for train.bin
+    # dataset_dir looks for train.bin
+    np.zeros(20, dtype=np.uint16).tofile(tmp_path / 'ds' / 'train.bin')
     records = [{'ctx': 'abc de', 'endings': ['fg', 'a', 'hh gg', 'bad'], 'label': i % 4} for i in range(5)]
     records += [{'ctx': 'h' * k + ' ab', 'endings': ['c' * k, 'd', 'e f'], 'label': k % 3} for k in range(1, 5)]
     hs = write_jsonl(tmp_path / 'hs.jsonl', records)
 
     results = {}
     for task, extra in (('hellaswag', [f'--data_file={hs}', '--batch_size=3']),
-                        ('loss', ['--stride=5', '--batch_size=2'])):  # the dataset comes from the checkpoint
+                        # the dataset comes from the checkpoint
+                        ('loss', ['--stride=5', '--batch_size=2'])):
         for ddp in (False, True):
             out_file = str(tmp_path / f'{task}_{ddp}.json')
             r = run_eval([f'--out_dir={out_dir}', f'--task={task}', f'--output_file={out_file}'] + extra, torchrun=ddp)
@@ -281,7 +294,8 @@ def test_cli_ddp_equals_single_process(tmp_path):
             assert line['data_file'] == (hs if task == 'hellaswag' else os.path.join(tmp_path, 'ds', 'val.bin'))
             results[task, ddp] = line
     for task in ('hellaswag', 'loss'):
-        single, ddp = results[task, False], results[task, True]
+        single = results[task, False]
+        ddp = results[task, True]
         assert single['num_examples'] == ddp['num_examples']
         for key, value in single['metrics'].items():
             # equal up to float32 rounding: a row's logits can differ in the last bits with the batch it is in
@@ -308,7 +322,8 @@ def test_missing_token_file_and_dataset(tmp_path):
     with pytest.raises(UserError, match='no token file'):
         run_task(model, 'loss', tok, data_file=str(tmp_path / 'val.bin'))
     with pytest.raises(UserError, match='--dataset'):
-        run_task(model, 'loss', tok)  # neither a file nor a dataset (eval.py's main takes it from the checkpoint)
+        # neither a file nor a dataset (eval.py's main takes it from the checkpoint)
+        run_task(model, 'loss', tok)
     with pytest.raises(UserError, match='batch_size must be at least 1'):
         run_task(model, 'loss', tok, data_file=str(tmp_path / 'val.bin'), batch_size=0)
 

@@ -18,22 +18,26 @@ import sys
 
 import pytest
 import torch
-from test_finetune import SINGLE, config, make_task, val_accuracy
 
 import export_hf
 import finetune
 import sample
 from helpers import REPO, bpe_corpus_text, run_script, save_test_checkpoint, train_args
 from model import GPT, GPTConfig
-from nanogpt_plus.checkpoint import HF_TOKENIZER_META, init_model, load_checkpoint, model_from_checkpoint
+from nanogpt_plus.bpe import EOT_TEXT
+from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.engine import generate
-from nanogpt_plus.errors import UserError
+from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.hf_export import export
-from nanogpt_plus.tokenizer import EOT_TEXT, TokenizerError, load_tokenizer
+from nanogpt_plus.init_from import init_model, model_from_checkpoint
+from nanogpt_plus.pretrained import HF_TOKENIZER_META
+from nanogpt_plus.tokenizer import load_tokenizer
+from test_finetune import SINGLE, config, make_task, val_accuracy
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-PADDED_VOCAB = 576  # the bpe512 tokenizer's 512 tokens and 64 rows of padding, as a vocab padded for speed has
+# the bpe512 tokenizer's 512 tokens and 64 rows of padding, as a vocab padded for speed has
+PADDED_VOCAB = 576
 # accents (é also as e + combining accent), CJK, emoji, Greek, Cyrillic, tabs, runs of spaces, a no-break space
 MIXED = "naïve façade, 世界 東京 データ 🎉🚀 Ελλάδα Москва\n\ttabs  and  spaces \u00a0é (e\u0301) 😀!"
 PROMPT = "Kalo mi té"
@@ -168,8 +172,10 @@ def test_padded_ids_are_never_generated(bpe512, tmp_path):
         model.transformer.ln_f.bias.copy_(5 * u)
         model.transformer.wte.weight[tok.vocab_size:] = 3 * u
     hf_dir = export(model, tok.meta(), str(tmp_path / 'hf'))
-    hf, prompt = hf_model(hf_dir), tok.encode(PROMPT)
-    free = hf_greedy(hf, prompt, 20, suppress_tokens=None)  # generation_config.json's suppression turned off
+    hf = hf_model(hf_dir)
+    prompt = tok.encode(PROMPT)
+    # generation_config.json's suppression turned off
+    free = hf_greedy(hf, prompt, 20, suppress_tokens=None)
     assert all(t >= tok.vocab_size for t in free[len(prompt):])
     ours = greedy_ids(model, prompt, 20, tok.vocab_size)
     assert hf_greedy(hf, prompt, 20) == ours and max(ours) < tok.vocab_size
@@ -182,7 +188,8 @@ def test_a_replaced_tokenizer_json_is_refused(exported, tmp_path):
     tok, _, _, hf_dir, _ = exported
     copy = shutil.copytree(hf_dir, tmp_path / 'hf')
     spec = json.loads(tok.json)
-    (copy / 'tokenizer.json').write_text(json.dumps(spec, indent=4), encoding='utf-8')  # same tokens, re-saved
+    # same tokens, re-saved
+    (copy / 'tokenizer.json').write_text(json.dumps(spec, indent=4), encoding='utf-8')
     with pytest.raises(TokenizerError, match="not the tokenizer .* was exported with.*re-export"):
         init_model(str(copy))
 
@@ -223,7 +230,8 @@ def test_finetune_from_scratch_uses_the_bpe_dataset(bpe512, tmp_path):
                              epochs=1), SINGLE)
     ckpt = load_checkpoint(str(tmp_path / 'ft' / 'ckpt.pt'))
     assert ckpt['tokenizer']['kind'] == 'bpe' and ckpt['tokenizer']['tokenizer_json'] == tok.json
-    model_vocab = ckpt['model_args']['vocab_size'] - 3  # the dataset's vocabulary, padded (scratch_model)
+    # the dataset's vocabulary, padded (scratch_model)
+    model_vocab = ckpt['model_args']['vocab_size'] - 3
     assert model_vocab >= tok.vocab_size and model_vocab % 64 == 0
     assert ckpt['special_tokens'] == {'start': model_vocab, 'delim': model_vocab + 1, 'extract': model_vocab + 2}
 
@@ -254,7 +262,9 @@ def test_prepare_train_sample_eval_export_chain(tmp_path, monkeypatch, capsys):
     paragraphs = bpe_corpus_text(n_words=8000).split('\n\n')
     for k in range(4):
         (corpus / f'doc{k}.txt').write_text('\n\n'.join(paragraphs[k::4]), encoding='utf-8')
-    data, out, hf_dir = tmp_path / 'data', tmp_path / 'out', str(tmp_path / 'hf')
+    data = tmp_path / 'data'
+    out = tmp_path / 'out'
+    hf_dir = str(tmp_path / 'hf')
     monkeypatch.setattr(sys, 'argv', ['prepare.py', f'--input={corpus}/*.txt', '--tokenizer=bpe', '--vocab_size=300',
                                       f'--out_dir={data}', f'--cache_dir={tmp_path / "cache"}', '--num_proc=1'])
     runpy.run_path(os.path.join(REPO, 'data', 'text', 'prepare.py'), run_name='__main__')
@@ -268,9 +278,11 @@ def test_prepare_train_sample_eval_export_chain(tmp_path, monkeypatch, capsys):
     model = model_from_checkpoint(load_checkpoint(str(out / 'ckpt.pt'))).eval()
     ours = greedy_ids(model, tok.encode(PROMPT), 20, tok.vocab_size)
     assert tok.decode(ours) in capsys.readouterr().out  # sample.py streamed exactly our greedy text
-    with torch.no_grad():  # each greedy choice clear of the runner-up (0.17 here), far above the ~1e-6 between
+    # each greedy choice clear of the runner-up (0.17 here), far above the ~1e-6 between
+    with torch.no_grad():
         logits = model(torch.tensor([ours[:-1]]), torch.tensor([ours[1:]]))[0][0, -20:, :tok.vocab_size]
-    top2 = logits.topk(2, dim=-1).values  # our kernels and transformers': equal tokens below aren't a tie's luck
+    # our kernels and transformers': equal tokens below aren't a tie's luck
+    top2 = logits.topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).min() > 1e-4
 
     run_script(eval_script, monkeypatch, f'--out_dir={out}', '--task=loss', '--device=cpu')

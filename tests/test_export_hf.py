@@ -12,8 +12,8 @@ import torch
 
 from helpers import REPO, save_test_checkpoint
 from model import EXPORT_ACTIVATIONS, GPT, HF_ACTIVATIONS, GPTConfig
-from nanogpt_plus.checkpoint import init_model
 from nanogpt_plus.hf_export import export, hf_config, hf_state_dict
+from nanogpt_plus.init_from import init_model
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
 
 
@@ -105,7 +105,8 @@ def test_cli_export_gpt2_tokenizer_and_pipeline(tmp_path):
     """ End to end: a checkpoint -> export_hf.py -> AutoTokenizer + pipeline('text-generation'), offline. """
     from transformers import AutoTokenizer, pipeline
     model = tiny_gpt(vocab_size=50257)
-    out_dir, hf_dir = tmp_path / 'out', tmp_path / 'hf'
+    out_dir = tmp_path / 'out'
+    hf_dir = tmp_path / 'hf'
     save_test_checkpoint(model, GPT2Tokenizer().meta(), os.path.join(out_dir, 'ckpt.pt'))
     r = subprocess.run([sys.executable, 'export_hf.py', f'--out_dir={out_dir}', f'--hf_dir={hf_dir}'],
                        cwd=REPO, capture_output=True, text=True, timeout=120)

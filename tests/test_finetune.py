@@ -24,11 +24,11 @@ import helpers
 from configurator import ConfigError, parse_config
 from helpers import REPO, save_test_checkpoint
 from model import GPT, GPTConfig
-from nanogpt_plus import checkpointer as checkpointer_mod
-from nanogpt_plus import finetuning
-from nanogpt_plus.checkpoint import init_model, load_checkpoint
+from nanogpt_plus import finetuning, saving
+from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.distributed import DistInfo
 from nanogpt_plus.errors import UserError
+from nanogpt_plus.init_from import init_model
 from nanogpt_plus.signals import GracefulExit
 from nanogpt_plus.tokenizer import CharTokenizer, load_tokenizer
 
@@ -78,7 +78,8 @@ def gen_similarity(r):
     label = r.randint(0, 1)
     a = r.choice('xz')
     b = a if label else ('z' if a == 'x' else 'x')
-    rest1, rest2 = ' '.join(r.sample(LETTERS, 2)), ' '.join(r.sample(LETTERS, 2))
+    rest1 = ' '.join(r.sample(LETTERS, 2))
+    rest2 = ' '.join(r.sample(LETTERS, 2))
     return {'text1': f"{a * 3} {rest1}", 'text2': f"{b * 3} {rest2}", 'label': label}
 
 
@@ -180,7 +181,9 @@ def test_task_reaches_90_percent(tmp_path, task, n_train, epochs, lr):
 
 def test_input_transformations():
     enc = lambda s: [ord(c) - ord('a') for c in s]  # noqa: E731
-    S, D, E = 100, 101, 102
+    S = 100
+    D = 101
+    E = 102
     assert finetuning.encode_example(['ab'], 'classification', enc, SPECIAL, 16) == [[S, 0, 1, E]]
     assert finetuning.encode_example(['ab', 'c'], 'entailment', enc, SPECIAL, 16) == [[S, 0, 1, D, 2, E]]
     assert finetuning.encode_example(['ab', 'c'], 'similarity', enc, SPECIAL, 16) == \
@@ -335,11 +338,11 @@ def test_checkpoint_reloads_and_predicts_the_same(tmp_path, monkeypatch):
     assert gpt.config.vocab_size == len(ALPHABET) + 3 and tokenizer_meta['kind'] == 'char'
 
     # predict-only mode from the command line gives the same predictions
-    unlabeled = write_jsonl(tmp_path / 'unlabeled.jsonl', [{'text': json.loads(l)['text']} for l in open(val)])
+    unlabeled = write_jsonl(tmp_path / 'unlabeled.jsonl', [{'text': json.loads(line)['text']} for line in open(val)])
     p = run_script([f'--init_from={out}', f'--predict_file={unlabeled}', f'--predict_out={tmp_path / "p.jsonl"}',
                     '--device=cpu'])
     assert p.returncode == 0, p.stderr
-    assert [json.loads(l)['prediction'] for l in open(tmp_path / 'p.jsonl')] == [w['prediction'] for w in written]
+    assert [json.loads(line)['prediction'] for line in open(tmp_path / 'p.jsonl')] == [w['prediction'] for w in written]
     # with int8 weights (in-process): the same model's predictions, its probabilities within rounding
     monkeypatch.setattr(sys, 'argv', ['finetune.py', f'--init_from={out}', f'--predict_file={unlabeled}',
                                       f'--predict_out={tmp_path / "p8.jsonl"}', '--device=cpu', '--weights=int8'])
@@ -392,7 +395,7 @@ def test_a_failed_save_is_one_line_on_every_rank(tmp_path, monkeypatch):
         finetune.finetune(config(task='classification', init_from=src, out_dir=str(out), train_file=train,
                                  val_file=val, epochs=1, batch_size=8), SINGLE)
     # the weights are voted finite on every rank before anything is written
-    monkeypatch.setattr(checkpointer_mod, 'tensors_finite', lambda tensors: False)
+    monkeypatch.setattr(saving, 'tensors_finite', lambda tensors: False)
     with pytest.raises(UserError, match="weights are not finite at iter 2; not saving"):
         finetune.finetune(config(task='classification', init_from=src, out_dir=str(tmp_path / 'ft2'),
                                  train_file=train, val_file=val, epochs=1, batch_size=8), SINGLE)
@@ -407,7 +410,8 @@ def test_interrupted_fine_tune_resumes_exactly(tmp_path, monkeypatch, capsys):
     full = finetune.finetune(config(out_dir=str(tmp_path / 'a'), **common), SINGLE)
     asked = []
 
-    def stop_at_step_11(self, dist_info, sync_point=True):  # as if Ctrl-C came during step 11 (epoch 1, step 3)
+    # as if Ctrl-C came during step 11 (epoch 1, step 3)
+    def stop_at_step_11(self, dist_info, sync_point=True):
         asked.append(1)
         return len(asked) == 11
 
@@ -493,7 +497,8 @@ def resolved_rate(n_embd, resumed=None, **settings):
 def test_default_learning_rate_follows_the_width():
     assert finetune.DEFAULTS['learning_rate'] == 0.0 and "0 = scaled from the model's width" in \
         finetune.DEFAULTS.specs['learning_rate'].help  # --help says what 0 means
-    assert resolved_rate(768) == 6.25e-5  # GPT-1's rate for GPT-1's (and GPT-2 small's) width, exactly
+    # GPT-1's rate for GPT-1's (and GPT-2 small's) width, exactly
+    assert resolved_rate(768) == 6.25e-5
     # narrower: 6.25e-5 x (768 / n_embd) ** 1.5 (the quick-start model is 128 wide), the wider GPT-2s below it
     assert resolved_rate(128) == pytest.approx(6.25e-5 * 6 ** 1.5, rel=1e-12) == pytest.approx(9.186e-4, rel=1e-3)
     assert resolved_rate(1600) < resolved_rate(1024) < 6.25e-5 < resolved_rate(384) < resolved_rate(128)
@@ -523,7 +528,8 @@ def test_the_rate_used_is_printed_and_saved(tmp_path, capsys):
     for name in (finetune.BEST_CKPT, finetune.LAST_CKPT):  # the number used, not the 0 asked for
         assert load_checkpoint(str(tmp_path / 'a' / name))['config']['learning_rate'] == res['learning_rate']
     last = load_checkpoint(str(tmp_path / 'a' / finetune.LAST_CKPT))
-    assert {g['lr'] for g in last['optimizer']['param_groups']} == {res['learning_rate']}  # what the steps used
+    # what the steps used
+    assert {g['lr'] for g in last['optimizer']['param_groups']} == {res['learning_rate']}
     # a fine-tune given its own rate, resumed with learning_rate=0, goes on at that rate (not the width's)
     finetune.finetune(config(out_dir=str(tmp_path / 'b'), epochs=1, **dict(common, learning_rate=2e-3)), SINGLE)
     capsys.readouterr()
@@ -541,10 +547,12 @@ def test_demo_spelling_task_changes_only_the_spelling():
     out = demo['scrambled'](line, random.Random(0))
     assert out != line and len(out) == len(line)
     for a, b in zip(line.split(' '), out.split(' ')):
-        assert sorted(a) == sorted(b) and (a[0], a[-1]) == (b[0], b[-1])  # case and punctuation stay put
+        # case and punctuation stay put
+        assert sorted(a) == sorted(b) and (a[0], a[-1]) == (b[0], b[-1])
         if sum(c.isalpha() for c in a) < 4:
             assert a == b  # "the", "is": nothing to shuffle
-    assert demo['scrambled']("seen a bee", random.Random(0)) == "seen a bee"  # no other order: the caller skips it
+    # no other order: the caller skips it
+    assert demo['scrambled']("seen a bee", random.Random(0)) == "seen a bee"
 
 
 # -----------------------------------------------------------------------------
@@ -552,7 +560,8 @@ def test_demo_spelling_task_changes_only_the_spelling():
 
 @pytest.mark.parametrize('name,script', [('finetune_classification.py', 'finetune'),
                                          ('finetune_shakespeare_plays.py', 'finetune'),
-                                         ('finetune_shakespeare.py', 'train')])  # nanoGPT's: a train.py config
+                                         # nanoGPT's: a train.py config
+                                         ('finetune_shakespeare.py', 'train')])
 def test_finetune_config_files_parse(name, script, tmp_path):
     import train
     defaults = finetune.DEFAULTS if script == 'finetune' else train.DEFAULTS
@@ -636,7 +645,8 @@ def test_ddp_two_processes_match_one(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=240,
                          env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert two.returncode == 0, two.stderr
-    r1, r2 = last_json(one.stdout), last_json(two.stdout)
+    r1 = last_json(one.stdout)
+    r2 = last_json(two.stdout)
     assert r1['steps'] == r2['steps'] == 2 * 6
     assert r1['val_acc'] == r2['val_acc']
     a = load_checkpoint(str(tmp_path / 'one' / finetune.LAST_CKPT))

@@ -7,12 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
-from test_finetune import SINGLE, config, make_source, make_task
 from torch.utils.data import DistributedSampler
 
 import finetune
+from nanogpt_plus import finetuning
 from nanogpt_plus.distributed import DistInfo
 from nanogpt_plus.finetuning import global_batch_counts, n_lm_targets, step_batches
+from test_finetune import SINGLE, config, make_source, make_task
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -22,7 +23,9 @@ SPECIAL = {'start': 50, 'delim': 51, 'extract': 52}
 def random_examples(n, seed):
     """ Encoded examples of 1 to 3 rows of different lengths (like similarity / multiple choice), with labels. """
     r = random.Random(seed)
-    s, d, e = SPECIAL['start'], SPECIAL['delim'], SPECIAL['extract']
+    s = SPECIAL['start']
+    d = SPECIAL['delim']
+    e = SPECIAL['extract']
     encoded = [[[s] + [r.randrange(50) for _ in range(r.randrange(0, 6))] + [d]
                 + [r.randrange(50) for _ in range(r.randrange(1, 6))] + [e] for _ in range(r.randrange(1, 4))]
                for _ in range(n)]
@@ -34,7 +37,7 @@ def rank_run(encoded, labels, rank, world_size, batch_size, accum, seed=3):
     sampler = DistributedSampler(range(len(encoded)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                  drop_last=False)
     cfg = dict(batch_size=batch_size, epochs=3, warmup_frac=0.1, learning_rate=1e-3, min_lr=1e-4, decay_lr=True)
-    return SimpleNamespace(sampler=sampler, schedule=finetune.Schedule.for_run(len(sampler), cfg, accum),
+    return SimpleNamespace(sampler=sampler, schedule=finetuning.Schedule.for_run(len(sampler), cfg, accum),
                            data=SimpleNamespace(train_encoded=encoded, train_labels=labels,
                                                 train_lm_targets=[n_lm_targets(e, SPECIAL) for e in encoded]),
                            special=SPECIAL,
@@ -72,8 +75,10 @@ def test_train_steps_run_no_collective(tmp_path, monkeypatch):
     single = finetune.finetune(config(out_dir=str(tmp_path / 'single'), **common), SINGLE)
 
     dist.init_process_group('gloo', init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    in_step, collectives = [], []
-    real_train_step, real_all_reduce = finetune.train_step, dist.all_reduce
+    in_step = []
+    collectives = []
+    real_train_step = finetune.train_step
+    real_all_reduce = dist.all_reduce
 
     def train_step(*args):
         in_step.append(True)
@@ -89,5 +94,6 @@ def test_train_steps_run_no_collective(tmp_path, monkeypatch):
     monkeypatch.setattr(finetune, 'train_step', train_step)
     monkeypatch.setattr(dist, 'all_reduce', all_reduce)
     ddp = finetune.finetune(config(out_dir=str(tmp_path / 'ddp'), **common), DistInfo(True, 0, 0, 1, 'cpu'))
-    assert collectives and not any(collectives)  # the log and evaluation syncs only, all outside the steps
+    # the log and evaluation syncs only, all outside the steps
+    assert collectives and not any(collectives)
     assert ddp == dict(single, out_dir=str(tmp_path / 'ddp'))

@@ -73,7 +73,9 @@ def full_run(corpus, tmp_path_factory):
 def hand_written_shard(path, tokens, magic, version, dtype):
     """ An llm.c shard as its own writer makes one (data_common.write_datafile): 256 int32, then the tokens. """
     header = np.zeros(256, dtype=np.int32)
-    header[0], header[1], header[2] = magic, version, len(tokens)
+    header[0] = magic
+    header[1] = version
+    header[2] = len(tokens)
     with open(path, "wb") as f:
         f.write(header.tobytes())
         f.write(np.array(tokens, dtype=dtype).tobytes())
@@ -89,7 +91,8 @@ def test_shard_of_an_independent_writer_is_read_and_ours_is_the_same_bytes(tmp_p
     assert isinstance(read, np.memmap) and read.dtype == dtype and read.tolist() == tokens
     write_shard(str(tmp_path / "ours.bin"), np.array(tokens, dtype=dtype))
     assert (tmp_path / "ours.bin").read_bytes() == (tmp_path / "theirs_train_000001.bin").read_bytes()
-    assert sorted(os.listdir(tmp_path)) == ["ours.bin", "theirs_train_000001.bin"]  # no temp file left behind
+    # no temp file left behind
+    assert sorted(os.listdir(tmp_path)) == ["ours.bin", "theirs_train_000001.bin"]
 
 
 def test_bad_shards_each_give_one_clear_error_naming_the_file(tmp_path):
@@ -108,13 +111,16 @@ def test_bad_shards_each_give_one_clear_error_naming_the_file(tmp_path):
                                        r"it is truncated or corrupt")
     refused("short.bin", raw[:1000], "shorter than the 1024-byte header")
     wrong_magic = np.frombuffer(raw, dtype=np.uint8).copy()
-    wrong_magic[:4] = np.frombuffer(np.int32(20240522).tobytes(), dtype=np.uint8)  # llm.c's HellaSwag magic
+    # llm.c's HellaSwag magic
+    wrong_magic[:4] = np.frombuffer(np.int32(20240522).tobytes(), dtype=np.uint8)
     refused("magic.bin", wrong_magic.tobytes(), "has magic number 20240522, not an llm.c token shard's")
-    refused("numpy.bin", np.arange(600, dtype=np.uint16).tobytes(), "has magic number 65536")  # a raw file
+    # a raw file
+    refused("numpy.bin", np.arange(600, dtype=np.uint16).tobytes(), "has magic number 65536")
     corrupt = np.frombuffer(raw, dtype=np.int32).copy()
     corrupt[2] = -7  # the token count
     refused("count.bin", corrupt.tobytes(), "its header says -7 uint16 tokens")
-    corrupt[2], corrupt[1] = 100, 2
+    corrupt[2] = 100
+    corrupt[1] = 2
     refused("version.bin", corrupt.tobytes(), "has format version 2, but magic 20240520 shards are version 1")
     with pytest.raises(UserError, match="no token shard at"):
         open_shard(str(tmp_path / "missing.bin"))
@@ -136,7 +142,8 @@ def test_find_shards_naming_rule(tmp_path):
     for n in ("train.bin", "val.bin"):
         np.arange(10, dtype=np.uint16).tofile(raw / n)
     assert find_shards(str(raw)) == ([str(raw / "train.bin")], [str(raw / "val.bin")])
-    assert open_token_file(str(raw / "train.bin")).tolist() == list(range(10))  # nanoGPT's: no header
+    # nanoGPT's: no header
+    assert open_token_file(str(raw / "train.bin")).tolist() == list(range(10))
     for n in ("b_train_000002.bin", "a_val_000000.bin", "b_train_000001.bin", "my_train.bin", "notes.txt",
               ".b_train_000003.bin.tmp.123"):
         hand_written_shard(shards / n, [1, 2, 3], 20240520, 1, np.uint16)
@@ -173,7 +180,8 @@ def test_shards_hold_exactly_the_documents_each_after_its_eot(corpus, full_run):
     assert np.array_equal(np.concatenate([open_shard(p) for p in val + train]), stream)
     meta = read_meta(full_run)
     assert meta["kind"] == "gpt2" and meta["tokens"] == total and meta["documents"] == len(docs)
-    assert meta["end_of_corpus"] and "vocab_size" not in meta  # so a new model pads GPT-2's vocab to 50304
+    # so a new model pads GPT-2's vocab to 50304
+    assert meta["end_of_corpus"] and "vocab_size" not in meta
     records = meta["shards"]
     assert [r["file"] for r in records] == [os.path.basename(p) for p in val + train]
     assert [r["tokens"] for r in records] == [h.num_tokens for h in headers]
@@ -201,7 +209,8 @@ def test_streaming_gives_the_same_shards(corpus, full_run, tmp_path):
 def stop_after(monkeypatch, target, calls, error=KeyboardInterrupt):
     """ Make target (a ShardWriter method or a fineweb function) raise on its call number `calls`. """
     owner, name = target
-    real, count = getattr(owner, name), [0]
+    real = getattr(owner, name)
+    count = [0]
 
     def wrapped(*args, **kwargs):
         count[0] += 1
@@ -262,7 +271,8 @@ def test_a_raw_dataset_is_refused_and_replaced_with_overwrite(corpus, full_run, 
         prepare(out, corpus[0], tmp_path / "cache")
     assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]  # untouched
     prepare(out, corpus[0], tmp_path / "cache", overwrite=True)
-    assert shard_bytes(out) == shard_bytes(full_run)  # the shards alone: train.bin and val.bin are gone
+    # the shards alone: train.bin and val.bin are gone
+    assert shard_bytes(out) == shard_bytes(full_run)
     assert read_meta(out)["shards"] == read_meta(full_run)["shards"]
     # shards again into their own directory: no --overwrite needed, the run finds all of them done
     capsys.readouterr()
@@ -277,7 +287,8 @@ def test_max_tokens_is_exact_and_a_larger_one_continues(corpus, full_run, tmp_pa
     assert r["tokens"] == n and [read_header(str(out / f)).num_tokens for f in r["files"]] == [SHARD, SHARD, 1234]
     assert np.array_equal(np.concatenate([open_shard(str(out / f)) for f in r["files"]]), corpus[2][:n])
     assert not read_meta(out)["end_of_corpus"]
-    r = prepare(out, corpus[0], tmp_path / "cache", max_tokens=5 * SHARD)  # the short last shard is redone
+    # the short last shard is redone
+    r = prepare(out, corpus[0], tmp_path / "cache", max_tokens=5 * SHARD)
     assert r["tokens"] == 5 * SHARD and r["new_tokens"] == 3 * SHARD
     full = shard_bytes(full_run)
     assert shard_bytes(out) == {f: full[f] for f in r["files"]}
@@ -289,7 +300,8 @@ def test_memory_holds_one_shard_buffer_not_the_corpus(tmp_path, monkeypatch):
     docs = make_docs(n=3000, seed=1)
     pq.write_table(pa.table({"text": docs}), tmp_path / "big.parquet")
     corpus_bytes = sum(len(d.encode()) for d in docs)
-    monkeypatch.setattr(fineweb, "READ_BATCH", 16)  # documents read at a time: small beside this corpus
+    # documents read at a time: small beside this corpus
+    monkeypatch.setattr(fineweb, "READ_BATCH", 16)
     # a first run makes datasets' lazy imports and its Arrow cache of the file outside the measurement
     prepare(tmp_path / "warm", str(tmp_path / "big.parquet"), tmp_path / "cache", max_tokens=1)
     tracemalloc.start()
@@ -326,7 +338,8 @@ def test_input_errors_are_one_line(corpus, tmp_path, monkeypatch):
         prepare(tmp_path / "b", str(tmp_path / "bad.jsonl"), tmp_path / "cache")
 
     class BigIds:  # a tokenizer whose ids don't fit the shards' uint16
-        n_vocab, eot_token = 50257, EOT
+        n_vocab = 50257
+        eot_token = EOT
 
         def encode_ordinary(self, text):
             return [70000]
@@ -360,7 +373,8 @@ def test_hub_errors_are_one_line(tmp_path, monkeypatch):
 
 
 def test_script_on_local_files(corpus, full_run, tmp_path, monkeypatch, capsys):
-    def script(*args):  # data/fineweb/prepare.py in this process, as `python data/fineweb/prepare.py ARGS` runs it
+    # data/fineweb/prepare.py in this process, as `python data/fineweb/prepare.py ARGS` runs it
+    def script(*args):
         monkeypatch.setattr(sys, "argv", ["prepare.py", *args])
         runpy.run_path(os.path.join(REPO, "data", "fineweb", "prepare.py"), run_name="__main__")
     args = [f"--files={corpus[0]}", f"--shard_size={SHARD}", f"--out_dir={tmp_path / 'out'}", "--num_proc=2"]

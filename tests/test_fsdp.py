@@ -15,8 +15,9 @@ import torch
 
 from helpers import REPO, assert_losses_close, iter_losses, train_args
 from model import GPT, GPTConfig
-from nanogpt_plus.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from nanogpt_plus.checkpoint import load_checkpoint, save_checkpoint
 from nanogpt_plus.distributed import DistInfo
+from nanogpt_plus.init_from import model_from_checkpoint
 from nanogpt_plus.parallel import full_state_dicts, load_optimizer_state, mixed_precision_policy, wrap_model
 
 # 4 micro-batches per step = 2 per rank: exercises FSDP's gradient accumulation without sync
@@ -38,7 +39,8 @@ def train(cmd_args, nproc=2):
 def test_fsdp_equals_ddp_halves_memory_and_checkpoints_resume(dataset, tmp_path):
     ddp = train(args(dataset, tmp_path / "ddp"))
     fsdp = train(args(dataset, tmp_path / "fsdp", parallelism="fsdp", max_iters=3))
-    ddp_losses, fsdp_losses = iter_losses(ddp), iter_losses(fsdp)
+    ddp_losses = iter_losses(ddp)
+    fsdp_losses = iter_losses(fsdp)
     assert_losses_close(ddp_losses, fsdp_losses, range(4))
 
     # each of the 2 ranks stores about half of the parameters (rows split evenly, 1-row tensors padded)
@@ -50,7 +52,8 @@ def test_fsdp_equals_ddp_halves_memory_and_checkpoints_resume(dataset, tmp_path)
     # the checkpoint is a plain nanoGPT one: full tensors, AdamW's own state-dict format (integer keys)
     ck_ddp = load_checkpoint(str(tmp_path / "ddp" / "ckpt.pt"))
     ck = load_checkpoint(str(tmp_path / "fsdp" / "ckpt.pt"))
-    assert ck["iter_num"] == 4 and ck["config"]["parallelism"] == "fsdp"  # the final save: 4 steps done
+    # the final save: 4 steps done
+    assert ck["iter_num"] == 4 and ck["config"]["parallelism"] == "fsdp"
     model = model_from_checkpoint(ck)  # loads strictly: every key, every full shape
     assert model.lm_head.weight is model.transformer.wte.weight
     assert ck["model"]["lm_head.weight"].data_ptr() == ck["model"]["transformer.wte.weight"].data_ptr()
@@ -75,7 +78,8 @@ def test_fsdp_equals_ddp_halves_memory_and_checkpoints_resume(dataset, tmp_path)
     assert_losses_close(ddp_losses, iter_losses(single), range(4, 7))
     final = load_checkpoint(str(tmp_path / "fsdp" / "ckpt.pt"))
     for k, v in ck_ddp["model"].items():
-        torch.testing.assert_close(final["model"][k], v, atol=3e-4, rtol=1e-3)  # Adam amplifies fp noise
+        # Adam amplifies fp noise
+        torch.testing.assert_close(final["model"][k], v, atol=3e-4, rtol=1e-3)
 
 
 def test_bad_parallelism_is_one_clear_error(tmp_path):
@@ -157,7 +161,8 @@ def test_fsdp_full_state_dicts_are_held_by_rank_0_only(tmp_path):
     assert r1['none'] and not r0['none']
     assert r0['reloaded'] and r1['reloaded']
     model_state, opt_state = torch.load(tmp_path / 'full.pt', weights_only=True)
-    assert model_state['lm_head.weight'] is model_state['transformer.wte.weight']  # the tied weight: one tensor
+    # the tied weight: one tensor
+    assert model_state['lm_head.weight'] is model_state['transformer.wte.weight']
     assert not any(type(v) is not torch.Tensor for v in model_state.values())  # no DTensors
     ref_state = ref.state_dict()
     assert list(model_state) == list(ref_state)  # plain names, no wrapper prefixes
@@ -180,7 +185,8 @@ def test_fsdp_bfloat16_gathers_bf16_weights_and_keeps_fp32_shards(tmp_path):
     (r0, r1), _, _ = run_two_ranks(tmp_path, 'bfloat16')
     for r in (r0, r1):
         assert r['seen'] == 'torch.bfloat16'  # the all-gathered weights the Block computes with
-        assert r['sharded_dtype'] == 'torch.float32'  # what the optimizer updates and ckpt.pt stores
+        # what the optimizer updates and ckpt.pt stores
+        assert r['sharded_dtype'] == 'torch.float32'
         assert 0 < r['loss'] < 10 and r['reloaded']
     model_state, _ = torch.load(tmp_path / 'full.pt', weights_only=True)
     assert all(v.dtype == torch.float32 for v in model_state.values())
@@ -193,16 +199,19 @@ def test_ddp_then_compile_without_buffer_broadcasts(tmp_path):
     dist.init_process_group('gloo', init_method=f'file://{tmp_path / "pg"}', rank=0, world_size=1)
     raw = GPT(GPTConfig(**TINY))
     info = DistInfo(under_torchrun=True, rank=0, local_rank=0, world_size=1, device='cpu')
-    model = wrap_model(raw, info, compile_model=True, parallelism='ddp')  # compiles lazily: nothing runs yet
+    # compiles lazily: nothing runs yet
+    model = wrap_model(raw, info, compile_model=True, parallelism='ddp')
     # the compiled module is the DDP one (what dynamo's DDPOptimizer needs to overlap the all-reduces)
     assert isinstance(model, OptimizedModule) and isinstance(model._orig_mod, DDP)
     assert model._orig_mod.module is raw
-    assert model._orig_mod.forward_sync_buffers is False  # no per-step broadcast of the causal masks,
+    # no per-step broadcast of the causal masks,
+    assert model._orig_mod.forward_sync_buffers is False
     # which is safe because the model's only buffers are those masks, none of them saved state
     buffers = {n for n, _ in raw.named_buffers()}
     assert buffers and not buffers & set(raw.state_dict())
     optimizer = raw.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
-    model_state, _ = full_state_dicts(raw, optimizer)  # what write_checkpoint saves: the plain module's names
+    # what write_checkpoint saves: the plain module's names
+    model_state, _ = full_state_dicts(raw, optimizer)
     assert not any(k.startswith(('_orig_mod.', 'module.')) for k in model_state)
     assert set(model_state) == set(GPT(GPTConfig(**TINY)).state_dict())
 
@@ -231,7 +240,8 @@ def test_resumed_optimizer_state_does_not_keep_the_checkpoint_mapped(tmp_path):
     del ckpt
     gc.collect()
     with open('/proc/self/maps') as f:
-        assert not any(line.rstrip().endswith(path) for line in f)  # the CPU optimizer state was copied out
+        # the CPU optimizer state was copied out
+        assert not any(line.rstrip().endswith(path) for line in f)
     for i, s in optimizer.state_dict()['state'].items():
         for k, v in s.items():
             torch.testing.assert_close(resumed.state_dict()['state'][i][k], v)
@@ -241,8 +251,7 @@ def test_resumed_optimizer_state_does_not_keep_the_checkpoint_mapped(tmp_path):
 # FSDP's ranks other than 0 build the model on the meta device and are sent their shards by rank 0
 
 def test_init_model_on_meta_allocates_nothing_and_draws_nothing(tmp_path):
-    from nanogpt_plus.build import scratch_model
-    from nanogpt_plus.checkpoint import init_model
+    from nanogpt_plus.init_from import init_model, scratch_model
     path = str(tmp_path / 'ckpt.pt')
     model = GPT(GPTConfig(**TINY))
     save_checkpoint({'model': model.state_dict(), 'model_args': model.config.model_args()}, path)
@@ -251,7 +260,8 @@ def test_init_model_on_meta_allocates_nothing_and_draws_nothing(tmp_path):
     settings = {k: TINY[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout')}
     scratch = scratch_model(dict(settings, gelu='none'), {'vocab_size': TINY['vocab_size']}, 'data', on_meta=True)
     assert torch.equal(torch.get_rng_state(), rng)  # no initialisation ran
-    assert ckpt is not None and 'model' in ckpt  # still there for the optimizer, loader and RNG states
+    # still there for the optimizer, loader and RNG states
+    assert ckpt is not None and 'model' in ckpt
     for m in (meta, scratch):
         tensors = list(m.parameters()) + list(m.buffers())
         assert tensors and all(t.is_meta for t in tensors)
@@ -264,7 +274,7 @@ def test_a_pretrained_model_on_meta_reads_only_its_config(tmp_path, monkeypatch)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from nanogpt_plus import pretrained
-    from nanogpt_plus.checkpoint import init_model
+    from nanogpt_plus.init_from import init_model
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=60)).save_pretrained(
         tmp_path / 'hf')
     real, _, _ = init_model(str(tmp_path / 'hf'))
@@ -278,27 +288,29 @@ def test_a_pretrained_model_on_meta_reads_only_its_config(tmp_path, monkeypatch)
 def meta_worker(rank, init_file, out_dir, source):
     import torch.distributed as dist
 
-    from nanogpt_plus.build import fit_block_size, scratch_model
-    from nanogpt_plus.checkpoint import init_model
+    from nanogpt_plus.init_from import fit_block_size, init_model, scratch_model
     from nanogpt_plus.parallel import shard_model
     torch.set_num_threads(1)
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
     try:
-        torch.manual_seed(0 + rank)  # as train.py seeds: a rank 1 that initialised would differ from rank 0
+        # as train.py seeds: a rank 1 that initialised would differ from rank 0
+        torch.manual_seed(0 + rank)
         if source == 'scratch':
             settings = {k: TINY[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout')}
             model = scratch_model(dict(settings, gelu='none'), {'vocab_size': TINY['vocab_size']}, 'data',
                                   on_meta=rank != 0)
         else:
             model, _, _ = init_model(os.path.join(out_dir, 'ckpt.pt'), on_meta=rank != 0)
-            fit_block_size(model, 8)  # cropped on meta too: the masks must come back at the cropped size
+            # cropped on meta too: the masks must come back at the cropped size
+            fit_block_size(model, 8)
         result = {'meta_before': all(t.is_meta for t in list(model.parameters()) + list(model.buffers()))}
         shard_model(model, DistInfo(under_torchrun=True, rank=rank, local_rank=rank, world_size=2, device='cpu'))
         result['tied'] = model.lm_head.weight is model.transformer.wte.weight
         result['local'] = {n: p.to_local().clone() for n, p in model.named_parameters()}
         result['masks'] = [b.attn.bias.clone() for b in model.transformer.h]
         model.eval()
-        X = torch.randint(0, TINY['vocab_size'], (2, model.config.block_size), generator=torch.Generator().manual_seed(3))
+        generator = torch.Generator().manual_seed(3)
+        X = torch.randint(0, TINY['vocab_size'], (2, model.config.block_size), generator=generator)
         with torch.no_grad():
             for path in ('flash', 'manual'):  # the manual path reads the masks
                 model.set_attention(path)

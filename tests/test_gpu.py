@@ -21,20 +21,18 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_distributed import start, stop, wait_for_line, workers_of
-from test_inloop_eval import HELLASWAG_LINE, SYMBOLS, hellaswag_lines, run_eval_script
 
 import bench
 import train
-from helpers import REPO
-from helpers import TINY_VOCAB
+from helpers import REPO, TINY_VOCAB, assert_losses_close, iter_losses, train_args, write_hellaswag
 from helpers import TINY_VOCAB as VOCAB
-from helpers import assert_losses_close, iter_losses, train_args, write_hellaswag
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.engine import KVCache, generate
 from nanogpt_plus.hardware import gpu_peak_flops
 from nanogpt_plus.metrics import read_metrics
+from test_distributed import start, stop, wait_for_line, workers_of
+from test_inloop_eval import HELLASWAG_LINE, SYMBOLS, hellaswag_lines, run_eval_script
 
 pytestmark = pytest.mark.gpu
 
@@ -131,7 +129,8 @@ def test_nccl_one_process(dataset, tmp_path, parallelism, dtype):
     losses = list(iter_losses(out).values())
     assert len(losses) == 11 and all(np.isfinite(losses)) and losses[-1] < losses[0]
     ck = load_checkpoint(str(tmp_path / "ckpt.pt"))
-    assert all(type(v) is torch.Tensor for v in ck["model"].values())  # full tensors, never DTensors
+    # full tensors, never DTensors
+    assert all(type(v) is torch.Tensor for v in ck["model"].values())
 
 
 def test_resume_on_cuda_continues_exactly(dataset, tmp_path, capsys, monkeypatch):
@@ -140,7 +139,8 @@ def test_resume_on_cuda_continues_exactly(dataset, tmp_path, capsys, monkeypatch
     the loader and the optimizer restored. Bitwise needs deterministic kernels: fp32, manual attention
     (flash attention's backward adds in a varying order), eager, and torch's deterministic algorithms.
     """
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (read when it starts a handle)
+    # deterministic cuBLAS (read when it starts a handle)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -180,7 +180,8 @@ def test_kv_cache_under_bf16_autocast_equals_full_forward():
     ctx = torch.amp.autocast(device_type='cuda', dtype=torch.bfloat16)
     cache = KVCache(model.config.n_layer, 20)
     with torch.no_grad(), ctx:
-        cached = [model(seq[:, :5], kv_cache=cache)[0][:, -1]]  # prefill with the prompt, then one token a step
+        # prefill with the prompt, then one token a step
+        cached = [model(seq[:, :5], kv_cache=cache)[0][:, -1]]
         cached += [model(seq[:, t:t + 1], kv_cache=cache)[0][:, -1] for t in range(5, 20)]
         full = [model(seq[:, :t + 1])[0][:, -1] for t in range(4, 20)]
     assert cache.k.dtype == torch.bfloat16 and cache.pos == 20
@@ -261,17 +262,20 @@ def test_bf16_compiled_on_k_ranks_equals_one_rank(dataset, tmp_path, parallelism
         pytest.skip("this GPU has no bfloat16")
     run = functools.partial(k_rank_args, dataset, parallelism=parallelism, dtype='bfloat16', max_iters=10,
                             lr_decay_iters=10)
-    one, many = torchrun(1, run(tmp_path / "one")), torchrun(K, run(tmp_path / "many"))
+    one = torchrun(1, run(tmp_path / "one"))
+    many = torchrun(K, run(tmp_path / "many"))
     assert "compiling the model" in many
     losses = iter_losses(many)
     assert sorted(losses) == list(range(11)) and all(np.isfinite(list(losses.values()))) and losses[10] < losses[0]
     assert_losses_close(iter_losses(one), losses, range(11), tol=2e-2)
-    norms_one, norms_many = grad_norms(tmp_path / "one"), grad_norms(tmp_path / "many")
+    norms_one = grad_norms(tmp_path / "one")
+    norms_many = grad_norms(tmp_path / "many")
     for it in range(5):
         assert norms_many[it] == pytest.approx(norms_one[it], rel=2e-2), (it, norms_one, norms_many)
     ck = load_checkpoint(str(tmp_path / "many" / "ckpt.pt"))
     assert ck["provenance"]["world_size"] == K and ck["provenance"]["dtype"] == "bfloat16"
-    assert all(type(v) is torch.Tensor for v in ck["model"].values())  # full tensors, never DTensors
+    # full tensors, never DTensors
+    assert all(type(v) is torch.Tensor for v in ck["model"].values())
     if parallelism == "fsdp":  # each rank stores about 1/K of the parameters
         m = re.search(r"^fsdp: this rank holds ([\d,]+) of ([\d,]+) parameters", many, re.M)
         assert m, many[-2000:]
@@ -301,14 +305,16 @@ def test_stop_and_resume_on_k_ranks_continues_the_run(dataset, tmp_path):
     full = iter_losses(torchrun(K, run(tmp_path / "full")))
     part1 = iter_losses(torchrun(K, run(tmp_path / "split", max_iters=10)))
     ck = load_checkpoint(str(tmp_path / "split" / "ckpt.pt"))
-    assert ck["iter_num"] == 11 and len(ck["rng"]) == K  # part 1's final save: 11 steps, every rank's RNG states
+    # part 1's final save: 11 steps, every rank's RNG states
+    assert ck["iter_num"] == 11 and len(ck["rng"]) == K
     part2 = iter_losses(torchrun(K, run(tmp_path / "split", init_from="resume")))
     assert min(part2) == 11 and sorted(full) == list(range(21))
     assert_losses_close(full, {**part1, **part2}, range(21), tol=2e-2)
 
 
 SPIKE_AT = 135  # the guard judges steps once its window holds SPIKE_WINDOW (128) of them
-SPIKE_SKIP_LINE = re.compile(r"^iter (\d+): skipped the update: loss ", re.M)  # skipped for its loss (named first)
+# skipped for its loss (named first)
+SPIKE_SKIP_LINE = re.compile(r"^iter (\d+): skipped the update: loss ", re.M)
 
 
 def spiked_dataset(directory, tokens_per_iter, spike_at, iters):
@@ -338,7 +344,8 @@ def test_spike_guard_on_k_ranks_skips_the_spiked_update(tmp_path):
     if not native_bf16():
         pytest.skip("this GPU has no bfloat16")
     last = SPIKE_AT + 4
-    data = spiked_dataset(tmp_path / "data", 2 * K * 8 * 32, SPIKE_AT, last + 2)  # 2K micro-batches of 8 x 32
+    # 2K micro-batches of 8 x 32
+    data = spiked_dataset(tmp_path / "data", 2 * K * 8 * 32, SPIKE_AT, last + 2)
     out = torchrun(K, k_rank_args(data, tmp_path / "out", parallelism='fsdp', dtype='bfloat16',
                                   data_order='sequential', max_iters=last, lr_decay_iters=last, eval_interval=1000,
                                   skip_loss_z=5.0, skip_grad_z=5.0))
@@ -378,7 +385,8 @@ def test_in_loop_hellaswag_compiled_on_k_ranks_is_eval_py(spaced_dataset, hellas
                                   hellaswag_interval=6, hellaswag_file=hellaswag_jsonl, keep_checkpoints=3))
     assert "compiling the model" in out
     lines = hellaswag_lines(out)
-    assert sorted(lines) == [0, 6, 12] and len(HELLASWAG_LINE.findall(out)) == 3, out[-3000:]  # rank 0 prints
+    # rank 0 prints
+    assert sorted(lines) == [0, 6, 12] and len(HELLASWAG_LINE.findall(out)) == 3, out[-3000:]
     assert [total for _, _, total in lines.values()] == [12, 12, 12]
     assert lines[12][1] > lines[0][1]
     result = run_eval_script(monkeypatch, capsys, tmp_path / "out" / "ckpt_12.pt", hellaswag_jsonl)
@@ -402,7 +410,8 @@ def stop_with_workers(proc):
     if proc.poll() is None:
         for pid in workers_of(proc):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)  # torchrun starts every worker in a session (and group) of its own
+                # torchrun starts every worker in a session (and group) of its own
+                os.killpg(pid, signal.SIGKILL)
     stop(proc)
 
 
@@ -423,7 +432,8 @@ def test_sigterm_to_torchrun_under_nccl_on_k_ranks(dataset, tmp_path):
     try:
         seen = wait_for_line(proc, "iter 0:", timeout=300)  # compiled and training
         time.sleep(2.0)  # some iterations in
-        proc.send_signal(signal.SIGTERM)  # a scheduler's preemption: torchrun passes it on to every worker once
+        # a scheduler's preemption: torchrun passes it on to every worker once
+        proc.send_signal(signal.SIGTERM)
         signalled = time.time()
         out, err = proc.communicate(timeout=28)
         stopped_in = time.time() - signalled

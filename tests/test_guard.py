@@ -16,6 +16,7 @@ import bench
 import train
 from helpers import REPO, assert_losses_close, iter_losses, train_args
 from model import GPT, GPTConfig
+from nanogpt_plus import spike_guard
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.optimizer import skip_update, take_update, unscale_and_clip
@@ -24,7 +25,8 @@ from nanogpt_plus.spike_guard import SPIKE_WINDOW, SpikeGuard
 
 tiny_args = functools.partial(train_args, dropout=0.1, num_threads=1)  # fixed threads: bitwise runs
 PLAIN_FORWARD = GPT.forward  # what inject_spike wraps (never a wrapper a previous injection left)
-SHORT_WINDOW = 16  # the integration runs use a short window, so it fills in 16 iterations instead of 128
+# the integration runs use a short window, so it fills in 16 iterations instead of 128
+SHORT_WINDOW = 16
 SKIP_LINE = re.compile(r"^iter (\d+): skipped the update: loss (\S+) is (\S+) standard deviations above its running "
                        r"mean (\S+) \(skip_loss_z=5\.0\); grad norm (\S+) is (\S+) standard deviations above its "
                        r"running mean (\S+) \(skip_grad_z=5\.0\)$", re.M)
@@ -37,23 +39,28 @@ def test_spike_guard_z_window_and_state():
     guard = SpikeGuard(skip_loss_z=5.0)
     assert guard.enabled and not SpikeGuard().enabled
     for k in range(SPIKE_WINDOW - 1):
-        assert guard.check(1000.0 if k == 50 else 1.0 + (k % 2) * 2) is None  # z undefined: window not full
+        # z undefined: window not full
+        assert guard.check(1000.0 if k == 50 else 1.0 + (k % 2) * 2) is None
     guard = SpikeGuard(skip_loss_z=5.0, skip_grad_z=5.0)
     for k in range(SPIKE_WINDOW):
-        guard.check(1.0 + (k % 2) * 2, grad_norm=None)  # mean 2, standard deviation 1; no grad norm measured
+        # mean 2, standard deviation 1; no grad norm measured
+        guard.check(1.0 + (k % 2) * 2, grad_norm=None)
     assert guard.z_score('loss', 6.5) == pytest.approx(4.5)
     assert guard.check(6.5) is None  # 4.5 deviations: kept (and now part of the window)
-    assert guard.check(float('nan')) is None and guard.check(float('inf')) is None  # never enter the window
+    # never enter the window
+    assert guard.check(float('nan')) is None and guard.check(float('inf')) is None
     assert len(guard.history['loss']) == SPIKE_WINDOW and math.isfinite(sum(guard.history['loss']))
     assert guard.history['grad_norm'] == []
-    state = json.loads(json.dumps(guard.state_dict()))  # plain values: weights_only-loadable in a checkpoint
+    # plain values: weights_only-loadable in a checkpoint
+    state = json.loads(json.dumps(guard.state_dict()))
     restored = SpikeGuard(skip_loss_z=5.0, skip_grad_z=5.0)
     restored.load_state_dict(state)
     spike = guard.check(100.0)
     assert spike.outliers == ['loss'] and guard.skipped == 1
     assert spike.describe().startswith("loss 100.0000 is ") and "(skip_loss_z=5.0)" in spike.describe()
     again = restored.check(100.0)
-    assert again.describe() == spike.describe() and restored.history == guard.history  # the skipped value entered
+    # the skipped value entered
+    assert again.describe() == spike.describe() and restored.history == guard.history
     assert spike.record(7) == {'type': 'skip', 'iter': 7, 'loss': 100.0, 'grad_norm': None,
                                'loss_z': spike.stats['loss'][1], 'grad_z': None}
 
@@ -74,7 +81,8 @@ def test_skip_update_leaves_weights_optimizer_and_scaler_as_they_were():
     take_update(optimizer, scaler)  # AdamW state exists from here on
     weights = [p.detach().clone() for p in model.parameters()]
     moments = [optimizer.state[p]['exp_avg'].clone() for p in model.parameters()]
-    scale, growth = scaler.get_scale(), scaler._growth_tracker.item()
+    scale = scaler.get_scale()
+    growth = scaler._growth_tracker.item()
     norm = half_step()
     assert norm is not None and math.isfinite(float(norm)) and float(norm) > 0
     skip_update(optimizer, scaler)
@@ -107,7 +115,8 @@ def inject_spike(monkeypatch, spike_iter, first_iter=0, factor=30.0, accumulatio
 
 @pytest.fixture
 def short_window(monkeypatch):
-    monkeypatch.setattr(train, 'SpikeGuard', functools.partial(SpikeGuard, window=SHORT_WINDOW))
+    # train.py imports SpikeGuard from its module when the guard is on: the module's name is the one to replace
+    monkeypatch.setattr(spike_guard, 'SpikeGuard', functools.partial(SpikeGuard, window=SHORT_WINDOW))
 
 
 def snapshots_per_iteration(monkeypatch):
@@ -126,7 +135,8 @@ def snapshots_per_iteration(monkeypatch):
 
 def unchanged(snapshots, it):
     """ Whether iteration `it` left the weights and AdamW moments bitwise as iteration it - 1 did. """
-    before, after = snapshots[it - 1], snapshots[it]
+    before = snapshots[it - 1]
+    after = snapshots[it]
     return all(torch.equal(a, b) for tensors_a, tensors_b in zip(before, after) for a, b in zip(tensors_a, tensors_b))
 
 
@@ -159,14 +169,16 @@ def test_spike_is_skipped_printed_logged_and_counted(dataset, tmp_path, capsys, 
 
 def test_resume_with_the_spike_guard_is_exact(dataset, tmp_path, capsys, monkeypatch, short_window):
     """ The running statistics come back from the checkpoint: the resumed run skips the same update. """
-    spike_at, stop_at = 26, 20
+    spike_at = 26
+    stop_at = 20
     settings = dict(max_iters=30, eval_interval=stop_at, lr_decay_iters=30, skip_loss_z=5.0, skip_grad_z=5.0)
     inject_spike(monkeypatch, spike_at)
     train.main(tiny_args(dataset, tmp_path / 'full', **settings))
     full = capsys.readouterr().out
     train.main(tiny_args(dataset, tmp_path / 'split', **dict(settings, max_iters=stop_at)))
     part1 = capsys.readouterr().out
-    inject_spike(monkeypatch, spike_at, first_iter=stop_at + 1)  # the final checkpoint of part 1 is at max_iters + 1
+    # the final checkpoint of part 1 is at max_iters + 1
+    inject_spike(monkeypatch, spike_at, first_iter=stop_at + 1)
     train.main(tiny_args(dataset, tmp_path / 'split', **settings, init_from='resume'))
     part2 = capsys.readouterr().out
     assert [int(s[0]) for s in SKIP_LINE.findall(full)] == [int(s[0]) for s in SKIP_LINE.findall(part2)] == [spike_at]
@@ -194,7 +206,8 @@ def test_nan_at_a_non_log_iteration_stops(dataset, tmp_path, monkeypatch):
 def test_activation_checkpointing_gives_the_plain_gradients():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=20, dropout=0.2))
-    x, y = torch.randint(20, (4, 16)), torch.randint(20, (4, 16))
+    x = torch.randint(20, (4, 16))
+    y = torch.randint(20, (4, 16))
 
     def loss_and_grads(enabled):
         model.zero_grad(set_to_none=True)
@@ -209,7 +222,8 @@ def test_activation_checkpointing_gives_the_plain_gradients():
     torch.testing.assert_close(loss, plain_loss)
     for a, b in zip(grads, plain_grads):
         torch.testing.assert_close(a, b)
-    assert torch.equal(rng, plain_rng)  # the recomputation leaves the RNG where the plain run leaves it
+    # the recomputation leaves the RNG where the plain run leaves it
+    assert torch.equal(rng, plain_rng)
     model.eval()
     with torch.no_grad():  # evaluation never recomputes (nothing to save memory on)
         torch.testing.assert_close(model(x, y)[1], GPT.forward(model, x, y)[1])
@@ -281,7 +295,8 @@ def bench_peak_mib(*settings):
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_activation_checkpointing_lowers_the_cuda_peak_of_gpt2():
-    plain, recomputed = bench_peak_mib(), bench_peak_mib('--activation_checkpointing=True')
+    plain = bench_peak_mib()
+    recomputed = bench_peak_mib('--activation_checkpointing=True')
     # the Blocks' activations at 8 x 1024 tokens are ~2 GiB in bf16; the logits and AdamW state stay either way
     assert recomputed < plain - 1024, (plain, recomputed)
 

@@ -20,7 +20,8 @@ from nanogpt_plus.errors import UserError
 from nanogpt_plus.metrics import read_metrics
 from nanogpt_plus.runtime import run_main
 
-SYMBOLS = SPACED_SYMBOLS  # the tiny dataset's pattern as 19 letters and a space (HellaSwag scores after a space)
+# the tiny dataset's pattern as 19 letters and a space (HellaSwag scores after a space)
+SYMBOLS = SPACED_SYMBOLS
 HELLASWAG_LINE = re.compile(r"^hellaswag (\d+): acc_norm (\d\.\d{4}) \((\d+)/(\d+)\)$", re.M)
 SAMPLE_LINE = re.compile(r"^sample (\d+): (.*)$", re.M)
 
@@ -65,7 +66,8 @@ def test_in_loop_hellaswag_is_eval_py_on_the_checkpoint_of_that_iteration(tmp_pa
                                                                           monkeypatch, capsys, one_thread):
     out_dir = tmp_path / 'out'
     out = run_train(capsys, dataset, out_dir, hellaswag_interval=6, hellaswag_file=hellaswag_file,
-                    keep_checkpoints=3)  # ckpt_6.pt, ckpt_12.pt: the saves of the evaluations at 6 and 12
+                    # ckpt_6.pt, ckpt_12.pt: the saves of the evaluations at 6 and 12
+                    keep_checkpoints=3)
     lines = hellaswag_lines(out)
     assert sorted(lines) == [0, 6, 12]
     assert len(HELLASWAG_LINE.findall(out)) == 3  # exactly one line per scoring
@@ -94,7 +96,8 @@ def test_hellaswag_examples_and_samples_leave_the_training_unchanged(tmp_path, d
     plain = run_train(capsys, dataset, tmp_path / 'plain')
     out = run_train(capsys, dataset, tmp_path / 'tasks', hellaswag_interval=4, hellaswag_examples=5,
                     hellaswag_file=hellaswag_file, sample_interval=6, sample_tokens=20, sample_prompt='abc')
-    assert iter_losses(out) == iter_losses(plain)  # no RNG drawn, train mode restored: bitwise the same run
+    # no RNG drawn, train mode restored: bitwise the same run
+    assert iter_losses(out) == iter_losses(plain)
     assert {it: total for it, (_, _, total) in hellaswag_lines(out).items()} == {0: 5, 4: 5, 8: 5, 12: 5}
     samples = {int(m.group(1)): m.group(2) for m in SAMPLE_LINE.finditer(out)}
     assert sorted(samples) == [0, 6, 12]
@@ -117,7 +120,8 @@ def test_a_missing_hellaswag_file_stops_the_run_at_start_up(tmp_path, dataset, t
     assert e.value.code == 2
     assert captured.err.count('\n') == 1 and captured.err.startswith('error: could not download ')
     assert '--hellaswag_file=PATH' in captured.err
-    assert 'iter 0' not in captured.out and 'step 0' not in captured.out  # nothing trained or evaluated
+    # nothing trained or evaluated
+    assert 'iter 0' not in captured.out and 'step 0' not in captured.out
     # a file of the user's that isn't there
     missing = str(tmp_path / 'mine.jsonl')
     with pytest.raises(UserError, match=f"no data file at {re.escape(missing)}; pass --hellaswag_file=PATH"):

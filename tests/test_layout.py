@@ -82,3 +82,28 @@ def test_tests_share_helpers_not_conftest():
             if isinstance(node, ast.ImportFrom) and node.module == 'conftest' or \
                     isinstance(node, ast.Import) and any(a.name == 'conftest' for a in node.names):
                 pytest.fail(f"{os.path.basename(path)} imports conftest; import tests/helpers.py instead")
+
+
+def python_files():
+    """ Every tracked-or-not .py file of the project (the virtual environment and caches left out). """
+    skip = {'.venv', '.git', '__pycache__', 'build'}
+    for folder, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if d not in skip and not d.endswith('.egg-info')]
+        yield from (os.path.join(folder, f) for f in files if f.endswith('.py'))
+
+
+def test_no_long_line_ends_in_a_comment():
+    """ A line past 100 characters because of its trailing comment has the comment on the line above instead. """
+    import io
+    import tokenize
+    found = []
+    for path in python_files():
+        with open(path, encoding='utf-8') as f:
+            source = f.read()
+        lines = source.split('\n')
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            row, col = token.start
+            if token.type == tokenize.COMMENT and lines[row - 1][:col].strip() and len(lines[row - 1]) > 100 \
+                    and 'noqa' not in token.string:
+                found.append(f"{os.path.relpath(path, REPO)}:{row}")
+    assert not found, found

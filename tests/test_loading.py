@@ -15,9 +15,9 @@ import torch
 
 from helpers import REPO, save_test_checkpoint
 from model import GPT, GPTConfig
-from nanogpt_plus.build import _ShapesOnly, loaded_model, meta_model
-from nanogpt_plus.checkpoint import init_model, load_checkpoint, model_from_checkpoint
+from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.errors import UserError
+from nanogpt_plus.init_from import _ShapesOnly, init_model, loaded_model, meta_model, model_from_checkpoint
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50, bias=True, gelu='tanh')
 
@@ -41,7 +41,8 @@ def old_path(config, state_dict):
 
 def assert_same_model(a, b):
     """ Equal state_dicts (every tensor, dtype included), one tied wte/lm_head, the same causal masks. """
-    sa, sb = a.state_dict(), b.state_dict()
+    sa = a.state_dict()
+    sb = b.state_dict()
     assert sa.keys() == sb.keys()
     for k in sa:
         assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
@@ -78,14 +79,16 @@ def test_nanogpt_checkpoint_fp16_compiled_with_masks(tmp_path):
                tmp_path / 'ckpt.pt')
     loaded, _, _ = init_model(str(tmp_path / 'ckpt.pt'))
     reference = GPT(model.config)
-    reference.load_state_dict({k: v.half() for k, v in model.state_dict().items()})  # copy_ converts
+    # copy_ converts
+    reference.load_state_dict({k: v.half() for k, v in model.state_dict().items()})
     assert_same_model(reference, loaded)
 
 
 def test_shapes_only_skips_meta_tensors_only():
     # the skipped value fills are for meta_model's tensors; a real one made inside the mode still gets its values
     with _ShapesOnly():
-        drawn, filled = torch.zeros(1000).normal_(), torch.nn.init.normal_(tensor=torch.zeros(1000))
+        drawn = torch.zeros(1000).normal_()
+        filled = torch.nn.init.normal_(tensor=torch.zeros(1000))
         mask = torch.tril(torch.ones(3, 3))
     assert drawn.std() > 0.5 and filled.std() > 0.5
     assert torch.equal(mask, torch.ones(3, 3).tril())
@@ -233,16 +236,19 @@ def test_non_finite_weights_are_refused_at_load(tmp_path, name, dtype):
         torch.save({'model': sd, 'model_args': model.config.model_args(), 'iter_num': 0, 'config': {}},
                    tmp_path / name)
         init_from = str(tmp_path / name)
-        source, first = re.escape(init_from), 'transformer.h.1.mlp.c_fc.weight'
+        source = re.escape(init_from)
+        first = 'transformer.h.1.mlp.c_fc.weight'
     else:
         from nanogpt_plus.hf_export import hf_state_dict
         init_from = tiny_hf_dir(tmp_path / 'hf')
         os.remove(os.path.join(init_from, 'model.safetensors'))
         sd = {k: v.to(dtype).contiguous() for k, v in hf_state_dict(model).items()}
-        sd['transformer.h.0.attn.c_attn.weight'][1, 2] = float('-inf')  # the first in our order and the file's
+        # the first in our order and the file's
+        sd['transformer.h.0.attn.c_attn.weight'][1, 2] = float('-inf')
         sd['transformer.ln_f.bias'][5] = float('nan')
         save_with(sd, os.path.join(init_from, name))
-        source, first = re.escape(os.path.join(init_from, name)), 'transformer.h.0.attn.c_attn.weight'
+        source = re.escape(os.path.join(init_from, name))
+        first = 'transformer.h.0.attn.c_attn.weight'
     with pytest.raises(UserError, match=rf"^{source} holds NaN or infinite values \(the first in {first}\)"):
         init_model(init_from)
     # huge but finite values whose sum overflows are no NaN: the exact check is what decides

@@ -21,7 +21,8 @@ from nanogpt_plus.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-SYMBOLS = SPACED_SYMBOLS  # the tiny dataset's tokens as characters, a space among them (HellaSwag needs it)
+# the tiny dataset's tokens as characters, a space among them (HellaSwag needs it)
+SYMBOLS = SPACED_SYMBOLS
 
 
 def free_port():
@@ -52,7 +53,8 @@ def two_nodes(copies, args, timeout=60):
                                *args], cwd=copy, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
                               start_new_session=True)
              for i, copy in enumerate(copies)]
-    began, results = time.time(), []
+    began = time.time()
+    results = []
     try:
         for p in procs:
             out, err = p.communicate(timeout=max(1, timeout - (time.time() - began)))
@@ -60,7 +62,8 @@ def two_nodes(copies, args, timeout=60):
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)  # its workers too: a hang must not outlive the test
+                # its workers too: a hang must not outlive the test
+                os.killpg(p.pid, signal.SIGKILL)
                 p.communicate()
     assert len(results) == 2, f"a node was still running after {timeout} s"
     return results
@@ -75,7 +78,8 @@ def tiny(out_dir, **settings):
 
 def test_hellaswag_file_on_one_node_only_is_scored_on_both(tiny_dataset, tmp_path):
     nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
-    write_hellaswag(nodes[0] / 'data' / 'hellaswag' / 'hellaswag_val.jsonl')  # the default path, on node 0 only
+    # the default path, on node 0 only
+    write_hellaswag(nodes[0] / 'data' / 'hellaswag' / 'hellaswag_val.jsonl')
     results = two_nodes(nodes, tiny('out', max_iters=4, eval_interval=4, hellaswag_interval=2))
     assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:] + results[1].stderr[-2000:]
     assert "hellaswag 2: acc_norm" in results[0].stdout and "hellaswag 4: acc_norm" in results[0].stdout
@@ -122,27 +126,32 @@ def test_a_bad_token_id_met_by_one_rank_stops_every_rank_with_one_line(tiny_data
     assert r.returncode != 0
     errors = [line for line in r.stderr.splitlines() if line.startswith('error: ')]
     assert len(errors) == 1 and f"holds token ids up to {TINY_VOCAB + 3}" in errors[0], r.stderr[-3000:]
-    assert 'another process of this run is gone' not in r.stderr  # both stopped at the agreement, together
-    assert max(iter_losses(r.stdout)) == 1  # iteration 1 fetched the bad batch and finished; no step used it
+    # both stopped at the agreement, together
+    assert 'another process of this run is gone' not in r.stderr
+    # iteration 1 fetched the bad batch and finished; no step used it
+    assert max(iter_losses(r.stdout)) == 1
 
 
 def test_finetune_rank0_cannot_write_stops_every_rank_with_one_line(tmp_path):
     from test_finetune import make_source, make_task
     src = make_source(tmp_path / 'src')
     train_file, val_file = make_task(tmp_path, 'classification', n_train=32, n_val=8)
-    (tmp_path / 'ft' / 'ckpt_last.pt').mkdir(parents=True)  # a directory where rank 0 must write the file
+    # a directory where rank 0 must write the file
+    (tmp_path / 'ft' / 'ckpt_last.pt').mkdir(parents=True)
     began = time.time()
     r = launch('finetune.py', ['--task=classification', f'--init_from={src}', f'--train_file={train_file}',
                                f'--val_file={val_file}', f'--out_dir={tmp_path / "ft"}', '--device=cpu',
                                '--batch_size=8', '--gradient_accumulation_steps=2', '--epochs=1'], timeout=60)
     assert time.time() - began < 45 and r.returncode != 0
     assert r.stderr.count("error: could not write the checkpoint") == 1, r.stderr[-3000:]
-    assert not project_frames(r.stderr), r.stderr[-3000:]  # no worker traceback (torchrun's own is no frame of ours)
+    # no worker traceback (torchrun's own is no frame of ours)
+    assert not project_frames(r.stderr), r.stderr[-3000:]
 
 
 def test_sigterm_during_in_loop_hellaswag_stops_between_batches(tiny_dataset, tmp_path):
     data = node_copy(tmp_path / 'node', tiny_dataset) / 'data' / 'tiny'
-    hs = write_hellaswag(tmp_path / 'hs.jsonl', n=20000)  # a pass of a minute or more on these cores
+    # a pass of a minute or more on these cores
+    hs = write_hellaswag(tmp_path / 'hs.jsonl', n=20000)
     proc = subprocess.Popen(TORCHRUN + ['train.py', *train_args(str(data), tmp_path / 'out', num_threads=1,
                                                                  hellaswag_interval=5, hellaswag_file=str(hs),
                                                                  batch_size=2)],
@@ -165,7 +174,8 @@ def test_sigterm_during_in_loop_hellaswag_stops_between_batches(tiny_dataset, tm
             proc.communicate()
     assert took < 20, f"the ranks took {took:.0f} s to stop after SIGTERM"
     assert 'stopped cleanly' in out and 'hellaswag 0: acc_norm' not in out, err[-2000:]
-    assert load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))['iter_num'] == 0  # the state before iteration 0
+    # the state before iteration 0
+    assert load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))['iter_num'] == 0
 
 
 def test_resuming_on_more_ranks_gives_the_new_ranks_their_own_rng(dataset, tmp_path):
@@ -179,4 +189,5 @@ def test_resuming_on_more_ranks_gives_the_new_ranks_their_own_rng(dataset, tmp_p
     assert two.returncode == 0, two.stderr[-3000:]
     assert "ranks 1 and up got their own, drawn from rank 0's" in two.stdout
     rng = load_checkpoint(str(out / 'ckpt.pt'))['rng']
-    assert len(rng) == 2 and not torch.equal(rng[0]['torch'], rng[1]['torch'])  # distinct dropout streams
+    # distinct dropout streams
+    assert len(rng) == 2 and not torch.equal(rng[0]['torch'], rng[1]['torch'])

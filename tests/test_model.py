@@ -51,7 +51,8 @@ class TinyKVCache:
 
     def update(self, layer_idx, k, v):
         if self.k[layer_idx] is None:
-            self.k[layer_idx], self.v[layer_idx] = k, v
+            self.k[layer_idx] = k
+            self.v[layer_idx] = v
         else:
             # the model promises to write at pos..pos+T, i.e. right after what is cached for this layer
             assert self.k[layer_idx].size(2) == self.pos
@@ -218,7 +219,8 @@ def test_kv_cache_matches_full_forward(path):
 def test_weight_tying_and_resize():
     torch.manual_seed(0)
     model = GPT(tiny_config())
-    wte, head = model.transformer.wte.weight, model.lm_head.weight
+    wte = model.transformer.wte.weight
+    head = model.lm_head.weight
     assert wte is head
     # one tensor for parameters() (so the optimizer updates it once), two names sharing it in the state_dict
     assert sum(p is wte for p in model.parameters()) == 1
@@ -237,7 +239,8 @@ def test_weight_tying_and_resize():
 
     old = wte.detach().clone()
     model.resize_token_embeddings(110)
-    wte, head = model.transformer.wte.weight, model.lm_head.weight
+    wte = model.transformer.wte.weight
+    head = model.lm_head.weight
     assert wte is head
     assert model.transformer.wte.num_embeddings == 110 and model.lm_head.out_features == 110
     assert wte.shape == (110, 64)
@@ -271,7 +274,8 @@ def test_param_counts_match_hf(n_layer, n_head, n_embd):
         hf = GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=1024,
                                         vocab_size=50257))
     assert ours.lm_head.weight.device.type == 'meta'
-    hf_params = {id(p): p.numel() for p in hf.parameters()}  # HF ties lm_head to wte: count each tensor once
+    # HF ties lm_head to wte: count each tensor once
+    hf_params = {id(p): p.numel() for p in hf.parameters()}
     assert ours.get_num_params(non_embedding=False) == sum(hf_params.values())
     # non_embedding=True leaves out wpe (block_size x n_embd values) and nothing else
     assert ours.get_num_params() == sum(hf_params.values()) - 1024 * n_embd
@@ -296,16 +300,19 @@ def test_crop_block_size():
     model.crop_block_size(16)
     assert model.config.block_size == 16
     assert model.transformer.wpe.weight.shape == (16, 64) and model.transformer.wpe.num_embeddings == 16
-    assert torch.equal(model.transformer.wpe.weight.detach(), old_wpe[:16])  # the first 16 rows, unchanged
+    # the first 16 rows, unchanged
+    assert torch.equal(model.transformer.wpe.weight.detach(), old_wpe[:16])
     assert isinstance(model.transformer.wpe.weight, torch.nn.Parameter)
-    assert model.transformer.wpe.weight in set(model.parameters())  # an optimizer built now trains it
+    # an optimizer built now trains it
+    assert model.transformer.wpe.weight in set(model.parameters())
     for block in model.transformer.h:
         assert block.attn.bias.shape == (1, 1, 16, 16)
     assert 'transformer.h.0.attn.bias' not in model.state_dict()  # the mask is derived, never saved
     for path in _both_paths(model):
         with torch.no_grad():
             after, _ = model(idx, idx)
-        assert_close(after, before, atol=1e-5, rtol=1e-5)  # cropping doesn't change the first 16 positions
+        # cropping doesn't change the first 16 positions
+        assert_close(after, before, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="block size"):
         model(torch.zeros(1, 17, dtype=torch.long))
     with pytest.raises(ValueError):
@@ -347,7 +354,8 @@ def test_init_draws_in_nanogpt_order():
     """ init_weights consumes the RNG exactly like nanoGPT's apply(_init_weights) followed by its c_proj
     re-draw, so a seed gives the same initial weights as nanoGPT's model.py (and as before). """
     cfg = tiny_config(n_layer=3)
-    ours, ref = GPT(cfg), GPT(cfg)
+    ours = GPT(cfg)
+    ref = GPT(cfg)
 
     @torch.no_grad()
     def nanogpt_init(module):  # nanoGPT's GPT._init_weights: N(0, 0.02) weights, zero Linear biases
@@ -357,7 +365,8 @@ def test_init_draws_in_nanogpt_order():
             module.bias.zero_()
     torch.manual_seed(42)
     ref.apply(nanogpt_init)  # children before parents, lm_head (registered last) last
-    with torch.no_grad():  # then nanoGPT redraws every '...c_proj.weight' in named_parameters() order
+    # then nanoGPT redraws every '...c_proj.weight' in named_parameters() order
+    with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.endswith('c_proj.weight'):
                 p.normal_(0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
@@ -391,7 +400,8 @@ def test_state_dict_names_and_layernorm(bias):
         if bias:
             ln.bias.normal_()
     x = 0.01 * torch.randn(3, 5, 64)  # variance 1e-4: an eps other than 1e-5 would show
-    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    mean = x.mean(-1, keepdim=True)
+    var = x.var(-1, unbiased=False, keepdim=True)
     expected = (x - mean) / torch.sqrt(var + 1e-5) * ln.weight + (ln.bias if bias else 0)
     assert_close(ln(x), expected, atol=1e-5, rtol=1e-5)
 
@@ -411,7 +421,8 @@ def test_configure_optimizers_groups(capsys):
     want_nodecay = [id(p) for p in params.values() if p.dim() < 2]
     assert [id(p) for p in decay['params']] == want_decay
     assert [id(p) for p in nodecay['params']] == want_nodecay
-    assert len(want_decay) + len(want_nodecay) == len(params)  # every tensor exactly once (tied wte too)
+    # every tensor exactly once (tied wte too)
+    assert len(want_decay) + len(want_nodecay) == len(params)
     assert id(model.lm_head.weight) in want_decay
     # by name: no decay for exactly the biases and the LayerNorm weights
     names_nodecay = {n for n, p in params.items() if p.dim() < 2}
@@ -463,7 +474,8 @@ def test_cpu_peak_flops_and_env_override(monkeypatch):
     monkeypatch.delenv('NANOGPT_PEAK_FLOPS', raising=False)
     from nanogpt_plus.hardware import cpu_peak
     peak = device_peak_flops('cpu')
-    assert peak == cpu_peak()[0] and peak >= cpu_peak_flops()  # the CPU's figure, never below the nominal one
+    # the CPU's figure, never below the nominal one
+    assert peak == cpu_peak()[0] and peak >= cpu_peak_flops()
     monkeypatch.setenv('NANOGPT_PEAK_FLOPS', '123e12')
     assert device_peak_flops('cpu') == 123e12
     assert device_peak_flops('cuda', torch.bfloat16) == 123e12  # wins before any device lookup
@@ -499,7 +511,10 @@ def test_estimate_mfu(monkeypatch):
     cfg = tiny_config()
     model = GPT(cfg)
     N = model.get_num_params()
-    L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+    L = cfg.n_layer
+    H = cfg.n_head
+    Q = cfg.n_embd // cfg.n_head
+    T = cfg.block_size
     flops_per_iter = (6 * N + 12 * L * H * Q * T) * T * 5  # 5 fwd/bwd per iter
     want = flops_per_iter / 0.25 / 1e12
     assert model.estimate_mfu(5, 0.25, peak_flops=1e12) == pytest.approx(want, rel=1e-12)

@@ -32,13 +32,20 @@ import sample
 import train
 from helpers import REPO, iter_losses, run_script, save_test_checkpoint, train_args, train_one_and_two_ranks
 from model import GPT, MODERN, NANOGPT_MODEL_ARGS, GPTConfig, apply_rotary, rotary_tables
-from nanogpt_plus.checkpoint import init_model, load_checkpoint, model_from_checkpoint
+from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.distributed import DistInfo
 from nanogpt_plus.engine import KVCache, generate, last_position_logits
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.finetuning import FinetuneModel, make_batch, model_from_finetune_checkpoint
-from nanogpt_plus.optimizer import (MuonWithAdamW, float32_newton_schulz, get_lr, make_optimizer,
-                                    newton_schulz_float32, set_learning_rate)
+from nanogpt_plus.init_from import init_model, model_from_checkpoint
+from nanogpt_plus.optimizer import (
+    MuonWithAdamW,
+    float32_newton_schulz,
+    get_lr,
+    make_optimizer,
+    newton_schulz_float32,
+    set_learning_rate,
+)
 from nanogpt_plus.parallel import load_optimizer_state
 from nanogpt_plus.tokenizer import CharTokenizer
 from nanogpt_plus.weights import set_weights
@@ -103,7 +110,8 @@ def rotate_pairs(x):
     Rotary positions by complex numbers: pair i of a head is x[i] + j x[i + hs/2], multiplied by e^(j p theta_i)
     at position p, theta_i = 10000^(-2i/hs). x: (B, nh, T, hs) at positions 0..T-1.
     """
-    T, hs = x.size(-2), x.size(-1)
+    T = x.size(-2)
+    hs = x.size(-1)
     half = hs // 2
     theta = 10000.0 ** (-2.0 * torch.arange(half, dtype=torch.float64) / hs)
     angle = torch.arange(T, dtype=torch.float64)[:, None] * theta[None, :]  # (T, hs/2)
@@ -118,7 +126,8 @@ def reference_logits(state_dict, cfg, idx):
     """
     p = {k: v.detach().double() for k, v in state_dict.items()}
     B, T = idx.shape
-    C, nh = cfg['n_embd'], cfg['n_head']
+    C = cfg['n_embd']
+    nh = cfg['n_head']
     hs = C // nh
 
     def norm(x, name):
@@ -146,7 +155,8 @@ def reference_logits(state_dict, cfg, idx):
             q = q / torch.sqrt((q * q).mean(-1, keepdim=True) + 1e-5)
             k = k / torch.sqrt((k * k).mean(-1, keepdim=True) + 1e-5)
         if cfg['pos'] == 'rope':
-            q, k = rotate_pairs(q), rotate_pairs(k)
+            q = rotate_pairs(q)
+            k = rotate_pairs(k)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(hs)
         y = torch.softmax(scores.masked_fill(~causal, float('-inf')), dim=-1) @ v
         x = x + linear(y.transpose(1, 2).reshape(B, T, C), h + 'attn.c_proj')
@@ -189,7 +199,8 @@ def test_forward_matches_the_reference(case, attention):
 
 
 def test_rotary_turns_half_split_pairs_and_scores_see_relative_positions():
-    hs, T = 8, 12
+    hs = 8
+    T = 12
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, T, hs, generator=g)
     cos, sin = rotary_tables(T, hs)
@@ -199,9 +210,11 @@ def test_rotary_turns_half_split_pairs_and_scores_see_relative_positions():
     assert_close(turned[..., 0, :], x[..., 0, :])  # position 0: no turn
     assert_close(turned.norm(dim=-1), x.norm(dim=-1))  # a rotation keeps lengths
     # q.k of a query at m and a key at n depends on m - n only: the same pair of vectors at shifted positions
-    q, k = torch.randn(hs, generator=g), torch.randn(hs, generator=g)
+    q = torch.randn(hs, generator=g)
+    k = torch.randn(hs, generator=g)
     rows = q.expand(T, hs), k.expand(T, hs)
-    qs, ks = (apply_rotary(r[None, None], cos, sin)[0, 0] for r in rows)  # q and k at every position 0..T-1
+    # q and k at every position 0..T-1
+    qs, ks = (apply_rotary(r[None, None], cos, sin)[0, 0] for r in rows)
     scores = qs @ ks.T  # scores[m, n]
     for shift in (1, 3, 7):
         assert_close(scores[shift:, shift:], scores[:-shift, :-shift], atol=1e-5, rtol=1e-5)
@@ -228,7 +241,8 @@ def test_each_option_has_the_parameters_it_should():
 
 def test_untied_head_is_a_matrix_of_its_own():
     model = modern_model(tie_embeddings=False)
-    wte, head = model.transformer.wte.weight, model.lm_head.weight
+    wte = model.transformer.wte.weight
+    head = model.lm_head.weight
     assert wte is not head and not torch.equal(wte, head)
     assert sum(p is wte for p in model.parameters()) == 1 and sum(p is head for p in model.parameters()) == 1
     sd = model.state_dict()
@@ -240,7 +254,8 @@ def test_untied_head_is_a_matrix_of_its_own():
     rope = GPT(tiny_config(pos='rope', tie_embeddings=False))
     assert rope.get_num_params() == sum(p.numel() for p in rope.parameters()) - 50 * 32
     tied = GPT(tiny_config(pos='rope'))
-    assert tied.get_num_params() == sum(p.numel() for p in tied.parameters())  # tied: wte is the head, it counts
+    # tied: wte is the head, it counts
+    assert tied.get_num_params() == sum(p.numel() for p in tied.parameters())
     # each matrix gets its own gradient, and AdamW decays both
     idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
     model(idx, idx)[1].backward()
@@ -307,7 +322,8 @@ def test_bad_options_are_refused_by_the_config():
                              (dict(pos='rope', n_embd=30, n_head=2), "even head size, got n_embd / n_head = 15")):
         with pytest.raises(ValueError, match=message):
             tiny_config(**options)
-    tiny_config(pos='learned', n_embd=30, n_head=2)  # an odd head size is fine without rotary positions
+    # an odd head size is fine without rotary positions
+    tiny_config(pos='learned', n_embd=30, n_head=2)
 
 
 # -----------------------------------------------------------------------------
@@ -328,7 +344,8 @@ def test_kv_cache_matches_full_forwards(attention):
         full = model(idx, all_positions=True)[0]
         cache = KVCache(model.config.n_layer, 16)
         steps = [model(idx[:, :5], kv_cache=cache, all_positions=True)[0]]  # prefill 5
-        steps.append(model(idx[:, 5:11], kv_cache=cache, all_positions=True)[0])  # a chunk after the prefix
+        # a chunk after the prefix
+        steps.append(model(idx[:, 5:11], kv_cache=cache, all_positions=True)[0])
         for t in range(11, 16):  # then one token at a time
             steps.append(model(idx[:, t:t + 1], kv_cache=cache)[0])
     assert cache.pos == 16
@@ -347,11 +364,13 @@ def test_last_position_logits_equal_the_full_forward(attention, T):
 def reference_fast_greedy(model, idx, n):
     """ mode='fast' computed naively (as tests/test_engine.py): past the block, restart from its last half. """
     bs = model.config.block_size
-    seq, out = idx[:, -bs:], idx
+    seq = idx[:, -bs:]
+    out = idx
     with torch.no_grad():
         for _ in range(n):
             nxt = model(seq)[0][:, -1].argmax(dim=-1, keepdim=True)
-            out, seq = torch.cat((out, nxt), dim=1), torch.cat((seq, nxt), dim=1)
+            out = torch.cat((out, nxt), dim=1)
+            seq = torch.cat((seq, nxt), dim=1)
             if seq.size(1) > bs:
                 seq = seq[:, -(bs // 2):]
     return out
@@ -395,13 +414,17 @@ def test_crop_block_size_keeps_the_rotary_positions():
 
 def test_resize_token_embeddings_grows_both_untied_matrices():
     model = modern_model(**ALL_OPTIONS)
-    wte, head = model.transformer.wte.weight.detach().clone(), model.lm_head.weight.detach().clone()
+    wte = model.transformer.wte.weight.detach().clone()
+    head = model.lm_head.weight.detach().clone()
     model.resize_token_embeddings(53)
-    new_wte, new_head = model.transformer.wte.weight, model.lm_head.weight
+    new_wte = model.transformer.wte.weight
+    new_head = model.lm_head.weight
     assert new_wte is not new_head and new_wte.shape == new_head.shape == (53, 32)
-    assert {id(new_wte), id(new_head)} <= {id(p) for p in model.parameters()}  # an optimizer built now trains them
+    # an optimizer built now trains them
+    assert {id(new_wte), id(new_head)} <= {id(p) for p in model.parameters()}
     assert torch.equal(new_wte[:50].detach(), wte) and torch.equal(new_head[:50].detach(), head)
-    for rows in (new_wte[50:], new_head[50:]):  # new rows: GPT-2's N(0, 0.02), not copies of each other
+    # new rows: GPT-2's N(0, 0.02), not copies of each other
+    for rows in (new_wte[50:], new_head[50:]):
         assert 0 < rows.detach().std() < 0.1
     assert not torch.equal(new_wte[50:], new_head[50:])
     assert model.config.vocab_size == 53 and model.lm_head.out_features == 53
@@ -553,18 +576,22 @@ def test_set_learning_rate_scales_muon_and_gives_adamw_the_schedule():
         for schedule in ('cosine', 'wsd'):
             lr = set_learning_rate(opt, it, 1e-3, 10, 100, 1e-4, schedule=schedule, cooldown_frac=0.2)
             assert lr == get_lr(it, 1e-3, 10, 100, 1e-4, schedule, 0.2)
-            assert [g['lr'] for g in opt.adamw.param_groups] == [lr, lr]  # exactly the schedule's rate
-            assert opt.muon.param_groups[0]['lr'] == pytest.approx(lr * 50)  # muon_lr / learning_rate times it
+            # exactly the schedule's rate
+            assert [g['lr'] for g in opt.adamw.param_groups] == [lr, lr]
+            # muon_lr / learning_rate times it
+            assert opt.muon.param_groups[0]['lr'] == pytest.approx(lr * 50)
     set_learning_rate(opt, 50, 1e-3, 10, 100, 1e-4, decay_lr=False)
     assert [g['lr'] for g in opt.param_groups] == pytest.approx([0.05, 1e-3, 1e-3])
 
 
 def test_wsd_schedule_and_cosine_unchanged():
-    lr, low = 1e-3, 1e-4
+    lr = 1e-3
+    low = 1e-4
     wsd = [get_lr(it, lr, 10, 100, low, 'wsd', 0.2) for it in range(120)]
     assert wsd[:10] == pytest.approx([lr * (it + 1) / 11 for it in range(10)])  # the same warmup
     assert wsd[10:81] == [lr] * 71  # stable until the last 20% of lr_decay_iters
-    assert wsd[80:101] == pytest.approx([lr + (it - 80) / 20 * (low - lr) for it in range(80, 101)])  # straight line
+    # straight line
+    assert wsd[80:101] == pytest.approx([lr + (it - 80) / 20 * (low - lr) for it in range(80, 101)])
     assert wsd[90] == pytest.approx((lr + low) / 2) and wsd[100] == pytest.approx(low) and wsd[101:] == [low] * 19
     # cooldown_frac 1: the line starts where the warmup ends; 0: flat to lr_decay_iters
     full = [get_lr(it, lr, 10, 100, low, 'wsd', 1.0) for it in range(10, 101)]
@@ -654,7 +681,8 @@ def test_resume_with_muon_and_the_options_is_bitwise(dataset, tmp_path):
     # the optimizers' states, bitwise: Muon's momentum buffers, AdamW's moments and step counts
     assert set(a['optimizer']) == {'muon', 'adamw'}
     for part, keys in (('muon', {'momentum_buffer'}), ('adamw', {'exp_avg', 'exp_avg_sq', 'step'})):
-        sa, sb = a['optimizer'][part]['state'], b['optimizer'][part]['state']
+        sa = a['optimizer'][part]['state']
+        sb = b['optimizer'][part]['state']
         assert sa.keys() == sb.keys() and len(sa) == (8 if part == 'muon' else len(a['model']) - 8)
         for i in sa:
             assert set(sa[i]) == keys
@@ -759,11 +787,13 @@ def test_finetune_from_a_rope_untied_checkpoint(tmp_path):
     assert ckpt['model_args']['vocab_size'] == tok.vocab_size + 3
     assert ckpt['model_args'].items() >= ALL_OPTIONS.items()
     tuned = model_from_finetune_checkpoint(ckpt).eval()
-    wte, head = tuned.gpt.transformer.wte.weight, tuned.gpt.lm_head.weight
+    wte = tuned.gpt.transformer.wte.weight
+    head = tuned.gpt.lm_head.weight
     assert wte is not head and wte.shape == head.shape == (tok.vocab_size + 3, 32)
     assert not torch.equal(wte[-3:], head[-3:])  # each matrix grew rows of its own
     name = 'transformer.h.0.attn.c_attn.weight'
-    assert not torch.equal(tuned.gpt.state_dict()[name], gpt.state_dict()[name])  # the fine-tune trained it
+    # the fine-tune trained it
+    assert not torch.equal(tuned.gpt.state_dict()[name], gpt.state_dict()[name])
     # the auxiliary LM loss goes through GPT.head (the soft cap), as the language model's own loss does
     special = ckpt['special_tokens']
     seq = [special['start'], *tok.encode('ab xyz'), special['extract']]
@@ -786,11 +816,13 @@ def test_bench_with_an_untied_rotary_model_counts_its_flops(capsys, monkeypatch)
     out = capsys.readouterr().out
     assert "muon: 8 matrices" in out and "'pos': 'rope'" in out and "'tie_embeddings': False" in out
     m = re.search(r"^time per iteration: ([\d.]+)ms, MFU: ([\d.]+)%$", out, re.M)
-    dt, mfu = float(m.group(1)) / 1000, float(m.group(2)) / 100
+    dt = float(m.group(1)) / 1000
+    mfu = float(m.group(2)) / 100
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50304, bias=False, pos='rope',
                           tie_embeddings=False))
     N = model.get_num_params()
-    assert N == sum(p.numel() for p in model.parameters()) - 50304 * 32  # wte, only looked up, left out
+    # wte, only looked up, left out
+    assert N == sum(p.numel() for p in model.parameters()) - 50304 * 32
     flops_per_iter = (6 * N + 12 * 2 * 2 * 16 * 16) * 16 * 4  # PaLM's estimate, batch 4 x 16 tokens
     assert mfu == pytest.approx(flops_per_iter / dt / peak, rel=0.02)
 
@@ -807,7 +839,8 @@ def test_ddp_with_muon_and_the_options_equals_one_process(dataset, tmp_path):
     a, b = (load_checkpoint(str(tmp_path / d / 'ckpt.pt')) for d in ('one', 'two'))
     assert set(b['optimizer']) == {'muon', 'adamw'} and b['model_args'] == a['model_args']
     for k in a['model']:
-        assert_close(a['model'][k], b['model'][k], atol=3e-4, rtol=1e-3)  # the ranks sum in another order
+        # the ranks sum in another order
+        assert_close(a['model'][k], b['model'][k], atol=3e-4, rtol=1e-3)
 
 
 @pytest.mark.slow

@@ -47,7 +47,8 @@ def test_snapshots_are_copies_nothing_done_to_one_name_changes_another(dataset, 
     assert names == ['ckpt.pt', 'ckpt_12.pt', 'ckpt_13.pt', 'ckpt_best.pt'], names
     assert len({os.stat(out / n).st_ino for n in names}) == 4  # no two names share a file
     before = files(out)
-    with open(out / 'ckpt.pt', 'r+b') as f:  # what `cp ckpt_12.pt ckpt.pt` does: write into ckpt.pt's file
+    # what `cp ckpt_12.pt ckpt.pt` does: write into ckpt.pt's file
+    with open(out / 'ckpt.pt', 'r+b') as f:
         f.write(before['ckpt_12.pt'])
         f.truncate()
     after = files(out)
@@ -64,10 +65,12 @@ def test_going_back_to_a_snapshot_keeps_the_line_it_leaves(dataset, tmp_path, ca
     kept = out / 'abandoned_1'
     assert f"resuming at iter 6: the later files of this run (ckpt.pt, ckpt_8.pt, ckpt_10.pt) are kept, " \
            f"unchanged, in {kept}" in second
-    assert files(kept) == {n: line[n] for n in ('ckpt.pt', 'ckpt_8.pt', 'ckpt_10.pt')}  # byte for byte
+    # byte for byte
+    assert files(kept) == {n: line[n] for n in ('ckpt.pt', 'ckpt_8.pt', 'ckpt_10.pt')}
     # the new line resumed exactly at 6 (the same steps as the first line's), its snapshots are its own and the
     # keep window counts them only: ckpt_6.pt, shared history, was pruned in its turn
-    a, b = iter_losses(first), iter_losses(second)
+    a = iter_losses(first)
+    b = iter_losses(second)
     assert min(b) == 6 and all(a[i] == b[i] for i in range(6, 10))
     assert snapshot_names(out) == ['ckpt_10.pt', 'ckpt_12.pt', 'ckpt_8.pt']
     assert files(kept) == {n: line[n] for n in ('ckpt.pt', 'ckpt_8.pt', 'ckpt_10.pt')}
@@ -80,7 +83,8 @@ def test_going_back_to_a_snapshot_keeps_the_line_it_leaves(dataset, tmp_path, ca
 def test_a_snapshot_copied_over_ckpt_pt_by_hand_branches_off_too(dataset, tmp_path, capsys):
     out = tmp_path / 'out'
     run(dataset, out, capsys, checkpoint_interval=4, keep_checkpoints=4)
-    shutil.copyfile(out / 'ckpt_4.pt', out / 'ckpt.pt')  # the .pt only: its ckpt.json sidecar still says 13
+    # the .pt only: its ckpt.json sidecar still says 13
+    shutil.copyfile(out / 'ckpt_4.pt', out / 'ckpt.pt')
     line = files(out)
     printed = run(dataset, out, capsys, init_from='resume', max_iters=6)
     assert "resuming at iter 4: the later files of this run (ckpt_8.pt, ckpt_12.pt, ckpt_13.pt)" in printed
@@ -118,7 +122,8 @@ def test_only_an_evaluated_model_of_this_run_is_the_best(dataset, tmp_path):
     run(dataset, out, checkpoint_interval=2, eval_interval=6, always_save_checkpoint=False)
     evals = {r['iter']: r['val_loss'] for r in read_metrics(str(out / 'metrics.jsonl')) if r['type'] == 'eval'}
     best = load_checkpoint(str(out / 'ckpt_best.pt'))
-    assert best['iter_num'] in evals and best['best_val_loss'] == evals[best['iter_num']]  # its own val loss
+    # its own val loss
+    assert best['iter_num'] in evals and best['best_val_loss'] == evals[best['iter_num']]
     # a new run over it (--overwrite=True) never takes the old run's files as its best
     old_best = (out / 'ckpt_best.pt').read_bytes()
     run(dataset, out, overwrite=True, max_iters=4, checkpoint_interval=2, eval_interval=100,
@@ -149,7 +154,8 @@ def test_a_config_file_that_exits_is_refused(tmp_path):
 def test_ids_in_a_padded_vocabulary_are_refused(tmp_path):
     d = tmp_path / 'gpt2ids'
     d.mkdir()
-    np.array([1, 2, 50256, 50260] * 100, dtype=np.uint16).tofile(d / 'train.bin')  # 50260: padding, no text
+    # 50260: padding, no text
+    np.array([1, 2, 50256, 50260] * 100, dtype=np.uint16).tofile(d / 'train.bin')
     np.array([1, 2, 3] * 100, dtype=np.uint16).tofile(d / 'val.bin')
     (d / 'meta.json').write_text(json.dumps({'kind': 'gpt2', 'vocab_size': 50257}))
     with pytest.raises(UserError, match=r"train.bin holds token ids up to 50260, beyond the tokenizer's vocabulary "

@@ -1,5 +1,5 @@
 """
-Owning an out_dir (nanogpt_plus/outdir.py and train.py/finetune.py around it): the lock against a second
+Owning an out_dir (nanogpt_plus/out_dir.py and train.py/finetune.py around it): the lock against a second
 run, stale locks and temp files of killed runs, the refusal to overwrite a checkpoint, checkpoint cadence
 (checkpoint_interval, the final checkpoint, keep_checkpoints), the exit code of a clean stop, and
 metrics.jsonl after a resume.
@@ -22,7 +22,7 @@ import train
 from helpers import REPO, iter_losses, train_args
 from nanogpt_plus.errors import EXIT_INTERRUPTED, UserError
 from nanogpt_plus.metrics import read_metrics
-from nanogpt_plus.outdir import LOCK_NAME, OutDirLock
+from nanogpt_plus.out_dir import LOCK_NAME, OutDirLock
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.signals import GracefulExit
 
@@ -68,7 +68,8 @@ def test_a_scratch_run_over_a_checkpoint_is_refused_and_overwrite_replaces_it(da
     assert not (tmp_path / LOCK_NAME).exists()  # a refused run leaves no lock behind
     out = run_train(capsys, args + ["--overwrite=True", "--max_iters=3"]).out
     assert "overwrite=True: the earlier run's checkpoint" in out
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 4  # the new run's final save
+    # the new run's final save
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 4
 
 
 def test_out_dir_that_is_a_file(dataset, tmp_path):
@@ -127,7 +128,8 @@ def test_runs_starting_together_take_the_lock_once(tmp_path, stale):
     if stale:
         (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead_pid(), "host": socket.gethostname()}))
     ctx = multiprocessing.get_context("fork")  # file operations only: no torch work in the children
-    started, results = ctx.Event(), ctx.Queue()
+    started = ctx.Event()
+    results = ctx.Queue()
     procs = [ctx.Process(target=_race_for_lock, args=(str(tmp_path), started, results)) for _ in range(4)]
     for p in procs:
         p.start()
@@ -140,7 +142,8 @@ def test_runs_starting_together_take_the_lock_once(tmp_path, stale):
 
 
 def test_stale_temp_files_are_removed_at_start_up(dataset, tmp_path, capsys):
-    dead, live = tmp_path / f".ckpt.pt.tmp.{dead_pid()}", tmp_path / f".ckpt.pt.tmp.{os.getppid()}"
+    dead = tmp_path / f".ckpt.pt.tmp.{dead_pid()}"
+    live = tmp_path / f".ckpt.pt.tmp.{os.getppid()}"
     dead.write_bytes(b"half a checkpoint")
     live.write_bytes(b"another process is writing this one")
     out = run_train(capsys, tiny_args(dataset, tmp_path, max_iters=1)).out
@@ -156,7 +159,8 @@ def test_final_checkpoint_when_max_iters_is_not_a_multiple_of_eval_interval(data
     part1 = run_train(capsys, tiny_args(dataset, tmp_path / "split", max_iters=7, eval_interval=3)).out
     assert f"saving checkpoint to {tmp_path / 'split'} (final, iter 8)" in part1
     ckpt = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=True)
-    assert ckpt["iter_num"] == 8  # max_iters + 1: the steps done, iteration 7's included (not only up to iter 6)
+    # max_iters + 1: the steps done, iteration 7's included (not only up to iter 6)
+    assert ckpt["iter_num"] == 8
     part2 = run_train(capsys, tiny_args(dataset, tmp_path / "split", max_iters=10, eval_interval=3,
                                         init_from="resume")).out
     assert min(iter_losses(part2)) == 8
@@ -214,7 +218,8 @@ def test_interrupted_fine_tune_exits_75_and_a_new_one_is_refused(tmp_path, monke
     argv = ["--task=classification", f"--init_from={src}", f"--train_file={train_file}",
             f"--out_dir={tmp_path / 'ft'}", "--device=cpu", "--batch_size=8", "--epochs=1"]
     monkeypatch.setattr(sys, "argv", ["finetune.py"] + argv)
-    monkeypatch.setattr(GracefulExit, "should_stop", lambda self, dist_info: True)  # a signal in the first step
+    # a signal in the first step
+    monkeypatch.setattr(GracefulExit, "should_stop", lambda self, dist_info: True)
     assert exit_code(finetune.main) == EXIT_INTERRUPTED == 75
     assert "stopped cleanly" in capsys.readouterr().out
     assert exit_code(finetune.main) == 2  # the same command again would start over the saved state

@@ -1,5 +1,5 @@
 """
-Where outputs may go (nanogpt_plus.files.check_output, issue 24): eval.py --output_file, finetune.py
+Where outputs may go (nanogpt_plus.outputs.check_output, issue 24): eval.py --output_file, finetune.py
 --predict_out and export_hf.py --hf_dir never replace a checkpoint, a dataset's files, a directory holding them
 or a file the run reads, unless --overwrite=True; an earlier output of the same script is replaced, as a re-run
 does; an output that can't be written at all is one line, before any work.
@@ -11,7 +11,6 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from test_finetune import SINGLE, config, make_task, write_jsonl
 
 import eval as eval_script
 import export_hf
@@ -19,10 +18,11 @@ import finetune
 from helpers import run_script, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.files import check_output
 from nanogpt_plus.hf_export import export
+from nanogpt_plus.outputs import check_output
 from nanogpt_plus.shards import write_shard
 from nanogpt_plus.tokenizer import CharTokenizer
+from test_finetune import SINGLE, config, make_task, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -67,7 +67,10 @@ def files(tmp_path):
 
 
 def test_the_rule_of_check_output(files, capsys):
-    out, data, hf, text = files['out'], files['data'], files['hf'], files['text']
+    out = files['out']
+    data = files['data']
+    hf = files['hf']
+    text = files['text']
     protected = [f'{out}/ckpt.pt', f'{out}/weights.ckpt', f'{out}/legacy.weights', f'{data}/train.bin',
                  f'{data}/mine_val_000000.bin', f'{data}/meta.json', f'{data}/meta.pkl', f'{data}/tokenizer.json']
     for path in protected:
@@ -98,7 +101,8 @@ def test_the_rule_of_check_output(files, capsys):
 
 
 def test_outputs_that_cant_be_written_are_one_line(files, monkeypatch):
-    out, hf = files['out'], files['hf']
+    out = files['out']
+    hf = files['hf']
     with pytest.raises(UserError, match=r"^--hf_dir=.*eval.json is a file, not a directory; pass a directory"):
         check_output(f'{out}/eval.json', 'hf_dir', True, kind='directory')
     with pytest.raises(UserError, match=r"^--output_file=.*hf is a directory; pass a file path"):
@@ -109,7 +113,8 @@ def test_outputs_that_cant_be_written_are_one_line(files, monkeypatch):
     # a directory that can't be written in
     os.chmod(hf, 0o555)
     try:
-        if os.access(hf, os.W_OK):  # root may write anywhere: what access(2) says for another user, then
+        # root may write anywhere: what access(2) says for another user, then
+        if os.access(hf, os.W_OK):
             real = os.access
             monkeypatch.setattr(os, 'access', lambda p, mode: real(p, mode) and not str(p).startswith(hf))
         for kind, path in (('directory', hf), ('file', f'{hf}/eval.json'), ('directory', f'{hf}/sub')):
@@ -176,7 +181,8 @@ def test_export_hf_dir(char_run, monkeypatch, capsys):
     # ... but not over the directory this export reads
     assert_refused('hf_dir', [f'{out}/hf/model.safetensors'], run_script, export_hf, monkeypatch,
                    f'--init_from={out}/hf', f'--hf_dir={out}/hf')
-    notes = os.path.join(os.path.dirname(out), 'notes')  # a directory of the user's: its README.md stays
+    # a directory of the user's: its README.md stays
+    notes = os.path.join(os.path.dirname(out), 'notes')
     os.mkdir(notes)
     with open(os.path.join(notes, 'README.md'), 'w') as f:
         f.write('my notes')
@@ -208,8 +214,10 @@ def test_finetune_predict_out(tmp_path, monkeypatch, capsys):
     finetune.finetune(config(task='classification', init_from=str(src), out_dir=ft, train_file=train, val_file=val,
                              epochs=1, predict_file=unlabeled), SINGLE)
     predict = [f'--init_from={ft}', f'--predict_file={unlabeled}', '--device=cpu']
-    for target in (f'{ft}/ckpt.pt', unlabeled):  # predictions only: over the model they come from, over their input
+    # predictions only: over the model they come from, over their input
+    for target in (f'{ft}/ckpt.pt', unlabeled):
         assert_refused('predict_out', [target], run_script, finetune, monkeypatch, *predict, f'--predict_out={target}')
     capsys.readouterr()
-    run_script(finetune, monkeypatch, *predict)  # over the training's predictions.jsonl: re-running is normal
+    # over the training's predictions.jsonl: re-running is normal
+    run_script(finetune, monkeypatch, *predict)
     assert 'wrote 2 predictions to ' + os.path.join(ft, 'predictions.jsonl') in capsys.readouterr().out

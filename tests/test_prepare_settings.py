@@ -16,7 +16,8 @@ import pytest
 
 from configurator import Schema
 from helpers import REPO
-from nanogpt_plus.dataloader import TokenWindowLoader, split_files
+from nanogpt_plus.dataloader import TokenWindowLoader
+from nanogpt_plus.dataset import split_files
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare.settings import RAW, RUN_FILES, SHARDS, check_out_dir, default_num_proc
 from nanogpt_plus.prepare.shakespeare import TINY_SHAKESPEARE_URL
@@ -64,7 +65,8 @@ SCRIPTS = list(WRONG_TYPE)
 
 def run(script, monkeypatch, capsys, *args):
     """ `python SCRIPT ARGS` in this process: (exit code, stdout, stderr). """
-    monkeypatch.syspath_prepend(os.path.join(REPO, "scripts"))  # scripts/*.py import benchtools beside them
+    # scripts/*.py import benchtools beside them
+    monkeypatch.syspath_prepend(os.path.join(REPO, "scripts"))
     monkeypatch.setattr(sys, "argv", [script, *args])
     code = 0
     try:
@@ -192,8 +194,7 @@ def contents(path):
 
 
 def test_run_files_are_the_training_scripts_names():
-    from nanogpt_plus.checkpointer import BEST, CHECKPOINT
-    from nanogpt_plus.outdir import LOCK_NAME
+    from nanogpt_plus.out_dir import BEST, CHECKPOINT, LOCK_NAME
     assert LOCK_NAME in RUN_FILES and "metrics.jsonl" in RUN_FILES
     for name in (CHECKPOINT, BEST, "ckpt_2000.pt"):  # what check_out_dir's ckpt*.pt must match
         assert re.fullmatch(r"ckpt.*\.pt", name)
@@ -225,7 +226,8 @@ def test_a_training_runs_out_dir_is_refused(run_file, writes, tmp_path):
                                         r"not a dataset; pass another --out_dir, or --overwrite=True"):
         check_out_dir(str(tmp_path), writes)
     check_out_dir(str(tmp_path), writes, overwrite=True)
-    assert os.listdir(tmp_path) == [run_file]  # overwrite writes beside a run's files, never removes them
+    # overwrite writes beside a run's files, never removes them
+    assert os.listdir(tmp_path) == [run_file]
 
 
 def test_the_same_kind_again_or_a_new_directory_is_fine(tmp_path):
@@ -252,7 +254,8 @@ def test_every_raw_writer_refuses_a_directory_of_shards(name, tmp_path, monkeypa
     assert_one_line_error(code, err, f"{shards} holds a dataset of llm.c token shards (edufineweb_train_000001.bin, "
                                      f"edufineweb_val_000000.bin) and this script writes a train.bin/val.bin dataset; "
                                      f"pass --overwrite=True to replace it, or another --out_dir")
-    assert contents(shards) == before  # meta.json too: data/fineweb/prepare.py can still resume there
+    # meta.json too: data/fineweb/prepare.py can still resume there
+    assert contents(shards) == before
 
 
 def test_the_shard_writer_refuses_a_raw_dataset_and_a_training_run(tmp_path, monkeypatch, capsys):

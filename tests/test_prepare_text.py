@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from helpers import REPO, bpe_corpus_text, synthetic_bpe_json
+from nanogpt_plus.dataset import read_dataset_meta
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare import corpus
-from nanogpt_plus.tokenizer import load_tokenizer, read_dataset_meta
+from nanogpt_plus.tokenizer import load_tokenizer
 
 SCRIPT = os.path.join(REPO, "data", "text", "prepare.py")
 BINS = ("train.bin", "val.bin")
@@ -68,7 +69,8 @@ def bpe_runs(corpus_dir, tmp_path_factory):
 
 def test_bpe_is_deterministic_and_round_trips_every_document_byte_exact(corpus_dir, bpe_runs):
     first, second = bpe_runs
-    assert files_of(first) == files_of(second) and len(files_of(first)) == 4  # same tokenizer.json, same bins
+    # same tokenizer.json, same bins
+    assert files_of(first) == files_of(second) and len(files_of(first)) == 4
     meta = json.loads((first / "meta.json").read_text())
     tokenizer_json = (first / "tokenizer.json").read_text(encoding="utf-8")
     assert meta == {"kind": "bpe", "vocab_size": 512, "eot_token": 0, "dtype": "uint16",
@@ -87,7 +89,7 @@ def test_bpe_is_deterministic_and_round_trips_every_document_byte_exact(corpus_d
 def test_bpe_is_trained_on_the_train_split_only(corpus_dir, bpe_runs, tmp_path):
     # the held-out document's text is not what the tokenizer learned from: training on the 7 train
     # documents alone gives the same tokenizer.json
-    from nanogpt_plus.tokenizer import train_bpe
+    from nanogpt_plus.bpe import train_bpe
     tok = load_tokenizer(read_dataset_meta(str(bpe_runs[0])))
     train_ids = np.fromfile(bpe_runs[0] / "train.bin", dtype=np.uint16)
     texts = [tok.decode_bytes(d.tolist()).decode("utf-8") for d in documents_of(train_ids, tok.eot_token)]
@@ -96,7 +98,8 @@ def test_bpe_is_trained_on_the_train_split_only(corpus_dir, bpe_runs, tmp_path):
 
 
 def test_tokenizer_path_is_reused_with_the_same_ids(corpus_dir, bpe_runs, tmp_path, monkeypatch, capsys):
-    for path in (bpe_runs[0] / "tokenizer.json", bpe_runs[0]):  # the file, or the directory holding it
+    # the file, or the directory holding it
+    for path in (bpe_runs[0] / "tokenizer.json", bpe_runs[0]):
         out = tmp_path / path.name
         prepare(monkeypatch, f"--input={corpus_dir}/*.txt", f"--tokenizer={path}", f"--out_dir={out}",
                 f"--cache_dir={tmp_path / 'cache'}", "--num_proc=1")
@@ -113,7 +116,8 @@ def shakespeare_script_outputs(name, text_file, out, monkeypatch):
 @pytest.mark.parametrize("tokenizer, script", [("char", "shakespeare_char"), ("gpt2", "shakespeare")])
 def test_one_text_file_gives_the_shakespeare_scripts_files(tokenizer, script, tmp_path, monkeypatch):
     text_file = tmp_path / "input.txt"
-    text_file.write_text(bpe_corpus_text(n_words=12000), encoding="utf-8")  # ~75k characters, mixed Unicode
+    # ~75k characters, mixed Unicode
+    text_file.write_text(bpe_corpus_text(n_words=12000), encoding="utf-8")
     # pieces of ~2,000 characters (instead of 65,536): many cuts, and still the tokens of the whole text
     monkeypatch.setattr(corpus, "PIECE_CHARS", 2000)
     prepare(monkeypatch, f"--input={text_file}", f"--tokenizer={tokenizer}", f"--out_dir={tmp_path / 'text'}",
@@ -134,7 +138,8 @@ def test_one_text_is_not_cut_for_a_pre_tokenizer_that_does_not_cut_at_newlines(b
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|endoftext|>"],
                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    assert any("\u010a" in t and t[-1] != "\u010a" for t in bpe.get_vocab())  # a newline merged with what follows
+    # a newline merged with what follows
+    assert any("\u010a" in t and t[-1] != "\u010a" for t in bpe.get_vocab())
     path = tmp_path / "tokenizer.json"
     path.write_text(bpe.to_str(), encoding="utf-8")
     (tmp_path / "input.txt").write_text(text, encoding="utf-8")
@@ -152,7 +157,7 @@ def test_one_text_is_not_cut_for_a_pre_tokenizer_that_does_not_cut_at_newlines(b
 @pytest.fixture(scope="module")
 def big_tokenizer(tmp_path_factory):
     """ (path, BPETokenizer) of a valid byte-level BPE tokenizer.json of 70,000 tokens (no training). """
-    from nanogpt_plus.tokenizer import BPETokenizer
+    from nanogpt_plus.bpe import BPETokenizer
     path = tmp_path_factory.mktemp("big_tok") / "tokenizer.json"
     path.write_text(synthetic_bpe_json(70000), encoding="utf-8")
     return path, BPETokenizer(path.read_text(encoding="utf-8"))
@@ -245,7 +250,8 @@ def test_fineweb_shards_of_a_vocabulary_past_65536_are_llm_c_uint32(big_tokenize
     train, val = find_shards(str(out))
     headers = [read_header(p) for p in val + train]
     assert len(headers) >= 2 and all((h.magic, h.version, h.dtype) == (20240801, 7, np.uint32) for h in headers)
-    meta = read_dataset_meta(str(out))  # the shards' directory describes its tokenizer, like a prepare.py dataset
+    # the shards' directory describes its tokenizer, like a prepare.py dataset
+    meta = read_dataset_meta(str(out))
     assert (meta["kind"], meta["vocab_size"], meta["dtype"]) == ("bpe", 70000, "uint32")
     assert meta["tokenizer_json"] == tok.json and (out / "tokenizer.json").exists()
     stream = np.concatenate([open_shard(p) for p in val + train])

@@ -46,7 +46,8 @@ def test_auto_dtype_asks_for_native_bf16(monkeypatch):
 
 def test_explicit_dtypes_are_kept(monkeypatch):
     fake_gpu(monkeypatch, 7, emulates_bf16=True)
-    assert resolve_dtype('bfloat16', 'cuda') == 'bfloat16'  # asked for: the user's choice, emulated or not
+    # asked for: the user's choice, emulated or not
+    assert resolve_dtype('bfloat16', 'cuda') == 'bfloat16'
     assert resolve_dtype('float16', 'cuda') == 'float16'
     assert resolve_dtype('float32', 'cuda') == 'float32'
 
@@ -60,10 +61,12 @@ def test_user_errors_share_one_exit_code():
 def test_run_main_tears_the_process_group_down_after_main(tmp_path, capsys):
     import torch.distributed as dist
 
-    def main():  # a script's main() that joined a process group (as init_distributed does under torchrun)
+    # a script's main() that joined a process group (as init_distributed does under torchrun)
+    def main():
         dist.init_process_group('gloo', init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     run_main(main)
-    assert not dist.is_initialized()  # no script does it itself: run_main does, once main() has returned
+    # no script does it itself: run_main does, once main() has returned
+    assert not dist.is_initialized()
 
     def failing():
         dist.init_process_group('gloo', init_method=f"file://{tmp_path / 'store2'}", rank=0, world_size=1)

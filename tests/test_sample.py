@@ -97,10 +97,12 @@ def test_char_model_end_to_end(char_model):
 def test_char_model_default_sampling_is_seeded(char_model):
     _, _, out_dir = char_model
     args = (f"--out_dir={out_dir}", "--device=cpu", "--max_new_tokens=40", "--temperature=2.0", "--top_k=None")
-    a, b = run_sample(*args), run_sample(*args)
+    a = run_sample(*args)
+    b = run_sample(*args)
     assert a.returncode == 0, a.stderr
     sa = samples_of(a.stdout)
-    assert len(sa) == 10 and all(s.startswith("\n") and len(s) == 1 + 40 + 1 for s in sa)  # + print's newline
+    # + print's newline
+    assert len(sa) == 10 and all(s.startswith("\n") and len(s) == 1 + 40 + 1 for s in sa)
     assert all(set(s) <= set("abcd\n") for s in sa)  # only the model's vocabulary
     assert sa == samples_of(b.stdout)  # same seed, same samples
     assert len(set(sa)) == 10  # ten independent samples at a high temperature
@@ -121,7 +123,8 @@ def test_bpe_model_end_to_end_and_stop_at_eot(bpe_out_dir):
                    "--temperature=0", "--start=Hello", "--stop_at_eot=True")
     assert r.returncode == 0, r.stderr
     assert samples_of(r.stdout) == ["Hello world!\n"] * 2
-    assert "generated 4 tokens" in r.stderr  # ' world', '!' per sample; <|endoftext|> is not counted
+    # ' world', '!' per sample; <|endoftext|> is not counted
+    assert "generated 4 tokens" in r.stderr
 
 
 def test_nanogpt_checkpoint_with_meta_pkl(char_model, tmp_path):
@@ -156,7 +159,8 @@ def test_help_explains_the_modes():
 
 class RecordingStdout:
     def __init__(self):
-        self.writes, self.flushes = [], 0
+        self.writes = []
+        self.flushes = 0
 
     def write(self, s):
         self.writes.append(s)
@@ -259,4 +263,5 @@ def test_bad_settings(char_model, monkeypatch, capsys):
     for arg, msg in (("--mode=quick", "mode must be"), ("--top_p=1.5", "top_p must be"),
                      ("--temperature=-1.0", "temperature must be"), ("--top_k=0", "top_k must be")):
         err = expect_error(monkeypatch, capsys, f"--out_dir={out_dir}", arg)
-        assert err.startswith("error: ") and msg in err and err.count("\n") == 1  # checked before loading
+        # checked before loading
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1

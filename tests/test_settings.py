@@ -84,7 +84,8 @@ def test_a_value_of_the_wrong_type_is_refused_where_it_is_read(arg, message):
 def test_none_where_it_means_something_is_taken():
     assert parse_config(train.DEFAULTS, ["--compile=None"])["compile"] is None  # auto
     assert parse_config(sample.DEFAULTS, ["--top_k=None"])["top_k"] is None  # no top-k
-    assert parse_config(train.DEFAULTS, ["--out_dir=None"])["out_dir"] == "None"  # a string setting: a name
+    # a string setting: a name
+    assert parse_config(train.DEFAULTS, ["--out_dir=None"])["out_dir"] == "None"
 
 
 def test_config_file_values_are_checked_too(tmp_path):
@@ -115,7 +116,8 @@ def test_wrong_type_on_the_command_line_is_one_line_exit_2(arg, tmp_path):
 def test_schema_composition_rules():
     a = Group('a', x=Setting(1, "x", low=0), y=Setting('s', "y"))
     schema = Schema(a, x=5)
-    assert dict(schema) == {'x': 5, 'y': 's'} and schema.specs['x'].help == "x"  # another default, same setting
+    # another default, same setting
+    assert dict(schema) == {'x': 5, 'y': 's'} and schema.specs['x'].help == "x"
     with pytest.raises(ValueError, match="declared twice"):
         Schema(a, Group('b', x=Setting(2, "again")))
     with pytest.raises(ValueError, match="not in any group"):

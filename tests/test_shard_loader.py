@@ -18,7 +18,8 @@ import bench
 import train
 from helpers import TINY_VOCAB, iter_losses, train_args, train_one_and_two_ranks
 from nanogpt_plus.checkpoint import load_checkpoint
-from nanogpt_plus.dataloader import TokenWindowLoader, split_files
+from nanogpt_plus.dataloader import TokenWindowLoader
+from nanogpt_plus.dataset import split_files
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.shards import write_shard
 
@@ -67,15 +68,19 @@ def run_train(capsys, args):
 # the two orders, on the loader itself
 
 def test_random_order_stays_inside_a_shard_and_draws_shards_in_proportion(tmp_path):
-    sizes, T = (1000, 3000, 216), 16
+    sizes = (1000, 3000, 216)
+    T = 16
     loader = TokenWindowLoader(labelled_shards(tmp_path / "d", sizes), 64, T, seed=3)
     shards = []
     for _ in range(150):
         x, y = loader.next_batch()
-        shard, pos = x // 10_000, x % 10_000
-        assert (shard == shard[:, :1]).all() and (pos.diff(dim=1) == 1).all()  # one shard, consecutive tokens
+        shard = x // 10_000
+        pos = x % 10_000
+        # one shard, consecutive tokens
+        assert (shard == shard[:, :1]).all() and (pos.diff(dim=1) == 1).all()
         assert torch.equal(y[:, :-1], x[:, 1:]) and (y[:, -1] == x[:, -1] + 1).all()
-        assert (pos[:, -1] + 1 < torch.tensor(sizes)[shard[:, 0]]).all()  # y's last token is inside the shard
+        # y's last token is inside the shard
+        assert (pos[:, -1] + 1 < torch.tensor(sizes)[shard[:, 0]]).all()
         shards += shard[:, 0].tolist()
     windows = np.array(sizes) - T
     expected = windows / windows.sum()  # 0.234, 0.714, 0.048
@@ -85,10 +90,13 @@ def test_random_order_stays_inside_a_shard_and_draws_shards_in_proportion(tmp_pa
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_sequential_order_covers_every_micro_batch_once_per_epoch_and_wraps(tmp_path, world_size):
-    B, T = 4, 8  # a micro-batch reads 33 tokens and moves on by 32
+    # a micro-batch reads 33 tokens and moves on by 32
+    B = 4
+    T = 8
     sizes = (101, 33, 29, 65)  # 3, 1, 0 (too short: skipped) and 2 micro-batches: 6 per epoch
     files = labelled_shards(tmp_path / "d", sizes)
-    expected = [(0, 0), (0, 32), (0, 64), (1, 0), (3, 0), (3, 32)] * 2  # (shard, first token): two epochs
+    # (shard, first token): two epochs
+    expected = [(0, 0), (0, 32), (0, 64), (1, 0), (3, 0), (3, 32)] * 2
     loaders = [TokenWindowLoader(files, B, T, rank=r, world_size=world_size, order='sequential')
                for r in range(world_size)]
     seen = []
@@ -111,7 +119,8 @@ def test_loader_states_across_versions_and_orders(tmp_path):
     files = labelled_shards(tmp_path / "d", (500, 300))
     random = TokenWindowLoader(files, 4, 8, seed=5)
     random.next_batch()
-    old = {k: v for k, v in random.state_dict().items() if k != 'order'}  # a checkpoint from before data_order
+    # a checkpoint from before data_order
+    old = {k: v for k, v in random.state_dict().items() if k != 'order'}
     resumed = TokenWindowLoader(files, 4, 8, seed=5)
     resumed.load_state_dict(old)
     assert all(torch.equal(a, b) for a, b in zip(resumed.next_batch(), random.next_batch()))
@@ -128,7 +137,8 @@ def test_loader_states_across_versions_and_orders(tmp_path):
 
 @pytest.mark.parametrize("scan", [True, False])
 def test_token_ids_beyond_the_vocabulary_are_refused_in_uint32_shards(tmp_path, monkeypatch, scan):
-    files = labelled_shards(tmp_path / "d", (300, 400), dtype=np.uint32)  # ids up to 10,399 in the second
+    # ids up to 10,399 in the second
+    files = labelled_shards(tmp_path / "d", (300, 400), dtype=np.uint32)
     if not scan:  # a split too large to scan at start-up: each window is checked as it is read
         monkeypatch.setattr("nanogpt_plus.dataloader.SCAN_TOKENS", 10)
     loader = TokenWindowLoader(files, 8, 16, order='sequential')
@@ -222,4 +232,5 @@ def test_ddp_two_processes_equals_one_on_shards_in_sequential_order(shard_datase
                        dropout=0.0, data_order="sequential")
     train_one_and_two_ranks(common, tmp_path, steps=7)
     states = [load_checkpoint(str(tmp_path / run / "ckpt.pt"))["loader"] for run in ("one", "two")]
-    assert states[0] == states[1] and states[0]["epoch"] == 1  # 7 steps x 4 micro-batches: past one epoch
+    # 7 steps x 4 micro-batches: past one epoch
+    assert states[0] == states[1] and states[0]["epoch"] == 1

@@ -15,8 +15,9 @@ import socket
 import pytest
 
 from nanogpt_plus import tokenizer
-from nanogpt_plus.tokenizer import (CharTokenizer, GPT2Tokenizer, TokenizerError, get_gpt2_encoding, load_tokenizer,
-                                    read_dataset_meta)
+from nanogpt_plus.dataset import read_dataset_meta
+from nanogpt_plus.errors import TokenizerError
+from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, get_gpt2_encoding, load_tokenizer
 
 MIXED_TEXT = ("Hello world! Ünïcödé àccents, naïve café.\n"
               "emoji: 😀🚀👩‍👩‍👧 and CJK: 日本語のテキスト, 中文, 한국어\n\n"
@@ -97,7 +98,8 @@ def test_gpt2_works_with_network_blocked(monkeypatch, tmp_path, fresh_encoding_c
 
 
 def test_altered_gpt2_file_is_refused(monkeypatch, tmp_path):
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken-cache"))  # keep tiktoken's copies here
+    # keep tiktoken's copies here
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken-cache"))
     vocab_bpe, encoder_json = tokenizer.packaged_gpt2_files()
     bpe = tmp_path / "vocab.bpe"
     js = tmp_path / "encoder.json"
@@ -121,7 +123,8 @@ def test_stale_tiktoken_copy_is_not_trusted(monkeypatch, tmp_path):
     bpe = tmp_path / "vocab.bpe"
     shutil.copy(vocab_bpe, bpe)
     lines = bpe.read_text(encoding="utf-8").split("\n")
-    lines[1], lines[2] = lines[2], lines[1]  # swap the first two merges: a subtly different tokenizer
+    # swap the first two merges: a subtly different tokenizer
+    lines[1], lines[2] = lines[2], lines[1]
     (cache / hashlib.sha1(str(bpe).encode()).hexdigest()).write_text("\n".join(lines), encoding="utf-8")
     enc = tokenizer._encoding_from_files(str(bpe), encoder_json)
     assert enc.encode_ordinary(MIXED_TEXT) == get_gpt2_encoding().encode_ordinary(MIXED_TEXT)
@@ -167,11 +170,13 @@ def test_char_meta_round_trip(tmp_path):
 def _nanogpt_meta(chars):
     stoi = {ch: i for i, ch in enumerate(chars)}
     itos = {i: ch for i, ch in enumerate(chars)}
-    return {'vocab_size': len(chars), 'itos': itos, 'stoi': stoi}  # exactly nanoGPT's prepare.py dict
+    # exactly nanoGPT's prepare.py dict
+    return {'vocab_size': len(chars), 'itos': itos, 'stoi': stoi}
 
 
 def test_read_dataset_meta_prefers_json(tmp_path):
-    assert read_dataset_meta(str(tmp_path)) is None  # no meta at all: GPT-2 BPE, like nanoGPT assumes
+    # no meta at all: GPT-2 BPE, like nanoGPT assumes
+    assert read_dataset_meta(str(tmp_path)) is None
     with open(tmp_path / "meta.pkl", "wb") as f:
         pickle.dump(_nanogpt_meta("abc"), f)
     (tmp_path / "meta.json").write_text(json.dumps(CharTokenizer.from_text("xyz").meta()))

@@ -9,9 +9,17 @@ import json
 import pytest
 
 from helpers import bpe_corpus_text, synthetic_bpe_json, write_bpe_dataset
-from nanogpt_plus.tokenizer import (EOT_TEXT, MIN_BPE_VOCAB, BPETokenizer, CharTokenizer, GPT2Tokenizer, TokenizerError,
-                                    load_tokenizer, read_dataset_meta, read_tokenizer_file, tokenizer_fingerprint,
-                                    train_bpe)
+from nanogpt_plus.bpe import (
+    EOT_TEXT,
+    MIN_BPE_VOCAB,
+    BPETokenizer,
+    read_tokenizer_file,
+    tokenizer_fingerprint,
+    train_bpe,
+)
+from nanogpt_plus.dataset import read_dataset_meta
+from nanogpt_plus.errors import TokenizerError
+from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
 
 MIXED = "Héllo, naïve façade! 世界 データ 🎉🚀 Ελλάδα Москва\n\tend\r\n\x00\x7f tail "
 
@@ -58,7 +66,8 @@ def test_a_split_character_decodes_with_replacement_then_whole(bpe512):
 
 def test_description_round_trip_and_fingerprint(bpe512):
     tok, _ = bpe512
-    meta = json.loads(json.dumps(tok.meta()))  # what a checkpoint keeps survives JSON (and torch.save) intact
+    # what a checkpoint keeps survives JSON (and torch.save) intact
+    meta = json.loads(json.dumps(tok.meta()))
     back = load_tokenizer(meta)
     assert isinstance(back, BPETokenizer) and back.encode_ordinary(MIXED) == tok.encode_ordinary(MIXED)
     reformatted = json.dumps(json.loads(tok.json), indent=4)
@@ -110,7 +119,8 @@ def test_a_corrupt_or_missing_tokenizer_file_is_one_line(tmp_path, bpe512):
     with pytest.raises(TokenizerError, match="no tokenizer file at"):
         read_tokenizer_file(str(tmp_path / "nope.json"))
     path.write_text(bpe512[0].json, encoding="utf-8")
-    assert read_tokenizer_file(str(tmp_path)).json == bpe512[0].json  # a directory holding tokenizer.json
+    # a directory holding tokenizer.json
+    assert read_tokenizer_file(str(tmp_path)).json == bpe512[0].json
 
 
 def test_dataset_meta_reads_the_tokenizer_in_and_checks_it(tmp_path, bpe512):

@@ -18,9 +18,11 @@ import sys
 import pytest
 
 from helpers import REPO, bpe_corpus_text, write_bpe_dataset
-from nanogpt_plus import tokenizer
-from nanogpt_plus.tokenizer import (EOT_TEXT, ROUND_TRIP_PROBE, BPETokenizer, TokenizerError, load_tokenizer,
-                                    read_dataset_meta, read_tokenizer_file)
+from nanogpt_plus import bpe
+from nanogpt_plus.bpe import EOT_TEXT, ROUND_TRIP_PROBE, BPETokenizer, read_tokenizer_file
+from nanogpt_plus.dataset import read_dataset_meta
+from nanogpt_plus.errors import TokenizerError
+from nanogpt_plus.tokenizer import load_tokenizer
 
 
 def edited(tokenizer_json, change):
@@ -87,7 +89,7 @@ def test_the_refusal_shows_where_the_text_changed(bpe512):
 
 def test_random_encoding_is_refused_even_when_the_model_section_hides_it(bpe512, monkeypatch):
     # the probe encodes the text several times: dropout gets caught even past the check of the model section
-    monkeypatch.setattr(tokenizer, "_check_bpe_model", lambda model, name: None)
+    monkeypatch.setattr(bpe, "_check_bpe_model", lambda model, name: None)
     with pytest.raises(TokenizerError, match="encodes the same text differently from one call to the next"):
         BPETokenizer(edited(bpe512[0].json, lambda s: s["model"].update(dropout=0.1)), name="x/tokenizer.json")
 
@@ -117,12 +119,13 @@ def test_prepare_py_refuses_a_lossy_tokenizer_file(bpe512, tmp_path, monkeypatch
 
 def test_each_tokenizer_json_text_is_built_and_checked_once(bpe512, tmp_path, monkeypatch):
     checks = []
-    check = tokenizer._check_round_trip
-    monkeypatch.setattr(tokenizer, "_check_round_trip", lambda tok, name: (checks.append(name), check(tok, name)))
+    check = bpe._check_round_trip
+    monkeypatch.setattr(bpe, "_check_round_trip", lambda tok, name: (checks.append(name), check(tok, name)))
     text = json.dumps(json.loads(bpe512[0].json), indent=3)  # a text no other test builds
     (tmp_path / "tokenizer.json").write_text(text, encoding="utf-8")
     tok = read_tokenizer_file(str(tmp_path / "tokenizer.json"))  # prepare.py --tokenizer=PATH
-    assert load_tokenizer(tok.meta()) is tok and load_tokenizer(tok.meta()) is tok  # its workers, sample.py
+    # its workers, sample.py
+    assert load_tokenizer(tok.meta()) is tok and load_tokenizer(tok.meta()) is tok
     assert checks == [str(tmp_path / "tokenizer.json")]
 
 
@@ -229,7 +232,8 @@ def test_a_bpe_meta_json_its_tokenizer_json_contradicts_is_refused_when_read(key
 def bad_dataset(tmp_path, bpe512, case):
     """ A bpe dataset train.py must refuse: its meta.json contradicts its tokenizer.json, or that loses text. """
     directory = write_bpe_dataset(tmp_path / case, bpe512[0], bpe_corpus_text(3000))
-    meta_path, tokenizer_path = tmp_path / case / "meta.json", tmp_path / case / "tokenizer.json"
+    meta_path = tmp_path / case / "meta.json"
+    tokenizer_path = tmp_path / case / "tokenizer.json"
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
     if case == "contradicted":
         meta["vocab_size"] = 600

@@ -12,14 +12,13 @@ import pytest
 import torch
 
 import train
-from helpers import REPO
+from helpers import REPO, iter_losses, train_args, train_one_and_two_ranks
 from helpers import TINY_VOCAB as VOCAB
-from helpers import iter_losses, train_args, train_one_and_two_ranks
 from model import GPT, NANOGPT_MODEL_ARGS, GPTConfig
 from nanogpt_plus import checkpoint as checkpoint_mod
 from nanogpt_plus.checkpoint import load_checkpoint, save_checkpoint
+from nanogpt_plus.dataset import read_dataset_meta
 from nanogpt_plus.errors import EXIT_INTERRUPTED, UserError
-from nanogpt_plus.tokenizer import read_dataset_meta
 
 tiny_args = functools.partial(train_args, dropout=0.1, num_threads=1)  # fixed threads: bitwise runs
 
@@ -63,7 +62,8 @@ def test_checkpoint_is_nanogpt_compatible_and_weights_only(dataset, tmp_path, ca
         assert key in ckpt
     assert tuple(sorted(ckpt["model_args"])) == tuple(sorted(NANOGPT_MODEL_ARGS))
     assert not any(k.startswith("_orig_mod.") or k.startswith("module.") for k in ckpt["model"])
-    assert ckpt["iter_num"] == 13 and ckpt["config"]["dataset"] == dataset  # the final save: 13 steps done
+    # the final save: 13 steps done
+    assert ckpt["iter_num"] == 13 and ckpt["config"]["dataset"] == dataset
     assert ckpt["tokenizer"]["kind"] == "char" and ckpt["tokenizer"]["vocab_size"] == VOCAB
     # what nanoGPT's sample.py does with it: GPTConfig(**model_args), strip prefixes, load_state_dict
     model = GPT(GPTConfig(**ckpt["model_args"]))
@@ -78,7 +78,8 @@ def test_resume_is_exact(dataset, tmp_path, capsys):
     part1 = run_train(capsys, tiny_args(dataset, tmp_path / "split", max_iters=6))
     part2 = run_train(capsys, tiny_args(dataset, tmp_path / "split", max_iters=12, init_from="resume"))
     reference = iter_losses(full)
-    resumed = {**iter_losses(part1), **iter_losses(part2)}  # the final checkpoint holds 7 steps: resumes at 7
+    # the final checkpoint holds 7 steps: resumes at 7
+    resumed = {**iter_losses(part1), **iter_losses(part2)}
     assert min(iter_losses(part2)) == 7
     assert resumed == reference
     assert eval_losses(part2)[-1] == eval_losses(full)[-1]
@@ -116,7 +117,8 @@ def test_corrupt_and_unsafe_checkpoints_are_refused(tmp_path):
     torch.save({"model": {}, "model_args": {}, "x": Evil()}, path)
     with pytest.raises(UserError, match=r"pickled Python object \(\S*system\) that loading could run as code") as e:
         load_checkpoint(str(path))
-    assert "weights_only" not in str(e.value)  # our words, not torch's advice to switch the safety off
+    # our words, not torch's advice to switch the safety off
+    assert "weights_only" not in str(e.value)
     assert not (tmp_path / "pwned").exists()
     with pytest.raises(UserError, match="no checkpoint at"):
         load_checkpoint(str(tmp_path / "missing.pt"))
@@ -154,12 +156,14 @@ def test_missing_dataset_and_resume_errors(tmp_path):
 def test_init_from_local_hf_dir(dataset, tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
     hf_dir = tmp_path / "hf"
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=VOCAB + 5)).save_pretrained(hf_dir)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=VOCAB + 5)
+    GPT2LMHeadModel(config).save_pretrained(hf_dir)
     args = tiny_args(dataset, tmp_path / "out", init_from=str(hf_dir), max_iters=6, eval_interval=3)
     # a plain Hugging Face directory is a GPT-2 BPE model: on a character dataset its ids would mean other tokens
     with pytest.raises(UserError, match=r"tokenized with char \(20 tokens\), the model .* with gpt2 \(50,257 tokens\)"):
         train.main(args)
-    (hf_dir / "nanogpt_tokenizer.json").write_text(json.dumps(read_dataset_meta(dataset)))  # as export_hf.py writes
+    # as export_hf.py writes
+    (hf_dir / "nanogpt_tokenizer.json").write_text(json.dumps(read_dataset_meta(dataset)))
     out = run_train(capsys, args)
     assert "Initializing from OpenAI GPT-2 weights" in out
     ckpt = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))
@@ -176,7 +180,8 @@ def test_init_from_exported_char_model_keeps_its_tokenizer(dataset, tmp_path, ca
     meta = read_dataset_meta(dataset)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=VOCAB))
     export(model, meta, str(tmp_path / "hf"))
-    run_train(capsys, tiny_args(dataset, tmp_path / "out", init_from=str(tmp_path / "hf"), max_iters=3, eval_interval=3))
+    args = tiny_args(dataset, tmp_path / "out", init_from=str(tmp_path / "hf"), max_iters=3, eval_interval=3)
+    run_train(capsys, args)
     ckpt = load_checkpoint(str(tmp_path / "out" / "ckpt.pt"))
     assert ckpt["tokenizer"]["kind"] == "char" and ckpt["tokenizer"]["stoi"] == meta["stoi"]
     assert json.load(open(tmp_path / "out" / "ckpt.json"))["tokenizer"]["kind"] == "char"
@@ -204,7 +209,8 @@ def test_resume_from_nanogpt_checkpoint(dataset, tmp_path, capsys):
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
     ckpt = {"model": {"_orig_mod." + k: v for k, v in model.state_dict().items()}, "optimizer": optimizer.state_dict(),
             "model_args": model.config.model_args(), "iter_num": 6, "best_val_loss": torch.tensor(3.0),
-            "config": {"dataset": dataset}}  # its tokenizer: the meta of the dataset it names, as nanoGPT's
+            # its tokenizer: the meta of the dataset it names, as nanoGPT's
+            "config": {"dataset": dataset}}
     torch.save(ckpt, tmp_path / "ckpt.pt")
     train.main(tiny_args(dataset, tmp_path, init_from="resume", max_iters=8))
     captured = capsys.readouterr()
@@ -244,7 +250,8 @@ def test_sigint_saves_and_resumes(dataset, tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     seen += out
-    assert proc.returncode == EXIT_INTERRUPTED == 75, err[-2000:]  # "interrupted, resumable" for a scheduler
+    # "interrupted, resumable" for a scheduler
+    assert proc.returncode == EXIT_INTERRUPTED == 75, err[-2000:]
     assert "finishing this iteration" in err
     m = re.search(r"saving checkpoint to .* \(interrupted at iter (\d+)\)", seen)
     assert m, seen[-2000:]
@@ -291,7 +298,8 @@ def test_plot_metrics(dataset, tmp_path, capsys):
 def test_lr_schedule():
     from nanogpt_plus.optimizer import get_lr
     lrs = [get_lr(it, 1e-3, 10, 100, 1e-4) for it in range(120)]
-    assert lrs[0] == pytest.approx(1e-3 / 11) and lrs[9] == pytest.approx(1e-3 * 10 / 11)  # linear warmup
+    # linear warmup
+    assert lrs[0] == pytest.approx(1e-3 / 11) and lrs[9] == pytest.approx(1e-3 * 10 / 11)
     assert lrs[10] == pytest.approx(1e-3)  # cosine starts at the max
     assert lrs[55] == pytest.approx((1e-3 + 1e-4) / 2)  # halfway through the decay
     assert all(a >= b for a, b in zip(lrs[10:101], lrs[11:101]))  # monotone decay

@@ -21,9 +21,10 @@ from configurator import ConfigError, Settings, parse_config
 from helpers import REPO, TINY_VOCAB, train_args
 from model import GPT, GPTConfig
 from nanogpt_plus import dataloader, finetuning
-from nanogpt_plus.checkpoint import ARCHITECTURE, build_checkpoint, load_checkpoint, save_checkpoint
+from nanogpt_plus.checkpoint import build_checkpoint, load_checkpoint, save_checkpoint
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import WriteFailed, atomic_write
+from nanogpt_plus.init_from import ARCHITECTURE
 from nanogpt_plus.runtime import run_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -102,7 +103,8 @@ def test_defaults_pass_and_settings_know_what_was_given(tmp_path):
     cfg = train_settings(str(config_file), "--batch_size=4", f"--out_dir={tmp_path}")
     train.check_settings(cfg)  # nanoGPT's defaults are all valid
     assert isinstance(cfg, Settings) and cfg.given == {"n_layer", "batch_size", "out_dir"}
-    assert type(dict(cfg)) is dict and dict(cfg)["batch_size"] == 4  # what checkpoints save: a plain dict
+    # what checkpoints save: a plain dict
+    assert type(dict(cfg)) is dict and dict(cfg)["batch_size"] == 4
 
 
 @pytest.mark.parametrize("check, settings, message", [
@@ -158,7 +160,8 @@ def resume_args(dataset, run_dir, **settings):
 
 @pytest.mark.parametrize("setting, saved", [("n_layer", 2), ("block_size", 16), ("gelu", "none")])
 def test_resume_with_another_architecture_is_refused(dataset, run_dir, setting, saved):
-    value = {"n_layer": 3, "block_size": 8, "gelu": "tanh"}[setting]  # block_size 8: smaller, would crop
+    # block_size 8: smaller, would crop
+    value = {"n_layer": 3, "block_size": 8, "gelu": "tanh"}[setting]
     before = (run_dir / "ckpt.pt").read_bytes()
     with pytest.raises(UserError, match=rf"--{setting}={value!r} but the checkpoint .* has {setting}={saved!r}"):
         train.main(resume_args(dataset, run_dir, **{setting: value}))
@@ -174,7 +177,8 @@ def test_resume_takes_the_checkpoints_architecture(dataset, run_dir, capsys):
     ckpt = load_checkpoint(str(run_dir / "ckpt.pt"))
     assert ckpt["iter_num"] == 9  # the final checkpoint: max_iters + 1 steps done
     for key in ("n_layer", "n_head", "n_embd", "block_size", "bias"):
-        assert ckpt["config"][key] == ckpt["model_args"][key], key  # the saved settings describe the model
+        # the saved settings describe the model
+        assert ckpt["config"][key] == ckpt["model_args"][key], key
     assert ckpt["config"]["gelu"] == ckpt["model_extra_args"]["gelu"]
 
 
@@ -185,14 +189,16 @@ def test_resume_of_a_complete_run_says_so(dataset, run_dir):
 
 
 def test_resume_on_another_character_vocabulary_is_refused(dataset, run_dir, tmp_path):
-    stoi = {chr(65 + i): i for i in range(TINY_VOCAB)}  # 'A'.. instead of 'a'..: same ids, other characters
+    # 'A'.. instead of 'a'..: same ids, other characters
+    stoi = {chr(65 + i): i for i in range(TINY_VOCAB)}
     other = copy_dataset(dataset, tmp_path / "upper",
                          meta={"kind": "char", "vocab_size": TINY_VOCAB, "stoi": stoi})
     with pytest.raises(UserError, match="another character vocabulary .* would mean other tokens"):
         train.main(resume_args(other, run_dir))
     gpt2 = copy_dataset(dataset, tmp_path / "bpe", meta={"kind": "gpt2", "vocab_size": 50257})
     with pytest.raises(UserError, match=r"tokenized with gpt2 \(50,257 tokens\), the model .* with char \(20 tokens\)"):
-        train.main(train_args(gpt2, tmp_path / "new", init_from=str(run_dir)))  # its weights, another dataset
+        # its weights, another dataset
+        train.main(train_args(gpt2, tmp_path / "new", init_from=str(run_dir)))
 
 
 def test_a_finetune_checkpoint_is_not_resumed(dataset, tmp_path):
@@ -216,7 +222,8 @@ def test_token_id_beyond_the_vocabulary_is_one_line(dataset, tmp_path, monkeypat
     tokens = np.tile(np.arange(TINY_VOCAB), 300)
     tokens[::7] = TINY_VOCAB + 5  # a meta of 20 characters, a file with id 25 (in every window)
     bad = copy_dataset(dataset, tmp_path / "bad", train_tokens=tokens)
-    monkeypatch.setattr(dataloader, "SCAN_TOKENS", scan_tokens)  # 0: every file is checked batch by batch
+    # 0: every file is checked batch by batch
+    monkeypatch.setattr(dataloader, "SCAN_TOKENS", scan_tokens)
     message = rf"train.bin holds token ids up to {TINY_VOCAB + 5}, beyond the model's vocab_size \({TINY_VOCAB}\)"
     with pytest.raises(UserError, match=message):
         train.main(train_args(bad, tmp_path / "out", num_threads=1))
@@ -236,14 +243,16 @@ def test_empty_token_file_is_one_line(dataset, tmp_path):
 
 def test_jsonl_that_is_not_utf8_names_file_and_line(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_bytes(b'{"text": "ok", "label": 0}\n{"text": "caf\xe9", "label": 1}\n')  # latin-1, not UTF-8
+    # latin-1, not UTF-8
+    path.write_bytes(b'{"text": "ok", "label": 0}\n{"text": "caf\xe9", "label": 1}\n')
     with pytest.raises(UserError, match=r"train.jsonl line 2 is not UTF-8 text \(byte 0xe9 at position 14\)"):
         finetuning.read_jsonl(str(path), "classification")
 
 
 def test_unsafe_checkpoint_is_explained_in_our_words(tmp_path):
     path = tmp_path / "ckpt.pt"
-    torch.save({"model": {}, "model_args": {}, "best_val_loss": np.float64(1.5)}, path)  # a numpy scalar
+    # a numpy scalar
+    torch.save({"model": {}, "model_args": {}, "best_val_loss": np.float64(1.5)}, path)
     with pytest.raises(UserError) as e:
         load_checkpoint(str(path))
     message = str(e.value)
@@ -305,7 +314,8 @@ def test_full_disk_is_found_before_a_large_split_is_memory_mapped(tmp_path, monk
 
     def no_space(fd, offset, length):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(os, "posix_fallocate", no_space)  # as on a full disk: an error, not a SIGBUS later
+    # as on a full disk: an error, not a SIGBUS later
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
     with pytest.raises(WriteFailed, match=r"could not write .*train.bin \(No space left on device\); no "):
         with atomic_outputs(str(tmp_path)) as out:
             write_token_batches(out.path("train.bin"), 10, iter([np.arange(10)]))
@@ -317,7 +327,8 @@ def test_a_failed_write_is_a_user_error_and_an_oserror(tmp_path):
         raise OSError(28, "No space left on device")
     with pytest.raises(WriteFailed) as e:
         atomic_write(str(tmp_path / "x.json"), full)
-    assert isinstance(e.value, UserError) and isinstance(e.value, OSError)  # one line; and train.py's OSError path
+    # one line; and train.py's OSError path
+    assert isinstance(e.value, UserError) and isinstance(e.value, OSError)
     assert e.value.errno == 28 and e.value.strerror == "No space left on device"
     assert str(e.value).startswith(f"could not write {tmp_path / 'x.json'} (No space left on device); no ")
     assert os.listdir(tmp_path) == []

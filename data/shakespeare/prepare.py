@@ -18,7 +18,8 @@ from nanogpt_plus.prepare.shakespeare import prepare_bpe, shakespeare_main, shak
 from nanogpt_plus.runtime import run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULTS = shakespeare_settings(HERE)  # --input, --url, --timeout, --out_dir, --overwrite (see --help)
+# --input, --url, --timeout, --out_dir, --overwrite (see --help)
+DEFAULTS = shakespeare_settings(HERE)
 
 
 def main():

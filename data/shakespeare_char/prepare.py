@@ -19,7 +19,8 @@ from nanogpt_plus.prepare.shakespeare import prepare_char, shakespeare_main, sha
 from nanogpt_plus.runtime import run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULTS = shakespeare_settings(HERE)  # --input, --url, --timeout, --out_dir, --overwrite (see --help)
+# --input, --url, --timeout, --out_dir, --overwrite (see --help)
+DEFAULTS = shakespeare_settings(HERE)
 
 
 def main():

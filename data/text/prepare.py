@@ -21,12 +21,11 @@ The tokenized splits are cached by Hugging Face datasets (--cache_dir), so a sec
 import os
 
 from configurator import Group, Schema, Setting, configure
+from nanogpt_plus.bpe import MIN_BPE_VOCAB
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare.corpus import prepare_corpus
-from nanogpt_plus.prepare.settings import (CACHE_DIR, NUM_PROC, OVERWRITE, SAMPLE_BY, SEED, TEXT_COLUMN,
-                                           out_dir_setting)
+from nanogpt_plus.prepare.settings import CACHE_DIR, NUM_PROC, OVERWRITE, SAMPLE_BY, SEED, TEXT_COLUMN, out_dir_setting
 from nanogpt_plus.runtime import run_main
-from nanogpt_plus.tokenizer import MIN_BPE_VOCAB
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -25,20 +25,22 @@ import time
 
 import numpy as np
 
+from nanogpt_plus.bpe import BPETokenizer, check_bpe_vocab_size, read_tokenizer_file, train_bpe
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_outputs
 from nanogpt_plus.prepare.settings import RAW, SAMPLE_BY, check_out_dir
 from nanogpt_plus.prepare.shakespeare import encode_chars
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_token_batches
-from nanogpt_plus.tokenizer import (BPETokenizer, CharTokenizer, GPT2Tokenizer, check_bpe_vocab_size, load_tokenizer,
-                                    read_tokenizer_file, train_bpe)
+from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
 
 # the Hugging Face datasets builder that reads each kind of local file
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-TOKENIZERS = ("bpe", "gpt2", "char")  # what --tokenizer names; anything else is the path of a tokenizer.json
+# what --tokenizer names; anything else is the path of a tokenizer.json
+TOKENIZERS = ("bpe", "gpt2", "char")
 DEFAULT_BPE_VOCAB = 8192
-PIECE_CHARS = 1 << 16  # one long text is cut into pieces of about this many characters (see text_pieces)
+# one long text is cut into pieces of about this many characters (see text_pieces)
+PIECE_CHARS = 1 << 16
 TEXT_ROWS = 256  # documents (or pieces) read at a time for the tokenizer's training and vocabulary
 
 
@@ -52,8 +54,10 @@ def prepare_corpus(out_dir, dataset="openwebtext", files="", text_column="text",
     An out_dir holding token shards or a training run is refused unless overwrite (settings.check_out_dir).
     """
     check_options(num_proc, test_size)
-    tok = given_tokenizer(tokenizer, vocab_size)  # now, so a bad choice fails before the corpus is read
-    check_out_dir(out_dir, RAW, overwrite)  # after the cheap checks: with overwrite it removes the shards there
+    # now, so a bad choice fails before the corpus is read
+    tok = given_tokenizer(tokenizer, vocab_size)
+    # after the cheap checks: with overwrite it removes the shards there
+    check_out_dir(out_dir, RAW, overwrite)
     ds, text_column = load_corpus(dataset, files, text_column, num_proc, cache_dir, sample_by, name)
     print(n_documents(len(ds)))
     splits, by_documents = split_corpus(ds, text_column, test_size, seed, piece_chars(tok))
@@ -112,7 +116,8 @@ def expand_files(files):
     unknown = kinds - set(LOCAL_BUILDERS)
     if unknown:
         raise UserError(f"can't read {', '.join(sorted(unknown))} files; use .txt, .jsonl, .json or .parquet")
-    if len({LOCAL_BUILDERS[k] for k in kinds}) > 1:  # one load_dataset call reads one builder's files
+    # one load_dataset call reads one builder's files
+    if len({LOCAL_BUILDERS[k] for k in kinds}) > 1:
         raise UserError(f"mixed file kinds ({', '.join(sorted(kinds))}); prepare one kind of file per run")
     if not any(os.path.getsize(p) for p in paths):
         raise UserError(f"the input files are empty ({', '.join(paths[:3])}); pass files with some text")
@@ -151,13 +156,15 @@ def load_corpus(dataset="openwebtext", files="", text_column="text", num_proc=1,
         what = f"'{dataset}'" + (f" (config '{name}')" if name else "")
         try:
             dd = datasets.load_dataset(dataset, name or None, **kwargs)
-        except Exception as e:  # unknown name or config, no network, offline mode: all the same to the user
+        # unknown name or config, no network, offline mode: all the same to the user
+        except Exception as e:
             raise UserError(f"could not load the Hugging Face dataset {what} ({error_line(e)}); check the "
                             f"name{', --name' if name else ''} and the network, or pass local files "
                             f"instead") from None
         if "train" not in dd:
             raise UserError(f"the dataset {what} has no 'train' split (it has {', '.join(dd)})")
-        ds, where = dd["train"], f"the Hugging Face dataset {what}"
+        ds = dd["train"]
+        where = f"the Hugging Face dataset {what}"
     if text_column not in ds.column_names:
         raise UserError(f"{where} has no column '{text_column}' (its columns: {', '.join(ds.column_names)}); "
                         f"pass --text_column=NAME")
@@ -212,7 +219,8 @@ def text_pieces(text, size=PIECE_CHARS):
     text in pieces of about size characters (longer where no safe cut comes soon), joining back to text;
     size None: the whole text as one piece.
     """
-    pieces, start = [], 0
+    pieces = []
+    start = 0
     while size is not None and len(text) - start > size:
         cut = SAFE_CUT.search(text, start + size)
         if cut is None:

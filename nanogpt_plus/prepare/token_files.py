@@ -20,9 +20,9 @@ import pickle
 import numpy as np
 from tqdm import tqdm
 
+from nanogpt_plus.bpe import TOKENIZER_FILE
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.shards import as_token_array, token_dtype
-from nanogpt_plus.tokenizer import TOKENIZER_FILE
 
 UINT32_LIMIT = 2 ** 32  # the largest token files hold uint32 ids
 
@@ -75,7 +75,8 @@ def reserve_disk_space(path, nbytes):
     with open(path, "wb") as f:
         try:
             os.posix_fallocate(f.fileno(), 0, nbytes)
-        except (AttributeError, OSError) as e:  # no posix_fallocate (macOS, Windows), or not on this filesystem
+        # no posix_fallocate (macOS, Windows), or not on this filesystem
+        except (AttributeError, OSError) as e:
             if isinstance(e, OSError) and e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise  # ENOSPC, EDQUOT, EFBIG: the disk can't hold the file
             f.truncate(nbytes)  # sparse: the space is found while writing
@@ -109,7 +110,8 @@ def write_meta(out, meta, pickle_too):
     """ meta.json (safe to read; read_dataset_meta reads it first) and optionally nanoGPT's meta.pkl. """
     json_meta = dict(meta)
     if "itos" in json_meta:
-        json_meta["itos"] = {str(i): ch for i, ch in json_meta["itos"].items()}  # JSON keys are strings
+        # JSON keys are strings
+        json_meta["itos"] = {str(i): ch for i, ch in json_meta["itos"].items()}
     with open(out.path("meta.json"), "w", encoding="utf-8") as f:
         json.dump(json_meta, f, ensure_ascii=False, indent=1)
     if pickle_too:

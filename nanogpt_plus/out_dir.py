@@ -1,0 +1,399 @@
+"""
+A run's directory, out_dir: who may write there, and the files a run keeps in it.
+  - the lock: out_dir/run.lock, so that two runs never write into one out_dir at once (below);
+  - a new run over an earlier one's checkpoints is refused, with the commands to resume it or to start over
+    (--overwrite=True);
+  - the checkpoints a run keeps: ckpt.pt, ckpt_best.pt and the ckpt_<iter>.pt snapshots, each with its .json
+    sidecar; a snapshot is a copy (a clone where the file system can), never a hard link;
+  - going back: a run resumed from a snapshot (--resume_from) continues a line of its own, and the files of the
+    line it leaves move, unchanged, into out_dir/abandoned_<n>/.
+prepare_out_dir is train.py's start there; when a run saves is the Checkpointer's (saving.py).
+
+The lock is a JSON line (pid, host, start time, command line). The process that owns it also holds an flock on
+it, which the kernel drops when the process dies in any way (SIGKILL, OOM killer, power cut aside), so a lock
+whose flock can be taken belongs to a run that is gone. A run:
+  1. writes its lock into a temp file and flocks it, then publishes it with os.link (atomic, fails when a
+     run.lock exists): of two runs starting at the same moment exactly one links, the other finds the
+     winner's complete, flocked file and is refused;
+  2. finding a run.lock whose flock it can take (its holder is dead) renames its own file over it while
+     holding that flock: a second run trying the same takeover can't get the dead file's flock meanwhile,
+     and once it does, the name no longer points at that file, so it starts again from 1 (and is refused).
+A lock written on another host can't be proven dead from here (flock is not shared over every network
+file system): such a run is refused and told to delete the file if the other run is gone.
+
+Usage:
+    from nanogpt_plus.out_dir import claim_out_dir, prepare_out_dir
+    with claim_out_dir('out', dist_info, prepare=lambda: prepare_out_dir(cfg, 'train.py', argv)):
+        ...   # rank 0 holds out/run.lock until the block ends, however it ends
+"""
+
+import fcntl
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import sys
+from contextlib import contextmanager
+from datetime import datetime
+
+from nanogpt_plus.checkpoint import saved_iter, sidecar_of
+from nanogpt_plus.distributed import master_decides
+from nanogpt_plus.errors import UserError
+from nanogpt_plus.files import atomic_write, remove_stale_temps_in, temp_path
+
+LOCK_NAME = 'run.lock'
+# train.py's checkpoint: the training state to resume from (the best model without always_save_checkpoint)
+CHECKPOINT = 'ckpt.pt'
+# with always_save_checkpoint=False: the best model so far, kept beside ckpt.pt
+BEST = 'ckpt_best.pt'
+# ckpt_<iter>.pt, the snapshots keep_checkpoints retains
+SNAPSHOT = re.compile(r'^ckpt_(\d+)\.pt$')
+# linux/fs.h: make this file a copy-on-write clone of another
+FICLONE = 0x40049409
+
+
+# -----------------------------------------------------------------------------
+# the lock
+
+class OutDirLock:
+    """ out_dir/run.lock while the run lives: acquire() takes it (or raises UserError), release() frees it. """
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+        self.path = os.path.join(out_dir, LOCK_NAME)
+        self.fd = None  # our lock file, flocked, while we hold it
+
+    def acquire(self):
+        make_out_dir(self.out_dir)
+        if os.path.lexists(self.path) and not os.path.isfile(self.path):
+            raise UserError(f"{self.path} is not a lock file (a directory or another kind of file is in its place); "
+                            f"move it away, or pass another --out_dir")
+        tmp = temp_path(self.path)
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:  # a read-only file system, no write permission, a full disk
+            raise UserError(f"could not write in out_dir {self.out_dir} ({e.strerror or e}); pass an --out_dir this "
+                            f"user can write to") from None
+        try:
+            flock_new_file(fd, self.out_dir)
+            os.write(fd, (json.dumps(lock_record()) + "\n").encode())
+            os.fsync(fd)
+            self._publish(tmp)
+        except BaseException:
+            os.close(fd)
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        self.fd = fd
+        return self
+
+    def _publish(self, tmp):
+        """ Make tmp (ours, flocked) the run.lock: a new one, or over the lock of a dead run. """
+        # each retry means another run changed run.lock meanwhile; it can't go on for long
+        for _ in range(100):
+            try:
+                os.link(tmp, self.path)  # atomic, and fails when a run.lock exists
+                os.remove(tmp)
+                return
+            except FileExistsError:
+                pass
+            # EPERM/ENOTSUP: a file system without hard links (some FUSE and SMB mounts)
+            except OSError as e:
+                raise UserError(f"could not create the lock {self.path} ({e.strerror or e}): the file system of "
+                                f"{self.out_dir} has no hard links; pass an --out_dir on a local disk") from None
+            if self._take_over(tmp):
+                return
+        raise UserError(f"could not take the lock {self.path}: other runs keep changing it; start one run at a time")
+
+    def _take_over(self, tmp):
+        """ True once tmp replaced a dead run's lock; False to start again (run.lock changed or vanished). """
+        try:
+            old = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False  # its owner just released it: link again
+        try:
+            if not self._flock_same_file(old):
+                return False
+            holder = read_holder(old)
+            if holder.get('host', socket.gethostname()) != socket.gethostname():
+                raise UserError(f"{self.path} says a run on {holder.get('host')} (pid {holder.get('pid')}, started "
+                                f"{holder.get('started')}) uses {self.out_dir}; this machine can't tell whether it "
+                                f"still runs: if it has ended, delete {self.path} and start again")
+            # while we hold the dead file's flock: no other run can take it meanwhile
+            os.rename(tmp, self.path)
+            print(f"warning: took over the lock {self.path} of a run that ended without releasing it "
+                  f"(pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')})",
+                  file=sys.stderr)
+            return True
+        finally:
+            os.close(old)
+
+    def _flock_same_file(self, fd):
+        """ Take fd's flock; True when we have it and run.lock still names fd's file. Refuses a live holder. """
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not self._names(fd):
+                return False  # replaced under us by a run that took it over: look again
+            holder = read_holder(fd)
+            raise UserError(f"{self.out_dir} is in use by another run (pid {holder.get('pid')} on "
+                            f"{holder.get('host')}, started {holder.get('started')}; lock {self.path}); wait for it "
+                            f"to end, stop it, or pass another --out_dir") from None
+        return self._names(fd)
+
+    def _names(self, fd):
+        """ Whether run.lock is (still) the file open as fd. """
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        own = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+    def release(self):
+        """ Remove run.lock (only if it is still ours) and drop the flock. """
+        if self.fd is None:
+            return
+        try:
+            if self._names(self.fd):  # no one else can have replaced it while we hold its flock
+                os.remove(self.path)
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+
+def flock_new_file(fd, out_dir):
+    """ flock a file only we know yet (it never blocks); some network file systems have no locks at all. """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        raise UserError(f"the file system of {out_dir} does not support file locks ({e.strerror or e}); "
+                        f"pass an --out_dir on a local disk") from None
+
+
+def make_out_dir(out_dir):
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"out_dir {out_dir} is a file, not a directory; pass another --out_dir")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"could not create out_dir {out_dir} ({e.strerror or e}); pass another --out_dir") from None
+
+
+def lock_record():
+    return {'pid': os.getpid(), 'host': socket.gethostname(),
+            'started': datetime.now().astimezone().isoformat(timespec='seconds'),
+            'command': ' '.join(shlex.quote(a) for a in sys.argv)}
+
+
+def read_holder(fd):
+    """ The JSON record of the lock file open as fd ({} when it can't be read). """
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        record = json.loads(os.read(fd, 65536).decode() or '{}')
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+@contextmanager
+def claim_out_dir(out_dir, dist_info, prepare=None):
+    """
+    Hold out_dir's lock on rank 0 for the body of the with-block, released however it ends. Then (still on
+    rank 0) remove the temp files dead processes left there and run prepare() (e.g. the overwrite check).
+    Every rank learns whether rank 0 succeeded (master_decides), so a refused run ends on all of them.
+    """
+    lock = OutDirLock(out_dir)
+
+    def claim():
+        lock.acquire()
+        try:
+            removed = remove_stale_temps_in(out_dir)
+            if removed:
+                print(f"removed {len(removed)} temp file(s) that killed runs left in {out_dir}: {', '.join(removed)}")
+            if prepare is not None:
+                prepare()
+        except BaseException:
+            lock.release()
+            raise
+    master_decides(dist_info, claim)
+    try:
+        yield lock
+    finally:
+        lock.release()
+
+
+# -----------------------------------------------------------------------------
+# a run's start: a resume continues its line, a new run may not replace an earlier one's checkpoints
+
+def prepare_out_dir(cfg, script, argv):
+    """
+    train.py's start in its out_dir, on rank 0 with out_dir locked: a resume continues a line of its own
+    (branch_off keeps the files of the line it leaves); a new run into an out_dir that holds an earlier run's
+    checkpoints (ckpt.pt, ckpt_best.pt, snapshots) is refused with the commands to resume it or start over,
+    unless --overwrite=True. eval_only runs write no checkpoint and change nothing.
+    """
+    if cfg['eval_only']:
+        return
+    if cfg['init_from'] == 'resume':
+        branch_off(cfg['out_dir'], cfg['resume_from'])
+        return
+    check_new_run(cfg['out_dir'], checkpoint_files(cfg['out_dir']), script, argv, cfg['overwrite'])
+
+
+def check_new_run(out_dir, checkpoints, script, argv, overwrite, resume_file='ckpt.pt'):
+    """
+    On rank 0, with out_dir locked: a new run (not a resume) into an out_dir that holds one of `checkpoints`
+    (file names) is refused with the commands to continue the earlier run (when it left its resume_file) or to
+    start over, unless overwrite. With overwrite the earlier files stay until the new run's saves replace them.
+    """
+    held = [name for name in checkpoints if os.path.isfile(os.path.join(out_dir, name))]
+    if not held:
+        return
+    if not overwrite:
+        resumable = os.path.isfile(os.path.join(out_dir, resume_file))
+        raise refuse_overwrite(out_dir, held[0], script, argv, resumable=resumable)
+    print(f"overwrite=True: the earlier run's checkpoints in {out_dir} stay until this run's saves replace them")
+
+
+def refuse_overwrite(out_dir, checkpoint, script, argv, resumable=True):
+    """
+    The UserError for a new run that would overwrite checkpoint (a file in out_dir) without --overwrite: it
+    gives the commands to continue the earlier run (when it is resumable) or to start over.
+    """
+    iter_note = ''
+    try:
+        with open(sidecar_of(os.path.join(out_dir, checkpoint)), encoding='utf-8') as f:
+            iter_note = f" (iter {json.load(f)['iter_num']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # the sidecar only adds the iteration to the message
+    resume = f"continue it with `{command_line(script, argv, init_from='resume')}`, " if resumable else ""
+    return UserError(f"{out_dir} already holds the checkpoint {checkpoint}{iter_note} of an earlier run, which this "
+                     f"run would overwrite; {resume}start over with `{command_line(script, argv, overwrite=True)}`, "
+                     f"or pass another --out_dir")
+
+
+def command_line(script, argv, **replace):
+    """
+    The command that ran this script with argv, --key=value settings of replace put in (replacing any the
+    user gave), for messages that say what to type: command_line('train.py', argv, init_from='resume').
+    """
+    keep = [a for a in argv if not any(a.startswith(f'--{k}=') for k in replace)]
+    args = keep + [f'--{k}={v}' for k, v in replace.items()]
+    launcher = 'torchrun ...' if 'LOCAL_RANK' in os.environ else 'python'
+    return ' '.join([launcher, script] + [shlex.quote(a) for a in args])
+
+
+# -----------------------------------------------------------------------------
+# the checkpoints a run keeps: ckpt.pt, ckpt_best.pt, the snapshots; going back to one
+
+def checkpoint_files(out_dir):
+    """ The names of the checkpoints a train.py run keeps in out_dir (ckpt.pt, ckpt_best.pt, snapshots). """
+    if not os.path.isdir(out_dir):
+        return []
+    named = [n for n in (CHECKPOINT, BEST) if os.path.isfile(os.path.join(out_dir, n))]
+    return named + [name for _, name in sorted(snapshots(out_dir).items())]
+
+
+def snapshots(out_dir):
+    """ {iteration: file name} of the ckpt_<iter>.pt snapshots in out_dir. """
+    return {int(m.group(1)): m.group(0) for m in map(SNAPSHOT.match, os.listdir(out_dir)) if m}
+
+
+def copy_checkpoint(path, new_path):
+    """
+    new_path (and its .json sidecar) becomes a copy of the complete checkpoint at path, atomically. A copy,
+    never a hard link: with a link, a file copied over one name (cp ckpt_2000.pt ckpt.pt) would be written
+    through into the other. Where the file system can clone (btrfs, XFS: copy-on-write), the copy takes no
+    time and no space until one of them changes.
+    """
+    for src, dst in ((path, new_path), (sidecar_of(path), sidecar_of(new_path))):
+        if src == path or os.path.exists(src):
+            atomic_write(dst, lambda f, src=src: _clone_into(src, f))
+
+
+def _clone_into(path, f):
+    with open(path, 'rb') as source:
+        try:
+            fcntl.ioctl(f.fileno(), FICLONE, source.fileno())
+        except OSError:  # no reflinks here (ext4, tmpfs, another file system): copy the bytes
+            shutil.copyfileobj(source, f, 1 << 24)
+
+
+def snapshot_checkpoint(out_dir, iter_num, keep):
+    """
+    After out_dir/ckpt.pt of iteration iter_num is complete: copy it to ckpt_<iter_num>.pt, then delete the
+    snapshots other than the `keep` newest. (Those of another line of the run never count: branch_off moved
+    them away before this line's first save.) Returns the deleted names.
+    """
+    copy_checkpoint(os.path.join(out_dir, CHECKPOINT), os.path.join(out_dir, f'ckpt_{iter_num}.pt'))
+    iters = sorted(snapshots(out_dir))
+    deleted = []
+    for i in iters[:-keep]:
+        deleted += remove_checkpoint(out_dir, f'ckpt_{i}.pt')
+    return deleted
+
+
+def remove_checkpoint(out_dir, name):
+    """ Delete a checkpoint and its sidecar; returns the names deleted. """
+    deleted = []
+    for n in (name, sidecar_of(name)):
+        try:
+            os.remove(os.path.join(out_dir, n))
+            deleted.append(n)
+        except FileNotFoundError:
+            pass
+    return deleted
+
+
+def resume_point(out_dir, resume_from=''):
+    """ The file --init_from=resume continues from: ckpt.pt, or the snapshot resume_from names ('2000' or its name). """
+    if not resume_from:
+        return os.path.join(out_dir, CHECKPOINT)
+    name = f'ckpt_{resume_from}.pt' if resume_from.isdigit() else resume_from
+    if not SNAPSHOT.match(name):
+        raise UserError(f"--resume_from={resume_from!r} is not a snapshot: give its iteration (2000) or its name "
+                        f"(ckpt_2000.pt) in out_dir")
+    path = os.path.join(out_dir, name)
+    if not os.path.isfile(path):
+        held = ', '.join(snapshots(out_dir).values()) if os.path.isdir(out_dir) else ''
+        raise UserError(f"there is no snapshot {path} to resume from; {out_dir} holds "
+                        f"{held or 'no snapshots'} (--keep_checkpoints=K keeps the last K saves)")
+    return path
+
+
+def branch_off(out_dir, resume_from=''):
+    """
+    On rank 0, out_dir locked, before a resumed run writes anything. A run resumed at iteration k (ckpt.pt's, or
+    the snapshot resume_from names) continues a line of its own: the files of the line it leaves (ckpt.pt when
+    going back to a snapshot, the snapshots of later iterations, a ckpt_best.pt saved after k) move unchanged
+    into out_dir/abandoned_<n>/, so the new line's saves can neither overwrite nor prune them; then the snapshot
+    becomes ckpt.pt (a copy). The same happens when the user copied an older snapshot over ckpt.pt by hand.
+    metrics.jsonl stays: its reader drops the left line's records past k (metrics.read_metrics).
+    """
+    start = resume_point(out_dir, resume_from)
+    k = saved_iter(start)
+    later = [name for i, name in sorted(snapshots(out_dir).items()) if i > k]
+    if os.path.isfile(os.path.join(out_dir, BEST)) and saved_iter(os.path.join(out_dir, BEST)) > k:
+        later.append(BEST)
+    current = os.path.join(out_dir, CHECKPOINT)
+    # ckpt.pt is the latest state of the line left behind
+    leaving = resume_from and os.path.isfile(current)
+    if later or leaving:
+        n = 1 + max([int(d.rsplit('_', 1)[1]) for d in os.listdir(out_dir)
+                     if d.startswith('abandoned_') and d.rsplit('_', 1)[1].isdigit()] or [0])
+        keep_dir = os.path.join(out_dir, f'abandoned_{n}')
+        os.makedirs(keep_dir)
+        for name in later:  # moved (a kill halfway leaves each file in one of the two places)
+            for part in (name, sidecar_of(name)):
+                if os.path.exists(os.path.join(out_dir, part)):
+                    os.replace(os.path.join(out_dir, part), os.path.join(keep_dir, part))
+        if leaving:  # copied, then replaced below: out_dir always holds a ckpt.pt to resume from
+            copy_checkpoint(current, os.path.join(keep_dir, CHECKPOINT))
+            later.insert(0, CHECKPOINT)
+        print(f"resuming at iter {k}: the later files of this run ({', '.join(later)}) are kept, unchanged, in "
+              f"{keep_dir}")
+    if resume_from:
+        copy_checkpoint(start, current)
