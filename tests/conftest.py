@@ -1,13 +1,18 @@
 """
 Shared test set-up: no network for any library, no process group left behind by a test (like litgpt's conftest),
-GPU tests skipped without a GPU, and the fixtures. Helpers that tests import live in helpers.py.
+GPU tests skipped without a GPU, the two tiers (fast by default, --runslow for all), and the fixtures. Helpers
+that tests import live in helpers.py.
 """
 import json
 import os
+import subprocess
+import sys
+import types
 
 import numpy as np
 import pytest
 
+import helpers
 from helpers import TINY_VOCAB, bpe_corpus_text, write_bpe_dataset
 
 # hermetic: Hugging Face libraries and wandb must never reach for the network inside the test suite
@@ -25,16 +30,6 @@ def destroy_process_group():
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def pytest_collection_modifyitems(config, items):
-    import torch
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -78,3 +73,91 @@ def bpe512(tmp_path_factory):
     text = bpe_corpus_text()
     tok = train_bpe(iter(text.split("\n\n")), 512, show_progress=False)
     return tok, write_bpe_dataset(tmp_path_factory.mktemp("bpe512"), tok, text)
+
+
+# -----------------------------------------------------------------------------
+# the two tiers: `python -m pytest` runs the fast one; `--runslow` adds the tests that start processes or
+# compile. A test is slow when it reaches a helper marked helpers.slow (helpers.py explains); nothing is marked
+# by hand.
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run the slow tier: the tests that start processes (scripts, torchrun) or compile")
+
+
+def _code_names(code):
+    """ The global and attribute names a function's code uses, its nested functions' and lambdas' included. """
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _reaches_slow_helper(func, seen):
+    """ Whether func uses a helper marked slow, or a function of the tests or of helpers.py that does. """
+    func = getattr(func, '__func__', func)
+    if getattr(func, 'slow_tier', False):
+        return True
+    code = getattr(func, '__code__', None)
+    if code is None or code in seen:
+        return False
+    seen.add(code)
+    scope = getattr(func, '__globals__', {})
+    for name in _code_names(code):
+        # helpers.run_python is the names 'helpers' and 'run_python': a name may be a helper's either way
+        for obj in (scope.get(name), vars(helpers).get(name)):
+            if getattr(obj, 'slow_tier', False):
+                return True
+            if isinstance(obj, types.FunctionType) and _reaches_slow_helper(obj, seen):
+                return True
+    return False
+
+
+def _is_slow(item):
+    """ The test, or one of the fixtures it uses, reaches a slow helper. """
+    funcs = [getattr(item, 'obj', None)]
+    fixtureinfo = getattr(item, '_fixtureinfo', None)
+    for defs in (fixtureinfo.name2fixturedefs.values() if fixtureinfo is not None else ()):
+        funcs += [d.func for d in defs]
+    seen = set()
+    return any(_reaches_slow_helper(f, seen) for f in funcs if f is not None)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    fast = []
+    for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "slow" not in item.keywords:
+            fast.append(item)
+    # an explicit -m (say -m slow) chooses the tests itself
+    if config.getoption("--runslow") or config.getoption("-m"):
+        return
+    config.hook.pytest_deselected(items=[item for item in items if "slow" in item.keywords])
+    items[:] = fast
+
+
+@pytest.fixture(autouse=True)
+def current_test(request, monkeypatch):
+    """
+    The running test, for the launchers' check (helpers.in_slow_tier); and for a fast test, a Python process
+    started any other way fails it too, so that no process escapes the slow tier.
+    """
+    helpers.CURRENT_TEST = request.node
+    if request.node.get_closest_marker('slow') is None:
+        real_init = subprocess.Popen.__init__
+
+        def popen_init(self, args, *rest, **kwargs):
+            program = args[0] if isinstance(args, (list, tuple)) and args else args
+            if isinstance(program, str) and (program == sys.executable or 'python' in os.path.basename(program)
+                                             or 'torchrun' in program):
+                helpers.in_slow_tier(f"starts {program}")
+            real_init(self, args, *rest, **kwargs)
+        monkeypatch.setattr(subprocess.Popen, '__init__', popen_init)
+    yield
+    helpers.CURRENT_TEST = None

@@ -1,12 +1,13 @@
 """
 Shared test helpers, imported by the test modules (`from helpers import ...`; pytest puts tests/ on sys.path):
 the repository path, the tiny training run and its argument builder, loss parsing and comparison, checkpoint
-saving, an in-process entry-point runner, and byte-level BPE corpora, tokenizers and datasets. Fixtures and
-hooks stay in conftest.py.
+saving, an in-process entry-point runner, byte-level BPE corpora, tokenizers and datasets, and the launchers of
+the slow tier (run_python, start_python, COMPILE). Fixtures and hooks stay in conftest.py.
 """
 import json
 import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -77,14 +78,10 @@ def train_one_and_two_ranks(args, tmp_path, steps):
     one thread each; both must finish and print the same losses for iterations 0..steps-1 (within 2e-4).
     Returns the two CompletedProcesses.
     """
-    import subprocess
-    import sys
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    launchers = {'one': [sys.executable, "train.py"],
-                 'two': [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                         "train.py"]}
-    runs = {name: subprocess.run([*cmd, *args, f"--out_dir={tmp_path / name}"], cwd=REPO, capture_output=True,
-                                 text=True, timeout=300, env=env) for name, cmd in launchers.items()}
+    launchers = {'one': ["train.py"], 'two': TORCHRUN + ["--standalone", "--nproc_per_node=2", "train.py"]}
+    runs = {name: run_python([*cmd, *args, f"--out_dir={tmp_path / name}"], timeout=300, env=env)
+            for name, cmd in launchers.items()}
     for run in runs.values():
         assert run.returncode == 0, run.stderr[-2000:]
     a = iter_losses(runs['one'].stdout)
@@ -195,3 +192,54 @@ def write_hellaswag(path, n=12, seed=1):
             endings.insert(k % 4, true)
             f.write(json.dumps({'ctx': letters[-(3 + k % 6):], 'endings': endings, 'label': k % 4}) + '\n')
     return str(path)
+
+
+# -----------------------------------------------------------------------------
+# the slow tier: starting processes (a script, torchrun) and compiling. The helpers below that do either are
+# marked with `slow`; conftest.py puts every test that reaches one of them (directly, through a function of its
+# module or of this one, or through a fixture) in the slow tier when it collects the tests, so that
+# `python -m pytest` leaves it out and `python -m pytest --runslow` runs it. No test is marked by hand, and a
+# launcher started by a test the collection did not see as slow fails that test (in_slow_tier).
+
+# the running test (conftest.py sets it): the launchers check that it is in the slow tier
+CURRENT_TEST = None
+# torchrun as a module of this Python: run_python(TORCHRUN + ['--standalone', '--nproc_per_node=2', ...])
+TORCHRUN = ['-m', 'torch.distributed.run']
+
+
+def slow(helper):
+    """ Marks a helper that starts processes or compiles: every test that reaches it is in the slow tier. """
+    helper.slow_tier = True
+    return helper
+
+
+class SlowSettings(dict):
+    """ Settings that make a run slow (COMPILE): a dict that carries the slow mark to the tests that use it. """
+    slow_tier = True
+
+
+# torch.compile: tens of seconds on 2 cores, the first time
+COMPILE = SlowSettings(compile=True)
+
+
+def in_slow_tier(what):
+    """ Refuse, in the running test, a launch the collection did not see (see `slow`). """
+    if CURRENT_TEST is not None and CURRENT_TEST.get_closest_marker('slow') is None:
+        raise AssertionError(f"{CURRENT_TEST.nodeid} {what}, but was not collected as slow: start it through a "
+                             f"helper of tests/helpers.py marked `slow`, from the test or a function it calls")
+
+
+@slow
+def run_python(args, cwd=REPO, timeout=300, env=None, **kwargs):
+    """ `python <args>` in a new process (a script, or TORCHRUN + ...), run to its end; its output captured. """
+    in_slow_tier("starts a process")
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=env, **kwargs)
+
+
+@slow
+def start_python(args, cwd=REPO, env=None, **kwargs):
+    """ `python <args>` started in the background, its output piped (a test that signals or kills it). """
+    in_slow_tier("starts a process")
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, **kwargs)

@@ -4,15 +4,13 @@ import glob
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 import bench
-from helpers import REPO, iter_losses, train_args
+from helpers import REPO, iter_losses, run_python, train_args
 from model import GPT, GPTConfig
 from nanogpt_plus import threads
 from nanogpt_plus.threads import ThreadRetuner, thread_candidates, tune_cpu_threads
@@ -102,8 +100,7 @@ def test_entry_points_import_no_other_entry_point():
 
 
 def test_missing_dataset_is_one_clear_error(tmp_path):
-    r = subprocess.run([sys.executable, 'bench.py', f'--dataset={tmp_path / "nope"}', *TINY], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+    r = run_python(['bench.py', f'--dataset={tmp_path / "nope"}', *TINY], timeout=120)
     assert r.returncode == 2 and 'prepare' in r.stderr and 'Traceback' not in r.stderr
 
 
@@ -256,12 +253,10 @@ def test_matmul_floor_replays_every_matmul_of_the_step(tiny_dataset, capsys):
     assert f"its {result['count']} matmuls alone, replayed" in out and "ceiling for any fp32" in out
 
 
-@pytest.mark.slow
 def test_nanogpt_baseline_loop_runs(tmp_path, tiny_dataset):
-    r = subprocess.run([sys.executable, 'scripts/bench_train_cpu.py', '--mode=nanogpt', '--max_iters=3',
+    r = run_python(['scripts/bench_train_cpu.py', '--mode=nanogpt', '--max_iters=3',
                         '--baseline_threads=1', f'--out_dir={tmp_path}',
-                        f'--dataset={tiny_dataset}'], cwd=REPO, capture_output=True,
-                       text=True, timeout=120)
+                        f'--dataset={tiny_dataset}'], timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.search(r"^step 0: train loss [\d.]+, val loss [\d.]+$", r.stdout, re.M)
     assert len(re.findall(r"^iter \d+: loss [\d.]+, time [\d.]+ms, mfu -?\d+\.\d{2}%$", r.stdout, re.M)) == 4

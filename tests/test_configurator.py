@@ -1,14 +1,12 @@
 """configurator.py: nanoGPT's UX (config file, then --key=value), but strict and with clear errors."""
 import os
 import runpy
-import subprocess
-import sys
 import types
 
 import pytest
 
 from configurator import ConfigError, parse_config
-from helpers import REPO
+from helpers import REPO, run_python
 
 DEFAULTS = dict(batch_size=12, learning_rate=6e-4, out_dir='out', compile=None, decay_lr=True, betas=(0.9, 0.95))
 
@@ -85,7 +83,7 @@ def test_malformed_and_missing(tmp_path):
     (["config/does_not_exist.py"], "not found"),
 ])
 def test_cli_errors_are_one_line_exit_2(args, message):
-    r = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = run_python(["train.py", *args], timeout=120)
     assert r.returncode == 2
     assert message in r.stderr
     assert "Traceback" not in r.stderr
@@ -93,7 +91,7 @@ def test_cli_errors_are_one_line_exit_2(args, message):
 
 
 def test_help_lists_settings():
-    r = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = run_python(["train.py", "--help"], timeout=120)
     assert r.returncode == 0
     assert "--gradient_accumulation_steps" in r.stdout and "torchrun" in r.stdout
 

@@ -7,14 +7,12 @@ import json
 import os
 import pickle
 import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import run_python
 from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.dataset import read_dataset_meta
 from nanogpt_plus.errors import UserError
@@ -43,7 +41,7 @@ def closed_port_url():
 
 def run_script(script, *args):
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, script, *args], cwd=REPO, capture_output=True, text=True, env=env,
+    return run_python([script, *args], env=env,
                           timeout=120)
 
 
@@ -181,7 +179,6 @@ def test_bpe_counts_equal_encode_ordinary(tmp_path):
     assert not (tmp_path / "meta.pkl").exists()  # like nanoGPT
 
 
-@pytest.mark.slow
 def test_both_shakespeare_scripts_succeed_offline(tmp_path):
     url = closed_port_url()
     for script in ("data/shakespeare_char/prepare.py", "data/shakespeare/prepare.py"):
@@ -220,7 +217,6 @@ def split_docs(ids, eot):
     return [ids[a + 1:b] for a, b in zip(np.concatenate([[-1], cuts[:-1]]), cuts)]
 
 
-@pytest.mark.slow
 def test_corpus_jsonl_num_proc_2_exact_tokens_and_same_as_num_proc_1(tmp_path):
     docs = write_jsonl(tmp_path / "corpus.jsonl")
     enc = get_gpt2_encoding()
@@ -242,7 +238,6 @@ def test_corpus_jsonl_num_proc_2_exact_tokens_and_same_as_num_proc_1(tmp_path):
     assert read_dataset_meta(str(tmp_path / "out2"))["kind"] == "gpt2"
 
 
-@pytest.mark.slow
 def test_openwebtext_script_on_local_files(tmp_path):
     docs = write_jsonl(tmp_path / "corpus.jsonl", n_docs=20)
     r = run_script("data/openwebtext/prepare.py", f"--files={tmp_path / 'corpus.jsonl'}", "--text_column=body",

@@ -5,24 +5,23 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from helpers import REPO, iter_losses, project_frames, train_args
+from helpers import TORCHRUN, iter_losses, project_frames, start_python, train_args
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.evaluation import score_examples
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+TORCHRUN_2 = TORCHRUN + ["--standalone", "--nproc_per_node=2"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 EVAL_LINE = re.compile(r"^step 0: train loss (\S+), val loss (\S+)$", re.M)
 
 
 def launch(cmd_args, nproc=2, timeout=60):
     """ train.py (under torchrun for nproc=2) to the end; a hang fails after timeout seconds. """
-    launcher = TORCHRUN if nproc == 2 else [sys.executable]
+    launcher = TORCHRUN_2 if nproc == 2 else []
     proc = start(launcher + ["train.py", *cmd_args])
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -31,8 +30,8 @@ def launch(cmd_args, nproc=2, timeout=60):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def start(cmd):
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+def start(args):
+    return start_python(args, env=ENV)
 
 
 def workers_of(proc):
@@ -55,7 +54,6 @@ def stop(proc):
     proc.communicate()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("parallelism,eval_iters", [("fsdp", 3), ("ddp", 1)])
 def test_uneven_evaluation_finishes_with_the_single_process_losses(dataset, tmp_path, parallelism, eval_iters):
     # 3 batches over 2 ranks (FSDP: every forward all-gathers), 1 batch over 2 (DDP: the first forward
@@ -70,7 +68,6 @@ def test_uneven_evaluation_finishes_with_the_single_process_losses(dataset, tmp_
     assert all(abs(float(x) - float(y)) < 2e-4 for x, y in zip(a, b)), (a, b)
 
 
-@pytest.mark.slow
 def test_a_checkpoint_rank0_cannot_write_stops_every_rank_with_one_message(dataset, tmp_path):
     # a directory where rank 0 must write the file: the save fails
     os.makedirs(tmp_path / "ckpt.pt")
@@ -84,7 +81,6 @@ def test_a_checkpoint_rank0_cannot_write_stops_every_rank_with_one_message(datas
     assert "finishing this iteration" not in r.stderr
 
 
-@pytest.mark.slow
 def test_a_rank_that_dies_ends_the_run_without_saving(dataset, tmp_path):
     proc = start_endless_run(dataset, tmp_path, log_interval=1)
     try:
@@ -108,7 +104,7 @@ def endless_run_args(dataset, out_dir, log_interval):
 
 
 def start_endless_run(dataset, out_dir, log_interval):
-    return start(TORCHRUN + ["train.py", *endless_run_args(dataset, out_dir, log_interval)])
+    return start(TORCHRUN_2 + ["train.py", *endless_run_args(dataset, out_dir, log_interval)])
 
 
 def wait_for_line(proc, prefix, timeout=60):
@@ -124,11 +120,10 @@ def wait_for_line(proc, prefix, timeout=60):
     raise AssertionError(f"no '{prefix}' line within {timeout} s: " + seen[-2000:])
 
 
-@pytest.mark.slow
 def test_sigterm_to_torchrun_stops_every_rank_at_once_and_resumes(dataset, tmp_path):
     # a log step only at iter 0: the stop must not wait for the next one (torchrun SIGKILLs after 30 s)
     args = endless_run_args(dataset, tmp_path, log_interval=100000)
-    proc = start(TORCHRUN + ["train.py", *args])
+    proc = start(TORCHRUN_2 + ["train.py", *args])
     try:
         seen = wait_for_line(proc, "iter 0:")
         time.sleep(1.0)  # some iterations in

@@ -5,15 +5,13 @@ HellaSwag; per-token hand loops for loss and LAMBADA), DDP equal to one process,
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import REPO, save_test_checkpoint
+from helpers import TORCHRUN, run_python, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import (
@@ -48,10 +46,9 @@ def write_jsonl(path, records):
 
 
 def run_eval(args, torchrun=False):
-    cmd = ([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2'] if torchrun
-           else [sys.executable]) + ['eval.py', '--device=cpu'] + args
+    launcher = TORCHRUN + ['--standalone', '--nproc_per_node=2'] if torchrun else []
     env = dict(os.environ, OMP_NUM_THREADS='1')
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    return run_python(launcher + ['eval.py', '--device=cpu'] + args, timeout=300, env=env)
 
 
 # -----------------------------------------------------------------------------
@@ -89,7 +86,6 @@ def hf_reference_losses(hf, tok, record, block_size):
     return out
 
 
-@pytest.mark.slow
 def test_hellaswag_matches_transformers_reference(tmp_path):
     from transformers import GPT2LMHeadModel
 
@@ -263,7 +259,6 @@ def test_loss_and_bits_per_byte_against_hand_computation(tmp_path):
 # -----------------------------------------------------------------------------
 # end to end: one command per task, DDP equals one process
 
-@pytest.mark.slow
 def test_cli_ddp_equals_single_process(tmp_path):
     tok = CharTokenizer.from_text(CHARS)
     model = tiny_gpt(tok.vocab_size, block_size=16, seed=2)

@@ -4,13 +4,11 @@ computes exactly our logits; re-importing it with GPT.from_pretrained gives back
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import REPO, save_test_checkpoint
+from helpers import run_python, save_test_checkpoint
 from model import EXPORT_ACTIVATIONS, GPT, HF_ACTIVATIONS, GPTConfig
 from nanogpt_plus.hf_export import export, hf_config, hf_state_dict
 from nanogpt_plus.init_from import init_model
@@ -100,7 +98,6 @@ def test_conv1d_layout_and_zero_biases():
     assert all(HF_ACTIVATIONS[v] == k for k, v in EXPORT_ACTIVATIONS.items())
 
 
-@pytest.mark.slow
 def test_cli_export_gpt2_tokenizer_and_pipeline(tmp_path):
     """ End to end: a checkpoint -> export_hf.py -> AutoTokenizer + pipeline('text-generation'), offline. """
     from transformers import AutoTokenizer, pipeline
@@ -108,8 +105,7 @@ def test_cli_export_gpt2_tokenizer_and_pipeline(tmp_path):
     out_dir = tmp_path / 'out'
     hf_dir = tmp_path / 'hf'
     save_test_checkpoint(model, GPT2Tokenizer().meta(), os.path.join(out_dir, 'ckpt.pt'))
-    r = subprocess.run([sys.executable, 'export_hf.py', f'--out_dir={out_dir}', f'--hf_dir={hf_dir}'],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = run_python(['export_hf.py', f'--out_dir={out_dir}', f'--hf_dir={hf_dir}'], timeout=120)
     assert r.returncode == 0, r.stderr
     line = json.loads(r.stdout.strip().splitlines()[-1])
     assert line['hf_dir'] == str(hf_dir) and line['files'] == sorted(os.listdir(hf_dir))

@@ -12,7 +12,6 @@ import math
 import os
 import random
 import runpy
-import subprocess
 import sys
 import types
 
@@ -22,7 +21,7 @@ import torch
 import finetune
 import helpers
 from configurator import ConfigError, parse_config
-from helpers import REPO, save_test_checkpoint
+from helpers import REPO, TORCHRUN, run_python, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus import finetuning, saving
 from nanogpt_plus.checkpoint import load_checkpoint
@@ -118,8 +117,7 @@ def config(**overrides):
 
 def run_script(args, env_extra=None, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS='1', **(env_extra or {}))
-    return subprocess.run([sys.executable, 'finetune.py'] + args, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return run_python(['finetune.py'] + args, timeout=timeout, env=env)
 
 
 def last_json(stdout):
@@ -156,7 +154,6 @@ FIT_BUDGETS = [('classification', 256, 2, 3e-3), ('entailment', 1024, 8, 1e-3), 
                ('multiple_choice', 1024, 3, 3e-3)]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize('task,n_train,epochs,lr', FIT_BUDGETS)
 def test_task_reaches_90_percent(tmp_path, task, n_train, epochs, lr):
     src = make_source(tmp_path / 'src', n_embd=64)
@@ -609,7 +606,6 @@ def test_unknown_val_label_and_empty_file(tmp_path):
         finetuning.label_ids(finetuning.read_jsonl(mc, 'multiple_choice'), 'multiple_choice', None, mc)
 
 
-@pytest.mark.slow
 def test_cli_errors_are_one_line(tmp_path):
     src = make_source(tmp_path / 'src')
     train = write_jsonl(tmp_path / 't.jsonl', [{'text': 'ab', 'label': 0}, {'txt': 'cd', 'label': 1}])
@@ -628,7 +624,6 @@ def test_cli_errors_are_one_line(tmp_path):
 # -----------------------------------------------------------------------------
 # DDP: 2 gloo processes == 1 process with the same global batch
 
-@pytest.mark.slow
 def test_ddp_two_processes_match_one(tmp_path):
     src = make_source(tmp_path / 'src')
     # 90 examples: the last step of each epoch is a partial global batch (and 90 is even, so the
@@ -639,11 +634,9 @@ def test_ddp_two_processes_match_one(tmp_path):
     # global batch 16 both ways: 1 process x 8 examples x 2 accumulation steps; 2 processes x 8 x 1
     one = run_script(common + [f'--out_dir={tmp_path / "one"}', '--gradient_accumulation_steps=2'])
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                          'finetune.py'] + common + [f'--out_dir={tmp_path / "two"}',
-                                                     '--gradient_accumulation_steps=2'],
-                         cwd=REPO, capture_output=True, text=True, timeout=240,
-                         env=dict(os.environ, OMP_NUM_THREADS='1'))
+    two = run_python(TORCHRUN + ['--standalone', '--nproc_per_node=2', 'finetune.py'] + common
+                     + [f'--out_dir={tmp_path / "two"}', '--gradient_accumulation_steps=2'],
+                     timeout=240, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert two.returncode == 0, two.stderr
     r1 = last_json(one.stdout)
     r2 = last_json(two.stdout)

@@ -7,13 +7,11 @@ import gc
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import REPO, assert_losses_close, iter_losses, train_args
+from helpers import TORCHRUN, assert_losses_close, iter_losses, run_python, train_args
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import load_checkpoint, save_checkpoint
 from nanogpt_plus.distributed import DistInfo
@@ -26,16 +24,13 @@ args = functools.partial(train_args, gradient_accumulation_steps=4, max_iters=6,
 
 
 def train(cmd_args, nproc=2):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
-        if nproc > 1 else [sys.executable]
+    launcher = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(launcher + ["train.py", *cmd_args], cwd=REPO, capture_output=True, text=True,
-                       timeout=300, env=env)
+    r = run_python(launcher + ["train.py", *cmd_args], timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r.stdout
 
 
-@pytest.mark.slow
 def test_fsdp_equals_ddp_halves_memory_and_checkpoints_resume(dataset, tmp_path):
     ddp = train(args(dataset, tmp_path / "ddp"))
     fsdp = train(args(dataset, tmp_path / "fsdp", parallelism="fsdp", max_iters=3))
@@ -83,8 +78,7 @@ def test_fsdp_equals_ddp_halves_memory_and_checkpoints_resume(dataset, tmp_path)
 
 
 def test_bad_parallelism_is_one_clear_error(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", "--parallelism=zero3", "--device=cpu"], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+    r = run_python(["train.py", "--parallelism=zero3", "--device=cpu"], timeout=120)
     assert r.returncode == 2
     assert "parallelism must be 'ddp' or 'fsdp'" in r.stderr and "Traceback" not in r.stderr
 

@@ -14,8 +14,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -24,7 +22,16 @@ import torch
 
 import bench
 import train
-from helpers import REPO, TINY_VOCAB, assert_losses_close, iter_losses, train_args, write_hellaswag
+from helpers import (
+    COMPILE,
+    TINY_VOCAB,
+    TORCHRUN,
+    assert_losses_close,
+    iter_losses,
+    run_python,
+    train_args,
+    write_hellaswag,
+)
 from helpers import TINY_VOCAB as VOCAB
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import load_checkpoint
@@ -49,13 +56,12 @@ def native_bf16():
 
 
 def torchrun_command(nproc):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}"]
 
 
 def torchrun(nproc, cmd_args, timeout=300):
     """ train.py under torchrun with nproc processes, to its end, which must be a success; returns its stdout. """
-    r = subprocess.run(torchrun_command(nproc) + ["train.py", *cmd_args], cwd=REPO, capture_output=True, text=True,
-                       timeout=timeout)
+    r = run_python(torchrun_command(nproc) + ["train.py", *cmd_args], timeout=timeout)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r.stdout
 
@@ -110,7 +116,7 @@ def test_fused_adamw_matches_foreach_on_cuda():
 
 
 def test_compile_trains(dataset, tmp_path, capsys):
-    train.main(args(dataset, tmp_path, compile=True, dtype='bfloat16' if native_bf16() else 'float16'))
+    train.main(args(dataset, tmp_path, **COMPILE, dtype='bfloat16' if native_bf16() else 'float16'))
     out = capsys.readouterr().out
     assert "compiling the model" in out
     losses = list(iter_losses(out).values())

@@ -6,15 +6,13 @@ import functools
 import json
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import bench
 import train
-from helpers import REPO, assert_losses_close, iter_losses, train_args
+from helpers import assert_losses_close, iter_losses, run_python, train_args
 from model import GPT, GPTConfig
 from nanogpt_plus import spike_guard
 from nanogpt_plus.checkpoint import load_checkpoint
@@ -284,16 +282,14 @@ GPT2_SHAPE = ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024'
 
 def bench_peak_mib(*settings):
     """ bench.py's peak memory (MiB) in a process of its own, GPT-2 124M, random tokens, eager, on CUDA. """
-    r = subprocess.run([sys.executable, 'bench.py', '--device=cuda', '--real_data=False', '--compile=False',
-                        '--batch_size=8', '--burnin=1', '--steps=2', *GPT2_SHAPE, *settings],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = run_python(['bench.py', '--device=cuda', '--real_data=False', '--compile=False',
+                        '--batch_size=8', '--burnin=1', '--steps=2', *GPT2_SHAPE, *settings], timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     m = re.search(r"^peak memory: ([\d,]+) MiB \(peak CUDA memory allocated", r.stdout, re.M)
     return int(m.group(1).replace(',', ''))
 
 
 @pytest.mark.gpu
-@pytest.mark.slow
 def test_activation_checkpointing_lowers_the_cuda_peak_of_gpt2():
     plain = bench_peak_mib()
     recomputed = bench_peak_mib('--activation_checkpointing=True')
@@ -302,11 +298,10 @@ def test_activation_checkpointing_lowers_the_cuda_peak_of_gpt2():
 
 
 @pytest.mark.gpu
-@pytest.mark.slow
 def test_real_cuda_out_of_memory_is_one_message(dataset, tmp_path):
     # 4096 sequences of 1024 tokens through GPT-2 124M's Blocks: hundreds of GiB of activations
     args = train_args(dataset, tmp_path, device='cuda', batch_size=4096, gradient_accumulation_steps=1,
                       max_iters=2, eval_interval=100, n_layer=12, n_head=12, n_embd=768, block_size=1024)
-    r = subprocess.run([sys.executable, 'train.py', *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = run_python(['train.py', *args], timeout=600)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("error: out of GPU memory at iter 0; no checkpoint had been")

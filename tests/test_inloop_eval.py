@@ -8,13 +8,22 @@ import os
 import re
 import runpy
 import shutil
-import subprocess
 import sys
 
 import pytest
 
 import train
-from helpers import REPO, SPACED_SYMBOLS, TINY_VOCAB, iter_losses, train_args, write_hellaswag
+from helpers import (
+    COMPILE,
+    REPO,
+    SPACED_SYMBOLS,
+    TINY_VOCAB,
+    TORCHRUN,
+    iter_losses,
+    run_python,
+    train_args,
+    write_hellaswag,
+)
 from nanogpt_plus import evaluation
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.metrics import read_metrics
@@ -141,26 +150,23 @@ def test_negative_intervals_are_refused(tmp_path, dataset):
         train.main(train_args(dataset, tmp_path / 'out', sample_tokens=0))
 
 
-@pytest.mark.slow
 def test_ddp_hellaswag_equals_one_process(tmp_path, dataset, hellaswag_file, capsys, one_thread):
     settings = dict(max_iters=4, eval_interval=2, hellaswag_interval=2, hellaswag_file=hellaswag_file)
     single = hellaswag_lines(run_train(capsys, dataset, tmp_path / 'one', **settings))
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
-           '--backend=gloo'] + train_args(dataset, tmp_path / 'ddp', **settings)
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240,
-                       env=dict(os.environ, OMP_NUM_THREADS='1'))
+    cmd = TORCHRUN + ['--standalone', '--nproc_per_node=2', 'train.py', '--backend=gloo'] \
+        + train_args(dataset, tmp_path / 'ddp', **settings)
+    r = run_python(cmd, timeout=240, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(HELLASWAG_LINE.findall(r.stdout)) == 3  # rank 0 alone prints
     assert hellaswag_lines(r.stdout) == single and sorted(single) == [0, 2, 4]
 
 
-@pytest.mark.slow
 def test_compiled_in_loop_hellaswag_equals_eager_and_eval_py(tmp_path, dataset, hellaswag_file, monkeypatch, capsys,
                                                               one_thread):
     settings = dict(max_iters=4, eval_interval=2, hellaswag_interval=2, hellaswag_file=hellaswag_file,
                     keep_checkpoints=3)
     eager = hellaswag_lines(run_train(capsys, dataset, tmp_path / 'eager', **settings))
-    compiled = hellaswag_lines(run_train(capsys, dataset, tmp_path / 'compiled', compile=True, **settings))
+    compiled = hellaswag_lines(run_train(capsys, dataset, tmp_path / 'compiled', **COMPILE, **settings))
     assert compiled == eager and sorted(eager) == [0, 2, 4]
     for it in (2, 4):
         result = run_eval_script(monkeypatch, capsys, tmp_path / 'compiled' / f'ckpt_{it}.pt', hellaswag_file)

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, run_python
 
 ENTRY_POINTS = ['train', 'sample', 'bench', 'eval', 'finetune', 'export_hf']
 TOP_LEVEL = ['model', 'configurator']  # the front-door modules the package imports
@@ -107,3 +107,24 @@ def test_no_long_line_ends_in_a_comment():
                     and 'noqa' not in token.string:
                 found.append(f"{os.path.relpath(path, REPO)}:{row}")
     assert not found, found
+
+
+# the package modules nanoGPT's laptop command runs on (README's map shows them in bold): nothing it does not use
+DEFAULT_PATH = {'errors', 'settings', 'runtime', 'signals', 'distributed', 'device', 'hardware', 'threads', 'files',
+                'shards', 'dataset', 'dataloader', 'checkpoint', 'init_from', 'out_dir', 'saving', 'parallel',
+                'optimizer', 'metrics'}
+
+
+def test_the_laptop_command_imports_only_the_modules_it_uses(tiny_dataset, tmp_path):
+    """ `python train.py config/train_shakespeare_char.py` on the CPU, a save included: these modules and no others. """
+    code = ("import sys; import train; from nanogpt_plus.runtime import run_main\n"
+            "sys.argv = ['train.py', *sys.argv[1:]]; run_main(train.main)\n"
+            "print('modules:', ' '.join(sorted(m[13:] for m in sys.modules if m.startswith('nanogpt_plus.'))))")
+    args = ['config/train_shakespeare_char.py', f'--dataset={tiny_dataset}', f'--out_dir={tmp_path}', '--device=cpu',
+            '--compile=False', '--max_iters=2', '--eval_interval=2', '--eval_iters=1', '--n_layer=1', '--n_head=2',
+            '--n_embd=16', '--block_size=16', '--batch_size=2', '--num_threads=0']
+    r = run_python(['-c', code, *args], timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "saving checkpoint to" in r.stdout
+    loaded = set(r.stdout.split('modules:')[1].split())
+    assert loaded == DEFAULT_PATH, (sorted(loaded - DEFAULT_PATH), sorted(DEFAULT_PATH - loaded))

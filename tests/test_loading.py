@@ -7,13 +7,11 @@ in one line; and a sampling run imports none of the heavy libraries it doesn't u
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import REPO, save_test_checkpoint
+from helpers import run_python, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.errors import UserError
@@ -330,6 +328,6 @@ def test_sampling_imports_nothing_heavy(tmp_path):
     code = ("import sys; import sample; sys.argv = ['sample.py', '--init_from=' + sys.argv[1], '--device=cpu', "
             "'--num_samples=1', '--max_new_tokens=5', '--start=abc']; sample.main(); "
             f"print('loaded:', [m for m in {HEAVY!r} if m in sys.modules])")
-    r = subprocess.run([sys.executable, '-c', code, path], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = run_python(['-c', code, path], timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines()[-1] == "loaded: []", r.stdout

@@ -9,17 +9,25 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
-import pytest
 import torch
 
-from helpers import REPO, SPACED_SYMBOLS, TINY_VOCAB, iter_losses, project_frames, train_args, write_hellaswag
+from helpers import (
+    REPO,
+    SPACED_SYMBOLS,
+    TINY_VOCAB,
+    TORCHRUN,
+    iter_losses,
+    project_frames,
+    run_python,
+    start_python,
+    train_args,
+    write_hellaswag,
+)
 from nanogpt_plus.checkpoint import load_checkpoint
 
-pytestmark = pytest.mark.slow
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 # the tiny dataset's tokens as characters, a space among them (HellaSwag needs it)
 SYMBOLS = SPACED_SYMBOLS
@@ -48,9 +56,9 @@ def node_copy(dst, dataset):
 def two_nodes(copies, args, timeout=60):
     """ train.py under two torchrun agents (--nnodes=2, one process each), each in its own copy; both must end. """
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nnodes=2', '--nproc_per_node=1',
+    procs = [start_python(TORCHRUN + ['--nnodes=2', '--nproc_per_node=1',
                                f'--node_rank={i}', '--master_addr=127.0.0.1', f'--master_port={port}', 'train.py',
-                               *args], cwd=copy, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                               *args], cwd=copy, env=ENV,
                               start_new_session=True)
              for i, copy in enumerate(copies)]
     began = time.time()
@@ -87,8 +95,7 @@ def test_hellaswag_file_on_one_node_only_is_scored_on_both(tiny_dataset, tmp_pat
 
 def test_resume_with_out_dir_on_one_node_only_is_one_line_on_both(tiny_dataset, tmp_path):
     nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
-    first = subprocess.run([sys.executable, 'train.py', *tiny('out', max_iters=3)], cwd=nodes[0], env=ENV,
-                           capture_output=True, text=True, timeout=120)
+    first = run_python(['train.py', *tiny('out', max_iters=3)], cwd=nodes[0], env=ENV, timeout=120)
     assert first.returncode == 0, first.stderr[-2000:]
     results = two_nodes(nodes, tiny('out', max_iters=6, init_from='resume'))
     assert all(r.returncode != 0 for r in results)
@@ -102,12 +109,11 @@ def test_resume_with_out_dir_on_one_node_only_is_one_line_on_both(tiny_dataset, 
 # -----------------------------------------------------------------------------
 # 2 gloo ranks on one node: what one rank meets, every rank stops for
 
-TORCHRUN = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
+TWO_RANKS = TORCHRUN + ['--standalone', '--nproc_per_node=2']
 
 
 def launch(script, args, timeout=90, env=None, cwd=REPO):
-    return subprocess.run(TORCHRUN + [script, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=dict(ENV, **(env or {})))
+    return run_python(TWO_RANKS + [script, *args], cwd=cwd, timeout=timeout, env=dict(ENV, **(env or {})))
 
 
 def test_a_bad_token_id_met_by_one_rank_stops_every_rank_with_one_line(tiny_dataset, tmp_path):
@@ -152,11 +158,10 @@ def test_sigterm_during_in_loop_hellaswag_stops_between_batches(tiny_dataset, tm
     data = node_copy(tmp_path / 'node', tiny_dataset) / 'data' / 'tiny'
     # a pass of a minute or more on these cores
     hs = write_hellaswag(tmp_path / 'hs.jsonl', n=20000)
-    proc = subprocess.Popen(TORCHRUN + ['train.py', *train_args(str(data), tmp_path / 'out', num_threads=1,
-                                                                 hellaswag_interval=5, hellaswag_file=str(hs),
-                                                                 batch_size=2)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-                            start_new_session=True)
+    proc = start_python(TWO_RANKS + ['train.py', *train_args(str(data), tmp_path / 'out', num_threads=1,
+                                                             hellaswag_interval=5, hellaswag_file=str(hs),
+                                                             batch_size=2)],
+                        env=ENV, start_new_session=True)
     try:
         # the pass at iteration 0 begins right after set-up: signal it once both ranks are in it
         deadline = time.time() + 90
@@ -180,9 +185,8 @@ def test_sigterm_during_in_loop_hellaswag_stops_between_batches(tiny_dataset, tm
 
 def test_resuming_on_more_ranks_gives_the_new_ranks_their_own_rng(dataset, tmp_path):
     out = tmp_path / 'out'
-    one = subprocess.run([sys.executable, 'train.py', *train_args(dataset, out, max_iters=2, dropout=0.1,
-                                                                   num_threads=1)],
-                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    one = run_python(['train.py', *train_args(dataset, out, max_iters=2, dropout=0.1,
+                                                                   num_threads=1)], env=ENV, timeout=120)
     assert one.returncode == 0, one.stderr[-2000:]
     assert len(load_checkpoint(str(out / 'ckpt.pt'))['rng']) == 1
     two = launch('train.py', train_args(dataset, out, max_iters=4, dropout=0.1, num_threads=1, init_from='resume'))

@@ -16,8 +16,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -30,7 +28,15 @@ import eval as eval_script
 import finetune
 import sample
 import train
-from helpers import REPO, iter_losses, run_script, save_test_checkpoint, train_args, train_one_and_two_ranks
+from helpers import (
+    COMPILE,
+    iter_losses,
+    run_python,
+    run_script,
+    save_test_checkpoint,
+    train_args,
+    train_one_and_two_ranks,
+)
 from model import GPT, MODERN, NANOGPT_MODEL_ARGS, GPTConfig, apply_rotary, rotary_tables
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.distributed import DistInfo
@@ -693,7 +699,7 @@ def test_resume_with_muon_and_the_options_is_bitwise(dataset, tmp_path):
 
 def run_cli(script, *args):
     env = dict(os.environ, OMP_NUM_THREADS='1')
-    return subprocess.run([sys.executable, script, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+    return run_python([script, *args], timeout=120,
                           env=env)
 
 
@@ -830,7 +836,6 @@ def test_bench_with_an_untied_rotary_model_counts_its_flops(capsys, monkeypatch)
 # -----------------------------------------------------------------------------
 # 2 gloo processes on the CPU: DDP with Muon, FSDP with the options
 
-@pytest.mark.slow
 def test_ddp_with_muon_and_the_options_equals_one_process(dataset, tmp_path):
     args = modern_args(dataset, tmp_path, gradient_accumulation_steps=4, max_iters=3, eval_interval=3,
                        lr_decay_iters=3, dropout=0.0)
@@ -843,7 +848,6 @@ def test_ddp_with_muon_and_the_options_equals_one_process(dataset, tmp_path):
         assert_close(a['model'][k], b['model'][k], atol=3e-4, rtol=1e-3)
 
 
-@pytest.mark.slow
 def test_fsdp_with_the_options_equals_one_process(dataset, tmp_path):
     args = train_args(dataset, tmp_path, gradient_accumulation_steps=4, max_iters=3, eval_interval=3,
                       lr_decay_iters=3, dropout=0.0, num_threads=1, parallelism='fsdp', pos='rope', norm='rmsnorm',
@@ -858,7 +862,6 @@ def test_fsdp_with_the_options_equals_one_process(dataset, tmp_path):
         assert_close(a['model'][k], b['model'][k], atol=3e-4, rtol=1e-3)
 
 
-@pytest.mark.slow
 def test_compile_on_cpu_with_the_options(dataset, tmp_path):
     """ torch.compile of a model with every option (and Muon): the same losses as the eager run, to float32 noise. """
     pytest.importorskip("torch._inductor")
@@ -866,7 +869,7 @@ def test_compile_on_cpu_with_the_options(dataset, tmp_path):
         pytest.skip("torch.compile's CPU code does not build under ATEN_CPU_CAPABILITY=default (see test_train.py)")
     settings = dict(max_iters=3, eval_interval=3, lr_decay_iters=3, dropout=0.0)
     eager = iter_losses(run_train(modern_args(dataset, tmp_path / 'eager', **settings)))
-    out = run_train(modern_args(dataset, tmp_path / 'compiled', compile=True, **settings))
+    out = run_train(modern_args(dataset, tmp_path / 'compiled', **COMPILE, **settings))
     assert "compiling the model" in out
     compiled = iter_losses(out)
     assert compiled.keys() == eager.keys() and len(eager) == 4

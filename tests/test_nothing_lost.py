@@ -6,15 +6,13 @@ token ids, datasets and settings that would train silently wrong are refused, an
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import train
 from configurator import ConfigError, parse_config
-from helpers import REPO, iter_losses, train_args
+from helpers import iter_losses, run_python, train_args
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.dataloader import TokenSource
 from nanogpt_plus.errors import UserError
@@ -181,8 +179,7 @@ def test_a_dataset_replaced_or_removed_while_read_stops_in_one_line(tmp_path):
 # the last tracebacks, one line each
 
 def one_line(args, timeout=120, **kwargs):
-    r = subprocess.run([sys.executable, 'train.py'] + args, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                       **kwargs)
+    r = run_python(['train.py'] + args, timeout=timeout, **kwargs)
     assert r.returncode == 2 and r.stderr.startswith('error: ') and r.stderr.strip().count('\n') == 0, r.stderr[-2000:]
     return r.stderr
 
@@ -227,8 +224,7 @@ def test_a_signal_during_set_up_stops_before_the_first_iteration(dataset, tmp_pa
     code = ("import os, signal, train; real = train.training_data\n"
             "train.training_data = lambda *a, **k: (os.kill(os.getpid(), signal.SIGTERM), real(*a, **k))[1]\n"
             "from nanogpt_plus.runtime import run_main; run_main(train.main)")
-    r = subprocess.run([sys.executable, '-c', code] + train_args(dataset, tmp_path / 'out', num_threads=1), cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+    r = run_python(['-c', code] + train_args(dataset, tmp_path / 'out', num_threads=1), timeout=120)
     assert r.returncode == 75, r.stderr[-2000:]
     assert "stopped before iter 0: a signal came during set-up; nothing new to save" in r.stdout
     assert not iter_losses(r.stdout) and not (tmp_path / 'out' / 'ckpt.pt').exists()

@@ -19,7 +19,7 @@ import torch
 
 import finetune
 import train
-from helpers import REPO, iter_losses, train_args
+from helpers import iter_losses, start_python, train_args
 from nanogpt_plus.errors import EXIT_INTERRUPTED, UserError
 from nanogpt_plus.metrics import read_metrics
 from nanogpt_plus.out_dir import LOCK_NAME, OutDirLock
@@ -38,7 +38,7 @@ def run_train(capsys, args):
 
 def dead_pid():
     """ The pid of a process that has ended (and was reaped, so no live process has it for now). """
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p = subprocess.Popen(["true"])  # not Python: a process that is gone at once
     p.wait()
     return p.pid
 
@@ -84,8 +84,7 @@ def test_out_dir_that_is_a_file(dataset, tmp_path):
 def test_a_second_run_is_refused_while_the_first_holds_the_lock_then_takes_it_over(dataset, tmp_path, capsys):
     """ A real train.py holds out_dir; a second run is refused; once it is SIGKILLed its lock is taken over. """
     args = tiny_args(dataset, tmp_path, max_iters=100000, lr_decay_iters=100000, eval_interval=100000)
-    first = subprocess.Popen([sys.executable, "-u", "train.py", *args], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    first = start_python(["-u", "train.py", *args], env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
         for line in first.stdout:
             if line.startswith("iter 1:"):

@@ -8,14 +8,13 @@ In-process (runpy) and offline, but for two real command lines.
 import os
 import re
 import runpy
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from configurator import Schema
-from helpers import REPO
+from helpers import REPO, run_python
 from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.dataset import split_files
 from nanogpt_plus.errors import UserError
@@ -159,12 +158,10 @@ def test_a_value_out_of_range_is_one_line_before_any_work(name, arg, message, tm
 
 def test_the_real_command_lines(tmp_path):
     # the two paths in a fresh interpreter: --help prints the manual, exit 0; a bad choice is one line, exit 2
-    r = subprocess.run([sys.executable, "data/fineweb/prepare.py", "--help"], cwd=REPO, capture_output=True,
-                       text=True, timeout=120)
+    r = run_python(["data/fineweb/prepare.py", "--help"], timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("FineWeb-Edu for GPT-2"), r.stderr
     assert "  --overwrite   = False\n      True: write even where out_dir holds another kind of dataset" in r.stdout
-    r = subprocess.run([sys.executable, "scripts/bench_sample.py", "--which=all"], cwd=REPO, capture_output=True,
-                       text=True, timeout=120)
+    r = run_python(["scripts/bench_sample.py", "--which=all"], timeout=120)
     assert r.returncode == 2 and r.stderr == "error: which must be 'both', 'gpt2' or 'char', got 'all'\n", r.stderr
 
 

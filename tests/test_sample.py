@@ -5,13 +5,12 @@ the CLI, plus nanoGPT-format checkpoints, streaming, and the error messages.
 import os
 import pickle
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import REPO, save_test_checkpoint
+from helpers import REPO, run_python, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
@@ -69,7 +68,7 @@ def bpe_out_dir(tmp_path_factory):
 
 def run_sample(*args, cwd=REPO):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, SAMPLE, *args], cwd=cwd, capture_output=True, text=True,
+    return run_python([SAMPLE, *args], cwd=cwd,
                           env=env, timeout=300)
 
 
@@ -93,7 +92,6 @@ def test_char_model_end_to_end(char_model):
         assert "generated 90 tokens in" in r.stderr and "tokens/s)" in r.stderr
 
 
-@pytest.mark.slow
 def test_char_model_default_sampling_is_seeded(char_model):
     _, _, out_dir = char_model
     args = (f"--out_dir={out_dir}", "--device=cpu", "--max_new_tokens=40", "--temperature=2.0", "--top_k=None")
@@ -112,7 +110,6 @@ def test_char_model_default_sampling_is_seeded(char_model):
     assert len(sc) == 10 and sc != sa
 
 
-@pytest.mark.slow  # trains a model with GPT-2's 50304-token vocabulary, then two runs of sample.py
 def test_bpe_model_end_to_end_and_stop_at_eot(bpe_out_dir):
     r = run_sample(f"--out_dir={bpe_out_dir}", "--device=cpu", "--num_samples=2", "--max_new_tokens=12",
                    "--temperature=0", "--start=Hello")

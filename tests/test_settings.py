@@ -2,8 +2,6 @@
 One settings schema (nanogpt_plus/settings.py): every setting of every entry point declared once with its
 default, type and help; --help lists them; a value of the wrong type, None included, is one line and exit 2.
 """
-import subprocess
-import sys
 
 import pytest
 
@@ -14,7 +12,7 @@ import finetune
 import sample
 import train
 from configurator import ConfigError, Group, Schema, Setting, parse_config
-from helpers import REPO
+from helpers import run_python
 from nanogpt_plus import settings
 from nanogpt_plus.errors import UserError
 
@@ -49,7 +47,7 @@ def test_every_setting_has_a_type_and_a_one_line_help(name):
 
 @pytest.mark.parametrize("name", ['train', 'finetune', 'sample', 'eval', 'export_hf'])
 def test_help_lists_every_setting_with_default_and_help(name):
-    r = subprocess.run([sys.executable, f"{name}.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = run_python([f"{name}.py", "--help"], timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     for key, spec in SCRIPTS[name].DEFAULTS.specs.items():
@@ -108,8 +106,7 @@ def test_check_refuses_a_none_that_came_another_way():
 
 @pytest.mark.parametrize("arg", ["--decay_lr=None", "--batch_size=None"])
 def test_wrong_type_on_the_command_line_is_one_line_exit_2(arg, tmp_path):
-    r = subprocess.run([sys.executable, "train.py", arg, f"--out_dir={tmp_path}"], cwd=REPO, capture_output=True,
-                       text=True, timeout=120)
+    r = run_python(["train.py", arg, f"--out_dir={tmp_path}"], timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: --") and r.stderr.strip().count("\n") == 0, r.stderr
 
 

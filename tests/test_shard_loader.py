@@ -226,7 +226,6 @@ def test_resume_is_exact_for_both_orders(shard_dataset, tmp_path, capsys, order)
         train.main(args(tmp_path / "split", max_iters=14, init_from="resume", data_order=other))
 
 
-@pytest.mark.slow
 def test_ddp_two_processes_equals_one_on_shards_in_sequential_order(shard_dataset, tmp_path):
     common = tiny_args(shard_dataset, tmp_path, gradient_accumulation_steps=4, max_iters=6, eval_interval=6,
                        dropout=0.0, data_order="sequential")

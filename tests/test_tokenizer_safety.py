@@ -12,12 +12,11 @@ import json
 import pickle
 import re
 import runpy
-import subprocess
 import sys
 
 import pytest
 
-from helpers import REPO, bpe_corpus_text, write_bpe_dataset
+from helpers import REPO, bpe_corpus_text, run_python, write_bpe_dataset
 from nanogpt_plus import bpe
 from nanogpt_plus.bpe import EOT_TEXT, ROUND_TRIP_PROBE, BPETokenizer, read_tokenizer_file
 from nanogpt_plus.dataset import read_dataset_meta
@@ -249,9 +248,9 @@ def bad_dataset(tmp_path, bpe512, case):
                                            ("lossy", "tokenizer.json does not give text back byte for byte")])
 def test_train_py_stops_at_set_up_in_one_line(case, message, bpe512, tmp_path):
     directory = bad_dataset(tmp_path, bpe512, case)
-    r = subprocess.run([sys.executable, "train.py", f"--dataset={directory}", "--device=cpu", "--n_layer=1",
+    r = run_python(["train.py", f"--dataset={directory}", "--device=cpu", "--n_layer=1",
                         "--n_head=1", "--n_embd=8", "--block_size=8", "--batch_size=2", "--max_iters=1",
-                        f"--out_dir={tmp_path / 'out'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                        f"--out_dir={tmp_path / 'out'}"], timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {directory}/") and message in last, last

@@ -4,15 +4,13 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 import train
-from helpers import REPO, iter_losses, train_args, train_one_and_two_ranks
+from helpers import COMPILE, TORCHRUN, iter_losses, run_python, start_python, train_args, train_one_and_two_ranks
 from helpers import TINY_VOCAB as VOCAB
 from model import GPT, NANOGPT_MODEL_ARGS, GPTConfig
 from nanogpt_plus import checkpoint as checkpoint_mod
@@ -218,7 +216,6 @@ def test_resume_from_nanogpt_checkpoint(dataset, tmp_path, capsys):
     assert iter_losses(captured.out).keys() == {6, 7, 8}
 
 
-@pytest.mark.slow
 def test_ddp_two_processes_equals_one_with_double_accumulation(dataset, tmp_path):
     common = tiny_args(dataset, tmp_path, gradient_accumulation_steps=4, max_iters=6, eval_interval=6, dropout=0.0)
     one, two = train_one_and_two_ranks(common, tmp_path, steps=7)
@@ -228,18 +225,15 @@ def test_ddp_two_processes_equals_one_with_double_accumulation(dataset, tmp_path
     for k in sd1:
         torch.testing.assert_close(sd1[k], sd2[k], atol=3e-4, rtol=1e-3)  # Adam amplifies fp noise
     # gradient accumulation that doesn't divide by the number of processes is one clear error
-    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "train.py", *common, "--gradient_accumulation_steps=3", f"--out_dir={tmp_path / 'bad'}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    bad = run_python(TORCHRUN + ["--standalone", "--nproc_per_node=2", "train.py", *common,
+                                 "--gradient_accumulation_steps=3", f"--out_dir={tmp_path / 'bad'}"], timeout=300)
     assert bad.returncode != 0
     assert "gradient_accumulation_steps (3) must be divisible by the number of processes (2)" in bad.stderr
 
 
-@pytest.mark.slow
 def test_sigint_saves_and_resumes(dataset, tmp_path):
     args = tiny_args(dataset, tmp_path, max_iters=100000, lr_decay_iters=100000, eval_interval=100000)
-    proc = subprocess.Popen([sys.executable, "-u", "train.py", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_python(["-u", "train.py", *args])
     seen = ""
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -257,27 +251,25 @@ def test_sigint_saves_and_resumes(dataset, tmp_path):
     assert m, seen[-2000:]
     stopped_at = int(m.group(1))
     assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == stopped_at
-    resumed = subprocess.run([sys.executable, "train.py", *args, "--init_from=resume",
-                              f"--max_iters={stopped_at + 2}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    resumed = run_python(["train.py", *args, "--init_from=resume",
+                              f"--max_iters={stopped_at + 2}"], timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert min(iter_losses(resumed.stdout)) == stopped_at
 
 
-@pytest.mark.slow
 def test_compile_on_cpu(dataset, tmp_path, capsys):
     pytest.importorskip("torch._inductor")
     if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
         # inductor still emits vectorised C++ (at::vec) that the forced scalar build can't compile: a
         # PyTorch limitation of that debugging switch, not of train.py
         pytest.skip("torch.compile's CPU code does not build under ATEN_CPU_CAPABILITY=default")
-    out = run_train(capsys, tiny_args(dataset, tmp_path, compile=True, max_iters=3, eval_interval=3, dropout=0.0))
+    out = run_train(capsys, tiny_args(dataset, tmp_path, **COMPILE, max_iters=3, eval_interval=3, dropout=0.0))
     assert "compiling the model" in out
     ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert not any("_orig_mod" in k for k in ckpt["model"])
     assert eval_losses(out)[-1][2] < eval_losses(out)[0][2]
 
 
-@pytest.mark.slow
 def test_wandb_offline(dataset, tmp_path, capsys, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -288,8 +280,7 @@ def test_wandb_offline(dataset, tmp_path, capsys, monkeypatch):
 
 def test_plot_metrics(dataset, tmp_path, capsys):
     run_train(capsys, tiny_args(dataset, tmp_path, max_iters=4, eval_interval=2))
-    r = subprocess.run([sys.executable, "scripts/plot_metrics.py", f"--out_dir={tmp_path}"], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+    r = run_python(["scripts/plot_metrics.py", f"--out_dir={tmp_path}"], timeout=120)
     assert r.returncode == 0, r.stderr
     assert "plotted 5 iterations and 3 evaluations" in r.stdout
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -5,8 +5,6 @@ outputs a user can get wrong (token files, config files, JSONL, checkpoints, a f
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ import finetune
 import sample
 import train
 from configurator import ConfigError, Settings, parse_config
-from helpers import REPO, TINY_VOCAB, train_args
+from helpers import REPO, TINY_VOCAB, run_python, train_args
 from model import GPT, GPTConfig
 from nanogpt_plus import dataloader, finetuning
 from nanogpt_plus.checkpoint import build_checkpoint, load_checkpoint, save_checkpoint
@@ -275,7 +273,7 @@ def run_with_file_size_limit(args, limit_bytes):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+    return run_python([*args], timeout=120,
                           preexec_fn=limit, env=env)
 
 
