@@ -37,6 +37,7 @@ from nanogpt_plus.device import compute_setup, device_type_of, resolve_device
 from nanogpt_plus.hardware import cpu_peak
 from nanogpt_plus.init_from import init_model, scratch_model
 from nanogpt_plus.optimizer import make_grad_scaler, make_optimizer, optimizer_step
+from nanogpt_plus.outputs import check_output
 from nanogpt_plus.parallel import wrap_model
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.settings import ADAMW, BENCH, DATA, MODEL, SYSTEM, Schema, check_model_shape, subset
@@ -81,6 +82,8 @@ def check_settings(cfg):
     """ Every setting, before anything is built: train.py's rules for the model, data and step, plus the timing. """
     DEFAULTS.check(cfg)
     check_model_shape(cfg)
+    if cfg['profile']:  # now, not after the benchmark: a file in the way, or a dataset's directory
+        check_output(cfg['profile_dir'], 'profile_dir', overwrite=False, kind='directory')
 
 
 def main(argv=None):

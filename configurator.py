@@ -209,18 +209,23 @@ def _read_config_file(path):
     except OSError as e:
         raise ConfigError(f"config file {path} could not be read ({e.strerror or e})") from None
     namespace = {"__file__": os.path.abspath(path), "__name__": "__config__"}
+    real_exit = os._exit
+    # os._exit would end the process at once, exit code 0 and no word: while the file runs it is sys.exit's
+    os._exit = sys.exit
     try:
         exec(compile(source, path, "exec"), namespace)
     except SyntaxError as e:
         raise ConfigError(f"config file {path} has a syntax error on line {e.lineno}: {e.msg}") from None
     # sys.exit() or exit() in a config file must not end the run as if it had finished
     except SystemExit as e:
-        raise ConfigError(f"config file {path} calls exit() on line {_failing_line(e, path)}; a config "
-                          f"file only assigns settings: remove that call") from None
+        raise ConfigError(f"config file {path} calls exit() on line {_failing_line(e, path)}; a config file only "
+                          f"assigns settings: remove that call") from None
     # NameError, ImportError, ZeroDivisionError, ...: the file's own code failed
     except Exception as e:
         raise ConfigError(f"config file {path} failed on line {_failing_line(e, path)} "
                           f"({type(e).__name__}: {e}); fix that line") from None
+    finally:
+        os._exit = real_exit
     # keep plain settings; skip imports, helpers and dunders
     return source, {k: v for k, v in namespace.items()
                     if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}

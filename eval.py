@@ -57,7 +57,8 @@ def check_settings(cfg):
     if cfg['data_file'] and not os.path.exists(cfg['data_file']):
         raise UserError(f"no data file at {cfg['data_file']}; pass --data_file=PATH to an existing file")
     if cfg['output_file']:  # now, not after an evaluation that may take hours
-        check_output(cfg['output_file'], 'output_file', cfg['overwrite'], inputs={'data_file': cfg['data_file']})
+        check_output(cfg['output_file'], 'output_file', cfg['overwrite'], inputs={'data_file': cfg['data_file']},
+                     output_kind='eval result')
 
 
 def check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta, source):

@@ -11,12 +11,10 @@ rows included, so they never share an id with the tokenizer's tokens):
     similarity       {"text1", "text2", "label"}         s a $ b e  and  s b $ a e, summed -> linear head
     multiple_choice  {"context", "choices", "label"}     s context $ choice_i e for each i -> one scalar
                                                          each, softmax over the choices
-Labels of the first three are class ids or strings (the map is stored in the checkpoint); the label of
-multiple_choice is the index of the right choice (or its text).
+Labels: class ids or strings (the map is kept in the checkpoint); multiple_choice's: the right choice's index or text.
 
-Fine-tune a model trained with train.py (its out_dir), GPT-2 weights or a local HF directory (the texts are
-encoded with the model's tokenizer: GPT-2 BPE, a character vocabulary, or the bpe tokenizer.json it was
-trained with):
+Fine-tune a model trained with train.py (its out_dir), GPT-2 weights or a local HF directory, the texts encoded
+with the model's tokenizer (GPT-2 BPE, a character vocabulary, or the bpe tokenizer.json it was trained with):
 $ python finetune.py --task=classification --init_from=out-shakespeare-char --out_dir=out-ft \\
       --train_file=train.jsonl --val_file=val.jsonl
 $ python finetune.py config/finetune_classification.py --init_from=gpt2 --train_file=... --val_file=...
@@ -34,6 +32,10 @@ $ python finetune.py --init_from=out-ft --predict_file=test.jsonl --predict_out=
 out_dir/ckpt.pt holds the best model (by val accuracy) with its head, label map, special tokens and
 tokenizer; the last line printed is JSON: {"task": ..., "val_acc": best val accuracy, ...}.
 """
+# first, before torch is imported (seconds): from here on a signal ends the run in one line, exit code 75 or 0
+from nanogpt_plus.signals import GracefulExit, early_exit_request
+
+EXIT_REQUEST = early_exit_request(__name__)
 
 import json
 import math
@@ -53,15 +55,14 @@ from nanogpt_plus.dataset import find_dataset
 from nanogpt_plus.device import compute_setup, device_type_of
 from nanogpt_plus.distributed import accumulation_per_rank, all_reduce_sum, every_rank, init_distributed
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
-from nanogpt_plus.init_from import adopt_resumed_finetune, checkpoint_path, init_model
+from nanogpt_plus.init_from import adopt_source, checkpoint_path, init_model
 from nanogpt_plus.metrics import MetricsLogger
-from nanogpt_plus.optimizer import make_grad_scaler, optimizer_step, set_learning_rate
+from nanogpt_plus.optimizer import apply_settings, make_grad_scaler, optimizer_step, set_learning_rate
 from nanogpt_plus.out_dir import check_new_run, claim_out_dir
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.parallel import grad_sync_context, wrap_model
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.saving import Checkpointer, restore_training_state
-from nanogpt_plus.signals import GracefulExit
 
 BEST_CKPT = 'ckpt.pt'  # the best model so far (by val accuracy), with its head
 LAST_CKPT = 'ckpt_last.pt'  # the latest training state, for --init_from=resume
@@ -138,15 +139,14 @@ def main():
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     check_settings(cfg)
     dist_info = init_distributed(cfg['device'], cfg['backend'])
-    # train.py's rules: the checkpoint's architecture; one verdict for all ranks
-    if cfg['init_from'] == 'resume':
-        every_rank(dist_info, lambda: adopt_resumed_finetune(cfg, os.path.join(cfg['out_dir'], LAST_CKPT)))
+    # train.py's rules: the architecture of the model init_from names (0 = its block_size); one verdict for all ranks
+    every_rank(dist_info, lambda: adopt_source(cfg, keep_zero=('block_size',), resume_file=LAST_CKPT))
     if not cfg['train_file'] and cfg['predict_file']:
         return finetuning.predict_with_checkpoint(cfg, dist_info)
     # the best model's predictions come after the training: their path is checked now
     if cfg['predict_file']:
         check_output(finetuning.predictions_path(cfg), 'predict_out', cfg['overwrite'],
-                     inputs={k: cfg[k] for k in ('train_file', 'val_file', 'predict_file')})
+                     inputs={k: cfg[k] for k in ('train_file', 'val_file', 'predict_file')}, output_kind='predictions')
     # rank 0 holds out_dir/run.lock for the whole fine-tune; a new one over an earlier one's checkpoints needs
     # --overwrite=True (or continues it, with --init_from=resume, when its training state is there)
     guarded = [LAST_CKPT, BEST_CKPT] if cfg['init_from'] != 'resume' else []
@@ -228,6 +228,7 @@ def setup(cfg, dist_info):
     state = FinetuneState()
     if resume:
         restore_training_state(source, optimizer, scaler, dist_info)
+        apply_settings(optimizer, cfg, dist_info.master)  # a --beta2 given now applies
         state = FinetuneState.from_checkpoint(source)
         if dist_info.master:
             print(f"resuming the fine-tune at epoch {state.epoch}, step {state.step_in_epoch} of "
@@ -242,7 +243,7 @@ def setup(cfg, dist_info):
     checkpointer = Checkpointer(cfg['out_dir'], dist_info, raw_model, optimizer)
     return FinetuneRun(cfg, dist_info, task, raw_model, model, optimizer, scaler, ctx, data, special, tokenizer,
                        tokenizer_meta, source_name, run_provenance, sampler, schedule, checkpointer, logger,
-                       GracefulExit().install(), time.time()), state
+                       EXIT_REQUEST or GracefulExit().install(), time.time()), state
 
 
 def load_source(cfg):

@@ -71,7 +71,8 @@ class CausalSelfAttention(nn.Module):
         """
         if device is None and self.bias is not None:
             device = self.bias.device
-        mask = torch.tril(torch.ones(block_size, block_size, dtype=torch.bool, device=device))
+        # tril_ in place: one (T, T) tensor at a time, not two (a long context's mask is T^2 bytes)
+        mask = torch.ones(block_size, block_size, dtype=torch.bool, device=device).tril_()
         self.bias = mask.view(1, 1, block_size, block_size)
 
     def forward(self, x, kv_cache=None, rope=None):

@@ -13,6 +13,10 @@ How it is built: setup() makes a Run (model, optimizer, data, checkpointer: fixe
 TrainState (what changes every iteration); iteration() is one step of the loop, written out top to bottom, and
 checkpoint() is what a ckpt.pt holds. `python train.py --help` lists every setting (nanogpt_plus/settings.py).
 """
+# first, before torch is imported (seconds): from here on a signal ends the run in one line, with exit code 75
+from nanogpt_plus.signals import GracefulExit, early_exit_request
+
+EXIT_REQUEST = early_exit_request(__name__)
 
 import functools
 import json
@@ -30,15 +34,14 @@ from nanogpt_plus import distributed, settings
 from nanogpt_plus import optimizer as opt
 from nanogpt_plus.dataloader import TokenWindowLoader, training_data
 from nanogpt_plus.dataset import padded_tokenizer_size
-from nanogpt_plus.device import check_model_memory, compute_setup, device_type_of
+from nanogpt_plus.device import compute_setup, device_type_of
 from nanogpt_plus.errors import Interrupted, UserError, non_finite_loss, out_of_memory_error
-from nanogpt_plus.init_from import adopt_resumed_run, init_training_model
+from nanogpt_plus.init_from import adopt_source, check_new_model_fits, init_training_model
 from nanogpt_plus.metrics import MetricsLogger
-from nanogpt_plus.out_dir import claim_out_dir, prepare_out_dir, resume_point
+from nanogpt_plus.out_dir import claim_out_dir, prepare_out_dir
 from nanogpt_plus.parallel import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.saving import Checkpointer, restore_training_state
-from nanogpt_plus.signals import GracefulExit
 from nanogpt_plus.threads import choose_threads
 
 # -----------------------------------------------------------------------------
@@ -78,7 +81,7 @@ class TrainState:
     spike_guard: object = None  # spike_guard.SpikeGuard (its running statistics), or None when off
     iter_num: int = 0
     local_iter_num: int = 0  # iterations run by this process (0 again after a resume)
-    running_mfu: float = -1.0  # -1 until this process has run 5 iterations, then a moving average
+    running_mfu: float = None  # None until this process has run 5 iterations, then a moving average
     loader_state: dict = None  # the training loader before this iteration's batches: resumed there
     batch: tuple = None  # (X, Y) of this iteration's first micro-step
     lap_start: float = 0.0  # time.time() at the end of the previous iteration
@@ -86,17 +89,15 @@ class TrainState:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    # SIGINT/SIGTERM set a flag from here on: one during set-up (minutes for a big model) stops the run after it
-    exit_request = GracefulExit().install()
+    # SIGINT/SIGTERM set a flag: one during set-up (minutes for a big model) stops the run after it
+    exit_request = EXIT_REQUEST or GracefulExit().install()
     try:
         cfg = configure(DEFAULTS, argv, doc=__doc__)
         check_settings(cfg)
         dist_info = distributed.init_distributed(cfg['device'], cfg['backend'])
-        if cfg['init_from'] == 'resume':
-            # the checkpoint's architecture becomes the run's, and a finished run is refused, on every rank with
-            # one verdict: a node whose disk lacks the checkpoint stops them all, in one line
-            resumed = resume_point(cfg['out_dir'], cfg['resume_from'])
-            distributed.every_rank(dist_info, lambda: adopt_resumed_run(cfg, resumed))
+        # the architecture of the model init_from names becomes the run's (a resume's finished run is refused),
+        # on every rank with one verdict: a node whose disk lacks the file stops them all, in one line
+        distributed.every_rank(dist_info, lambda: adopt_source(cfg))
         # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run ends)
         with claim_out_dir(cfg['out_dir'], dist_info, prepare=lambda: prepare_out_dir(cfg, 'train.py', argv)):
             finished = train(cfg, dist_info, exit_request)
@@ -110,8 +111,7 @@ def check_settings(cfg):
     """ Every setting, before any work: its type, choices and range, then their combinations (settings.py). """
     DEFAULTS.check(cfg)
     settings.check_training(cfg)
-    if cfg['init_from'] == 'scratch':  # a resumed or pretrained model has a size that fitted before
-        check_model_memory(cfg['n_layer'], cfg['n_embd'], cfg['block_size'])
+    check_new_model_fits(cfg)  # a new model's first step in this machine's memory
 
 
 def train(cfg, dist_info, exit_request):
@@ -135,8 +135,7 @@ def train(cfg, dist_info, exit_request):
 
 def iteration(run, state, exit_request):
     """ One iteration of the loop. Returns None to go on, True when the run is complete, False after a signal. """
-    cfg = run.cfg
-    dist_info = run.dist_info
+    cfg, dist_info = run.cfg, run.dist_info
     build = functools.partial(checkpoint, run, state)  # what a save at this iteration holds
     # the schedule's rate for this iteration, on every parameter group (Muon's scaled to muon_lr)
     lr = opt.set_learning_rate(run.optimizer, state.iter_num, cfg['learning_rate'], cfg['warmup_iters'],
@@ -187,7 +186,6 @@ def iteration(run, state, exit_request):
     # the step's loss and grad norm as floats (a host sync and an all-reduce) only where they are used: at log
     # steps, and every step for the spike guard; a non-finite loss stops the run there, before the update
     logging = state.iter_num % cfg['log_interval'] == 0
-    lossf = None
     if logging or guard is not None:
         lossf, grad_norm = opt.read_step(step_loss, grad_norm, dist_info)
         if not math.isfinite(lossf):
@@ -321,6 +319,7 @@ def setup(cfg, dist_info):
         state.iter_num = int(ckpt['iter_num'])
         checkpointer.best_val_loss = float(ckpt['best_val_loss'])
         restore_training_state(ckpt, optimizer, scaler, dist_info, train_loader, state.spike_guard)
+        opt.apply_settings(optimizer, cfg, master)  # a --beta2 given now trains from here on
     logger = MetricsLogger(os.path.join(cfg['out_dir'], 'metrics.jsonl'), enabled=master,
                            wandb_log=cfg['wandb_log'], wandb_project=cfg['wandb_project'],
                            wandb_run_name=cfg['wandb_run_name'], config=cfg, wandb_dir=cfg['out_dir'])
@@ -389,8 +388,9 @@ def log_iteration(run, state, lossf, grad_norm, lr, dt):
     # iterations, which are slow (allocator, caches)
     if state.local_iter_num >= 5:
         mfu = run.raw_model.estimate_mfu(run.cfg['batch_size'] * run.grad_accum, dt, peak_flops=run.peak_flops)
-        state.running_mfu = mfu if state.running_mfu == -1.0 else 0.9 * state.running_mfu + 0.1 * mfu
-    print(f"iter {state.iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {state.running_mfu*100:.2f}%")
+        state.running_mfu = mfu if state.running_mfu is None else 0.9 * state.running_mfu + 0.1 * mfu
+    shown = 'n/a' if state.running_mfu is None else f"{state.running_mfu*100:.2f}%"  # n/a: not yet
+    print(f"iter {state.iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {shown}")
     run.logger.log({'type': 'iter', 'iter': state.iter_num, 'loss': lossf, 'lr': lr, 'grad_norm': grad_norm,
                     'time_ms': dt * 1000, 'tokens_per_sec': run.tokens_per_iter / dt, 'mfu': state.running_mfu})
 

@@ -50,7 +50,9 @@ def open_tokens(path, dataset=None, dtype=None):
     worked out once); None reads it from the meta.json beside the file (raw_token_dtype).
     """
     if not os.path.exists(path):
-        hint = f"run python data/{dataset}/prepare.py first" if dataset else "prepare the dataset first"
+        # a name under data/ has its prepare.py; a directory given as a path was prepared some other way
+        named = dataset and not os.path.isabs(dataset) and os.sep not in dataset
+        hint = f"run python data/{dataset}/prepare.py first" if named else "prepare the dataset first"
         raise UserError(f"no token file at {path}; {hint}")
     size = os.path.getsize(path)
     if size == 0:  # (numpy can't memmap an empty file)

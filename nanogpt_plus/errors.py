@@ -89,6 +89,11 @@ def out_of_memory_error(iter_num, checkpoint_path, fsdp=True):
 
 def non_finite_loss(value, iter_num, out_dir):
     """ The one line a NaN or infinite loss stops a training run with: nothing is saved over the last good state. """
-    return UserError(f"loss is {value} at iter {iter_num}; stopping without saving, so the last good "
-                     f"checkpoint in {out_dir} is kept. Lower the learning rate (or use "
-                     f"--dtype=bfloat16/float32) and resume with --init_from=resume")
+    if os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
+        kept = f"so the last good checkpoint in {out_dir} is kept"
+        then = "resume with --init_from=resume"
+    else:
+        kept = f"and no checkpoint had been saved to {out_dir} yet"
+        then = "start again"
+    return UserError(f"loss is {value} at iter {iter_num}; stopping without saving, {kept}. Lower the learning "
+                     f"rate (or use --dtype=bfloat16/float32) and {then}")

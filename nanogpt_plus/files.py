@@ -72,6 +72,8 @@ class AtomicOutputs:
         self.directory = directory
         self.pending = []  # (temp path, final path), in the order they were asked for
         self.writing = directory  # the output being written (for error messages)
+        # files of an earlier output that the new one has not: removed at commit()
+        self.outdated = []
 
     def path(self, name):
         """ Where to write the output called name (a path inside directory); it appears at commit(). """
@@ -82,6 +84,11 @@ class AtomicOutputs:
         # outputs are written in the order they are asked for: a failure is this one's
         self.writing = final
         return tmp
+
+    def remove_at_commit(self, name):
+        """ A file of an earlier output in directory that this one has not (a bpe dataset's tokenizer.json when the
+        new one is char): removed once the new files are in place, so that nothing reads it as theirs. """
+        self.outdated.append(os.path.join(self.directory, name))
 
     def commit(self):
         # every file's data reaches the disk before the first rename, so no final name ever points at
@@ -95,6 +102,9 @@ class AtomicOutputs:
             self.writing = final
             os.replace(tmp, final)
         self.pending = []
+        for path in self.outdated:
+            if os.path.isfile(path):
+                os.remove(path)
         _fsync_dir(self.directory)  # and the renames themselves are made durable
 
     def discard(self):

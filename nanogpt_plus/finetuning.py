@@ -604,7 +604,8 @@ def predict_with_checkpoint(cfg, dist_info):
         raise UserError(f"--predict_file without --train_file needs --init_from to be a fine-tuned out_dir or "
                         f"ckpt.pt; {cfg['init_from']} is not one")
     out_path = predictions_path(cfg, os.path.dirname(path))
-    check_output(out_path, 'predict_out', cfg['overwrite'], inputs={'predict_file': cfg['predict_file']})
+    check_output(out_path, 'predict_out', cfg['overwrite'], inputs={'predict_file': cfg['predict_file']},
+                 output_kind='predictions')
     ckpt = load_checkpoint(path)
     model = model_from_finetune_checkpoint(ckpt)
     if cfg['task'] and cfg['task'] != ckpt['task']:

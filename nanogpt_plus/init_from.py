@@ -26,8 +26,10 @@ from nanogpt_plus.checkpoint import (
     model_config_from_checkpoint,
     tokenizer_known,
 )
-from nanogpt_plus.dataset import check_dataset_tokenizer
+from nanogpt_plus.dataset import check_dataset_tokenizer, find_dataset
+from nanogpt_plus.device import check_model_memory, resolve_device
 from nanogpt_plus.errors import UserError
+from nanogpt_plus.out_dir import resume_point
 
 
 def init_model(init_from, out_dir='out', dataset=None, model_settings=None, dropout=None, resume_file='ckpt.pt',
@@ -94,6 +96,18 @@ def init_training_model(cfg, data, on_meta=False):
         raise UserError(f"the dataset's vocabulary ({data.vocab_size}) is larger than the model's "
                         f"({model.config.vocab_size}); train from scratch on this dataset")
     return model, tokenizer_meta, ckpt
+
+
+def check_new_model_fits(cfg):
+    """
+    train.py's check before any work: a new model (init_from='scratch') whose first step can't fit in memory is
+    refused in one line (device.check_model_memory), counted at the dataset's vocabulary (its meta alone is read).
+    Weights that trained before have a size that fitted.
+    """
+    if cfg['init_from'] != 'scratch':
+        return
+    vocab_size = find_dataset(cfg['dataset'], splits=()).vocab_size or 50304
+    check_model_memory(cfg, vocab_size, on_cpu=resolve_device(cfg['device']) == 'cpu')
 
 
 def checkpoint_path(init_from, out_dir, resume_file='ckpt.pt'):
@@ -168,7 +182,7 @@ class _ShapesOnly(TorchFunctionMode):
     its Python reference kernels, whose first call imports torch._dynamo, ~2 s of a sampling run's start-up.
     A tensor that isn't on meta (one made with an explicit device) is computed as usual: it would be used.
     """
-    VALUES_ONLY = {torch.Tensor.normal_, torch.nn.init.normal_, torch.tril}
+    VALUES_ONLY = {torch.Tensor.normal_, torch.nn.init.normal_, torch.Tensor.tril_}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -333,18 +347,59 @@ def adopt_architecture(cfg, ckpt, path, keep_zero=()):
     one not given takes the checkpoint's value in cfg (so the saved 'config' agrees with 'model_args').
     keep_zero: settings whose 0 means "the model's" (finetune.py's block_size), which a 0 doesn't contradict.
     """
-    saved = model_config_from_checkpoint(ckpt)
+    keep_model_architecture(cfg, model_config_from_checkpoint(ckpt), f"the checkpoint {path}", keep_zero=keep_zero,
+                            rule="a resumed run keeps the checkpoint's architecture")
+
+
+def keep_model_architecture(cfg, saved, source, rule, keep_zero=(), smaller=(),
+                            otherwise="start a new run in another --out_dir"):
+    """
+    cfg's architecture settings become those of saved (a GPTConfig): one the user gave that differs is refused in
+    one line naming source and rule, one not given takes saved's value. keep_zero: settings whose 0 means "the
+    model's"; smaller: settings the user may set below the model's (block_size: the model is cropped to it).
+    """
     # a plain dict (a test's): every setting counts as chosen
     given = getattr(cfg, 'given', cfg.keys())
     for key in ARCHITECTURE:
         if key not in cfg:
             continue
+        value = getattr(saved, key)
         chosen = key in given and not (key in keep_zero and cfg[key] == 0)
-        if chosen and cfg[key] != getattr(saved, key):
-            raise UserError(f"--{key}={cfg[key]!r} but the checkpoint {path} has {key}={getattr(saved, key)!r}; "
-                            f"a resumed run keeps the checkpoint's architecture: drop --{key} (or change it in the "
-                            f"config file), or start a new run in another --out_dir")
-        cfg[key] = getattr(saved, key)
+        if chosen and key in smaller and cfg[key] < value:
+            continue
+        if chosen and cfg[key] != value:
+            raise UserError(f"--{key}={cfg[key]!r} but {source} has {key}={value!r}; {rule}: drop --{key} (or "
+                            f"change it in the config file), or {otherwise}")
+        cfg[key] = value
+
+
+def adopt_source(cfg, keep_zero=(), resume_file=None):
+    """
+    Before any work, the architecture of the model init_from names becomes cfg's (train.py; finetune.py with
+    keep_zero=('block_size',) and its resume_file). 'resume': adopt_resumed_run's rules (finetune.py:
+    adopt_resumed_finetune's). Given weights (a checkpoint, an out_dir, gpt2*, a Hugging Face directory): the
+    weights fix the model, so an architecture setting the user gave that differs is refused in one line, and one
+    not given is theirs, so that the saved 'config' agrees with 'model_args'; dropout may change and block_size
+    may be smaller (the model is cropped to it). Their files are read as far as the architecture needs (the
+    checkpoint memory-mapped, config.json alone).
+    """
+    init_from, out_dir = cfg['init_from'], cfg['out_dir']
+    if init_from == 'resume':
+        if resume_file is not None:
+            return adopt_resumed_finetune(cfg, os.path.join(out_dir, resume_file))
+        return adopt_resumed_run(cfg, resume_point(out_dir, cfg['resume_from']))
+    path = checkpoint_path(init_from, out_dir)
+    if path is not None:
+        saved = model_config_from_checkpoint(load_checkpoint(path))
+    elif init_from in GPT2_NAMES or is_hf_dir(init_from):
+        from nanogpt_plus.pretrained import hf_config  # only for Hugging Face weights
+        saved = hf_config(init_from)
+    else:
+        return  # scratch, or a name init_model refuses in one line
+    keep_model_architecture(cfg, saved, describe_source(init_from, out_dir), keep_zero=keep_zero,
+                            smaller=('block_size',), rule="a model trained from given weights keeps their "
+                            "architecture (dropout and a smaller block_size may change)",
+                            otherwise="train a new model with --init_from=scratch")
 
 
 def adopt_optimizer(cfg, ckpt, path):

@@ -166,6 +166,40 @@ class MuonWithAdamW:
             opt.load_state_dict(state_dict[name])
 
 
+def apply_settings(optimizer, cfg, master=True):
+    """
+    On resume, after the optimizer's state was loaded (load_state_dict brings back the parameter groups as the
+    checkpoint had them): this run's optimizer settings on those groups, so that a changed --beta2,
+    --weight_decay, --muon_lr, --muon_momentum or --muon_weight_decay is what trains from here on (and what the
+    next checkpoint's optimizer and config say). AdamW's betas on every group and weight_decay on the groups of
+    matrices (the vectors never decay); Muon's momentum, weight decay and rate. rank 0 says what changed, in one
+    line.
+    """
+    changed = {}
+
+    def put(group, key, value, setting):
+        old = group.get(key)
+        # a list: betas as JSON would hold them
+        if (tuple(old) if isinstance(old, list) else old) != value:
+            changed.setdefault(setting, (old, value))
+            group[key] = value
+
+    adamw_groups = optimizer.parts['adamw'].param_groups if hasattr(optimizer, 'parts') else optimizer.param_groups
+    for group in adamw_groups:
+        put(group, 'betas', (cfg['beta1'], cfg['beta2']), 'betas')
+        if all(p.dim() >= 2 for p in group['params']):  # the decayed group: matrices and embeddings
+            put(group, 'weight_decay', cfg['weight_decay'], 'weight_decay')
+    if hasattr(optimizer, 'parts'):
+        for group in optimizer.parts['muon'].param_groups:
+            put(group, 'momentum', cfg['muon_momentum'], 'muon_momentum')
+            put(group, 'weight_decay', cfg['muon_weight_decay'], 'muon_weight_decay')
+            put(group, 'lr_ratio', cfg['muon_lr'] / cfg['learning_rate'], 'muon_lr / learning_rate')
+    if changed and master:
+        print("resuming with this run's optimizer settings: " + ", ".join(
+            f"{name} {old!r} -> {new!r}" for name, (old, new) in changed.items()))
+    return changed
+
+
 def make_grad_scaler(device_type, dtype):
     """ A GradScaler, enabled only for float16 (bf16 and fp32 don't need loss scaling). """
     return torch.amp.GradScaler(device_type if device_type == 'cuda' else 'cpu', enabled=(dtype == 'float16'))

@@ -48,6 +48,8 @@ LOCK_NAME = 'run.lock'
 CHECKPOINT = 'ckpt.pt'
 # with always_save_checkpoint=False: the best model so far, kept beside ckpt.pt
 BEST = 'ckpt_best.pt'
+# finetune.py's training state (its ckpt.pt is the best model)
+LAST = 'ckpt_last.pt'
 # ckpt_<iter>.pt, the snapshots keep_checkpoints retains
 SNAPSHOT = re.compile(r'^ckpt_(\d+)\.pt$')
 # linux/fs.h: make this file a copy-on-write clone of another
@@ -78,8 +80,7 @@ class OutDirLock:
                             f"user can write to") from None
         try:
             flock_new_file(fd, self.out_dir)
-            os.write(fd, (json.dumps(lock_record()) + "\n").encode())
-            os.fsync(fd)
+            write_lock_record(fd, self.path)
             self._publish(tmp)
         except BaseException:
             os.close(fd)
@@ -117,6 +118,11 @@ class OutDirLock:
             if not self._flock_same_file(old):
                 return False
             holder = read_holder(old)
+            if not holder.get('pid'):
+                # our locks are written whole before they get their name: this file is not one of them (another
+                # program's output put in its place, perhaps while a live run still holds the lock it replaced)
+                raise UserError(f"{self.path} is not a lock this project wrote (it holds no run's pid); if no run "
+                                f"uses {self.out_dir}, delete {self.path} and start again")
             if holder.get('host', socket.gethostname()) != socket.gethostname():
                 raise UserError(f"{self.path} says a run on {holder.get('host')} (pid {holder.get('pid')}, started "
                                 f"{holder.get('started')}) uses {self.out_dir}; this machine can't tell whether it "
@@ -176,10 +182,24 @@ def flock_new_file(fd, out_dir):
 def make_out_dir(out_dir):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"out_dir {out_dir} is a file, not a directory; pass another --out_dir")
+    # a run's files (ckpt.pt, metrics.jsonl, ...) beside a dataset's would mix two things that cost hours to remake
+    held = sorted(n for n in os.listdir(out_dir) if n.endswith('.bin')) if os.path.isdir(out_dir) else []
+    if held:
+        raise UserError(f"out_dir {out_dir} is a dataset's directory (it holds {held[0]}); pass another --out_dir")
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise UserError(f"could not create out_dir {out_dir} ({e.strerror or e}); pass another --out_dir") from None
+
+
+def write_lock_record(fd, path):
+    """ This run's record into its new lock file, on disk; a full disk or a quota is one line, as saves give. """
+    try:
+        os.write(fd, (json.dumps(lock_record()) + "\n").encode())
+        os.fsync(fd)
+    except OSError as e:
+        raise UserError(f"could not write the lock {path} ({e.strerror or e}); make room on the disk, or pass an "
+                        f"--out_dir where this run can write") from None
 
 
 def lock_record():
@@ -290,10 +310,10 @@ def command_line(script, argv, **replace):
 # the checkpoints a run keeps: ckpt.pt, ckpt_best.pt, the snapshots; going back to one
 
 def checkpoint_files(out_dir):
-    """ The names of the checkpoints a train.py run keeps in out_dir (ckpt.pt, ckpt_best.pt, snapshots). """
+    """ The checkpoints a run keeps in out_dir: ckpt.pt, ckpt_best.pt, finetune.py's ckpt_last.pt, the snapshots. """
     if not os.path.isdir(out_dir):
         return []
-    named = [n for n in (CHECKPOINT, BEST) if os.path.isfile(os.path.join(out_dir, n))]
+    named = [n for n in (CHECKPOINT, BEST, LAST) if os.path.isfile(os.path.join(out_dir, n))]
     return named + [name for _, name in sorted(snapshots(out_dir).items())]
 
 

@@ -4,20 +4,24 @@ Where a script's output may go: the one rule every output path a user names is c
 for an output that is then refused.
 
 An output path names something the user has (a setting they typed, a default beside their files), so
-check_output refuses one that would replace a checkpoint, a dataset's files, a directory holding them, or a
-file the run reads, unless --overwrite=True; an earlier output of the same script is none of these, so
-re-running replaces it.
+check_output refuses one that would replace a checkpoint, a dataset's files, a directory holding them, a file
+the run reads, or any other existing file that is not an earlier output of the same kind (an eval result, a
+predictions file: recognised by what they hold), unless --overwrite=True. A run's lock (run.lock) is never an
+output: replacing it would let a second run into a live run's out_dir. Re-running a script replaces its own
+earlier output.
 
 Usage:
     from nanogpt_plus.outputs import check_output
-    check_output('out/eval.json', 'output_file', overwrite=False)     # before the work: refused in one line
+    check_output('out/eval.json', 'output_file', overwrite=False, kind='eval result')   # refused in one line
 """
 
+import json
 import os
 import sys
 import zipfile
 
 from nanogpt_plus.errors import UserError
+from nanogpt_plus.out_dir import LOCK_NAME
 
 # what an output never replaces unprompted: checkpoints (ckpt.pt, snapshots, a Hugging Face pytorch_model.bin,
 # any file torch.save wrote) and a dataset's files: its token files (nanoGPT's train.bin/val.bin, llm.c's shards;
@@ -28,6 +32,13 @@ DATASET_DESCRIPTIONS = ('meta.json', 'meta.pkl', 'tokenizer.json')
 ZIP_MAGIC = b'PK\x03\x04'
 # torch.save's legacy (non-zip) format starts with its magic number, pickled: protocol 2, a 10-byte long
 LEGACY_TORCH_MAGIC = b'\x80\x02\x8a\x0a' + (0x1950a86a20f9469cfc6c).to_bytes(10, 'little')
+# the kinds of file output the scripts write, each told by its records (JSON lines): what may be replaced
+OUTPUT_KINDS = {
+    'eval result': lambda records: len(records) == 1 and {'task', 'metrics', 'source'} <= records[0].keys(),
+    'predictions': lambda records: bool(records) and all({'prediction', 'probs'} <= r.keys() for r in records),
+}
+# an earlier output is read to be recognised: files beyond this size are not one
+RECOGNISE_BYTES = 1 << 28
 
 
 def torch_saved(path):
@@ -53,6 +64,32 @@ def protected(path):
     if name in DATASET_DESCRIPTIONS and _holds_token_files(os.path.dirname(path) or '.'):
         return f"the dataset file {path}"
     return None
+
+
+def earlier_output(path, kind):
+    """ Whether the file at path is an earlier output of this kind (OUTPUT_KINDS): JSON objects, one per line. """
+    try:
+        if os.path.getsize(path) > RECOGNISE_BYTES:
+            return False
+        with open(path, encoding='utf-8') as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError, RecursionError):
+        return False  # unreadable, not text, not JSON lines: not one of ours
+    return all(isinstance(r, dict) for r in records) and OUTPUT_KINDS[kind](records)
+
+
+def _whose(path):
+    """ ' of the run in d' / ' of the dataset in d' for a file in a run's out_dir or a dataset's directory. """
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        names = set(os.listdir(directory))
+    except OSError:
+        return ''
+    if names & {LOCK_NAME, 'metrics.jsonl'} or any(n.startswith('ckpt') and n.endswith('.pt') for n in names):
+        return f" of the run in {directory}"
+    if any(n.endswith(TOKEN_SUFFIX) for n in names) or names & set(DATASET_DESCRIPTIONS):
+        return f" of the dataset in {directory}"
+    return ''
 
 
 def _holds_token_files(directory):
@@ -94,7 +131,7 @@ def _check_writable(path, setting, kind):
                         f"another --{setting}")
 
 
-def _conflict(path, kind, inputs, earlier):
+def _conflict(path, kind, inputs, earlier, output_kind=None):
     """ What writing the output at path would replace (check_output's words), or None. """
     if kind == 'file':
         # a .pt name is a checkpoint's even before one is there: finetune.py writes its ckpt.pt after the check
@@ -104,6 +141,8 @@ def _conflict(path, kind, inputs, earlier):
         what = protected(path) if os.path.isfile(path) else None
         if what:
             return f"would replace {what}"
+        if output_kind and os.path.isfile(path) and not earlier_output(path, output_kind):
+            return f"would replace {path}, a file{_whose(path)} that is not an earlier {output_kind}"
     elif os.path.isdir(path):
         what = _protected_in(path)
         # its files would be replaced (a dataset's tokenizer.json) or mixed with an export's
@@ -120,22 +159,27 @@ def _conflict(path, kind, inputs, earlier):
     return None
 
 
-def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=()):
+def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(), output_kind=None):
     """
     Refuse, in one line naming setting, an output path (kind 'file', or 'directory' for one written into)
-    that would replace a checkpoint or a dataset's file (protected), write into a directory holding one (or,
-    given earlier: the names an earlier output of the script there holds, into a directory of other files), or
-    replace one of inputs ({setting: path} the run reads), unless overwrite; and one that can't be written at
-    all. Call it before the work, so nothing is computed for an output that is then refused. What a script
-    wrote itself (an eval JSON, predictions.jsonl, an export directory) is none of these: re-running replaces it.
+    that would replace a checkpoint or a dataset's file (protected), an existing file that is not an earlier
+    output_kind (OUTPUT_KINDS: the file output the script writes), write into a directory holding a protected
+    file (or, given earlier: the names an earlier output of the script there holds, into a directory of other
+    files), or replace one of inputs ({setting: path} the run reads), unless overwrite; and, overwrite or not, a
+    run's lock or an output that can't be written at all. Call it before the work, so nothing is computed for an
+    output that is then refused. What a script wrote itself (an eval JSON, predictions.jsonl, an export
+    directory) is none of these: re-running replaces it.
     """
+    if os.path.basename(os.path.normpath(path)) == LOCK_NAME:
+        raise UserError(f"--{setting}={path} is a run's lock ({LOCK_NAME}), which no output may replace (a second "
+                        f"run could then start beside a live one); pass another --{setting}")
     if kind == 'directory' and os.path.isfile(path):
         raise UserError(f"--{setting}={path} is a file, not a directory; pass a directory (a new one, or an "
                         f"earlier output of this script)")
     if kind == 'file' and os.path.isdir(path):
         raise UserError(f"--{setting}={path} is a directory; pass a file path")
     _check_writable(path, setting, kind)
-    conflict = _conflict(path, kind, inputs, earlier)
+    conflict = _conflict(path, kind, inputs, earlier, output_kind)
     if conflict is None:
         return
     if not overwrite:

@@ -55,8 +55,9 @@ class Checkpointer:
                  checkpoint_interval=0, keep_checkpoints=0, replaces_a_run=False):
         """
         model: the plain module whose weights are saved (sharded in place under FSDP); optimizer: its optimizer.
-        replaces_a_run: a new run with --overwrite=True: its first save replaces the earlier run's ckpt.pt and
-        deletes the earlier run's other checkpoints (ckpt_best.pt, snapshots), which it was allowed to replace.
+        replaces_a_run: a new run with --overwrite=True: its first save replaces the earlier run's checkpoint of
+        that name and deletes the earlier run's others (ckpt_best.pt, ckpt_last.pt, snapshots), which it was
+        allowed to replace, so that none of them is ever taken for this run's.
         """
         self.out_dir = out_dir
         self.dist_info = dist_info
@@ -65,7 +66,8 @@ class Checkpointer:
         self.always_save = always_save_checkpoint
         self.interval = checkpoint_interval
         self.keep = keep_checkpoints
-        self.replaces_a_run = replaces_a_run
+        # the earlier run's checkpoints, which this run's first save removes
+        self.earlier = checkpoint_files(out_dir) if replaces_a_run and dist_info.master else []
         self.best_val_loss = 1e9  # the best val loss so far (a resumed run sets the checkpoint's)
 
     def path(self, name=CHECKPOINT):
@@ -104,12 +106,6 @@ class Checkpointer:
         this run and with its own val loss, is ever kept as the best. Snapshots follow (keep_checkpoints).
         """
         def after_write(path):
-            # --overwrite=True: the earlier run's other checkpoints go at our first save
-            if self.replaces_a_run:
-                for name in checkpoint_files(self.out_dir):
-                    if name != CHECKPOINT:
-                        remove_checkpoint(self.out_dir, name)
-                self.replaces_a_run = False
             if best:
                 copy_checkpoint(path, self.path(BEST))
             if self.keep > 0:
@@ -138,6 +134,11 @@ class Checkpointer:
                 if announce:
                     print(announce)
                 save_checkpoint(ckpt, path)
+                # --overwrite=True: the earlier run's other checkpoints go at this run's first save
+                for earlier in self.earlier:
+                    if earlier != name:
+                        remove_checkpoint(self.out_dir, earlier)
+                self.earlier = []
                 if after_write is not None:
                     after_write(path)
             # full disk, permissions, a directory in the way: the user's to fix

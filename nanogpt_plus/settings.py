@@ -17,6 +17,8 @@ Usage:
     DEFAULTS.check(cfg)
 """
 
+import os
+
 from configurator import Group, Schema, Setting  # noqa: F401  (Schema: what the scripts compose)
 from model import MODERN_CHOICES
 from nanogpt_plus.errors import UserError
@@ -200,12 +202,32 @@ def check_training(cfg):
     if cfg['decay_lr'] and cfg['min_lr'] > cfg['learning_rate']:  # the "decay" would raise the rate
         raise UserError(f"min_lr ({cfg['min_lr']}) is above learning_rate ({cfg['learning_rate']}), so the decay "
                         f"would raise the learning rate; set --min_lr to at most learning_rate (about 1/10 of it)")
+    check_schedule(cfg)
     if cfg['optimizer'] == 'muon' and cfg['parallelism'] == 'fsdp':
         raise UserError("optimizer='muon' orthogonalises whole matrices, which FSDP splits over the ranks; use "
                         "--parallelism=ddp with Muon, or --optimizer=adamw with FSDP")
     if cfg['resume_from'] and cfg['init_from'] != 'resume':
         raise UserError(f"--resume_from={cfg['resume_from']} goes back to a snapshot of the run in out_dir: it "
                         f"needs --init_from=resume")
+
+
+def check_schedule(cfg):
+    """
+    A learning-rate schedule that contradicts itself: a decay that would end where the warmup does (the rate would
+    jump from learning_rate to min_lr) is refused; a warmup longer than the run, common in a quick try of a
+    config (--max_iters=20), is said plainly in one line, with the rate it will reach.
+    """
+    if not cfg['decay_lr']:
+        return
+    if cfg['lr_decay_iters'] <= cfg['warmup_iters']:
+        raise UserError(f"lr_decay_iters ({cfg['lr_decay_iters']}) is not past warmup_iters ({cfg['warmup_iters']}), "
+                        f"so the rate would drop from learning_rate to min_lr right after the warmup; set "
+                        f"--lr_decay_iters to about max_iters, or --decay_lr=False for a constant rate")
+    # said once, by rank 0 (before the process group exists: torchrun's RANK)
+    if cfg['warmup_iters'] > cfg['max_iters'] and int(os.environ.get('RANK', 0)) == 0:
+        peak = cfg['learning_rate'] * (cfg['max_iters'] + 1) / (cfg['warmup_iters'] + 1)
+        print(f"note: warmup_iters ({cfg['warmup_iters']}) is past max_iters ({cfg['max_iters']}): the learning rate "
+              f"rises to {peak:.3g} at the last iteration and never reaches learning_rate ({cfg['learning_rate']:g})")
 
 
 # -----------------------------------------------------------------------------

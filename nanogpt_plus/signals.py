@@ -13,8 +13,6 @@ Usage:
 import signal
 import sys
 
-import torch
-
 from nanogpt_plus.errors import PeerFailed, exit_code
 
 
@@ -32,7 +30,10 @@ class GracefulExit:
     announces the stop once every rank has joined the agreement.
     """
 
-    def __init__(self):
+    def __init__(self, keep=False):
+        # keep: installed for the whole process (early_exit_request): uninstall() then only marks the work done
+        self.keep = keep
+        self.done = False
         self.requested = False
         self.signum = 0  # the signal received, 0 = none
         # every rank knows of a signal: the run stops at the next place it can save
@@ -50,6 +51,9 @@ class GracefulExit:
         return self
 
     def _handle(self, signum, frame):
+        if self.done:  # the work is over and saved: the process ends as it would have, exit code 0
+            print(f"\nreceived {signal.Signals(signum).name} after the run ended; exiting", file=sys.stderr, flush=True)
+            return
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
@@ -74,6 +78,7 @@ class GracefulExit:
                 raise failure
             self.agreed = self.requested
             return self.requested
+        import torch
         import torch.distributed as dist
 
         # the signal and the failure's exit code, each the max over ranks (0: none)
@@ -104,11 +109,28 @@ class GracefulExit:
         return self._flag_group
 
     def uninstall(self):
+        if self.keep:
+            self.done = True
+            return
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
 
 def _in_process_group():
-    import torch.distributed as dist
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """ Whether this process is one of several in a process group; asked from the signal handler, which may run
+    while torch is still being imported: then there is none, and nothing is imported from here. """
+    dist = sys.modules.get('torch.distributed')
+    try:
+        return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    except AttributeError:  # torch not imported yet, or half-way
+        return False
 
+
+def early_exit_request(name):
+    """
+    For a script's first lines, before torch is imported (seconds): with name '__main__' (run as a script), a
+    GracefulExit installed now and kept until the process ends, so that a signal at any moment ends the run in one
+    line with exit code 75 (before or during its work) or 0 (after it); None when the script is imported (a test
+    calls its main(), which installs its own). This module imports nothing heavy for that reason.
+    """
+    return GracefulExit(keep=True).install() if name == '__main__' else None

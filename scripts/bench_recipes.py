@@ -221,7 +221,7 @@ def speedrun(work, cfg, data):
         records = read_metrics(os.path.join(out_dir, 'metrics.jsonl'))
         iters = [r for r in records if r['type'] == 'iter' and r['iter'] >= 10]  # after compiling
         ms = statistics.median(r['time_ms'] for r in iters)
-        mfu = statistics.median(r['mfu'] for r in iters)
+        mfu = statistics.median(r['mfu'] for r in iters if r['mfu'] is not None)
         val = [r['val_loss'] for r in records if r['type'] == 'eval' and r['iter'] == steps][-1]
         print(f"{name:10s} {ms:8.1f} {100 * mfu:5.1f}% {val:16.4f}", flush=True)
 

@@ -236,8 +236,9 @@ def test_padded_ids_are_never_sampled(small_bpe, tmp_path, monkeypatch, capsys):
         return out
     train_generate = periodic.generate  # train.py's in-loop samples
     monkeypatch.setattr(periodic, "generate", recording_generate)
-    train.main(train_args(data, tmp_path / "out", init_from=str(tmp_path / "ckpt.pt"), block_size=8,
-                          sample_interval=1, sample_tokens=12, **dict(tiny_args, max_iters=0)))
+    # the source model's architecture (a differing one would be refused)
+    train.main(train_args(data, tmp_path / "out", init_from=str(tmp_path / "ckpt.pt"), block_size=8, n_layer=1,
+                          n_embd=16, sample_interval=1, sample_tokens=12, **dict(tiny_args, max_iters=0)))
     assert "sample 0: " in capsys.readouterr().out
     # the prompt (eot) and 12 tokens
     assert len(drawn_in_loop) == 13 and max(drawn_in_loop) < tok.vocab_size

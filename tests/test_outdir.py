@@ -242,3 +242,48 @@ def test_metrics_after_a_resume_are_one_trajectory(dataset, tmp_path, capsys):
     assert iters == [(i, 1) for i in range(4)] + [(i, 2) for i in range(4, 7)]  # no iteration twice
     evals = [(r["iter"], r["run"]) for r in records if r["type"] == "eval"]
     assert evals == [(0, 1), (3, 1), (6, 2)]
+
+
+# -----------------------------------------------------------------------------
+# round 3 (issue 32): a lock replaced under a live run, a full disk, a dataset's directory
+
+def test_a_lock_replaced_under_a_live_run_is_not_taken_over(tmp_path):
+    """ eval.py --output_file=<out_dir>/run.lock replaced the live run's lock (a new file, not flocked): a second
+    run found nothing holding it and took over. check_output refuses that output now; and a run.lock that is not
+    a lock of ours is refused rather than taken over, so a second run never trains beside the first. """
+    first = OutDirLock(str(tmp_path)).acquire()
+    try:
+        replaced = tmp_path / "other"
+        replaced.write_text('{"task": "loss", "metrics": {"loss": 1.0}, "source": "x"}\n')
+        os.replace(replaced, tmp_path / LOCK_NAME)
+        with pytest.raises(UserError, match=r"run.lock is not a lock this project wrote .*; if no run uses .*, "
+                                            r"delete .*run.lock and start again"):
+            OutDirLock(str(tmp_path)).acquire()
+        assert "task" in (tmp_path / LOCK_NAME).read_text()  # left as it was
+    finally:
+        first.release()  # no longer its file: not removed by it either
+    assert (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_full_disk_while_writing_the_lock_is_one_line(tmp_path, monkeypatch):
+    import errno
+
+    from nanogpt_plus import out_dir
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(out_dir.os, "write", full)
+    with pytest.raises(UserError, match=r"^could not write the lock .*run.lock \(No space left on device\); make "
+                                        r"room on the disk"):
+        OutDirLock(str(tmp_path)).acquire()
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []  # no lock and no temp file left behind
+
+
+def test_an_out_dir_that_is_a_datasets_directory_is_refused(dataset, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    before = sorted(os.listdir(data))
+    with pytest.raises(UserError, match=r"out_dir .*data is a dataset's directory \(it holds train.bin\)"):
+        train.main(tiny_args(str(data), data, max_iters=1))
+    assert sorted(os.listdir(data)) == before

@@ -3,6 +3,10 @@ Where outputs may go (nanogpt_plus.outputs.check_output, issue 24): eval.py --ou
 --predict_out and export_hf.py --hf_dir never replace a checkpoint, a dataset's files, a directory holding them
 or a file the run reads, unless --overwrite=True; an earlier output of the same script is replaced, as a re-run
 does; an output that can't be written at all is one line, before any work.
+
+Round 3 (issue 32): a file output replaces an existing file only when that file is an earlier output of the same
+kind (an eval result, a predictions file), never a run's metrics.jsonl or sidecar, a corpus, a script or a
+JSONL input; and a run's lock is never an output, --overwrite=True or not.
 """
 import json
 import os
@@ -57,8 +61,9 @@ def files(tmp_path):
     (data / 'meta.json').write_text('{"kind": "char"}')
     (data / 'meta.pkl').write_bytes(pickle.dumps({'vocab_size': 3}))
     (data / 'tokenizer.json').write_text('{}')
-    (out / 'eval.json').write_text('{"task": "loss"}\n')  # earlier outputs
-    (out / 'predictions.jsonl').write_text('{"prediction": 1}\n')
+    # earlier outputs, as eval.py and finetune.py write them
+    (out / 'eval.json').write_text('{"task": "loss", "metrics": {"loss": 2.0}, "source": "out/ckpt.pt"}\n')
+    (out / 'predictions.jsonl').write_text('{"text": "a", "prediction": 1, "probs": [0.4, 0.6]}\n')
     for name in ('config.json', 'model.safetensors', 'tokenizer.json'):
         (hf / name).write_text('{}')
     (text / 'tokenizer.json').write_text('{}')  # not beside token files: nobody's dataset
@@ -221,3 +226,64 @@ def test_finetune_predict_out(tmp_path, monkeypatch, capsys):
     # over the training's predictions.jsonl: re-running is normal
     run_script(finetune, monkeypatch, *predict)
     assert 'wrote 2 predictions to ' + os.path.join(ft, 'predictions.jsonl') in capsys.readouterr().out
+
+
+def test_a_file_output_replaces_only_an_earlier_output_of_its_kind(files, capsys):
+    out = files['out']
+    data = files['data']
+    text = files['text']
+    tmp = os.path.dirname(out)
+    metrics = f'{out}/metrics.jsonl'
+    sidecar = f'{out}/ckpt.json'
+    corpus = f'{data}/input.txt'
+    script = f'{tmp}/prepare.py'
+    with open(metrics, 'w') as f:
+        f.write('{"type": "start", "run": 1, "iter": 0}\n')
+    with open(sidecar, 'w') as f:
+        json.dump({'model_args': {}, 'iter_num': 3}, f)
+    with open(corpus, 'w') as f:
+        f.write('First Citizen:\n')
+    with open(script, 'w') as f:
+        f.write('print("prepare")\n')
+    for kind, setting in (('eval result', 'output_file'), ('predictions', 'predict_out')):
+        for path in (metrics, sidecar, corpus, script, f'{text}/a.jsonl'):
+            assert_refused(setting, [path], check_output, path, setting, False, output_kind=kind)
+        # the words say which file it is and whose
+        with pytest.raises(UserError, match=rf"would replace {metrics}, a file of the run in {out} that is not an "
+                                            rf"earlier {kind}"):
+            check_output(metrics, setting, False, output_kind=kind)
+        with pytest.raises(UserError, match=rf"a file of the dataset in {data} that is not an earlier {kind}"):
+            check_output(corpus, setting, False, output_kind=kind)
+        # --overwrite=True: the user asked for it
+        check_output(metrics, setting, True, output_kind=kind)
+        assert 'would replace' in capsys.readouterr().err
+    # an earlier output of the same kind is replaced, one of the other kind is not
+    check_output(f'{out}/eval.json', 'output_file', False, output_kind='eval result')
+    check_output(f'{out}/predictions.jsonl', 'predict_out', False, output_kind='predictions')
+    assert_refused('output_file', [f'{out}/predictions.jsonl'], check_output, f'{out}/predictions.jsonl',
+                   'output_file', False, output_kind='eval result')
+    assert_refused('predict_out', [f'{out}/eval.json'], check_output, f'{out}/eval.json', 'predict_out', False,
+                   output_kind='predictions')
+
+
+def test_a_runs_lock_is_never_an_output(files):
+    lock = os.path.join(files['out'], 'run.lock')
+    with open(lock, 'w') as f:
+        f.write('{"pid": 1, "host": "h"}\n')
+    for overwrite in (False, True):
+        for kind in ('file', 'directory'):
+            with pytest.raises(UserError, match=r"is a run's lock \(run.lock\), which no output may replace"):
+                check_output(lock, 'output_file', overwrite, kind=kind, output_kind='eval result')
+    assert json.load(open(lock)) == {'pid': 1, 'host': 'h'}
+
+
+def test_eval_output_file_over_a_runs_files_is_refused(char_run, monkeypatch):
+    out, data = char_run
+    args = ['--init_from=resume', f'--out_dir={out}', f'--dataset={data}', '--device=cpu', '--max_examples=2']
+    with open(f'{out}/metrics.jsonl', 'w') as f:
+        f.write('{"type": "start", "run": 1, "iter": 0}\n')
+    for target in (f'{out}/metrics.jsonl', f'{out}/ckpt.json'):
+        assert_refused('output_file', [target], run_script, eval_script, monkeypatch, *args, f'--output_file={target}')
+    with pytest.raises(UserError, match="is a run's lock"):
+        run_script(eval_script, monkeypatch, *args, f'--output_file={out}/run.lock', '--overwrite=True')
+    assert not os.path.exists(f'{out}/run.lock')

@@ -107,6 +107,8 @@ def expand_files(files):
     for pattern in (p.strip() for p in files.split(",") if p.strip()):
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         for path in matches:
+            if os.path.isdir(path):
+                raise UserError(f"input {path} is a directory; pass its files (e.g. --input='{path}/*.txt')")
             if not os.path.isfile(path):
                 raise UserError(f"input file {path} does not exist; pass existing .txt, .jsonl or .parquet files")
         if not matches:
@@ -149,6 +151,8 @@ def load_corpus(dataset="openwebtext", files="", text_column="text", num_proc=1,
             if bad:
                 raise UserError(f"{bad[0]} is not UTF-8 text (invalid byte at byte offset {bad[1]}); "
                                 f"convert it to UTF-8 first") from None
+            if builder == "json":
+                check_json_records(paths, text_column)
             raise UserError(f"could not read {', '.join(paths[:3])} ({error_line(e)}); check that they are "
                             f"valid {builder} files") from None
         where = ", ".join(paths[:3]) + (" ..." if len(paths) > 3 else "")
@@ -168,9 +172,46 @@ def load_corpus(dataset="openwebtext", files="", text_column="text", num_proc=1,
     if text_column not in ds.column_names:
         raise UserError(f"{where} has no column '{text_column}' (its columns: {', '.join(ds.column_names)}); "
                         f"pass --text_column=NAME")
+    if files and builder == "json" and getattr(ds.features[text_column], "dtype", None) != "string":
+        # a number, a list or null among the texts: which line
+        check_json_records(paths, text_column)
+        raise UserError(f"{where}: the '{text_column}' field is not text in every record; give every record a "
+                        f"string there")
     if not has_text(ds, text_column):
         raise UserError(f"{where} holds no text (no documents, or only empty ones); pass a corpus with some text")
     return ds, text_column
+
+
+def check_json_records(paths, column):
+    """
+    The first record of JSON-lines files that is not an object with a string `column` (a number, a list, null, a
+    line that is not JSON), refused in one line naming the file, the line and the field. Read only when loading
+    failed or the column came out as something other than text, to say where.
+    """
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    if lineno == 1 and line.lstrip().startswith("["):
+                        # a .json file holding one array: not JSON lines, datasets' own message stands
+                        break
+                    raise UserError(f"{path} line {lineno} is not valid JSON; fix or remove that line") from None
+                if not isinstance(record, dict):
+                    raise UserError(f"{path} line {lineno} is {_json_kind(record)}, not an object with a "
+                                    f"'{column}' field; write one object per line")
+                if column in record and record[column] is not None and not isinstance(record[column], str):
+                    raise UserError(f"{path} line {lineno}: its '{column}' field is {_json_kind(record[column])} "
+                                    f"({json.dumps(record[column])[:40]}), not text; make it a string")
+
+
+def _json_kind(value):
+    """ 'a number', 'a list', ...: what a JSON value is, for messages. """
+    kinds = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object", str: "a string"}
+    return kinds.get(type(value), "null")
 
 
 def has_text(ds, column, rows=1024):

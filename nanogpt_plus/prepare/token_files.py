@@ -98,6 +98,11 @@ def write_dataset_meta(out, tokenizer, dtype):
     else:
         meta = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "dtype": dtype}
     write_meta(out, meta, pickle_too=tokenizer.kind == "char")
+    # an earlier preparation of this directory with another tokenizer left files this one has not
+    if tokenizer.kind != "bpe":
+        out.remove_at_commit(TOKENIZER_FILE)
+    if tokenizer.kind != "char":
+        out.remove_at_commit("meta.pkl")
     return meta
 
 
