@@ -29,9 +29,9 @@ from configurator import configure
 from nanogpt_plus.checkpoint import tokenizer_known
 from nanogpt_plus.dataset import check_dataset_tokenizer, read_dataset_meta
 from nanogpt_plus.device import device_type_of, precision, resolve_compile
-from nanogpt_plus.distributed import init_distributed
+from nanogpt_plus.distributed import every_rank, init_distributed
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.evaluation import TASKS, evaluate, loss_files
+from nanogpt_plus.evaluation import TASKS, evaluate, loss_files, task_data_file
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.init_from import describe_source, init_model
 from nanogpt_plus.outputs import check_output
@@ -54,8 +54,6 @@ def check_settings(cfg):
     DEFAULTS.check(cfg)
     if cfg['task'] not in TASKS:
         raise UserError(f"unknown task '{cfg['task']}'; use one of: {', '.join(TASKS)}")
-    if cfg['data_file'] and not os.path.exists(cfg['data_file']):
-        raise UserError(f"no data file at {cfg['data_file']}; pass --data_file=PATH to an existing file")
     if cfg['output_file']:  # now, not after an evaluation that may take hours
         check_output(cfg['output_file'], 'output_file', cfg['overwrite'], inputs={'data_file': cfg['data_file']},
                      output_kind='eval result')
@@ -74,6 +72,28 @@ def check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta, source):
                                 remedy="evaluate it on token files made with its tokenizer (--dataset, --data_file)")
 
 
+def load_inputs(cfg):
+    """
+    (model, tokenizer description, checkpoint, dataset, data file) of this rank: the model init_from names, the
+    dataset a loss is measured on (a checkpoint's own unless --dataset says otherwise; its token files must be
+    here, and speak the model's tokenizer), and a JSONL task's file (the public one downloaded once).
+    """
+    data_file = cfg['data_file']
+    if data_file and not os.path.exists(data_file):  # before the model is read
+        raise UserError(f"no data file at {data_file}; pass --data_file=PATH to an existing file")
+    model, tokenizer_meta, ckpt = init_model(cfg['init_from'], cfg['out_dir'])
+    dataset = cfg['dataset'] or ((ckpt or {}).get('config') or {}).get('dataset', '')
+    if cfg['task'] == 'loss':
+        missing = [p for p in loss_files(data_file, dataset, cfg['split']) if not os.path.exists(p)]
+        if missing:
+            raise UserError(f"no token file at {missing[0]} on this machine; prepare the dataset, or pass "
+                            f"--dataset / --data_file")
+        check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta, describe_source(cfg['init_from'], cfg['out_dir']))
+    else:
+        data_file = task_data_file(cfg['task'], data_file)
+    return model, tokenizer_meta, ckpt, dataset, data_file
+
+
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     check_settings(cfg)
@@ -84,20 +104,17 @@ def main():
     compile_model = resolve_compile(cfg['compile'], device_type_of(device))  # None = auto: on CUDA
     if dist_info.master:
         print(f"provenance: {json.dumps(provenance(device))}")
-    model, tokenizer_meta, ckpt = init_model(cfg['init_from'], cfg['out_dir'])
+    # what each rank reads (the model, the data), with one verdict: a node that lacks a file stops every rank
+    model, tokenizer_meta, ckpt, dataset, data_file = every_rank(dist_info, lambda: load_inputs(cfg))
     source = describe_source(cfg['init_from'], cfg['out_dir'])
     model.to(device)
     model.eval()
     set_weights(model, cfg['weights'])  # every row of the head: a loss scores the padded ids too
-    # a checkpoint's loss is measured on the dataset it was trained on unless --dataset says otherwise
-    dataset = cfg['dataset'] or ((ckpt or {}).get('config') or {}).get('dataset', '')
-    if cfg['task'] == 'loss':
-        check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta, source)
     # compiled, every batch is padded to block_size: one shape, so torch.compile compiles once
     pad_to = model.config.block_size if compile_model else None
     if compile_model:
         model = torch.compile(model)
-    result = evaluate(model, cfg['task'], tokenizer_meta, data_file=cfg['data_file'], dataset=dataset,
+    result = evaluate(model, cfg['task'], tokenizer_meta, data_file=data_file, dataset=dataset,
                       split=cfg['split'], stride=cfg['stride'], batch_size=cfg['batch_size'],
                       max_examples=cfg['max_examples'], device=device, ctx=ctx, dist_info=dist_info,
                       pad_to=pad_to, progress=dist_info.master)

@@ -18,14 +18,13 @@ with the model's tokenizer (GPT-2 BPE, a character vocabulary, or the bpe tokeni
 $ python finetune.py --task=classification --init_from=out-shakespeare-char --out_dir=out-ft \\
       --train_file=train.jsonl --val_file=val.jsonl
 $ python finetune.py config/finetune_classification.py --init_from=gpt2 --train_file=... --val_file=...
-$ python finetune.py ... --init_from=scratch --dataset=shakespeare_char   # no pretraining, for comparison
+$ python finetune.py ... --init_from=scratch --dataset=shakespeare_char   # no pretraining
 $ torchrun --standalone --nproc_per_node=2 finetune.py ... --device=cpu   # DDP: each rank a share of each batch
 
 Resume an interrupted fine-tune (Ctrl-C or SIGTERM saves out_dir/ckpt_last.pt and exits with code 75) with
-train.py's rules (the model is the checkpoint's: an architecture setting that differs is refused):
+train.py's rules (the model is the checkpoint's), or with --auto_resume=True when ckpt_last.pt is there:
 $ python finetune.py ... --out_dir=out-ft --init_from=resume
 A new fine-tune into an out_dir that holds one is refused unless --overwrite=True; one run at a time per out_dir.
-
 Predict labels for unlabelled JSONL with a fine-tuned model (or after training, with the best model):
 $ python finetune.py --init_from=out-ft --predict_file=test.jsonl --predict_out=predictions.jsonl
 
@@ -55,7 +54,7 @@ from nanogpt_plus.dataset import find_dataset
 from nanogpt_plus.device import compute_setup, device_type_of
 from nanogpt_plus.distributed import accumulation_per_rank, all_reduce_sum, every_rank, init_distributed
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
-from nanogpt_plus.init_from import adopt_source, checkpoint_path, init_model
+from nanogpt_plus.init_from import SAME_START, checkpoint_path, init_model
 from nanogpt_plus.metrics import MetricsLogger
 from nanogpt_plus.optimizer import apply_settings, make_grad_scaler, optimizer_step, set_learning_rate
 from nanogpt_plus.out_dir import check_new_run, claim_out_dir
@@ -71,7 +70,8 @@ LAST_CKPT = 'ckpt_last.pt'  # the latest training state, for --init_from=resume
 # the settings: GPT-1's fine-tuning recipe (batch 32, 3 epochs, dropout 0.1, warmup over 0.2% of training, lambda
 # 0.5, lr 6.25e-5 scaled to the width); the model settings are for init_from=scratch (the weights fix the rest)
 DEFAULTS = settings.Schema(
-    settings.FINETUNING, settings.subset(settings.IO, 'out_dir', 'log_interval', 'overwrite', 'init_from'),
+    settings.FINETUNING, settings.subset(settings.IO, 'out_dir', 'log_interval', 'overwrite', 'init_from',
+                                         'auto_resume'),
     settings.subset(settings.DATA, 'dataset', 'gradient_accumulation_steps', 'batch_size', 'block_size'),
     settings.MODEL, settings.subset(settings.ADAMW, 'learning_rate', 'weight_decay', 'beta1', 'beta2', 'grad_clip'),
     settings.subset(settings.LR_DECAY, 'decay_lr', 'min_lr'), settings.WANDB,
@@ -140,7 +140,7 @@ def main():
     check_settings(cfg)
     dist_info = init_distributed(cfg['device'], cfg['backend'])
     # train.py's rules: the architecture of the model init_from names (0 = its block_size); one verdict for all ranks
-    every_rank(dist_info, lambda: adopt_source(cfg, keep_zero=('block_size',), resume_file=LAST_CKPT))
+    every_rank(dist_info, lambda: finetuning.start(cfg, LAST_CKPT), agree=SAME_START)
     if not cfg['train_file'] and cfg['predict_file']:
         return finetuning.predict_with_checkpoint(cfg, dist_info)
     # the best model's predictions come after the training: their path is checked now

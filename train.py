@@ -36,7 +36,7 @@ from nanogpt_plus.dataloader import TokenWindowLoader, training_data
 from nanogpt_plus.dataset import padded_tokenizer_size
 from nanogpt_plus.device import compute_setup, device_type_of
 from nanogpt_plus.errors import Interrupted, UserError, non_finite_loss, out_of_memory_error
-from nanogpt_plus.init_from import adopt_source, check_new_model_fits, init_training_model
+from nanogpt_plus.init_from import SAME_START, adopt_source, check_new_model_fits, init_training_model
 from nanogpt_plus.metrics import MetricsLogger
 from nanogpt_plus.out_dir import claim_out_dir, prepare_out_dir
 from nanogpt_plus.parallel import grad_sync_context, local_param_count, wrap_model
@@ -95,9 +95,9 @@ def main(argv=None):
         cfg = configure(DEFAULTS, argv, doc=__doc__)
         check_settings(cfg)
         dist_info = distributed.init_distributed(cfg['device'], cfg['backend'])
-        # the architecture of the model init_from names becomes the run's (a resume's finished run is refused),
-        # on every rank with one verdict: a node whose disk lacks the file stops them all, in one line
-        distributed.every_rank(dist_info, lambda: adopt_source(cfg))
+        # the model's architecture is its source's (a finished run is refused), with one verdict: a node lacking the
+        # file, or whose settings, commit or checkpoint differ from rank 0's, stops every rank in one line
+        distributed.every_rank(dist_info, lambda: adopt_source(cfg), agree=SAME_START)
         # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run ends)
         with claim_out_dir(cfg['out_dir'], dist_info, prepare=lambda: prepare_out_dir(cfg, 'train.py', argv)):
             finished = train(cfg, dist_info, exit_request)
@@ -281,8 +281,9 @@ def setup(cfg, dist_info):
     on_meta = fsdp and dist_info.rank != 0
     raw_model, tokenizer_meta, ckpt = distributed.every_rank(dist_info, lambda: init_training_model(cfg, data, on_meta))
     tokenizer_ids = padded_tokenizer_size(raw_model.config.vocab_size, tokenizer_meta)
-    for loader in (train_loader, *eval_loaders.values()):
-        loader.check_vocab(raw_model.config.vocab_size, tokenizer_ids)  # ids the model can't read
+    # ids the model can't read: one verdict for every rank
+    distributed.every_rank(dist_info, lambda: [loader.check_vocab(raw_model.config.vocab_size, tokenizer_ids)
+                                               for loader in (train_loader, *eval_loaders.values())])
     tasks = None
     if cfg['hellaswag_interval'] or cfg['sample_interval']:
         # now, not at the first interval: a missing file (offline) or a bad prompt stops the run here

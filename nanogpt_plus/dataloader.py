@@ -346,13 +346,19 @@ def training_data(cfg, dist_info):
     """
     train.py's dataset and loaders, (Dataset, train_loader, {'train': ..., 'val': ...}), opened on every rank with
     one verdict: a node whose disk lacks the data (or holds another copy that fails its checks) ends every rank
-    with the same line, instead of one rank stopping while the others wait for it in a collective.
+    with the same line, instead of one rank stopping while the others wait for it in a collective; and so does a
+    node whose copy holds other numbers of tokens (a file cut short, another preparation) than rank 0's, which
+    would train on other data without an error.
     """
     def open_all():
         data = find_dataset(cfg['dataset'])
-        return (data, *training_loaders(data, cfg['batch_size'], cfg['block_size'], cfg['seed'], cfg['data_order'],
-                                        dist_info))
-    return every_rank(dist_info, open_all)
+        loaders = training_loaders(data, cfg['batch_size'], cfg['block_size'], cfg['seed'], cfg['data_order'],
+                                   dist_info)
+        sizes = {split: [int(n) for n in loader.source.sizes] for split, loader in loaders[1].items()}
+        return {'data': data, 'loaders': loaders, 'dataset': sizes}
+    opened = every_rank(dist_info, open_all, agree={'dataset': "give every node the same copy of the dataset (its "
+                                                               "files' tokens per split are compared)"})
+    return (opened['data'], *opened['loaders'])
 
 
 def training_loaders(data, batch_size, block_size, seed, data_order, dist_info):

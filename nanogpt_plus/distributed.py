@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from nanogpt_plus.device import device_type_of, resolve_device
-from nanogpt_plus.errors import PeerFailed, UserError, exit_code
+from nanogpt_plus.errors import EXIT_USER_ERROR, PeerFailed, UserError, exit_code
 
 
 @dataclass
@@ -139,13 +139,17 @@ def accumulation_per_rank(gradient_accumulation_steps, dist_info):
     return gradient_accumulation_steps // w
 
 
-def every_rank(dist_info, fn):
+def every_rank(dist_info, fn, agree=None):
     """
     Run fn() on every rank (each checks what only it can see: a file on its own node's disk) and reach one
-    verdict: when fn raises on any rank, the lowest such rank raises its error (the one line printed, naming
-    the rank and host when the ranks disagreed) and every other rank stops quietly with the same exit code,
-    instead of walking on into a collective the failed rank never joins. Returns fn()'s result. One
-    all_gather_object with several processes.
+    verdict: when fn raises on any rank, the lowest such rank raises its error (the one line, naming the rank and
+    host when the ranks disagreed), every other rank stops with the same exit code, instead of walking on into a
+    collective the failed rank never joins, and the first process of every other node prints that same line too
+    (whoever watches one node's log sees why the run ended). Returns fn()'s result.
+    agree: {name: what to do} for entries of fn's result (a dict of plain values: the resolved settings, the
+    commit, the checkpoint resumed from, the dataset's sizes) that must be the same on every rank; one that
+    differs from rank 0's ends every rank the same way, in one line naming what differs, where, and agree[name].
+    One all_gather_object with several processes.
     """
     error = None
     result = None
@@ -158,21 +162,62 @@ def every_rank(dist_info, fn):
             raise error
         return result
     import torch.distributed as dist
+    code = None if error is None else exit_code(error)
+    shown = {k: result[k] for k in agree} if agree and error is None else None
+    mine = (code, socket.gethostname(), os.environ.get('GROUP_RANK', '0'), str(error) if error else '', shown)
     outcomes = [None] * dist_info.world_size
-    dist.all_gather_object(outcomes, (None if error is None else exit_code(error), socket.gethostname()))
-    failed = [r for r, (code, _) in enumerate(outcomes) if code is not None]
-    if not failed:
-        return result
-    first = failed[0]
-    if dist_info.rank != first:
-        raise PeerFailed(f"rank {first} failed", outcomes[first][0])
-    # a file one node has, another lacks
-    if len(failed) < dist_info.world_size and isinstance(error, UserError):
-        fine = sorted({host for code, host in outcomes if code is None})
-        raise type(error)(f"{error} [rank {first} on {outcomes[first][1]}; ranks on {', '.join(fine)} found what "
-                          f"they needed: every node must see this path (a shared file system, or a copy on each "
-                          f"node), see docs/training.md#many-machines]") from None
-    raise error
+    dist.all_gather_object(outcomes, mine)
+    failed = [r for r, outcome in enumerate(outcomes) if outcome[0] is not None]
+    if failed:
+        first = failed[0]
+        message = outcomes[first][3]
+        # a file one node has, another lacks
+        if len(failed) < dist_info.world_size and outcomes[first][0] == EXIT_USER_ERROR:
+            fine = sorted({o[1] for o in outcomes if o[0] is None})
+            message = (f"{message} [rank {first} on {outcomes[first][1]}; ranks on {', '.join(fine)} found what "
+                       f"they needed: every node must see this path (a shared file system, or a copy on each "
+                       f"node), see docs/training.md#many-machines]")
+        if dist_info.rank == first and message == str(error):
+            raise error
+        if dist_info.rank == first:
+            raise type(error)(message) from None
+        stop_with(dist_info, outcomes, first, message, outcomes[first][0])
+    if agree:
+        difference = _first_difference(outcomes, agree)
+        if difference:
+            stop_with(dist_info, outcomes, 0, difference, EXIT_USER_ERROR, error=UserError(difference))
+    return result
+
+
+def stop_with(dist_info, outcomes, source, message, code, error=None):
+    """
+    End this rank after rank `source` failed with message (or, given error, every rank alike): the lowest rank
+    raises it, the others stop with its exit code, and the first process of every node that is not the raiser's
+    says it too (PeerFailed's `say`, printed by run_main).
+    """
+    nodes = [o[2] for o in outcomes]
+    if error is not None and dist_info.rank == 0:
+        raise error
+    here_first = nodes.index(nodes[dist_info.rank]) == dist_info.rank
+    say = message if here_first and nodes[dist_info.rank] != nodes[source] else None
+    raise PeerFailed(f"rank {source} failed", code, say=say)
+
+
+def _first_difference(outcomes, agree):
+    """ The line for the first entry of agree that is not the same on every rank as on rank 0, or None. """
+    where = [f"rank {r} on {o[1]}" for r, o in enumerate(outcomes)]
+    for name, remedy in agree.items():
+        values = [o[4][name] for o in outcomes]
+        for r, value in enumerate(values):
+            if value == values[0]:
+                continue
+            if isinstance(value, dict) and isinstance(values[0], dict):
+                keys = sorted(k for k in value.keys() | values[0].keys() if value.get(k) != values[0].get(k))
+                shown = ', '.join(f"{k}={values[0].get(k)!r} on {where[0]} but {value.get(k)!r} on {where[r]}"
+                                  for k in keys[:3])
+                return f"the ranks differ in {name}: {shown}; {remedy}"
+            return f"the ranks differ in {name}: {values[0]!r} on {where[0]} but {value!r} on {where[r]}; {remedy}"
+    return None
 
 
 def broadcast_object(obj, dist_info, src=0):

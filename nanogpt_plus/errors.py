@@ -44,9 +44,11 @@ class PeerFailed(Exception):
     other ranks raise this to stop with the same exit code without printing the message a second time.
     """
 
-    def __init__(self, message, code):
+    def __init__(self, message, code, say=None):
         super().__init__(message)
         self.code = code
+        # a line run_main prints on this rank too: the first process of another node than the failed rank's
+        self.say = say
 
 
 def exit_code(error):

@@ -25,11 +25,11 @@ from torch.utils.data import DistributedSampler
 
 from nanogpt_plus.checkpoint import build_checkpoint, load_checkpoint
 from nanogpt_plus.device import precision
-from nanogpt_plus.distributed import all_reduce_sum
+from nanogpt_plus.distributed import all_reduce_sum, master_decides
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.files import read_jsonl as read_jsonl_records
-from nanogpt_plus.init_from import checkpoint_path, fit_block_size, model_from_checkpoint
+from nanogpt_plus.init_from import adopt_source, checkpoint_path, fit_block_size, model_from_checkpoint
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
 from nanogpt_plus.weights import set_weights
@@ -411,6 +411,19 @@ def add_special_tokens(gpt, source_ckpt):
     return {'start': v, 'delim': v + 1, 'extract': v + 2}
 
 
+def start(cfg, resume_file):
+    """
+    finetune.py's checks of what each rank reads, before any work (run by every rank, one verdict): the files
+    named by train_file, val_file and predict_file are there, and the model's architecture is its source's
+    (init_from.adopt_source, train.py's rules; block_size 0 = the model's own). Returns adopt_source's result.
+    """
+    for setting in ('train_file', 'val_file', 'predict_file'):
+        if cfg[setting] and not os.path.isfile(cfg[setting]):
+            raise UserError(f"--{setting}={cfg[setting]}: there is no file at that path on this machine; check the "
+                            f"path (every node of a run must see it)")
+    return adopt_source(cfg, keep_zero=('block_size',), resume_file=resume_file)
+
+
 def task_model_and_data(cfg, task, gpt, tokenizer_meta, source, resume):
     """
     finetune.py's model and data from the source GPT: cropped to --block_size (a pretrained model may train on
@@ -598,7 +611,13 @@ def predict_with_checkpoint(cfg, dist_info):
     """
     finetune.py --predict_file without --train_file: predictions of the fine-tuned checkpoint init_from names
     (its out_dir or ckpt.pt), written by rank 0 to predict_out (else predictions.jsonl beside the checkpoint).
+    Under torchrun rank 0 alone reads the checkpoint and predicts; the others wait for its verdict, so all end
+    together, with its exit code.
     """
+    master_decides(dist_info, lambda: _predict(cfg, dist_info))
+
+
+def _predict(cfg, dist_info):
     path = checkpoint_path(cfg['init_from'], cfg['out_dir'])
     if path is None:
         raise UserError(f"--predict_file without --train_file needs --init_from to be a fine-tuned out_dir or "
@@ -610,8 +629,6 @@ def predict_with_checkpoint(cfg, dist_info):
     model = model_from_finetune_checkpoint(ckpt)
     if cfg['task'] and cfg['task'] != ckpt['task']:
         raise UserError(f"--task={cfg['task']} but {path} was fine-tuned for {ckpt['task']}; drop --task")
-    if not dist_info.master:
-        return
     model.to(dist_info.device)
     model.eval()
     set_weights(model.gpt, cfg['weights'])  # the task head stays float32: it is one small matrix

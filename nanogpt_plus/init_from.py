@@ -22,6 +22,7 @@ from model import GPT, GPT2_NAMES, MODERN, GPTConfig
 from nanogpt_plus.checkpoint import (
     checkpoint_tokenizer_meta,
     clean_state_dict,
+    file_digest,
     load_checkpoint,
     model_config_from_checkpoint,
     tokenizer_known,
@@ -30,6 +31,7 @@ from nanogpt_plus.dataset import check_dataset_tokenizer, find_dataset
 from nanogpt_plus.device import check_model_memory, resolve_device
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.out_dir import resume_point
+from nanogpt_plus.runtime import git_commit
 
 
 def init_model(init_from, out_dir='out', dataset=None, model_settings=None, dropout=None, resume_file='ckpt.pt',
@@ -63,9 +65,17 @@ def init_model(init_from, out_dir='out', dataset=None, model_settings=None, drop
         # only for Hugging Face weights
         from nanogpt_plus.pretrained import pretrained_tokenizer_meta
         return pretrained_model(init_from, dropout, on_meta), pretrained_tokenizer_meta(init_from), None
-    raise UserError(f"don't know how to load init_from='{init_from}': use scratch, resume (with --out_dir), a "
-                    f"training out_dir or ckpt.pt, gpt2/gpt2-medium/gpt2-large/gpt2-xl, or a local Hugging Face "
-                    f"GPT-2 directory")
+    raise unknown_source(init_from)
+
+
+def unknown_source(init_from):
+    """ The one line for an init_from that names nothing here: a path that is not on this machine, or a typo. """
+    if not os.path.exists(init_from):
+        return UserError(f"init_from={init_from}: there is nothing at that path on this machine, and it is none of "
+                         f"scratch, resume, gpt2/gpt2-medium/gpt2-large/gpt2-xl; check the path (every node of a "
+                         f"run must see it)")
+    return UserError(f"init_from={init_from}: there is no ckpt.pt, training out_dir or Hugging Face GPT-2 directory "
+                     f"at that path; pass one of those, scratch, resume (with --out_dir) or gpt2*")
 
 
 def init_training_model(cfg, data, on_meta=False):
@@ -106,7 +116,11 @@ def check_new_model_fits(cfg):
     """
     if cfg['init_from'] != 'scratch':
         return
-    vocab_size = find_dataset(cfg['dataset'], splits=()).vocab_size or 50304
+    try:
+        vocab_size = find_dataset(cfg['dataset'], splits=()).vocab_size or 50304
+    except UserError:
+        # a meta file that can't be read: said later, by every rank with one verdict (this runs before they meet)
+        vocab_size = 50304
     check_model_memory(cfg, vocab_size, on_cpu=resolve_device(cfg['device']) == 'cpu')
 
 
@@ -376,26 +390,58 @@ def keep_model_architecture(cfg, saved, source, rule, keep_zero=(), smaller=(),
 def adopt_source(cfg, keep_zero=(), resume_file=None):
     """
     Before any work, the architecture of the model init_from names becomes cfg's (train.py; finetune.py with
-    keep_zero=('block_size',) and its resume_file). 'resume': adopt_resumed_run's rules (finetune.py:
-    adopt_resumed_finetune's). Given weights (a checkpoint, an out_dir, gpt2*, a Hugging Face directory): the
-    weights fix the model, so an architecture setting the user gave that differs is refused in one line, and one
-    not given is theirs, so that the saved 'config' agrees with 'model_args'; dropout may change and block_size
-    may be smaller (the model is cropped to it). Their files are read as far as the architecture needs (the
-    checkpoint memory-mapped, config.json alone).
+    keep_zero=('block_size',) and its resume_file). auto_resume: init_from becomes 'resume' when out_dir holds
+    the run's checkpoint (a requeued job), so one command starts a run and continues it. 'resume':
+    adopt_resumed_run's rules (finetune.py: adopt_resumed_finetune's). Given weights (a checkpoint, an out_dir,
+    gpt2*, a Hugging Face directory): the weights fix the model, so an architecture setting the user gave that
+    differs is refused in one line, and one not given is theirs, so that the saved 'config' agrees with
+    'model_args'; dropout may change and block_size may be smaller (the model is cropped to it). Their files are
+    read as far as the architecture needs (the checkpoint memory-mapped, config.json alone). Returns what every
+    rank must start from alike (SAME_START).
     """
-    init_from, out_dir = cfg['init_from'], cfg['out_dir']
+    out_dir = cfg['out_dir']
+    if cfg.get('auto_resume') and cfg['init_from'] != 'resume' and \
+            os.path.isfile(os.path.join(out_dir, resume_file or 'ckpt.pt')):
+        cfg['init_from'] = 'resume'  # a requeued job: its checkpoint is there, so it continues
+        if int(os.environ.get('RANK', 0)) == 0:
+            print(f"auto_resume=True: {out_dir} holds this run's checkpoint; resuming it")
+    init_from = cfg['init_from']
+    resumed = None
     if init_from == 'resume':
+        resumed = os.path.join(out_dir, resume_file) if resume_file else resume_point(out_dir, cfg['resume_from'])
         if resume_file is not None:
-            return adopt_resumed_finetune(cfg, os.path.join(out_dir, resume_file))
-        return adopt_resumed_run(cfg, resume_point(out_dir, cfg['resume_from']))
+            adopt_resumed_finetune(cfg, resumed)
+        else:
+            adopt_resumed_run(cfg, resumed)
+    else:
+        adopt_weights(cfg, keep_zero)
+    # what every rank must start from alike (SAME_START): its settings, its code, the checkpoint it resumes
+    return {'settings': dict(cfg), 'commit': git_commit(), 'checkpoint': file_digest(resumed) if resumed else None}
+
+
+# what adopt_source returns that must be the same on every rank (distributed.every_rank's agree), and what to do
+SAME_START = {
+    'settings': "start every node with the same command line and config files",
+    'commit': "check out the same commit of this repository on every node",
+    'checkpoint': "every node must resume from the same checkpoint: copy rank 0's node's out_dir/ckpt.pt to every "
+                  "node's out_dir, or put out_dir on a shared file system",
+}
+
+
+def adopt_weights(cfg, keep_zero=()):
+    """ adopt_source for given weights: their architecture becomes cfg's (see adopt_source). """
+    init_from, out_dir = cfg['init_from'], cfg['out_dir']
     path = checkpoint_path(init_from, out_dir)
     if path is not None:
         saved = model_config_from_checkpoint(load_checkpoint(path))
     elif init_from in GPT2_NAMES or is_hf_dir(init_from):
         from nanogpt_plus.pretrained import hf_config  # only for Hugging Face weights
         saved = hf_config(init_from)
+    elif init_from == 'scratch':
+        return
     else:
-        return  # scratch, or a name init_model refuses in one line
+        # now, in the verdict of every rank: this node may lack the path
+        raise unknown_source(init_from)
     keep_model_architecture(cfg, saved, describe_source(init_from, out_dir), keep_zero=keep_zero,
                             smaller=('block_size',), rule="a model trained from given weights keeps their "
                             "architecture (dropout and a smaller block_size may change)",

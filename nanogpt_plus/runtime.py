@@ -9,6 +9,7 @@ Usage:
         run_main(main)
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -37,6 +38,9 @@ def run_main(main):
         destroy_distributed()
         _exit(exit_code(e))
     except PeerFailed as e:  # rank 0 said why; no teardown: a rank may still be gone
+        # the first process of another node repeats the line, for whoever reads this node's log
+        if e.say:
+            print(f"error: {e.say}", file=sys.stderr)
         _exit(exit_code(e))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -65,6 +69,7 @@ def _exit(code):
     os._exit(code)
 
 
+@functools.lru_cache(maxsize=None)
 def git_commit():
     """ The current git commit of this checkout (with '+dirty' when modified), or 'unknown'. """
     here = os.path.dirname(os.path.abspath(__file__))

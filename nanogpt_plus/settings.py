@@ -75,6 +75,8 @@ IO = Group(
                                  "or a ckpt.pt / training out_dir", not_empty=True),
     resume_from=Setting('', "with init_from='resume': go back to a snapshot, its iteration (2000) or name "
                             "(ckpt_2000.pt); '' = ckpt.pt"),
+    auto_resume=flag(False, "True: resume the run in out_dir when its checkpoint is there (a requeued job), else "
+                            "start from init_from"),
 )
 
 INLOOP = Group(

@@ -243,3 +243,11 @@ def start_python(args, cwd=REPO, env=None, **kwargs):
     in_slow_tier("starts a process")
     return subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, **kwargs)
+
+
+@slow
+def start_program(argv, cwd=REPO, env=None, **kwargs):
+    """ A program other than Python (a shell script) started in the background, its output piped. """
+    in_slow_tier("starts a process")
+    return subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            **kwargs)

@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -17,11 +18,13 @@ import torch
 from helpers import (
     REPO,
     SPACED_SYMBOLS,
+    TINY_RUN,
     TINY_VOCAB,
     TORCHRUN,
     iter_losses,
     project_frames,
     run_python,
+    start_program,
     start_python,
     train_args,
     write_hellaswag,
@@ -42,7 +45,7 @@ def free_port():
 def node_copy(dst, dataset):
     """ A working copy of the repository for one node (what a node's own disk holds), with the dataset in it. """
     dst.mkdir(parents=True)
-    for name in ('train.py', 'finetune.py', 'model.py', 'configurator.py'):
+    for name in ('train.py', 'finetune.py', 'eval.py', 'model.py', 'configurator.py'):
         shutil.copy(os.path.join(REPO, name), dst / name)
     shutil.copytree(os.path.join(REPO, 'nanogpt_plus'), dst / 'nanogpt_plus',
                     ignore=shutil.ignore_patterns('__pycache__'))
@@ -53,13 +56,16 @@ def node_copy(dst, dataset):
     return dst
 
 
-def two_nodes(copies, args, timeout=60):
-    """ train.py under two torchrun agents (--nnodes=2, one process each), each in its own copy; both must end. """
+def two_nodes(copies, args, timeout=60, script='train.py', node_args=None):
+    """
+    script under two torchrun agents (--nnodes=2, one process each), each in its own copy; both must end.
+    node_args: per node, arguments after args (what differs between the nodes' command lines).
+    """
     port = free_port()
-    procs = [start_python(TORCHRUN + ['--nnodes=2', '--nproc_per_node=1',
-                               f'--node_rank={i}', '--master_addr=127.0.0.1', f'--master_port={port}', 'train.py',
-                               *args], cwd=copy, env=ENV,
-                              start_new_session=True)
+    node_args = node_args or [[], []]
+    procs = [start_python(TORCHRUN + ['--nnodes=2', '--nproc_per_node=1', f'--node_rank={i}',
+                                      '--master_addr=127.0.0.1', f'--master_port={port}', script, *args,
+                                      *node_args[i]], cwd=copy, env=ENV, start_new_session=True)
              for i, copy in enumerate(copies)]
     began = time.time()
     results = []
@@ -81,6 +87,16 @@ def tiny(out_dir, **settings):
     return train_args('data/tiny', out_dir, num_threads=1, **settings)
 
 
+def assert_one_line_on_each_node(results, *words, code=2):
+    """ Both nodes ended with the same exit code and each printed the same one `error:` line, holding words. """
+    assert all(r.returncode != 0 for r in results), [r.returncode for r in results]
+    lines = [[line for line in r.stderr.splitlines() if line.startswith('error: ')] for r in results]
+    assert [len(node) for node in lines] == [1, 1], (lines, results[0].stderr[-2000:], results[1].stderr[-2000:])
+    assert lines[0] == lines[1], lines
+    for w in words:
+        assert w in lines[0][0], lines[0][0]
+
+
 # -----------------------------------------------------------------------------
 # two nodes without a shared disk
 
@@ -99,9 +115,7 @@ def test_resume_with_out_dir_on_one_node_only_is_one_line_on_both(tiny_dataset, 
     assert first.returncode == 0, first.stderr[-2000:]
     results = two_nodes(nodes, tiny('out', max_iters=6, init_from='resume'))
     assert all(r.returncode != 0 for r in results)
-    errors = [line for r in results for line in r.stderr.splitlines() if line.startswith('error: ')]
-    assert len(errors) == 1, errors  # one line, from the node that lacks the checkpoint
-    assert "there is no checkpoint at out/ckpt.pt" in errors[0] and "every node must see this path" in errors[0]
+    assert_one_line_on_each_node(results, "there is no checkpoint at out/ckpt.pt", "every node must see this path")
     # no worker traceback (torchrun's own launcher prints one of its ChildFailedError: frames of its files only)
     assert not any(project_frames(r.stderr, node) for node, r in zip(nodes, results)), results[1].stderr[-3000:]
 
@@ -195,3 +209,185 @@ def test_resuming_on_more_ranks_gives_the_new_ranks_their_own_rng(dataset, tmp_p
     rng = load_checkpoint(str(out / 'ckpt.pt'))['rng']
     # distinct dropout streams
     assert len(rng) == 2 and not torch.equal(rng[0]['torch'], rng[1]['torch'])
+
+
+# -----------------------------------------------------------------------------
+# the SLURM script of docs/training.md (scripts/slurm_train.sh), with stand-ins for srun and scontrol
+
+FAKE_SRUN = """#!/bin/bash
+# srun's stand-in: one task per node, each with its own SLURM_NODEID, all on this machine (options skipped)
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NNODES; i++)); do
+    SLURM_NODEID=$i SLURM_PROCID=$i "$@" &
+    pids+=($!)
+    echo $! >> "$SRUN_PIDS"
+done
+code=0
+for p in "${pids[@]}"; do wait "$p" || code=$?; done
+exit $code
+"""
+FAKE_SCONTROL = """#!/bin/bash
+case "$1 $2" in
+    "show hostnames") echo 127.0.0.1 ;;
+    requeue*) echo "$2" >> "$REQUEUED" ;;
+esac
+"""
+
+
+def slurm_job(tmp_path, dataset, *args):
+    """ scripts/slurm_train.sh as SLURM would run it on 2 nodes (one torchrun each), started in the background. """
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (('srun', FAKE_SRUN), ('scontrol', FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    config = tmp_path / 'tiny_config.py'
+    settings = dict(TINY_RUN, dataset=dataset, num_threads=1)
+    config.write_text(''.join(f"{key} = {value!r}\n" for key, value in settings.items()))
+    (tmp_path / 'pids').write_text('')
+    env = dict(ENV, PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}", SLURM_NNODES='2',
+               SLURM_JOB_NODELIST='node[1-2]', SLURM_JOB_ID='77', CONFIG=str(config), OUT_DIR=str(tmp_path / 'out'),
+               NPROC_PER_NODE='1', MASTER_PORT=str(free_port()), SRUN_PIDS=str(tmp_path / 'pids'),
+               REQUEUED=str(tmp_path / 'requeued'), LOG=str(tmp_path / 'job.log'))
+    return start_program(['bash', 'scripts/slurm_train.sh', *args], env=env, start_new_session=True)
+
+
+def test_the_slurm_script_signals_every_node_requeues_and_resumes(tiny_dataset, tmp_path):
+    # a long run; SLURM's --signal=TERM@120 sends SIGTERM to every task (each node's torchrun)
+    job = slurm_job(tmp_path, tiny_dataset, '--max_iters=100000', '--lr_decay_iters=100000',
+                    '--eval_interval=100000')
+    try:
+        deadline = time.time() + 120
+        for line in job.stdout:
+            if line.startswith('iter 3:') or time.time() > deadline:
+                break
+        for pid in (tmp_path / 'pids').read_text().split():
+            os.kill(int(pid), signal.SIGTERM)
+        out = job.communicate(timeout=120)[0]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    assert job.returncode == 0, out[-3000:]
+    assert (tmp_path / 'requeued').read_text().split() == ['77']  # the job asked to run again
+    assert 'requeueing job 77' in out
+    # both nodes had node ranks of their own (with one node rank for both, the agents would never meet)
+    stopped = load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))['iter_num']
+    assert stopped >= 3 and len(load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))['rng']) == 2
+    # the requeued job: the same command continues the run and finishes it
+    job = slurm_job(tmp_path, tiny_dataset, f'--max_iters={stopped + 2}', f'--lr_decay_iters={stopped + 2}',
+                    '--eval_interval=100000')
+    out = job.communicate(timeout=180)[0]
+    assert job.returncode == 0, out[-3000:]
+    assert f"auto_resume=True: {tmp_path / 'out'} holds this run's checkpoint; resuming it" in out
+    assert min(iter_losses(out)) == stopped and f"(final, iter {stopped + 3})" in out
+    # no second requeue: the run is done
+    assert (tmp_path / 'requeued').read_text().split() == ['77']
+
+
+# -----------------------------------------------------------------------------
+# every node runs the same run or none does (issue 33)
+
+def test_a_stale_checkpoint_on_one_node_is_refused_on_both(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    first = run_python(['train.py', *tiny('out', max_iters=3)], cwd=nodes[0], env=ENV, timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    # the docs' advice once (ckpt.pt copied to every node's out_dir), then node 0's run went on alone
+    shutil.copytree(nodes[0] / 'out', nodes[1] / 'out')
+    more = run_python(['train.py', *tiny('out', max_iters=5, init_from='resume')], cwd=nodes[0], env=ENV,
+                      timeout=120)
+    assert more.returncode == 0, more.stderr[-2000:]
+    began = time.time()
+    results = two_nodes(nodes, tiny('out', max_iters=8, init_from='resume'))
+    assert time.time() - began < 60
+    assert_one_line_on_each_node(results, "the ranks differ in checkpoint:", "rank 0 on", "rank 1 on",
+                                 "every node must resume from the same checkpoint")
+    # nothing trained, node 0's checkpoint unchanged
+    assert not iter_losses(results[0].stdout) and load_checkpoint(str(nodes[0] / 'out' / 'ckpt.pt'))['iter_num'] == 6
+
+
+def test_settings_that_differ_between_nodes_are_refused_on_both(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    results = two_nodes(nodes, tiny('out'), node_args=[['--max_iters=6'], ['--max_iters=3']])
+    assert_one_line_on_each_node(results, "the ranks differ in settings: max_iters=6 on rank 0 on",
+                                 "but 3 on rank 1 on", "start every node with the same command line")
+    assert not (nodes[0] / 'out' / 'ckpt.pt').exists()
+
+
+def test_a_token_file_that_differs_on_one_node_is_refused_on_both(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    train_bin = nodes[1] / 'data' / 'tiny' / 'train.bin'
+    np.fromfile(train_bin, dtype=np.uint16)[:30000].tofile(train_bin)  # valid, but cut short
+    results = two_nodes(nodes, tiny('out', max_iters=2))
+    assert_one_line_on_each_node(results, "the ranks differ in dataset: train=[54000] on rank 0 on",
+                                 "but [30000] on rank 1 on", "give every node the same copy of the dataset")
+
+
+def test_a_bad_token_id_in_a_small_split_of_one_node_is_one_verdict(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    train_bin = nodes[1] / 'data' / 'tiny' / 'train.bin'
+    tokens = np.fromfile(train_bin, dtype=np.uint16)
+    tokens[100] = TINY_VOCAB + 7  # the same size: only the scan at set-up finds it
+    tokens.tofile(train_bin)
+    results = two_nodes(nodes, tiny('out', max_iters=2))
+    assert_one_line_on_each_node(results, f"holds token ids up to {TINY_VOCAB + 7}", "[rank 1 on")
+
+
+def test_finetune_inputs_missing_on_one_node_are_one_verdict(tmp_path):
+    from test_finetune import make_source, make_task
+    nodes = [node_copy(tmp_path / f'node{i}', os.path.join(REPO, 'tests')) for i in range(2)]
+    for node in nodes:
+        make_source(node / 'src')
+    train_file, val_file = make_task(nodes[0], 'classification', n_train=16, n_val=8)
+    common = ['--task=classification', '--init_from=src', f'--val_file={os.path.basename(val_file)}',
+              '--device=cpu', '--batch_size=8', '--epochs=1', '--out_dir=ft']
+    # the training file on node 0 only
+    results = two_nodes(nodes, common + [f'--train_file={os.path.basename(train_file)}'], script='finetune.py')
+    assert_one_line_on_each_node(results, "--train_file=classification_train.jsonl: there is no file at that path "
+                                          "on this machine", "[rank 1 on")
+    # the model on node 0 only: not "don't know how to load"
+    shutil.rmtree(nodes[1] / 'src')
+    shutil.copy(train_file, nodes[1])
+    shutil.copy(val_file, nodes[1])
+    results = two_nodes(nodes, common + [f'--train_file={os.path.basename(train_file)}'], script='finetune.py')
+    assert_one_line_on_each_node(results, "init_from=src: there is nothing at that path on this machine")
+
+
+def test_finetune_predictions_under_torchrun_are_rank_0s(tmp_path):
+    from test_finetune import make_source, make_task
+    nodes = [node_copy(tmp_path / f'node{i}', os.path.join(REPO, 'tests')) for i in range(2)]
+    for node in nodes:
+        make_source(node / 'src')
+    train_file, val_file = make_task(nodes[0], 'classification', n_train=16, n_val=8)
+    fine = run_python(['finetune.py', '--task=classification', '--init_from=src', f'--train_file={train_file}',
+                       f'--val_file={val_file}', '--device=cpu', '--batch_size=8', '--epochs=1', '--out_dir=ft'],
+                      cwd=nodes[0], env=ENV, timeout=120)
+    assert fine.returncode == 0, fine.stderr[-2000:]
+    shutil.copytree(nodes[0] / 'ft', nodes[1] / 'ft')
+    predict = ['--init_from=ft', f'--predict_file={os.path.basename(val_file)}', '--device=cpu']
+    # the file to predict on node 0 only: one verdict, at once (no wait in torchrun's exit barrier)
+    began = time.time()
+    results = two_nodes(nodes, predict, script='finetune.py')
+    assert time.time() - began < 45
+    assert_one_line_on_each_node(results, "--predict_file=classification_val.jsonl: there is no file")
+    shutil.copy(val_file, nodes[1])
+    results = two_nodes(nodes, predict, script='finetune.py')
+    assert [r.returncode for r in results] == [0, 0], results[1].stderr[-2000:]
+    # rank 0 alone
+    assert "wrote 8 predictions" in results[0].stdout and "wrote" not in results[1].stdout
+
+
+def test_eval_inputs_on_one_node_only_are_one_verdict(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    first = run_python(['train.py', *tiny('out', max_iters=2)], cwd=nodes[0], env=ENV, timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    evaluate = ['--init_from=resume', '--out_dir=out', '--device=cpu', '--max_examples=2']
+    results = two_nodes(nodes, evaluate, script='eval.py')  # the checkpoint on node 0 only
+    assert_one_line_on_each_node(results, "no checkpoint at out/ckpt.pt", "[rank 1 on")
+    shutil.copytree(nodes[0] / 'out', nodes[1] / 'out')
+    # a HellaSwag file on node 0 only (the default one, downloaded by every node that lacks it, is found or
+    # fetched in the same verdict)
+    write_hellaswag(nodes[0] / 'hs.jsonl')
+    results = two_nodes(nodes, evaluate + ['--task=hellaswag', '--data_file=hs.jsonl'], script='eval.py')
+    assert_one_line_on_each_node(results, "no data file at hs.jsonl", "[rank 1 on")

@@ -253,3 +253,13 @@ def test_a_signal_while_torch_is_imported_ends_in_75_and_one_line(dataset, tmp_p
     assert proc.returncode == 75, err[-2000:]
     assert "stopped before iter 0: a signal came during set-up; nothing new to save" in out
     assert not iter_losses(out) and "Traceback" not in err
+
+
+def test_auto_resume_starts_a_run_then_continues_it(dataset, tmp_path, capsys):
+    out = run_train(capsys, train_args(dataset, tmp_path, max_iters=3, eval_interval=3, num_threads=1,
+                                       auto_resume=True)).out
+    assert "Initializing a new model from scratch" in out and "auto_resume" not in out.split("Overriding")[-1]
+    out = run_train(capsys, train_args(dataset, tmp_path, max_iters=5, eval_interval=3, num_threads=1,
+                                       auto_resume=True)).out
+    assert f"auto_resume=True: {tmp_path} holds this run's checkpoint; resuming it" in out
+    assert min(iter_losses(out)) == 4 and load_checkpoint(str(tmp_path / 'ckpt.pt'))['iter_num'] == 6
