@@ -43,7 +43,7 @@ from nanogpt_plus.weights import set_weights
 # this script reads the settings, loads the model, and prints or writes the result
 DEFAULTS = Schema(
     subset(IO, 'init_from', 'out_dir', 'overwrite'), EVALUATION, subset(DATA, 'dataset', 'batch_size'),
-    subset(SYSTEM, 'device', 'dtype', 'compile', 'seed'), init_from='resume', compile=False,
+    subset(SYSTEM, 'device', 'dtype', 'compile', 'seed', 'dist_timeout'), init_from='resume', compile=False,
     dataset=Setting('', "loss: data/<dataset>/<split>.bin or its <split> shards; '' = the checkpoint's training "
                         "dataset"),
     batch_size=16)
@@ -97,7 +97,7 @@ def load_inputs(cfg):
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     check_settings(cfg)
-    dist_info = init_distributed(cfg['device'])
+    dist_info = init_distributed(cfg['device'], timeout=cfg['dist_timeout'])
     torch.manual_seed(cfg['seed'])
     device = dist_info.device
     _, ctx = precision(device, cfg['dtype'])

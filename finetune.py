@@ -13,8 +13,7 @@ rows included, so they never share an id with the tokenizer's tokens):
                                                          each, softmax over the choices
 Labels: class ids or strings (the map is kept in the checkpoint); multiple_choice's: the right choice's index or text.
 
-Fine-tune a model trained with train.py (its out_dir), GPT-2 weights or a local HF directory, the texts encoded
-with the model's tokenizer (GPT-2 BPE, a character vocabulary, or the bpe tokenizer.json it was trained with):
+Fine-tune a model of train.py (its out_dir), GPT-2 or a local HF directory, texts in the model's tokenizer:
 $ python finetune.py --task=classification --init_from=out-shakespeare-char --out_dir=out-ft \\
       --train_file=train.jsonl --val_file=val.jsonl
 $ python finetune.py config/finetune_classification.py --init_from=gpt2 --train_file=... --val_file=...
@@ -75,7 +74,8 @@ DEFAULTS = settings.Schema(
     settings.subset(settings.DATA, 'dataset', 'gradient_accumulation_steps', 'batch_size', 'block_size'),
     settings.MODEL, settings.subset(settings.ADAMW, 'learning_rate', 'weight_decay', 'beta1', 'beta2', 'grad_clip'),
     settings.subset(settings.LR_DECAY, 'decay_lr', 'min_lr'), settings.WANDB,
-    settings.subset(settings.SYSTEM, 'backend', 'device', 'dtype', 'compile', 'activation_checkpointing', 'seed'),
+    settings.subset(settings.SYSTEM, 'backend', 'dist_timeout', 'device', 'dtype', 'compile',
+                    'activation_checkpointing', 'seed'),
     out_dir='out-finetune', log_interval=10, gradient_accumulation_steps=1, batch_size=32, dropout=0.1,
     block_size=settings.FINETUNE_BLOCK_SIZE, learning_rate=settings.FINETUNE_LEARNING_RATE,
     weight_decay=0.01, beta2=0.999, min_lr=0.0, wandb_project='finetune', wandb_run_name='finetune', compile=False)
@@ -138,7 +138,7 @@ def main():
     argv = sys.argv[1:]
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     check_settings(cfg)
-    dist_info = init_distributed(cfg['device'], cfg['backend'])
+    dist_info = init_distributed(cfg['device'], cfg['backend'], cfg['dist_timeout'])
     # train.py's rules: the architecture of the model init_from names (0 = its block_size); one verdict for all ranks
     every_rank(dist_info, lambda: finetuning.start(cfg, LAST_CKPT), agree=SAME_START)
     if not cfg['train_file'] and cfg['predict_file']:
@@ -233,9 +233,8 @@ def setup(cfg, dist_info):
         if dist_info.master:
             print(f"resuming the fine-tune at epoch {state.epoch}, step {state.step_in_epoch} of "
                   f"{schedule.steps_per_epoch}")
-    logger = MetricsLogger(os.path.join(cfg['out_dir'], 'metrics.jsonl'), enabled=dist_info.master,
-                           wandb_log=cfg['wandb_log'], wandb_project=cfg['wandb_project'],
-                           wandb_run_name=cfg['wandb_run_name'], config=cfg, wandb_dir=cfg['out_dir'])
+    # a resume continues its checkpoint's wandb run too
+    logger = MetricsLogger.for_run(cfg, dist_info.master, resumed=source if resume else None)
     logger.start(state.iter_num, cfg['init_from'])
     # a resumed fine-tune still names the model it started from, not its own ckpt_last.pt
     source_name = source.get('source_model', cfg['init_from']) if resume else cfg['init_from']
@@ -368,7 +367,8 @@ def evaluate_epoch(run, state):
 def checkpoint(run, state, **extra):
     """ The fine-tune's checkpoint dict at this state: the GPT, its head and labels, then extra. """
     return finetuning.finetune_checkpoint(run.raw_model, state.iter_num, run.cfg, run.tokenizer_meta, run.provenance,
-                               run.data.label_map, run.special, run.source_name, **extra)
+                               run.data.label_map, run.special, run.source_name,
+                               wandb_id=run.logger.wandb_id, **extra)
 
 
 def save_last(run, state, reason):

@@ -494,12 +494,12 @@ class GPT(nn.Module):
     def from_hf_model(cls, model_hf, override_args=None):
         """ Build a GPT from an in-memory transformers GPT2LMHeadModel. """
         hf = model_hf.config
-        gelu = HF_ACTIVATIONS.get(hf.activation_function)
-        if gelu is None:
+        if hf.activation_function not in HF_ACTIVATIONS:
             raise ValueError(f"unsupported activation_function {hf.activation_function!r} in the Hugging Face config")
         config_args = dict(n_layer=hf.n_layer, n_head=hf.n_head, n_embd=hf.n_embd, block_size=hf.n_positions,
                            # GPT-2 checkpoints always have biases
-                           vocab_size=hf.vocab_size, bias=True, gelu=gelu)
+                           vocab_size=hf.vocab_size, bias=True, **HF_ACTIVATIONS[hf.activation_function],
+                           tie_embeddings=hf.tie_word_embeddings)
         config_args['dropout'] = 0.0
         config_args.update(override_args or {})
         model = cls(GPTConfig(**config_args))
@@ -586,17 +586,29 @@ class GPT(nn.Module):
 # Hugging Face GPT-2 <-> this model. One table serves both directions: from_hf_model (import) and
 # export_hf.py (export). HF's GPT-2 uses Conv1D modules, whose weights are the transpose of nn.Linear's.
 
-HF_ACTIVATIONS = {'gelu_new': 'tanh', 'gelu_pytorch_tanh': 'tanh', 'gelu_fast': 'tanh', 'gelu': 'none'}
-# GPTConfig.gelu -> the name export_hf.py writes
-EXPORT_ACTIVATIONS = {'tanh': 'gelu_new', 'none': 'gelu'}
+# transformers' activation_function -> GPTConfig's gelu and mlp_act; GPT2LMHeadModel computes relu2 as we do
+HF_ACTIVATIONS = {'gelu_new': {'gelu': 'tanh'}, 'gelu_pytorch_tanh': {'gelu': 'tanh'}, 'gelu_fast': {'gelu': 'tanh'},
+                  'gelu': {'gelu': 'none'}, 'relu2': {'mlp_act': 'relu2'}}
 _HF_CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+# the modern options GPT2LMHeadModel computes too (ReLU^2 as its activation, an untied head); the others need
+# our own code in an export (nanogpt_plus/hf_modeling.py)
+GPT2_HOLDS = ('mlp_act', 'tie_embeddings')
+
+
+def hf_activation(config):
+    """ transformers' activation_function for our MLP: GPT-2's tanh GELU, the exact GELU, or ReLU^2. """
+    if config.mlp_act == 'relu2':
+        return 'relu2'
+    return {'tanh': 'gelu_new', 'none': 'gelu'}[config.gelu]
 
 
 def hf_key_map(config):
     """ [(our state_dict key, HF GPT2LMHeadModel state_dict key, transpose?)] for every tensor we own. """
     # GPT-2's layout has no place for them (rotary, RMSNorm, ...)
     for name, value in config.modern().items():
-        raise ValueError(f"{name}={value!r}, which a Hugging Face GPT-2 can't hold (GPT-2 has {name}={MODERN[name]!r})")
+        if name not in GPT2_HOLDS:
+            raise ValueError(f"{name}={value!r}, which a Hugging Face GPT-2 can't hold (GPT-2 has "
+                             f"{name}={MODERN[name]!r})")
     rows = [('transformer.wte.weight', 'transformer.wte.weight', False),
             ('transformer.wpe.weight', 'transformer.wpe.weight', False)]
     for i in range(config.n_layer):
@@ -609,7 +621,9 @@ def hf_key_map(config):
     rows.append(('transformer.ln_f.weight', 'transformer.ln_f.weight', False))
     if config.bias:
         rows.append(('transformer.ln_f.bias', 'transformer.ln_f.bias', False))
-    # lm_head.weight is tied to wte in both models, so it needs no row of its own
+    # a tied lm_head.weight is wte in both models, so it needs a row of its own only when untied
+    if not config.tie_embeddings:
+        rows.append(('lm_head.weight', 'lm_head.weight', False))
     return rows
 
 

@@ -21,7 +21,6 @@ EXIT_REQUEST = early_exit_request(__name__)
 import functools
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -94,7 +93,7 @@ def main(argv=None):
     try:
         cfg = configure(DEFAULTS, argv, doc=__doc__)
         check_settings(cfg)
-        dist_info = distributed.init_distributed(cfg['device'], cfg['backend'])
+        dist_info = distributed.init_distributed(cfg['device'], cfg['backend'], cfg['dist_timeout'])
         # the model's architecture is its source's (a finished run is refused), with one verdict: a node lacking the
         # file, or whose settings, commit or checkpoint differ from rank 0's, stops every rank in one line
         distributed.every_rank(dist_info, lambda: adopt_source(cfg), agree=SAME_START)
@@ -254,6 +253,7 @@ def checkpoint(run, state, gathered):
         'rng': gathered.rng,  # every rank's RNG states, in rank order
         'scaler': run.scaler.state_dict() if run.scaler.is_enabled() else None,
         'spike_guard': state.spike_guard.state_dict() if state.spike_guard is not None else None,
+        'wandb_id': run.logger.wandb_id,  # the wandb run a resume continues (None: wandb off)
     }
 
 
@@ -321,9 +321,8 @@ def setup(cfg, dist_info):
         checkpointer.best_val_loss = float(ckpt['best_val_loss'])
         restore_training_state(ckpt, optimizer, scaler, dist_info, train_loader, state.spike_guard)
         opt.apply_settings(optimizer, cfg, master)  # a --beta2 given now trains from here on
-    logger = MetricsLogger(os.path.join(cfg['out_dir'], 'metrics.jsonl'), enabled=master,
-                           wandb_log=cfg['wandb_log'], wandb_project=cfg['wandb_project'],
-                           wandb_run_name=cfg['wandb_run_name'], config=cfg, wandb_dir=cfg['out_dir'])
+    # a resume continues its checkpoint's wandb run; a new run (or one started over) gets a new one
+    logger = MetricsLogger.for_run(cfg, master, resumed=ckpt if cfg['init_from'] == 'resume' else None)
     logger.start(state.iter_num, cfg['init_from'])
     state.loader_state = train_loader.state_dict()
     state.batch = train_loader.next_batch()

@@ -9,6 +9,7 @@ Usage:
     dtype, ctx = precision(device, 'auto')        # TF32 on CUDA, dtype, autocast context
 """
 
+import os
 from contextlib import nullcontext
 
 import torch
@@ -83,12 +84,44 @@ def precision(device, dtype):
     return dtype, autocast_context(device, dtype)
 
 
-def resolve_compile(setting, device_type):
+def resolve_compile(setting, device_type, triton=None):
     """
     compile=None (auto) compiles on CUDA only: on the CPU the compile time (20-100 s on 2 cores) costs
-    about what it saves over a few thousand small-model iterations (measured with bench.py).
+    about what it saves over a few thousand small-model iterations (measured with bench.py). On CUDA
+    torch.compile writes Triton kernels: without Triton (Windows has none by default) auto runs eager, saying so
+    in one line, and compile=True is refused before any work, instead of failing at the first step.
+    triton: whether Triton is importable (None: look).
     """
-    return setting if setting is not None else device_type == 'cuda'
+    wanted = setting if setting is not None else device_type == 'cuda'
+    if not wanted or device_type != 'cuda':
+        return wanted
+    if triton is None:
+        triton = triton_installed()
+    if triton:
+        return True
+    fix = "install it (pip install triton; on Windows: pip install triton-windows)"
+    if setting is None:
+        if int(os.environ.get('RANK', 0)) == 0:
+            print(f"compile: torch.compile on CUDA needs Triton, which is not installed; running without compile "
+                  f"({fix}, or pass --compile=False to say so)")
+        return False
+    raise UserError(f"--compile=True on CUDA needs Triton, which is not installed; {fix}, or pass --compile=False")
+
+
+def triton_installed():
+    """ Whether the triton package (torch.compile's CUDA code generator) can be imported. """
+    import importlib.util
+    return importlib.util.find_spec('triton') is not None
+
+
+def check_training_dtype(device_type, dtype):
+    """
+    float16 training needs a loss scaler, and torch.amp.GradScaler's for MPS is not one this code has tested (nor
+    can, without a Mac): refused in one line rather than trained with a scaler built for the wrong device.
+    """
+    if device_type == 'mps' and dtype == 'float16':
+        raise UserError("--dtype=float16 training on MPS is not supported (its loss scaler is CUDA's); use "
+                        "--dtype=float32, or bfloat16 on macOS 14 or later")
 
 
 def compute_setup(device, dtype, compile_setting, num_threads, peak=True):
@@ -99,6 +132,7 @@ def compute_setup(device, dtype, compile_setting, num_threads, peak=True):
     Returns (dtype, ctx, compile_model, peak_flops).
     """
     device_type = device_type_of(device)
+    check_training_dtype(device_type, dtype)
     dtype, ctx = precision(device, dtype)
     compile_model = resolve_compile(compile_setting, device_type)
     # MFU against the whole device: on the CPU every core torch uses by default, whatever num_threads

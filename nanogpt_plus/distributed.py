@@ -8,6 +8,7 @@ Usage:
     master_decides(dist_info, lambda: write_the_file())           # rank 0 acts; every rank ends alike
 """
 
+import datetime
 import os
 import socket
 from dataclasses import dataclass
@@ -32,10 +33,11 @@ class DistInfo:
         return self.rank == 0  # rank 0 is the process that logs and writes the checkpoints
 
 
-def init_distributed(device='auto', backend='auto'):
+def init_distributed(device='auto', backend='auto', timeout=0):
     """
     Under torchrun (RANK in the environment) join the process group: nccl for CUDA, gloo for CPU, each
-    CUDA rank on cuda:LOCAL_RANK. Otherwise a single process on the resolved device.
+    CUDA rank on cuda:LOCAL_RANK. Otherwise a single process on the resolved device. timeout: the seconds a
+    collective may wait for the other ranks (the dist_timeout setting; 0 = PyTorch's default).
     """
     import torch.distributed as dist
     device = resolve_device(device)
@@ -54,6 +56,8 @@ def init_distributed(device='auto', backend='auto'):
         backend = 'nccl' if device_type == 'cuda' else 'gloo'
     if not dist.is_initialized():
         kwargs = dict(device_id=torch.device(device)) if backend == 'nccl' else {}
+        if timeout:
+            kwargs['timeout'] = datetime.timedelta(seconds=timeout)
         dist.init_process_group(backend=backend, **kwargs)
     return DistInfo(True, rank, local_rank, world_size, device)
 

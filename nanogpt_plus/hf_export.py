@@ -1,12 +1,20 @@
 """
-Export a GPT to a Hugging Face transformers directory: config.json (GPT2Config), generation_config.json,
-model.safetensors (GPT2LMHeadModel's names and Conv1D layout), the tokenizer files and a README.md.
-export_hf.py is the command line for it.
+Export a GPT to a Hugging Face transformers directory: config.json, generation_config.json, model.safetensors,
+the tokenizer files and a README.md. export_hf.py is the command line for it.
 
-The weight names come from model.hf_key_map, the same table GPT.from_pretrained imports with, so
-GPT.from_pretrained(hf_dir) gives back exactly the exported model. GPT-2 BPE models get GPT-2's own
-tokenizer files; a character-level model gets a character tokenizer.json; a bpe model its own
-tokenizer.json, unchanged. Character and bpe models also get our tokenizer description
+Two forms, by what the model computes:
+- GPT-2's architecture (ReLU^2 and an untied head included: GPT2LMHeadModel has both): transformers' own
+  GPT2LMHeadModel, its names and Conv1D layout, with no code of ours. The weight names come from
+  model.hf_key_map, the same table GPT.from_pretrained imports with, so GPT.from_pretrained(hf_dir) gives back
+  exactly the exported model.
+- any other modern option (rotary positions, RMSNorm, QK-norm, a logit soft cap): our own code, loaded with
+  trust_remote_code=True, the Hub's convention for custom models. config.json (model_type 'nanogpt': GPT-2's
+  size names plus our options) names the classes of modeling_nanogpt.py (nanogpt_plus/hf_modeling.py), which
+  wrap an unchanged copy of model.py, so transformers computes with the code the model was trained with.
+Either way nanogpt_plus/pretrained.py reads the directory back (init_from=hf_dir).
+
+GPT-2 BPE models get GPT-2's own tokenizer files; a character-level model gets a character tokenizer.json; a
+bpe model its own tokenizer.json, unchanged. Character and bpe models also get our tokenizer description
 (checkpoint.HF_TOKENIZER_META) so that init_model(hf_dir) decodes with the same vocabulary. The ids a
 model has beyond its tokenizer's (vocab_size padded to a multiple of 64, fine-tuning's special tokens)
 are suppress_tokens in generation_config.json, so transformers never generates them either.
@@ -22,7 +30,7 @@ import os
 
 import torch
 
-from model import EXPORT_ACTIVATIONS, hf_key_map
+from model import GPT2_HOLDS, hf_activation, hf_key_map
 from nanogpt_plus.bpe import EOT_TEXT
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write
@@ -30,24 +38,51 @@ from nanogpt_plus.pretrained import HF_TOKENIZER_META
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer, packaged_gpt2_files
 
 EXPORT_WEIGHTS = ('float32', 'bfloat16')  # the dtypes model.safetensors may hold
+# the files of the custom form, beside config.json: our model code and its transformers classes
+MODEL_CODE = 'model.py'
+MODELING_FILE = 'modeling_nanogpt.py'
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def gpt2_form(config):
+    """ Whether transformers' GPT2LMHeadModel computes this model exactly (else the export carries our code). """
+    return all(name in GPT2_HOLDS for name in config.modern())
 
 
 def hf_config(config, eot_token=50256):
     """
-    The transformers GPT2Config for our GPTConfig (vocab_size as trained, e.g. nanoGPT's padded 50304).
+    The transformers config for our GPTConfig (vocab_size as trained, e.g. nanoGPT's padded 50304): a GPT2Config
+    where GPT2LMHeadModel computes the model (gpt2_form), else our NanoGPTConfig naming the code that does.
     eot_token: the tokenizer's end-of-text id, transformers' bos/eos (GPT-2's 50256; None for a char vocabulary).
     """
+    if not gpt2_form(config):
+        return nanogpt_config(config, eot_token)
     from transformers import GPT2Config
 
     return GPT2Config(
         vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd,
         # None = 4 * n_embd, as in our MLP
         n_layer=config.n_layer, n_head=config.n_head, n_inner=None,
-        activation_function=EXPORT_ACTIVATIONS[config.gelu], layer_norm_epsilon=1e-5,
+        activation_function=hf_activation(config), layer_norm_epsilon=1e-5,
         resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
-        bos_token_id=eot_token, eos_token_id=eot_token, tie_word_embeddings=True,
+        bos_token_id=eot_token, eos_token_id=eot_token, tie_word_embeddings=config.tie_embeddings,
         architectures=['GPT2LMHeadModel'],
     )
+
+
+def nanogpt_config(config, eot_token):
+    """ The custom form's config.json: GPT2Config's names for the sizes, our options, and the auto_map. """
+    from nanogpt_plus.hf_modeling import NanoGPTConfig
+    module = MODELING_FILE[:-len('.py')]
+    hf_cfg = NanoGPTConfig(
+        vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
+        n_head=config.n_head, bias=config.bias, activation_function=hf_activation(config), pos=config.pos,
+        norm=config.norm, qk_norm=config.qk_norm, logit_softcap=config.logit_softcap,
+        tie_word_embeddings=config.tie_embeddings, bos_token_id=eot_token, eos_token_id=eot_token,
+        architectures=['NanoGPTForCausalLM'])
+    # what AutoConfig / AutoModelForCausalLM load with trust_remote_code=True
+    hf_cfg.auto_map = {'AutoConfig': f'{module}.NanoGPTConfig', 'AutoModelForCausalLM': f'{module}.NanoGPTForCausalLM'}
+    return hf_cfg
 
 
 def write_generation_config(hf_dir, hf_cfg, n_tokens):
@@ -68,12 +103,17 @@ def write_generation_config(hf_dir, hf_cfg, n_tokens):
 
 def hf_state_dict(model):
     """
-    Our weights under GPT2LMHeadModel's names and layout (Conv1D = transposed Linear). A model trained with
-    bias=False gets zero biases, which is exactly the function it computes. lm_head.weight is left out:
-    it is tied to wte in both models (tie_word_embeddings=True).
+    The tensors model.safetensors holds. GPT-2's form: our weights under GPT2LMHeadModel's names and layout (Conv1D
+    = transposed Linear); a model trained with bias=False gets zero biases, which is exactly the function it
+    computes. The custom form: our own names under 'gpt.' (NanoGPTForCausalLM's attribute). A tied lm_head.weight
+    is left out of both: it is wte, tied again on load.
     """
     config = model.config
     sd = model.state_dict()
+    if not gpt2_form(config):
+        tied = config.tie_embeddings
+        return {f'gpt.{name}': t.detach().cpu().contiguous() for name, t in sd.items()
+                if not (tied and name == 'lm_head.weight')}
     out = {}
     for ours, theirs, transpose in hf_key_map(config):
         t = sd[ours].detach().cpu()
@@ -87,6 +127,23 @@ def hf_state_dict(model):
                 weight = sd[ours[:-len('bias')] + 'weight']
                 out[theirs] = torch.zeros(weight.size(0), dtype=weight.dtype)
     return out
+
+
+def write_model_code(hf_dir, config):
+    """
+    The custom form's code, model.py and modeling_nanogpt.py, copied in (an earlier custom export's are replaced);
+    a GPT-2-form export removes an earlier one's, so that the directory holds no code its config.json doesn't use.
+    """
+    for name, source in ((MODEL_CODE, os.path.join(REPO, 'model.py')),
+                         (MODELING_FILE, os.path.join(REPO, 'nanogpt_plus', 'hf_modeling.py'))):
+        path = os.path.join(hf_dir, name)
+        if gpt2_form(config):
+            if os.path.isfile(path):
+                os.remove(path)
+            continue
+        with open(source, encoding='utf-8') as f:
+            text = f.read()
+        atomic_write(path, lambda f: f.write(text), binary=False)
 
 
 def write_gpt2_tokenizer(hf_dir, block_size):
@@ -205,11 +262,18 @@ def tokenizer_note(tok, vocab_size):
 
 
 def write_readme(hf_dir, source, config, tok_note):
-    """ README.md: where the model came from, its shape, and how its tokenizer loads. """
+    """ README.md: where the model came from, its shape, how it loads, and how its tokenizer loads. """
+    options = ''.join(f", {k}={v}" for k, v in config.modern().items())
+    if gpt2_form(config):
+        loads = "`GPT2LMHeadModel.from_pretrained(this_dir)` (or `AutoModelForCausalLM`): transformers' own GPT-2"
+    else:
+        loads = ("`AutoModelForCausalLM.from_pretrained(this_dir, trust_remote_code=True)`: the model's code is "
+                 "in this directory (modeling_nanogpt.py around model.py, the code it was trained with); read them "
+                 "before you trust them. generate() works without a KV cache and without padding")
     text = (f"# GPT-2 style model exported by export_hf.py\n\nsource: `{source}`\n\n"
             f"- n_layer={config.n_layer}, n_head={config.n_head}, n_embd={config.n_embd}, "
             f"block_size={config.block_size}, vocab_size={config.vocab_size}, bias={config.bias}, "
-            f"activation={EXPORT_ACTIVATIONS[config.gelu]}\n- tokenizer: {tok_note}\n")
+            f"activation={hf_activation(config)}{options}\n- loads with {loads}\n- tokenizer: {tok_note}\n")
     atomic_write(os.path.join(hf_dir, 'README.md'), lambda f: f.write(text), binary=False)
 
 
@@ -222,17 +286,6 @@ def check_export_weights(weights):
         raise UserError(f"weights must be 'float32' or 'bfloat16' for a Hugging Face export, got {weights!r}")
 
 
-def check_gpt2_form(config, source):
-    """
-    Hugging Face's GPT2LMHeadModel computes GPT-2 only: a model with a modern option on (which hf_key_map, the
-    table the export writes with, has no row for) is refused before anything is written, naming the option.
-    """
-    try:
-        hf_key_map(config)
-    except ValueError as e:
-        raise UserError(f"{source} has {e}; only models trained with GPT-2's architecture export") from None
-
-
 def export(model, tokenizer_meta, hf_dir, source='', weights='float32'):
     """
     Write model (a GPT) and its tokenizer (a description dict: {'kind': 'gpt2'}, a character vocabulary or a
@@ -240,7 +293,6 @@ def export(model, tokenizer_meta, hf_dir, source='', weights='float32'):
     goes into the README. weights: the dtype of the stored tensors, 'float32' or 'bfloat16'. Returns hf_dir.
     """
     check_export_weights(weights)
-    check_gpt2_form(model.config, source or 'the checkpoint')
     tok = load_tokenizer(tokenizer_meta)  # an unknown kind is refused here, in one line
     check_tokenizer_fits(model.config, tokenizer_meta, source or 'the checkpoint')
     try:
@@ -270,6 +322,7 @@ def _write_export(model, tok, hf_dir, source, weights):
     tensors = {name: t.to(dtype) for name, t in hf_state_dict(model).items()}
     atomic_write(os.path.join(hf_dir, 'model.safetensors'),
                  lambda f: f.write(_safetensors_bytes(tensors)))
+    write_model_code(hf_dir, config)
     write_tokenizer(hf_dir, tok, config.block_size)
     write_readme(hf_dir, source, config, tokenizer_note(tok, config.vocab_size))
 

@@ -29,13 +29,18 @@ class MetricsLogger:
     Every start of a run into the out_dir is a new 'run' (1, 2, ... counted from the file): each record
     carries its number, and start() writes a {'type': 'start', 'run', 'iter', ...} record first, so a
     resumed run's repeated iterations can be told from the ones they replace (read_metrics).
+
+    wandb_id: the wandb run a resumed run continues (its checkpoint's 'wandb_id'; None: a new wandb run).
+    self.wandb_id is the id in use, for the next checkpoint. wandb's steps are the iterations.
     """
 
     def __init__(self, path, enabled=True, wandb_log=False, wandb_project=None, wandb_run_name=None,
-                 config=None, wandb_dir=None):
+                 config=None, wandb_dir=None, wandb_id=None):
         self.enabled = enabled
         self.path = path
         self.wandb = None
+        # kept when wandb can't start this time: the next save still names the run to continue
+        self.wandb_id = wandb_id
         self.t_start = time.time()
         self.run = None
         if not enabled:
@@ -56,12 +61,24 @@ class MetricsLogger:
         if wandb_log:
             try:
                 import wandb
-                wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=wandb_dir)
+                # resume='allow': the run of that id continues (a new one when it was never synced), so a
+                # preempted and resumed run is one wandb run, not one per start
+                run = wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=wandb_dir,
+                                 id=wandb_id, resume='allow')
                 self.wandb = wandb
+                self.wandb_id = run.id
             # wandb raises many kinds (UsageError, CommError, ...): all mean "no wandb"
             except Exception as e:
                 print(f"warning: wandb could not start ({error_line(e)}); "
                       f"continuing without it (set WANDB_MODE=offline to log locally)", file=sys.stderr)
+
+    @classmethod
+    def for_run(cls, cfg, enabled, resumed=None):
+        """ The logger of a train.py or finetune.py run: out_dir/metrics.jsonl, wandb as cfg says; resumed: the
+        checkpoint a resume starts from, whose wandb run it continues. """
+        return cls(os.path.join(cfg['out_dir'], 'metrics.jsonl'), enabled=enabled, wandb_log=cfg['wandb_log'],
+                   wandb_project=cfg['wandb_project'], wandb_run_name=cfg['wandb_run_name'], config=cfg,
+                   wandb_dir=cfg['out_dir'], wandb_id=(resumed or {}).get('wandb_id'))
 
     def start(self, iter_num, init_from):
         """ The record that opens this run: where it starts (a resume: the checkpoint's iteration) and from what. """

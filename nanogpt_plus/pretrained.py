@@ -6,10 +6,12 @@ transposed). Importing transformers alone takes seconds and from_pretrained buil
 model; neither is needed to read two files. GPT.from_pretrained (model.py) stays the transformers-based
 reference this path is tested against.
 
-What our GPT can't compute exactly is refused with one line: another model_type, an activation, LayerNorm
-epsilon or attention scaling of its own, an untied head, a missing, unexpected or misshapen tensor; and so is a
-config.json value of the wrong JSON type, or a pickled object in a pytorch_model.bin (never run). An export of
-a char or bpe model (export_hf.py) names its tokenizer in nanogpt_tokenizer.json, read by pretrained_tokenizer_meta.
+export_hf.py's custom form (model_type 'nanogpt', for the modern options GPT-2 lacks) is read too: our options
+from config.json, our tensor names under 'gpt.'. What our GPT can't compute exactly is refused with one line:
+another model_type, an activation, LayerNorm epsilon or attention scaling of its own, a missing, unexpected or
+misshapen tensor; and so is a config.json value of the wrong JSON type, or a pickled object in a
+pytorch_model.bin (never run). An export of a char or bpe model (export_hf.py) names its tokenizer in
+nanogpt_tokenizer.json, read by pretrained_tokenizer_meta.
 
 Usage:
     from nanogpt_plus.pretrained import hf_config_and_weights
@@ -28,6 +30,11 @@ from nanogpt_plus.checkpoint import load_error
 from nanogpt_plus.errors import UserError, error_line
 
 HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for char and bpe models
+# export_hf.py's custom form (nanogpt_plus/hf_modeling.py): its model_type, the options config.json holds beyond
+# GPT-2's (with their values when absent), and the prefix of its tensors' names (ours otherwise)
+NANOGPT_TYPE = 'nanogpt'
+NANOGPT_OPTIONS = {'bias': True, 'pos': 'learned', 'norm': 'layernorm', 'qk_norm': False, 'logit_softcap': 0.0}
+NANOGPT_PREFIX = 'gpt.'
 WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin')  # in the order transformers prefers them
 # GPT2Config's defaults, for the keys an older config.json (the hub's own gpt2 one) leaves out
 HF_DEFAULTS = dict(model_type='gpt2', activation_function='gelu_new', layer_norm_epsilon=1e-5, n_inner=None,
@@ -119,7 +126,7 @@ def mistyped(hf):
 def refusal(hf):
     """ Why our GPT can't compute exactly what this HF config describes, or None. """
     if hf['model_type'] != 'gpt2':
-        return f"model_type is {hf['model_type']!r}, not 'gpt2'"
+        return f"model_type is {hf['model_type']!r}, not 'gpt2' (or 'nanogpt', export_hf.py's own)"
     if hf['activation_function'] not in HF_ACTIVATIONS:
         return f"unsupported activation_function {hf['activation_function']!r} (known: {', '.join(HF_ACTIVATIONS)})"
     if hf['layer_norm_epsilon'] != 1e-5:
@@ -127,22 +134,45 @@ def refusal(hf):
     if hf['n_inner'] not in (None, 4 * hf['n_embd']):
         return f"n_inner is {hf['n_inner']}, ours is 4 * n_embd"
     for key, ours in (('scale_attn_weights', True), ('scale_attn_by_inverse_layer_idx', False),
-                      ('reorder_and_upcast_attn', False), ('tie_word_embeddings', True),
-                      ('add_cross_attention', False)):
+                      ('reorder_and_upcast_attn', False), ('add_cross_attention', False)):
         if hf[key] != ours:
             return f"{key} is {hf[key]}, ours is {ours}"
     return None
 
 
 def gpt_config(hf, source, dropout=None):
-    """ Our GPTConfig for an HF config dict, or the one line saying why there is none. """
+    """ Our GPTConfig for an HF config dict (GPT-2's, or an export's of model_type 'nanogpt'), or the one line
+    saying why there is none. """
+    dropout = 0.0 if dropout is None else dropout  # a training setting, 0 unless asked for
+    if hf.get('model_type') == NANOGPT_TYPE:
+        return nanogpt_config(hf, source, dropout)
     why = refusal(hf)
     if why is not None:
         raise UserError(f"{source} is not a GPT-2 this project can run exactly: {why}")
-    # GPT-2 checkpoints always have biases; dropout is a training setting, 0 unless asked for
+    # GPT-2 checkpoints always have biases
     return GPTConfig(n_layer=hf['n_layer'], n_head=hf['n_head'], n_embd=hf['n_embd'], block_size=hf['n_positions'],
-                     vocab_size=hf['vocab_size'], bias=True, gelu=HF_ACTIVATIONS[hf['activation_function']],
-                     dropout=0.0 if dropout is None else dropout)
+                     vocab_size=hf['vocab_size'], bias=True, **HF_ACTIVATIONS[hf['activation_function']],
+                     tie_embeddings=hf['tie_word_embeddings'], dropout=dropout)
+
+
+def nanogpt_config(hf, source, dropout):
+    """ The GPTConfig of export_hf.py's custom form: GPT-2's sizes, and our options by their own names. """
+    options = {k: hf.get(k, default) for k, default in NANOGPT_OPTIONS.items()}
+    # bool is an int to Python, not to JSON
+    wrong = [k for k, v in options.items() if type(v) is not type(NANOGPT_OPTIONS[k]) and
+             not (k == 'logit_softcap' and type(v) is int)]
+    if hf['activation_function'] not in HF_ACTIVATIONS:
+        wrong.insert(0, 'activation_function')
+    try:
+        if wrong:
+            raise ValueError(f"{wrong[0]}={json.dumps(hf.get(wrong[0]))[:60]}")
+        return GPTConfig(n_layer=hf['n_layer'], n_head=hf['n_head'], n_embd=hf['n_embd'],
+                         block_size=hf['n_positions'], vocab_size=hf['vocab_size'], dropout=dropout,
+                         **HF_ACTIVATIONS[hf['activation_function']], **options,
+                         tie_embeddings=hf['tie_word_embeddings'])
+    except ValueError as e:  # a value GPTConfig can't take
+        raise UserError(f"{source}'s config.json is not one export_hf.py writes ({e}); export the model again") \
+            from None
 
 
 def read_tensors(path):
@@ -177,16 +207,22 @@ def hf_names(tensors):
     return out
 
 
-def state_dict_from_hf(tensors, config, source):
+def state_dict_from_hf(tensors, config, source, custom=False):
     """
     Our state_dict (lm_head included) from HF tensors, every tensor accounted for. The Conv1D weights come as
-    transposed views; their shapes, and a saved lm_head.weight's equality with wte (transformers would load one
-    that differs as an untied head, which ours can't be), are checked when the model takes them
-    (init_from.loaded_model). Without a saved head, lm_head is wte, as transformers ties it.
+    transposed views; their shapes, and a tied model's saved lm_head.weight's equality with wte, are checked when
+    the model takes them (init_from.loaded_model). Without a saved head, lm_head is wte, as transformers ties it.
+    custom: export_hf.py's custom form, whose tensors are ours under 'gpt.'.
     """
+    if custom:
+        ours = {name[len(NANOGPT_PREFIX):] if name.startswith(NANOGPT_PREFIX) else name: t
+                for name, t in tensors.items()}
+        if config.tie_embeddings and 'lm_head.weight' not in ours and 'transformer.wte.weight' in ours:
+            ours['lm_head.weight'] = ours['transformer.wte.weight']
+        return ours
     theirs = hf_names(tensors)
     ours = {}
-    saved_head = theirs.pop('lm_head.weight', None)
+    saved_head = theirs.pop('lm_head.weight', None) if config.tie_embeddings else None
     for our_name, hf_name, transpose in hf_key_map(config):
         if hf_name not in theirs:
             raise UserError(f"{source} has no tensor {hf_name}, which its config's {config.n_layer}-layer GPT-2 "
@@ -196,7 +232,8 @@ def state_dict_from_hf(tensors, config, source):
     if theirs:
         raise UserError(f"{source} holds tensors a GPT-2 has no place for ({', '.join(sorted(theirs)[:3])}); "
                         f"it is another architecture")
-    ours['lm_head.weight'] = ours['transformer.wte.weight'] if saved_head is None else saved_head
+    if config.tie_embeddings:
+        ours['lm_head.weight'] = ours['transformer.wte.weight'] if saved_head is None else saved_head
     return ours
 
 
@@ -220,8 +257,10 @@ def hf_config(init_from, dropout=None):
 def hf_config_and_weights(init_from, dropout=None):
     """ (GPTConfig, our state_dict, the weights file) of a gpt2* name or a local Hugging Face GPT-2 directory. """
     config_path, weights_path = hub_files(init_from) if init_from in GPT2_NAMES else local_files(init_from)
-    config = gpt_config(read_hf_config(config_path), init_from, dropout)
-    return config, state_dict_from_hf(read_tensors(weights_path), config, weights_path), weights_path
+    hf = read_hf_config(config_path)
+    config = gpt_config(hf, init_from, dropout)
+    custom = hf['model_type'] == NANOGPT_TYPE
+    return config, state_dict_from_hf(read_tensors(weights_path), config, weights_path, custom), weights_path
 
 
 def pretrained_tokenizer_meta(init_from):

@@ -171,6 +171,9 @@ LR_DECAY = Group(
 SYSTEM = Group(
     'system',
     backend=Setting('auto', "'auto' = nccl for CUDA, gloo for CPU; or 'nccl', 'gloo'", choices=BACKENDS),
+    dist_timeout=non_negative(0, "under torchrun: seconds a rank waits in a collective before the run fails (the "
+                                 "process group's timeout); 0 = PyTorch's (10 minutes for nccl, 30 for gloo). "
+                                 "Raise it where a first compile or rank 0's evaluation takes longer"),
     parallelism=Setting('ddp', "under torchrun: 'ddp' (a full model copy per rank) or 'fsdp' (shard the model, "
                                "FSDP2)", choices=('ddp', 'fsdp')),
     device=Setting('auto', "'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:N', 'mps'", not_empty=True),

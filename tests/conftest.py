@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import types
 
 import numpy as np
@@ -22,6 +23,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# where transformers copies an export's code for trust_remote_code: a directory of this run, not the user's cache
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix='hf-modules-'))
 
 
 @pytest.fixture(autouse=True)

@@ -214,3 +214,33 @@ def test_finetune_validation_runs_as_many_batches_on_every_rank():
                                            range(rank, 3, 2), num_batches=2)
         results.append((model.forwards, correct, seen, [p[0] for p in preds]))
     assert results == [(2, 2, 2, [0, 2]), (2, 0, 1, [1])]
+
+
+def test_dist_timeout_reaches_the_process_group(dataset, tmp_path, monkeypatch, capsys):
+    """ --dist_timeout=S is the timeout train.py's process group is made with (0: PyTorch's own). A real group of
+    one gloo rank, in this process, as torchrun's environment describes it. """
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    import train
+    with socket.socket() as s:  # a free port for the group's store
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK='0', LOCAL_RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1',
+                           MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    made = []
+    real = dist.init_process_group
+
+    def init_process_group(**kwargs):
+        made.append(kwargs)
+        return real(**kwargs)
+    monkeypatch.setattr(dist, 'init_process_group', init_process_group)
+    train.main(train_args(dataset, tmp_path / 'a', max_iters=1, eval_interval=1, num_threads=1, dist_timeout=77))
+    assert made == [{'backend': 'gloo', 'timeout': datetime.timedelta(seconds=77)}]
+    dist.destroy_process_group()
+    train.main(train_args(dataset, tmp_path / 'b', max_iters=1, eval_interval=1, num_threads=1))
+    assert made[1] == {'backend': 'gloo'}  # 0: the default, not a timeout of 0 s
+    capsys.readouterr()

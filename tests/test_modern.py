@@ -709,8 +709,6 @@ def refusal_args(case, out_dir, dataset):
     tiny = train_args(dataset, f'{out_dir}/new', max_iters=0, eval_iters=1, num_threads=1)
     resume = train_args(dataset, out_dir, init_from='resume', max_iters=40, eval_iters=1, num_threads=1)
     return {
-        'export_rope': ('export_hf.py', [f'--out_dir={out_dir}', f'--hf_dir={out_dir}/hf'],
-                        f"{out_dir}/ckpt.pt has pos='rope', which a Hugging Face GPT-2 can't hold"),
         'muon_fsdp': ('train.py', tiny + ['--optimizer=muon', '--parallelism=fsdp'],
                       "optimizer='muon' orthogonalises whole matrices, which FSDP splits over the ranks"),
         'resume_other_optimizer': ('train.py', resume + ['--optimizer=adamw'],
@@ -723,7 +721,7 @@ def refusal_args(case, out_dir, dataset):
     }[case]
 
 
-@pytest.mark.parametrize('case', ['export_rope', 'muon_fsdp', 'resume_other_optimizer', 'resume_other_pos',
+@pytest.mark.parametrize('case', ['muon_fsdp', 'resume_other_optimizer', 'resume_other_pos',
                                   'rope_odd_head_size'])
 def test_refusals_are_one_line(case, modern_ckpt, tiny_dataset):
     script, args, message = refusal_args(case, modern_ckpt, tiny_dataset)
@@ -732,7 +730,28 @@ def test_refusals_are_one_line(case, modern_ckpt, tiny_dataset):
     assert r.returncode == 2, r.stderr[-3000:]
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith(f"error: {message}"), r.stderr
     assert (modern_ckpt / 'ckpt.pt').read_bytes() == before  # nothing written over the run
-    assert not os.path.exists(modern_ckpt / 'new') and not os.path.exists(modern_ckpt / 'hf' / 'model.safetensors')
+    assert not os.path.exists(modern_ckpt / 'new')
+
+
+def test_a_modern_run_exports_to_transformers_and_samples_from_there(modern_ckpt, tmp_path):
+    """ export_hf.py on the run with every option: transformers computes its logits (our code, trust_remote_code),
+    and sample.py samples from the export as from the checkpoint. """
+    from transformers import AutoModelForCausalLM
+    hf_dir = str(tmp_path / 'hf')
+    r = run_cli('export_hf.py', f'--out_dir={modern_ckpt}', f'--hf_dir={hf_dir}')
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {'model.py', 'modeling_nanogpt.py', 'config.json', 'model.safetensors'} <= set(os.listdir(hf_dir))
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True).eval()
+    model, _, _ = init_model(str(modern_ckpt))
+    idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close(hf(idx).logits, model.eval()(idx, all_positions=True)[0], rtol=1e-5, atol=1e-5)
+    samples = [run_cli('sample.py', f'--init_from={source}', '--num_samples=1', '--max_new_tokens=20', '--seed=3',
+                       '--device=cpu', '--start=ab') for source in (str(modern_ckpt), hf_dir)]
+    assert all(s.returncode == 0 for s in samples), samples[1].stderr[-2000:]
+    # the same text: the same weights, tokenizer and sampler
+    texts = [s.stdout[s.stdout.index('number of parameters'):] for s in samples]
+    assert texts[0] == texts[1] and len(texts[0]) > 20
 
 
 def test_eval_loss_on_a_modern_checkpoint(modern_ckpt, tiny_dataset, monkeypatch, capsys):

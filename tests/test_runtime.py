@@ -74,3 +74,47 @@ def test_run_main_tears_the_process_group_down_after_main(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         run_main(failing)
     assert e.value.code == 2 and capsys.readouterr().err == "error: a setting is wrong\n"
+
+
+# -----------------------------------------------------------------------------
+# machines without Triton (Windows with CUDA) and Apple's MPS, as those machines report themselves
+
+def no_triton(monkeypatch):
+    """ importlib as it answers where the triton package is not installed (torch on Windows). """
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'triton' else find_spec(name, *a))
+
+
+def test_compile_on_cuda_without_triton_runs_eager_or_is_refused(monkeypatch, capsys):
+    from nanogpt_plus.device import resolve_compile, triton_installed
+    # auto compiles on CUDA where Triton is
+    assert resolve_compile(None, 'cuda', triton=True) is True
+    no_triton(monkeypatch)
+    assert not triton_installed()
+    # auto: eager, in one line that says why and what to do
+    assert resolve_compile(None, 'cuda') is False
+    out = capsys.readouterr().out
+    assert out.count('\n') == 1 and out.startswith("compile: torch.compile on CUDA needs Triton, which is not "
+                                                   "installed; running without compile (install it")
+    # asked for: refused before any work
+    with pytest.raises(UserError, match=r"^--compile=True on CUDA needs Triton, which is not installed; install it "
+                                        r"\(pip install triton; on Windows: pip install triton-windows\)"):
+        resolve_compile(True, 'cuda')
+    # the CPU's compile needs no Triton (C++ code), and compile=False asks for nothing
+    assert resolve_compile(True, 'cpu') is True and resolve_compile(False, 'cuda') is False
+    assert resolve_compile(None, 'cpu') is False and not capsys.readouterr().out
+
+
+def test_float16_training_on_mps_is_refused_in_one_line(monkeypatch, tmp_path, capsys, tiny_dataset):
+    import train
+    from helpers import train_args
+    from nanogpt_plus.device import compute_setup
+    with pytest.raises(UserError, match=r"^--dtype=float16 training on MPS is not supported"):
+        compute_setup('mps', 'float16', None, num_threads=1, peak=False)
+    # train.py on a Mac: MPS there, float16 asked for; refused before the model is built
+    monkeypatch.setattr(torch.backends.mps, 'is_available', lambda: True)
+    with pytest.raises(UserError, match=r"^--dtype=float16 training on MPS is not supported"):
+        train.main(train_args(tiny_dataset, tmp_path / 'out', device='mps', dtype='float16', max_iters=1))
+    assert "number of parameters" not in capsys.readouterr().out
+    assert not (tmp_path / 'out' / 'ckpt.pt').exists()

@@ -278,6 +278,27 @@ def test_wandb_offline(dataset, tmp_path, capsys, monkeypatch):
     assert runs, os.listdir(tmp_path / "wandb")
 
 
+def test_wandb_resume_continues_its_run_and_a_new_run_gets_a_new_one(dataset, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+
+    def wandb_ids():
+        # offline-run-<date>_<time>-<id>[-<n>], one directory per wandb.init (-n: the same second), in start order
+        return [d.split("-")[3] for d in sorted(os.listdir(tmp_path / "wandb")) if d.startswith("offline-run")]
+    run_train(capsys, tiny_args(dataset, tmp_path, wandb_log=True, max_iters=2, eval_interval=2))
+    first = load_checkpoint(str(tmp_path / "ckpt.pt"))["wandb_id"]
+    assert wandb_ids() == [first]
+    # preempted and resumed (twice, the second by auto_resume): the same wandb run each time
+    run_train(capsys, tiny_args(dataset, tmp_path, wandb_log=True, max_iters=4, eval_interval=2, init_from="resume"))
+    run_train(capsys, tiny_args(dataset, tmp_path, wandb_log=True, max_iters=6, eval_interval=2, auto_resume=True))
+    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["wandb_id"] == first
+    assert wandb_ids() == [first] * 3
+    # started over: a new run, under a new id
+    run_train(capsys, tiny_args(dataset, tmp_path, wandb_log=True, max_iters=2, eval_interval=2, overwrite=True))
+    second = load_checkpoint(str(tmp_path / "ckpt.pt"))["wandb_id"]
+    assert second != first and wandb_ids()[-1] == second
+
+
 def test_plot_metrics(dataset, tmp_path, capsys):
     run_train(capsys, tiny_args(dataset, tmp_path, max_iters=4, eval_interval=2))
     r = run_python(["scripts/plot_metrics.py", f"--out_dir={tmp_path}"], timeout=120)
