@@ -96,7 +96,10 @@ class NanoGPTForCausalLM(PreTrainedModel, GenerationMixin):
         return loaded
 
     def _init_weights(self, module):
-        pass  # GPT's own initialisation ran in __init__; the saved weights replace it
+        # GPT-2's initialisation is GPT's own (its residual projections scaled by depth), not transformers'
+        # per-module one; a loaded model's saved weights then replace it
+        if isinstance(module, GPT):
+            module.init_weights()
 
     def get_input_embeddings(self):
         return self.gpt.transformer.wte

@@ -157,22 +157,23 @@ def gpt_config(hf, source, dropout=None):
 
 def nanogpt_config(hf, source, dropout):
     """ The GPTConfig of export_hf.py's custom form: GPT-2's sizes, and our options by their own names. """
+    def refused(why):
+        return UserError(f"{source}'s config.json is not one export_hf.py writes ({why}); export the model again")
     options = {k: hf.get(k, default) for k, default in NANOGPT_OPTIONS.items()}
     # bool is an int to Python, not to JSON
     wrong = [k for k, v in options.items() if type(v) is not type(NANOGPT_OPTIONS[k]) and
              not (k == 'logit_softcap' and type(v) is int)]
     if hf['activation_function'] not in HF_ACTIVATIONS:
         wrong.insert(0, 'activation_function')
+    if wrong:
+        raise refused(f"{wrong[0]}={json.dumps(hf.get(wrong[0]))[:60]}")
     try:
-        if wrong:
-            raise ValueError(f"{wrong[0]}={json.dumps(hf.get(wrong[0]))[:60]}")
         return GPTConfig(n_layer=hf['n_layer'], n_head=hf['n_head'], n_embd=hf['n_embd'],
                          block_size=hf['n_positions'], vocab_size=hf['vocab_size'], dropout=dropout,
                          **HF_ACTIVATIONS[hf['activation_function']], **options,
                          tie_embeddings=hf['tie_word_embeddings'])
-    except ValueError as e:  # a value GPTConfig can't take
-        raise UserError(f"{source}'s config.json is not one export_hf.py writes ({e}); export the model again") \
-            from None
+    except ValueError as e:  # a value GPTConfig can't take (pos='alibi')
+        raise refused(e) from None
 
 
 def read_tensors(path):
