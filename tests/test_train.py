@@ -283,8 +283,9 @@ def test_wandb_resume_continues_its_run_and_a_new_run_gets_a_new_one(dataset, tm
     monkeypatch.setenv("WANDB_MODE", "offline")
 
     def wandb_ids():
-        # offline-run-<date>_<time>-<id>[-<n>], one directory per wandb.init (-n: the same second), in start order
-        return [d.split("-")[3] for d in sorted(os.listdir(tmp_path / "wandb")) if d.startswith("offline-run")]
+        # offline-run-<date>_<time>-<id>[-<n>], one directory per wandb.init (-n: the same id in the same second);
+        # two runs started in the same second sort by id, not by start, so compare counts, not order
+        return sorted(d.split("-")[3] for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run"))
     run_train(capsys, tiny_args(dataset, tmp_path, wandb_log=True, max_iters=2, eval_interval=2))
     first = load_checkpoint(str(tmp_path / "ckpt.pt"))["wandb_id"]
     assert wandb_ids() == [first]
@@ -296,7 +297,7 @@ def test_wandb_resume_continues_its_run_and_a_new_run_gets_a_new_one(dataset, tm
     # started over: a new run, under a new id
     run_train(capsys, tiny_args(dataset, tmp_path, wandb_log=True, max_iters=2, eval_interval=2, overwrite=True))
     second = load_checkpoint(str(tmp_path / "ckpt.pt"))["wandb_id"]
-    assert second != first and wandb_ids()[-1] == second
+    assert second != first and wandb_ids() == sorted([first] * 3 + [second])
 
 
 def test_plot_metrics(dataset, tmp_path, capsys):
