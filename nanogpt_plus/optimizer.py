@@ -18,6 +18,11 @@ import math
 
 import torch
 
+try:  # torch.optim.Muon's module (PyTorch 2.9 on); optimizer='muon' needs it
+    import torch.optim._muon as muon_impl
+except ImportError:
+    muon_impl = None
+
 from nanogpt_plus.distributed import all_reduce_mean
 
 
@@ -82,6 +87,32 @@ def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
     return x.T if tall else x
 
 
+def orthogonalise(matrices, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps=5, eps=1e-7):
+    """
+    newton_schulz_float32 of each matrix, with the matrices of one shape (in their wide orientation) stacked
+    and iterated together: 3 batched matmuls per step for each shape instead of 3 per matrix.
+    """
+    out = [None] * len(matrices)
+    by_shape = {}
+    for i, m in enumerate(matrices):
+        tall = m.size(0) > m.size(1)
+        by_shape.setdefault((tall, *m.shape), []).append(i)
+    a, b, c = ns_coefficients
+    for (tall, *_), idx in by_shape.items():
+        x = torch.stack([matrices[i].float() for i in idx])
+        if tall:
+            x = x.mT
+        x = x / x.flatten(1).norm(dim=1).clamp(min=eps)[:, None, None]
+        for _ in range(ns_steps):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        if tall:
+            x = x.mT
+        for j, i in enumerate(idx):
+            out[i] = x[j]
+    return out
+
+
 @contextlib.contextmanager
 def float32_newton_schulz(enabled=True):
     """
@@ -90,8 +121,7 @@ def float32_newton_schulz(enabled=True):
     EPYC (AVX2) the 16 matrices of the laptop Shakespeare model take ~900 ms in bfloat16, ~40 ms in float32.
     The optimizer (momentum, Nesterov, learning-rate adjustment, weight decay, state) stays PyTorch's.
     """
-    import torch.optim._muon as muon_impl
-    original = getattr(muon_impl, '_zeropower_via_newtonschulz', None)
+    original = getattr(muon_impl, '_zeropower_via_newtonschulz', None) if muon_impl else None
     if not enabled or original is None:  # a PyTorch that has moved it: keep its own
         yield
         return
@@ -148,9 +178,39 @@ class MuonWithAdamW:
         return self.muon.param_groups + self.adamw.param_groups
 
     def step(self, closure=None):
-        with float32_newton_schulz(self.float32_ns):
-            self.muon.step()
+        if self.float32_ns and hasattr(muon_impl, '_adjust_lr'):  # the CPU, where this PyTorch has it
+            self.muon_step_batched()
+        else:  # PyTorch's own step (on the CPU with its orthogonalisation in float32)
+            with float32_newton_schulz(self.float32_ns):
+                self.muon.step()
         self.adamw.step()
+
+    @torch.no_grad()
+    def muon_step_batched(self):
+        """
+        torch.optim.Muon's step (its _single_tensor_muon: Nesterov momentum, the orthogonalised update, the
+        learning-rate adjustment, decoupled weight decay), with the matrices' orthogonalisations batched by shape
+        (orthogonalise): on a 2-core CPU the laptop model's 16 take ~25% less time together than one by one. The
+        state is PyTorch's (a 'momentum_buffer' per matrix), so checkpoints are the same as with its step.
+        """
+        for group in self.muon.param_groups:
+            params = [p for p in group['params'] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            bufs = []
+            for p in params:
+                state = self.muon.state[p]
+                if 'momentum_buffer' not in state:
+                    state['momentum_buffer'] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                bufs.append(state['momentum_buffer'])
+            momentum, lr = group['momentum'], group['lr']
+            torch._foreach_lerp_(bufs, grads, 1 - momentum)
+            updates = [g.lerp(b, momentum) for g, b in zip(grads, bufs)] if group['nesterov'] else bufs
+            updates = orthogonalise(updates, group['ns_coefficients'], group['ns_steps'], group['eps'])
+            for p, update in zip(params, updates):
+                p.mul_(1 - lr * group['weight_decay'])
+                p.add_(update, alpha=-muon_impl._adjust_lr(lr, group['adjust_lr_fn'], p.shape))
 
     def zero_grad(self, set_to_none=True):
         for opt in self.parts.values():

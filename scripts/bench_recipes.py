@@ -15,18 +15,32 @@ Modes:
             of that time to the baseline's whole run (the issue's goal: <= 0.5).
   ablation  the baseline with one option at a time, at the baseline's 2000 iterations: final loss, median
             ms/iter, and the time it first reaches the baseline's final loss.
-  fineweb   the same comparison on a FineWeb-like corpus in llm.c shards, made with data/fineweb/prepare.py
-            --files from text already on this machine (the long descriptions of the installed Python packages
-            and Python's pydoc topics: English prose and markdown, ~2.4 MB), at a model a CPU trains in minutes.
-  speedrun  for a GPU: GPT-2 124M on that corpus, config/train_gpt2_fineweb.py against
-            config/train_gpt2_speedrun.py for speedrun_iters steps of 16 x 1024 tokens each (both schedules
-            shortened to that): median ms/iter, median MFU and the val loss at the same last step.
+  fineweb   bpe's comparison (whole processes) on a FineWeb-like corpus in llm.c shards, made with
+            data/fineweb/prepare.py --files from text already on this machine (the long descriptions of the
+            installed Python packages and Python's pydoc topics: English prose and markdown, 1.5-2.5 MB, so it
+            depends on what is installed), at a 4 x 128 GPT with GPT-2's vocabulary: nanoGPT's recipe for 400
+            steps against the fast recipe's options for 115.
+  bpe       GPT-2 tokens at the laptop size: nanoGPT's laptop recipe on the GPT-2-BPE Shakespeare of
+            data/shakespeare/prepare.py (config/train_shakespeare_char_cpu.py with dataset='shakespeare', 600
+            iterations) against config/train_shakespeare_fast.py, each as one whole process: its final
+            checkpoint's loss on the whole val split, its wall time and steps, and the ratios (the goal: the
+            fast run's final loss at or below the baseline's in <= 0.35x its wall time and <= 1/3 of its steps).
+  muon      where a step's time goes at the laptop size (config/train_shakespeare_char_cpu.py's model and
+            batch, in this process): forward+backward with and without rope and QK-norm, AdamW's step, and
+            Muon's step split into its Newton-Schulz orthogonalisations and the rest (momentum, the update,
+            the loop over the matrices, AdamW for the rest); medians of `profile_steps` steps.
+  speedrun  for a GPU: GPT-2 124M on that corpus, config/train_gpt2_fineweb.py for speedrun_iters steps of
+            16 x 1024 tokens against config/train_gpt2_speedrun.py for a third of them (each schedule shortened
+            to its run): median ms/iter, median MFU, wall time and the final loss on the whole val shard.
 
 Usage:
 $ python scripts/bench_recipes.py                                  # compare, 1 round
 $ python scripts/bench_recipes.py --mode=ablation
 $ python scripts/bench_recipes.py --mode=fineweb --rounds=1
-$ python scripts/bench_recipes.py --mode=speedrun --device=cuda --speedrun_iters=300     # ~5 minutes on one H200
+$ python data/shakespeare/prepare.py && python scripts/bench_recipes.py --mode=bpe
+$ python scripts/bench_recipes.py --mode=muon
+$ python scripts/bench_recipes.py --mode=speedrun --device=cuda --speedrun_iters=900     # ~10 minutes on one H200
+$ python scripts/bench_recipes.py --mode=speedrun --device=cuda --dataset=fineweb --speedrun_iters=3000
 """
 
 import glob
@@ -35,6 +49,7 @@ import os
 import statistics
 import sys
 import sysconfig
+import time
 
 # scripts/ is on sys.path
 from benchtools import cpu_model, run_checked, work_directory, write_jsonl_corpus
@@ -47,10 +62,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULTS = Schema(Group(
     'benchmark',
-    mode=Setting('compare', "'compare', 'ablation', 'fineweb' or 'speedrun' (see above)",
-                 choices=('compare', 'ablation', 'fineweb', 'speedrun')),
-    speedrun_iters=Setting(300, "speedrun: the steps of each run", low=2),
+    mode=Setting('compare', "'compare', 'ablation', 'bpe', 'fineweb', 'muon' or 'speedrun' (see above)",
+                 choices=('compare', 'ablation', 'bpe', 'fineweb', 'muon', 'speedrun')),
+    profile_steps=Setting(30, "muon: the timed steps of each part", low=3),
+    speedrun_iters=Setting(900, "speedrun: the GPT-2 recipe's steps (the speedrun's: a third)", low=6),
     device=Setting('cuda', "speedrun: the device of both runs", not_empty=True),
+    dataset=Setting('', "speedrun: the shards to train on, e.g. fineweb (data/fineweb/prepare.py's); "
+                        "'' = the local corpus (small: a few passes over it)"),
     rounds=Setting(1, "how many times the runs alternate", low=1),
     snapshot_every=Setting(100, "iterations between scored snapshots (the fast recipe: half of it)", low=1),
     num_threads=Setting(2, "torch threads of every run (fixed, so the runs are comparable)", low=1),
@@ -70,16 +88,25 @@ OPTIONS = {
     'untied': ['--tie_embeddings=False'],
     'wsd': ['--lr_schedule=wsd'],
 }
+# GPT-2 tokens at the laptop size: nanoGPT's laptop recipe, 600 iterations, on the GPT-2-BPE Shakespeare
+BPE_RECIPES = {
+    'nanogpt': (BASELINE, ['--dataset=shakespeare', '--max_iters=600', '--lr_decay_iters=600']),
+    'fast': ('config/train_shakespeare_fast.py', []),
+}
 # the FineWeb-like comparison: a 4 x 128 GPT with GPT-2's vocabulary, 1,024 tokens per step
 FINEWEB_MODEL = ['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=128', '--batch_size=8',
                  '--gradient_accumulation_steps=1', '--dropout=0.0', '--data_order=sequential', '--device=cpu',
-                 '--compile=False', '--dtype=float32', '--eval_iters=10', '--eval_interval=100', '--warmup_iters=30',
-                 '--beta2=0.99', '--hellaswag_interval=0', '--sample_interval=0']
+                 '--compile=False', '--dtype=float32', '--eval_iters=10', '--beta2=0.99', '--hellaswag_interval=0',
+                 '--sample_interval=0', '--keep_checkpoints=0', '--log_interval=10']
+# both evaluate at their first and last step only (eval_interval = max_iters), so the wall times compare steps
 FINEWEB_RECIPES = {
-    'nanogpt': ['--max_iters=400', '--lr_decay_iters=400', '--learning_rate=1e-3', '--min_lr=1e-4'],
-    'fast': ['--max_iters=200', '--lr_decay_iters=200', '--learning_rate=1e-3', '--min_lr=1e-4', '--optimizer=muon',
-             # the laptop recipe's
-             '--pos=rope', '--qk_norm=True', '--lr_schedule=wsd', '--cooldown_frac=0.4'],
+    'nanogpt': ['--max_iters=400', '--lr_decay_iters=400', '--eval_interval=400', '--warmup_iters=30',
+                '--learning_rate=1e-3', '--min_lr=1e-4'],
+    # config/train_shakespeare_fast.py's options, with a 2.5x higher AdamW rate (8e-3: 6.310 at 130 steps, 2e-2:
+    # 6.171), for 115 steps
+    'fast': ['--max_iters=114', '--lr_decay_iters=114', '--eval_interval=114', '--warmup_iters=10',
+             '--optimizer=muon', '--learning_rate=2e-2', '--min_lr=1e-4', '--beta1=0.8', '--pos=rope',
+             '--qk_norm=True', '--lr_schedule=wsd', '--cooldown_frac=0.5'],
 }
 
 
@@ -168,6 +195,43 @@ def compare(work, cfg, recipes, config_of):
     print(f"time-to-quality ratio (fast / nanoGPT), median of {len(ratios)}: {statistics.median(ratios):.3f}")
 
 
+def whole_run(work, name, config, args, num_threads):
+    """ One train.py process, timed from start to exit; (its final loss on the whole val split, seconds, steps). """
+    out_dir = os.path.join(work, name)
+    cmd = [sys.executable, 'train.py', config, f'--out_dir={out_dir}', '--overwrite=True',
+           f'--num_threads={num_threads}', '--wandb_log=False', *args]
+    env = dict(os.environ, OMP_NUM_THREADS=str(num_threads))
+    print(f"  {name}: {' '.join(cmd[2:])}", flush=True)
+    start = time.perf_counter()
+    run_checked(cmd, f"train.py for {name}", cwd=REPO, env=env)
+    seconds = time.perf_counter() - start
+    # the final checkpoint's iter_num (its .json beside it) is the number of optimizer steps taken
+    with open(os.path.join(out_dir, 'ckpt.json')) as f:
+        steps = json.load(f)['iter_num']
+    return full_val_loss(os.path.join(out_dir, 'ckpt.pt'), num_threads), seconds, steps
+
+
+def compare_whole(work, cfg, recipes):
+    """
+    nanoGPT's recipe against the fast one as whole processes (startup, evaluation and saving included),
+    alternating for `rounds` rounds; medians of the final losses, wall times and steps, and their ratios.
+    """
+    rows = {name: [] for name in recipes}
+    for r in range(cfg['rounds']):
+        for name, (config, args) in recipes.items():
+            rows[name].append(whole_run(work, f"{name}_{r}", config, args, cfg['num_threads']))
+            loss, seconds, steps = rows[name][-1]
+            print(f"round {r} {name}: final val loss {loss:.4f}, {seconds:.1f} s, {steps} steps", flush=True)
+    med = {name: [statistics.median(v[i] for v in values) for i in range(3)] for name, values in rows.items()}
+    print(f"{'recipe':8s} {'final val loss':>14s} {'wall s':>8s} {'steps':>6s}")
+    for name, (loss, seconds, steps) in med.items():
+        print(f"{name:8s} {loss:14.4f} {seconds:8.1f} {steps:6.0f}")
+    (base_loss, base_s, base_steps), (loss, seconds, steps) = med['nanogpt'], med['fast']
+    verdict = "reaches" if loss <= base_loss else "does not reach"
+    print(f"the fast recipe {verdict} nanoGPT's final val loss ({loss:.4f} vs {base_loss:.4f}) in "
+          f"{seconds / base_s:.3f}x its wall time and {steps / base_steps:.3f}x its steps")
+
+
 def ablation(work, cfg):
     """ The baseline, then the baseline with each option alone (per round, in that order). """
     rows = {name: [] for name in ['baseline', *OPTIONS]}
@@ -184,6 +248,68 @@ def ablation(work, cfg):
     for name, values in rows.items():
         loss, ms, ratio = (statistics.median(v[i] for v in values) for i in range(3))
         print(f"{name:10s} {loss:9.4f} {ms:8.1f} {ratio:21.2f}x")
+
+
+def median_ms(fn, steps):
+    """ fn() timed `steps` times after 3 untimed calls; the median in milliseconds. """
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def muon_profile(cfg):
+    """ The laptop model's step, part by part (the module docstring's 'muon' mode). """
+    import torch
+
+    from model import GPT, GPTConfig
+    from nanogpt_plus import optimizer as opt
+    torch.set_num_threads(cfg['num_threads'])
+    torch.manual_seed(0)
+    size = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, dropout=0.0)
+    x, y = torch.randint(0, 65, (2, 12, 64))
+    settings = {'weight_decay': 0.1, 'learning_rate': 1e-3, 'beta1': 0.9, 'beta2': 0.99, 'muon_lr': 0.02,
+                'muon_momentum': 0.95, 'muon_weight_decay': 0.0}
+
+    def forward_backward(model):
+        model(x, y)[1].backward()
+
+    print(f"{'part of a step':52s} {'ms':>7s}")
+    for name, extra in (('forward+backward', {}), ('  with pos=rope', {'pos': 'rope'}),
+                        ('  with qk_norm=True', {'qk_norm': True}),
+                        ('  with both (the fast recipe)', {'pos': 'rope', 'qk_norm': True})):
+        model = GPT(GPTConfig(**size, **extra))
+        print(f"{name:52s} {median_ms(lambda: forward_backward(model), cfg['profile_steps']):7.1f}", flush=True)
+    model = GPT(GPTConfig(**size))
+    forward_backward(model)
+    grads = [p.grad.clone() for p in model.parameters()]
+
+    def step(take):
+        # the same gradients every time: the step's cost, not the model's
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        take()
+    def one_by_one(optimizer):
+        # what the step was before the batching: PyTorch's loop, each matrix orthogonalised alone (in float32)
+        with opt.float32_newton_schulz():
+            optimizer.muon.step()
+        optimizer.adamw.step()
+    muon = opt.make_optimizer(model, {**settings, 'optimizer': 'muon'}, 'cpu')
+    hidden = [p.grad for n, p in model.named_parameters() if p.dim() == 2 and n.startswith('transformer.h.')]
+    rows = [('adamw step', opt.make_optimizer(model, {**settings, 'optimizer': 'adamw'}, 'cpu').step),
+            ('muon step', muon.step),
+            (f'  of which Newton-Schulz, {len(hidden)} matrices batched',
+             lambda: opt.orthogonalise(hidden)),
+            ('muon step, one matrix at a time (before)', lambda: one_by_one(muon)),
+            (f'  of which Newton-Schulz, {len(hidden)} matrices one by one',
+             lambda: [opt.newton_schulz_float32(g, (3.4445, -4.7750, 2.0315), 5, 1e-7) for g in hidden])]
+    for name, fn in rows:
+        timed = (lambda: step(fn)) if name.endswith(('step', '(before)')) else fn
+        print(f"{name:52s} {median_ms(timed, cfg['profile_steps']):7.1f}", flush=True)
 
 
 def fineweb_corpus(work):
@@ -207,40 +333,56 @@ def fineweb_corpus(work):
 
 
 def speedrun(work, cfg, data):
-    """ GPT-2 124M, the GPT-2 recipe vs the speedrun's, the same short run of each on the local corpus. """
+    """
+    GPT-2 124M on the local corpus: the GPT-2 recipe for speedrun_iters steps against the speedrun's for a third
+    of them (the CPU proxies' ratio; each schedule shortened to its run): the claim that
+    config/train_gpt2_speedrun.py makes, at a size a GPU runs in minutes.
+    """
     steps = cfg['speedrun_iters']
-    short = [f'--dataset={data}', f'--device={cfg["device"]}', f'--max_iters={steps}', f'--lr_decay_iters={steps}',
-             f'--warmup_iters={max(1, steps // 10)}', '--batch_size=16', '--gradient_accumulation_steps=1',
-             f'--eval_interval={steps}', '--eval_iters=20', '--hellaswag_interval=0', '--keep_checkpoints=0',
-             '--log_interval=1']
-    print(f"{'recipe':10s} {'ms/iter':>8s} {'MFU':>6s} {'val loss at ' + str(steps):>16s}")
-    for name, config in (('gpt2', 'config/train_gpt2_fineweb.py'), ('speedrun', 'config/train_gpt2_speedrun.py')):
+    print(f"{'recipe':10s} {'steps':>6s} {'ms/iter':>8s} {'MFU':>6s} {'wall s':>7s} {'final val loss':>15s}")
+    finals = {}
+    for name, config, n in (('gpt2', 'config/train_gpt2_fineweb.py', steps),
+                            ('speedrun', 'config/train_gpt2_speedrun.py', max(2, steps // 3))):
         out_dir = os.path.join(work, name)
-        cmd = [sys.executable, 'train.py', config, f'--out_dir={out_dir}', '--overwrite=True', *short]
+        cmd = [sys.executable, 'train.py', config, f'--out_dir={out_dir}', '--overwrite=True', f'--dataset={data}',
+               f'--device={cfg["device"]}', f'--max_iters={n}', f'--lr_decay_iters={n}',
+               f'--warmup_iters={max(1, n // 18)}', '--batch_size=16', '--gradient_accumulation_steps=1',
+               f'--eval_interval={n}', '--eval_iters=20', '--hellaswag_interval=0', '--keep_checkpoints=0',
+               '--log_interval=1', '--wandb_log=False']
+        start = time.perf_counter()
         run_checked(cmd, f"train.py {config}", cwd=REPO)
+        seconds = time.perf_counter() - start
         records = read_metrics(os.path.join(out_dir, 'metrics.jsonl'))
-        iters = [r for r in records if r['type'] == 'iter' and r['iter'] >= 10]  # after compiling
+        iters = [r for r in records if r['type'] == 'iter' and r['iter'] >= min(10, n // 2)]  # after compiling
         ms = statistics.median(r['time_ms'] for r in iters)
-        mfu = statistics.median(r['mfu'] for r in iters if r['mfu'] is not None)
-        val = [r['val_loss'] for r in records if r['type'] == 'eval' and r['iter'] == steps][-1]
-        print(f"{name:10s} {ms:8.1f} {100 * mfu:5.1f}% {val:16.4f}", flush=True)
+        mfu = statistics.median([r['mfu'] for r in iters if r['mfu'] is not None] or [0.0])
+        finals[name] = full_val_loss(os.path.join(out_dir, 'ckpt.pt'), cfg['num_threads'])
+        print(f"{name:10s} {n + 1:6d} {ms:8.1f} {100 * mfu:5.1f}% {seconds:7.1f} {finals[name]:15.4f}", flush=True)
+    verdict = "reaches" if finals['speedrun'] <= finals['gpt2'] else "does not reach"
+    print(f"the speedrun recipe {verdict} the GPT-2 recipe's final val loss in a third of its steps "
+          f"({finals['speedrun']:.4f} vs {finals['gpt2']:.4f})")
 
 
 def main(argv=None):
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     DEFAULTS.check(cfg)
     print(f"cpu: {cpu_model()}, {cfg['num_threads']} threads")
+    if cfg['mode'] == 'muon':
+        return muon_profile(cfg)
     with work_directory(cfg['out_dir'], 'bench_recipes_') as work:
         if cfg['mode'] == 'compare':
             compare(work, cfg, {'nanogpt': [], 'fast': []}, {'nanogpt': BASELINE, 'fast': FAST}.get)
         elif cfg['mode'] == 'ablation':
             ablation(work, cfg)
+        elif cfg['mode'] == 'bpe':
+            compare_whole(work, cfg, BPE_RECIPES)
         elif cfg['mode'] == 'speedrun':
-            speedrun(work, cfg, fineweb_corpus(work))
+            speedrun(work, cfg, cfg['dataset'] or fineweb_corpus(work))
         else:
             data = fineweb_corpus(work)
-            recipes = {name: [f'--dataset={data}', *FINEWEB_MODEL, *args] for name, args in FINEWEB_RECIPES.items()}
-            compare(work, cfg, recipes, lambda name: 'config/train_gpt2_fineweb.py')
+            compare_whole(work, cfg, {name: ('config/train_gpt2_fineweb.py', [f'--dataset={data}', *FINEWEB_MODEL,
+                                                                              *args])
+                                      for name, args in FINEWEB_RECIPES.items()})
 
 
 if __name__ == '__main__':

@@ -106,7 +106,8 @@ def test_shipped_configs_are_valid():
     """ Every config/*.py that train.py reads parses against train.py's settings. """
     import train
     names = ["train_shakespeare_char.py", "train_shakespeare_char_cpu.py", "train_shakespeare_char_fast.py",
-             "train_gpt2.py", "train_gpt2_fineweb.py", "train_gpt2_speedrun.py", "finetune_shakespeare.py",
+             "train_shakespeare_fast.py", "train_gpt2.py", "train_gpt2_fineweb.py", "train_gpt2_speedrun.py",
+             "finetune_shakespeare.py",
              "eval_gpt2.py", "eval_gpt2_medium.py", "eval_gpt2_large.py", "eval_gpt2_xl.py"]
     for name in names:
         path = os.path.join(REPO, "config", name)
@@ -134,5 +135,15 @@ def test_shipped_configs_are_valid():
             'gradient_accumulation_steps')
     assert {k: fast[k] for k in same} == {k: cpu[k] for k in same}
     assert (fast['optimizer'], fast['pos'], fast['qk_norm'], fast['lr_schedule']) == ('muon', 'rope', True, 'wsd')
+    # on GPT-2 tokens: the same model and batches on the BPE Shakespeare, in under a third of the baseline's 600
+    bpe = parse_config(train.DEFAULTS, [os.path.join(REPO, "config", "train_shakespeare_fast.py")])
+    assert bpe['dataset'] == 'shakespeare' and {k: bpe[k] for k in same[1:]} == {k: cpu[k] for k in same[1:]}
+    assert bpe['optimizer'] == 'muon' and bpe['max_iters'] + 1 <= 601 / 3 and bpe['lr_decay_iters'] == bpe['max_iters']
+    # the speedrun: a third of the GPT-2 recipe's steps, at its batch
+    gpt2, speedrun = (parse_config(train.DEFAULTS, [os.path.join(REPO, "config", n)])
+                      for n in ("train_gpt2_fineweb.py", "train_gpt2_speedrun.py"))
+    assert speedrun['max_iters'] == round(gpt2['max_iters'] / 3) == speedrun['lr_decay_iters']
+    tokens = ('batch_size', 'block_size', 'gradient_accumulation_steps')
+    assert {k: speedrun[k] for k in tokens} == {k: gpt2[k] for k in tokens}
     xl = parse_config(train.DEFAULTS, [os.path.join(REPO, "config", "eval_gpt2_xl.py")])
     assert xl["init_from"] == "gpt2-xl" and xl["eval_only"] is True

@@ -30,6 +30,7 @@ import sample
 import train
 from helpers import (
     COMPILE,
+    REPO,
     iter_losses,
     run_python,
     run_script,
@@ -50,6 +51,7 @@ from nanogpt_plus.optimizer import (
     get_lr,
     make_optimizer,
     newton_schulz_float32,
+    orthogonalise,
     set_learning_rate,
 )
 from nanogpt_plus.parallel import load_optimizer_state
@@ -501,6 +503,47 @@ def test_newton_schulz_float32_is_pytorchs_iteration(shape):
     assert_close(newton_schulz_float32(1000 * g, coefficients, steps, EPS), ours, atol=1e-5, rtol=1e-4)
 
 
+def test_orthogonalise_batches_by_shape_and_is_each_matrix_alone():
+    """ The batched orthogonalisation (the CPU's Muon step) against each matrix alone and against float64. """
+    from torch.optim._muon import EPS
+    coefficients, steps = muon_coefficients()
+    gen = torch.Generator().manual_seed(1)
+    # two shapes twice each, one tall and one wide of the same size (never stacked together), one square
+    shapes = [(96, 32), (32, 96), (96, 32), (32, 32), (32, 96), (48, 32)]
+    grads = [torch.randn(s, generator=gen) * (i + 1) for i, s in enumerate(shapes)]
+    out = orthogonalise(grads, coefficients, steps, EPS)
+    for g, o in zip(grads, out):
+        assert o.shape == g.shape and o.dtype == torch.float32
+        assert_close(o, newton_schulz_float32(g, coefficients, steps, EPS), atol=2e-6, rtol=1e-5)
+        exact = newton_schulz_float64(g, coefficients, steps)
+        assert ((o.double() - exact).norm() / exact.norm()).item() < 1e-5
+
+
+def test_muon_batched_step_is_pytorchs_step():
+    """ Three CPU steps of MuonWithAdamW (batched orthogonalisation) against PyTorch's own loop (float32 NS):
+    the same weights within float32 rounding, and the same state, under PyTorch's keys. """
+    models = [modern_model(**ALL_OPTIONS).train() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [muon_optimizer(m) for m in models]
+    idx = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        for model in models:
+            model(idx, idx)[1].backward()
+        opts[0].step()
+        with float32_newton_schulz():
+            opts[1].muon.step()
+        opts[1].adamw.step()
+        for opt in opts:
+            opt.zero_grad()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+    ours, pytorchs = (opt.state_dict()['muon'] for opt in opts)
+    assert ours['param_groups'] == pytorchs['param_groups']
+    assert [sorted(v) for v in ours['state'].values()] == [['momentum_buffer']] * len(pytorchs['state'])
+    for i, state in pytorchs['state'].items():
+        assert_close(ours['state'][i]['momentum_buffer'], state['momentum_buffer'], atol=1e-6, rtol=1e-5)
+
+
 def test_float32_newton_schulz_swaps_pytorchs_function_and_puts_it_back():
     import torch.optim._muon as muon_impl
     original = muon_impl._zeropower_via_newtonschulz
@@ -895,3 +938,15 @@ def test_compile_on_cpu_with_the_options(dataset, tmp_path):
     # inductor fuses the rotary, norm and activation arithmetic differently: equal to ~1e-5, not bitwise
     assert all(abs(compiled[i] - eager[i]) < 1e-3 for i in eager), (eager, compiled)
     assert not any('_orig_mod' in k for k in load_checkpoint(str(tmp_path / 'compiled' / 'ckpt.pt'))['model'])
+
+
+def test_bench_recipes_profiles_the_step_part_by_part(monkeypatch, capsys):
+    """ scripts/bench_recipes.py --mode=muon: every part of the laptop model's step, each a positive time. """
+    monkeypatch.syspath_prepend(os.path.join(REPO, 'scripts'))
+    import bench_recipes
+    bench_recipes.main(['--mode=muon', '--profile_steps=3', '--num_threads=1'])
+    rows = dict(re.findall(r'^(\S.*?|  \S.*?)\s+(\d+\.\d)$', capsys.readouterr().out, re.M))
+    parts = ['forward+backward', '  with pos=rope', '  with qk_norm=True', '  with both (the fast recipe)',
+             'adamw step', 'muon step', '  of which Newton-Schulz, 16 matrices batched',
+             'muon step, one matrix at a time (before)', '  of which Newton-Schulz, 16 matrices one by one']
+    assert list(rows) == parts and all(float(v) > 0 for v in rows.values())
