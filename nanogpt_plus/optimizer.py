@@ -178,7 +178,8 @@ class MuonWithAdamW:
         return self.muon.param_groups + self.adamw.param_groups
 
     def step(self, closure=None):
-        if self.float32_ns and hasattr(muon_impl, '_adjust_lr'):  # the CPU, where this PyTorch has it
+        # the CPU, where this PyTorch has the parts the batched step uses
+        if self.float32_ns and hasattr(muon_impl, '_adjust_lr'):
             self.muon_step_batched()
         else:  # PyTorch's own step (on the CPU with its orthogonalisation in float32)
             with float32_newton_schulz(self.float32_ns):

@@ -353,7 +353,8 @@ def speedrun(work, cfg, data):
         run_checked(cmd, f"train.py {config}", cwd=REPO)
         seconds = time.perf_counter() - start
         records = read_metrics(os.path.join(out_dir, 'metrics.jsonl'))
-        iters = [r for r in records if r['type'] == 'iter' and r['iter'] >= min(10, n // 2)]  # after compiling
+        # the steps after compiling
+        iters = [r for r in records if r['type'] == 'iter' and r['iter'] >= min(10, n // 2)]
         ms = statistics.median(r['time_ms'] for r in iters)
         mfu = statistics.median([r['mfu'] for r in iters if r['mfu'] is not None] or [0.0])
         finals[name] = full_val_loss(os.path.join(out_dir, 'ckpt.pt'), cfg['num_threads'])
