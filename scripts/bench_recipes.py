@@ -343,22 +343,17 @@ def speedrun(work, cfg, data):
     finals = {}
     for name, config, n in (('gpt2', 'config/train_gpt2_fineweb.py', steps),
                             ('speedrun', 'config/train_gpt2_speedrun.py', max(2, steps // 3))):
-        out_dir = os.path.join(work, name)
-        cmd = [sys.executable, 'train.py', config, f'--out_dir={out_dir}', '--overwrite=True', f'--dataset={data}',
-               f'--device={cfg["device"]}', f'--max_iters={n}', f'--lr_decay_iters={n}',
-               f'--warmup_iters={max(1, n // 18)}', '--batch_size=16', '--gradient_accumulation_steps=1',
-               f'--eval_interval={n}', '--eval_iters=20', '--hellaswag_interval=0', '--keep_checkpoints=0',
-               '--log_interval=1', '--wandb_log=False']
-        start = time.perf_counter()
-        run_checked(cmd, f"train.py {config}", cwd=REPO)
-        seconds = time.perf_counter() - start
-        records = read_metrics(os.path.join(out_dir, 'metrics.jsonl'))
+        args = [f'--dataset={data}', f'--device={cfg["device"]}', f'--max_iters={n}', f'--lr_decay_iters={n}',
+                f'--warmup_iters={max(1, n // 18)}', '--batch_size=16', '--gradient_accumulation_steps=1',
+                f'--eval_interval={n}', '--eval_iters=20', '--hellaswag_interval=0', '--keep_checkpoints=0',
+                '--log_interval=1']
+        finals[name], seconds, taken = whole_run(work, name, config, args, cfg['num_threads'])
+        records = read_metrics(os.path.join(work, name, 'metrics.jsonl'))
         # the steps after compiling
         iters = [r for r in records if r['type'] == 'iter' and r['iter'] >= min(10, n // 2)]
         ms = statistics.median(r['time_ms'] for r in iters)
         mfu = statistics.median([r['mfu'] for r in iters if r['mfu'] is not None] or [0.0])
-        finals[name] = full_val_loss(os.path.join(out_dir, 'ckpt.pt'), cfg['num_threads'])
-        print(f"{name:10s} {n + 1:6d} {ms:8.1f} {100 * mfu:5.1f}% {seconds:7.1f} {finals[name]:15.4f}", flush=True)
+        print(f"{name:10s} {taken:6d} {ms:8.1f} {100 * mfu:5.1f}% {seconds:7.1f} {finals[name]:15.4f}", flush=True)
     verdict = "reaches" if finals['speedrun'] <= finals['gpt2'] else "does not reach"
     print(f"the speedrun recipe {verdict} the GPT-2 recipe's final val loss in a third of its steps "
           f"({finals['speedrun']:.4f} vs {finals['gpt2']:.4f})")
