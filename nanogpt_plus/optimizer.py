@@ -87,10 +87,31 @@ def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
     return x.T if tall else x
 
 
-def orthogonalise(matrices, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps=5, eps=1e-7):
+def gram_newton_schulz(x, ns_coefficients, ns_steps):
     """
-    newton_schulz_float32 of each matrix, with the matrices of one shape (in their wide orientation) stacked
-    and iterated together: 3 batched matmuls per step for each shape instead of 3 per matrix.
+    The Newton-Schulz steps of a stack of wide matrices x (m x n, m < n, each of spectral norm <= 1) taken on
+    their m x m Gram matrices. A step is x <- P x with P = a I + b G + c G^2 and G = x x^T, so the steps' end is
+    Q x0, Q the product of the P's; the next G is P G P (P, a polynomial in G, commutes with it). The same
+    polynomial as the plain steps with m x m products in place of m x n ones: for s steps 4 m^2 n + (8 s - 6) m^3
+    operations against s (4 m^2 n + 2 m^3), half for the MLP's 4:1 matrices, fewer wherever n > 1.5 m.
+    """
+    a, b, c = ns_coefficients
+    g = x @ x.mT
+    q = None
+    for step in range(ns_steps):
+        p = torch.baddbmm(g, g, g, beta=b, alpha=c)
+        p.diagonal(dim1=-2, dim2=-1).add_(a)
+        q = p if q is None else p @ q
+        if step < ns_steps - 1:
+            g = p @ g @ p
+    return x if q is None else q @ x
+
+
+def orthogonalise(matrices, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps=5, eps=1e-7, gram=True):
+    """
+    newton_schulz_float32 of each matrix, with the matrices of one shape (in their wide orientation, m x n)
+    stacked and iterated together: 3 batched matmuls per step for each shape instead of 3 per matrix.
+    gram: where n > 1.5 m, where it takes fewer operations, iterate on the Gram matrices (gram_newton_schulz).
     """
     out = [None] * len(matrices)
     by_shape = {}
@@ -103,9 +124,13 @@ def orthogonalise(matrices, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps=
         if tall:
             x = x.mT
         x = x / x.flatten(1).norm(dim=1).clamp(min=eps)[:, None, None]
-        for _ in range(ns_steps):
-            gram = x @ x.mT
-            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        if gram and 2 * x.size(2) > 3 * x.size(1):
+            x = gram_newton_schulz(x, ns_coefficients, ns_steps)
+        else:
+            for _ in range(ns_steps):
+                gram_matrix = x @ x.mT
+                x = torch.baddbmm(x, torch.baddbmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c), x,
+                                  beta=a)
         if tall:
             x = x.mT
         for j, i in enumerate(idx):
@@ -191,8 +216,9 @@ class MuonWithAdamW:
         """
         torch.optim.Muon's step (its _single_tensor_muon: Nesterov momentum, the orthogonalised update, the
         learning-rate adjustment, decoupled weight decay), with the matrices' orthogonalisations batched by shape
-        (orthogonalise): on a 2-core CPU the laptop model's 16 take ~25% less time together than one by one. The
-        state is PyTorch's (a 'momentum_buffer' per matrix), so checkpoints are the same as with its step.
+        and the wide ones iterated on their Gram matrices (orthogonalise): on a 2-core CPU the laptop model's 16
+        take 11 ms, against 19 ms one by one. The state is PyTorch's (a 'momentum_buffer' per matrix), so
+        checkpoints are the same as with its step.
         """
         for group in self.muon.param_groups:
             params = [p for p in group['params'] if p.grad is not None]

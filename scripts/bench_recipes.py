@@ -304,6 +304,7 @@ def muon_profile(cfg):
             ('muon step', muon.step),
             (f'  of which Newton-Schulz, {len(hidden)} matrices batched',
              lambda: opt.orthogonalise(hidden)),
+            ('  the same without the Gram-matrix steps', lambda: opt.orthogonalise(hidden, gram=False)),
             ('muon step, one matrix at a time (before)', lambda: one_by_one(muon)),
             (f'  of which Newton-Schulz, {len(hidden)} matrices one by one',
              lambda: [opt.newton_schulz_float32(g, (3.4445, -4.7750, 2.0315), 5, 1e-7) for g in hidden])]

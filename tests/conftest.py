@@ -3,8 +3,10 @@ Shared test set-up: no network for any library, no process group left behind by 
 GPU tests skipped without a GPU, the two tiers (fast by default, --runslow for all), and the fixtures. Helpers
 that tests import live in helpers.py.
 """
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,8 +25,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# where transformers copies an export's code for trust_remote_code: a directory of this run, not the user's cache
-os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix='hf-modules-'))
+# where transformers copies an export's code for trust_remote_code: a directory of this run (removed at its end),
+# not the user's cache
+if "HF_MODULES_CACHE" not in os.environ:
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix='hf-modules-')
+    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

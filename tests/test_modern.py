@@ -504,19 +504,31 @@ def test_newton_schulz_float32_is_pytorchs_iteration(shape):
 
 
 def test_orthogonalise_batches_by_shape_and_is_each_matrix_alone():
-    """ The batched orthogonalisation (the CPU's Muon step) against each matrix alone and against float64. """
+    """ The batched orthogonalisation (the CPU's Muon step) against each matrix alone and against float64, with
+    the Gram-matrix iteration where a shape is wider than 1.5:1 and without it. """
     from torch.optim._muon import EPS
     coefficients, steps = muon_coefficients()
     gen = torch.Generator().manual_seed(1)
-    # two shapes twice each, one tall and one wide of the same size (never stacked together), one square
-    shapes = [(96, 32), (32, 96), (96, 32), (32, 32), (32, 96), (48, 32)]
+    # two shapes twice each, one tall and one wide of the same size (never stacked together), one square, one
+    # at 1.5:1 (the plain steps), one 4:1 of rank 3 plus a little noise (a gradient's usual look)
+    shapes = [(96, 32), (32, 96), (96, 32), (32, 32), (32, 96), (48, 32), (128, 32)]
     grads = [torch.randn(s, generator=gen) * (i + 1) for i, s in enumerate(shapes)]
-    out = orthogonalise(grads, coefficients, steps, EPS)
-    for g, o in zip(grads, out):
-        assert o.shape == g.shape and o.dtype == torch.float32
-        assert_close(o, newton_schulz_float32(g, coefficients, steps, EPS), atol=2e-6, rtol=1e-5)
-        exact = newton_schulz_float64(g, coefficients, steps)
-        assert ((o.double() - exact).norm() / exact.norm()).item() < 1e-5
+    grads[-1] = torch.randn(128, 3, generator=gen) @ torch.randn(3, 32, generator=gen) + 1e-3 * grads[-1]
+    for gram in (True, False):
+        out = orthogonalise(grads, coefficients, steps, EPS, gram=gram)
+        for g, o in zip(grads, out):
+            assert o.shape == g.shape and o.dtype == torch.float32
+            exact = newton_schulz_float64(g, coefficients, steps)
+            # float32 rounding: ~1e-6 for a random matrix, ~1e-5 (plain) and ~1e-4 (Gram) for the low-rank one,
+            # far under the bfloat16 PyTorch's Muon computes in (~1e-2); a wrong polynomial is ~1
+            assert ((o.double() - exact).norm() / exact.norm()).item() < (5e-4 if gram else 1e-4)
+            if not gram:  # the same steps as one matrix alone, but for the batched matmuls' rounding
+                alone = newton_schulz_float32(g, coefficients, steps, EPS)
+                assert ((o - alone).norm() / alone.norm()).item() < 1e-4
+    # which shapes take the Gram path: only those wider than 1.5:1 (the plain steps are bitwise the same)
+    plain = orthogonalise(grads, coefficients, steps, EPS, gram=False)
+    same = [torch.equal(o, p) for o, p in zip(orthogonalise(grads, coefficients, steps, EPS), plain)]
+    assert same == [False, False, False, True, False, True, False], same
 
 
 def test_muon_batched_step_is_pytorchs_step():
@@ -948,5 +960,6 @@ def test_bench_recipes_profiles_the_step_part_by_part(monkeypatch, capsys):
     rows = dict(re.findall(r'^(\S.*?|  \S.*?)\s+(\d+\.\d)$', capsys.readouterr().out, re.M))
     parts = ['forward+backward', '  with pos=rope', '  with qk_norm=True', '  with both (the fast recipe)',
              'adamw step', 'muon step', '  of which Newton-Schulz, 16 matrices batched',
-             'muon step, one matrix at a time (before)', '  of which Newton-Schulz, 16 matrices one by one']
+             '  the same without the Gram-matrix steps', 'muon step, one matrix at a time (before)',
+             '  of which Newton-Schulz, 16 matrices one by one']
     assert list(rows) == parts and all(float(v) > 0 for v in rows.values())
