@@ -522,7 +522,8 @@ def test_orthogonalise_batches_by_shape_and_is_each_matrix_alone():
             # float32 rounding: ~1e-6 for a random matrix, ~1e-5 (plain) and ~1e-4 (Gram) for the low-rank one,
             # far under the bfloat16 PyTorch's Muon computes in (~1e-2); a wrong polynomial is ~1
             assert ((o.double() - exact).norm() / exact.norm()).item() < (5e-4 if gram else 1e-4)
-            if not gram:  # the same steps as one matrix alone, but for the batched matmuls' rounding
+            # the same steps as one matrix alone, but for the batched matmuls' rounding
+            if not gram:
                 alone = newton_schulz_float32(g, coefficients, steps, EPS)
                 assert ((o - alone).norm() / alone.norm()).item() < 1e-4
     # which shapes take the Gram path: only those wider than 1.5:1 (the plain steps are bitwise the same)
