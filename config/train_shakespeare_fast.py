@@ -1,6 +1,6 @@
 # The laptop model on GPT-2 tokens (the BPE Shakespeare of data/shakespeare/prepare.py) with the modern recipe:
 # the size, data and batch of nanoGPT's laptop run (config/train_shakespeare_char_cpu.py with
-# dataset='shakespeare', 600 iterations), trained for 180 iterations instead of 600. With GPT-2's 50,304-token
+# dataset='shakespeare', 600 iterations), trained for 165 iterations instead of 600. With GPT-2's 50,304-token
 # head most of a step is the head, so the gain has to come from fewer steps: Muon for the Blocks' matrices
 # and an 8x higher AdamW rate for what Muon doesn't take (the tied embedding/head and the gains), rotary
 # positions, QK-norm and a warmup-stable-decay schedule. The figures are in README.md ("Faster recipes") and
@@ -9,7 +9,7 @@
 
 out_dir = 'out-shakespeare-fast'
 # evaluated at the start and the end only: at 20 x 2 batches an evaluation costs ~10 steps here
-eval_interval = 180
+eval_interval = 165
 eval_iters = 20
 log_interval = 10
 always_save_checkpoint = False
@@ -38,8 +38,8 @@ learning_rate = 8e-3
 min_lr = 1e-4
 beta1 = 0.8
 beta2 = 0.99
-max_iters = 180
-lr_decay_iters = 180
+max_iters = 165
+lr_decay_iters = 165
 warmup_iters = 10
 lr_schedule = 'wsd'
 cooldown_frac = 0.5

@@ -7,7 +7,8 @@ Each run is `python train.py <config> <overrides>` saving a snapshot every snaps
 snapshot's time is the training time up to it: the sum of its iterations' time_ms from metrics.jsonl, where
 an iteration that also evaluated or saved counts at the run's median (evaluation and saving follow the cadence
 we chose for the measurement, not the recipe). The runs alternate (A, B, A, B, ...) for `rounds` rounds, so
-machine load hits them alike, and the figures are medians over the rounds.
+machine load hits them alike, and the figures are medians over the rounds (the whole-process modes' wall-time
+ratio: the median of each round's pair).
 
 Modes:
   compare   nanoGPT's laptop run (config/train_shakespeare_char_cpu.py) vs config/train_shakespeare_char_fast.py:
@@ -226,10 +227,15 @@ def compare_whole(work, cfg, recipes):
     print(f"{'recipe':8s} {'final val loss':>14s} {'wall s':>8s} {'steps':>6s}")
     for name, (loss, seconds, steps) in med.items():
         print(f"{name:8s} {loss:14.4f} {seconds:8.1f} {steps:6.0f}")
-    (base_loss, base_s, base_steps), (loss, seconds, steps) = med['nanogpt'], med['fast']
+    (base_loss, _, base_steps), (loss, _, steps) = med['nanogpt'], med['fast']
+    # the wall-time ratio of each round's pair (run back to back, so a machine whose speed drifts over the
+    # rounds moves both), and their median
+    ratios = [fast[1] / base[1] for base, fast in zip(rows['nanogpt'], rows['fast'])]
+    if len(ratios) > 1:
+        print("wall-time ratio per round: " + ", ".join(f"{r:.3f}" for r in ratios))
     verdict = "reaches" if loss <= base_loss else "does not reach"
     print(f"the fast recipe {verdict} nanoGPT's final val loss ({loss:.4f} vs {base_loss:.4f}) in "
-          f"{seconds / base_s:.3f}x its wall time and {steps / base_steps:.3f}x its steps")
+          f"{statistics.median(ratios):.3f}x its wall time and {steps / base_steps:.3f}x its steps")
 
 
 def ablation(work, cfg):
