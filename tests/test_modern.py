@@ -548,8 +548,11 @@ def test_muon_batched_step_is_pytorchs_step():
         opts[1].adamw.step()
         for opt in opts:
             opt.zero_grad()
+    # the Gram-matrix steps round differently from PyTorch's plain ones (~5e-4 of an update at most, see the test
+    # above): ~1e-6 here after 3 steps at muon_lr 0.02 (an atol of 1e-6 was 96% used on one CPU), against ~2e-3
+    # per step for a wrong update
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-        assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+        assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
     ours, pytorchs = (opt.state_dict()['muon'] for opt in opts)
     assert ours['param_groups'] == pytorchs['param_groups']
     assert [sorted(v) for v in ours['state'].values()] == [['momentum_buffer']] * len(pytorchs['state'])
