@@ -10,7 +10,7 @@ Tasks:
              and ppl (perplexity of the last word)
 
 Usage:
-    python eval.py --init_from=resume --out_dir=out-shakespeare-char --task=loss
+    python eval.py --init_from=resume --out_dir=out-shakespeare-char-cpu --task=loss
     python eval.py --init_from=gpt2 --task=hellaswag                  # downloads the validation set once
     python eval.py --init_from=gpt2 --task=lambada --data_file=lambada_test.jsonl --max_examples=500
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2 --task=hellaswag

@@ -14,7 +14,7 @@ rows included, so they never share an id with the tokenizer's tokens):
 Labels: class ids or strings (the map is kept in the checkpoint); multiple_choice's: the right choice's index or text.
 
 Fine-tune a model of train.py (its out_dir), GPT-2 or a local HF directory, texts in the model's tokenizer:
-$ python finetune.py --task=classification --init_from=out-shakespeare-char --out_dir=out-ft \\
+$ python finetune.py --task=classification --init_from=out-shakespeare-char-cpu --out_dir=out-ft \\
       --train_file=train.jsonl --val_file=val.jsonl
 $ python finetune.py config/finetune_classification.py --init_from=gpt2 --train_file=... --val_file=...
 $ python finetune.py ... --init_from=scratch --dataset=shakespeare_char   # no pretraining

@@ -1,7 +1,7 @@
 # GPT-1-style fine-tuning of the small character-level Shakespeare model (config/train_shakespeare_char_cpu.py)
 # on a task built from plays it never saw; scripts/finetune_demo.py builds the JSONL files and runs this from the
 # pretrained model and from scratch, over seeds and learning rates:
-#   python finetune.py config/finetune_shakespeare_plays.py --init_from=out-shakespeare-char \
+#   python finetune.py config/finetune_shakespeare_plays.py --init_from=out-shakespeare-char-cpu \
 #       --train_file=spelling_train.jsonl --val_file=spelling_val.jsonl --out_dir=out-ft-plays
 # The model settings below only matter for --init_from=scratch, the no-pretraining baseline: they repeat
 # the pretrained model's so that the two runs differ in the initial weights only. The learning rate is

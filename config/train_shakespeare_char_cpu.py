@@ -4,7 +4,8 @@
 #     --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0
 # reaches a val loss of ~1.88 in a few minutes on a laptop CPU.
 
-out_dir = 'out-shakespeare-char'
+# its own directory: nanoGPT's GPU recipe (train_shakespeare_char.py) writes out-shakespeare-char
+out_dir = 'out-shakespeare-char-cpu'
 eval_interval = 250
 eval_iters = 20
 log_interval = 1

@@ -9,6 +9,7 @@ Usage:
     dtype, ctx = precision(device, 'auto')        # TF32 on CUDA, dtype, autocast context
 """
 
+import math
 import os
 from contextlib import nullcontext
 
@@ -142,7 +143,21 @@ def compute_setup(device, dtype, compile_setting, num_threads, peak=True):
 
 
 def available_host_memory():
-    """ The bytes of RAM this machine can give a new allocation now (/proc/meminfo's MemAvailable), or None. """
+    """
+    The bytes of RAM this machine can give a new allocation now (/proc/meminfo's MemAvailable), or None (not
+    Linux: no check). NANOGPT_FREE_MEMORY_GIB overrides it: what a container's memory limit really leaves, or a
+    fixed figure so that a test's outcome does not depend on what else the machine runs.
+    """
+    override = os.environ.get('NANOGPT_FREE_MEMORY_GIB')
+    if override:
+        try:
+            gib = float(override)
+        except ValueError:
+            gib = math.nan
+        if not (math.isfinite(gib) and gib > 0):
+            raise UserError(f"NANOGPT_FREE_MEMORY_GIB={override!r} is not a number of GiB; set it to one "
+                            f"(e.g. 16) or unset it")
+        return int(gib * 2**30)
     try:
         with open('/proc/meminfo', encoding='ascii') as f:
             for line in f:

@@ -134,13 +134,18 @@ def all_reduce_mean(values, dist_info):
 def accumulation_per_rank(gradient_accumulation_steps, dist_info):
     """
     The micro-steps each of world_size processes runs, so that the global batch (batch_size x
-    gradient_accumulation_steps) is the same for any number of processes.
+    gradient_accumulation_steps) is the same for any number of processes. Where it doesn't split evenly
+    (nanoGPT's Shakespeare config has 1 micro-step, and 2 processes can't share it), every process runs the
+    rounded-up share and rank 0 says once what the iteration then holds: a run on 2 processes of a 1-step
+    config is a run, not a refusal.
     """
     w = dist_info.world_size
-    if gradient_accumulation_steps % w != 0:
-        raise UserError(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be divisible by the "
-                        f"number of processes ({w}); pick a multiple of {w}")
-    return gradient_accumulation_steps // w
+    per_rank = -(-gradient_accumulation_steps // w)  # ceil
+    if per_rank * w != gradient_accumulation_steps and dist_info.master:
+        print(f"gradient_accumulation_steps={gradient_accumulation_steps} does not split among {w} processes: "
+              f"each runs {per_rank}, so an iteration is {per_rank * w} micro-batches, not "
+              f"{gradient_accumulation_steps} (give a multiple of {w} to choose the global batch yourself)")
+    return per_rank
 
 
 def every_rank(dist_info, fn, agree=None):

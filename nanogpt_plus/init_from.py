@@ -18,6 +18,7 @@ import os
 import torch
 from torch.overrides import TorchFunctionMode
 
+from configurator import Settings
 from model import GPT, GPT2_NAMES, MODERN, GPTConfig
 from nanogpt_plus.checkpoint import (
     checkpoint_tokenizer_meta,
@@ -486,6 +487,20 @@ def adopt_resumed_run(cfg, path):
         raise UserError(f"the run in {cfg['out_dir']} is already complete: its checkpoint is at iter "
                         f"{int(ckpt['iter_num'])}, past max_iters={cfg['max_iters']}; to train further, resume with "
                         f"a larger --max_iters (and --lr_decay_iters to match)")
+
+
+def resume_refusal(cfg):
+    """
+    Why `--init_from=resume` with cfg's other settings would be refused (that one line), or None when it would
+    run: a refusal that suggests resuming suggests it only where it works (nanoGPT's 6-layer config over the quick
+    start's 4-layer run does not).
+    """
+    trial = Settings(cfg, cfg.given) if isinstance(cfg, Settings) else dict(cfg)
+    try:
+        adopt_resumed_run(trial, resume_point(cfg['out_dir'], ''))
+    except UserError as e:
+        return str(e)
+    return None
 
 
 def adopt_resumed_finetune(cfg, path):

@@ -248,32 +248,37 @@ def claim_out_dir(out_dir, dist_info, prepare=None):
 # -----------------------------------------------------------------------------
 # a run's start: a resume continues its line, a new run may not replace an earlier one's checkpoints
 
-def prepare_out_dir(cfg, script, argv):
+def prepare_out_dir(cfg, script, argv, resume_refusal=None):
     """
     train.py's start in its out_dir, on rank 0 with out_dir locked: a resume continues a line of its own
     (branch_off keeps the files of the line it leaves); a new run into an out_dir that holds an earlier run's
     checkpoints (ckpt.pt, ckpt_best.pt, snapshots) is refused with the commands to resume it or start over,
-    unless --overwrite=True. eval_only runs write no checkpoint and change nothing.
+    unless --overwrite=True. eval_only runs write no checkpoint and change nothing. resume_refusal(cfg): why a
+    resume with these settings would be refused, or None (init_from.resume_refusal), so that the refusal
+    suggests resuming only where that works.
     """
     if cfg['eval_only']:
         return
     if cfg['init_from'] == 'resume':
         branch_off(cfg['out_dir'], cfg['resume_from'])
         return
-    check_new_run(cfg['out_dir'], checkpoint_files(cfg['out_dir']), script, argv, cfg['overwrite'])
+    why_not = resume_refusal(cfg) if resume_refusal is not None else None
+    check_new_run(cfg['out_dir'], checkpoint_files(cfg['out_dir']), script, argv, cfg['overwrite'],
+                  why_not_resume=why_not)
 
 
-def check_new_run(out_dir, checkpoints, script, argv, overwrite, resume_file='ckpt.pt'):
+def check_new_run(out_dir, checkpoints, script, argv, overwrite, resume_file='ckpt.pt', why_not_resume=None):
     """
     On rank 0, with out_dir locked: a new run (not a resume) into an out_dir that holds one of `checkpoints`
-    (file names) is refused with the commands to continue the earlier run (when it left its resume_file) or to
-    start over, unless overwrite. With overwrite the earlier files stay until the new run's saves replace them.
+    (file names) is refused with the commands to continue the earlier run (when it left its resume_file and
+    why_not_resume is None) or to start over, unless overwrite. With overwrite the earlier files stay until the
+    new run's saves replace them.
     """
     held = [name for name in checkpoints if os.path.isfile(os.path.join(out_dir, name))]
     if not held:
         return
     if not overwrite:
-        resumable = os.path.isfile(os.path.join(out_dir, resume_file))
+        resumable = os.path.isfile(os.path.join(out_dir, resume_file)) and why_not_resume is None
         raise refuse_overwrite(out_dir, held[0], script, argv, resumable=resumable)
     print(f"overwrite=True: the earlier run's checkpoints in {out_dir} stay until this run's saves replace them")
 
@@ -281,7 +286,8 @@ def check_new_run(out_dir, checkpoints, script, argv, overwrite, resume_file='ck
 def refuse_overwrite(out_dir, checkpoint, script, argv, resumable=True):
     """
     The UserError for a new run that would overwrite checkpoint (a file in out_dir) without --overwrite: it
-    gives the commands to continue the earlier run (when it is resumable) or to start over.
+    gives the commands to continue the earlier run (when it is resumable) or to start over, and another out_dir
+    (the first choice when it can't be resumed: its run is another run).
     """
     iter_note = ''
     try:
@@ -289,10 +295,15 @@ def refuse_overwrite(out_dir, checkpoint, script, argv, resumable=True):
             iter_note = f" (iter {json.load(f)['iter_num']})"
     except (OSError, ValueError, KeyError, TypeError):
         pass  # the sidecar only adds the iteration to the message
-    resume = f"continue it with `{command_line(script, argv, init_from='resume')}`, " if resumable else ""
+    elsewhere = command_line(script, argv, out_dir=f"{out_dir.rstrip(os.sep)}-2")
+    start_over = command_line(script, argv, overwrite=True)
+    if resumable:
+        choices = (f"continue it with `{command_line(script, argv, init_from='resume')}`, start over with "
+                   f"`{start_over}`, or pass another --out_dir")
+    else:
+        choices = f"write this run elsewhere with `{elsewhere}`, or replace the earlier one with `{start_over}`"
     return UserError(f"{out_dir} already holds the checkpoint {checkpoint}{iter_note} of an earlier run, which this "
-                     f"run would overwrite; {resume}start over with `{command_line(script, argv, overwrite=True)}`, "
-                     f"or pass another --out_dir")
+                     f"run would overwrite; {choices}")
 
 
 def command_line(script, argv, **replace):

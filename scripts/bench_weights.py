@@ -9,7 +9,7 @@ in quality on a trained model: greedy agreement with float32 over 500 tokens and
 Usage:
     python scripts/bench_weights.py                                   # everything (10-15 minutes on 2 cores)
     python scripts/bench_weights.py --part=speed --batch_sizes=1,10 --tokens=200
-    python scripts/bench_weights.py --part=quality --quality_ckpt=out-shakespeare-char
+    python scripts/bench_weights.py --part=quality --quality_ckpt=out-shakespeare-char-cpu
     python scripts/bench_weights.py --part=process --nanogpt_dir=../nanoGPT
 
 part: speed | startup | process | quality | all. The 124M checkpoint and Hugging Face directory (random
@@ -44,7 +44,7 @@ DEFAULTS = Schema(Group(
     batch_sizes=Setting('1,10', "the batch sizes of the speed part, comma separated"),
     threads=Setting('0', "torch threads for the speed part, e.g. 1,2 (0: torch's default, all cores)"),
     repeats=Setting(3, "runs of each measurement; the median is reported", low=1),
-    quality_ckpt=Setting('out-shakespeare-char', "a trained model (out_dir or ckpt.pt) for the quality figures"),
+    quality_ckpt=Setting('out-shakespeare-char-cpu', "a trained model (out_dir or ckpt.pt) for the quality figures"),
     quality_tokens=Setting(500, "greedy tokens per prompt in the quality part", low=1),
     nanogpt_dir=Setting('', "a checkout of nanoGPT: also time its sample.py on the same 124M checkpoint"),
     work_dir=Setting('', "where the 124M checkpoint and HF directory go ('' = a temporary directory)"),

@@ -8,6 +8,8 @@ import functools
 import json
 import multiprocessing
 import os
+import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -59,17 +61,38 @@ def test_a_scratch_run_over_a_checkpoint_is_refused_and_overwrite_replaces_it(da
     args = tiny_args(dataset, tmp_path, max_iters=2, eval_interval=2)
     run_train(capsys, args)
     before = (tmp_path / "ckpt.pt").read_bytes()
+    # the same command again: that run is complete, so resuming it is no advice
     assert exit_code(lambda: train.main(args)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "already holds the checkpoint ckpt.pt (iter 3) of an earlier run" in err
-    assert f"`python train.py {' '.join(args)} --init_from=resume`" in err
+    assert "--init_from=resume" not in err
+    others = ' '.join(a for a in args if not a.startswith('--out_dir='))
+    assert f"`python train.py {others} --out_dir={tmp_path}-2`" in err
     assert f"`python train.py {' '.join(args)} --overwrite=True`" in err
+    # with more iterations it can continue, and the command it gives does
+    longer = args + ["--max_iters=4"]
+    assert exit_code(lambda: train.main(longer)) == 2
+    resume = f"python train.py {' '.join(longer)} --init_from=resume"
+    assert f"`{resume}`" in capsys.readouterr().err
     assert (tmp_path / "ckpt.pt").read_bytes() == before  # untouched
     assert not (tmp_path / LOCK_NAME).exists()  # a refused run leaves no lock behind
     out = run_train(capsys, args + ["--overwrite=True", "--max_iters=3"]).out
     assert "overwrite=True: the earlier run's checkpoint" in out
     # the new run's final save
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 4
+
+
+def test_the_refusal_over_another_architecture_suggests_what_works(dataset, tmp_path, capsys):
+    """ The quick start's run, then nanoGPT's bigger config into the same out_dir: resuming can't work. """
+    args = tiny_args(dataset, tmp_path / "out", max_iters=2, eval_interval=2)
+    run_train(capsys, args)
+    bigger = args + ["--n_layer=3", "--max_iters=4"]
+    assert exit_code(lambda: train.main(bigger)) == 2
+    err = capsys.readouterr().err
+    assert "--init_from=resume" not in err
+    suggested = re.search(r"write this run elsewhere with `python train\.py (.*?)`", err).group(1)
+    run_train(capsys, shlex.split(suggested))
+    assert torch.load(tmp_path / "out-2" / "ckpt.pt", weights_only=True)["model_args"]["n_layer"] == 3
 
 
 def test_out_dir_that_is_a_file(dataset, tmp_path):

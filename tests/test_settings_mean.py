@@ -166,6 +166,23 @@ def test_a_first_step_that_cant_fit_is_refused_before_anything_is_built(monkeypa
     device.check_model_memory(dict(cfg, block_size=256), 65, on_cpu=True)
 
 
+def test_the_free_memory_figure_is_pinned_in_tests_and_can_be_set(monkeypatch):
+    # the suite's own pin (conftest): the GPT-2 default config passes whatever else the machine runs
+    assert device.available_host_memory() == 64 * 2**30
+    train.check_settings(parse_config(train.DEFAULTS, ["--device=cpu"]))
+    monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', '2.5')
+    assert device.available_host_memory() == int(2.5 * 2**30)
+    with pytest.raises(UserError, match=r"this machine has 2.5 GiB free"):
+        train.check_settings(parse_config(train.DEFAULTS, ["--device=cpu"]))
+    for bad in ('lots', 'nan', '1e999', '-5'):
+        monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', bad)
+        with pytest.raises(UserError, match=f"NANOGPT_FREE_MEMORY_GIB='{bad}' is not a number of GiB"):
+            device.available_host_memory()
+    # unset: the machine's own figure (Linux), or None
+    monkeypatch.delenv('NANOGPT_FREE_MEMORY_GIB')
+    assert device.available_host_memory() is None or device.available_host_memory() > 0
+
+
 def test_a_jsonl_text_that_is_not_a_string_is_one_line(tmp_path):
     cases = {'{"text": 5}': "line 2: its 'text' field is a number (5), not text; make it a string",
              '["a", "list"]': "line 2 is a list, not an object with a 'text' field",
