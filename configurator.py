@@ -23,6 +23,7 @@ Usage:
 """
 
 import ast
+import dataclasses
 import difflib
 import os
 import sys
@@ -40,6 +41,13 @@ class Settings(dict):
     def __init__(self, values, given=()):
         super().__init__(values)
         self.given = frozenset(given)
+
+    def select(self, spec):
+        """
+        The values of one topic: spec is a dataclass whose fields are named as settings (a data spec, an LR
+        schedule), built from those settings alone. A component is handed this, never the whole settings.
+        """
+        return spec(**{f.name: self[f.name] for f in dataclasses.fields(spec)})
 
 
 # -----------------------------------------------------------------------------
@@ -266,8 +274,7 @@ def parse_config(defaults, argv):
         if not arg.startswith("--"):
             # anything without the leading -- names a config file
             source, settings = _read_config_file(arg)
-            print(f"Overriding config with {arg}:")
-            print(source)
+            _echo(f"Overriding config with {arg}:\n{source}")
             for key, value in settings.items():
                 if key not in defaults:
                     raise ConfigError(f"unknown setting '{key}' in {arg}{_closest(key, defaults)}")
@@ -283,8 +290,15 @@ def parse_config(defaults, argv):
         kind = spec.kind if spec is not None else type(defaults[key])
         config[key] = _check_type(key, _parse_value(text, kind), defaults, f"--{key}")
         given.add(key)
-        print(f"Overriding: {key} = {config[key]!r}")
+        _echo(f"Overriding: {key} = {config[key]!r}")
     return Settings(config, given)
+
+
+def _echo(text):
+    """ Print text on the first rank only: torchrun starts one process per rank, each parsing the same argv,
+    and one copy of the config is what the log needs (RANK is torchrun's; unset in a single process). """
+    if os.environ.get('RANK') in (None, '', '0'):
+        print(text)
 
 
 def format_settings(defaults):
