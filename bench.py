@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
+from nanogpt_plus import settings
 from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.dataset import find_dataset, split_files
 from nanogpt_plus.device import compute_setup, device_type_of, resolve_device
@@ -40,17 +41,52 @@ from nanogpt_plus.optimizer import make_grad_scaler, make_optimizer, optimizer_s
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.parallel import wrap_model
 from nanogpt_plus.runtime import provenance, run_main
-from nanogpt_plus.settings import ADAMW, BENCH, DATA, MODEL, SYSTEM, Schema, check_model_shape, subset
+from nanogpt_plus.settings import check_model_shape, flag, non_negative, positive
 from nanogpt_plus.threads import describe_thread_choice, tune_cpu_threads
 
 # -----------------------------------------------------------------------------
-# train.py's settings for the data, model and step (declared in nanogpt_plus/settings.py), plus what to measure
+# The settings and their defaults: train.py's data, model and step (nanoGPT's bench.py: GPT-2
+# 124M, 12 x 1024, its optimizer settings), then what to measure; `python bench.py --help` prints
+# them with their help. A setting other entry points share has its type, range and help in
+# nanogpt_plus/settings.py and its default here.
+DATA = Group(
+    'data',
+    dataset=settings.dataset('openwebtext'),
+    data_order=settings.data_order('random'),
+    batch_size=settings.batch_size(12),
+    block_size=settings.block_size(1024),
+)
+ADAMW = Group(
+    'adamw optimizer',
+    learning_rate=settings.learning_rate(1e-4),
+    weight_decay=settings.weight_decay(1e-2),
+    beta1=settings.beta1(0.9),
+    beta2=settings.beta2(0.95),
+    grad_clip=settings.grad_clip(1.0),
+    optimizer=settings.optimizer('adamw'),
+    muon_lr=settings.muon_lr(0.02),
+    muon_momentum=settings.muon_momentum(0.95),
+    muon_weight_decay=settings.muon_weight_decay(0.0),
+)
+BENCH = Group(
+    'what bench.py measures',
+    real_data=flag(True, "True: batches of the dataset's train split; False: random tokens"),
+    fused=Setting(None, "None = auto (fused AdamW where available); False = PyTorch's default "
+                        "AdamW for the device", kind=bool, choices=(None, True, False)),
+    burnin=non_negative(10, "untimed steps first (compilation, allocator and cache warm-up)"),
+    steps=positive(20, "timed steps"),
+    profile=flag(False, "True: a torch.profiler trace and op table instead of the timings"),
+    profile_dir=Setting('bench_log', "where the profiler trace goes", not_empty=True),
+)
 DEFAULTS = Schema(
-    subset(DATA, 'dataset', 'data_order', 'batch_size', 'block_size'), MODEL,
-    subset(ADAMW, 'learning_rate', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'optimizer', 'muon_lr',
-           'muon_momentum', 'muon_weight_decay'),
-    subset(SYSTEM, 'device', 'dtype', 'compile', 'activation_checkpointing', 'num_threads', 'seed'), BENCH,
-    learning_rate=1e-4, weight_decay=1e-2)
+    DATA,
+    # shared whole (nanogpt_plus/settings.py): n_layer, n_head, n_embd, dropout, bias, ...
+    settings.MODEL,
+    ADAMW,
+    # shared with the other entry points: nanogpt_plus/settings.py
+    settings.subset(settings.SYSTEM, 'device', 'dtype', 'compile', 'activation_checkpointing',
+                    'num_threads', 'seed'),
+    BENCH)
 # -----------------------------------------------------------------------------
 
 

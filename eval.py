@@ -25,7 +25,8 @@ import os
 
 import torch
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
+from nanogpt_plus import settings
 from nanogpt_plus.checkpoint import tokenizer_known
 from nanogpt_plus.dataset import check_dataset_tokenizer, read_dataset_meta
 from nanogpt_plus.device import device_type_of, precision, resolve_compile
@@ -36,17 +37,47 @@ from nanogpt_plus.files import atomic_write
 from nanogpt_plus.init_from import describe_source, init_model
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.runtime import provenance, run_main
-from nanogpt_plus.settings import DATA, EVALUATION, IO, SYSTEM, Schema, Setting, subset
+from nanogpt_plus.settings import non_negative
 from nanogpt_plus.weights import set_weights
 
 # the scoring is nanogpt_plus/evaluation.py's (one implementation, which other code calls in-process too);
 # this script reads the settings, loads the model, and prints or writes the result
+
+# -----------------------------------------------------------------------------
+# the settings and their defaults (`python eval.py --help` prints them with their help); a
+# setting other entry points share has its type, range and help in nanogpt_plus/settings.py and
+# its default here
+IO = Group(
+    'I/O',
+    out_dir=settings.out_dir('out'),
+    overwrite=settings.overwrite(False),
+    init_from=settings.init_from('resume'),
+)
+EVALUATION = Group(
+    'zero-shot evaluation',
+    task=Setting('loss', "loss | hellaswag | lambada"),
+    data_file=Setting('', "the token file (loss) or JSONL (hellaswag, lambada); '' = the task's "
+                          "default"),
+    split=Setting('val', "loss: the split of the dataset to score", not_empty=True),
+    stride=non_negative(0, "loss: 0 = non-overlapping block_size windows; S = a sliding window, "
+                           "every token scored once"),
+    max_examples=non_negative(0, "0 = all; else the first N examples (loss: windows), for quick "
+                                 "runs"),
+    output_file=Setting('', "also write the result JSON here"),
+    weights=settings.WEIGHTS_SETTING,  # shared with sample.py and finetune.py
+)
+DATA = Group(
+    'data',
+    dataset=Setting('', "loss: data/<dataset>/<split>.bin or its <split> shards; '' = the "
+                        "checkpoint's training dataset"),
+    batch_size=settings.batch_size(16),
+)
 DEFAULTS = Schema(
-    subset(IO, 'init_from', 'out_dir', 'overwrite'), EVALUATION, subset(DATA, 'dataset', 'batch_size'),
-    subset(SYSTEM, 'device', 'dtype', 'compile', 'seed', 'dist_timeout'), init_from='resume', compile=False,
-    dataset=Setting('', "loss: data/<dataset>/<split>.bin or its <split> shards; '' = the checkpoint's training "
-                        "dataset"),
-    batch_size=16)
+    IO, EVALUATION, DATA,
+    # shared with the other entry points: nanogpt_plus/settings.py
+    settings.subset(settings.SYSTEM, 'device', 'dtype', 'compile', 'seed', 'dist_timeout'),
+    compile=False)
+# -----------------------------------------------------------------------------
 
 
 def check_settings(cfg):

@@ -27,15 +27,33 @@ GPT-2's form maps the weights with model.hf_key_map, the same table GPT.from_pre
 import json
 import os
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
+from nanogpt_plus import settings
 from nanogpt_plus.hf_export import check_export_weights, export
 from nanogpt_plus.init_from import describe_source, init_model
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.runtime import run_main
-from nanogpt_plus.settings import EXPORT, IO, Schema, subset
 
 # the writing is nanogpt_plus/hf_export.py's; this script reads the settings and loads the model
-DEFAULTS = Schema(subset(IO, 'init_from', 'out_dir', 'overwrite'), EXPORT, init_from='resume')
+
+# -----------------------------------------------------------------------------
+# the settings and their defaults (`python export_hf.py --help` prints them with their help); a
+# setting other entry points share has its type, range and help in nanogpt_plus/settings.py and
+# its default here
+IO = Group(
+    'I/O',
+    out_dir=settings.out_dir('out'),
+    overwrite=settings.overwrite(False),
+    init_from=settings.init_from('resume'),
+)
+EXPORT = Group(
+    'export',
+    hf_dir=Setting('', "where to write the Hugging Face directory; '' = <out_dir>/hf"),
+    weights=Setting('float32', "the dtype model.safetensors stores: 'float32' (exact) or "
+                               "'bfloat16' (half the size)"),
+)
+DEFAULTS = Schema(IO, EXPORT)
+# -----------------------------------------------------------------------------
 
 
 def main():

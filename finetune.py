@@ -46,7 +46,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from nanogpt_plus import finetuning, settings
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.dataset import find_dataset
@@ -61,24 +61,82 @@ from nanogpt_plus.outputs import check_output
 from nanogpt_plus.parallel import grad_sync_context, wrap_model
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.saving import Checkpointer, restore_training_state
+from nanogpt_plus.settings import non_negative, positive
 
 BEST_CKPT = 'ckpt.pt'  # the best model so far (by val accuracy), with its head
 LAST_CKPT = 'ckpt_last.pt'  # the latest training state, for --init_from=resume
 
 # -----------------------------------------------------------------------------
-# the settings: GPT-1's fine-tuning recipe (batch 32, 3 epochs, dropout 0.1, warmup over 0.2% of training, lambda
-# 0.5, lr 6.25e-5 scaled to the width); the model settings are for init_from=scratch (the weights fix the rest)
-DEFAULTS = settings.Schema(
-    settings.FINETUNING, settings.subset(settings.IO, 'out_dir', 'log_interval', 'overwrite', 'init_from',
-                                         'auto_resume'),
-    settings.subset(settings.DATA, 'dataset', 'gradient_accumulation_steps', 'batch_size', 'block_size'),
-    settings.MODEL, settings.subset(settings.ADAMW, 'learning_rate', 'weight_decay', 'beta1', 'beta2', 'grad_clip'),
-    settings.subset(settings.LR_DECAY, 'decay_lr', 'min_lr'), settings.WANDB,
+# The settings and their defaults: GPT-1's fine-tuning recipe (batch 32, 3 epochs, dropout 0.1,
+# warmup over 0.2% of training, lambda 0.5, lr 6.25e-5 scaled to the width); `python finetune.py
+# --help` prints them with their help. A setting other entry points share has its type, range and
+# help in nanogpt_plus/settings.py and its default here; the model settings (shared whole) are for
+# init_from=scratch (the weights fix the rest).
+FINETUNING = Group(
+    'fine-tuning (GPT-1)',
+    task=Setting('', "classification | entailment | similarity | multiple_choice ('' = the "
+                     "checkpoint's, when predicting or resuming)"),
+    train_file=Setting('', "JSONL with labels"),
+    val_file=Setting('', "JSONL with labels; the accuracy after every epoch picks the model kept "
+                         "as ckpt.pt"),
+    predict_file=Setting('', "JSONL without (or with ignored) labels: write predictions of the "
+                             "best model"),
+    predict_out=Setting('', "where the predictions go ('' = out_dir/predictions.jsonl)"),
+    epochs=positive(3, "passes over the training file"),
+    lm_loss_weight=Setting(0.5, "lambda in L3 = L2 + lambda * L1 (the auxiliary LM loss); 0 turns "
+                                "it off", low=0),
+    warmup_frac=Setting(0.002, "warm up over this fraction of all steps, then decay to min_lr by "
+                               "the last step", low=0.0, high=1.0),
+    eval_batch_size=non_negative(0, "examples per forward pass in evaluation; 0 = batch_size"),
+    # predictions only (--predict_file without --train_file); shared with sample.py and eval.py
+    weights=settings.WEIGHTS_SETTING,
+)
+IO = Group(
+    'I/O',
+    out_dir=settings.out_dir('out-finetune'),
+    log_interval=settings.log_interval(10),
+    overwrite=settings.overwrite(False),
+    init_from=settings.init_from('scratch'),
+    auto_resume=settings.auto_resume(False),
+)
+DATA = Group(
+    'data',
+    dataset=settings.dataset('openwebtext'),
+    gradient_accumulation_steps=settings.gradient_accumulation_steps(1),
+    batch_size=settings.batch_size(32),
+    block_size=Setting(0, "0 = the source model's; smaller crops a pretrained model (a resume "
+                          "keeps its own)", low=0),
+)
+ADAMW = Group(
+    'adamw optimizer',
+    learning_rate=Setting(0.0, "the peak learning rate; 0 = scaled from the model's width: 6.25e-5 "
+                               "x (768 / n_embd) ** 1.5, GPT-1's rate at GPT-1's width (a resume: "
+                               "the rate it used)", low=0),
+    weight_decay=settings.weight_decay(0.01),
+    beta1=settings.beta1(0.9),
+    beta2=settings.beta2(0.999),
+    grad_clip=settings.grad_clip(1.0),
+)
+LR_DECAY = Group(
+    'learning rate decay',
+    decay_lr=settings.decay_lr(True),
+    min_lr=settings.min_lr(0.0),
+)
+WANDB = Group(
+    'wandb logging',
+    wandb_log=settings.wandb_log(False),
+    wandb_project=settings.wandb_project('finetune'),
+    wandb_run_name=settings.wandb_run_name('finetune'),
+)
+DEFAULTS = Schema(
+    FINETUNING, IO, DATA,
+    # shared whole (nanogpt_plus/settings.py): n_layer, n_head, n_embd, dropout, bias, ...
+    settings.MODEL,
+    ADAMW, LR_DECAY, WANDB,
+    # shared with the other entry points: nanogpt_plus/settings.py
     settings.subset(settings.SYSTEM, 'backend', 'dist_timeout', 'device', 'dtype', 'compile',
                     'activation_checkpointing', 'seed'),
-    out_dir='out-finetune', log_interval=10, gradient_accumulation_steps=1, batch_size=32, dropout=0.1,
-    block_size=settings.FINETUNE_BLOCK_SIZE, learning_rate=settings.FINETUNE_LEARNING_RATE,
-    weight_decay=0.01, beta2=0.999, min_lr=0.0, wandb_project='finetune', wandb_run_name='finetune', compile=False)
+    dropout=0.1, compile=False)
 # -----------------------------------------------------------------------------
 
 

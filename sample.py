@@ -49,21 +49,52 @@ import time
 
 import torch
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
+from nanogpt_plus import settings
 from nanogpt_plus.device import PTDTYPE, device_type_of, precision, resolve_compile, resolve_device
 from nanogpt_plus.engine import check_sampling_args, generate_stream
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.init_from import describe_source, init_model
 from nanogpt_plus.runtime import run_main
-from nanogpt_plus.settings import IO, MODEL, SAMPLING, SYSTEM, Schema, subset
+from nanogpt_plus.settings import flag, non_negative, positive
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
 from nanogpt_plus.weights import can_pack, set_weights
 
 SEPARATOR = '---------------'
 
-# every setting is declared once in nanogpt_plus/settings.py (type, allowed values, help: python sample.py --help)
-DEFAULTS = Schema(subset(IO, 'init_from', 'out_dir'), SAMPLING, subset(MODEL, 'attention'),
-                  subset(SYSTEM, 'device', 'dtype', 'compile', 'seed'), init_from='resume', compile=False)
+# -----------------------------------------------------------------------------
+# the settings and their defaults (`python sample.py --help` prints them with their help); a
+# setting other entry points share has its type, range and help in nanogpt_plus/settings.py and
+# its default here
+IO = Group(
+    'I/O',
+    out_dir=settings.out_dir('out'),
+    init_from=settings.init_from('resume'),
+)
+SAMPLING = Group(
+    'sampling',
+    start=Setting("\n", "the prompt text, or \"FILE:path\" to read it from a file "
+                        "('<|endoftext|>': BPE's end of text)"),
+    num_samples=positive(10, "samples to draw, all in one batch"),
+    max_new_tokens=non_negative(500, "tokens added to each sample"),
+    temperature=Setting(0.8, "divides the logits: < 1.0 sharper, > 1.0 flatter; 0 = greedy "
+                             "(argmax)"),
+    top_k=Setting(200, "draw only among the top_k most likely tokens (None: among "
+                       "all)", none_ok=True),
+    top_p=Setting(1.0, "nucleus sampling: keep the most likely tokens up to this probability mass "
+                       "(1.0: off)", none_ok=True),
+    mode=Setting('exact', "'exact' (nanoGPT's results) or 'fast' (a KV cache in the model's dtype, "
+                          "see sample.py)", choices=settings.MODES),
+    stop_at_eot=flag(False, "BPE models (gpt2, bpe): end a sample at <|endoftext|>"),
+    weights=settings.WEIGHTS_SETTING,  # shared with eval.py and finetune.py
+)
+DEFAULTS = Schema(
+    IO, SAMPLING,
+    # shared with the other entry points: nanogpt_plus/settings.py
+    settings.subset(settings.MODEL, 'attention'),
+    settings.subset(settings.SYSTEM, 'device', 'dtype', 'compile', 'seed'),
+    compile=False)
+# -----------------------------------------------------------------------------
 
 
 def read_start(start):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from configurator import configure
+from configurator import Group, Schema, Setting, configure
 from model import GPT
 from nanogpt_plus import distributed, settings
 from nanogpt_plus import optimizer as opt
@@ -41,13 +41,108 @@ from nanogpt_plus.out_dir import claim_out_dir, prepare_out_dir
 from nanogpt_plus.parallel import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.saving import Checkpointer, restore_training_state
+from nanogpt_plus.settings import flag, non_negative, positive
 from nanogpt_plus.threads import choose_threads
 
 # -----------------------------------------------------------------------------
-# the settings and their defaults: GPT-2 small (124M parameters) on OpenWebText, nanoGPT's recipe. Each one is
-# declared in nanogpt_plus/settings.py with its type and help; `python train.py --help` lists them all
-DEFAULTS = settings.Schema(settings.IO, settings.INLOOP, settings.WANDB, settings.DATA, settings.MODEL,
-                           settings.ADAMW, settings.SPIKE_GUARD, settings.LR_DECAY, settings.SYSTEM)
+# The settings and their defaults: nanoGPT's (GPT-2 124M on OpenWebText) in its order, then ours;
+# `python train.py --help` prints them with their help. A shared setting's type, range and help are
+# in nanogpt_plus/settings.py, its default here; the model and system groups are shared whole.
+# I/O
+IO = Group(
+    'I/O',
+    out_dir=settings.out_dir('out'),
+    eval_interval=positive(2000, "evaluate the train and val loss every N iterations (and "
+                                 "checkpoint)"),
+    log_interval=settings.log_interval(1),
+    eval_iters=positive(200, "batches per split in each evaluation"),
+    eval_only=flag(False, "True: evaluate once at iteration 0, then exit"),
+    always_save_checkpoint=flag(True, "True: save at every evaluation; False: only when the val "
+                                      "loss improved"),
+    checkpoint_interval=non_negative(0, "save the training state every N iterations; "
+                                        "0 = at each evaluation"),
+    keep_checkpoints=non_negative(0, "K > 0: also keep the last K saves as ckpt_<iter>.pt; "
+                                     "0 = ckpt.pt only"),
+    overwrite=settings.overwrite(False),
+    init_from=settings.init_from('scratch'),
+    resume_from=Setting('', "with init_from='resume': go back to a snapshot, its iteration (2000) "
+                            "or name (ckpt_2000.pt); '' = ckpt.pt"),
+    auto_resume=settings.auto_resume(False),
+)
+# in-loop evaluation (nanogpt_plus/periodic.py)
+INLOOP = Group(
+    'zero-shot HellaSwag and samples while training',
+    hellaswag_interval=non_negative(0, "score HellaSwag (eval.py's scoring) every N "
+                                       "iterations; 0 = off"),
+    hellaswag_examples=non_negative(0, "the first N validation examples only; 0 = all 10,042"),
+    hellaswag_file=Setting(settings.HELLASWAG_FILE, "this default is downloaded once (as eval.py "
+                                                    "does), or a JSONL file of yours"),
+    sample_interval=non_negative(0, "every N iterations print sample_tokens greedy tokens after "
+                                    "sample_prompt; 0 = off"),
+    sample_tokens=positive(32, "tokens in each in-loop sample"),
+    sample_prompt=Setting('', "'' = the end-of-text token (a character tokenizer's first "
+                              "character)"),
+)
+# wandb logging
+WANDB = Group(
+    'wandb logging',
+    wandb_log=settings.wandb_log(False),
+    wandb_project=settings.wandb_project('owt'),
+    wandb_run_name=settings.wandb_run_name('gpt2'),
+)
+# data
+DATA = Group(
+    'data',
+    dataset=settings.dataset('openwebtext'),
+    data_order=settings.data_order('random'),
+    gradient_accumulation_steps=settings.gradient_accumulation_steps(5 * 8),
+    batch_size=settings.batch_size(12),
+    block_size=settings.block_size(1024),
+)
+# adamw optimizer (and Muon)
+ADAMW = Group(
+    'adamw optimizer',
+    learning_rate=settings.learning_rate(6e-4),
+    max_iters=non_negative(600000, "the last iteration (training stops after it)"),
+    weight_decay=settings.weight_decay(1e-1),
+    beta1=settings.beta1(0.9),
+    beta2=settings.beta2(0.95),
+    grad_clip=settings.grad_clip(1.0),
+    optimizer=settings.optimizer('adamw'),
+    muon_lr=settings.muon_lr(0.02),
+    muon_momentum=settings.muon_momentum(0.95),
+    muon_weight_decay=settings.muon_weight_decay(0.0),
+)
+# the spike guard
+SPIKE_GUARD = Group(
+    "the spike guard (llm.c's -sl/-sg)",
+    skip_loss_z=Setting(0.0, "skip an update whose loss is more than this many standard deviations "
+                             "above its mean over the last 128 steps; 0.0 = off", low=0),
+    skip_grad_z=Setting(0.0, "the same for the gradient norm; 0.0 = off", low=0),
+)
+# learning rate decay
+LR_DECAY = Group(
+    'learning rate decay',
+    decay_lr=settings.decay_lr(True),
+    lr_schedule=Setting('cosine', "'cosine' (nanoGPT) or 'wsd': warmup, constant, then a linear "
+                                  "cooldown to min_lr over the last cooldown_frac of "
+                                  "lr_decay_iters", choices=settings.LR_SCHEDULES),
+    cooldown_frac=Setting(0.2, "lr_schedule='wsd': the fraction of lr_decay_iters spent cooling "
+                               "down", low=0.0, high=1.0),
+    warmup_iters=non_negative(2000, "iterations of the linear warmup"),
+    lr_decay_iters=non_negative(600000, "where the cosine ends; Chinchilla puts it at about "
+                                        "max_iters"),
+    min_lr=settings.min_lr(6e-5),
+)
+
+DEFAULTS = Schema(
+    IO, INLOOP, WANDB, DATA,
+    # shared whole (nanogpt_plus/settings.py): n_layer, n_head, n_embd, dropout, bias, ...
+    settings.MODEL,
+    ADAMW, SPIKE_GUARD, LR_DECAY,
+    # shared whole (nanogpt_plus/settings.py): backend, device, dtype, compile, seed, ...
+    settings.SYSTEM,
+)
 # -----------------------------------------------------------------------------
 
 

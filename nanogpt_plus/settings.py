@@ -1,18 +1,18 @@
 """
-Every setting of the entry points, declared once: its default, its type and what it accepts, and a one-line
-help that `python <script>.py --help` prints. Each script composes the groups it uses into a Schema (its
-DEFAULTS), giving its own default where it differs (finetune.py's learning rate is GPT-1's, say); the
-configurator refuses a value of the wrong type as it reads it, and Schema.check refuses the rest (a choice
-not offered, a value out of range) in one line naming the setting, before the script does any work. The checks
-between settings (n_embd divisible by n_head, min_lr not above learning_rate) are check_model_shape and
-check_training below, and the other scripts' own check_settings.
+What the entry points' settings share: each script declares its own settings at its top (train.py:
+nanoGPT's, in nanoGPT's order) with configurator.py's Group and Setting; what several scripts use is
+declared here once, in one of two forms:
+- a shared group (MODEL, SYSTEM) with the same defaults everywhere, named in the script's Schema
+  (a script passes its own default where it differs: finetune.py's dropout=0.1);
+- a Shared setting (out_dir, batch_size, learning_rate, ...): its type, range and help are here, its
+  default is in each script that declares it: batch_size=settings.batch_size(12).
+Also here: the lists of choices, and train.py's checks between settings (check_training: n_embd
+divisible by n_head, min_lr not above learning_rate, ...); Schema.check checks each value alone.
 
-The groups follow nanoGPT's train.py: I/O, wandb logging, data, model, AdamW, learning-rate decay, system;
-then the extras this project adds (in-loop evaluation, the spike guard) and the other scripts' own.
-
-Usage:
+Usage (a script's top):
     from nanogpt_plus import settings
-    DEFAULTS = settings.Schema(settings.IO, settings.DATA, ..., learning_rate=6.25e-5)
+    DATA = Group('data', batch_size=settings.batch_size(12), block_size=positive(1024, "tokens"))
+    DEFAULTS = Schema(DATA, settings.MODEL, settings.SYSTEM)
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     DEFAULTS.check(cfg)
 """
@@ -55,61 +55,79 @@ def flag(default, help):
 
 
 # -----------------------------------------------------------------------------
-# train.py's, in nanoGPT's order
+# the settings several entry points share
 
-IO = Group(
-    'I/O',
-    out_dir=Setting('out', "the run's directory: ckpt.pt, metrics.jsonl, run.lock (init_from='resume' reads it)",
-                    not_empty=True),
-    eval_interval=positive(2000, "evaluate the train and val loss every N iterations (and checkpoint)"),
-    log_interval=positive(1, "print and log the loss every N iterations"),
-    eval_iters=positive(200, "batches per split in each evaluation"),
-    eval_only=flag(False, "True: evaluate once at iteration 0, then exit"),
-    always_save_checkpoint=flag(True, "True: save at every evaluation; False: only when the val loss improved"),
-    checkpoint_interval=non_negative(0, "save the training state every N iterations; 0 = at each evaluation"),
-    keep_checkpoints=non_negative(0, "K > 0: also keep the last K saves as ckpt_<iter>.pt; 0 = ckpt.pt only"),
-    overwrite=flag(False, "True: an output may replace what is otherwise refused: an earlier run's checkpoints in "
-                          "out_dir; a checkpoint, a dataset's files or an input named by output_file, hf_dir or "
-                          "predict_out"),
-    init_from=Setting('scratch', "'scratch', 'resume' (out_dir's run), gpt2*, a Hugging Face GPT-2 directory, "
-                                 "or a ckpt.pt / training out_dir", not_empty=True),
-    resume_from=Setting('', "with init_from='resume': go back to a snapshot, its iteration (2000) or name "
-                            "(ckpt_2000.pt); '' = ckpt.pt"),
-    auto_resume=flag(False, "True: resume the run in out_dir when its checkpoint is there (a requeued job), else "
-                            "start from init_from"),
-)
+class Shared:
+    """
+    A setting several entry points use, each with a default of its own (train.py's batch_size is 12,
+    finetune.py's 32): its type, range and help, declared here once. A script declares it as
+    batch_size=settings.batch_size(12): the Setting with that default.
+    """
 
-INLOOP = Group(
-    'zero-shot HellaSwag and samples while training',
-    hellaswag_interval=non_negative(0, "score HellaSwag (eval.py's scoring) every N iterations; 0 = off"),
-    hellaswag_examples=non_negative(0, "the first N validation examples only; 0 = all 10,042"),
-    hellaswag_file=Setting(HELLASWAG_FILE, "this default is downloaded once (as eval.py does), or a JSONL file "
-                                           "of yours"),
-    sample_interval=non_negative(0, "every N iterations print sample_tokens greedy tokens after sample_prompt; "
-                                    "0 = off"),
-    sample_tokens=positive(32, "tokens in each in-loop sample"),
-    sample_prompt=Setting('', "'' = the end-of-text token (a character tokenizer's first character)"),
-)
+    def __init__(self, kind, help, **accepts):
+        self.kind = kind
+        self.help = help
+        self.accepts = accepts
 
-WANDB = Group(
-    'wandb logging',
-    wandb_log=flag(False, "True: send the metrics to Weights & Biases too"),
-    wandb_project=Setting('owt', "the wandb project"),
-    wandb_run_name=Setting('gpt2', "the run's name in the wandb project"),
-)
+    def __call__(self, default):
+        return Setting(default, self.help, kind=self.kind, **self.accepts)
 
-DATA = Group(
-    'data',
-    dataset=Setting('openwebtext', "a name under data/ or a directory: nanoGPT's train.bin/val.bin, or llm.c "
-                                   "token shards", not_empty=True),
-    data_order=Setting('random', "'random' (nanoGPT's random windows) or 'sequential' (llm.c's: each token once "
-                                 "per epoch)", choices=ORDERS),
-    gradient_accumulation_steps=positive(5 * 8, "micro-batches per optimizer step (all processes together): "
-                                                "a big batch in a small memory"),
-    batch_size=positive(12, "sequences per micro-batch, per process"),
-    block_size=positive(1024, "the context length: tokens per sequence"),
-)
 
+# I/O: train.py, finetune.py, sample.py, eval.py, export_hf.py
+out_dir = Shared(str, "the run's directory: ckpt.pt, metrics.jsonl, run.lock (init_from='resume' "
+                      "reads it)", not_empty=True)
+log_interval = Shared(int, "print and log the loss every N iterations", low=1)
+overwrite = Shared(bool, "True: an output may replace what is otherwise refused: an earlier run's "
+                         "checkpoints in out_dir; a checkpoint, a dataset's files or an input "
+                         "named by output_file, hf_dir or predict_out")
+init_from = Shared(str, "'scratch', 'resume' (out_dir's run), gpt2*, a Hugging Face GPT-2 "
+                        "directory, or a ckpt.pt / training out_dir", not_empty=True)
+auto_resume = Shared(bool, "True: resume the run in out_dir when its checkpoint is there (a "
+                           "requeued job), else start from init_from")
+
+# wandb logging: train.py, finetune.py
+wandb_log = Shared(bool, "True: send the metrics to Weights & Biases too")
+wandb_project = Shared(str, "the wandb project")
+wandb_run_name = Shared(str, "the run's name in the wandb project")
+
+# data: train.py, finetune.py, bench.py (eval.py: batch_size)
+dataset = Shared(str, "a name under data/ or a directory: nanoGPT's train.bin/val.bin, or llm.c "
+                      "token shards", not_empty=True)
+data_order = Shared(str, "'random' (nanoGPT's random windows) or 'sequential' (llm.c's: each token "
+                         "once per epoch)", choices=ORDERS)
+gradient_accumulation_steps = Shared(int, "micro-batches per optimizer step (all processes "
+                                          "together): a big batch in a small memory", low=1)
+batch_size = Shared(int, "sequences per micro-batch, per process", low=1)
+block_size = Shared(int, "the context length: tokens per sequence", low=1)
+
+# the optimizer: train.py, bench.py (finetune.py: AdamW's but learning_rate)
+learning_rate = Shared(float, "the peak learning rate, reached at the end of the "
+                              "warmup", low=0.0, low_open=True)
+weight_decay = Shared(float, "AdamW's weight decay (of the 2-D weights only)", low=0)
+beta1 = Shared(float, "AdamW's beta1", low=0.0, high=1.0, high_open=True)
+beta2 = Shared(float, "AdamW's beta2", low=0.0, high=1.0, high_open=True)
+grad_clip = Shared(float, "the largest global gradient norm; 0.0 turns clipping off", low=0.0)
+optimizer = Shared(str, "'adamw' (every parameter) or 'muon' (Muon for the Blocks' matrices, AdamW "
+                        "at learning_rate for the rest)", choices=OPTIMIZERS)
+muon_lr = Shared(float, "optimizer='muon': Muon's peak learning rate (the schedule scales it as "
+                        "learning_rate)", low=0.0, low_open=True)
+muon_momentum = Shared(float, "optimizer='muon': Muon's (Nesterov) "
+                              "momentum", low=0.0, high=1.0, high_open=True)
+muon_weight_decay = Shared(float, "optimizer='muon': Muon's decoupled weight decay (p -= lr * wd * "
+                                  "p)", low=0)
+
+# learning rate decay: train.py, finetune.py
+decay_lr = Shared(bool, "linear warmup, then the lr_schedule's decay to min_lr; False: "
+                        "learning_rate throughout")
+min_lr = Shared(float, "the rate after lr_decay_iters; Chinchilla suggests about "
+                       "learning_rate/10", low=0)
+
+# how sample.py, eval.py and finetune.py's predictions store and read the weights (weights.py)
+WEIGHTS_SETTING = Setting('float32', "how the weights are stored and read: 'float32' (exact), "
+                                     "'bfloat16' or 'int8' (weight-only, per row)", choices=WEIGHTS)
+
+# the architecture, the same defaults everywhere (GPT-2 124M): train.py, finetune.py, bench.py
+# (sample.py: attention)
 MODEL = Group(
     'model',
     n_layer=positive(12, "Transformer blocks"),
@@ -132,42 +150,8 @@ MODEL = Group(
     tie_embeddings=flag(True, "True: the output head is the token embedding (GPT-2); False: a matrix of its own"),
 )
 
-ADAMW = Group(
-    'adamw optimizer',
-    learning_rate=Setting(6e-4, "the peak learning rate, reached at the end of the warmup", low=0.0,
-                          low_open=True),
-    max_iters=non_negative(600000, "the last iteration (training stops after it)"),
-    weight_decay=Setting(1e-1, "AdamW's weight decay (of the 2-D weights only)", low=0),
-    beta1=Setting(0.9, "AdamW's beta1", low=0.0, high=1.0, high_open=True),
-    beta2=Setting(0.95, "AdamW's beta2", low=0.0, high=1.0, high_open=True),
-    grad_clip=Setting(1.0, "the largest global gradient norm; 0.0 turns clipping off", low=0.0),
-    optimizer=Setting('adamw', "'adamw' (every parameter) or 'muon' (Muon for the Blocks' matrices, AdamW at "
-                               "learning_rate for the rest)", choices=OPTIMIZERS),
-    muon_lr=Setting(0.02, "optimizer='muon': Muon's peak learning rate (the schedule scales it as learning_rate)",
-                    low=0.0, low_open=True),
-    muon_momentum=Setting(0.95, "optimizer='muon': Muon's (Nesterov) momentum", low=0.0, high=1.0, high_open=True),
-    muon_weight_decay=Setting(0.0, "optimizer='muon': Muon's decoupled weight decay (p -= lr * wd * p)", low=0),
-)
-
-SPIKE_GUARD = Group(
-    "the spike guard (llm.c's -sl/-sg)",
-    skip_loss_z=Setting(0.0, "skip an update whose loss is more than this many standard deviations above its "
-                             "mean over the last 128 steps; 0.0 = off", low=0),
-    skip_grad_z=Setting(0.0, "the same for the gradient norm; 0.0 = off", low=0),
-)
-
-LR_DECAY = Group(
-    'learning rate decay',
-    decay_lr=flag(True, "linear warmup, then the lr_schedule's decay to min_lr; False: learning_rate throughout"),
-    lr_schedule=Setting('cosine', "'cosine' (nanoGPT) or 'wsd': warmup, constant, then a linear cooldown to "
-                                  "min_lr over the last cooldown_frac of lr_decay_iters", choices=LR_SCHEDULES),
-    cooldown_frac=Setting(0.2, "lr_schedule='wsd': the fraction of lr_decay_iters spent cooling down", low=0.0,
-                          high=1.0),
-    warmup_iters=non_negative(2000, "iterations of the linear warmup"),
-    lr_decay_iters=non_negative(600000, "where the cosine ends; Chinchilla puts it at about max_iters"),
-    min_lr=Setting(6e-5, "the rate after lr_decay_iters; Chinchilla suggests about learning_rate/10", low=0),
-)
-
+# the machine and the process, the same defaults everywhere but compile (False in sample.py,
+# eval.py, finetune.py)
 SYSTEM = Group(
     'system',
     backend=Setting('auto', "'auto' = nccl for CUDA, gloo for CPU; or 'nccl', 'gloo'", choices=BACKENDS),
@@ -233,82 +217,6 @@ def check_schedule(cfg):
         peak = cfg['learning_rate'] * (cfg['max_iters'] + 1) / (cfg['warmup_iters'] + 1)
         print(f"note: warmup_iters ({cfg['warmup_iters']}) is past max_iters ({cfg['max_iters']}): the learning rate "
               f"rises to {peak:.3g} at the last iteration and never reaches learning_rate ({cfg['learning_rate']:g})")
-
-
-# -----------------------------------------------------------------------------
-# the other scripts' own settings
-
-WEIGHTS_SETTING = Setting('float32', "how the weights are stored and read: 'float32' (exact), 'bfloat16' or "
-                                     "'int8' (weight-only, per row)", choices=WEIGHTS)
-
-SAMPLING = Group(
-    'sampling',
-    start=Setting("\n", "the prompt text, or \"FILE:path\" to read it from a file ('<|endoftext|>': BPE's end "
-                        "of text)"),
-    num_samples=positive(10, "samples to draw, all in one batch"),
-    max_new_tokens=non_negative(500, "tokens added to each sample"),
-    temperature=Setting(0.8, "divides the logits: < 1.0 sharper, > 1.0 flatter; 0 = greedy (argmax)"),
-    top_k=Setting(200, "draw only among the top_k most likely tokens (None: among all)", none_ok=True),
-    top_p=Setting(1.0, "nucleus sampling: keep the most likely tokens up to this probability mass (1.0: off)",
-                  none_ok=True),
-    mode=Setting('exact', "'exact' (nanoGPT's results) or 'fast' (a KV cache in the model's dtype, see "
-                          "sample.py)", choices=MODES),
-    stop_at_eot=flag(False, "BPE models (gpt2, bpe): end a sample at <|endoftext|>"),
-    weights=WEIGHTS_SETTING,
-)
-
-EVALUATION = Group(
-    'zero-shot evaluation',
-    task=Setting('loss', "loss | hellaswag | lambada"),
-    data_file=Setting('', "the token file (loss) or JSONL (hellaswag, lambada); '' = the task's default"),
-    split=Setting('val', "loss: the split of the dataset to score", not_empty=True),
-    stride=non_negative(0, "loss: 0 = non-overlapping block_size windows; S = a sliding window, every token "
-                           "scored once"),
-    max_examples=non_negative(0, "0 = all; else the first N examples (loss: windows), for quick runs"),
-    output_file=Setting('', "also write the result JSON here"),
-    weights=WEIGHTS_SETTING,
-)
-
-FINETUNING = Group(
-    'fine-tuning (GPT-1)',
-    task=Setting('', "classification | entailment | similarity | multiple_choice ('' = the checkpoint's, when "
-                     "predicting or resuming)"),
-    train_file=Setting('', "JSONL with labels"),
-    val_file=Setting('', "JSONL with labels; the accuracy after every epoch picks the model kept as ckpt.pt"),
-    predict_file=Setting('', "JSONL without (or with ignored) labels: write predictions of the best model"),
-    predict_out=Setting('', "where the predictions go ('' = out_dir/predictions.jsonl)"),
-    epochs=positive(3, "passes over the training file"),
-    lm_loss_weight=Setting(0.5, "lambda in L3 = L2 + lambda * L1 (the auxiliary LM loss); 0 turns it off", low=0),
-    warmup_frac=Setting(0.002, "warm up over this fraction of all steps, then decay to min_lr by the last step",
-                        low=0.0, high=1.0),
-    eval_batch_size=non_negative(0, "examples per forward pass in evaluation; 0 = batch_size"),
-    weights=WEIGHTS_SETTING,  # predictions only (--predict_file without --train_file)
-)
-
-# finetune.py's own meaning of two of train.py's settings
-FINETUNE_BLOCK_SIZE = Setting(0, "0 = the source model's; smaller crops a pretrained model (a resume keeps its own)",
-                              low=0)
-FINETUNE_LEARNING_RATE = Setting(0.0, "the peak learning rate; 0 = scaled from the model's width: 6.25e-5 x "
-                                      "(768 / n_embd) ** 1.5, GPT-1's rate at GPT-1's width (a resume: the rate it "
-                                      "used)", low=0)
-
-EXPORT = Group(
-    'export',
-    hf_dir=Setting('', "where to write the Hugging Face directory; '' = <out_dir>/hf"),
-    weights=Setting('float32', "the dtype model.safetensors stores: 'float32' (exact) or 'bfloat16' (half the "
-                               "size)"),
-)
-
-BENCH = Group(
-    'what bench.py measures',
-    real_data=flag(True, "True: batches of the dataset's train split; False: random tokens"),
-    fused=Setting(None, "None = auto (fused AdamW where available); False = PyTorch's default AdamW for the "
-                        "device", kind=bool, choices=(None, True, False)),
-    burnin=non_negative(10, "untimed steps first (compilation, allocator and cache warm-up)"),
-    steps=positive(20, "timed steps"),
-    profile=flag(False, "True: a torch.profiler trace and op table instead of the timings"),
-    profile_dir=Setting('bench_log', "where the profiler trace goes", not_empty=True),
-)
 
 
 def subset(group, *names):

@@ -63,10 +63,51 @@ def test_errors_is_a_leaf():
     assert imports_of(modules['nanogpt_plus.errors'], modules) == set()
 
 
+def settings_declarations(source):
+    """ The line numbers of a script's NAME = Group(...) / Schema(...) statements: its settings. """
+    lines = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+                getattr(node.value.func, 'id', None) in ('Group', 'Schema'):
+            lines |= set(range(node.lineno, node.end_lineno + 1))
+    return lines
+
+
+def settings_block(source):
+    """ The lines from a script's first settings declaration to its last, comments included. """
+    declared = settings_declarations(source)
+    return range(min(declared), max(declared) + 1)
+
+
 @pytest.mark.parametrize("script", ['train', 'finetune'])
 def test_training_scripts_stay_short(script):
+    # the code, that is: the settings at the top, one per line as nanoGPT's, come on top
     with open(os.path.join(REPO, f"{script}.py"), encoding='utf-8') as f:
-        assert len(f.readlines()) <= 400
+        source = f.read()
+    assert len(source.splitlines()) - len(settings_block(source)) <= 400
+
+
+@pytest.mark.parametrize("script, own", [
+    ('train', dict(batch_size='12', block_size='1024', learning_rate='6e-4', max_iters='600000',
+                   eval_interval='2000', warmup_iters='2000', min_lr='6e-5',
+                   dataset="'openwebtext'")),
+    ('finetune', dict(batch_size='32', epochs='3', weight_decay='0.01', out_dir="'out-finetune'")),
+    ('sample', dict(num_samples='10', max_new_tokens='500', temperature='0.8',
+                    init_from="'resume'")),
+    ('eval', dict(task="'loss'", batch_size='16', init_from="'resume'")),
+    ('bench', dict(batch_size='12', learning_rate='1e-4', steps='20', burnin='10')),
+    ('export_hf', dict(hf_dir="''", init_from="'resume'")),
+])
+def test_a_script_declares_its_settings_at_its_top(script, own):
+    """ A reader finds a script's settings with their defaults in the script, one per line, as in
+    nanoGPT's train.py: `batch_size=settings.batch_size(12),`, `epochs=positive(3, "..."),`. """
+    with open(os.path.join(REPO, f"{script}.py"), encoding='utf-8') as f:
+        source = f.read()
+    lines = source.splitlines()
+    declared = [lines[i - 1].lstrip() for i in sorted(settings_declarations(source))]
+    for name, default in own.items():
+        at = [line for line in declared if line.startswith(f"{name}=")]
+        assert len(at) == 1 and f"({default}" in at[0], (name, at)
 
 
 def test_no_entry_point_imports_another():

@@ -1,6 +1,7 @@
 """
-One settings schema (nanogpt_plus/settings.py): every setting of every entry point declared once with its
-default, type and help; --help lists them; a value of the wrong type, None included, is one line and exit 2.
+The settings schema: each entry point declares its settings at its top with their defaults, types
+and help, those several scripts share once in nanogpt_plus/settings.py; --help lists them; a value
+of the wrong type, None included, is one line and exit 2.
 """
 
 import pytest
@@ -57,11 +58,19 @@ def test_help_lists_every_setting_with_default_and_help(name):
 
 
 def test_shared_settings_are_declared_once():
-    # the settings several scripts share are the same Setting (one help, one type), whatever default a script gives
-    # (finetune.py's learning_rate and block_size are settings of their own: 0 = the model's, scaled / kept)
-    for key in ('out_dir', 'seed', 'dtype', 'device', 'init_from', 'compile', 'batch_size', 'weight_decay'):
-        declared = {SCRIPTS[n].DEFAULTS.specs[key].help for n in SCRIPTS if key in SCRIPTS[n].DEFAULTS}
-        assert len(declared) == 1, (key, declared)
+    # a setting several scripts use is one declaration (one help, type and range), whatever default
+    # a script gives; but where a script gives the name a meaning of its own: finetune.py's
+    # learning_rate and block_size (0 = the model's, scaled / kept), eval.py's dataset ('' = the
+    # checkpoint's), export_hf.py's weights, eval.py's and finetune.py's tasks
+    own = {('finetune', 'learning_rate'), ('finetune', 'block_size'), ('eval', 'dataset'),
+           ('export_hf', 'weights'), ('eval', 'task'), ('finetune', 'task')}
+    users = {key: [n for n in SCRIPTS if key in SCRIPTS[n].DEFAULTS and (n, key) not in own]
+             for n in SCRIPTS for key in SCRIPTS[n].DEFAULTS}
+    shared = {key for key, names in users.items() if len(names) > 1}
+    assert {'out_dir', 'seed', 'dtype', 'init_from', 'batch_size', 'weight_decay'} <= shared
+    for key in shared:
+        specs = [SCRIPTS[n].DEFAULTS.specs[key] for n in users[key]]
+        assert len({(s.help, s.kind, s.choices, s.low, s.high) for s in specs}) == 1, key
     assert finetune.DEFAULTS['weight_decay'] == 0.01 and train.DEFAULTS['weight_decay'] == 0.1
     assert sample.DEFAULTS['init_from'] == 'resume' and train.DEFAULTS['init_from'] == 'scratch'
 
