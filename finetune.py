@@ -1,17 +1,11 @@
 """
-GPT-1-style supervised fine-tuning: a pretrained GPT plus a linear head on the final hidden state of the
-Extract token, trained with L3 = L2 + lm_loss_weight * L1 (the task's cross-entropy plus the auxiliary
-language-modelling loss, lambda = 0.5 in the paper), for a few epochs over a labelled JSONL file.
-
-Tasks and their JSONL fields (one example per line), with GPT-1's input transformations
-(s = Start, $ = Delim, e = Extract, three new learned tokens appended after the model's vocabulary, padded
-rows included, so they never share an id with the tokenizer's tokens):
-    classification   {"text", "label"}                   s text e                        -> linear head
-    entailment       {"premise", "hypothesis", "label"}  s premise $ hypothesis e        -> linear head
-    similarity       {"text1", "text2", "label"}         s a $ b e  and  s b $ a e, summed -> linear head
-    multiple_choice  {"context", "choices", "label"}     s context $ choice_i e for each i -> one scalar
-                                                         each, softmax over the choices
-Labels: class ids or strings (the map is kept in the checkpoint); multiple_choice's: the right choice's index or text.
+GPT-1-style supervised fine-tuning: a pretrained GPT plus a linear head on the final hidden state of
+the Extract token, trained with L3 = L2 + lm_loss_weight * L1 (the task's cross-entropy plus the
+auxiliary language-modelling loss, lambda = 0.5 in the paper), for a few epochs over a labelled
+JSONL file. Tasks and their JSONL fields: classification {"text", "label"}, entailment {"premise",
+"hypothesis", "label"}, similarity {"text1", "text2", "label"}, multiple_choice {"context",
+"choices", "label"}; their input transformations, the labels and the learning rate:
+docs/finetuning.md.
 
 Fine-tune a model of train.py (its out_dir), GPT-2 or a local HF directory, texts in the model's tokenizer:
 $ python finetune.py --task=classification --init_from=out-shakespeare-char-cpu --out_dir=out-ft \\
@@ -19,16 +13,12 @@ $ python finetune.py --task=classification --init_from=out-shakespeare-char-cpu 
 $ python finetune.py config/finetune_classification.py --init_from=gpt2 --train_file=... --val_file=...
 $ python finetune.py ... --init_from=scratch --dataset=shakespeare_char   # no pretraining
 $ torchrun --standalone --nproc_per_node=2 finetune.py ... --device=cpu   # DDP: each rank a share of each batch
-
-Resume an interrupted fine-tune (Ctrl-C or SIGTERM saves out_dir/ckpt_last.pt and exits with code 75) with
-train.py's rules (the model is the checkpoint's), or with --auto_resume=True when ckpt_last.pt is there:
-$ python finetune.py ... --out_dir=out-ft --init_from=resume
-A new fine-tune into an out_dir that holds one is refused unless --overwrite=True; one run at a time per out_dir.
-Predict labels for unlabelled JSONL with a fine-tuned model (or after training, with the best model):
+$ python finetune.py ... --out_dir=out-ft --init_from=resume   # after Ctrl-C/SIGTERM (exit code 75)
 $ python finetune.py --init_from=out-ft --predict_file=test.jsonl --predict_out=predictions.jsonl
 
 out_dir/ckpt.pt holds the best model (by val accuracy) with its head, label map, special tokens and
-tokenizer; the last line printed is JSON: {"task": ..., "val_acc": best val accuracy, ...}.
+tokenizer, ckpt_last.pt the latest training state; the last line printed is JSON: {"task": ...,
+"val_acc": best val accuracy, ...}.
 """
 # first, before torch is imported (seconds): from here on a signal ends the run in one line, exit code 75 or 0
 from nanogpt_plus.signals import GracefulExit, early_exit_request

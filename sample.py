@@ -8,39 +8,21 @@ Usage:
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --num_samples=1   # streams
     python sample.py --out_dir=out-shakespeare-char --mode=fast                               # much faster
 
-init_from: 'resume' (out_dir/ckpt.pt), a training out_dir or ckpt.pt, gpt2 / gpt2-medium / gpt2-large /
-gpt2-xl, or a local Hugging Face GPT-2 directory. nanoGPT's own checkpoints load too. Text is decoded with
-the checkpoint's tokenizer (a dataset's character vocabulary or its own byte-level BPE, else GPT-2 BPE),
-which a checkpoint carries whole: it samples wherever it is copied. Each sample is printed followed by a
-line of '---------------'; with num_samples=1 the tokens appear as they are generated. The speed
-(tokens/s) is reported on stderr at the end.
+init_from: 'resume' (out_dir/ckpt.pt), a training out_dir or ckpt.pt, gpt2*, or a local Hugging Face
+GPT-2 directory (nanoGPT's checkpoints load too); the text is decoded with the checkpoint's
+tokenizer. Each sample is printed followed by a line of '---------------' (with num_samples=1, as it
+is generated); the speed (tokens/s) goes to stderr at the end. A prompt longer than block_size keeps
+its last block_size tokens.
 
-start: the prompt, or FILE:path to read it from a file. A prompt longer than the model's block_size is
-cropped to its last block_size tokens (with a warning).
-temperature: 0 means greedy decoding. top_k: keep the k most likely tokens (None: all). top_p: keep the
-smallest set of tokens whose probability reaches top_p (1.0: all). stop_at_eot: for BPE models (gpt2 or
-bpe), end a sample at <|endoftext|> (not printed).
+mode: what happens past the model's block_size (within it both are exact and use the KV cache):
+  exact (default)  each new token is predicted from the last block_size tokens, as nanoGPT does
+                   (a full forward of block_size tokens per new token)
+  fast             keep the most recent block_size/2 tokens, re-prefill them and carry on with the
+                   cache: ~2 token-forwards per new token; the output is no longer nanoGPT's
 
-mode: what happens once a sample grows past the model's block_size (within the block both are exact and
-use the KV cache: the prompt is forwarded once, then one token per step):
-  exact (default)  every new token is predicted from the last block_size tokens, exactly like nanoGPT,
-                   so past the block each token costs a full forward of block_size tokens (no cache
-                   can help: GPT-2's absolute positions shift with the window).
-  fast             when the cache is full, keep the most recent block_size/2 tokens, re-prefill them and
-                   continue with the cache: each token then sees between block_size/2 and block_size
-                   tokens of context instead of always block_size, at ~2 token-forwards per new token
-                   instead of block_size. Output differs from nanoGPT's past the block.
-
-weights: how the model's matrices are stored and read (nanogpt_plus/weights.py), independent of dtype (the
-compute dtype). Each new token reads every weight once, so on a CPU the bytes per weight set the speed:
-  float32 (default)  exact: the checkpoint's weights (on a CPU packed once for oneDNN's float32 kernel: the
-                     same arithmetic, logits equal but for the last bits).
-  bfloat16           half the bytes. Measured on a 2-core AVX2 CPU, GPT-2 124M: 1.2x float32's tokens/s
-                     for one sample (slower for batches there); on a trained model the held-out loss moved by
-                     +0.0001, the next-token argmax agreed 99.2% of the time, greedy text for ~80 tokens.
-  int8               a quarter of the bytes (one scale per row, weight-only): 1.4x float32's tokens/s (1.9x the
-                     old unpacked path); loss +0.0004, argmax agreement 98.8%. README's sampling table has the
-                     figures (scripts/bench_weights.py).
+weights: float32 (exact), bfloat16 or int8 (weight-only, per row): fewer bytes read per token,
+faster on a CPU, the held-out loss moved in the fourth decimal. Details and measurements:
+docs/sampling.md.
 """
 
 import codecs

@@ -11,7 +11,7 @@ $ python train.py config/train_shakespeare_char.py --init_from=resume   # contin
 A run stopped by SIGTERM/SIGINT saves first and exits with code 75 ("interrupted, resumable"); a finished one 0.
 How it is built: setup() makes a Run (model, optimizer, data, checkpointer: fixed for the whole run) and a
 TrainState (what changes every iteration); iteration() is one step of the loop, written out top to bottom, and
-checkpoint() is what a ckpt.pt holds. `python train.py --help` lists every setting (nanogpt_plus/settings.py).
+checkpoint() is what a ckpt.pt holds. The settings are declared below; --help lists them.
 """
 # first, before torch is imported (seconds): from here on a signal ends the run in one line, with exit code 75
 from nanogpt_plus.signals import GracefulExit, early_exit_request
