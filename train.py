@@ -29,13 +29,13 @@ import torch
 
 from configurator import configure
 from model import GPT
-from nanogpt_plus import distributed, settings
+from nanogpt_plus import distributed, progress, settings
 from nanogpt_plus import optimizer as opt
 from nanogpt_plus.dataloader import TokenWindowLoader, training_data
 from nanogpt_plus.dataset import padded_tokenizer_size
 from nanogpt_plus.device import compute_setup, device_type_of
 from nanogpt_plus.errors import Interrupted, UserError, non_finite_loss, out_of_memory_error
-from nanogpt_plus.init_from import SAME_START, adopt_source, check_new_model_fits, init_training_model
+from nanogpt_plus.init_from import SAME_START, adopt_source, check_new_model_fits, init_training_model, resume_refusal
 from nanogpt_plus.metrics import MetricsLogger
 from nanogpt_plus.out_dir import claim_out_dir, prepare_out_dir
 from nanogpt_plus.parallel import grad_sync_context, local_param_count, wrap_model
@@ -98,7 +98,8 @@ def main(argv=None):
         # file, or whose settings, commit or checkpoint differ from rank 0's, stops every rank in one line
         distributed.every_rank(dist_info, lambda: adopt_source(cfg), agree=SAME_START)
         # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run ends)
-        with claim_out_dir(cfg['out_dir'], dist_info, prepare=lambda: prepare_out_dir(cfg, 'train.py', argv)):
+        prepare = functools.partial(prepare_out_dir, cfg, 'train.py', argv, resume_refusal)
+        with claim_out_dir(cfg['out_dir'], dist_info, prepare=prepare):
             finished = train(cfg, dist_info, exit_request)
     finally:
         exit_request.uninstall()
@@ -354,19 +355,19 @@ def evaluate(run, state, lr, poll=None):
 
 @torch.no_grad()
 def estimate_loss(model, loaders, eval_iters, ctx, dist_info, poll=None):
-    """
-    {split: the mean loss over eval_iters batches} of {split: loader}, the ranks sharing the batches (rank r
-    takes r, r + world_size, ...). poll: asked after every batch; when it says stop, the estimate ends: None.
-    """
+    """ {split: the mean loss over eval_iters batches} of {split: loader}, the ranks sharing the
+    batches (rank r takes r, r + world_size, ...). poll: asked after every batch; when it says stop,
+    the estimate ends: None. A long one (the char model on a CPU) shows its progress (rank 0). """
     model.eval()
     losses = {}
     # every rank runs the same number of forwards (under FSDP each one all-gathers weights): a rank whose
     # share ends early runs on past eval_iters and leaves those losses out of the sum
     forwards = math.ceil(eval_iters / dist_info.world_size)
+    meter = progress.Progress(forwards * len(loaders), "evaluating", "batches", dist_info.master)
     for split, loader in loaders.items():
         loader.reset()  # the same batches at every evaluation, so the numbers are comparable
         total = torch.zeros((), dtype=torch.float64, device=dist_info.device)
-        for k in range(forwards):
+        for k in meter.over(range(forwards)):
             X, Y = loader.next_batch()  # batch k * world_size + rank of the stream
             with ctx:
                 _, loss = model(X, Y)

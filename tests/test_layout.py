@@ -112,7 +112,7 @@ def test_no_long_line_ends_in_a_comment():
 # the package modules nanoGPT's laptop command runs on (README's map shows them in bold): nothing it does not use
 DEFAULT_PATH = {'errors', 'settings', 'runtime', 'signals', 'distributed', 'device', 'hardware', 'threads', 'files',
                 'shards', 'dataset', 'dataloader', 'checkpoint', 'init_from', 'out_dir', 'saving', 'parallel',
-                'optimizer', 'metrics'}
+                'optimizer', 'metrics', 'progress'}
 
 
 def test_the_laptop_command_imports_only_the_modules_it_uses(tiny_dataset, tmp_path):
