@@ -35,9 +35,19 @@ from nanogpt_plus.dataloader import TokenWindowLoader, training_data
 from nanogpt_plus.dataset import padded_tokenizer_size
 from nanogpt_plus.device import compute_setup, device_type_of
 from nanogpt_plus.errors import Interrupted, UserError, non_finite_loss, out_of_memory_error
-from nanogpt_plus.init_from import SAME_START, adopt_source, check_new_model_fits, init_training_model, resume_refusal
+from nanogpt_plus.init_from import (
+    FIXED_BY_SOURCE,
+    SAME_START,
+    ModelSource,
+    ModelSpec,
+    ResumeSpec,
+    init_training_model,
+    resume_refusal,
+    same_start,
+    source_settings,
+)
 from nanogpt_plus.metrics import MetricsLogger
-from nanogpt_plus.out_dir import claim_out_dir, prepare_out_dir
+from nanogpt_plus.out_dir import OutDirSpec, claim_out_dir, prepare_out_dir
 from nanogpt_plus.parallel import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.saving import Checkpointer, restore_training_state
@@ -94,11 +104,21 @@ def main(argv=None):
         cfg = configure(DEFAULTS, argv, doc=__doc__)
         check_settings(cfg)
         dist_info = distributed.init_distributed(cfg['device'], cfg['backend'], cfg['dist_timeout'])
-        # the model's architecture is its source's (a finished run is refused), with one verdict: a node lacking the
-        # file, or whose settings, commit or checkpoint differ from rank 0's, stops every rank in one line
-        distributed.every_rank(dist_info, lambda: adopt_source(cfg), agree=SAME_START)
-        # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run ends)
-        prepare = functools.partial(prepare_out_dir, cfg, 'train.py', argv, resume_refusal)
+        # the model's source fixes its architecture (a resume: its optimizer too; auto_resume:
+        # init_from), and a finished run is refused, with one verdict: a node lacking the file stops
+        # every rank in one line
+        chosen = cfg.chosen(FIXED_BY_SOURCE)  # the user's own values of those: each must agree
+        imposed, resumed = distributed.every_rank(dist_info, lambda: source_settings(
+            cfg.select(ModelSource), chosen, resume=cfg.select(ResumeSpec)))
+        cfg.update(imposed)
+        # every rank starts from the same settings, commit and checkpoint, else all stop in one line
+        distributed.every_rank(dist_info, lambda: same_start(dict(cfg), resumed), agree=SAME_START)
+        # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run
+        # ends); a new run over an earlier one is refused, suggesting a resume only where these
+        # settings would resume it
+        why_not_resume = functools.partial(resume_refusal, cfg['out_dir'], chosen, cfg['max_iters'])
+        prepare = functools.partial(prepare_out_dir, cfg.select(OutDirSpec), 'train.py', argv,
+                                    why_not_resume)
         with claim_out_dir(cfg['out_dir'], dist_info, prepare=prepare):
             finished = train(cfg, dist_info, exit_request)
     finally:
@@ -108,10 +128,12 @@ def main(argv=None):
 
 
 def check_settings(cfg):
-    """ Every setting, before any work: its type, choices and range, then their combinations (settings.py). """
+    """
+    Every setting, before any work: its type, choices and range, then their combinations and a new
+    model's first step in this machine's memory (settings.check_training).
+    """
     DEFAULTS.check(cfg)
     settings.check_training(cfg)
-    check_new_model_fits(cfg)  # a new model's first step in this machine's memory
 
 
 def train(cfg, dist_info, exit_request):
@@ -280,7 +302,8 @@ def setup(cfg, dist_info):
 
     # the model: under FSDP only rank 0 holds the full one, the others build it on the meta device (no memory)
     on_meta = fsdp and dist_info.rank != 0
-    raw_model, tokenizer_meta, ckpt = distributed.every_rank(dist_info, lambda: init_training_model(cfg, data, on_meta))
+    raw_model, tokenizer_meta, ckpt = distributed.every_rank(dist_info, lambda: init_training_model(
+        cfg.select(ModelSource), cfg.select(ModelSpec), data, on_meta))
     tokenizer_ids = padded_tokenizer_size(raw_model.config.vocab_size, tokenizer_meta)
     # ids the model can't read: one verdict for every rank
     distributed.every_rank(dist_info, lambda: [loader.check_vocab(raw_model.config.vocab_size, tokenizer_ids)
