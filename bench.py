@@ -36,7 +36,7 @@ from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.dataset import find_dataset, split_files
 from nanogpt_plus.device import compute_setup, device_type_of, resolve_device
 from nanogpt_plus.hardware import cpu_peak
-from nanogpt_plus.init_from import init_model, scratch_model
+from nanogpt_plus.init_from import ModelSpec, init_model, scratch_model
 from nanogpt_plus.optimizer import make_grad_scaler, make_optimizer, optimizer_step
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.parallel import wrap_model
@@ -117,7 +117,7 @@ def peak_memory(device):
 def check_settings(cfg):
     """ Every setting, before anything is built: train.py's rules for the model, data and step, plus the timing. """
     DEFAULTS.check(cfg)
-    check_model_shape(cfg)
+    check_model_shape(cfg['n_embd'], cfg['n_head'], cfg['pos'])
     if cfg['profile']:  # now, not after the benchmark: a file in the way, or a dataset's directory
         check_output(cfg['profile_dir'], 'profile_dir', overwrite=False, kind='directory')
 
@@ -174,11 +174,12 @@ def bench_model(cfg):
     The GPT to time, built as train.py builds a new one for the same settings (checkpoint.init_model): with
     the dataset's vocabulary for real data, GPT-2's (padded to 50304) for random tokens, which have no dataset.
     """
+    spec = cfg.select(ModelSpec)
     if cfg['real_data']:
-        model, _, _ = init_model('scratch', dataset=find_dataset(cfg['dataset'], splits=('train',)),
-                                 model_settings=cfg)
+        data = find_dataset(cfg['dataset'], splits=('train',))
+        model, _, _ = init_model('scratch', dataset=data, spec=spec)
         return model
-    return scratch_model(cfg, data_meta=None, data_dir=None)
+    return scratch_model(spec, data_meta=None, data_dir=None)
 
 
 def random_batches(batch_size, block_size, vocab_size, device):

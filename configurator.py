@@ -49,6 +49,10 @@ class Settings(dict):
         """
         return spec(**{f.name: self[f.name] for f in dataclasses.fields(spec)})
 
+    def chosen(self, names):
+        """ {name: value} of those of names that a config file or the command line set. """
+        return {k: self[k] for k in names if k in self.given}
+
 
 # -----------------------------------------------------------------------------
 # the schema: every setting declared once, with its default, type, allowed values and help

@@ -25,6 +25,7 @@ from nanogpt_plus.signals import GracefulExit, early_exit_request
 
 EXIT_REQUEST = early_exit_request(__name__)
 
+import dataclasses
 import json
 import math
 import os
@@ -43,7 +44,15 @@ from nanogpt_plus.dataset import find_dataset
 from nanogpt_plus.device import compute_setup, device_type_of
 from nanogpt_plus.distributed import accumulation_per_rank, all_reduce_sum, every_rank, init_distributed
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
-from nanogpt_plus.init_from import SAME_START, checkpoint_path, init_model
+from nanogpt_plus.init_from import (
+    FIXED_BY_SOURCE,
+    SAME_START,
+    ModelSource,
+    ModelSpec,
+    checkpoint_path,
+    init_model,
+    same_start,
+)
 from nanogpt_plus.metrics import MetricsLogger
 from nanogpt_plus.optimizer import apply_settings, make_grad_scaler, optimizer_step, set_learning_rate
 from nanogpt_plus.out_dir import check_new_run, claim_out_dir
@@ -187,13 +196,20 @@ def main():
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     check_settings(cfg)
     dist_info = init_distributed(cfg['device'], cfg['backend'], cfg['dist_timeout'])
-    # train.py's rules: the architecture of the model init_from names (0 = its block_size); one verdict for all ranks
-    every_rank(dist_info, lambda: finetuning.start(cfg, LAST_CKPT), agree=SAME_START)
+    # the task files are on every node, and train.py's rules give the architecture of the model
+    # init_from names (0 = its block_size), with one verdict for all ranks; then all must start from
+    # the same settings and code
+    imposed, resumed = every_rank(dist_info, lambda: finetuning.start(
+        cfg.select(finetuning.TaskFiles), cfg.select(ModelSource), cfg.chosen(FIXED_BY_SOURCE),
+        LAST_CKPT))
+    cfg.update(imposed)
+    every_rank(dist_info, lambda: same_start(dict(cfg), resumed), agree=SAME_START)
     if not cfg['train_file'] and cfg['predict_file']:
-        return finetuning.predict_with_checkpoint(cfg, dist_info)
+        return finetuning.predict_with_checkpoint(cfg.select(finetuning.PredictSpec), dist_info)
     # the best model's predictions come after the training: their path is checked now
     if cfg['predict_file']:
-        check_output(finetuning.predictions_path(cfg), 'predict_out', cfg['overwrite'],
+        out_path = finetuning.predictions_path(cfg['predict_out'], cfg['out_dir'])
+        check_output(out_path, 'predict_out', cfg['overwrite'],
                      inputs={k: cfg[k] for k in ('train_file', 'val_file', 'predict_file')}, output_kind='predictions')
     # rank 0 holds out_dir/run.lock for the whole fine-tune; a new one over an earlier one's checkpoints needs
     # --overwrite=True (or continues it, with --init_from=resume, when its training state is there)
@@ -208,7 +224,7 @@ def main():
 def check_settings(cfg):
     """ Every setting, before any work: types, choices and ranges (settings.py), then the combinations and files. """
     DEFAULTS.check(cfg)
-    settings.check_model_shape(cfg)
+    settings.check_model_shape(cfg['n_embd'], cfg['n_head'], cfg['pos'])
     if cfg['task'] and cfg['task'] not in finetuning.TASKS:
         raise UserError(f"unknown task '{cfg['task']}': use {', '.join(finetuning.TASKS)}")
     if cfg['weights'] != 'float32' and cfg['train_file']:
@@ -253,26 +269,30 @@ def setup(cfg, dist_info):
     torch.manual_seed(cfg['seed'])
     gpt, tokenizer_meta, source = load_source(cfg)
     # 0 = the rate for the source model's width, known only now; cfg (and so every checkpoint) keeps the number used
-    learning_rate, how = finetuning.resolve_learning_rate(cfg, gpt.config.n_embd, source if resume else None)
-    cfg = dict(cfg, learning_rate=learning_rate)
+    learning_rate, how = finetuning.resolve_learning_rate(
+        cfg.select(finetuning.Recipe), gpt.config.n_embd, source if resume else None)
+    cfg.update(learning_rate=learning_rate)
+    recipe = cfg.select(finetuning.Recipe)
     if dist_info.master:
         print(f"learning rate {learning_rate:.4g} ({how})")
     task = cfg['task'] or source.get('task') if resume else cfg['task']
     if resume and task != source.get('task'):
         raise UserError(f"--task={task} but the fine-tune in {cfg['out_dir']} is {source.get('task')}; "
                         f"drop --task to resume it")
-    raw_model, special, tokenizer, data = finetuning.task_model_and_data(cfg, task, gpt, tokenizer_meta, source, resume)
+    raw_model, special, tokenizer, data = finetuning.task_model_and_data(
+        gpt, tokenizer_meta, source, task=task, spec=cfg.select(finetuning.TaskModelSpec),
+        files=cfg.select(finetuning.TaskFiles))
     raw_model.to(device)
     if not cfg['val_file'] and dist_info.master:
         print("warning: no --val_file; the model of the last epoch is kept and val_acc is null", file=sys.stderr)
     torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank; data order does not
 
-    optimizer = finetuning.configure_optimizers(raw_model, cfg, device_type_of(device))
+    optimizer = finetuning.configure_optimizers(raw_model, recipe, device_type_of(device))
     scaler = make_grad_scaler(device_type_of(device), dtype)
     model = wrap_model(raw_model, dist_info, compile_model)
     sampler = DistributedSampler(range(len(data.train_encoded)), num_replicas=dist_info.world_size,
                                  rank=dist_info.rank, shuffle=True, seed=cfg['seed'], drop_last=False)
-    schedule = finetuning.Schedule.for_run(len(sampler), cfg, accum)
+    schedule = finetuning.Schedule.for_run(len(sampler), recipe, accum)
     state = FinetuneState()
     if resume:
         restore_training_state(source, optimizer, scaler, dist_info)
@@ -307,10 +327,10 @@ def load_source(cfg):
                             f"overwrite; pass a different --out_dir (or --init_from=resume to continue an "
                             f"interrupted fine-tune)")
     # 0 means the source model's; scratch has none
-    model_settings = dict(cfg, block_size=cfg['block_size'] or 1024)
+    spec = dataclasses.replace(cfg.select(ModelSpec), block_size=cfg['block_size'] or 1024)
     # the tokenizer
     data = find_dataset(cfg['dataset'], splits=()) if init_from == 'scratch' else None
-    gpt, tokenizer_meta, source = init_model(init_from, cfg['out_dir'], dataset=data, model_settings=model_settings,
+    gpt, tokenizer_meta, source = init_model(init_from, cfg['out_dir'], dataset=data, spec=spec,
                                              dropout=cfg['dropout'], resume_file=LAST_CKPT)
     return gpt, tokenizer_meta, source or {}
 
@@ -437,8 +457,10 @@ def finish(run, state):
     if cfg['predict_file'] and not state.interrupted and run.dist_info.master:
         best = load_checkpoint(os.path.join(cfg['out_dir'], BEST_CKPT))
         best_model = finetuning.model_from_finetune_checkpoint(best).to(run.dist_info.device)
-        finetuning.write_predictions(best_model, best, cfg, run.special, run.tokenizer, run.dist_info.device, run.ctx,
-                          cfg['predict_file'], finetuning.predictions_path(cfg))
+        finetuning.write_predictions(
+            best_model, best, run.special, run.tokenizer, device=run.dist_info.device, ctx=run.ctx,
+            path=cfg['predict_file'], batch_size=cfg['eval_batch_size'] or cfg['batch_size'],
+            out_path=finetuning.predictions_path(cfg['predict_out'], cfg['out_dir']))
     if run.dist_info.master:
         print(json.dumps(result))
     return result

@@ -3,16 +3,17 @@ Sample from a trained model: nanoGPT's sample.py, with a KV cache, all samples d
 top-p (nucleus) sampling, an end-of-text stop, and streaming output.
 
 Usage:
-    python sample.py --out_dir=out-shakespeare-char
+    python sample.py --out_dir=out-shakespeare-char-cpu
     python sample.py --init_from=gpt2 --start="What is the answer to life?" --num_samples=3 --max_new_tokens=100
-    python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --num_samples=1   # streams
-    python sample.py --out_dir=out-shakespeare-char --mode=fast                               # much faster
+    python sample.py --out_dir=out-shakespeare-char-cpu --start=FILE:prompt.txt --num_samples=1   # streams
+    python sample.py --out_dir=out-shakespeare-char-cpu --mode=fast                               # much faster
 
 init_from: 'resume' (out_dir/ckpt.pt), a training out_dir or ckpt.pt, gpt2*, or a local Hugging Face
 GPT-2 directory (nanoGPT's checkpoints load too); the text is decoded with the checkpoint's
-tokenizer. Each sample is printed followed by a line of '---------------' (with num_samples=1, as it
-is generated); the speed (tokens/s) goes to stderr at the end. A prompt longer than block_size keeps
-its last block_size tokens.
+tokenizer. Each sample is printed followed by a line of '---------------': with num_samples=1 as it
+is generated, else once it and those before it are done (a batch that takes more than a few seconds
+reports its progress on stderr); the speed (tokens/s) goes to stderr at the end. A prompt longer
+than block_size keeps its last block_size tokens. num_threads: CPU threads (0: torch's default).
 
 mode: what happens past the model's block_size (within it both are exact and use the KV cache):
   exact (default)  each new token is predicted from the last block_size tokens, as nanoGPT does
@@ -37,8 +38,10 @@ from nanogpt_plus.device import PTDTYPE, device_type_of, precision, resolve_comp
 from nanogpt_plus.engine import check_sampling_args, generate_stream
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.init_from import describe_source, init_model
+from nanogpt_plus.progress import Progress
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.settings import flag, non_negative, positive
+from nanogpt_plus.threads import apply_cpu_threads
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
 from nanogpt_plus.weights import can_pack, set_weights
 
@@ -61,8 +64,8 @@ SAMPLING = Group(
     max_new_tokens=non_negative(500, "tokens added to each sample"),
     temperature=Setting(0.8, "divides the logits: < 1.0 sharper, > 1.0 flatter; 0 = greedy "
                              "(argmax)"),
-    top_k=Setting(200, "draw only among the top_k most likely tokens (None: among "
-                       "all)", none_ok=True),
+    top_k=Setting(200, "draw only among the top_k most likely tokens (None: among all)",
+                  none_ok=True),
     top_p=Setting(1.0, "nucleus sampling: keep the most likely tokens up to this probability mass "
                        "(1.0: off)", none_ok=True),
     mode=Setting('exact', "'exact' (nanoGPT's results) or 'fast' (a KV cache in the model's dtype, "
@@ -74,8 +77,10 @@ DEFAULTS = Schema(
     IO, SAMPLING,
     # shared with the other entry points: nanogpt_plus/settings.py
     settings.subset(settings.MODEL, 'attention'),
-    settings.subset(settings.SYSTEM, 'device', 'dtype', 'compile', 'seed'),
-    compile=False)
+    settings.subset(settings.SYSTEM, 'device', 'dtype', 'compile', 'num_threads', 'seed'),
+    compile=False,
+    # sample.py's own num_threads: 0 keeps torch's count (train.py's 0 times the candidates on a batch)
+    num_threads=non_negative(0, "CPU threads for torch; 0 = torch's default (one per core)"))
 # -----------------------------------------------------------------------------
 
 
@@ -132,6 +137,54 @@ class StreamDecoder:
         return self.utf8.decode(b'', final=True)
 
 
+class BatchPrinter:
+    """
+    Collects the tokens of a batch of samples, step by step, and prints the samples in order
+    (each followed by the separator line), every one as soon as it and those before it are
+    finished. A sample is finished at its first stop token or at the end of the batch.
+    """
+
+    def __init__(self, tok, start_ids, num_samples, stop_token):
+        self.tok = tok
+        self.start_ids = start_ids
+        self.num_samples = num_samples
+        self.stop_token = stop_token
+        self.steps = []  # (num_samples,) tokens per step, kept on the device
+        self.finished = [False] * num_samples
+        self.printed = 0  # samples printed so far: 0..printed-1
+
+    def add(self, tokens, show=True):
+        """ One step's (num_samples,) tokens; show: print the samples it finished. """
+        self.steps.append(tokens)
+        if show and self.stop_token is not None:
+            # a host sync per step, which the engine's end-of-batch check already makes
+            ended = (tokens == self.stop_token).tolist()
+            self.finished = [f or e for f, e in zip(self.finished, ended)]
+            self._print_finished()
+
+    def finish(self):
+        """ The end of the batch: print the samples not yet printed. """
+        self.finished = [True] * self.num_samples
+        self._print_finished()
+
+    def generated(self):
+        """ Every sample's new token ids, each ending before its first stop token. """
+        if not self.steps:
+            return [[] for _ in range(self.num_samples)]
+        rows = torch.stack(self.steps, dim=1).tolist()
+        if self.stop_token is None:
+            return rows
+        return [g[:g.index(self.stop_token)] if self.stop_token in g else g for g in rows]
+
+    def _print_finished(self):
+        if self.printed < self.num_samples and self.finished[self.printed]:
+            rows = self.generated()
+            while self.printed < self.num_samples and self.finished[self.printed]:
+                print(self.tok.decode(self.start_ids + rows[self.printed]))
+                print(SEPARATOR, flush=True)
+                self.printed += 1
+
+
 def check_settings(config):
     """ Every setting, before a model is loaded: types, choices and counts (settings.py), the sampling knobs. """
     DEFAULTS.check(config)
@@ -148,6 +201,7 @@ def main():
     top_p = config['top_p']
 
     device = resolve_device(config['device'])
+    apply_cpu_threads(config['num_threads'])
     dtype, ctx = precision(device, config['dtype'])
     # None = auto: on CUDA
     compile_model = resolve_compile(config['compile'], device_type_of(device))
@@ -188,32 +242,34 @@ def main():
     # one generator for the whole batch: the same seed gives the same samples
     generator = torch.Generator(device=device).manual_seed(config['seed'])
 
-    # one sample is streamed as its tokens arrive; several are printed once all are complete
+    # one sample is streamed as its tokens arrive; several are printed as they finish: all at
+    # once at the end unless a stop token ends some earlier. A long wait for them (a minute for
+    # nanoGPT's 10 x 500 tokens on a busy CPU) is reported on stderr instead
     decoder = StreamDecoder(tok)
+    printer = BatchPrinter(tok, start_ids, num_samples, stop_token)
+    meter = Progress(config['max_new_tokens'], f"sampling {num_samples} samples in one batch",
+                     "tokens each", show=not stream, file=sys.stderr)
     if stream:
         sys.stdout.write(tok.decode(start_ids))
         sys.stdout.flush()
-    steps = []  # (num_samples,) tokens per step; kept on the device until the end unless streaming
     t0 = time.perf_counter()
-    for tokens in generate_stream(model, x, config['max_new_tokens'], temperature=config['temperature'],
-                                  top_k=config['top_k'], top_p=top_p, generator=generator, mode=config['mode'],
-                                  stop_token=stop_token, vocab_size=tok.vocab_size, ctx=ctx):
-        steps.append(tokens)
+    tokens_per_step = generate_stream(model, x, config['max_new_tokens'],
+                                      temperature=config['temperature'], top_k=config['top_k'],
+                                      top_p=top_p, generator=generator, mode=config['mode'],
+                                      stop_token=stop_token, vocab_size=tok.vocab_size, ctx=ctx)
+    for tokens in meter.over(tokens_per_step):
+        printer.add(tokens, show=not stream)
         if stream and (token := tokens[0].item()) != stop_token:
             sys.stdout.write(decoder.feed(token))
             sys.stdout.flush()
-    generated = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in range(num_samples)]
-    if stop_token is not None:  # a sample ends before its first end-of-text token
-        generated = [g[:g.index(stop_token)] if stop_token in g else g for g in generated]
+    generated = printer.generated()
     dt = time.perf_counter() - t0  # .tolist() waited for the device
 
     if stream:
         print(decoder.flush())
         print(SEPARATOR)
     else:
-        for i in range(num_samples):
-            print(tok.decode(start_ids + generated[i]))
-            print(SEPARATOR)
+        printer.finish()
     sys.stdout.flush()
     n = sum(len(g) for g in generated)
     print(f"generated {n} tokens in {dt:.2f} s ({n / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)

@@ -29,15 +29,25 @@ import torch
 
 from configurator import Group, Schema, Setting, configure
 from model import GPT
-from nanogpt_plus import distributed, settings
+from nanogpt_plus import distributed, progress, settings
 from nanogpt_plus import optimizer as opt
 from nanogpt_plus.dataloader import TokenWindowLoader, training_data
 from nanogpt_plus.dataset import padded_tokenizer_size
 from nanogpt_plus.device import compute_setup, device_type_of
 from nanogpt_plus.errors import Interrupted, UserError, non_finite_loss, out_of_memory_error
-from nanogpt_plus.init_from import SAME_START, adopt_source, check_new_model_fits, init_training_model
+from nanogpt_plus.init_from import (
+    FIXED_BY_SOURCE,
+    SAME_START,
+    ModelSource,
+    ModelSpec,
+    ResumeSpec,
+    init_training_model,
+    resume_refusal,
+    same_start,
+    source_settings,
+)
 from nanogpt_plus.metrics import MetricsLogger
-from nanogpt_plus.out_dir import claim_out_dir, prepare_out_dir
+from nanogpt_plus.out_dir import OutDirSpec, claim_out_dir, prepare_out_dir
 from nanogpt_plus.parallel import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.saving import Checkpointer, restore_training_state
@@ -189,11 +199,22 @@ def main(argv=None):
         cfg = configure(DEFAULTS, argv, doc=__doc__)
         check_settings(cfg)
         dist_info = distributed.init_distributed(cfg['device'], cfg['backend'], cfg['dist_timeout'])
-        # the model's architecture is its source's (a finished run is refused), with one verdict: a node lacking the
-        # file, or whose settings, commit or checkpoint differ from rank 0's, stops every rank in one line
-        distributed.every_rank(dist_info, lambda: adopt_source(cfg), agree=SAME_START)
-        # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run ends)
-        with claim_out_dir(cfg['out_dir'], dist_info, prepare=lambda: prepare_out_dir(cfg, 'train.py', argv)):
+        # the model's source fixes its architecture (a resume: its optimizer too; auto_resume:
+        # init_from), and a finished run is refused, with one verdict: a node lacking the file stops
+        # every rank in one line
+        chosen = cfg.chosen(FIXED_BY_SOURCE)  # the user's own values of those: each must agree
+        imposed, resumed = distributed.every_rank(dist_info, lambda: source_settings(
+            cfg.select(ModelSource), chosen, resume=cfg.select(ResumeSpec)))
+        cfg.update(imposed)
+        # every rank starts from the same settings, commit and checkpoint, else all stop in one line
+        distributed.every_rank(dist_info, lambda: same_start(dict(cfg), resumed), agree=SAME_START)
+        # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run
+        # ends); a new run over an earlier one is refused, suggesting a resume only where these
+        # settings would resume it
+        why_not_resume = functools.partial(resume_refusal, cfg['out_dir'], chosen, cfg['max_iters'])
+        prepare = functools.partial(prepare_out_dir, cfg.select(OutDirSpec), 'train.py', argv,
+                                    why_not_resume)
+        with claim_out_dir(cfg['out_dir'], dist_info, prepare=prepare):
             finished = train(cfg, dist_info, exit_request)
     finally:
         exit_request.uninstall()
@@ -202,10 +223,12 @@ def main(argv=None):
 
 
 def check_settings(cfg):
-    """ Every setting, before any work: its type, choices and range, then their combinations (settings.py). """
+    """
+    Every setting, before any work: its type, choices and range, then their combinations and a new
+    model's first step in this machine's memory (settings.check_training).
+    """
     DEFAULTS.check(cfg)
     settings.check_training(cfg)
-    check_new_model_fits(cfg)  # a new model's first step in this machine's memory
 
 
 def train(cfg, dist_info, exit_request):
@@ -374,7 +397,8 @@ def setup(cfg, dist_info):
 
     # the model: under FSDP only rank 0 holds the full one, the others build it on the meta device (no memory)
     on_meta = fsdp and dist_info.rank != 0
-    raw_model, tokenizer_meta, ckpt = distributed.every_rank(dist_info, lambda: init_training_model(cfg, data, on_meta))
+    raw_model, tokenizer_meta, ckpt = distributed.every_rank(dist_info, lambda: init_training_model(
+        cfg.select(ModelSource), cfg.select(ModelSpec), data, on_meta))
     tokenizer_ids = padded_tokenizer_size(raw_model.config.vocab_size, tokenizer_meta)
     # ids the model can't read: one verdict for every rank
     distributed.every_rank(dist_info, lambda: [loader.check_vocab(raw_model.config.vocab_size, tokenizer_ids)
@@ -449,19 +473,19 @@ def evaluate(run, state, lr, poll=None):
 
 @torch.no_grad()
 def estimate_loss(model, loaders, eval_iters, ctx, dist_info, poll=None):
-    """
-    {split: the mean loss over eval_iters batches} of {split: loader}, the ranks sharing the batches (rank r
-    takes r, r + world_size, ...). poll: asked after every batch; when it says stop, the estimate ends: None.
-    """
+    """ {split: the mean loss over eval_iters batches} of {split: loader}, the ranks sharing the
+    batches (rank r takes r, r + world_size, ...). poll: asked after every batch; when it says stop,
+    the estimate ends: None. A long one (the char model on a CPU) shows its progress (rank 0). """
     model.eval()
     losses = {}
     # every rank runs the same number of forwards (under FSDP each one all-gathers weights): a rank whose
     # share ends early runs on past eval_iters and leaves those losses out of the sum
     forwards = math.ceil(eval_iters / dist_info.world_size)
+    meter = progress.Progress(forwards * len(loaders), "evaluating", "batches", dist_info.master)
     for split, loader in loaders.items():
         loader.reset()  # the same batches at every evaluation, so the numbers are comparable
         total = torch.zeros((), dtype=torch.float64, device=dist_info.device)
-        for k in range(forwards):
+        for k in meter.over(range(forwards)):
             X, Y = loader.next_batch()  # batch k * world_size + rank of the stream
             with ctx:
                 _, loss = model(X, Y)

@@ -146,7 +146,8 @@ def available_host_memory():
     """
     The bytes of RAM this machine can give a new allocation now (/proc/meminfo's MemAvailable), or None (not
     Linux: no check). NANOGPT_FREE_MEMORY_GIB overrides it: what a container's memory limit really leaves, or a
-    fixed figure so that a test's outcome does not depend on what else the machine runs.
+    fixed figure so that a test's outcome does not depend on what else the machine runs. A new
+    model's memory is counted against it where models are built (init_from.check_model_memory).
     """
     override = os.environ.get('NANOGPT_FREE_MEMORY_GIB')
     if override:
@@ -167,34 +168,3 @@ def available_host_memory():
         pass
     return None  # not Linux: no check
 
-
-def check_model_memory(cfg, vocab_size, on_cpu):
-    """
-    Refuse, before anything is built, a new model whose first step can't fit this machine's free memory, instead
-    of being killed by the kernel a minute later (exit 137, no word). Counted: each Block's causal mask
-    (block_size^2 bytes, so a long context costs quadratically), the weights with their gradients and AdamW's two
-    moments (16 bytes per parameter), and, when the CPU computes (on_cpu), a lower bound of the first step's
-    activations: per token, about 16 n_embd float32 values per Block kept for the backward pass, the logits and
-    their gradient, and with attention='manual' the (T, T) scores and weights of every head. Passing says "not
-    hopeless", not "fits".
-    """
-    available = available_host_memory()
-    if available is None:
-        return
-    n_layer, n_embd, block_size = cfg['n_layer'], cfg['n_embd'], cfg['block_size']
-    masks = n_layer * block_size ** 2
-    params = 12 * n_layer * n_embd ** 2 + (vocab_size + block_size) * n_embd
-    activations = 0
-    if on_cpu:
-        scores = 2 * cfg['n_head'] * block_size if cfg['attention'] == 'manual' else 0
-        per_token = n_layer * (16 * n_embd + scores) + 2 * vocab_size
-        activations = 4 * cfg['batch_size'] * block_size * per_token
-    need = masks + 16 * params + activations
-    if need > available:
-        parts = [f"{masks / 2**30:,.1f} GiB of causal masks: n_layer x block_size^2 bytes",
-                 f"{16 * params / 2**30:,.1f} GiB of weights, gradients and AdamW state"]
-        if activations:
-            parts.append(f"{activations / 2**30:,.1f} GiB of activations for batch_size={cfg['batch_size']}")
-        raise UserError(f"this model needs at least {need / 2**30:,.1f} GiB of memory ({'; '.join(parts)}), and "
-                        f"this machine has {available / 2**30:,.1f} GiB free; use a smaller --block_size, "
-                        f"--batch_size or model")

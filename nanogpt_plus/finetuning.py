@@ -23,13 +23,14 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
+from nanogpt_plus import init_from
 from nanogpt_plus.checkpoint import build_checkpoint, load_checkpoint
 from nanogpt_plus.device import precision
 from nanogpt_plus.distributed import all_reduce_sum, master_decides
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.files import read_jsonl as read_jsonl_records
-from nanogpt_plus.init_from import adopt_source, checkpoint_path, fit_block_size, model_from_checkpoint
+from nanogpt_plus.init_from import checkpoint_path, fit_block_size, model_from_checkpoint
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
 from nanogpt_plus.weights import set_weights
@@ -38,6 +39,63 @@ TASKS = ('classification', 'entailment', 'similarity', 'multiple_choice')
 # the JSONL fields holding each task's texts (the label is always 'label')
 TASK_FIELDS = {'classification': ('text',), 'entailment': ('premise', 'hypothesis'),
                'similarity': ('text1', 'text2'), 'multiple_choice': ('context', 'choices')}
+
+
+# -----------------------------------------------------------------------------
+# what the pieces below take of finetune.py's settings (each built with cfg.select)
+
+@dataclass(frozen=True)
+class TaskFiles:
+    """ A fine-tune's JSONL files: labelled examples to train and validate on, more to predict. """
+    train_file: str
+    val_file: str
+    predict_file: str
+
+
+@dataclass(frozen=True)
+class TaskModelSpec:
+    """
+    The task model: the GPT init_from names, cropped to block_size (0: the GPT's own), dropout in
+    the head, and how it computes (the attention kernel, activation checkpointing).
+    """
+    init_from: str
+    block_size: int
+    dropout: float
+    attention: str
+    activation_checkpointing: bool
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """ How a fine-tune trains: epochs, batches, AdamW's settings, the learning rate's schedule. """
+    epochs: int
+    batch_size: int
+    learning_rate: float  # 0 before resolve_learning_rate: the rate for the model's width
+    min_lr: float
+    decay_lr: bool
+    warmup_frac: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+
+
+@dataclass(frozen=True)
+class PredictSpec:
+    """
+    finetune.py's predictions with a fine-tuned checkpoint (init_from: its out_dir or ckpt.pt): of
+    predict_file, into predict_out ('' = predictions.jsonl beside the checkpoint), in batches of
+    eval_batch_size (0 = batch_size), with the weights stored as `weights` and computed in dtype.
+    """
+    init_from: str
+    out_dir: str
+    task: str
+    predict_file: str
+    predict_out: str
+    overwrite: bool
+    eval_batch_size: int
+    batch_size: int
+    weights: str
+    dtype: str
 
 
 # -----------------------------------------------------------------------------
@@ -277,15 +335,17 @@ class Schedule:
     decay_lr: bool
 
     @classmethod
-    def for_run(cls, n_examples, cfg, accum):
-        """ The schedule for n_examples per rank and epoch (a DistributedSampler's share). """
-        steps_per_epoch = math.ceil(n_examples / (cfg['batch_size'] * accum))
-        total_steps = cfg['epochs'] * steps_per_epoch
-        warmup_iters = int(cfg['warmup_frac'] * total_steps)
+    def for_run(cls, n_examples, recipe, accum):
+        """ recipe's schedule (a Recipe) for n_examples per rank and epoch (a sampler's share). """
+        steps_per_epoch = math.ceil(n_examples / (recipe.batch_size * accum))
+        total_steps = recipe.epochs * steps_per_epoch
+        warmup_iters = int(recipe.warmup_frac * total_steps)
         # decay over all steps, so the last one runs at min_lr (and never a decay phase of length 0)
         lr_decay_iters = max(total_steps - 1, warmup_iters + 1)
-        return cls(cfg['batch_size'], accum, steps_per_epoch, total_steps, warmup_iters, lr_decay_iters,
-                   cfg['learning_rate'], cfg['min_lr'], cfg['decay_lr'])
+        return cls(batch_size=recipe.batch_size, accum=accum, steps_per_epoch=steps_per_epoch,
+                   total_steps=total_steps, warmup_iters=warmup_iters,
+                   lr_decay_iters=lr_decay_iters, learning_rate=recipe.learning_rate,
+                   min_lr=recipe.min_lr, decay_lr=recipe.decay_lr)
 
     @property
     def per_step(self):
@@ -411,41 +471,48 @@ def add_special_tokens(gpt, source_ckpt):
     return {'start': v, 'delim': v + 1, 'extract': v + 2}
 
 
-def start(cfg, resume_file):
+def start(files, source, chosen, resume_file):
     """
     finetune.py's checks of what each rank reads, before any work (run by every rank, one verdict): the files
-    named by train_file, val_file and predict_file are there, and the model's architecture is its source's
-    (init_from.adopt_source, train.py's rules; block_size 0 = the model's own). Returns adopt_source's result.
+    (TaskFiles) are there, and the model's architecture is its source's (init_from.source_settings,
+    train.py's rules; block_size 0 = the model's own; chosen: the architecture settings the user
+    gave, {name: value}). Returns source_settings's (the settings the source imposes, the checkpoint
+    resumed or None).
     """
     for setting in ('train_file', 'val_file', 'predict_file'):
-        if cfg[setting] and not os.path.isfile(cfg[setting]):
-            raise UserError(f"--{setting}={cfg[setting]}: there is no file at that path on this machine; check the "
-                            f"path (every node of a run must see it)")
-    return adopt_source(cfg, keep_zero=('block_size',), resume_file=resume_file)
+        path = getattr(files, setting)
+        if path and not os.path.isfile(path):
+            raise UserError(f"--{setting}={path}: there is no file at that path on this machine; "
+                            f"check the path (every node of a run must see it)")
+    return init_from.source_settings(source, chosen, keep_zero=('block_size',),
+                                     resume_file=resume_file)
 
 
-def task_model_and_data(cfg, task, gpt, tokenizer_meta, source, resume):
+def task_model_and_data(gpt, tokenizer_meta, source, task, spec, files):
     """
-    finetune.py's model and data from the source GPT: cropped to --block_size (a pretrained model may train on
-    shorter windows; a resumed one has its own, see adopt_architecture), the special tokens added, the task
-    files encoded with the model's tokenizer (the training labels define the classes, a resumed fine-tune keeps
-    its own) and the head (the resumed one's). Returns (FinetuneModel on the CPU, special, tokenizer, TaskData).
+    finetune.py's model and data from the source GPT (spec: a TaskModelSpec): cropped to its
+    block_size (a pretrained model may train on shorter windows; a resumed one has its own, see
+    checkpoint_architecture), the special tokens added, the task files (TaskFiles) encoded with the
+    model's tokenizer (the training labels define the classes, a resumed fine-tune keeps its own)
+    and the head (the resumed one's: source is its checkpoint). Returns (FinetuneModel on the CPU,
+    special, tokenizer, TaskData).
     """
-    fit_block_size(gpt, cfg['block_size'])
+    resume = spec.init_from == 'resume'
+    fit_block_size(gpt, spec.block_size)
     if gpt.config.block_size < 5:
         raise UserError(f"block_size {gpt.config.block_size} is too small for the special tokens; use 16 or more")
     tokenizer = load_tokenizer(tokenizer_meta)
     # else special tokens would share text ids
-    check_tokenizer_fits(gpt.config, tokenizer_meta, cfg['init_from'])
+    check_tokenizer_fits(gpt.config, tokenizer_meta, spec.init_from)
     special = add_special_tokens(gpt, source)
-    data = load_task_data(task, cfg['train_file'], cfg['val_file'], tokenizer, special, gpt.config.block_size,
-                          source.get('label_map') if resume else None)
-    head = TaskHead(gpt.config.n_embd, head_outputs(task, data.n_classes), cfg['dropout'],
+    data = load_task_data(task, files.train_file, files.val_file, tokenizer, special,
+                          gpt.config.block_size, source.get('label_map') if resume else None)
+    head = TaskHead(gpt.config.n_embd, head_outputs(task, data.n_classes), spec.dropout,
                     bias=task != 'multiple_choice')
     if resume:
         head.load_state_dict(source['head'])
-    gpt.set_attention(cfg['attention'])
-    gpt.set_activation_checkpointing(cfg['activation_checkpointing'])
+    gpt.set_attention(spec.attention)
+    gpt.set_activation_checkpointing(spec.activation_checkpointing)
     return FinetuneModel(gpt, head, task), special, tokenizer, data
 
 
@@ -470,14 +537,15 @@ def scaled_learning_rate(n_embd):
     return GPT1_LEARNING_RATE * (GPT1_WIDTH / n_embd) ** WIDTH_EXPONENT
 
 
-def resolve_learning_rate(cfg, n_embd, resumed=None):
+def resolve_learning_rate(recipe, n_embd, resumed=None):
     """
-    (the peak learning rate of the fine-tune, how it was chosen). An explicit --learning_rate wins; 0 means the
+    (the peak learning rate of the fine-tune, how it was chosen) for recipe (a Recipe, with the
+    learning_rate the user gave). An explicit --learning_rate wins; 0 means the
     rate the interrupted run used (resumed: its ckpt_last.pt, whose config holds the number), else
     scaled_learning_rate of the source model's width. min_lr must not be above it (the decay would raise it).
     """
-    if cfg['learning_rate'] > 0:
-        lr = cfg['learning_rate']
+    if recipe.learning_rate > 0:
+        lr = recipe.learning_rate
         how = "--learning_rate"
     elif resumed is not None and (resumed.get('config') or {}).get('learning_rate', 0) > 0:
         lr = resumed['config']['learning_rate']
@@ -485,17 +553,22 @@ def resolve_learning_rate(cfg, n_embd, resumed=None):
     else:
         lr = scaled_learning_rate(n_embd)
         how = f"learning_rate=0: 6.25e-5 x (768 / n_embd {n_embd}) ** 1.5"
-    if cfg['decay_lr'] and cfg['min_lr'] > lr:
-        raise UserError(f"min_lr ({cfg['min_lr']:g}) is above the learning rate ({lr:g}, {how}), so the decay would "
-                        f"raise the rate; set --min_lr to at most that (0.0, the default, decays to zero)")
+    if recipe.decay_lr and recipe.min_lr > lr:
+        raise UserError(f"min_lr ({recipe.min_lr:g}) is above the learning rate ({lr:g}, {how}), "
+                        f"so the decay would raise the rate; set --min_lr to at most that (0.0, "
+                        f"the default, decays to zero)")
     return lr, how
 
 
-def configure_optimizers(model, cfg, device_type):
-    """ GPT.configure_optimizers' AdamW over the GPT and the head (its weight decays, its bias does not). """
-    optimizer = model.gpt.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
-                                               (cfg['beta1'], cfg['beta2']), device_type)
-    optimizer.add_param_group({'params': [model.head.linear.weight], 'weight_decay': cfg['weight_decay']})
+def configure_optimizers(model, recipe, device_type):
+    """
+    GPT.configure_optimizers' AdamW over the GPT and the head (its weight decays, its bias does
+    not), with the settings of recipe (a Recipe whose learning_rate is resolved).
+    """
+    optimizer = model.gpt.configure_optimizers(recipe.weight_decay, recipe.learning_rate,
+                                               (recipe.beta1, recipe.beta2), device_type)
+    head = model.head.linear
+    optimizer.add_param_group({'params': [head.weight], 'weight_decay': recipe.weight_decay})
     if model.head.linear.bias is not None:
         optimizer.add_param_group({'params': [model.head.linear.bias], 'weight_decay': 0.0})
     return optimizer
@@ -587,13 +660,16 @@ def _rounded_probs(logits, choice_mask, task):
     return [[round(p, 6) for p in row] for row in probs]
 
 
-def write_predictions(model, ckpt_info, cfg, special, tokenizer, device, ctx, path, out_path):
-    """ Predictions of model for every example of path, one JSON line each (the input plus prediction). """
+def write_predictions(model, ckpt_info, special, tokenizer, device, ctx, path, out_path,
+                      batch_size):
+    """
+    Predictions of model for every example of path, one JSON line each (the input plus prediction),
+    computed batch_size examples at a time.
+    """
     task = ckpt_info['task']
     examples = read_jsonl(path, task, labeled=False)
     encoded = encode_examples(examples, task, tokenizer, special, model.gpt.config.block_size, path)
-    bs = cfg['eval_batch_size'] or cfg['batch_size']
-    _, _, _, preds = evaluate(model, encoded, None, special, bs, device, ctx)
+    _, _, _, preds = evaluate(model, encoded, None, special, batch_size, device, ctx)
     id_to_label = {i: label for label, i in (ckpt_info['label_map'] or {}).items()}
     lines = []
     for (j, p, probs) in preds:
@@ -607,36 +683,38 @@ def write_predictions(model, ckpt_info, cfg, special, tokenizer, device, ctx, pa
     print(f"wrote {len(lines)} predictions to {out_path}")
 
 
-def predict_with_checkpoint(cfg, dist_info):
+def predict_with_checkpoint(spec, dist_info):
     """
-    finetune.py --predict_file without --train_file: predictions of the fine-tuned checkpoint init_from names
-    (its out_dir or ckpt.pt), written by rank 0 to predict_out (else predictions.jsonl beside the checkpoint).
-    Under torchrun rank 0 alone reads the checkpoint and predicts; the others wait for its verdict, so all end
-    together, with its exit code.
+    finetune.py --predict_file without --train_file (spec: a PredictSpec): predictions of the
+    fine-tuned checkpoint init_from names (its out_dir or ckpt.pt), written by rank 0 to predict_out
+    (else predictions.jsonl beside the checkpoint). Under torchrun rank 0 alone reads the checkpoint
+    and predicts; the others wait for its verdict, so all end together, with its exit code.
     """
-    master_decides(dist_info, lambda: _predict(cfg, dist_info))
+    master_decides(dist_info, lambda: _predict(spec, dist_info))
 
 
-def _predict(cfg, dist_info):
-    path = checkpoint_path(cfg['init_from'], cfg['out_dir'])
+def _predict(spec, dist_info):
+    path = checkpoint_path(spec.init_from, spec.out_dir)
     if path is None:
         raise UserError(f"--predict_file without --train_file needs --init_from to be a fine-tuned out_dir or "
-                        f"ckpt.pt; {cfg['init_from']} is not one")
-    out_path = predictions_path(cfg, os.path.dirname(path))
-    check_output(out_path, 'predict_out', cfg['overwrite'], inputs={'predict_file': cfg['predict_file']},
-                 output_kind='predictions')
+                        f"ckpt.pt; {spec.init_from} is not one")
+    out_path = predictions_path(spec.predict_out, os.path.dirname(path))
+    check_output(out_path, 'predict_out', spec.overwrite,
+                 inputs={'predict_file': spec.predict_file}, output_kind='predictions')
     ckpt = load_checkpoint(path)
     model = model_from_finetune_checkpoint(ckpt)
-    if cfg['task'] and cfg['task'] != ckpt['task']:
-        raise UserError(f"--task={cfg['task']} but {path} was fine-tuned for {ckpt['task']}; drop --task")
+    if spec.task and spec.task != ckpt['task']:
+        raise UserError(f"--task={spec.task} but {path} was fine-tuned for {ckpt['task']}; "
+                        f"drop --task")
     model.to(dist_info.device)
     model.eval()
-    set_weights(model.gpt, cfg['weights'])  # the task head stays float32: it is one small matrix
-    _, ctx = precision(dist_info.device, cfg['dtype'])
-    write_predictions(model, ckpt, cfg, ckpt['special_tokens'], load_tokenizer(ckpt['tokenizer']), dist_info.device,
-                      ctx, cfg['predict_file'], out_path)
+    set_weights(model.gpt, spec.weights)  # the task head stays float32: it is one small matrix
+    _, ctx = precision(dist_info.device, spec.dtype)
+    write_predictions(model, ckpt, ckpt['special_tokens'], load_tokenizer(ckpt['tokenizer']),
+                      device=dist_info.device, ctx=ctx, path=spec.predict_file, out_path=out_path,
+                      batch_size=spec.eval_batch_size or spec.batch_size)
 
 
-def predictions_path(cfg, directory=None):
-    """ Where finetune.py writes predictions: --predict_out, else predictions.jsonl in directory (out_dir). """
-    return cfg['predict_out'] or os.path.join(cfg['out_dir'] if directory is None else directory, 'predictions.jsonl')
+def predictions_path(predict_out, directory):
+    """ Where finetune.py writes predictions: predict_out, else directory/predictions.jsonl. """
+    return predict_out or os.path.join(directory, 'predictions.jsonl')

@@ -251,6 +251,18 @@ TOKENIZER_NOTES = {
 }
 
 
+# the custom form's tokenizer is a standard one (tokenizer_config.json names its class, no
+# auto_map), but transformers 5's AutoTokenizer reads config.json first, whose auto_map names our
+# config class, and so asks "run the custom code?" (transformers 4 takes the class from
+# tokenizer_config.json and asks nothing)
+CUSTOM_TOKENIZER_NOTE = (
+    "This directory holds code (the model's), so transformers 5's AutoTokenizer, which reads "
+    "config.json first, asks before running it: load the tokenizer with "
+    "`AutoTokenizer.from_pretrained(this_dir, trust_remote_code=True)` as the model, or with "
+    "`trust_remote_code=False`, which runs no code and gives the same tokenizer (with a warning "
+    "about the model type).")
+
+
 def tokenizer_note(tok, vocab_size):
     """ The README's words on tok: what it is, how it loads, and the model's ids (of vocab_size) it never has. """
     n_tokens = tok.vocab_size
@@ -270,6 +282,7 @@ def write_readme(hf_dir, source, config, tok_note):
         loads = ("`AutoModelForCausalLM.from_pretrained(this_dir, trust_remote_code=True)`: the model's code is "
                  "in this directory (modeling_nanogpt.py around model.py, the code it was trained with); read them "
                  "before you trust them. generate() works without a KV cache and without padding")
+        tok_note += " " + CUSTOM_TOKENIZER_NOTE
     text = (f"# GPT-2 style model exported by export_hf.py\n\nsource: `{source}`\n\n"
             f"- n_layer={config.n_layer}, n_head={config.n_head}, n_embd={config.n_embd}, "
             f"block_size={config.block_size}, vocab_size={config.vocab_size}, bias={config.bias}, "

@@ -13,12 +13,13 @@ Usage:
     model, tokenizer_meta, ckpt = init_model('resume', out_dir='out')   # or 'scratch', 'gpt2', a path
 """
 
+import dataclasses
 import os
+from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from configurator import Settings
 from model import GPT, GPT2_NAMES, MODERN, GPTConfig
 from nanogpt_plus.checkpoint import (
     checkpoint_tokenizer_meta,
@@ -29,17 +30,23 @@ from nanogpt_plus.checkpoint import (
     tokenizer_known,
 )
 from nanogpt_plus.dataset import check_dataset_tokenizer, find_dataset
-from nanogpt_plus.device import check_model_memory, resolve_device
+from nanogpt_plus.device import available_host_memory
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.out_dir import resume_point
 from nanogpt_plus.runtime import git_commit
 
+# The settings a new GPT is built from: GPTConfig's fields but vocab_size, which the dataset gives
+# (a frozen dataclass, so that a script hands them over with cfg.select(ModelSpec)). A loaded model
+# takes its dropout and (a shorter) block_size.
+ModelSpec = dataclasses.make_dataclass('ModelSpec', frozen=True, fields=[
+    (f.name, f.type) for f in dataclasses.fields(GPTConfig) if f.name != 'vocab_size'])
 
-def init_model(init_from, out_dir='out', dataset=None, model_settings=None, dropout=None, resume_file='ckpt.pt',
-               on_meta=False):
+
+def init_model(init_from, out_dir='out', dataset=None, spec=None, dropout=None,
+               resume_file='ckpt.pt', on_meta=False):
     """
     The one place that turns init_from into (model on the CPU, tokenizer description, checkpoint or None):
-      'scratch'        a new GPT from model_settings (n_layer, n_head, ..., gelu, and the modern options),
+      'scratch'        a new GPT of spec (a ModelSpec: n_layer, n_head, ..., gelu, the modern ones),
                        with the vocabulary and tokenizer of `dataset` (a dataset.Dataset; GPT-2's when it has
                        no meta, or when dataset is None)
       'resume'         out_dir/resume_file (train.py: ckpt.pt; finetune.py: its ckpt_last.pt)
@@ -52,12 +59,13 @@ def init_model(init_from, out_dir='out', dataset=None, model_settings=None, drop
     give their config.json's architecture without reading (or downloading) the weights.
     """
     if init_from == 'scratch':
-        if model_settings is None:  # sample.py, eval.py, export_hf.py: a script that reads weights
+        if spec is None:  # sample.py, eval.py, export_hf.py: a script that reads weights
             raise UserError("init_from=scratch makes a new, untrained model, which only train.py and finetune.py "
                             "do; pass resume (with --out_dir), a ckpt.pt or out_dir, gpt2* or a Hugging Face "
                             "directory")
         data_meta, data_dir = (dataset.meta, dataset.directory) if dataset is not None else (None, None)
-        return scratch_model(model_settings, data_meta, data_dir, on_meta), data_meta or {'kind': 'gpt2'}, None
+        model = scratch_model(spec, data_meta, data_dir, on_meta)
+        return model, data_meta or {'kind': 'gpt2'}, None
     ckpt_path = checkpoint_path(init_from, out_dir, resume_file)
     if ckpt_path is not None:
         ckpt = load_checkpoint(ckpt_path, map_location='cpu')
@@ -79,50 +87,87 @@ def unknown_source(init_from):
                      f"at that path; pass one of those, scratch, resume (with --out_dir) or gpt2*")
 
 
-def init_training_model(cfg, data, on_meta=False):
+def init_training_model(source, spec, data, on_meta=False):
     """
     train.py's init_model: (the plain GPT on the CPU, its tokenizer description, the checkpoint read or None)
-    for cfg's init_from, said in one line, checked against the dataset the run trains on (a dataset.Dataset):
-    weights with their own tokenizer must have the dataset's, and the dataset's vocabulary must fit the model.
-    Weights trained on longer windows may train on shorter ones (a resume has the checkpoint's block_size).
+    for source (a ModelSource: its init_from and out_dir), said in one line, checked against the
+    dataset the run trains on (a dataset.Dataset): weights with their own tokenizer must have the
+    dataset's, and the dataset's vocabulary must fit the model. spec (a ModelSpec): a new model's
+    settings; loaded weights take its dropout and may train on shorter windows (its block_size: a
+    resume has the checkpoint's).
     on_meta: FSDP's ranks other than 0, which get their shards of rank 0's weights (see init_model).
     """
-    init_from = cfg['init_from']
-    out_dir = cfg['out_dir']
-    source = checkpoint_path(init_from, out_dir)
+    init_from, out_dir = source.init_from, source.out_dir
+    path = checkpoint_path(init_from, out_dir)
     if init_from == 'resume':
         print(f"Resuming training from {out_dir}")
-    elif init_from != 'scratch' and source is not None:
-        print(f"Initializing from the weights in {source} (training starts at iter 0)")
+    elif init_from != 'scratch' and path is not None:
+        print(f"Initializing from the weights in {path} (training starts at iter 0)")
     elif init_from in GPT2_NAMES or is_hf_dir(init_from):
         print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
     # the architecture comes from the weights (a new model: from the settings); dropout from the settings always
-    model, tokenizer_meta, ckpt = init_model(init_from, out_dir, dataset=data, model_settings=cfg,
-                                             dropout=cfg['dropout'], on_meta=on_meta)
+    model, tokenizer_meta, ckpt = init_model(init_from, out_dir, dataset=data, spec=spec,
+                                             dropout=spec.dropout, on_meta=on_meta)
     # a new model has the dataset's tokenizer; weights come with their own (unless nanoGPT's left it unknown)
     if init_from != 'scratch' and tokenizer_known(ckpt):
         check_dataset_tokenizer(data.directory, data.meta, tokenizer_meta, describe_source(init_from, out_dir))
-    fit_block_size(model, cfg['block_size'])
+    fit_block_size(model, spec.block_size)
     if data.vocab_size and data.vocab_size > model.config.vocab_size:
         raise UserError(f"the dataset's vocabulary ({data.vocab_size}) is larger than the model's "
                         f"({model.config.vocab_size}); train from scratch on this dataset")
     return model, tokenizer_meta, ckpt
 
 
-def check_new_model_fits(cfg):
+def check_new_model_fits(spec, dataset, batch_size, attention, on_cpu):
     """
-    train.py's check before any work: a new model (init_from='scratch') whose first step can't fit in memory is
-    refused in one line (device.check_model_memory), counted at the dataset's vocabulary (its meta alone is read).
-    Weights that trained before have a size that fitted.
+    train.py's check before any work, for a new model (init_from='scratch'; weights that trained
+    before have a size that fitted): one of spec (a ModelSpec) whose first step can't fit in memory
+    is refused in one line (check_model_memory), counted at the vocabulary of dataset (its name; its
+    meta alone is read).
     """
-    if cfg['init_from'] != 'scratch':
-        return
     try:
-        vocab_size = find_dataset(cfg['dataset'], splits=()).vocab_size or 50304
+        vocab_size = find_dataset(dataset, splits=()).vocab_size or 50304
     except UserError:
         # a meta file that can't be read: said later, by every rank with one verdict (this runs before they meet)
         vocab_size = 50304
-    check_model_memory(cfg, vocab_size, on_cpu=resolve_device(cfg['device']) == 'cpu')
+    # (settings.check_model_shape refused the shapes GPTConfig would)
+    config = GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(spec))
+    check_model_memory(config, batch_size, attention, on_cpu)
+
+
+def check_model_memory(config, batch_size, attention, on_cpu):
+    """
+    Refuse, before anything is built, a new model (config, a GPTConfig) whose first step can't fit
+    this machine's free memory (device.available_host_memory), instead of being killed by the kernel
+    a minute later (exit 137, no word). Counted: each Block's causal mask (block_size^2 bytes, so a
+    long context costs quadratically), the weights with their gradients and AdamW's two moments (16
+    bytes per parameter), and, when the CPU computes (on_cpu), a lower bound of the first step's
+    activations: per token, about 16 n_embd float32 values per Block kept for the backward pass, the
+    logits and their gradient, and with attention='manual' the (T, T) scores and weights of every
+    head, for batch_size sequences. Passing says "not hopeless", not "fits".
+    """
+    available = available_host_memory()
+    if available is None:
+        return
+    n_layer, n_embd, block_size = config.n_layer, config.n_embd, config.block_size
+    vocab_size = config.vocab_size
+    masks = n_layer * block_size ** 2
+    params = 12 * n_layer * n_embd ** 2 + (vocab_size + block_size) * n_embd
+    activations = 0
+    if on_cpu:
+        scores = 2 * config.n_head * block_size if attention == 'manual' else 0
+        per_token = n_layer * (16 * n_embd + scores) + 2 * vocab_size
+        activations = 4 * batch_size * block_size * per_token
+    need = masks + 16 * params + activations
+    if need > available:
+        parts = [f"{masks / 2**30:,.1f} GiB of causal masks: n_layer x block_size^2 bytes",
+                 f"{16 * params / 2**30:,.1f} GiB of weights, gradients and AdamW state"]
+        if activations:
+            parts.append(f"{activations / 2**30:,.1f} GiB of activations for "
+                         f"batch_size={batch_size}")
+        raise UserError(f"this model needs at least {need / 2**30:,.1f} GiB of memory "
+                        f"({'; '.join(parts)}), and this machine has {available / 2**30:,.1f} GiB "
+                        f"free; use a smaller --block_size, --batch_size or model")
 
 
 def checkpoint_path(init_from, out_dir, resume_file='ckpt.pt'):
@@ -148,14 +193,12 @@ def describe_source(init_from, out_dir='out', resume_file='ckpt.pt'):
 # -----------------------------------------------------------------------------
 # making a GPT: a new one, its architecture alone, one holding given weights, cropped to a shorter context
 
-def scratch_model(model_settings, data_meta, data_dir, on_meta=False):
-    """ A new random GPT from the model settings, its vocab_size from the dataset's meta (model_vocab_size). """
+def scratch_model(spec, data_meta, data_dir, on_meta=False):
+    """ A new random GPT of spec (a ModelSpec), its vocab_size the dataset's (model_vocab_size). """
     print("Initializing a new model from scratch")
     vocab_size = model_vocab_size(data_meta, data_dir)
-    names = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout', 'gelu') + tuple(MODERN)
-    args = {k: model_settings[k] for k in names if k in model_settings}
     try:
-        config = GPTConfig(vocab_size=vocab_size, **args)
+        config = GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(spec))
         return meta_model(config) if on_meta else GPT(config)
     except ValueError as e:  # e.g. n_embd not divisible by n_head
         raise UserError(f"{e}; change the model settings") from None
@@ -347,80 +390,77 @@ def fit_block_size(model, block_size):
 
 
 # -----------------------------------------------------------------------------
-# resuming: the rules a run that continues from its own checkpoint keeps (train.py and finetune.py alike)
+# the settings a model source imposes: a resumed or fine-tuned run keeps its model (train.py and
+# finetune.py alike). These functions only read and refuse; they return what the source fixes, and
+# the script applies it
 
 # the settings that shape the model: a resumed run has the checkpoint's, whatever the defaults say
 ARCHITECTURE = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'gelu') + tuple(MODERN)
+# what a source may fix: its architecture, and a resumed run's optimizer (whose state it continues).
+# The script passes the user's own values of these (Settings.chosen): a default contradicts nothing
+FIXED_BY_SOURCE = ARCHITECTURE + ('optimizer',)
 # what a train.py checkpoint must hold to be resumed (finetune.py's and weights-only files lack the training state)
 RESUME_KEYS = ('model', 'model_args', 'optimizer', 'iter_num', 'best_val_loss', 'config')
 
 
-def adopt_architecture(cfg, ckpt, path, keep_zero=()):
-    """
-    Nothing is cropped or rebuilt on resume, so that the next save can't replace the checkpoint with another
-    model: an architecture setting the user gave must be the checkpoint's (one line naming both otherwise), and
-    one not given takes the checkpoint's value in cfg (so the saved 'config' agrees with 'model_args').
-    keep_zero: settings whose 0 means "the model's" (finetune.py's block_size), which a 0 doesn't contradict.
-    """
-    keep_model_architecture(cfg, model_config_from_checkpoint(ckpt), f"the checkpoint {path}", keep_zero=keep_zero,
-                            rule="a resumed run keeps the checkpoint's architecture")
+@dataclass(frozen=True)
+class ModelSource:
+    """ Where a run's model comes from: init_from names it; out_dir holds the run to continue. """
+    init_from: str
+    out_dir: str
+    auto_resume: bool
 
 
-def keep_model_architecture(cfg, saved, source, rule, keep_zero=(), smaller=(),
-                            otherwise="start a new run in another --out_dir"):
-    """
-    cfg's architecture settings become those of saved (a GPTConfig): one the user gave that differs is refused in
-    one line naming source and rule, one not given takes saved's value. keep_zero: settings whose 0 means "the
-    model's"; smaller: settings the user may set below the model's (block_size: the model is cropped to it).
-    """
-    # a plain dict (a test's): every setting counts as chosen
-    given = getattr(cfg, 'given', cfg.keys())
-    for key in ARCHITECTURE:
-        if key not in cfg:
-            continue
-        value = getattr(saved, key)
-        chosen = key in given and not (key in keep_zero and cfg[key] == 0)
-        if chosen and key in smaller and cfg[key] < value:
-            continue
-        if chosen and cfg[key] != value:
-            raise UserError(f"--{key}={cfg[key]!r} but {source} has {key}={value!r}; {rule}: drop --{key} (or "
-                            f"change it in the config file), or {otherwise}")
-        cfg[key] = value
+@dataclass(frozen=True)
+class ResumeSpec:
+    """ train.py's resume: the snapshot it goes back to ('' = ckpt.pt), the last iteration. """
+    resume_from: str
+    max_iters: int
 
 
-def adopt_source(cfg, keep_zero=(), resume_file=None):
+def source_settings(source, chosen, keep_zero=(), resume=None, resume_file=None):
     """
-    Before any work, the architecture of the model init_from names becomes cfg's (train.py; finetune.py with
-    keep_zero=('block_size',) and its resume_file). auto_resume: init_from becomes 'resume' when out_dir holds
-    the run's checkpoint (a requeued job), so one command starts a run and continues it. 'resume':
-    adopt_resumed_run's rules (finetune.py: adopt_resumed_finetune's). Given weights (a checkpoint, an out_dir,
-    gpt2*, a Hugging Face directory): the weights fix the model, so an architecture setting the user gave that
-    differs is refused in one line, and one not given is theirs, so that the saved 'config' agrees with
-    'model_args'; dropout may change and block_size may be smaller (the model is cropped to it). Their files are
-    read as far as the architecture needs (the checkpoint memory-mapped, config.json alone). Returns what every
-    rank must start from alike (SAME_START).
+    Before any work: the settings the model that source names imposes on the run, {name: value}, and
+    the checkpoint it resumes (a path, or None). The script applies them (cfg.update) and decides
+    nothing else from them. chosen: {name: value} of the FIXED_BY_SOURCE settings the user gave.
+    train.py passes resume (a ResumeSpec); finetune.py passes its resume_file and
+    keep_zero=('block_size',) (0: the model's own). auto_resume: init_from becomes 'resume' when
+    out_dir holds the run's checkpoint (a requeued job), so one command starts a run and continues
+    it. 'resume': resumed_run_settings's rules (finetune.py: resumed_finetune_settings's). Given
+    weights (a checkpoint, an out_dir, gpt2*, a Hugging Face directory): the weights fix the model,
+    so an architecture setting the user gave that differs is refused in one line, and the others are
+    theirs, so that the saved 'config' agrees with 'model_args'; dropout may change and block_size
+    may be smaller (the model is cropped to it). Their files are read as far as the architecture
+    needs (the checkpoint memory-mapped, config.json alone).
     """
-    out_dir = cfg['out_dir']
-    if cfg.get('auto_resume') and cfg['init_from'] != 'resume' and \
+    imposed = {}
+    init_from, out_dir = source.init_from, source.out_dir
+    if source.auto_resume and init_from != 'resume' and \
             os.path.isfile(os.path.join(out_dir, resume_file or 'ckpt.pt')):
-        cfg['init_from'] = 'resume'  # a requeued job: its checkpoint is there, so it continues
+        # a requeued job: its checkpoint is there, so it continues
+        init_from = imposed['init_from'] = 'resume'
         if int(os.environ.get('RANK', 0)) == 0:
             print(f"auto_resume=True: {out_dir} holds this run's checkpoint; resuming it")
-    init_from = cfg['init_from']
-    resumed = None
-    if init_from == 'resume':
-        resumed = os.path.join(out_dir, resume_file) if resume_file else resume_point(out_dir, cfg['resume_from'])
-        if resume_file is not None:
-            adopt_resumed_finetune(cfg, resumed)
-        else:
-            adopt_resumed_run(cfg, resumed)
-    else:
-        adopt_weights(cfg, keep_zero)
-    # what every rank must start from alike (SAME_START): its settings, its code, the checkpoint it resumes
-    return {'settings': dict(cfg), 'commit': git_commit(), 'checkpoint': file_digest(resumed) if resumed else None}
+    if init_from != 'resume':
+        return dict(imposed, **weights_settings(init_from, out_dir, chosen, keep_zero)), None
+    if resume_file is not None:
+        path = os.path.join(out_dir, resume_file)
+        return dict(imposed, **resumed_finetune_settings(path, chosen)), path
+    path = resume_point(out_dir, resume.resume_from)
+    return dict(imposed, **resumed_run_settings(out_dir, path, chosen, resume.max_iters)), path
 
 
-# what adopt_source returns that must be the same on every rank (distributed.every_rank's agree), and what to do
+def same_start(settings_record, resumed):
+    """
+    What every rank must start from alike (SAME_START): its settings (settings_record: all of them,
+    once the source's are applied), its code, and the checkpoint it resumes (resumed:
+    source_settings's path, or None).
+    """
+    return {'settings': settings_record, 'commit': git_commit(),
+            'checkpoint': file_digest(resumed) if resumed else None}
+
+
+# what must be the same in every rank's same_start (distributed.every_rank's agree), and what to do
 SAME_START = {
     'settings': "start every node with the same command line and config files",
     'commit': "check out the same commit of this repository on every node",
@@ -429,9 +469,45 @@ SAME_START = {
 }
 
 
-def adopt_weights(cfg, keep_zero=()):
-    """ adopt_source for given weights: their architecture becomes cfg's (see adopt_source). """
-    init_from, out_dir = cfg['init_from'], cfg['out_dir']
+def kept_architecture(chosen, saved, source, rule, keep_zero=(), smaller=(),
+                      otherwise="start a new run in another --out_dir"):
+    """
+    The architecture settings of saved (a GPTConfig) that the run takes, {name: value}: one the user
+    chose (chosen) that differs is refused in one line naming source and rule. keep_zero: settings
+    whose 0 means "the model's"; smaller: settings the user may set below the model's (block_size:
+    the model is cropped to it), which then stay the user's.
+    """
+    kept = {}
+    for key in ARCHITECTURE:
+        value = getattr(saved, key)
+        given = chosen.get(key)
+        if key not in chosen or (key in keep_zero and given == 0):
+            kept[key] = value
+        elif key in smaller and given < value:
+            continue
+        elif given != value:
+            raise UserError(f"--{key}={given!r} but {source} has {key}={value!r}; {rule}: drop "
+                            f"--{key} (or change it in the config file), or {otherwise}")
+        else:
+            kept[key] = value
+    return kept
+
+
+def checkpoint_architecture(ckpt, path, chosen, keep_zero=()):
+    """
+    Nothing is cropped or rebuilt on resume, so that the next save can't replace the checkpoint with
+    another model: an architecture setting the user gave must be the checkpoint's (one line naming
+    both otherwise), and the run takes the checkpoint's values (so the saved 'config' agrees with
+    'model_args'). keep_zero: settings whose 0 means "the model's" (finetune.py's block_size), which
+    a 0 doesn't contradict.
+    """
+    return kept_architecture(chosen, model_config_from_checkpoint(ckpt), f"the checkpoint {path}",
+                             keep_zero=keep_zero,
+                             rule="a resumed run keeps the checkpoint's architecture")
+
+
+def weights_settings(init_from, out_dir, chosen, keep_zero=()):
+    """ source_settings for given weights: their architecture (see there); none for scratch. """
     path = checkpoint_path(init_from, out_dir)
     if path is not None:
         saved = model_config_from_checkpoint(load_checkpoint(path))
@@ -439,35 +515,37 @@ def adopt_weights(cfg, keep_zero=()):
         from nanogpt_plus.pretrained import hf_config  # only for Hugging Face weights
         saved = hf_config(init_from)
     elif init_from == 'scratch':
-        return
+        return {}
     else:
         # now, in the verdict of every rank: this node may lack the path
         raise unknown_source(init_from)
-    keep_model_architecture(cfg, saved, describe_source(init_from, out_dir), keep_zero=keep_zero,
-                            smaller=('block_size',), rule="a model trained from given weights keeps their "
-                            "architecture (dropout and a smaller block_size may change)",
-                            otherwise="train a new model with --init_from=scratch")
+    rule = ("a model trained from given weights keeps their architecture (dropout and a smaller "
+            "block_size may change)")
+    return kept_architecture(chosen, saved, describe_source(init_from, out_dir), rule=rule,
+                             keep_zero=keep_zero, smaller=('block_size',),
+                             otherwise="train a new model with --init_from=scratch")
 
 
-def adopt_optimizer(cfg, ckpt, path):
+def kept_optimizer(ckpt, path, chosen):
     """
-    A resumed run continues its optimizer's state, so it keeps its optimizer: one given that differs is refused,
-    one not given is the checkpoint's (a checkpoint from before the setting existed was trained with AdamW).
+    A resumed run continues its optimizer's state, so it keeps its optimizer: one given that differs
+    is refused; the run takes the checkpoint's (a checkpoint from before the setting existed was
+    trained with AdamW).
     """
-    if 'optimizer' not in cfg:
-        return
     saved = (ckpt.get('config') or {}).get('optimizer', 'adamw')
-    if 'optimizer' in getattr(cfg, 'given', cfg.keys()) and cfg['optimizer'] != saved:
-        raise UserError(f"--optimizer={cfg['optimizer']} but the run in {path} was trained with optimizer={saved}, "
-                        f"whose state it continues; drop --optimizer, or start a new run in another --out_dir")
-    cfg['optimizer'] = saved
+    if 'optimizer' in chosen and chosen['optimizer'] != saved:
+        raise UserError(f"--optimizer={chosen['optimizer']} but the run in {path} was trained with "
+                        f"optimizer={saved}, whose state it continues; drop --optimizer, or start "
+                        f"a new run in another --out_dir")
+    return {'optimizer': saved}
 
 
-def adopt_resumed_run(cfg, path):
+def resumed_run_settings(out_dir, path, chosen, max_iters):
     """
-    train.py's --init_from=resume, before any work (its block_size is used before the model is built): the
-    checkpoint must exist and be a train.py training checkpoint, its architecture becomes cfg's
-    (adopt_architecture), and the run must not be over. Its tensors are memory-mapped, not read.
+    train.py's --init_from=resume of the run in out_dir, before any work (its block_size is used
+    before the model is built): the checkpoint at path must exist and be a train.py training
+    checkpoint, the run takes its architecture and optimizer (checkpoint_architecture,
+    kept_optimizer), and the run must not be over. Its tensors are memory-mapped, not read.
     """
     if not os.path.exists(path):
         raise UserError(f"init_from=resume but there is no checkpoint at {path}; "
@@ -479,36 +557,37 @@ def adopt_resumed_run(cfg, path):
         raise UserError(f"{path} is not a train.py training checkpoint ({what}: a finetune.py out_dir or a "
                         f"weights-only file?); to train on its weights from iter 0 use --init_from={path} with "
                         f"another --out_dir")
-    adopt_architecture(cfg, ckpt, path)
-    adopt_optimizer(cfg, ckpt, path)
+    imposed = checkpoint_architecture(ckpt, path, chosen)
+    imposed.update(kept_optimizer(ckpt, path, chosen))
     # the loop trains iteration max_iters too and then stops, so the final checkpoint of a finished run has
     # iter_num = max_iters + 1; one at iter_num == max_iters still has that last step to run
-    if int(ckpt['iter_num']) > cfg['max_iters']:
-        raise UserError(f"the run in {cfg['out_dir']} is already complete: its checkpoint is at iter "
-                        f"{int(ckpt['iter_num'])}, past max_iters={cfg['max_iters']}; to train further, resume with "
-                        f"a larger --max_iters (and --lr_decay_iters to match)")
+    if int(ckpt['iter_num']) > max_iters:
+        raise UserError(f"the run in {out_dir} is already complete: its checkpoint is at iter "
+                        f"{int(ckpt['iter_num'])}, past max_iters={max_iters}; to train further, "
+                        f"resume with a larger --max_iters (and --lr_decay_iters to match)")
+    return imposed
 
 
-def resume_refusal(cfg):
+def resume_refusal(out_dir, chosen, max_iters):
     """
-    Why `--init_from=resume` with cfg's other settings would be refused (that one line), or None when it would
-    run: a refusal that suggests resuming suggests it only where it works (nanoGPT's 6-layer config over the quick
-    start's 4-layer run does not).
+    Why `--init_from=resume` of the run in out_dir would be refused with the settings the user chose
+    (that one line), or None when it would run: a refusal that suggests resuming suggests it only
+    where it works (nanoGPT's 6-layer config over the quick start's 4-layer run does not).
     """
-    trial = Settings(cfg, cfg.given) if isinstance(cfg, Settings) else dict(cfg)
     try:
-        adopt_resumed_run(trial, resume_point(cfg['out_dir'], ''))
+        resumed_run_settings(out_dir, resume_point(out_dir, ''), chosen, max_iters)
     except UserError as e:
         return str(e)
     return None
 
 
-def adopt_resumed_finetune(cfg, path):
+def resumed_finetune_settings(path, chosen):
     """
     finetune.py's --init_from=resume, before any work: its ckpt_last.pt must be there, and the run keeps its
-    architecture (adopt_architecture, train.py's rule; finetune's block_size=0 means the model's own).
+    architecture (checkpoint_architecture, train.py's rule; finetune's block_size=0 means the
+    model's own).
     """
     if not os.path.exists(path):
         raise UserError(f"init_from=resume but there is no {path}; check --out_dir or start a new fine-tune "
                         f"with --init_from=<pretrained model>")
-    adopt_architecture(cfg, load_checkpoint(path), path, keep_zero=('block_size',))
+    return checkpoint_architecture(load_checkpoint(path), path, chosen, keep_zero=('block_size',))

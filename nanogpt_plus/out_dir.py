@@ -22,8 +22,9 @@ A lock written on another host can't be proven dead from here (flock is not shar
 file system): such a run is refused and told to delete the file if the other run is gone.
 
 Usage:
-    from nanogpt_plus.out_dir import claim_out_dir, prepare_out_dir
-    with claim_out_dir('out', dist_info, prepare=lambda: prepare_out_dir(cfg, 'train.py', argv)):
+    from nanogpt_plus.out_dir import OutDirSpec, claim_out_dir, prepare_out_dir
+    spec = cfg.select(OutDirSpec)    # out_dir, init_from, resume_from, overwrite, eval_only
+    with claim_out_dir('out', dist_info, prepare=lambda: prepare_out_dir(spec, 'train.py', argv)):
         ...   # rank 0 holds out/run.lock until the block ends, however it ends
 """
 
@@ -36,6 +37,7 @@ import shutil
 import socket
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 
 from nanogpt_plus.checkpoint import saved_iter, sidecar_of
@@ -248,22 +250,33 @@ def claim_out_dir(out_dir, dist_info, prepare=None):
 # -----------------------------------------------------------------------------
 # a run's start: a resume continues its line, a new run may not replace an earlier one's checkpoints
 
-def prepare_out_dir(cfg, script, argv, resume_refusal=None):
+@dataclass(frozen=True)
+class OutDirSpec:
+    """ What train.py's start in its out_dir reads of the settings (prepare_out_dir). """
+    out_dir: str
+    init_from: str
+    resume_from: str
+    overwrite: bool
+    eval_only: bool
+
+
+def prepare_out_dir(spec, script, argv, resume_refusal=None):
     """
-    train.py's start in its out_dir, on rank 0 with out_dir locked: a resume continues a line of its own
-    (branch_off keeps the files of the line it leaves); a new run into an out_dir that holds an earlier run's
-    checkpoints (ckpt.pt, ckpt_best.pt, snapshots) is refused with the commands to resume it or start over,
-    unless --overwrite=True. eval_only runs write no checkpoint and change nothing. resume_refusal(cfg): why a
-    resume with these settings would be refused, or None (init_from.resume_refusal), so that the refusal
+    train.py's start in its out_dir (spec: an OutDirSpec), on rank 0 with out_dir locked: a resume
+    continues a line of its own (branch_off keeps the files of the line it leaves); a new run into
+    an out_dir that holds an earlier run's checkpoints (ckpt.pt, ckpt_best.pt, snapshots) is refused
+    with the commands to resume it or start over, unless --overwrite=True. eval_only runs write no
+    checkpoint and change nothing. resume_refusal(): why a resume of that earlier run with this
+    run's settings would be refused, or None (init_from.resume_refusal), so that the refusal
     suggests resuming only where that works.
     """
-    if cfg['eval_only']:
+    if spec.eval_only:
         return
-    if cfg['init_from'] == 'resume':
-        branch_off(cfg['out_dir'], cfg['resume_from'])
+    if spec.init_from == 'resume':
+        branch_off(spec.out_dir, spec.resume_from)
         return
-    why_not = resume_refusal(cfg) if resume_refusal is not None else None
-    check_new_run(cfg['out_dir'], checkpoint_files(cfg['out_dir']), script, argv, cfg['overwrite'],
+    why_not = resume_refusal() if resume_refusal is not None else None
+    check_new_run(spec.out_dir, checkpoint_files(spec.out_dir), script, argv, spec.overwrite,
                   why_not_resume=why_not)
 
 

@@ -13,6 +13,9 @@ misshapen tensor; and so is a config.json value of the wrong JSON type, or a pic
 pytorch_model.bin (never run). An export of a char or bpe model (export_hf.py) names its tokenizer in
 nanogpt_tokenizer.json, read by pretrained_tokenizer_meta.
 
+A gpt2* name comes from the local hub cache, else is downloaded; offline (HF_HUB_OFFLINE, or no
+connection to the hub within seconds) it is refused in one line at once.
+
 Usage:
     from nanogpt_plus.pretrained import hf_config_and_weights
     config, state_dict, path = hf_config_and_weights('gpt2')   # or a local directory; then init_from.loaded_model
@@ -20,6 +23,9 @@ Usage:
 
 import json
 import os
+import socket
+import urllib.parse
+import urllib.request
 import zipfile
 
 import torch
@@ -36,6 +42,9 @@ NANOGPT_TYPE = 'nanogpt'
 NANOGPT_OPTIONS = {'bias': True, 'pos': 'learned', 'norm': 'layernorm', 'qk_norm': False, 'logit_softcap': 0.0}
 NANOGPT_PREFIX = 'gpt.'
 WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin')  # in the order transformers prefers them
+# the seconds a connection to the hub may take to open before no download is tried: online one
+# opens in well under a second; without a network huggingface_hub's retries take ~25 s to give up
+HUB_PROBE_SECONDS = 3.0
 # GPT2Config's defaults, for the keys an older config.json (the hub's own gpt2 one) leaves out
 HF_DEFAULTS = dict(model_type='gpt2', activation_function='gelu_new', layer_norm_epsilon=1e-5, n_inner=None,
                    scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
@@ -50,27 +59,67 @@ FLAG_KEYS = ('scale_attn_weights', 'scale_attn_by_inverse_layer_idx', 'reorder_a
              'tie_word_embeddings', 'add_cross_attention')
 
 
-def hub_offline_error(name):
-    """ The one line for a gpt2* name that can't be had: the download failed and the hub cache lacks it. """
-    return UserError(f"could not download '{name}' from the Hugging Face hub (offline?). Download it elsewhere "
-                     f"(GPT2LMHeadModel.from_pretrained('{name}').save_pretrained(DIR)) and pass the local "
-                     f"directory instead: init_from=DIR")
+def hub_offline_error(name, why="offline?"):
+    """ The one line for a gpt2* name that can't be had: not cached, and not downloaded (why). """
+    return UserError(f"could not download '{name}' from the Hugging Face hub ({why}) and the local "
+                     f"hub cache lacks it. Download it elsewhere (GPT2LMHeadModel.from_pretrained("
+                     f"'{name}').save_pretrained(DIR)) and pass the local directory instead: "
+                     f"init_from=DIR")
+
+
+def hub_offline():
+    """ Whether the user turned the hub off (read now: huggingface_hub reads these at import). """
+    return any(os.environ.get(key, '').upper() in ('1', 'ON', 'YES', 'TRUE')
+               for key in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE'))
+
+
+def hub_address():
+    """ (host, port) a download connects to first: the https proxy if one is set, else the hub. """
+    from huggingface_hub import constants
+    url = urllib.parse.urlsplit(urllib.request.getproxies().get('https') or constants.ENDPOINT)
+    return url.hostname, url.port or (443 if url.scheme == 'https' else 80)
+
+
+def hub_unreachable(timeout=HUB_PROBE_SECONDS):
+    """ Why the hub can't be reached, or None: one TCP connection attempt of at most timeout s. """
+    host, port = hub_address()
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:  # no DNS, no route, refused, timed out
+        return f"offline: no connection to {host}:{port}, {error_line(e, 80)}"
+    return None
+
+
+def hub_path(name, filenames):
+    """
+    The path of the first of filenames that the hub repo name has: from the local hub cache, else
+    downloaded. Without a network huggingface_hub retries for ~25 s before it fails, so a download
+    is tried only when HF_HUB_OFFLINE is unset and a connection to the hub opens within seconds;
+    otherwise the one line comes at once. The cache comes first even online: OpenAI's GPT-2 files
+    never change, so there is nothing to re-check.
+    """
+    from huggingface_hub import hf_hub_download
+    for filename in filenames:
+        try:
+            return hf_hub_download(name, filename, local_files_only=True)
+        # not cached (huggingface_hub's errors vary): the next file, then the network
+        except Exception:
+            continue
+    why = "offline: HF_HUB_OFFLINE is set" if hub_offline() else hub_unreachable()
+    if why is not None:
+        raise hub_offline_error(name, why)
+    for filename in filenames:
+        try:
+            return hf_hub_download(name, filename)
+        # no such file (the next one), a network error: huggingface_hub's errors vary
+        except Exception:
+            continue
+    raise hub_offline_error(name)
 
 
 def hub_files(name):
-    """ (config.json, weights file) of a gpt2* name through huggingface_hub: from its cache, else downloaded. """
-    from huggingface_hub import hf_hub_download
-    try:
-        config_path = hf_hub_download(name, 'config.json')
-    # offline, no such repo, a network error: huggingface_hub's errors vary, all mean this
-    except Exception:
-        raise hub_offline_error(name) from None
-    for filename in WEIGHT_FILES:
-        try:
-            return config_path, hf_hub_download(name, filename)
-        except Exception:  # the next file, else the same error as for the config
-            continue
-    raise hub_offline_error(name)
+    """ (config.json, weights file) of a gpt2* name: from the hub's cache, else downloaded. """
+    return hub_path(name, ('config.json',)), hub_path(name, WEIGHT_FILES)
 
 
 def local_files(directory):
@@ -244,12 +293,7 @@ def hf_config(init_from, dropout=None):
     read nor downloaded (FSDP's ranks other than 0 build the model on the meta device and get their shards).
     """
     if init_from in GPT2_NAMES:
-        from huggingface_hub import hf_hub_download
-        try:
-            config_path = hf_hub_download(init_from, 'config.json')
-        # offline, no such repo, a network error: huggingface_hub's errors vary, all mean this
-        except Exception:
-            raise hub_offline_error(init_from) from None
+        config_path = hub_path(init_from, ('config.json',))
     else:
         config_path = os.path.join(init_from, 'config.json')
     return gpt_config(read_hf_config(config_path), init_from, dropout)

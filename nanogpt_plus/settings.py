@@ -174,49 +174,64 @@ SYSTEM = Group(
 )
 
 
-def check_model_shape(cfg):
+def check_model_shape(n_embd, n_head, pos):
     """ The architecture combination GPTConfig/GPT would otherwise reject deep in the build. """
-    if all(cfg.get(k) for k in ('n_embd', 'n_head')) and cfg['n_embd'] % cfg['n_head']:
-        raise UserError(f"n_embd ({cfg['n_embd']}) must be divisible by n_head ({cfg['n_head']}): each head "
-                        f"gets n_embd / n_head dimensions; change one of them")
-    head_size = cfg['n_embd'] // cfg['n_head'] if all(cfg.get(k) for k in ('n_embd', 'n_head')) else 0
-    if cfg.get('pos') == 'rope' and head_size % 2:
+    if n_embd and n_head and n_embd % n_head:
+        raise UserError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head}): each head gets "
+                        f"n_embd / n_head dimensions; change one of them")
+    head_size = n_embd // n_head if n_embd and n_head else 0
+    if pos == 'rope' and head_size % 2:
         raise UserError(f"pos='rope' turns pairs of each head's {head_size} dimensions, an odd number; choose "
                         f"n_embd and n_head so that n_embd / n_head is even")
 
 
 def check_training(cfg):
-    """ train.py's combinations of settings, once each one passed its own check (Schema.check). """
-    check_model_shape(cfg)
+    """
+    train.py's checks of the combinations of its settings, once each one passed its own check
+    (Schema.check): the one place that reads them all. Each check below is handed the values of its
+    topic; the last one refuses a new model whose first step can't fit in this machine's memory.
+    """
+    check_model_shape(cfg['n_embd'], cfg['n_head'], cfg['pos'])
     if cfg['decay_lr'] and cfg['min_lr'] > cfg['learning_rate']:  # the "decay" would raise the rate
         raise UserError(f"min_lr ({cfg['min_lr']}) is above learning_rate ({cfg['learning_rate']}), so the decay "
                         f"would raise the learning rate; set --min_lr to at most learning_rate (about 1/10 of it)")
-    check_schedule(cfg)
+    if cfg['decay_lr']:
+        check_schedule(cfg['learning_rate'], cfg['warmup_iters'], cfg['lr_decay_iters'],
+                       cfg['max_iters'])
     if cfg['optimizer'] == 'muon' and cfg['parallelism'] == 'fsdp':
         raise UserError("optimizer='muon' orthogonalises whole matrices, which FSDP splits over the ranks; use "
                         "--parallelism=ddp with Muon, or --optimizer=adamw with FSDP")
     if cfg['resume_from'] and cfg['init_from'] != 'resume':
         raise UserError(f"--resume_from={cfg['resume_from']} goes back to a snapshot of the run in out_dir: it "
                         f"needs --init_from=resume")
+    if cfg['init_from'] == 'scratch':  # weights that trained before have a size that fitted
+        # imported here: this table of settings loads none of the code that acts on them
+        from nanogpt_plus.device import resolve_device
+        from nanogpt_plus.init_from import ModelSpec, check_new_model_fits
+        on_cpu = resolve_device(cfg['device']) == 'cpu'
+        check_new_model_fits(cfg.select(ModelSpec), dataset=cfg['dataset'],
+                             batch_size=cfg['batch_size'], attention=cfg['attention'],
+                             on_cpu=on_cpu)
 
 
-def check_schedule(cfg):
+def check_schedule(learning_rate, warmup_iters, lr_decay_iters, max_iters):
     """
-    A learning-rate schedule that contradicts itself: a decay that would end where the warmup does (the rate would
-    jump from learning_rate to min_lr) is refused; a warmup longer than the run, common in a quick try of a
-    config (--max_iters=20), is said plainly in one line, with the rate it will reach.
+    A learning-rate schedule with decay that contradicts itself: a decay that would end where the
+    warmup does (the rate would jump from learning_rate to min_lr) is refused; a warmup longer than
+    the run, common in a quick try of a config (--max_iters=20), is said plainly in one line, with
+    the rate it will reach.
     """
-    if not cfg['decay_lr']:
-        return
-    if cfg['lr_decay_iters'] <= cfg['warmup_iters']:
-        raise UserError(f"lr_decay_iters ({cfg['lr_decay_iters']}) is not past warmup_iters ({cfg['warmup_iters']}), "
-                        f"so the rate would drop from learning_rate to min_lr right after the warmup; set "
-                        f"--lr_decay_iters to about max_iters, or --decay_lr=False for a constant rate")
+    if lr_decay_iters <= warmup_iters:
+        raise UserError(f"lr_decay_iters ({lr_decay_iters}) is not past warmup_iters "
+                        f"({warmup_iters}), so the rate would drop from learning_rate to min_lr "
+                        f"right after the warmup; set --lr_decay_iters to about max_iters, or "
+                        f"--decay_lr=False for a constant rate")
     # said once, by rank 0 (before the process group exists: torchrun's RANK)
-    if cfg['warmup_iters'] > cfg['max_iters'] and int(os.environ.get('RANK', 0)) == 0:
-        peak = cfg['learning_rate'] * (cfg['max_iters'] + 1) / (cfg['warmup_iters'] + 1)
-        print(f"note: warmup_iters ({cfg['warmup_iters']}) is past max_iters ({cfg['max_iters']}): the learning rate "
-              f"rises to {peak:.3g} at the last iteration and never reaches learning_rate ({cfg['learning_rate']:g})")
+    if warmup_iters > max_iters and int(os.environ.get('RANK', 0)) == 0:
+        peak = learning_rate * (max_iters + 1) / (warmup_iters + 1)
+        print(f"note: warmup_iters ({warmup_iters}) is past max_iters ({max_iters}): the learning "
+              f"rate rises to {peak:.3g} at the last iteration and never reaches learning_rate "
+              f"({learning_rate:g})")
 
 
 def subset(group, *names):

@@ -8,6 +8,7 @@ Usage:
 """
 
 import collections
+import functools
 import time
 
 import torch
@@ -33,19 +34,24 @@ def thread_candidates():
     return candidates
 
 
-def tune_cpu_threads(model, X, Y, ctx, repeats=3, max_flops=2e10):
+def tune_cpu_threads(model, X, Y, ctx, repeats=3, max_flops=2e10, announce=None):
     """
     Pick the fastest CPU thread count for this model and batch by timing a few forward/backward passes
     with torch's default (one thread per core), half of it, ..., down to 1, and keep the fastest. Small
     models are bound by per-op overhead, where extra OpenMP threads mostly wait on each other (and
     collapse when the cores are shared with other processes); big ones (a forward/backward of more than
     max_flops) keep every core without trying. The passes leave no trace: gradients are dropped and the
-    RNG restored. The choice is re-checked during training by ThreadRetuner.
+    RNG restored. The choice is re-checked during training by ThreadRetuner. announce: called with a
+    line that says what is being timed, before the timing starts (print, say).
     Returns (threads, {threads: mean seconds}).
     """
     candidates = thread_candidates()
     if len(candidates) == 1 or 6 * model.get_num_params() * X.numel() > max_flops:
         return candidates[0], {}
+    if announce is not None:
+        # seconds of silence otherwise (9 s on 2 busy cores) before the run's first iteration
+        announce(f"timing CPU thread counts {', '.join(map(str, candidates))} for this model "
+                 f"({repeats + 1} forward/backward passes each, a few seconds) ...")
     rng = torch.get_rng_state()
 
     def fwd_bwd():
@@ -161,7 +167,9 @@ def choose_threads(model, loader, ctx, dist_info, fsdp=False):
 
 
 def _time_threads(model, loader, ctx, master):
-    threads, timings = tune_cpu_threads(model, *loader.next_batch(), ctx)
+    # the master says what it is timing, then what it chose
+    announce = functools.partial(print, flush=True) if master else None
+    threads, timings = tune_cpu_threads(model, *loader.next_batch(), ctx, announce=announce)
     if not timings:
         return None
     if master:

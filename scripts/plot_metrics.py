@@ -4,7 +4,7 @@ iteration, train/val loss at each evaluation, the in-loop HellaSwag acc_norm (he
 second axis beside the losses), and the learning rate.
 
 Usage:
-$ python scripts/plot_metrics.py --out_dir=out-shakespeare-char-cpu            # writes out-shakespeare-char-cpu/metrics.png
+$ python scripts/plot_metrics.py --out_dir=out-shakespeare-char-cpu   # writes its metrics.png
 $ python scripts/plot_metrics.py --out_dir=out --output=loss.png
 """
 

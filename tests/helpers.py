@@ -19,11 +19,11 @@ TINY_VOCAB = 20  # the symbols of conftest's tiny_dataset
 SPACED_SYMBOLS = 'abcdefghijklmnopqrs '
 
 
-# a 2-layer model and a short schedule on the CPU: what train_args starts from
+# a 2-layer model and a short schedule on the CPU: what train_args starts from. One fixed thread: the
+# thread count is never timed against the machine's load (num_threads=0); the tests of that choice set 0
 TINY_RUN = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4, gradient_accumulation_steps=2,
                 max_iters=12, eval_interval=6, eval_iters=4, log_interval=1, warmup_iters=2, lr_decay_iters=12,
-                learning_rate=1e-2, min_lr=1e-3, dropout=0.0, device='cpu', compile=False,
-                num_threads=1)  # not timed against the machine's load (num_threads=0): tests set 0 themselves
+                learning_rate=1e-2, min_lr=1e-3, dropout=0.0, device='cpu', compile=False, num_threads=1)
 
 
 FRAME = re.compile(r'^\s*File "([^"]+)", line \d+', re.M)

@@ -21,6 +21,25 @@ def test_file_then_overrides_in_order(tmp_path):
     assert cfg["decay_lr"] is True
 
 
+@pytest.mark.parametrize('rank, echoed', [(None, True), ('0', True), ('1', False), ('3', False)])
+def test_the_config_is_echoed_by_the_first_rank_only(tmp_path, monkeypatch, capsys, rank, echoed):
+    # torchrun sets RANK in each of its processes, which all parse the same argv
+    if rank is None:
+        monkeypatch.delenv('RANK', raising=False)
+    else:
+        monkeypatch.setenv('RANK', rank)
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("batch_size = 64\n")
+    cfg = parse_config(DEFAULTS, [str(cfg_file), "--learning_rate=1e-3"])
+    assert cfg["batch_size"] == 64 and cfg["learning_rate"] == 1e-3  # every rank gets the settings
+    out = capsys.readouterr().out
+    if echoed:
+        assert out == (f"Overriding config with {cfg_file}:\nbatch_size = 64\n\n"
+                       "Overriding: learning_rate = 0.001\n")
+    else:
+        assert out == ""
+
+
 def test_values_parsed_like_nanogpt():
     cfg = parse_config(DEFAULTS, ["--decay_lr=False", "--out_dir=my run", "--compile=True", "--betas=(0.8, 0.9)"])
     assert cfg["decay_lr"] is False and cfg["out_dir"] == "my run" and cfg["compile"] is True

@@ -283,6 +283,33 @@ def test_custom_export_config_that_is_not_ours_is_refused(tmp_path):
             init_model(hf_dir)
 
 
+@pytest.mark.parametrize('kind', ['gpt2', 'char'])
+def test_custom_export_tokenizer_is_a_standard_one(tmp_path, monkeypatch, kind):
+    """ The custom form's tokenizer needs none of its code: tokenizer_config.json names a
+    transformers class and has no auto_map; AutoTokenizer loads it with trust_remote_code=False
+    (no question, no code run) and True alike, and the README says so (transformers 5 asks when
+    neither is passed, as config.json has an auto_map). """
+    import builtins
+
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+    tok = GPT2Tokenizer() if kind == 'gpt2' else CharTokenizer.from_text("hello world\nthe fox!")
+    model = tiny_gpt(vocab_size=50304 if kind == 'gpt2' else tok.vocab_size, pos='rope')
+    hf_dir = str(tmp_path / 'hf')
+    export(model, tok.meta(), hf_dir)
+    settings = json.load(open(os.path.join(hf_dir, 'tokenizer_config.json')))
+    assert 'auto_map' not in settings
+    assert tokenizer_class_from_name(settings['tokenizer_class']) is not None
+    assert json.load(open(os.path.join(hf_dir, 'config.json')))['model_type'] == 'nanogpt'
+    assert "AutoTokenizer.from_pretrained(this_dir, trust_remote_code=True)" in \
+        open(os.path.join(hf_dir, 'README.md')).read()
+    monkeypatch.setattr(builtins, 'input', lambda *a: pytest.fail("AutoTokenizer asked a question"))
+    text = "the fox\nhello world!"
+    for trust in (False, True):
+        hf_tok = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=trust)
+        assert hf_tok.encode(text) == tok.encode(text) and hf_tok.decode(tok.encode(text)) == text
+
+
 def test_a_new_custom_model_has_gpt_2s_initialisation():
     """ NanoGPTForCausalLM(config) draws GPT's own init (residual projections scaled by 1/sqrt(2 n_layer)), not
     transformers' per-module one. """

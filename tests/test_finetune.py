@@ -20,7 +20,7 @@ import torch
 
 import finetune
 import helpers
-from configurator import ConfigError, parse_config
+from configurator import ConfigError, Settings, parse_config
 from helpers import REPO, TORCHRUN, run_python, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus import finetuning, saving
@@ -112,7 +112,7 @@ def config(**overrides):
     cfg = dict(finetune.DEFAULTS, device='cpu', dropout=0.0, batch_size=16, learning_rate=3e-3, warmup_frac=0.1,
                log_interval=1000)
     cfg.update(overrides)
-    return cfg
+    return Settings(cfg)
 
 
 def run_script(args, env_extra=None, timeout=120):
@@ -488,7 +488,8 @@ def test_gpt2_bpe_model_from_a_local_hf_directory(tmp_path):
 # the default learning rate (learning_rate=0): GPT-1's at GPT-1's width, larger for narrower models
 
 def resolved_rate(n_embd, resumed=None, **settings):
-    return finetuning.resolve_learning_rate(dict(finetune.DEFAULTS, **settings), n_embd, resumed)[0]
+    recipe = Settings(dict(finetune.DEFAULTS, **settings)).select(finetuning.Recipe)
+    return finetuning.resolve_learning_rate(recipe, n_embd, resumed)[0]
 
 
 def test_default_learning_rate_follows_the_width():
@@ -501,7 +502,7 @@ def test_default_learning_rate_follows_the_width():
     assert resolved_rate(1600) < resolved_rate(1024) < 6.25e-5 < resolved_rate(384) < resolved_rate(128)
     # GPT-1's recipe file on GPT-2 small (gpt2 is 768 wide) keeps GPT-1's rate
     cfg = parse_config(finetune.DEFAULTS, [os.path.join(REPO, 'config', 'finetune_classification.py')])
-    assert finetuning.resolve_learning_rate(cfg, 768)[0] == 6.25e-5
+    assert finetuning.resolve_learning_rate(cfg.select(finetuning.Recipe), 768)[0] == 6.25e-5
     # an explicit rate wins, whatever the width; a resume with 0 keeps the rate its run used
     assert resolved_rate(128, learning_rate=2e-3) == 2e-3 and resolved_rate(768, learning_rate=1e-4) == 1e-4
     assert resolved_rate(128, resumed={'config': {'learning_rate': 7e-4}}) == 7e-4

@@ -36,8 +36,9 @@ def rank_run(encoded, labels, rank, world_size, batch_size, accum, seed=3):
     """ What train_step reads of a FinetuneRun, for one rank. """
     sampler = DistributedSampler(range(len(encoded)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                  drop_last=False)
-    cfg = dict(batch_size=batch_size, epochs=3, warmup_frac=0.1, learning_rate=1e-3, min_lr=1e-4, decay_lr=True)
-    return SimpleNamespace(sampler=sampler, schedule=finetuning.Schedule.for_run(len(sampler), cfg, accum),
+    recipe = finetuning.Recipe(epochs=3, batch_size=batch_size, learning_rate=1e-3, min_lr=1e-4, decay_lr=True,
+                               warmup_frac=0.1, weight_decay=0.01, beta1=0.9, beta2=0.999)
+    return SimpleNamespace(sampler=sampler, schedule=finetuning.Schedule.for_run(len(sampler), recipe, accum),
                            data=SimpleNamespace(train_encoded=encoded, train_labels=labels,
                                                 train_lm_targets=[n_lm_targets(e, SPECIAL) for e in encoded]),
                            special=SPECIAL,

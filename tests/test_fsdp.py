@@ -7,6 +7,7 @@ import gc
 import os
 import re
 import shutil
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -87,6 +88,8 @@ def test_bad_parallelism_is_one_clear_error(tmp_path):
 # the pieces in-process: 2 gloo ranks started with torch.multiprocessing, or a 1-rank gloo group
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=20, bias=True, dropout=0.0)
+# the settings of a new TINY model (init_from.ModelSpec): the rest are GPTConfig's defaults
+TINY_SPEC = {k: v for k, v in asdict(GPTConfig(**TINY)).items() if k != 'vocab_size'}
 
 
 def tiny_step(model, optimizer, dtype):
@@ -245,14 +248,13 @@ def test_resumed_optimizer_state_does_not_keep_the_checkpoint_mapped(tmp_path):
 # FSDP's ranks other than 0 build the model on the meta device and are sent their shards by rank 0
 
 def test_init_model_on_meta_allocates_nothing_and_draws_nothing(tmp_path):
-    from nanogpt_plus.init_from import init_model, scratch_model
+    from nanogpt_plus.init_from import ModelSpec, init_model, scratch_model
     path = str(tmp_path / 'ckpt.pt')
     model = GPT(GPTConfig(**TINY))
     save_checkpoint({'model': model.state_dict(), 'model_args': model.config.model_args()}, path)
     rng = torch.get_rng_state()
     meta, _, ckpt = init_model(path, on_meta=True)
-    settings = {k: TINY[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout')}
-    scratch = scratch_model(dict(settings, gelu='none'), {'vocab_size': TINY['vocab_size']}, 'data', on_meta=True)
+    scratch = scratch_model(ModelSpec(**TINY_SPEC), {'vocab_size': TINY['vocab_size']}, 'data', on_meta=True)
     assert torch.equal(torch.get_rng_state(), rng)  # no initialisation ran
     # still there for the optimizer, loader and RNG states
     assert ckpt is not None and 'model' in ckpt
@@ -282,7 +284,7 @@ def test_a_pretrained_model_on_meta_reads_only_its_config(tmp_path, monkeypatch)
 def meta_worker(rank, init_file, out_dir, source):
     import torch.distributed as dist
 
-    from nanogpt_plus.init_from import fit_block_size, init_model, scratch_model
+    from nanogpt_plus.init_from import ModelSpec, fit_block_size, init_model, scratch_model
     from nanogpt_plus.parallel import shard_model
     torch.set_num_threads(1)
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
@@ -290,8 +292,7 @@ def meta_worker(rank, init_file, out_dir, source):
         # as train.py seeds: a rank 1 that initialised would differ from rank 0
         torch.manual_seed(0 + rank)
         if source == 'scratch':
-            settings = {k: TINY[k] for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout')}
-            model = scratch_model(dict(settings, gelu='none'), {'vocab_size': TINY['vocab_size']}, 'data',
+            model = scratch_model(ModelSpec(**TINY_SPEC), {'vocab_size': TINY['vocab_size']}, 'data',
                                   on_meta=rank != 0)
         else:
             model, _, _ = init_model(os.path.join(out_dir, 'ckpt.pt'), on_meta=rank != 0)

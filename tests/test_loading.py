@@ -299,7 +299,7 @@ def test_gpt2_names_go_through_the_hub_cache(tmp_path, monkeypatch):
     local = tiny_hf_dir(tmp_path / 'hf')
     asked = []
 
-    def cached(repo_id, filename):  # the hub's cache holding the files of a model
+    def cached(repo_id, filename, **kwargs):  # the hub's cache holding the files of a model
         asked.append((repo_id, filename))
         return os.path.join(local, filename)
     monkeypatch.setattr(huggingface_hub, 'hf_hub_download', cached)
@@ -307,7 +307,7 @@ def test_gpt2_names_go_through_the_hub_cache(tmp_path, monkeypatch):
     assert asked == [('gpt2-medium', 'config.json'), ('gpt2-medium', 'model.safetensors')]
     assert_same_model(random_gpt(), model)
 
-    def offline(repo_id, filename):
+    def offline(repo_id, filename, **kwargs):
         raise LocalEntryNotFoundError("no network and no cached copy")
     monkeypatch.setattr(huggingface_hub, 'hf_hub_download', offline)
     with pytest.raises(UserError, match=r"could not download 'gpt2-xl' .*offline.*init_from=DIR"):

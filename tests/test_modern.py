@@ -28,6 +28,7 @@ import eval as eval_script
 import finetune
 import sample
 import train
+from configurator import Settings
 from helpers import (
     COMPILE,
     REPO,
@@ -862,9 +863,9 @@ def test_finetune_from_a_rope_untied_checkpoint(tmp_path):
             for i, w in enumerate(['ab', 'cde', 'fg', 'hij', 'kl', 'mno', 'pq', 'rst'] * 4)]
     for split, part in (('train', rows), ('val', rows[:8])):
         (tmp_path / f'{split}.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in part))
-    cfg = dict(finetune.DEFAULTS, task='classification', init_from=src, out_dir=str(tmp_path / 'out'),
+    cfg = Settings(dict(finetune.DEFAULTS, task='classification', init_from=src, out_dir=str(tmp_path / 'out'),
                train_file=str(tmp_path / 'train.jsonl'), val_file=str(tmp_path / 'val.jsonl'), device='cpu',
-               dropout=0.0, batch_size=8, epochs=1, learning_rate=1e-3, log_interval=1000)
+               dropout=0.0, batch_size=8, epochs=1, learning_rate=1e-3, log_interval=1000))
     res = finetune.finetune(cfg, DistInfo(False, 0, 0, 1, 'cpu'))
     assert res['steps'] == 4 and res['epochs'] == 1 and 0 <= res['val_acc'] <= 1
     ckpt = load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,11 +20,13 @@ import finetune
 import train
 from configurator import parse_config
 from helpers import iter_losses, run_script, start_python, train_args
+from model import GPTConfig
 from nanogpt_plus import device
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.dataloader import open_tokens
 from nanogpt_plus.distributed import DistInfo
 from nanogpt_plus.errors import UserError, non_finite_loss
+from nanogpt_plus.init_from import check_model_memory
 from nanogpt_plus.prepare.corpus import expand_files, prepare_corpus
 from nanogpt_plus.saving import Checkpointer
 from nanogpt_plus.signals import GracefulExit
@@ -152,18 +155,19 @@ def test_muon_settings_given_on_resume_are_applied(dataset, tmp_path, capsys):
 # memory, data files, output directories: one line before the work
 
 def test_a_first_step_that_cant_fit_is_refused_before_anything_is_built(monkeypatch):
-    monkeypatch.setattr(device, 'available_host_memory', lambda: 8 * 2**30)
-    cfg = dict(n_layer=2, n_head=2, n_embd=32, block_size=40000, batch_size=12, attention='flash')
+    monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', '8')
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=40000, vocab_size=65)
     # the masks (2 x 40000^2 bytes) fit; the activations of a CPU step come on top of them
-    device.check_model_memory(cfg, 65, on_cpu=False)
+    check_model_memory(config, batch_size=12, attention='flash', on_cpu=False)
     with pytest.raises(UserError, match=r"GiB of causal masks.*GiB of activations for batch_size=12\), and this "
                                         r"machine has 8.0 GiB free; use a smaller --block_size, --batch_size or"):
-        device.check_model_memory(dict(cfg, attention='manual'), 65, on_cpu=True)
+        check_model_memory(config, batch_size=12, attention='manual', on_cpu=True)
     # the logits of a large vocabulary count too
     with pytest.raises(UserError, match="GiB of activations"):
-        device.check_model_memory(dict(cfg, block_size=8192, batch_size=64), 50304, on_cpu=True)
+        check_model_memory(replace(config, block_size=8192, vocab_size=50304), batch_size=64, attention='flash',
+                           on_cpu=True)
     # nanoGPT's Shakespeare: fine
-    device.check_model_memory(dict(cfg, block_size=256), 65, on_cpu=True)
+    check_model_memory(replace(config, block_size=256), batch_size=12, attention='flash', on_cpu=True)
 
 
 def test_the_free_memory_figure_is_pinned_in_tests_and_can_be_set(monkeypatch):
