@@ -55,6 +55,7 @@ DEFAULTS = settings.Schema(settings.IO, settings.INLOOP, settings.WANDB, setting
 class Run:
     """ What setup() builds once and the loop only reads. """
     cfg: dict
+    schedule: opt.LRSchedule  # the learning rate of each iteration
     dist_info: object  # distributed.DistInfo: rank, world size, device
     ctx: object  # the autocast context of forward passes (a no-op in float32)
     model: torch.nn.Module  # what trains: the GPT, compiled, in DDP or sharded in place (FSDP)
@@ -137,9 +138,7 @@ def iteration(run, state, exit_request):
     cfg, dist_info = run.cfg, run.dist_info
     build = functools.partial(checkpoint, run, state)  # what a save at this iteration holds
     # the schedule's rate for this iteration, on every parameter group (Muon's scaled to muon_lr)
-    lr = opt.set_learning_rate(run.optimizer, state.iter_num, cfg['learning_rate'], cfg['warmup_iters'],
-                               cfg['lr_decay_iters'], cfg['min_lr'], cfg['decay_lr'], cfg['lr_schedule'],
-                               cfg['cooldown_frac'])
+    lr = opt.set_learning_rate(run.optimizer, run.schedule.rate(state.iter_num))
     # HellaSwag and a sample when due, then the train/val loss, after which the checkpointer may save. A signal
     # ends a long pass between its batches (poll: every rank agrees), and the run stops here, saving this state
     poll = functools.partial(exit_request.should_stop, dist_info)
@@ -302,7 +301,9 @@ def setup(cfg, dist_info):
     if fsdp and master:
         print(f"fsdp: this rank holds {local_param_count(raw_model):,} of "
               f"{raw_model.get_num_params(non_embedding=False):,} parameters")
-    optimizer = opt.make_optimizer(raw_model, cfg, device_type)
+    adamw = cfg.select(opt.AdamWSpec)
+    muon = cfg.select(opt.MuonSpec) if cfg['optimizer'] == 'muon' else None  # Muon + AdamW
+    optimizer = opt.make_optimizer(raw_model, adamw, device_type, muon=muon)
     scaler = opt.make_grad_scaler(device_type, dtype)
 
     run_provenance = dict(provenance(dist_info.device), dtype=dtype, compile=compile_model,
@@ -320,14 +321,15 @@ def setup(cfg, dist_info):
         state.iter_num = int(ckpt['iter_num'])
         checkpointer.best_val_loss = float(ckpt['best_val_loss'])
         restore_training_state(ckpt, optimizer, scaler, dist_info, train_loader, state.spike_guard)
-        opt.apply_settings(optimizer, cfg, master)  # a --beta2 given now trains from here on
+        opt.apply_settings(optimizer, adamw, muon, master)  # a --beta2 given now applies
     # a resume continues its checkpoint's wandb run; a new run (or one started over) gets a new one
     logger = MetricsLogger.for_run(cfg, master, resumed=ckpt if cfg['init_from'] == 'resume' else None)
     logger.start(state.iter_num, cfg['init_from'])
     state.loader_state = train_loader.state_dict()
     state.batch = train_loader.next_batch()
     state.lap_start = time.time()
-    run = Run(cfg=cfg, dist_info=dist_info, ctx=ctx, model=model, raw_model=raw_model, optimizer=optimizer,
+    run = Run(cfg=cfg, schedule=cfg.select(opt.LRSchedule), dist_info=dist_info, ctx=ctx,
+              model=model, raw_model=raw_model, optimizer=optimizer,
               scaler=scaler, train_loader=train_loader, eval_loaders=eval_loaders, checkpointer=checkpointer,
               tasks=tasks, logger=logger, tokenizer_meta=tokenizer_meta, provenance=run_provenance,
               grad_accum=grad_accum, tokens_per_iter=tokens_per_iter, peak_flops=peak_flops,
