@@ -55,7 +55,7 @@ from nanogpt_plus.device import compute_setup, device_type_of
 from nanogpt_plus.distributed import accumulation_per_rank, all_reduce_sum, every_rank, init_distributed
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
 from nanogpt_plus.init_from import SAME_START, checkpoint_path, init_model
-from nanogpt_plus.metrics import MetricsLogger
+from nanogpt_plus.metrics import MetricsLogger, WandbSpec
 from nanogpt_plus.out_dir import check_new_run, claim_out_dir
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.parallel import grad_sync_context, wrap_model
@@ -235,7 +235,8 @@ def setup(cfg, dist_info):
             print(f"resuming the fine-tune at epoch {state.epoch}, step {state.step_in_epoch} of "
                   f"{schedule.steps_per_epoch}")
     # a resume continues its checkpoint's wandb run too
-    logger = MetricsLogger.for_run(cfg, dist_info.master, resumed=source if resume else None)
+    logger = MetricsLogger.for_run(cfg['out_dir'], cfg.select(WandbSpec), config_record=dict(cfg),
+                                   enabled=dist_info.master, resumed=source if resume else None)
     logger.start(state.iter_num, cfg['init_from'])
     # a resumed fine-tune still names the model it started from, not its own ckpt_last.pt
     source_name = source.get('source_model', cfg['init_from']) if resume else cfg['init_from']
