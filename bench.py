@@ -31,13 +31,13 @@ import time
 import torch
 
 from configurator import Group, Schema, Setting, configure
+from nanogpt_plus import optimizer as opt
 from nanogpt_plus import settings
 from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.dataset import find_dataset, split_files
 from nanogpt_plus.device import compute_setup, device_type_of, resolve_device
 from nanogpt_plus.hardware import cpu_peak
 from nanogpt_plus.init_from import ModelSpec, init_model, scratch_model
-from nanogpt_plus.optimizer import make_grad_scaler, make_optimizer, optimizer_step
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.parallel import wrap_model
 from nanogpt_plus.runtime import provenance, run_main
@@ -151,8 +151,10 @@ def main(argv=None):
         if timings:
             print(describe_thread_choice(threads, timings))
     # Muon's work is no model FLOPs
-    optimizer = make_optimizer(model, cfg, device_type, fused=cfg['fused'])
-    scaler = make_grad_scaler(device_type, dtype)
+    muon = cfg.select(opt.MuonSpec) if cfg['optimizer'] == 'muon' else None
+    optimizer = opt.make_optimizer(model, cfg.select(opt.AdamWSpec), device_type, muon=muon,
+                                   fused=cfg['fused'])
+    scaler = opt.make_grad_scaler(device_type, dtype)
     raw_model = model
     model = wrap_model(model, None, compile_model)
     print("provenance: " + str(dict(provenance(device), dtype=dtype, compile=compile_model,
@@ -196,7 +198,7 @@ def train_step(model, optimizer, scaler, ctx, next_batch, grad_clip, X, Y):
         _, loss = model(X, Y)
     X, Y = next_batch()  # the next batch, fetched while an accelerator works on this one
     scaler.scale(loss).backward()
-    optimizer_step(model, optimizer, scaler, grad_clip)
+    opt.optimizer_step(model, optimizer, scaler, grad_clip)
     return loss, X, Y
 
 

@@ -39,6 +39,7 @@ from torch.utils.data import DistributedSampler
 
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus import finetuning, settings
+from nanogpt_plus import optimizer as opt
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.dataset import find_dataset
 from nanogpt_plus.device import compute_setup, device_type_of
@@ -53,8 +54,7 @@ from nanogpt_plus.init_from import (
     init_model,
     same_start,
 )
-from nanogpt_plus.metrics import MetricsLogger
-from nanogpt_plus.optimizer import apply_settings, make_grad_scaler, optimizer_step, set_learning_rate
+from nanogpt_plus.metrics import MetricsLogger, WandbSpec
 from nanogpt_plus.out_dir import check_new_run, claim_out_dir
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.parallel import grad_sync_context, wrap_model
@@ -288,7 +288,7 @@ def setup(cfg, dist_info):
     torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank; data order does not
 
     optimizer = finetuning.configure_optimizers(raw_model, recipe, device_type_of(device))
-    scaler = make_grad_scaler(device_type_of(device), dtype)
+    scaler = opt.make_grad_scaler(device_type_of(device), dtype)
     model = wrap_model(raw_model, dist_info, compile_model)
     sampler = DistributedSampler(range(len(data.train_encoded)), num_replicas=dist_info.world_size,
                                  rank=dist_info.rank, shuffle=True, seed=cfg['seed'], drop_last=False)
@@ -296,13 +296,15 @@ def setup(cfg, dist_info):
     state = FinetuneState()
     if resume:
         restore_training_state(source, optimizer, scaler, dist_info)
-        apply_settings(optimizer, cfg, dist_info.master)  # a --beta2 given now applies
+        # a --beta2 given now applies
+        opt.apply_settings(optimizer, cfg.select(opt.AdamWSpec), master=dist_info.master)
         state = FinetuneState.from_checkpoint(source)
         if dist_info.master:
             print(f"resuming the fine-tune at epoch {state.epoch}, step {state.step_in_epoch} of "
                   f"{schedule.steps_per_epoch}")
     # a resume continues its checkpoint's wandb run too
-    logger = MetricsLogger.for_run(cfg, dist_info.master, resumed=source if resume else None)
+    logger = MetricsLogger.for_run(cfg['out_dir'], cfg.select(WandbSpec), config_record=dict(cfg),
+                                   enabled=dist_info.master, resumed=source if resume else None)
     logger.start(state.iter_num, cfg['init_from'])
     # a resumed fine-tune still names the model it started from, not its own ckpt_last.pt
     source_name = source.get('source_model', cfg['init_from']) if resume else cfg['init_from']
@@ -356,8 +358,7 @@ def train_step(run, state, order):
     """
     s = run.schedule
     cfg = run.cfg
-    lr = set_learning_rate(run.optimizer, state.iter_num, s.learning_rate, s.warmup_iters, s.lr_decay_iters,
-                           s.min_lr, s.decay_lr)
+    lr = opt.set_learning_rate(run.optimizer, s.rates.rate(state.iter_num))
     batches = finetuning.step_batches(run.data, run.special, s, state.step_in_epoch, order, run.dist_info.device)
     # normalise by the counts of the whole global batch (all micro-batches, all ranks): the gradient is then
     # exactly that of one big batch, for any world size and accumulation
@@ -378,7 +379,7 @@ def train_step(run, state, order):
         step_cls += cls_loss.detach()
         if lm_loss is not None:
             step_lm += lm_loss.detach()
-    grad_norm = optimizer_step(run.model, run.optimizer, run.scaler, cfg['grad_clip'])
+    grad_norm = opt.optimizer_step(run.model, run.optimizer, run.scaler, cfg['grad_clip'])
     state.iter_num += 1
     state.step_in_epoch += 1
     return lr, (step_cls, step_lm), grad_norm

@@ -31,7 +31,7 @@ from configurator import Group, Schema, Setting, configure
 from model import GPT
 from nanogpt_plus import distributed, progress, settings
 from nanogpt_plus import optimizer as opt
-from nanogpt_plus.dataloader import TokenWindowLoader, training_data
+from nanogpt_plus.dataloader import DataSpec, TokenWindowLoader, training_data
 from nanogpt_plus.dataset import padded_tokenizer_size
 from nanogpt_plus.device import compute_setup, device_type_of
 from nanogpt_plus.errors import Interrupted, UserError, non_finite_loss, out_of_memory_error
@@ -46,11 +46,11 @@ from nanogpt_plus.init_from import (
     same_start,
     source_settings,
 )
-from nanogpt_plus.metrics import MetricsLogger
+from nanogpt_plus.metrics import MetricsLogger, WandbSpec
 from nanogpt_plus.out_dir import OutDirSpec, claim_out_dir, prepare_out_dir
 from nanogpt_plus.parallel import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.runtime import provenance, run_main
-from nanogpt_plus.saving import Checkpointer, restore_training_state
+from nanogpt_plus.saving import Checkpointer, CheckpointPolicy, restore_training_state
 from nanogpt_plus.settings import flag, non_negative, positive
 from nanogpt_plus.threads import choose_threads
 
@@ -156,10 +156,26 @@ DEFAULTS = Schema(
 # -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class LoopSettings:
+    """ The settings the loop itself reads (setup() hands the others to the parts it builds). """
+    out_dir: str
+    eval_interval: int
+    eval_iters: int
+    eval_only: bool
+    log_interval: int
+    max_iters: int
+    batch_size: int  # per micro-step: MFU's sequences
+    grad_clip: float
+    skip_grad_z: float  # > 0: the spike guard reads every step's grad norm
+
+
 @dataclass
 class Run:
     """ What setup() builds once and the loop only reads. """
-    cfg: dict
+    loop: LoopSettings
+    schedule: opt.LRSchedule  # the learning rate of each iteration
+    config_record: dict  # every setting, as each checkpoint's 'config' keeps them
     dist_info: object  # distributed.DistInfo: rank, world size, device
     ctx: object  # the autocast context of forward passes (a no-op in float32)
     model: torch.nn.Module  # what trains: the GPT, compiled, in DDP or sharded in place (FSDP)
@@ -252,22 +268,20 @@ def train(cfg, dist_info, exit_request):
 
 def iteration(run, state, exit_request):
     """ One iteration of the loop. Returns None to go on, True when the run is complete, False after a signal. """
-    cfg, dist_info = run.cfg, run.dist_info
+    loop, dist_info = run.loop, run.dist_info
     build = functools.partial(checkpoint, run, state)  # what a save at this iteration holds
     # the schedule's rate for this iteration, on every parameter group (Muon's scaled to muon_lr)
-    lr = opt.set_learning_rate(run.optimizer, state.iter_num, cfg['learning_rate'], cfg['warmup_iters'],
-                               cfg['lr_decay_iters'], cfg['min_lr'], cfg['decay_lr'], cfg['lr_schedule'],
-                               cfg['cooldown_frac'])
+    lr = opt.set_learning_rate(run.optimizer, run.schedule.rate(state.iter_num))
     # HellaSwag and a sample when due, then the train/val loss, after which the checkpointer may save. A signal
     # ends a long pass between its batches (poll: every rank agrees), and the run stops here, saving this state
     poll = functools.partial(exit_request.should_stop, dist_info)
     scored = run.tasks is not None and run.tasks.run(state.iter_num, run.model, run.raw_model, run.logger, poll)
-    evaluating = state.iter_num % cfg['eval_interval'] == 0
+    evaluating = state.iter_num % loop.eval_interval == 0
     val_loss = evaluate(run, state, lr, poll) if evaluating and not exit_request.agreed else None
     saved = val_loss is not None and run.checkpointer.evaluated(state.iter_num, val_loss, build)
     if exit_request.agreed:
         return stop_cleanly(run, state, build)
-    if state.iter_num == 0 and cfg['eval_only']:
+    if state.iter_num == 0 and loop.eval_only:
         return True
     if run.checkpointer.due(state.iter_num, state.local_iter_num) and not saved:
         run.checkpointer.save(state.iter_num, build)
@@ -298,15 +312,16 @@ def iteration(run, state, exit_request):
 
     # unscale and clip the gradients, then take the update, or skip it when the spike guard says so
     guard = state.spike_guard
-    grad_norm = opt.unscale_and_clip(run.model, run.optimizer, run.scaler, cfg['grad_clip'],
-                                     measure=cfg['skip_grad_z'] > 0)
+    grad_norm = opt.unscale_and_clip(run.model, run.optimizer, run.scaler, loop.grad_clip,
+                                     measure=loop.skip_grad_z > 0)
     # the step's loss and grad norm as floats (a host sync and an all-reduce) only where they are used: at log
     # steps, and every step for the spike guard; a non-finite loss stops the run there, before the update
-    logging = state.iter_num % cfg['log_interval'] == 0
+    logging = state.iter_num % loop.log_interval == 0
     if logging or guard is not None:
         lossf, grad_norm = opt.read_step(step_loss, grad_norm, dist_info)
         if not math.isfinite(lossf):
-            distributed.fail_everywhere(non_finite_loss(lossf, state.iter_num, cfg['out_dir']), dist_info)
+            failure = non_finite_loss(lossf, state.iter_num, loop.out_dir)
+            distributed.fail_everywhere(failure, dist_info)
     spike = guard.check(lossf, grad_norm) if guard is not None else None
     if spike is None:
         opt.take_update(run.optimizer, run.scaler)
@@ -334,7 +349,7 @@ def iteration(run, state, exit_request):
     # iter_num = max_iters + 1, the steps done), or after SIGINT/SIGTERM. The ranks agree every iteration
     # (torchrun kills the workers soon after its signal), which also stops all of them when one failed above
     stopping = exit_request.should_stop(dist_info)
-    if state.iter_num > cfg['max_iters']:
+    if state.iter_num > loop.max_iters:
         run.checkpointer.save(state.iter_num, build, reason=f"final, iter {state.iter_num}")
         return True
     return stop_cleanly(run, state, build) if stopping else None
@@ -344,7 +359,8 @@ def stop_cleanly(run, state, build):
     """ After a signal: save this iteration's state, so --init_from=resume continues exactly here. """
     run.checkpointer.save(state.iter_num, build, reason=f"interrupted at iter {state.iter_num}")
     if run.dist_info.master:
-        print(f"stopped cleanly; continue with --init_from=resume --out_dir={run.cfg['out_dir']} (exit code 75)")
+        print(f"stopped cleanly; continue with --init_from=resume --out_dir={run.loop.out_dir} "
+              f"(exit code 75)")
     return False
 
 
@@ -360,7 +376,7 @@ def checkpoint(run, state, gathered):
         'model_args': run.raw_model.config.model_args(),  # the GPTConfig arguments nanoGPT knows
         'iter_num': state.iter_num,
         'best_val_loss': run.checkpointer.best_val_loss,
-        'config': dict(run.cfg),
+        'config': run.config_record,
         # ours: the model settings nanoGPT lacks (gelu, the modern options), the whole tokenizer (so sample.py,
         # eval.py and export_hf.py need nothing else), what produced the run
         'model_extra_args': run.raw_model.config.model_extra_args(),
@@ -393,7 +409,7 @@ def setup(cfg, dist_info):
     dtype, ctx, compile_model, peak_flops = compute_setup(dist_info.device, cfg['dtype'], cfg['compile'],
                                                           cfg['num_threads'], peak=master)
     # the dataset, worked out once, and its loaders: one verdict for all ranks
-    data, train_loader, eval_loaders = training_data(cfg, dist_info)
+    data, train_loader, eval_loaders = training_data(cfg.select(DataSpec), dist_info)
 
     # the model: under FSDP only rank 0 holds the full one, the others build it on the meta device (no memory)
     on_meta = fsdp and dist_info.rank != 0
@@ -406,8 +422,10 @@ def setup(cfg, dist_info):
     tasks = None
     if cfg['hellaswag_interval'] or cfg['sample_interval']:
         # now, not at the first interval: a missing file (offline) or a bad prompt stops the run here
-        from nanogpt_plus.periodic import PeriodicTasks  # only these runs import it
-        tasks = PeriodicTasks(cfg, dist_info, tokenizer_meta, raw_model.config.block_size, ctx, compile_model)
+        from nanogpt_plus.periodic import InLoopSpec, PeriodicTasks  # only these runs import it
+        tasks = PeriodicTasks(cfg.select(InLoopSpec), dist_info, tokenizer_meta=tokenizer_meta,
+                              block_size=raw_model.config.block_size, ctx=ctx,
+                              compiled=compile_model, fsdp=fsdp)
     raw_model.set_attention(cfg['attention'])
     raw_model.set_activation_checkpointing(cfg['activation_checkpointing'])  # before wrapping
     if not fsdp:
@@ -421,15 +439,17 @@ def setup(cfg, dist_info):
     if fsdp and master:
         print(f"fsdp: this rank holds {local_param_count(raw_model):,} of "
               f"{raw_model.get_num_params(non_embedding=False):,} parameters")
-    optimizer = opt.make_optimizer(raw_model, cfg, device_type)
+    adamw = cfg.select(opt.AdamWSpec)
+    muon = cfg.select(opt.MuonSpec) if cfg['optimizer'] == 'muon' else None  # Muon + AdamW
+    optimizer = opt.make_optimizer(raw_model, adamw, device_type, muon=muon)
     scaler = opt.make_grad_scaler(device_type, dtype)
 
     run_provenance = dict(provenance(dist_info.device), dtype=dtype, compile=compile_model,
                           world_size=dist_info.world_size)
     if master:
         print("provenance: " + json.dumps(run_provenance))
-    checkpointer = Checkpointer(cfg['out_dir'], dist_info, raw_model, optimizer, cfg['always_save_checkpoint'],
-                                cfg['checkpoint_interval'], cfg['keep_checkpoints'],
+    checkpointer = Checkpointer(cfg['out_dir'], dist_info, raw_model, optimizer,
+                                policy=cfg.select(CheckpointPolicy),
                                 replaces_a_run=cfg['overwrite'] and cfg['init_from'] != 'resume')
     state = TrainState()
     if cfg['skip_loss_z'] or cfg['skip_grad_z']:
@@ -439,18 +459,21 @@ def setup(cfg, dist_info):
         state.iter_num = int(ckpt['iter_num'])
         checkpointer.best_val_loss = float(ckpt['best_val_loss'])
         restore_training_state(ckpt, optimizer, scaler, dist_info, train_loader, state.spike_guard)
-        opt.apply_settings(optimizer, cfg, master)  # a --beta2 given now trains from here on
+        opt.apply_settings(optimizer, adamw, muon, master)  # a --beta2 given now applies
     # a resume continues its checkpoint's wandb run; a new run (or one started over) gets a new one
-    logger = MetricsLogger.for_run(cfg, master, resumed=ckpt if cfg['init_from'] == 'resume' else None)
+    resumed = ckpt if cfg['init_from'] == 'resume' else None
+    logger = MetricsLogger.for_run(cfg['out_dir'], cfg.select(WandbSpec), config_record=dict(cfg),
+                                   enabled=master, resumed=resumed)
     logger.start(state.iter_num, cfg['init_from'])
     state.loader_state = train_loader.state_dict()
     state.batch = train_loader.next_batch()
     state.lap_start = time.time()
-    run = Run(cfg=cfg, dist_info=dist_info, ctx=ctx, model=model, raw_model=raw_model, optimizer=optimizer,
-              scaler=scaler, train_loader=train_loader, eval_loaders=eval_loaders, checkpointer=checkpointer,
-              tasks=tasks, logger=logger, tokenizer_meta=tokenizer_meta, provenance=run_provenance,
-              grad_accum=grad_accum, tokens_per_iter=tokens_per_iter, peak_flops=peak_flops,
-              thread_retuner=thread_retuner)
+    run = Run(loop=cfg.select(LoopSettings), schedule=cfg.select(opt.LRSchedule),
+              config_record=dict(cfg), dist_info=dist_info, ctx=ctx, model=model,
+              raw_model=raw_model, optimizer=optimizer, scaler=scaler, train_loader=train_loader,
+              eval_loaders=eval_loaders, checkpointer=checkpointer, tasks=tasks, logger=logger,
+              tokenizer_meta=tokenizer_meta, provenance=run_provenance, grad_accum=grad_accum,
+              tokens_per_iter=tokens_per_iter, peak_flops=peak_flops, thread_retuner=thread_retuner)
     return run, state
 
 
@@ -459,7 +482,8 @@ def setup(cfg, dist_info):
 
 def evaluate(run, state, lr, poll=None):
     """ Both splits' losses, printed and logged (rank 0); the val loss, or None when a signal ended the estimate. """
-    losses = estimate_loss(run.model, run.eval_loaders, run.cfg['eval_iters'], run.ctx, run.dist_info, poll)
+    losses = estimate_loss(run.model, run.eval_loaders, eval_iters=run.loop.eval_iters, ctx=run.ctx,
+                           dist_info=run.dist_info, poll=poll)
     if losses is None:
         return None
     if run.dist_info.master:
@@ -467,7 +491,8 @@ def evaluate(run, state, lr, poll=None):
         run.logger.log({'type': 'eval', 'iter': state.iter_num, 'train_loss': losses['train'],
                         'val_loss': losses['val'], 'lr': lr})
     if not math.isfinite(losses['val']):
-        distributed.fail_everywhere(non_finite_loss(losses['val'], state.iter_num, run.cfg['out_dir']), run.dist_info)
+        failure = non_finite_loss(losses['val'], state.iter_num, run.loop.out_dir)
+        distributed.fail_everywhere(failure, run.dist_info)
     return losses['val']
 
 
@@ -506,7 +531,8 @@ def log_iteration(run, state, lossf, grad_norm, lr, dt):
     # MFU per device, as nanoGPT's (this rank's tokens against one device's peak), after a process's first
     # iterations, which are slow (allocator, caches)
     if state.local_iter_num >= 5:
-        mfu = run.raw_model.estimate_mfu(run.cfg['batch_size'] * run.grad_accum, dt, peak_flops=run.peak_flops)
+        sequences = run.loop.batch_size * run.grad_accum  # this rank's, per iteration
+        mfu = run.raw_model.estimate_mfu(sequences, dt, peak_flops=run.peak_flops)
         state.running_mfu = mfu if state.running_mfu is None else 0.9 * state.running_mfu + 0.1 * mfu
     shown = 'n/a' if state.running_mfu is None else f"{state.running_mfu*100:.2f}%"  # n/a: not yet
     print(f"iter {state.iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {shown}")

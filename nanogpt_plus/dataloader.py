@@ -31,6 +31,7 @@ Usage:
 """
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -342,18 +343,27 @@ class TokenWindowLoader:
 # -----------------------------------------------------------------------------
 # train.py's data
 
-def training_data(cfg, dist_info):
+@dataclass(frozen=True)
+class DataSpec:
+    """ What train.py's loaders need of the settings. """
+    dataset: str
+    data_order: str
+    batch_size: int
+    block_size: int
+    seed: int
+
+
+def training_data(spec, dist_info):
     """
     train.py's dataset and loaders, (Dataset, train_loader, {'train': ..., 'val': ...}), opened on every rank with
     one verdict: a node whose disk lacks the data (or holds another copy that fails its checks) ends every rank
     with the same line, instead of one rank stopping while the others wait for it in a collective; and so does a
     node whose copy holds other numbers of tokens (a file cut short, another preparation) than rank 0's, which
-    would train on other data without an error.
+    would train on other data without an error. spec: a DataSpec.
     """
     def open_all():
-        data = find_dataset(cfg['dataset'])
-        loaders = training_loaders(data, cfg['batch_size'], cfg['block_size'], cfg['seed'], cfg['data_order'],
-                                   dist_info)
+        data = find_dataset(spec.dataset)
+        loaders = training_loaders(data, spec, dist_info)
         sizes = {split: [int(n) for n in loader.source.sizes] for split, loader in loaders[1].items()}
         return {'data': data, 'loaders': loaders, 'dataset': sizes}
     opened = every_rank(dist_info, open_all, agree={'dataset': "give every node the same copy of the dataset (its "
@@ -361,18 +371,20 @@ def training_data(cfg, dist_info):
     return (opened['data'], *opened['loaders'])
 
 
-def training_loaders(data, batch_size, block_size, seed, data_order, dist_info):
+def training_loaders(data, spec, dist_info):
     """
-    train.py's loaders of a dataset.Dataset: the training stream (in data_order, strided over ranks) and one fixed
-    stream per split to evaluate on: the train split's at random windows (a sample of the whole training set, not
-    just its start); the val split's in evaluation_order (shards: sequentially from the start; train.bin's:
-    random). Returns (train_loader, {'train': ..., 'val': ...}).
+    train.py's loaders of a dataset.Dataset and a DataSpec: the training stream (in data_order,
+    strided over ranks) and one fixed stream per split to evaluate on: the train split's at random
+    windows (a sample of the whole training set, not just its start); the val split's in
+    evaluation_order (shards: sequentially from the start; train.bin's: random).
+    Returns (train_loader, {'train': ..., 'val': ...}).
     """
     def loader(split, seed, order):
-        return TokenWindowLoader(data.files(split), batch_size, block_size, seed=seed, rank=dist_info.rank,
-                                 world_size=dist_info.world_size, device=dist_info.device, dataset=data.name,
-                                 order=order, dtype=data.raw_dtype)
-    train_loader = loader('train', seed, data_order)
-    evaluation = {'train': loader('train', seed + 1, 'random'),
-                  'val': loader('val', seed + 2, evaluation_order(data.files('val')))}
+        return TokenWindowLoader(data.files(split), spec.batch_size, spec.block_size, seed=seed,
+                                 rank=dist_info.rank, world_size=dist_info.world_size,
+                                 device=dist_info.device, dataset=data.name, order=order,
+                                 dtype=data.raw_dtype)
+    train_loader = loader('train', spec.seed, spec.data_order)
+    evaluation = {'train': loader('train', spec.seed + 1, 'random'),
+                  'val': loader('val', spec.seed + 2, evaluation_order(data.files('val')))}
     return train_loader, evaluation

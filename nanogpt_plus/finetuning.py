@@ -31,6 +31,7 @@ from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.files import read_jsonl as read_jsonl_records
 from nanogpt_plus.init_from import checkpoint_path, fit_block_size, model_from_checkpoint
+from nanogpt_plus.optimizer import LRSchedule
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
 from nanogpt_plus.weights import set_weights
@@ -350,6 +351,12 @@ class Schedule:
     @property
     def per_step(self):
         return self.batch_size * self.accum  # examples per optimizer step on this rank
+
+    @property
+    def rates(self):
+        """ The learning rate at each step: train.py's warmup and cosine, over this fine-tune's steps. """
+        return LRSchedule(learning_rate=self.learning_rate, warmup_iters=self.warmup_iters,
+                          lr_decay_iters=self.lr_decay_iters, min_lr=self.min_lr, decay_lr=self.decay_lr)
 
 
 def step_batches(data, special, schedule, step_in_epoch, order, device):

@@ -15,9 +15,18 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime
 
 from nanogpt_plus.errors import UserError, error_line
+
+
+@dataclass(frozen=True)
+class WandbSpec:
+    """ Whether and where the metrics also go to Weights & Biases. """
+    wandb_log: bool
+    wandb_project: str
+    wandb_run_name: str
 
 
 class MetricsLogger:
@@ -73,12 +82,16 @@ class MetricsLogger:
                       f"continuing without it (set WANDB_MODE=offline to log locally)", file=sys.stderr)
 
     @classmethod
-    def for_run(cls, cfg, enabled, resumed=None):
-        """ The logger of a train.py or finetune.py run: out_dir/metrics.jsonl, wandb as cfg says; resumed: the
-        checkpoint a resume starts from, whose wandb run it continues. """
-        return cls(os.path.join(cfg['out_dir'], 'metrics.jsonl'), enabled=enabled, wandb_log=cfg['wandb_log'],
-                   wandb_project=cfg['wandb_project'], wandb_run_name=cfg['wandb_run_name'], config=cfg,
-                   wandb_dir=cfg['out_dir'], wandb_id=(resumed or {}).get('wandb_id'))
+    def for_run(cls, out_dir, wandb, config_record, enabled, resumed=None):
+        """
+        The logger of a train.py or finetune.py run: out_dir/metrics.jsonl, and wandb as a WandbSpec
+        says (config_record: the run's settings, wandb's config); resumed: the checkpoint a resume
+        starts from, whose wandb run it continues.
+        """
+        return cls(os.path.join(out_dir, 'metrics.jsonl'), enabled=enabled,
+                   wandb_log=wandb.wandb_log, wandb_project=wandb.wandb_project,
+                   wandb_run_name=wandb.wandb_run_name, config=config_record, wandb_dir=out_dir,
+                   wandb_id=(resumed or {}).get('wandb_id'))
 
     def start(self, iter_num, init_from):
         """ The record that opens this run: where it starts (a resume: the checkpoint's iteration) and from what. """

@@ -5,9 +5,11 @@ itself in two halves (unscale and clip, then take or skip the update), so that t
 update in between.
 
 Usage:
-    from nanogpt_plus.optimizer import make_optimizer, set_learning_rate, unscale_and_clip, take_update
-    optimizer = make_optimizer(model, cfg, 'cpu')    # AdamW, or Muon + AdamW (optimizer='muon')
-    lr = set_learning_rate(optimizer, iter_num, 6e-4, 2000, 600000, 6e-5)
+    from nanogpt_plus.optimizer import AdamWSpec, LRSchedule, make_optimizer, set_learning_rate, ...
+    optimizer = make_optimizer(model, cfg.select(AdamWSpec), 'cpu')   # AdamW
+    optimizer = make_optimizer(model, cfg.select(AdamWSpec), 'cpu', muon=cfg.select(MuonSpec))
+    schedule = LRSchedule(learning_rate=6e-4, warmup_iters=2000, lr_decay_iters=600000, min_lr=6e-5)
+    lr = set_learning_rate(optimizer, schedule.rate(iter_num))
     grad_norm = unscale_and_clip(model, optimizer, scaler, grad_clip=1.0)
     take_update(optimizer, scaler)
 """
@@ -15,6 +17,7 @@ Usage:
 import contextlib
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -26,43 +29,55 @@ except ImportError:
 from nanogpt_plus.distributed import all_reduce_mean
 
 
-def get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr, schedule='cosine', cooldown_frac=0.2):
+@dataclass(frozen=True)
+class LRSchedule:
     """
-    The learning rate of iteration `it`: a linear ramp up to learning_rate over warmup_iters, then
-      - 'cosine' (nanoGPT's): a half cosine from learning_rate down to min_lr that ends at lr_decay_iters;
+    The learning rate of each iteration (rate): a linear ramp up to learning_rate over warmup_iters,
+    then
+      - 'cosine' (nanoGPT's): a half cosine from learning_rate down to min_lr that ends at
+        lr_decay_iters;
       - 'wsd' (warmup-stable-decay, arXiv:2404.06395): learning_rate until the last cooldown_frac of
         lr_decay_iters, then a straight line down to min_lr at lr_decay_iters;
-    and min_lr after lr_decay_iters.
+    and min_lr after lr_decay_iters. decay_lr=False: learning_rate throughout.
     """
-    if it < warmup_iters:
-        # never 0, so iteration 0 already learns
-        return learning_rate * (it + 1) / (warmup_iters + 1)
-    # past the decay, or no decay phase at all
-    if it > lr_decay_iters or lr_decay_iters <= warmup_iters:
-        return min_lr
-    if schedule == 'wsd':
-        cooldown_start = max(warmup_iters, lr_decay_iters - cooldown_frac * lr_decay_iters)
-        if it < cooldown_start:
-            return learning_rate
-        # 0 -> 1 over the cooldown
-        progress = (it - cooldown_start) / max(lr_decay_iters - cooldown_start, 1)
-        return learning_rate + progress * (min_lr - learning_rate)
-    # 0 after the warmup, 1 at lr_decay_iters
-    progress = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))  # from 1 down to 0
-    return min_lr + cosine * (learning_rate - min_lr)
+    learning_rate: float
+    warmup_iters: int
+    lr_decay_iters: int
+    min_lr: float
+    decay_lr: bool = True
+    lr_schedule: str = 'cosine'
+    cooldown_frac: float = 0.2
+
+    def rate(self, it):
+        """ The learning rate of iteration `it`. """
+        peak, low = self.learning_rate, self.min_lr
+        warmup, end = self.warmup_iters, self.lr_decay_iters
+        if not self.decay_lr:
+            return peak
+        if it < warmup:
+            # never 0, so iteration 0 already learns
+            return peak * (it + 1) / (warmup + 1)
+        # past the decay, or no decay phase at all
+        if it > end or end <= warmup:
+            return low
+        if self.lr_schedule == 'wsd':
+            cooldown_start = max(warmup, end - self.cooldown_frac * end)
+            if it < cooldown_start:
+                return peak
+            # 0 -> 1 over the cooldown
+            progress = (it - cooldown_start) / max(end - cooldown_start, 1)
+            return peak + progress * (low - peak)
+        # 0 after the warmup, 1 at lr_decay_iters
+        progress = (it - warmup) / (end - warmup)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))  # from 1 down to 0
+        return low + cosine * (peak - low)
 
 
-def set_learning_rate(optimizer, it, learning_rate, warmup_iters, lr_decay_iters, min_lr, decay_lr=True,
-                      schedule='cosine', cooldown_frac=0.2):
+def set_learning_rate(optimizer, lr):
     """
-    Set iteration `it`'s learning rate on every parameter group and return it (no decay_lr: learning_rate). A
-    group with an 'lr_ratio' (Muon's: muon_lr / learning_rate) gets the schedule's rate times that ratio.
+    Set the rate lr (a schedule's, LRSchedule.rate) on every parameter group and return it. A group
+    with an 'lr_ratio' (Muon's: muon_lr / learning_rate) gets lr times that ratio.
     """
-    if decay_lr:
-        lr = get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr, schedule, cooldown_frac)
-    else:
-        lr = learning_rate
     for group in optimizer.param_groups:
         group['lr'] = lr * group['lr_ratio'] if 'lr_ratio' in group else lr
     return lr
@@ -157,18 +172,36 @@ def float32_newton_schulz(enabled=True):
         muon_impl._zeropower_via_newtonschulz = original
 
 
-def make_optimizer(model, cfg, device_type, fused=None):
+@dataclass(frozen=True)
+class AdamWSpec:
+    """ AdamW's settings (every optimizer of train.py and finetune.py has an AdamW part). """
+    learning_rate: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+
+
+@dataclass(frozen=True)
+class MuonSpec:
+    """ Muon's settings, for optimizer='muon'. """
+    muon_lr: float
+    muon_momentum: float
+    muon_weight_decay: float
+
+
+def make_optimizer(model, adamw, device_type, muon=None, fused=None):
     """
-    The optimizer of train.py's settings: AdamW over every parameter (model.configure_optimizers), or for
-    optimizer='muon' Muon over the Blocks' 2-D matrices and AdamW over the rest (MuonWithAdamW). fused: AdamW's
+    AdamW (an AdamWSpec) over every parameter (model.configure_optimizers), or, given a MuonSpec,
+    Muon over the Blocks' 2-D matrices and AdamW over the rest (MuonWithAdamW). fused: AdamW's
     kernel choice (configure_optimizers'; None = fused wherever PyTorch has it).
     """
-    adamw = functools.partial(model.configure_optimizers, cfg['weight_decay'], cfg['learning_rate'],
-                              (cfg['beta1'], cfg['beta2']), device_type, fused)
-    if cfg.get('optimizer', 'adamw') == 'adamw':
-        return adamw()
-    return MuonWithAdamW(model, adamw, cfg['learning_rate'], cfg['muon_lr'], cfg['muon_momentum'],
-                         cfg['muon_weight_decay'], float32_ns=device_type == 'cpu')
+    betas = (adamw.beta1, adamw.beta2)
+    make_adamw = functools.partial(model.configure_optimizers, adamw.weight_decay,
+                                   adamw.learning_rate, betas, device_type, fused)
+    if muon is None:
+        return make_adamw()
+    return MuonWithAdamW(model, make_adamw, adamw.learning_rate, muon.muon_lr, muon.muon_momentum,
+                         muon.muon_weight_decay, float32_ns=device_type == 'cpu')
 
 
 class MuonWithAdamW:
@@ -253,14 +286,15 @@ class MuonWithAdamW:
             opt.load_state_dict(state_dict[name])
 
 
-def apply_settings(optimizer, cfg, master=True):
+def apply_settings(optimizer, adamw, muon=None, master=True):
     """
-    On resume, after the optimizer's state was loaded (load_state_dict brings back the parameter groups as the
-    checkpoint had them): this run's optimizer settings on those groups, so that a changed --beta2,
-    --weight_decay, --muon_lr, --muon_momentum or --muon_weight_decay is what trains from here on (and what the
-    next checkpoint's optimizer and config say). AdamW's betas on every group and weight_decay on the groups of
-    matrices (the vectors never decay); Muon's momentum, weight decay and rate. rank 0 says what changed, in one
-    line.
+    On resume, after the optimizer's state was loaded (load_state_dict brings back the parameter
+    groups as the checkpoint had them): this run's optimizer settings (its AdamWSpec, and a Muon
+    optimizer's MuonSpec) on those groups, so that a changed --beta2, --weight_decay, --muon_lr,
+    --muon_momentum or --muon_weight_decay is what trains from here on (and what the next
+    checkpoint's optimizer and config say). AdamW's betas on every group and weight_decay on the
+    groups of matrices (the vectors never decay); Muon's momentum, weight decay and rate. rank 0
+    says what changed, in one line.
     """
     changed = {}
 
@@ -273,14 +307,14 @@ def apply_settings(optimizer, cfg, master=True):
 
     adamw_groups = optimizer.parts['adamw'].param_groups if hasattr(optimizer, 'parts') else optimizer.param_groups
     for group in adamw_groups:
-        put(group, 'betas', (cfg['beta1'], cfg['beta2']), 'betas')
+        put(group, 'betas', (adamw.beta1, adamw.beta2), 'betas')
         if all(p.dim() >= 2 for p in group['params']):  # the decayed group: matrices and embeddings
-            put(group, 'weight_decay', cfg['weight_decay'], 'weight_decay')
-    if hasattr(optimizer, 'parts'):
+            put(group, 'weight_decay', adamw.weight_decay, 'weight_decay')
+    if muon is not None:
         for group in optimizer.parts['muon'].param_groups:
-            put(group, 'momentum', cfg['muon_momentum'], 'muon_momentum')
-            put(group, 'weight_decay', cfg['muon_weight_decay'], 'muon_weight_decay')
-            put(group, 'lr_ratio', cfg['muon_lr'] / cfg['learning_rate'], 'muon_lr / learning_rate')
+            put(group, 'momentum', muon.muon_momentum, 'muon_momentum')
+            put(group, 'weight_decay', muon.muon_weight_decay, 'muon_weight_decay')
+            put(group, 'lr_ratio', muon.muon_lr / adamw.learning_rate, 'muon_lr / learning_rate')
     if changed and master:
         print("resuming with this run's optimizer settings: " + ", ".join(
             f"{name} {old!r} -> {new!r}" for name, (old, new) in changed.items()))

@@ -4,11 +4,14 @@ the training model (hellaswag_interval, eval.py's scoring) and a greedy sample a
 (sample_interval), each printed as one line and logged to metrics.jsonl.
 
 Usage:
-    tasks = PeriodicTasks(cfg, dist_info, tokenizer_meta, block_size, ctx, compiled)   # at set-up: files, prompt
+    # at set-up: the HellaSwag file, the prompt
+    tasks = PeriodicTasks(cfg.select(InLoopSpec), dist_info, tokenizer_meta=meta, block_size=1024,
+                          ctx=ctx, compiled=True)
     ran = tasks.run(iter_num, model, raw_model, logger)   # in the loop, on every rank
 """
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -20,20 +23,33 @@ from nanogpt_plus.settings import HELLASWAG_FILE
 from nanogpt_plus.tokenizer import load_tokenizer
 
 
+@dataclass(frozen=True)
+class InLoopSpec:
+    """ The settings of the tasks: how often, on what, and how much. """
+    hellaswag_interval: int
+    hellaswag_examples: int
+    hellaswag_file: str
+    sample_interval: int
+    sample_tokens: int
+    sample_prompt: str
+    batch_size: int  # HellaSwag's examples per forward pass
+
+
 class PeriodicTasks:
 
-    def __init__(self, cfg, dist_info, tokenizer_meta, block_size, ctx, compiled):
+    def __init__(self, spec, dist_info, tokenizer_meta, block_size, ctx, compiled, fsdp=False):
         """
         Everything read before the first iteration, so that a missing HellaSwag file (offline) or a prompt the
         tokenizer can't encode stops the run at set-up with one line, not at the first interval.
+        spec: an InLoopSpec; block_size: the model's; fsdp: the model is sharded (sampling_prompt).
         """
-        self.cfg = cfg
+        self.spec = spec
         self.dist_info = dist_info
         self.ctx = ctx
         self.tokenizer_meta = tokenizer_meta
-        self.pad_to = cfg['block_size'] if compiled else None  # compiled: one shape, one graph
-        self.hellaswag = load_hellaswag(cfg, dist_info, tokenizer_meta, block_size)
-        self.prompt = sampling_prompt(cfg, dist_info, tokenizer_meta)
+        self.pad_to = block_size if compiled else None  # compiled: one shape, one graph
+        self.hellaswag = load_hellaswag(spec, dist_info, tokenizer_meta, block_size)
+        self.prompt = sampling_prompt(spec, dist_info, tokenizer_meta, fsdp)
 
     def run(self, iter_num, model, raw_model, logger, poll=None):
         """
@@ -42,8 +58,8 @@ class PeriodicTasks:
         agreement, asked between HellaSwag's batches (a pass over 10,042 examples can outlast the time torchrun
         gives between its SIGTERM and its SIGKILL); when it says stop, the pass ends unscored.
         """
-        hellaswag = self.hellaswag is not None and due(self.cfg['hellaswag_interval'], iter_num)
-        sample = self.prompt is not None and due(self.cfg['sample_interval'], iter_num)
+        hellaswag = self.hellaswag is not None and due(self.spec.hellaswag_interval, iter_num)
+        sample = self.prompt is not None and due(self.spec.sample_interval, iter_num)
         if hellaswag:
             self.score_hellaswag(iter_num, model, logger, poll)
         if sample and self.dist_info.master:
@@ -56,8 +72,8 @@ class PeriodicTasks:
         and joins every forward) in eval mode under the run's autocast; print its line and log it (rank 0).
         """
         model.eval()
-        counts = score_hellaswag(model, self.hellaswag, self.cfg['batch_size'], self.dist_info.device, self.ctx,
-                                 self.dist_info, self.pad_to, poll=poll)
+        counts = score_hellaswag(model, self.hellaswag, self.spec.batch_size, self.dist_info.device,
+                                 self.ctx, self.dist_info, self.pad_to, poll=poll)
         model.train()
         if counts is None:  # stopped by a signal: no figure for this iteration
             return
@@ -74,7 +90,7 @@ class PeriodicTasks:
         idx = torch.tensor([self.prompt], dtype=torch.long, device=self.dist_info.device)
         # greedy: no randomness drawn, so the training RNGs (and a resume) are untouched
         raw_model.eval()
-        out = generate(raw_model, idx, self.cfg['sample_tokens'], temperature=0.0, ctx=self.ctx,
+        out = generate(raw_model, idx, self.spec.sample_tokens, temperature=0.0, ctx=self.ctx,
                        vocab_size=tokenizer.vocab_size)
         raw_model.train()
         text = tokenizer.decode(out[0, idx.size(1):].tolist())
@@ -88,7 +104,7 @@ def due(interval, iter_num):
     return interval > 0 and iter_num % interval == 0
 
 
-def load_hellaswag(cfg, dist_info, tokenizer_meta, block_size):
+def load_hellaswag(spec, dist_info, tokenizer_meta, block_size):
     """
     The HellaSwag examples the loop scores (evaluation.task_examples: eval.py's), or None when
     hellaswag_interval is 0. Rank 0 alone finds the file (downloading the default once, into the repo),
@@ -97,12 +113,12 @@ def load_hellaswag(cfg, dist_info, tokenizer_meta, block_size):
     never decides by itself whether to join a collective. Offline without it, every rank stops here with one
     line, before any training.
     """
-    if cfg['hellaswag_interval'] == 0:
+    if spec.hellaswag_interval == 0:
         return None
     loaded = []
 
     def load():
-        path = cfg['hellaswag_file']
+        path = spec.hellaswag_file
         if path == HELLASWAG_FILE and not os.path.exists(path):
             # the repo's copy, wherever train.py runs
             path = task_data_file('hellaswag', setting='hellaswag_file')
@@ -111,33 +127,34 @@ def load_hellaswag(cfg, dist_info, tokenizer_meta, block_size):
             task_data_file('hellaswag', path, setting='hellaswag_file')
         try:
             examples, total = task_examples('hellaswag', path, load_tokenizer(tokenizer_meta), block_size,
-                                            cfg['hellaswag_examples'])
+                                            spec.hellaswag_examples)
         # a char-level vocabulary without the letters (or the space) of the endings
         except TokenizerError as e:
             raise UserError(f"HellaSwag ({path}) can't be scored with this model's tokenizer: {e}; or set "
                             f"--hellaswag_interval=0") from None
-        print(f"hellaswag: {total:,} examples of {path}, scored every {cfg['hellaswag_interval']} iterations")
+        print(f"hellaswag: {total:,} examples of {path}, scored every {spec.hellaswag_interval} "
+              f"iterations")
         loaded.append(examples)
     master_decides(dist_info, load)
     return broadcast_object(loaded[0] if loaded else None, dist_info)
 
 
-def sampling_prompt(cfg, dist_info, tokenizer_meta):
+def sampling_prompt(spec, dist_info, tokenizer_meta, fsdp=False):
     """
     The token ids of the prompt the loop's samples continue, or None when sample_interval is 0 (or under
     FSDP, where rank 0 alone holds no whole model to sample from and a batch of one would make every rank
     join each decoding step: the samples are left out, said once here).
     """
-    if cfg['sample_interval'] == 0:
+    if spec.sample_interval == 0:
         return None
-    if dist_info.under_torchrun and cfg['parallelism'] == 'fsdp':
+    if fsdp:
         if dist_info.master:
             print("note: sample_interval is ignored under parallelism=fsdp; sample from a checkpoint with sample.py")
         return None
     tokenizer = load_tokenizer(tokenizer_meta)
-    if not cfg['sample_prompt']:
+    if not spec.sample_prompt:
         return [tokenizer.eot_token if tokenizer.eot_token is not None else 0]
     try:
-        return tokenizer.encode(cfg['sample_prompt'])
+        return tokenizer.encode(spec.sample_prompt)
     except TokenizerError as e:
         raise UserError(f"--sample_prompt: {e}") from None

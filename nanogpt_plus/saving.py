@@ -13,7 +13,7 @@ What a checkpoint holds is the caller's: it passes a function that builds the di
 restore_training_state puts a checkpoint's optimizer, scaler, RNG, loader and spike-guard states back.
 
 Usage:
-    ckpt = Checkpointer('out', dist_info, raw_model, optimizer, always_save_checkpoint=True)
+    ckpt = Checkpointer('out', dist_info, raw_model, optimizer, policy=cfg.select(CheckpointPolicy))
     saved = ckpt.evaluated(iter_num, val_loss, build)   # build(gathered) -> the checkpoint dict
     if ckpt.due(iter_num, local_iter_num) and not saved:
         ckpt.save(iter_num, build)
@@ -49,12 +49,22 @@ class Gathered:
     rng: list = None  # the RNG states of every rank, in rank order
 
 
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """ When train.py saves (see above); the defaults: at every evaluation, ckpt.pt only. """
+    always_save_checkpoint: bool = True
+    checkpoint_interval: int = 0
+    keep_checkpoints: int = 0
+
+
 class Checkpointer:
 
-    def __init__(self, out_dir, dist_info, model, optimizer=None, always_save_checkpoint=True,
-                 checkpoint_interval=0, keep_checkpoints=0, replaces_a_run=False):
+    def __init__(self, out_dir, dist_info, model, optimizer=None, policy=CheckpointPolicy(),
+                 replaces_a_run=False):
         """
         model: the plain module whose weights are saved (sharded in place under FSDP); optimizer: its optimizer.
+        policy: a CheckpointPolicy, the cadence of evaluated() and due() (finetune.py's own saves
+        ignore it).
         replaces_a_run: a new run with --overwrite=True: its first save replaces the earlier run's checkpoint of
         that name and deletes the earlier run's others (ckpt_best.pt, ckpt_last.pt, snapshots), which it was
         allowed to replace, so that none of them is ever taken for this run's.
@@ -63,9 +73,9 @@ class Checkpointer:
         self.dist_info = dist_info
         self.model = model
         self.optimizer = optimizer
-        self.always_save = always_save_checkpoint
-        self.interval = checkpoint_interval
-        self.keep = keep_checkpoints
+        self.always_save = policy.always_save_checkpoint
+        self.interval = policy.checkpoint_interval
+        self.keep = policy.keep_checkpoints
         # the earlier run's checkpoints, which this run's first save removes
         self.earlier = checkpoint_files(out_dir) if replaces_a_run and dist_info.master else []
         self.best_val_loss = 1e9  # the best val loss so far (a resumed run sets the checkpoint's)

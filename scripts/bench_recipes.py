@@ -278,8 +278,8 @@ def muon_profile(cfg):
     torch.manual_seed(0)
     size = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, dropout=0.0)
     x, y = torch.randint(0, 65, (2, 12, 64))
-    settings = {'weight_decay': 0.1, 'learning_rate': 1e-3, 'beta1': 0.9, 'beta2': 0.99, 'muon_lr': 0.02,
-                'muon_momentum': 0.95, 'muon_weight_decay': 0.0}
+    adamw = opt.AdamWSpec(learning_rate=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.99)
+    muon_spec = opt.MuonSpec(muon_lr=0.02, muon_momentum=0.95, muon_weight_decay=0.0)
 
     def forward_backward(model):
         model(x, y)[1].backward()
@@ -304,9 +304,9 @@ def muon_profile(cfg):
         with opt.float32_newton_schulz():
             optimizer.muon.step()
         optimizer.adamw.step()
-    muon = opt.make_optimizer(model, {**settings, 'optimizer': 'muon'}, 'cpu')
+    muon = opt.make_optimizer(model, adamw, 'cpu', muon=muon_spec)
     hidden = [p.grad for n, p in model.named_parameters() if p.dim() == 2 and n.startswith('transformer.h.')]
-    rows = [('adamw step', opt.make_optimizer(model, {**settings, 'optimizer': 'adamw'}, 'cpu').step),
+    rows = [('adamw step', opt.make_optimizer(model, adamw, 'cpu').step),
             ('muon step', muon.step),
             (f'  of which Newton-Schulz, {len(hidden)} matrices batched',
              lambda: opt.orthogonalise(hidden)),

@@ -47,9 +47,11 @@ from nanogpt_plus.errors import UserError
 from nanogpt_plus.finetuning import FinetuneModel, make_batch, model_from_finetune_checkpoint
 from nanogpt_plus.init_from import init_model, model_from_checkpoint
 from nanogpt_plus.optimizer import (
+    AdamWSpec,
+    LRSchedule,
+    MuonSpec,
     MuonWithAdamW,
     float32_newton_schulz,
-    get_lr,
     make_optimizer,
     newton_schulz_float32,
     orthogonalise,
@@ -579,9 +581,9 @@ BLOCK_MATRICES = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight',
 
 def muon_optimizer(model, learning_rate=1e-3, muon_lr=0.02):
     """ What train.py builds for optimizer='muon' on the CPU (make_optimizer). """
-    cfg = dict(optimizer='muon', learning_rate=learning_rate, weight_decay=0.1, beta1=0.9, beta2=0.95,
-               muon_lr=muon_lr, muon_momentum=0.95, muon_weight_decay=0.0)
-    opt = make_optimizer(model, cfg, 'cpu')
+    adamw = AdamWSpec(learning_rate=learning_rate, weight_decay=0.1, beta1=0.9, beta2=0.95)
+    muon = MuonSpec(muon_lr=muon_lr, muon_momentum=0.95, muon_weight_decay=0.0)
+    opt = make_optimizer(model, adamw, 'cpu', muon=muon)
     assert isinstance(opt, MuonWithAdamW) and opt.float32_ns
     return opt
 
@@ -614,7 +616,9 @@ def test_muon_step_is_lr_times_the_float32_orthogonalised_gradient():
     coefficients, steps = muon_coefficients()
     model = modern_model(**ALL_OPTIONS).train()
     opt = muon_optimizer(model, learning_rate=1e-3, muon_lr=0.02)
-    lr = set_learning_rate(opt, 100, 1e-3, 0, 1000, 1e-4, schedule='wsd')  # the flat part: 1e-3
+    wsd = LRSchedule(learning_rate=1e-3, warmup_iters=0, lr_decay_iters=1000, min_lr=1e-4,
+                     lr_schedule='wsd')
+    lr = set_learning_rate(opt, wsd.rate(100))  # the flat part: 1e-3
     assert lr == 1e-3 and opt.muon.param_groups[0]['lr'] == pytest.approx(0.02)
     idx = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(0))
     model(idx, idx)[1].backward()
@@ -639,31 +643,41 @@ def test_set_learning_rate_scales_muon_and_gives_adamw_the_schedule():
     model = GPT(tiny_config(pos='rope'))
     opt = muon_optimizer(model, learning_rate=1e-3, muon_lr=0.05)
     for it in (0, 5, 50, 95, 120):
-        for schedule in ('cosine', 'wsd'):
-            lr = set_learning_rate(opt, it, 1e-3, 10, 100, 1e-4, schedule=schedule, cooldown_frac=0.2)
-            assert lr == get_lr(it, 1e-3, 10, 100, 1e-4, schedule, 0.2)
+        for name in ('cosine', 'wsd'):
+            lr = lr_schedule(1e-3, 1e-4, name, cooldown_frac=0.2).rate(it)
+            assert set_learning_rate(opt, lr) == lr
             # exactly the schedule's rate
             assert [g['lr'] for g in opt.adamw.param_groups] == [lr, lr]
             # muon_lr / learning_rate times it
             assert opt.muon.param_groups[0]['lr'] == pytest.approx(lr * 50)
-    set_learning_rate(opt, 50, 1e-3, 10, 100, 1e-4, decay_lr=False)
+    constant = LRSchedule(learning_rate=1e-3, warmup_iters=10, lr_decay_iters=100, min_lr=1e-4,
+                          decay_lr=False)
+    set_learning_rate(opt, constant.rate(50))
     assert [g['lr'] for g in opt.param_groups] == pytest.approx([0.05, 1e-3, 1e-3])
+
+
+def lr_schedule(lr, low, name='cosine', cooldown_frac=0.2):
+    """ A schedule with warmup_iters=10 and lr_decay_iters=100. """
+    return LRSchedule(learning_rate=lr, warmup_iters=10, lr_decay_iters=100, min_lr=low,
+                      lr_schedule=name, cooldown_frac=cooldown_frac)
 
 
 def test_wsd_schedule_and_cosine_unchanged():
     lr = 1e-3
     low = 1e-4
-    wsd = [get_lr(it, lr, 10, 100, low, 'wsd', 0.2) for it in range(120)]
+    wsd = [lr_schedule(lr, low, 'wsd', 0.2).rate(it) for it in range(120)]
     assert wsd[:10] == pytest.approx([lr * (it + 1) / 11 for it in range(10)])  # the same warmup
     assert wsd[10:81] == [lr] * 71  # stable until the last 20% of lr_decay_iters
     # straight line
     assert wsd[80:101] == pytest.approx([lr + (it - 80) / 20 * (low - lr) for it in range(80, 101)])
     assert wsd[90] == pytest.approx((lr + low) / 2) and wsd[100] == pytest.approx(low) and wsd[101:] == [low] * 19
     # cooldown_frac 1: the line starts where the warmup ends; 0: flat to lr_decay_iters
-    full = [get_lr(it, lr, 10, 100, low, 'wsd', 1.0) for it in range(10, 101)]
+    full = [lr_schedule(lr, low, 'wsd', 1.0).rate(it) for it in range(10, 101)]
     assert full == pytest.approx([lr + (it - 10) / 90 * (low - lr) for it in range(10, 101)])
-    assert [get_lr(it, lr, 10, 100, low, 'wsd', 0.0) for it in (10, 99, 100, 101)] == [lr, lr, lr, low]
+    flat = lr_schedule(lr, low, 'wsd', 0.0)
+    assert [flat.rate(it) for it in (10, 99, 100, 101)] == [lr, lr, lr, low]
     # 'cosine', the default, is still nanoGPT's formula
+    cosine = lr_schedule(lr, low, 'cosine')
     for it in range(120):
         if it < 10:
             expected = lr * (it + 1) / 11
@@ -671,7 +685,8 @@ def test_wsd_schedule_and_cosine_unchanged():
             expected = low
         else:
             expected = low + 0.5 * (1 + math.cos(math.pi * (it - 10) / 90)) * (lr - low)
-        assert get_lr(it, lr, 10, 100, low) == get_lr(it, lr, 10, 100, low, 'cosine') == pytest.approx(expected)
+        default = LRSchedule(learning_rate=lr, warmup_iters=10, lr_decay_iters=100, min_lr=low)
+        assert default.rate(it) == cosine.rate(it) == pytest.approx(expected)
 
 
 def test_muon_state_dict_round_trip_and_refusals():

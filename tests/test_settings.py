@@ -61,9 +61,10 @@ def test_shared_settings_are_declared_once():
     # a setting several scripts use is one declaration (one help, type and range), whatever default
     # a script gives; but where a script gives the name a meaning of its own: finetune.py's
     # learning_rate and block_size (0 = the model's, scaled / kept), eval.py's dataset ('' = the
-    # checkpoint's), export_hf.py's weights, eval.py's and finetune.py's tasks
+    # checkpoint's), export_hf.py's weights, eval.py's and finetune.py's tasks, sample.py's
+    # num_threads (0 = torch's count, not a timed choice)
     own = {('finetune', 'learning_rate'), ('finetune', 'block_size'), ('eval', 'dataset'),
-           ('export_hf', 'weights'), ('eval', 'task'), ('finetune', 'task')}
+           ('export_hf', 'weights'), ('eval', 'task'), ('finetune', 'task'), ('sample', 'num_threads')}
     users = {key: [n for n in SCRIPTS if key in SCRIPTS[n].DEFAULTS and (n, key) not in own]
              for n in SCRIPTS for key in SCRIPTS[n].DEFAULTS}
     shared = {key for key, names in users.items() if len(names) > 1}

@@ -310,12 +310,14 @@ def test_plot_metrics(dataset, tmp_path, capsys):
 
 
 def test_lr_schedule():
-    from nanogpt_plus.optimizer import get_lr
-    lrs = [get_lr(it, 1e-3, 10, 100, 1e-4) for it in range(120)]
+    from nanogpt_plus.optimizer import LRSchedule
+    schedule = LRSchedule(learning_rate=1e-3, warmup_iters=10, lr_decay_iters=100, min_lr=1e-4)
+    lrs = [schedule.rate(it) for it in range(120)]
     # linear warmup
     assert lrs[0] == pytest.approx(1e-3 / 11) and lrs[9] == pytest.approx(1e-3 * 10 / 11)
     assert lrs[10] == pytest.approx(1e-3)  # cosine starts at the max
     assert lrs[55] == pytest.approx((1e-3 + 1e-4) / 2)  # halfway through the decay
     assert all(a >= b for a, b in zip(lrs[10:101], lrs[11:101]))  # monotone decay
     assert lrs[100] == pytest.approx(1e-4) and lrs[119] == 1e-4
-    assert get_lr(10, 1e-3, 10, 10, 1e-4) == 1e-4  # no decay phase: no division by zero
+    no_decay = LRSchedule(learning_rate=1e-3, warmup_iters=10, lr_decay_iters=10, min_lr=1e-4)
+    assert no_decay.rate(10) == 1e-4  # no decay phase: no division by zero

@@ -29,6 +29,7 @@ import os
 import re
 import signal
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
@@ -59,10 +60,12 @@ def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-1
     check_options(num_proc, shard_size, max_tokens, prefix)
     tok = chosen_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size if tok else get_gpt2_encoding().n_vocab)
-    settings = output_settings(dataset, name, files, text_column, streaming, shard_size, prefix, dtype, tok)
+    spec = ShardSpec(source=corpus_source(dataset, name, files), text_column=text_column,
+                     streaming=streaming, shard_size=shard_size, prefix=prefix,
+                     tokenizer=tokenizer_identity(tok), dtype=str(dtype))
     # before resume reads meta.json: another dataset's would look like shards of other settings
     check_out_dir(out_dir, SHARDS, overwrite)
-    records, end_of_corpus = resume(out_dir, settings, max_tokens)
+    records, end_of_corpus = resume(out_dir, spec, max_tokens)
     done = sum(r["tokens"] for r in records)
     if end_of_corpus or (max_tokens and done >= max_tokens):
         print(f"{out_dir} already holds all {done:,} tokens of these settings in {len(records)} shards; nothing to do")
@@ -74,7 +77,8 @@ def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-1
     t0 = time.time()
     with tqdm(total=max_tokens or None, initial=done, unit="tok", unit_scale=True, disable=not progress,
               desc="tokenizing") as bar:
-        writer = ShardWriter(out_dir, settings, tokenizer_meta(tok, dtype), dtype, records, bar)
+        writer = ShardWriter(out_dir, spec, tokenizer_meta(tok, dtype), dtype, records=records,
+                             bar=bar)
         end_of_corpus = fill_shards(writer, ds, column, num_proc, max_tokens, tok)
         writer.finish(end_of_corpus)
     result = summary(writer.records, writer.total - done, time.time() - t0)
@@ -129,16 +133,38 @@ def tokenizer_meta(tok, dtype):
     return bpe_meta(tok, dtype)
 
 
-def output_settings(dataset, name, files, text_column, streaming, shard_size, prefix, dtype, tok=None):
-    """ Everything the shards' bytes depend on (not num_proc, not max_tokens): a resume must match it. """
+@dataclass(frozen=True)
+class ShardSpec:
+    """
+    Everything the shards' bytes depend on (not num_proc, not max_tokens): meta.json's
+    "settings", which a resume must match.
+    """
+    source: dict  # {"files": [[absolute path, size], ...]}, or {"dataset": ..., "name": ...}
+    text_column: str
+    streaming: bool
+    shard_size: int
+    prefix: str
+    tokenizer: str  # "gpt2", or "bpe sha256:<the tokenizer.json's fingerprint>"
+    dtype: str
+
+    def record(self):
+        """ As meta.json holds it, since its first version. """
+        return dict(self.source, text_column=self.text_column, streaming=self.streaming,
+                    shard_size=self.shard_size, prefix=self.prefix, tokenizer=self.tokenizer,
+                    dtype=self.dtype, eot="before each document")
+
+
+def corpus_source(dataset, name, files):
+    """ ShardSpec.source: the local files, by path and size, else the Hub dataset. """
     if files:
-        source = {"files": [[os.path.abspath(p), os.path.getsize(p)] for p in expand_files(files)]}
-    else:
-        source = {"dataset": dataset, "name": name}
-    # a tokenizer.json by its content (not its path or formatting): only the same tokenizer resumes
-    tokenizer = "gpt2" if tok is None else f"bpe sha256:{tokenizer_fingerprint(tok.json)}"
-    return dict(source, text_column=text_column, streaming=streaming, shard_size=shard_size, prefix=prefix,
-                tokenizer=tokenizer, dtype=str(dtype), eot="before each document")
+        return {"files": [[os.path.abspath(p), os.path.getsize(p)] for p in expand_files(files)]}
+    return {"dataset": dataset, "name": name}
+
+
+def tokenizer_identity(tok):
+    """ ShardSpec.tokenizer: a tokenizer.json by its content (not its path or formatting), so that
+    only the same tokenizer resumes. """
+    return "gpt2" if tok is None else f"bpe sha256:{tokenizer_fingerprint(tok.json)}"
 
 
 def summary(records, new_tokens, seconds):
@@ -322,13 +348,13 @@ class ShardWriter:
     (document, token offset in it) of the next token, which is where each shard record starts and ends.
     """
 
-    def __init__(self, out_dir, settings, tokenizer, dtype, records, bar):
+    def __init__(self, out_dir, spec, tokenizer, dtype, records, bar):
         self.out_dir = out_dir
-        self.settings = settings
+        self.spec = spec  # a ShardSpec
         self.records = list(records)
         self.bar = bar
         self.tokenizer = tokenizer  # meta.json's description of the tokenizer (tokenizer_meta)
-        self.buffer = np.empty(settings["shard_size"], dtype=dtype)
+        self.buffer = np.empty(spec.shard_size, dtype=dtype)
         self.filled = 0
         self.documents = 0  # documents whose first token (the end-of-text) is in the buffer
         self.position = list(records[-1]["end"]) if records else [0, 0]
@@ -353,13 +379,13 @@ class ShardWriter:
     def write(self):
         """ The buffer as the next shard, then meta.json recording it (in that order: see resume). """
         tokens = self.buffer[:self.filled]
-        name = shard_name(self.settings["prefix"], len(self.records))
+        name = shard_name(self.spec.prefix, len(self.records))
         write_shard(os.path.join(self.out_dir, name), tokens)
         record = {"file": name, "split": "val" if not self.records else "train", "tokens": int(self.filled),
                   "documents": self.documents, "start": self.start, "end": list(self.position),
                   "sha256": shard_sha256(tokens)}
         self.records.append(record)
-        save_meta(self.out_dir, self.settings, self.tokenizer, self.records, end_of_corpus=False)
+        save_meta(self.out_dir, self.spec, self.tokenizer, self.records, end_of_corpus=False)
         self.bar.write(f"wrote {name}: {record['tokens']:,} tokens, {record['documents']:,} documents")
         self.filled = 0
         self.documents = 0
@@ -369,7 +395,7 @@ class ShardWriter:
         """ The last, shorter shard (if any tokens are left), and meta.json saying whether the corpus ended. """
         if self.filled:
             self.write()
-        save_meta(self.out_dir, self.settings, self.tokenizer, self.records, end_of_corpus)
+        save_meta(self.out_dir, self.spec, self.tokenizer, self.records, end_of_corpus)
 
 
 def shard_sha256(tokens):
@@ -387,11 +413,11 @@ def file_sha256(path, chunk_bytes=1 << 24):
     return h.hexdigest()
 
 
-def save_meta(out_dir, settings, tokenizer, records, end_of_corpus):
-    """ meta.json, atomically: the tokenizer (read by train.py), the settings, and what each shard consumed. """
+def save_meta(out_dir, spec, tokenizer, records, end_of_corpus):
+    """ meta.json, atomically: the tokenizer (train.py reads it), the spec, each shard's record. """
     meta = {
         **tokenizer, "format": "llm.c token shards", "meta_version": FORMAT_VERSION,
-        "settings": settings, "tokens": sum(r["tokens"] for r in records),
+        "settings": spec.record(), "tokens": sum(r["tokens"] for r in records),
         "documents": sum(r["documents"] for r in records), "end_of_corpus": end_of_corpus, "shards": records,
     }
     atomic_write(os.path.join(out_dir, "meta.json"), lambda f: f.write(meta_json(meta)), binary=False)
@@ -420,24 +446,25 @@ def read_meta(out_dir):
                         f"again") from None
 
 
-def resume(out_dir, settings, max_tokens):
+def resume(out_dir, spec, max_tokens):
     """
-    (the complete shards of an earlier run with these settings, whether that run reached the corpus end).
+    (the complete shards of an earlier run of this ShardSpec, whether it reached the corpus end).
     Shards meta.json doesn't vouch for (a shard renamed in place just before a crash, a changed file) and
     any after them are removed, so the run continues from the last good one.
     """
     meta = read_meta(out_dir)
-    ours = our_shard_files(out_dir, settings["prefix"])
+    ours = our_shard_files(out_dir, spec.prefix)
     if meta is None:
         if ours:
-            raise UserError(f"{out_dir} holds shards named {settings['prefix']}_* ({ours[0]}, ...) but no meta.json, "
-                            f"so they can't be resumed; delete them or pick another --out_dir")
+            raise UserError(f"{out_dir} holds shards named {spec.prefix}_* ({ours[0]}, ...) but no "
+                            f"meta.json, so they can't be resumed; delete them or pick another "
+                            f"--out_dir")
         return [], False
-    check_same_settings(out_dir, meta.get("settings", {}), settings)
-    records = verified_records(out_dir, meta["shards"], settings["shard_size"])
+    check_same_settings(out_dir, meta.get("settings", {}), spec.record())
+    records = verified_records(out_dir, meta["shards"], spec.shard_size)
     end_of_corpus = meta.get("end_of_corpus", False) and len(records) == len(meta["shards"])
     last = records[-1] if records else None
-    if last is not None and last["tokens"] < settings["shard_size"] and not end_of_corpus:
+    if last is not None and last["tokens"] < spec.shard_size and not end_of_corpus:
         # the shorter last shard of a run max_tokens stopped: kept only while max_tokens is the same
         if sum(r["tokens"] for r in records) != max_tokens:
             records.pop()
