@@ -35,14 +35,19 @@ from nanogpt_plus import optimizer as opt
 from nanogpt_plus import settings
 from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.dataset import find_dataset, split_files
-from nanogpt_plus.device import compute_setup, device_type_of, resolve_device
-from nanogpt_plus.hardware import cpu_peak
+from nanogpt_plus.distributed import wrap_model
 from nanogpt_plus.init_from import ModelSpec, init_model, scratch_model
+from nanogpt_plus.machine import (
+    compute_setup,
+    cpu_peak,
+    describe_thread_choice,
+    device_type_of,
+    resolve_device,
+    tune_cpu_threads,
+)
 from nanogpt_plus.outputs import check_output
-from nanogpt_plus.parallel import wrap_model
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.settings import check_model_shape, flag, non_negative, positive
-from nanogpt_plus.threads import describe_thread_choice, tune_cpu_threads
 
 # -----------------------------------------------------------------------------
 # The settings and their defaults: train.py's data, model and step (nanoGPT's bench.py: GPT-2

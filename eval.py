@@ -29,16 +29,16 @@ from configurator import Group, Schema, Setting, configure
 from nanogpt_plus import settings
 from nanogpt_plus.checkpoint import tokenizer_known
 from nanogpt_plus.dataset import check_dataset_tokenizer, read_dataset_meta
-from nanogpt_plus.device import device_type_of, precision, resolve_compile
 from nanogpt_plus.distributed import every_rank, init_distributed
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import TASKS, evaluate, loss_files, task_data_file
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.init_from import describe_source, init_model
+from nanogpt_plus.machine import device_type_of, precision, resolve_compile
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.settings import non_negative
-from nanogpt_plus.weights import set_weights
+from nanogpt_plus.weight_formats import set_weights
 
 # the scoring is nanogpt_plus/evaluation.py's (one implementation, which other code calls in-process too);
 # this script reads the settings, loads the model, and prints or writes the result

@@ -21,7 +21,7 @@ weights=bfloat16 stores the weights rounded to bfloat16 (half the file; config.j
 loads them as bfloat16 unless told otherwise); the default float32 is exact.
 
 GPT-2's form maps the weights with model.hf_key_map, the same table GPT.from_pretrained imports with;
---init_from=out/hf reads either form back exactly (nanogpt_plus/pretrained.py).
+--init_from=out/hf reads either form back exactly (nanogpt_plus/hf_import.py).
 """
 
 import json

@@ -467,7 +467,7 @@ class GPT(nn.Module):
         Load GPT-2 weights: model_type is 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl' (downloaded by
         transformers, or taken from its cache) or the path of a local Hugging Face GPT-2 directory
         (config.json plus model.safetensors or pytorch_model.bin). The reference: the scripts read the same
-        files without transformers (nanogpt_plus/pretrained.py), tested against this.
+        files without transformers (nanogpt_plus/hf_import.py), tested against this.
         """
         override_args = override_args or {}
         # the checkpoint fixes the architecture; dropout, a training setting, is the one thing to choose
@@ -542,7 +542,7 @@ class GPT(nn.Module):
         """
         Model FLOPs utilization: the FLOP/s that fwdbwd_per_iter forward+backward passes of block_size
         tokens in dt seconds imply, as a fraction of peak_flops. The default is an A100's bf16 peak;
-        nanogpt_plus.hardware.device_peak_flops gives the peak of the device actually in use.
+        nanogpt_plus.machine.device_peak_flops gives the peak of the device actually in use.
         """
         # FLOPs per token of a forward+backward pass, as counted in the PaLM paper (arXiv:2204.02311,
         # appendix B): 6 per parameter (2 forward, 4 backward) for the weight matmuls, plus attention's

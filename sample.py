@@ -34,16 +34,15 @@ import torch
 
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus import settings
-from nanogpt_plus.device import PTDTYPE, device_type_of, precision, resolve_compile, resolve_device
 from nanogpt_plus.engine import check_sampling_args, generate_stream
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.init_from import describe_source, init_model
+from nanogpt_plus.machine import PTDTYPE, apply_cpu_threads, device_type_of, precision, resolve_compile, resolve_device
 from nanogpt_plus.progress import Progress
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.settings import flag, non_negative, positive
-from nanogpt_plus.threads import apply_cpu_threads
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
-from nanogpt_plus.weights import can_pack, set_weights
+from nanogpt_plus.weight_formats import can_pack, set_weights
 
 SEPARATOR = '---------------'
 

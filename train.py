@@ -31,9 +31,10 @@ from configurator import Group, Schema, Setting, configure
 from model import GPT
 from nanogpt_plus import distributed, progress, settings
 from nanogpt_plus import optimizer as opt
+from nanogpt_plus.checkpoint import Checkpointer, CheckpointPolicy, restore_training_state
 from nanogpt_plus.dataloader import DataSpec, TokenWindowLoader, training_data
 from nanogpt_plus.dataset import padded_tokenizer_size
-from nanogpt_plus.device import compute_setup, device_type_of
+from nanogpt_plus.distributed import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.errors import Interrupted, UserError, non_finite_loss, out_of_memory_error
 from nanogpt_plus.init_from import (
     FIXED_BY_SOURCE,
@@ -46,13 +47,11 @@ from nanogpt_plus.init_from import (
     same_start,
     source_settings,
 )
+from nanogpt_plus.machine import choose_threads, compute_setup, device_type_of
 from nanogpt_plus.metrics import MetricsLogger, WandbSpec
 from nanogpt_plus.out_dir import OutDirSpec, claim_out_dir, prepare_out_dir
-from nanogpt_plus.parallel import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.runtime import provenance, run_main
-from nanogpt_plus.saving import Checkpointer, CheckpointPolicy, restore_training_state
 from nanogpt_plus.settings import flag, non_negative, positive
-from nanogpt_plus.threads import choose_threads
 
 # -----------------------------------------------------------------------------
 # The settings and their defaults: nanoGPT's (GPT-2 124M on OpenWebText) in its order, then ours;
@@ -320,7 +319,7 @@ def iteration(run, state, exit_request):
     if logging or guard is not None:
         lossf, grad_norm = opt.read_step(step_loss, grad_norm, dist_info)
         if not math.isfinite(lossf):
-            failure = non_finite_loss(lossf, state.iter_num, loop.out_dir)
+            failure = non_finite_loss(lossf, state.iter_num, run.checkpointer.path())
             distributed.fail_everywhere(failure, dist_info)
     spike = guard.check(lossf, grad_norm) if guard is not None else None
     if spike is None:
@@ -491,7 +490,7 @@ def evaluate(run, state, lr, poll=None):
         run.logger.log({'type': 'eval', 'iter': state.iter_num, 'train_loss': losses['train'],
                         'val_loss': losses['val'], 'lr': lr})
     if not math.isfinite(losses['val']):
-        failure = non_finite_loss(losses['val'], state.iter_num, run.loop.out_dir)
+        failure = non_finite_loss(losses['val'], state.iter_num, run.checkpointer.path())
         distributed.fail_everywhere(failure, run.dist_info)
     return losses['val']
 

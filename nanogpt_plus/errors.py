@@ -89,9 +89,13 @@ def out_of_memory_error(iter_num, checkpoint_path, fsdp=True):
                      + f" or {fixes[-1]}, then {then}")
 
 
-def non_finite_loss(value, iter_num, out_dir):
-    """ The one line a NaN or infinite loss stops a training run with: nothing is saved over the last good state. """
-    if os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
+def non_finite_loss(value, iter_num, checkpoint_path):
+    """
+    The one line a NaN or infinite loss stops a training run with: nothing is saved over the last good
+    state, the checkpoint at checkpoint_path.
+    """
+    out_dir = os.path.dirname(checkpoint_path) or '.'
+    if os.path.exists(checkpoint_path):
         kept = f"so the last good checkpoint in {out_dir} is kept"
         then = "resume with --init_from=resume"
     else:

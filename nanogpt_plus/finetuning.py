@@ -24,17 +24,17 @@ from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
 from nanogpt_plus import init_from
-from nanogpt_plus.checkpoint import build_checkpoint, load_checkpoint
-from nanogpt_plus.device import precision
+from nanogpt_plus.checkpoint import build_checkpoint, checkpoint_path, load_checkpoint
 from nanogpt_plus.distributed import all_reduce_sum, master_decides
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.files import read_jsonl as read_jsonl_records
-from nanogpt_plus.init_from import checkpoint_path, fit_block_size, model_from_checkpoint
+from nanogpt_plus.init_from import fit_block_size, model_from_checkpoint
+from nanogpt_plus.machine import precision
 from nanogpt_plus.optimizer import LRSchedule
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
-from nanogpt_plus.weights import set_weights
+from nanogpt_plus.weight_formats import set_weights
 
 TASKS = ('classification', 'entailment', 'similarity', 'multiple_choice')
 # the JSONL fields holding each task's texts (the label is always 'label')

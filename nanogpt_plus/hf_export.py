@@ -11,7 +11,7 @@ Two forms, by what the model computes:
   trust_remote_code=True, the Hub's convention for custom models. config.json (model_type 'nanogpt': GPT-2's
   size names plus our options) names the classes of modeling_nanogpt.py (nanogpt_plus/hf_modeling.py), which
   wrap an unchanged copy of model.py, so transformers computes with the code the model was trained with.
-Either way nanogpt_plus/pretrained.py reads the directory back (init_from=hf_dir).
+Either way nanogpt_plus/hf_import.py reads the directory back (init_from=hf_dir).
 
 GPT-2 BPE models get GPT-2's own tokenizer files; a character-level model gets a character tokenizer.json; a
 bpe model its own tokenizer.json, unchanged. Character and bpe models also get our tokenizer description
@@ -34,7 +34,7 @@ from model import GPT2_HOLDS, hf_activation, hf_key_map
 from nanogpt_plus.bpe import EOT_TEXT
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write
-from nanogpt_plus.pretrained import HF_TOKENIZER_META
+from nanogpt_plus.hf_import import HF_TOKENIZER_META
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer, packaged_gpt2_files
 
 EXPORT_WEIGHTS = ('float32', 'bfloat16')  # the dtypes model.safetensors may hold

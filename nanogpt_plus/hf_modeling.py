@@ -7,7 +7,7 @@ was trained with, so its logits are ours. generate() works; there is no KV cache
 context again) and no padding (a batch of prompts of one length, or one prompt at a time, as lm-eval runs).
 
 The tensors keep our names under the prefix 'gpt.' (gpt.transformer.h.0.attn.c_attn.weight, ...); a tied head
-is stored once, as gpt.transformer.wte.weight. nanogpt_plus/pretrained.py reads such a directory back without
+is stored once, as gpt.transformer.wte.weight. nanogpt_plus/hf_import.py reads such a directory back without
 transformers (init_from=hf_dir).
 """
 

@@ -4,7 +4,7 @@ None) by one function, with the model construction each one needs and the rules 
   'scratch'   a new random GPT from the model settings, its vocabulary from the dataset's tokenizer
   'resume'    the run in out_dir: its checkpoint's architecture, weights and training state
   a path      a ckpt.pt, or a training out_dir holding one: its weights (training starts at iter 0)
-  gpt2*       OpenAI's GPT-2 weights, or a local Hugging Face GPT-2 directory (read by pretrained.py)
+  gpt2*       OpenAI's GPT-2 weights, or a local Hugging Face GPT-2 directory (read by hf_import.py)
 A model that is about to receive weights is built on the meta device (shapes only, no random draws) and then
 takes float32 copies of them, each checked finite; nothing is cropped or rebuilt on resume.
 
@@ -22,17 +22,19 @@ from torch.overrides import TorchFunctionMode
 
 from model import GPT, GPT2_NAMES, MODERN, GPTConfig
 from nanogpt_plus.checkpoint import (
+    CHECKPOINT,
+    checkpoint_path,
     checkpoint_tokenizer_meta,
     clean_state_dict,
     file_digest,
     load_checkpoint,
     model_config_from_checkpoint,
+    resume_point,
     tokenizer_known,
 )
 from nanogpt_plus.dataset import check_dataset_tokenizer, find_dataset
-from nanogpt_plus.device import available_host_memory
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.out_dir import resume_point
+from nanogpt_plus.machine import available_host_memory
 from nanogpt_plus.runtime import git_commit
 
 # The settings a new GPT is built from: GPTConfig's fields but vocab_size, which the dataset gives
@@ -43,7 +45,7 @@ ModelSpec = dataclasses.make_dataclass('ModelSpec', frozen=True, fields=[
 
 
 def init_model(init_from, out_dir='out', dataset=None, spec=None, dropout=None,
-               resume_file='ckpt.pt', on_meta=False):
+               resume_file=CHECKPOINT, on_meta=False):
     """
     The one place that turns init_from into (model on the CPU, tokenizer description, checkpoint or None):
       'scratch'        a new GPT of spec (a ModelSpec: n_layer, n_head, ..., gelu, the modern ones),
@@ -72,7 +74,7 @@ def init_model(init_from, out_dir='out', dataset=None, spec=None, dropout=None,
         return model_from_checkpoint(ckpt, dropout, on_meta, ckpt_path), checkpoint_tokenizer_meta(ckpt), ckpt
     if init_from in GPT2_NAMES or is_hf_dir(init_from):
         # only for Hugging Face weights
-        from nanogpt_plus.pretrained import pretrained_tokenizer_meta
+        from nanogpt_plus.hf_import import pretrained_tokenizer_meta
         return pretrained_model(init_from, dropout, on_meta), pretrained_tokenizer_meta(init_from), None
     raise unknown_source(init_from)
 
@@ -170,22 +172,13 @@ def check_model_memory(config, batch_size, attention, on_cpu):
                         f"free; use a smaller --block_size, --batch_size or model")
 
 
-def checkpoint_path(init_from, out_dir, resume_file='ckpt.pt'):
-    """ The checkpoint file init_from names: 'resume' (out_dir/resume_file), a directory holding ckpt.pt, a file. """
-    if init_from == 'resume':
-        return os.path.join(out_dir, resume_file)
-    if os.path.isfile(init_from):
-        return init_from
-    if os.path.isdir(init_from) and os.path.exists(os.path.join(init_from, 'ckpt.pt')):
-        return os.path.join(init_from, 'ckpt.pt')
-    return None
 
 
 def is_hf_dir(path):
     return os.path.isdir(path) and os.path.exists(os.path.join(path, 'config.json'))
 
 
-def describe_source(init_from, out_dir='out', resume_file='ckpt.pt'):
+def describe_source(init_from, out_dir='out', resume_file=CHECKPOINT):
     """ What init_model(init_from, out_dir) reads, for messages: the checkpoint's path, else init_from. """
     return checkpoint_path(init_from, out_dir, resume_file) or init_from
 
@@ -274,12 +267,12 @@ def model_from_checkpoint(ckpt, dropout=None, on_meta=False, source='the checkpo
 def pretrained_model(init_from, dropout=None, on_meta=False):
     """
     A GPT with the weights of gpt2* or a local Hugging Face GPT-2 directory, read without transformers
-    (nanogpt_plus.pretrained; GPT.from_pretrained is the reference it is tested against). on_meta=True: its
+    (nanogpt_plus.hf_import; GPT.from_pretrained is the reference it is tested against). on_meta=True: its
     architecture only, on the meta device, from config.json alone (FSDP's ranks other than 0: gpt2-xl's 6 GB of
     float32 weights are read by rank 0 only, which sends every rank its shards).
     """
     # imported here: only a run that starts from Hugging Face weights reads them
-    from nanogpt_plus.pretrained import hf_config, hf_config_and_weights
+    from nanogpt_plus.hf_import import hf_config, hf_config_and_weights
     if on_meta:
         return meta_model(hf_config(init_from, dropout))
     print(f"loading weights from pretrained gpt: {init_from}")
@@ -436,7 +429,7 @@ def source_settings(source, chosen, keep_zero=(), resume=None, resume_file=None)
     imposed = {}
     init_from, out_dir = source.init_from, source.out_dir
     if source.auto_resume and init_from != 'resume' and \
-            os.path.isfile(os.path.join(out_dir, resume_file or 'ckpt.pt')):
+            os.path.isfile(os.path.join(out_dir, resume_file or CHECKPOINT)):
         # a requeued job: its checkpoint is there, so it continues
         init_from = imposed['init_from'] = 'resume'
         if int(os.environ.get('RANK', 0)) == 0:
@@ -512,7 +505,7 @@ def weights_settings(init_from, out_dir, chosen, keep_zero=()):
     if path is not None:
         saved = model_config_from_checkpoint(load_checkpoint(path))
     elif init_from in GPT2_NAMES or is_hf_dir(init_from):
-        from nanogpt_plus.pretrained import hf_config  # only for Hugging Face weights
+        from nanogpt_plus.hf_import import hf_config  # only for Hugging Face weights
         saved = hf_config(init_from)
     elif init_from == 'scratch':
         return {}

@@ -1,13 +1,10 @@
 """
-A run's directory, out_dir: who may write there, and the files a run keeps in it.
+A run's directory, out_dir: who may write there, and whether a new run may.
   - the lock: out_dir/run.lock, so that two runs never write into one out_dir at once (below);
-  - a new run over an earlier one's checkpoints is refused, with the commands to resume it or to start over
-    (--overwrite=True);
-  - the checkpoints a run keeps: ckpt.pt, ckpt_best.pt and the ckpt_<iter>.pt snapshots, each with its .json
-    sidecar; a snapshot is a copy (a clone where the file system can), never a hard link;
-  - going back: a run resumed from a snapshot (--resume_from) continues a line of its own, and the files of the
-    line it leaves move, unchanged, into out_dir/abandoned_<n>/.
-prepare_out_dir is train.py's start there; when a run saves is the Checkpointer's (saving.py).
+  - a new run over an earlier one's checkpoints is refused, with the commands that work: resume it (where
+    these settings would), write elsewhere, or start over (--overwrite=True); a resume from a snapshot
+    branches off (checkpoint.branch_off).
+The checkpoint files themselves (their names, snapshots, going back to one) are checkpoint.py's.
 
 The lock is a JSON line (pid, host, start time, command line). The process that owns it also holds an flock on
 it, which the kernel drops when the process dies in any way (SIGKILL, OOM killer, power cut aside), so a lock
@@ -31,31 +28,19 @@ Usage:
 import fcntl
 import json
 import os
-import re
 import shlex
-import shutil
 import socket
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 
-from nanogpt_plus.checkpoint import saved_iter, sidecar_of
+from nanogpt_plus.checkpoint import CHECKPOINT, branch_off, checkpoint_files, sidecar_of
 from nanogpt_plus.distributed import master_decides
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.files import atomic_write, remove_stale_temps_in, temp_path
+from nanogpt_plus.files import remove_stale_temps_in, temp_path
 
 LOCK_NAME = 'run.lock'
-# train.py's checkpoint: the training state to resume from (the best model without always_save_checkpoint)
-CHECKPOINT = 'ckpt.pt'
-# with always_save_checkpoint=False: the best model so far, kept beside ckpt.pt
-BEST = 'ckpt_best.pt'
-# finetune.py's training state (its ckpt.pt is the best model)
-LAST = 'ckpt_last.pt'
-# ckpt_<iter>.pt, the snapshots keep_checkpoints retains
-SNAPSHOT = re.compile(r'^ckpt_(\d+)\.pt$')
-# linux/fs.h: make this file a copy-on-write clone of another
-FICLONE = 0x40049409
 
 
 # -----------------------------------------------------------------------------
@@ -280,7 +265,8 @@ def prepare_out_dir(spec, script, argv, resume_refusal=None):
                   why_not_resume=why_not)
 
 
-def check_new_run(out_dir, checkpoints, script, argv, overwrite, resume_file='ckpt.pt', why_not_resume=None):
+def check_new_run(out_dir, checkpoints, script, argv, overwrite, resume_file=CHECKPOINT,
+                  why_not_resume=None):
     """
     On rank 0, with out_dir locked: a new run (not a resume) into an out_dir that holds one of `checkpoints`
     (file names) is refused with the commands to continue the earlier run (when it left its resume_file and
@@ -328,116 +314,3 @@ def command_line(script, argv, **replace):
     args = keep + [f'--{k}={v}' for k, v in replace.items()]
     launcher = 'torchrun ...' if 'LOCAL_RANK' in os.environ else 'python'
     return ' '.join([launcher, script] + [shlex.quote(a) for a in args])
-
-
-# -----------------------------------------------------------------------------
-# the checkpoints a run keeps: ckpt.pt, ckpt_best.pt, the snapshots; going back to one
-
-def checkpoint_files(out_dir):
-    """ The checkpoints a run keeps in out_dir: ckpt.pt, ckpt_best.pt, finetune.py's ckpt_last.pt, the snapshots. """
-    if not os.path.isdir(out_dir):
-        return []
-    named = [n for n in (CHECKPOINT, BEST, LAST) if os.path.isfile(os.path.join(out_dir, n))]
-    return named + [name for _, name in sorted(snapshots(out_dir).items())]
-
-
-def snapshots(out_dir):
-    """ {iteration: file name} of the ckpt_<iter>.pt snapshots in out_dir. """
-    return {int(m.group(1)): m.group(0) for m in map(SNAPSHOT.match, os.listdir(out_dir)) if m}
-
-
-def copy_checkpoint(path, new_path):
-    """
-    new_path (and its .json sidecar) becomes a copy of the complete checkpoint at path, atomically. A copy,
-    never a hard link: with a link, a file copied over one name (cp ckpt_2000.pt ckpt.pt) would be written
-    through into the other. Where the file system can clone (btrfs, XFS: copy-on-write), the copy takes no
-    time and no space until one of them changes.
-    """
-    for src, dst in ((path, new_path), (sidecar_of(path), sidecar_of(new_path))):
-        if src == path or os.path.exists(src):
-            atomic_write(dst, lambda f, src=src: _clone_into(src, f))
-
-
-def _clone_into(path, f):
-    with open(path, 'rb') as source:
-        try:
-            fcntl.ioctl(f.fileno(), FICLONE, source.fileno())
-        except OSError:  # no reflinks here (ext4, tmpfs, another file system): copy the bytes
-            shutil.copyfileobj(source, f, 1 << 24)
-
-
-def snapshot_checkpoint(out_dir, iter_num, keep):
-    """
-    After out_dir/ckpt.pt of iteration iter_num is complete: copy it to ckpt_<iter_num>.pt, then delete the
-    snapshots other than the `keep` newest. (Those of another line of the run never count: branch_off moved
-    them away before this line's first save.) Returns the deleted names.
-    """
-    copy_checkpoint(os.path.join(out_dir, CHECKPOINT), os.path.join(out_dir, f'ckpt_{iter_num}.pt'))
-    iters = sorted(snapshots(out_dir))
-    deleted = []
-    for i in iters[:-keep]:
-        deleted += remove_checkpoint(out_dir, f'ckpt_{i}.pt')
-    return deleted
-
-
-def remove_checkpoint(out_dir, name):
-    """ Delete a checkpoint and its sidecar; returns the names deleted. """
-    deleted = []
-    for n in (name, sidecar_of(name)):
-        try:
-            os.remove(os.path.join(out_dir, n))
-            deleted.append(n)
-        except FileNotFoundError:
-            pass
-    return deleted
-
-
-def resume_point(out_dir, resume_from=''):
-    """ The file --init_from=resume continues from: ckpt.pt, or the snapshot resume_from names ('2000' or its name). """
-    if not resume_from:
-        return os.path.join(out_dir, CHECKPOINT)
-    name = f'ckpt_{resume_from}.pt' if resume_from.isdigit() else resume_from
-    if not SNAPSHOT.match(name):
-        raise UserError(f"--resume_from={resume_from!r} is not a snapshot: give its iteration (2000) or its name "
-                        f"(ckpt_2000.pt) in out_dir")
-    path = os.path.join(out_dir, name)
-    if not os.path.isfile(path):
-        held = ', '.join(snapshots(out_dir).values()) if os.path.isdir(out_dir) else ''
-        raise UserError(f"there is no snapshot {path} to resume from; {out_dir} holds "
-                        f"{held or 'no snapshots'} (--keep_checkpoints=K keeps the last K saves)")
-    return path
-
-
-def branch_off(out_dir, resume_from=''):
-    """
-    On rank 0, out_dir locked, before a resumed run writes anything. A run resumed at iteration k (ckpt.pt's, or
-    the snapshot resume_from names) continues a line of its own: the files of the line it leaves (ckpt.pt when
-    going back to a snapshot, the snapshots of later iterations, a ckpt_best.pt saved after k) move unchanged
-    into out_dir/abandoned_<n>/, so the new line's saves can neither overwrite nor prune them; then the snapshot
-    becomes ckpt.pt (a copy). The same happens when the user copied an older snapshot over ckpt.pt by hand.
-    metrics.jsonl stays: its reader drops the left line's records past k (metrics.read_metrics).
-    """
-    start = resume_point(out_dir, resume_from)
-    k = saved_iter(start)
-    later = [name for i, name in sorted(snapshots(out_dir).items()) if i > k]
-    if os.path.isfile(os.path.join(out_dir, BEST)) and saved_iter(os.path.join(out_dir, BEST)) > k:
-        later.append(BEST)
-    current = os.path.join(out_dir, CHECKPOINT)
-    # ckpt.pt is the latest state of the line left behind
-    leaving = resume_from and os.path.isfile(current)
-    if later or leaving:
-        n = 1 + max([int(d.rsplit('_', 1)[1]) for d in os.listdir(out_dir)
-                     if d.startswith('abandoned_') and d.rsplit('_', 1)[1].isdigit()] or [0])
-        keep_dir = os.path.join(out_dir, f'abandoned_{n}')
-        os.makedirs(keep_dir)
-        for name in later:  # moved (a kill halfway leaves each file in one of the two places)
-            for part in (name, sidecar_of(name)):
-                if os.path.exists(os.path.join(out_dir, part)):
-                    os.replace(os.path.join(out_dir, part), os.path.join(keep_dir, part))
-        if leaving:  # copied, then replaced below: out_dir always holds a ckpt.pt to resume from
-            copy_checkpoint(current, os.path.join(keep_dir, CHECKPOINT))
-            later.insert(0, CHECKPOINT)
-        print(f"resuming at iter {k}: the later files of this run ({', '.join(later)}) are kept, unchanged, in "
-              f"{keep_dir}")
-    if resume_from:
-        copy_checkpoint(start, current)

@@ -17,9 +17,9 @@ import traceback
 
 import torch
 
-from nanogpt_plus.device import device_type_of
 from nanogpt_plus.distributed import destroy_distributed, lost_peer, several_processes
 from nanogpt_plus.errors import EXIT_USER_ERROR, Interrupted, PeerFailed, error_line, exit_code
+from nanogpt_plus.machine import device_type_of
 
 
 def run_main(main):

@@ -35,7 +35,8 @@ LR_SCHEDULES = ('cosine', 'wsd')
 # data_order: nanoGPT's random windows, or llm.c's pass over every token (nanogpt_plus/dataloader.py)
 ORDERS = ('random', 'sequential')
 MODES = ('exact', 'fast')  # sample.py's mode (nanogpt_plus/engine.py)
-WEIGHTS = ('float32', 'bfloat16', 'int8')  # weight formats for inference (nanogpt_plus/weights.py)
+# weight formats for inference (nanogpt_plus/weight_formats.py)
+WEIGHTS = ('float32', 'bfloat16', 'int8')
 # where the in-loop HellaSwag and eval.py keep their download, relative to the repository
 HELLASWAG_FILE = 'data/hellaswag/hellaswag_val.jsonl'
 
@@ -122,7 +123,7 @@ decay_lr = Shared(bool, "linear warmup, then the lr_schedule's decay to min_lr; 
 min_lr = Shared(float, "the rate after lr_decay_iters; Chinchilla suggests about "
                        "learning_rate/10", low=0)
 
-# how sample.py, eval.py and finetune.py's predictions store and read the weights (weights.py)
+# how sample.py, eval.py and finetune.py's predictions store and read the weights (weight_formats.py)
 WEIGHTS_SETTING = Setting('float32', "how the weights are stored and read: 'float32' (exact), "
                                      "'bfloat16' or 'int8' (weight-only, per row)", choices=WEIGHTS)
 
@@ -206,8 +207,8 @@ def check_training(cfg):
                         f"needs --init_from=resume")
     if cfg['init_from'] == 'scratch':  # weights that trained before have a size that fitted
         # imported here: this table of settings loads none of the code that acts on them
-        from nanogpt_plus.device import resolve_device
         from nanogpt_plus.init_from import ModelSpec, check_new_model_fits
+        from nanogpt_plus.machine import resolve_device
         on_cpu = resolve_device(cfg['device']) == 'cpu'
         check_new_model_fits(cfg.select(ModelSpec), dataset=cfg['dataset'],
                              batch_size=cfg['batch_size'], attention=cfg['attention'],

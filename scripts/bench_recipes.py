@@ -55,8 +55,8 @@ import time
 # scripts/ is on sys.path
 from benchtools import cpu_model, run_checked, work_directory, write_jsonl_corpus
 from configurator import Group, Schema, Setting, configure
+from nanogpt_plus.checkpoint import snapshots
 from nanogpt_plus.metrics import read_metrics
-from nanogpt_plus.out_dir import snapshots
 from nanogpt_plus.runtime import run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -183,7 +183,7 @@ def matmul_floor(rounds=3, steps=40, threads=0, dataset='shakespeare_char'):
     from model import GPT, GPTConfig
     from nanogpt_plus.dataloader import TokenWindowLoader
     from nanogpt_plus.dataset import dataset_dir, read_dataset_meta
-    from nanogpt_plus.hardware import measured_matmul_flops
+    from nanogpt_plus.machine import measured_matmul_flops
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(1337)

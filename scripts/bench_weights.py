@@ -33,7 +33,7 @@ from model import GPT, GPTConfig
 from nanogpt_plus.engine import generate
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.runtime import run_main
-from nanogpt_plus.weights import block_matrices, can_pack, set_weights
+from nanogpt_plus.weight_formats import block_matrices, can_pack, set_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ('speed', 'startup', 'process', 'quality')

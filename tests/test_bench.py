@@ -12,8 +12,8 @@ import torch
 import bench
 from helpers import REPO, iter_losses, run_python, train_args
 from model import GPT, GPTConfig
-from nanogpt_plus import threads
-from nanogpt_plus.threads import ThreadRetuner, thread_candidates, tune_cpu_threads
+from nanogpt_plus import machine
+from nanogpt_plus.machine import ThreadRetuner, thread_candidates, tune_cpu_threads
 
 TINY = ['--device=cpu', '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=4',
         '--burnin=2', '--steps=4', '--num_threads=1']
@@ -53,7 +53,7 @@ def test_cpu_mfu_is_against_the_cpu_peak(capsys, monkeypatch):
     bench.main(TINY + ['--real_data=False', '--fused=False'])
     out = capsys.readouterr().out
     assert 'using fused AdamW: False' in out
-    from nanogpt_plus.hardware import cpu_peak, cpu_peak_flops
+    from nanogpt_plus.machine import cpu_peak, cpu_peak_flops
     m = re.search(r"of ([\d.]+) TFLOP/s peak \(cpu, float32, (\d+) cores, 1 threads used\)", out)
     cores = int(m.group(2))
     assert cores == torch.get_num_threads()  # every core torch uses by default, not just the 1 used
@@ -207,7 +207,7 @@ def test_train_retunes_threads_only_in_auto_mode(tiny_dataset, tmp_path, monkeyp
         made[-1].seen = []
         return made[-1]
 
-    monkeypatch.setattr(threads, 'ThreadRetuner', make)  # what train.py's thread choice makes
+    monkeypatch.setattr(machine, 'ThreadRetuner', make)  # what train.py's thread choice makes
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

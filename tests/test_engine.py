@@ -15,7 +15,7 @@ from nanogpt_plus.engine import (
     next_token_probs,
     sample_next_token,
 )
-from nanogpt_plus.weights import can_pack, set_weights
+from nanogpt_plus.weight_formats import can_pack, set_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -24,7 +24,8 @@ def peaky_model(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, se
                 weights='float32'):
     """
     A small random GPT whose logits are well separated, so greedy decoding has no near-ties. weights: its
-    matrices' format (nanogpt_plus/weights.py); 'packed' is float32 packed for oneDNN, as sample.py runs on a CPU.
+    matrices' format (nanogpt_plus/weight_formats.py); 'packed' is float32 packed for oneDNN, as sample.py
+    runs on a CPU.
     """
     torch.manual_seed(seed)
     model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,

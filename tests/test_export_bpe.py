@@ -29,8 +29,8 @@ from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.engine import generate
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.hf_export import export
+from nanogpt_plus.hf_import import HF_TOKENIZER_META
 from nanogpt_plus.init_from import init_model, model_from_checkpoint
-from nanogpt_plus.pretrained import HF_TOKENIZER_META
 from nanogpt_plus.tokenizer import load_tokenizer
 from test_finetune import SINGLE, config, make_task, val_accuracy
 

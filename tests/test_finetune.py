@@ -23,7 +23,7 @@ import helpers
 from configurator import ConfigError, Settings, parse_config
 from helpers import REPO, TORCHRUN, run_python, save_test_checkpoint
 from model import GPT, GPTConfig
-from nanogpt_plus import finetuning, saving
+from nanogpt_plus import finetuning
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.distributed import DistInfo
 from nanogpt_plus.errors import UserError
@@ -392,7 +392,7 @@ def test_a_failed_save_is_one_line_on_every_rank(tmp_path, monkeypatch):
         finetune.finetune(config(task='classification', init_from=src, out_dir=str(out), train_file=train,
                                  val_file=val, epochs=1, batch_size=8), SINGLE)
     # the weights are voted finite on every rank before anything is written
-    monkeypatch.setattr(saving, 'tensors_finite', lambda tensors: False)
+    monkeypatch.setattr('nanogpt_plus.checkpoint.tensors_finite', lambda tensors: False)
     with pytest.raises(UserError, match="weights are not finite at iter 2; not saving"):
         finetune.finetune(config(task='classification', init_from=src, out_dir=str(tmp_path / 'ft2'),
                                  train_file=train, val_file=val, epochs=1, batch_size=8), SINGLE)

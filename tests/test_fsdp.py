@@ -14,10 +14,16 @@ import torch
 
 from helpers import TORCHRUN, assert_losses_close, iter_losses, run_python, train_args
 from model import GPT, GPTConfig
+from nanogpt_plus import hf_import
 from nanogpt_plus.checkpoint import load_checkpoint, save_checkpoint
-from nanogpt_plus.distributed import DistInfo
+from nanogpt_plus.distributed import (
+    DistInfo,
+    full_state_dicts,
+    load_optimizer_state,
+    mixed_precision_policy,
+    wrap_model,
+)
 from nanogpt_plus.init_from import model_from_checkpoint
-from nanogpt_plus.parallel import full_state_dicts, load_optimizer_state, mixed_precision_policy, wrap_model
 
 # 4 micro-batches per step = 2 per rank: exercises FSDP's gradient accumulation without sync
 args = functools.partial(train_args, gradient_accumulation_steps=4, max_iters=6, eval_interval=3, lr_decay_iters=6,
@@ -269,12 +275,11 @@ def test_a_pretrained_model_on_meta_reads_only_its_config(tmp_path, monkeypatch)
     """ FSDP's ranks other than 0 and a Hugging Face directory (or gpt2*): config.json only, no weights read. """
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from nanogpt_plus import pretrained
     from nanogpt_plus.init_from import init_model
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=60)).save_pretrained(
         tmp_path / 'hf')
     real, _, _ = init_model(str(tmp_path / 'hf'))
-    monkeypatch.setattr(pretrained, 'read_tensors', lambda path: pytest.fail(f"rank >0 read the weights {path}"))
+    monkeypatch.setattr(hf_import, 'read_tensors', lambda path: pytest.fail(f"rank >0 read the weights {path}"))
     meta, tokenizer_meta, _ = init_model(str(tmp_path / 'hf'), on_meta=True)
     assert meta.config == real.config and tokenizer_meta == {'kind': 'gpt2'}
     assert all(t.is_meta for t in meta.parameters()) and meta.lm_head.weight is meta.transformer.wte.weight
@@ -284,8 +289,8 @@ def test_a_pretrained_model_on_meta_reads_only_its_config(tmp_path, monkeypatch)
 def meta_worker(rank, init_file, out_dir, source):
     import torch.distributed as dist
 
+    from nanogpt_plus.distributed import shard_model
     from nanogpt_plus.init_from import ModelSpec, fit_block_size, init_model, scratch_model
-    from nanogpt_plus.parallel import shard_model
     torch.set_num_threads(1)
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
     try:

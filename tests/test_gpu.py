@@ -36,7 +36,7 @@ from helpers import TINY_VOCAB as VOCAB
 from model import GPT, GPTConfig
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.engine import KVCache, generate
-from nanogpt_plus.hardware import gpu_peak_flops
+from nanogpt_plus.machine import gpu_peak_flops
 from nanogpt_plus.metrics import read_metrics
 from test_distributed import start, stop, wait_for_line, workers_of
 from test_inloop_eval import HELLASWAG_LINE, SYMBOLS, hellaswag_lines, run_eval_script

@@ -31,7 +31,7 @@ def imports_of(path, known):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            # `from nanogpt_plus import threads` imports nanogpt_plus.threads
+            # `from nanogpt_plus import machine` imports nanogpt_plus.machine
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         else:
             continue
@@ -163,9 +163,9 @@ def test_no_long_line_ends_in_a_comment():
 
 
 # the package modules nanoGPT's laptop command runs on (README's map shows them in bold): nothing it does not use
-DEFAULT_PATH = {'errors', 'settings', 'runtime', 'signals', 'distributed', 'device', 'hardware', 'threads', 'files',
-                'shards', 'dataset', 'dataloader', 'checkpoint', 'init_from', 'out_dir', 'saving', 'parallel',
-                'optimizer', 'metrics', 'progress'}
+DEFAULT_PATH = {'errors', 'settings', 'runtime', 'signals', 'distributed', 'machine', 'files', 'shards',
+                'dataset', 'dataloader', 'checkpoint', 'init_from', 'out_dir', 'optimizer', 'metrics',
+                'progress'}
 
 
 def test_the_laptop_command_imports_only_the_modules_it_uses(tiny_dataset, tmp_path):

@@ -1,5 +1,5 @@
 """
-Fast model loading (checkpoint.loaded_model, nanogpt_plus/pretrained.py): a GPT built on the meta device and
+Fast model loading (checkpoint.loaded_model, nanogpt_plus/hf_import.py): a GPT built on the meta device and
 given a file's tensors equals the old random-init-then-copy_ model tensor for tensor (our ckpt.pt, nanoGPT's,
 fp16 files, Hugging Face directories read without transformers); what our GPT can't compute exactly is refused
 in one line; and a sampling run imports none of the heavy libraries it doesn't use.

@@ -14,7 +14,8 @@ from torch.nn import functional as F
 from torch.testing import assert_close
 
 from model import GPT, GPTConfig, fused_adamw_available
-from nanogpt_plus.hardware import cpu_peak_flops, device_peak_flops, gpu_peak_flops
+from nanogpt_plus import machine
+from nanogpt_plus.machine import cpu_peak_flops, device_peak_flops, gpu_peak_flops
 
 
 def tiny_config(**kw):
@@ -472,7 +473,7 @@ def test_cpu_peak_flops_and_env_override(monkeypatch):
     assert cpu_peak_flops(num_cores=2, clock_hz=3e9, vector_isa='avx2') == 2 * 3e9 * 32
     assert cpu_peak_flops(num_cores=4, clock_hz=2e9, vector_isa='avx512') == 4 * 2e9 * 64
     monkeypatch.delenv('NANOGPT_PEAK_FLOPS', raising=False)
-    from nanogpt_plus.hardware import cpu_peak
+    from nanogpt_plus.machine import cpu_peak
     peak = device_peak_flops('cpu')
     # the CPU's figure, never below the nominal one
     assert peak == cpu_peak()[0] and peak >= cpu_peak_flops()
@@ -484,20 +485,19 @@ def test_cpu_peak_flops_and_env_override(monkeypatch):
 def test_cpu_peak_is_never_below_what_a_matmul_reaches(monkeypatch):
     """ Virtual machines report the base clock; when the cores turbo past it, the nominal peak is too low
     and MFU would exceed 100%, so the peak is the larger of the nominal figure and a measured matmul. """
-    from nanogpt_plus import hardware
     monkeypatch.delenv('NANOGPT_PEAK_FLOPS', raising=False)
     nominal = cpu_peak_flops(2)
-    monkeypatch.setattr(hardware, 'measured_matmul_flops', lambda n: nominal * 1.5)
-    peak, how = hardware.cpu_peak(2)
+    monkeypatch.setattr(machine, 'measured_matmul_flops', lambda n: nominal * 1.5)
+    peak, how = machine.cpu_peak(2)
     assert peak == nominal * 1.5 and 'measured 1024^3 fp32 matmul' in how and '2 cores' in how
-    monkeypatch.setattr(hardware, 'measured_matmul_flops', lambda n: nominal * 0.5)
-    assert hardware.cpu_peak(2)[0] == nominal
-    monkeypatch.setattr(hardware, 'measured_matmul_flops', lambda n: 7e15)
+    monkeypatch.setattr(machine, 'measured_matmul_flops', lambda n: nominal * 0.5)
+    assert machine.cpu_peak(2)[0] == nominal
+    monkeypatch.setattr(machine, 'measured_matmul_flops', lambda n: 7e15)
     assert device_peak_flops('cpu') == 7e15
 
 
 def test_matmul_probe_leaves_threads_and_rng_alone():
-    from nanogpt_plus.hardware import measured_matmul_flops
+    from nanogpt_plus.machine import measured_matmul_flops
     threads = torch.get_num_threads()
     rng = torch.get_rng_state()
     measured_matmul_flops.cache_clear()

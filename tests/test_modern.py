@@ -41,7 +41,7 @@ from helpers import (
 )
 from model import GPT, MODERN, NANOGPT_MODEL_ARGS, GPTConfig, apply_rotary, rotary_tables
 from nanogpt_plus.checkpoint import load_checkpoint
-from nanogpt_plus.distributed import DistInfo
+from nanogpt_plus.distributed import DistInfo, load_optimizer_state
 from nanogpt_plus.engine import KVCache, generate, last_position_logits
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.finetuning import FinetuneModel, make_batch, model_from_finetune_checkpoint
@@ -57,9 +57,8 @@ from nanogpt_plus.optimizer import (
     orthogonalise,
     set_learning_rate,
 )
-from nanogpt_plus.parallel import load_optimizer_state
 from nanogpt_plus.tokenizer import CharTokenizer
-from nanogpt_plus.weights import set_weights
+from nanogpt_plus.weight_formats import set_weights
 
 # every option away from GPT-2's at once, for the models the tests build
 ALL_OPTIONS = dict(pos='rope', norm='rmsnorm', qk_norm=True, mlp_act='relu2', logit_softcap=1.5,

@@ -1,5 +1,5 @@
 """
-gpt2* names without a network (nanogpt_plus/pretrained.py): the local hub cache is read first, so a
+gpt2* names without a network (nanogpt_plus/hf_import.py): the local hub cache is read first, so a
 cached model loads offline; with HF_HUB_OFFLINE set nothing reaches for the network; without it, a
 hub that can't be reached is refused in one line at once instead of after huggingface_hub's ~25 s
 of retries; a reachable hub still downloads. The network is never touched: the probe is patched or
@@ -16,7 +16,7 @@ import torch
 
 from helpers import run_python
 from model import GPT, GPTConfig
-from nanogpt_plus import pretrained
+from nanogpt_plus import hf_import
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.init_from import init_model
 
@@ -82,14 +82,14 @@ def no_probe(monkeypatch):
     """ Any connection attempt fails the test. """
     def refuse(*args, **kwargs):
         pytest.fail("the network was reached for")
-    monkeypatch.setattr(pretrained.socket, 'create_connection', refuse)
+    monkeypatch.setattr(hf_import.socket, 'create_connection', refuse)
 
 
 def test_hf_hub_offline_reaches_for_nothing(hub_cache, monkeypatch):
     monkeypatch.setenv('HF_HUB_OFFLINE', '1')
     asked = no_download(monkeypatch)
     no_probe(monkeypatch)
-    monkeypatch.setattr(pretrained, 'hub_unreachable', lambda: pytest.fail("probed when offline"))
+    monkeypatch.setattr(hf_import, 'hub_unreachable', lambda: pytest.fail("probed when offline"))
     with pytest.raises(UserError) as e:
         init_model('gpt2')
     message = str(e.value)
@@ -104,7 +104,7 @@ def test_no_network_is_refused_at_once(hub_cache, online, monkeypatch):
     def no_route(address, timeout=None):  # what a machine without a network answers
         timeouts.append(timeout)
         raise socket.gaierror(-2, 'Name or service not known')
-    monkeypatch.setattr(pretrained.socket, 'create_connection', no_route)
+    monkeypatch.setattr(hf_import.socket, 'create_connection', no_route)
     start = time.perf_counter()
     with pytest.raises(UserError) as e:
         init_model('gpt2-medium')
@@ -130,16 +130,16 @@ def test_the_probe_connects_to_the_hub_or_its_proxy(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     port = closed_port()
     monkeypatch.setattr(huggingface_hub.constants, 'ENDPOINT', f'http://127.0.0.1:{port}')
-    assert pretrained.hub_address() == ('127.0.0.1', port)
-    assert pretrained.hub_unreachable().startswith(f"offline: no connection to 127.0.0.1:{port}, ")
+    assert hf_import.hub_address() == ('127.0.0.1', port)
+    assert hf_import.hub_unreachable().startswith(f"offline: no connection to 127.0.0.1:{port}, ")
     # behind a proxy, the proxy is what a download connects to
     monkeypatch.setenv('https_proxy', 'http://proxy.example:3128')
-    assert pretrained.hub_address() == ('proxy.example', 3128)
+    assert hf_import.hub_address() == ('proxy.example', 3128)
     with socket.socket() as server:  # a listening port: reachable
         server.bind(('127.0.0.1', 0))
         server.listen(1)
         monkeypatch.setenv('https_proxy', f'http://127.0.0.1:{server.getsockname()[1]}')
-        assert pretrained.hub_unreachable() is None
+        assert hf_import.hub_unreachable() is None
 
 
 @pytest.mark.parametrize('offline', [True, False])
@@ -174,7 +174,7 @@ def test_a_reachable_hub_still_downloads(hub_cache, online, tmp_path, monkeypatc
             raise LocalEntryNotFoundError("not cached")
         return str(tmp_path / 'remote' / filename)
     monkeypatch.setattr(huggingface_hub, 'hf_hub_download', download)
-    monkeypatch.setattr(pretrained, 'hub_unreachable', lambda: None)
+    monkeypatch.setattr(hf_import, 'hub_unreachable', lambda: None)
     init_model('gpt2-large')
     assert asked == [('config.json', True), ('config.json', False), ('model.safetensors', True),
                      ('pytorch_model.bin', True), ('model.safetensors', False)]

@@ -191,7 +191,8 @@ def contents(path):
 
 
 def test_run_files_are_the_training_scripts_names():
-    from nanogpt_plus.out_dir import BEST, CHECKPOINT, LOCK_NAME
+    from nanogpt_plus.checkpoint import BEST, CHECKPOINT
+    from nanogpt_plus.out_dir import LOCK_NAME
     assert LOCK_NAME in RUN_FILES and "metrics.jsonl" in RUN_FILES
     for name in (CHECKPOINT, BEST, "ckpt_2000.pt"):  # what check_out_dir's ckpt*.pt must match
         assert re.fullmatch(r"ckpt.*\.pt", name)

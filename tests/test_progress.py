@@ -12,7 +12,7 @@ from helpers import run_script, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus import progress
 from nanogpt_plus.distributed import DistInfo
-from nanogpt_plus.threads import choose_threads
+from nanogpt_plus.machine import choose_threads
 from nanogpt_plus.tokenizer import CharTokenizer
 
 SEP = '---------------'

@@ -1,5 +1,5 @@
 """
-nanogpt_plus.device's choices that depend on the GPU, checked on the CPU by standing in for torch.cuda, and
+nanogpt_plus.machine's choices that depend on the GPU, checked on the CPU by standing in for torch.cuda, and
 runtime.run_main's endings: exit codes, and the process group torn down once, by run_main.
 """
 from types import SimpleNamespace
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanogpt_plus.device import resolve_dtype
 from nanogpt_plus.errors import ConfigError, Interrupted, TokenizerError, UserError, exit_code
+from nanogpt_plus.machine import resolve_dtype
 from nanogpt_plus.runtime import run_main
 
 
@@ -87,7 +87,7 @@ def no_triton(monkeypatch):
 
 
 def test_compile_on_cuda_without_triton_runs_eager_or_is_refused(monkeypatch, capsys):
-    from nanogpt_plus.device import resolve_compile, triton_installed
+    from nanogpt_plus.machine import resolve_compile, triton_installed
     # auto compiles on CUDA where Triton is
     assert resolve_compile(None, 'cuda', triton=True) is True
     no_triton(monkeypatch)
@@ -109,7 +109,7 @@ def test_compile_on_cuda_without_triton_runs_eager_or_is_refused(monkeypatch, ca
 def test_float16_training_on_mps_is_refused_in_one_line(monkeypatch, tmp_path, capsys, tiny_dataset):
     import train
     from helpers import train_args
-    from nanogpt_plus.device import compute_setup
+    from nanogpt_plus.machine import compute_setup
     with pytest.raises(UserError, match=r"^--dtype=float16 training on MPS is not supported"):
         compute_setup('mps', 'float16', None, num_threads=1, peak=False)
     # train.py on a Mac: MPS there, float16 asked for; refused before the model is built

@@ -21,14 +21,13 @@ import train
 from configurator import parse_config
 from helpers import iter_losses, run_script, start_python, train_args
 from model import GPTConfig
-from nanogpt_plus import device
-from nanogpt_plus.checkpoint import load_checkpoint
+from nanogpt_plus import machine
+from nanogpt_plus.checkpoint import Checkpointer, load_checkpoint
 from nanogpt_plus.dataloader import open_tokens
 from nanogpt_plus.distributed import DistInfo
 from nanogpt_plus.errors import UserError, non_finite_loss
 from nanogpt_plus.init_from import check_model_memory
 from nanogpt_plus.prepare.corpus import expand_files, prepare_corpus
-from nanogpt_plus.saving import Checkpointer
 from nanogpt_plus.signals import GracefulExit
 from test_finetune import make_source, make_task
 
@@ -172,19 +171,19 @@ def test_a_first_step_that_cant_fit_is_refused_before_anything_is_built(monkeypa
 
 def test_the_free_memory_figure_is_pinned_in_tests_and_can_be_set(monkeypatch):
     # the suite's own pin (conftest): the GPT-2 default config passes whatever else the machine runs
-    assert device.available_host_memory() == 64 * 2**30
+    assert machine.available_host_memory() == 64 * 2**30
     train.check_settings(parse_config(train.DEFAULTS, ["--device=cpu"]))
     monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', '2.5')
-    assert device.available_host_memory() == int(2.5 * 2**30)
+    assert machine.available_host_memory() == int(2.5 * 2**30)
     with pytest.raises(UserError, match=r"this machine has 2.5 GiB free"):
         train.check_settings(parse_config(train.DEFAULTS, ["--device=cpu"]))
     for bad in ('lots', 'nan', '1e999', '-5'):
         monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', bad)
         with pytest.raises(UserError, match=f"NANOGPT_FREE_MEMORY_GIB='{bad}' is not a number of GiB"):
-            device.available_host_memory()
+            machine.available_host_memory()
     # unset: the machine's own figure (Linux), or None
     monkeypatch.delenv('NANOGPT_FREE_MEMORY_GIB')
-    assert device.available_host_memory() is None or device.available_host_memory() > 0
+    assert machine.available_host_memory() is None or machine.available_host_memory() > 0
 
 
 def test_a_jsonl_text_that_is_not_a_string_is_one_line(tmp_path):
@@ -230,9 +229,9 @@ def test_files_an_earlier_preparation_left_are_removed(tmp_path):
 # the smaller ones
 
 def test_a_nan_before_any_save_does_not_speak_of_a_kept_checkpoint(tmp_path):
-    assert "no checkpoint had been saved to" in str(non_finite_loss(float('nan'), 0, str(tmp_path)))
+    assert "no checkpoint had been saved to" in str(non_finite_loss(float('nan'), 0, str(tmp_path / 'ckpt.pt')))
     torch.save({}, tmp_path / 'ckpt.pt')
-    assert "the last good checkpoint in" in str(non_finite_loss(float('nan'), 5, str(tmp_path)))
+    assert "the last good checkpoint in" in str(non_finite_loss(float('nan'), 5, str(tmp_path / 'ckpt.pt')))
 
 
 def test_a_missing_dataset_given_as_a_path_hints_no_prepare_script(tmp_path):

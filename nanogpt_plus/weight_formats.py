@@ -20,7 +20,7 @@ matrix (tied), so it is looked up in the same rounded weights; the position embe
 converted model has no gradients and is never saved.
 
 Usage:
-    from nanogpt_plus.weights import set_weights
+    from nanogpt_plus.weight_formats import set_weights
     model.eval()
     set_weights(model, 'int8', vocab_size=50257)   # vocab_size: score only the tokenizer's real ids
 """
