@@ -1,15 +1,17 @@
 """
-Time the training step (forward, backward, optimizer) of any model size and batch on CPU, CUDA or MPS,
-as nanoGPT's bench.py does, with the model, data loader, optimizer and step of train.py: the same
-nanogpt_plus pieces build them (checkpoint.init_model makes the model, as train.py --init_from=scratch).
+Time the training step (forward, backward, optimizer) of any model size and batch on CPU, CUDA or
+MPS, as nanoGPT's bench.py does, with the model, data loader, optimizer and step of train.py: the
+same nanogpt_plus pieces build them (checkpoint.init_model makes the model, as train.py
+--init_from=scratch).
 
 Simple mode: burn-in steps, then timed steps; prints each step's loss and then
     time per iteration: Xms, MFU: Y%
-plus the median step time, tokens/s, and `peak memory: X MiB (what was measured, ...)`. MFU is measured
-against the peak FLOP/s of the device actually used (hardware.device_peak_flops; override with
+plus the median step time, tokens/s, and `peak memory: X MiB (what was measured, ...)`. MFU is
+measured against the peak FLOP/s of the device actually used (hardware.device_peak_flops; override
+with
 NANOGPT_PEAK_FLOPS=<FLOP/s>).
-Profiler mode (--profile=True): a torch.profiler trace in profile_dir (open it in chrome://tracing or
-TensorBoard) and a table of the most expensive ops.
+Profiler mode (--profile=True): a torch.profiler trace in profile_dir (open it in chrome://tracing
+or TensorBoard) and a table of the most expensive ops.
 
 Usage:
 $ python bench.py                                             # GPT-2 124M, 12 x 1024, auto device/dtype
@@ -96,7 +98,9 @@ DEFAULTS = Schema(
 
 
 def synchronize(device):
-    """ Wait for the device to finish queued work (a no-op on the CPU, which runs synchronously). """
+    """
+    Wait for the device to finish queued work (a no-op on the CPU, which runs synchronously).
+    """
     device_type = device_type_of(device)
     if device_type == 'cuda':
         torch.cuda.synchronize(device)
@@ -106,9 +110,9 @@ def synchronize(device):
 
 def peak_memory(device):
     """
-    (label, bytes): the allocator's peak on CUDA (torch.cuda.max_memory_allocated), the driver's allocation on
-    MPS, the peak resident set size of the whole process on the CPU (ru_maxrss: it can't be reset, so compare
-    configurations in separate bench.py processes).
+    (label, bytes): the allocator's peak on CUDA (torch.cuda.max_memory_allocated), the driver's
+    allocation on MPS, the peak resident set size of the whole process on the CPU (ru_maxrss: it
+    can't be reset, so compare configurations in separate bench.py processes).
     """
     device_type = device_type_of(device)
     if device_type == 'cuda':
@@ -120,7 +124,10 @@ def peak_memory(device):
 
 
 def check_settings(cfg):
-    """ Every setting, before anything is built: train.py's rules for the model, data and step, plus the timing. """
+    """
+    Every setting, before anything is built: train.py's rules for the model, data and step, plus the
+    timing.
+    """
     DEFAULTS.check(cfg)
     check_model_shape(cfg['n_embd'], cfg['n_head'], cfg['pos'])
     if cfg['profile']:  # now, not after the benchmark: a file in the way, or a dataset's directory
@@ -134,13 +141,19 @@ def main(argv=None):
     device_type = device_type_of(device)
     torch.manual_seed(cfg['seed'])
     device_threads = torch.get_num_threads()  # the CPU's peak is for these (every core by default)
-    dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg['dtype'], cfg['compile'], cfg['num_threads'])
+    dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg['dtype'], cfg['compile'],
+                                                          cfg['num_threads'])
 
     # the data before the model, so a missing dataset is reported before anything is built
     loader = None
     if cfg['real_data']:
-        loader = TokenWindowLoader(split_files(cfg['dataset'], 'train'), cfg['batch_size'], cfg['block_size'],
-                                   seed=cfg['seed'], device=device, dataset=cfg['dataset'], order=cfg['data_order'])
+        loader = TokenWindowLoader(split_files(cfg['dataset'], 'train'),
+                                   cfg['batch_size'],
+                                   cfg['block_size'],
+                                   seed=cfg['seed'],
+                                   device=device,
+                                   dataset=cfg['dataset'],
+                                   order=cfg['data_order'])
     model = bench_model(cfg)
     if loader is not None:
         # an id the model has no embedding for: one line
@@ -148,8 +161,8 @@ def main(argv=None):
     model.set_attention(cfg['attention'])
     model.set_activation_checkpointing(cfg['activation_checkpointing'])
     model.to(device)
-    next_batch = loader.next_batch if loader else random_batches(cfg['batch_size'], cfg['block_size'],
-                                                                 model.config.vocab_size, device)
+    next_batch = loader.next_batch if loader else random_batches(
+        cfg['batch_size'], cfg['block_size'], model.config.vocab_size, device)
     X, Y = next_batch()
     if device_type == 'cpu' and cfg['num_threads'] == 0:
         threads, timings = tune_cpu_threads(model, X, Y, ctx)
@@ -164,7 +177,8 @@ def main(argv=None):
     model = wrap_model(model, None, compile_model)
     print("provenance: " + str(dict(provenance(device), dtype=dtype, compile=compile_model,
                                     gelu=raw_model.config.gelu, **raw_model.config.modern())))
-    step = functools.partial(train_step, model, optimizer, scaler, ctx, next_batch, cfg['grad_clip'])
+    step = functools.partial(train_step, model, optimizer, scaler, ctx, next_batch,
+                             cfg['grad_clip'])
 
     if cfg['profile']:
         profile(step, X, Y, cfg['burnin'], cfg['profile_dir'], device_type)
@@ -178,8 +192,9 @@ def main(argv=None):
 
 def bench_model(cfg):
     """
-    The GPT to time, built as train.py builds a new one for the same settings (checkpoint.init_model): with
-    the dataset's vocabulary for real data, GPT-2's (padded to 50304) for random tokens, which have no dataset.
+    The GPT to time, built as train.py builds a new one for the same settings
+    (checkpoint.init_model): with the dataset's vocabulary for real data, GPT-2's (padded to 50304)
+    for random tokens, which have no dataset.
     """
     spec = cfg.select(ModelSpec)
     if cfg['real_data']:
@@ -190,7 +205,10 @@ def bench_model(cfg):
 
 
 def random_batches(batch_size, block_size, vocab_size, device):
-    """ A next_batch() of uniformly random tokens (targets: the inputs shifted by one), for --real_data=False. """
+    """
+    A next_batch() of uniformly random tokens (targets: the inputs shifted by one), for
+    --real_data=False.
+    """
     def next_batch():
         x = torch.randint(vocab_size, (batch_size, block_size), device=device)
         return x, torch.roll(x, -1, dims=1)
@@ -198,7 +216,9 @@ def random_batches(batch_size, block_size, vocab_size, device):
 
 
 def train_step(model, optimizer, scaler, ctx, next_batch, grad_clip, X, Y):
-    """ train.py's step with one micro-batch; returns (the loss of X, Y as a tensor, the next batch). """
+    """
+    train.py's step with one micro-batch; returns (the loss of X, Y as a tensor, the next batch).
+    """
     with ctx:
         _, loss = model(X, Y)
     X, Y = next_batch()  # the next batch, fetched while an accelerator works on this one
@@ -209,8 +229,9 @@ def train_step(model, optimizer, scaler, ctx, next_batch, grad_clip, X, Y):
 
 def profile(step, X, Y, burnin, profile_dir, device_type):
     """
-    burnin steps outside the profiler's view, then its schedule: 5 steps skipped, 5 of warm-up (recorded and
-    thrown away), 5 recorded. Writes a TensorBoard/Chrome trace to profile_dir and prints the top ops.
+    burnin steps outside the profiler's view, then its schedule: 5 steps skipped, 5 of warm-up
+    (recorded and thrown away), 5 recorded. Writes a TensorBoard/Chrome trace to profile_dir and
+    prints the top ops.
     """
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device_type == 'cuda':
@@ -242,8 +263,9 @@ def profile(step, X, Y, burnin, profile_dir, device_type):
 
 def time_steps(step, X, Y, burnin, steps, device):
     """
-    burnin untimed steps (compilation, allocator and caches warm up), then `steps` timed ones, each between
-    two device synchronisations so the time is that step's alone; returns the timed steps' seconds.
+    burnin untimed steps (compilation, allocator and caches warm up), then `steps` timed ones, each
+    between two device synchronisations so the time is that step's alone; returns the timed steps'
+    seconds.
     """
     times = []
     for timed, num_steps in ((False, burnin), (True, steps)):
@@ -260,7 +282,10 @@ def time_steps(step, X, Y, burnin, steps, device):
 
 
 def report(times, model, batch_size, peak_flops, device, dtype, device_threads):
-    """ nanoGPT's `time per iteration` line (mean step time), then the median, tokens/s and the peak memory. """
+    """
+    nanoGPT's `time per iteration` line (mean step time), then the median, tokens/s and the peak
+    memory.
+    """
     tokens_per_iter = batch_size * model.config.block_size
     dt = sum(times) / len(times)
     dt_median = statistics.median(times)
@@ -271,11 +296,13 @@ def report(times, model, batch_size, peak_flops, device, dtype, device_threads):
     if device_type_of(device) == 'cpu' and not os.environ.get('NANOGPT_PEAK_FLOPS'):
         cpu_cores = f", {device_threads} cores, {torch.get_num_threads()} threads used"
         print(f"cpu peak: {cpu_peak(device_threads)[1]}")
-    print(f"median time per iteration: {dt_median*1000:.4f}ms, tokens/s: {tokens_per_iter / dt_median:,.0f}, "
-          f"MFU (median): {model.estimate_mfu(batch_size, dt_median, peak_flops=peak_flops)*100:.2f}% "
-          f"of {peak_flops/1e12:.4g} TFLOP/s peak ({device}, {dtype}{cpu_cores}), "
-          f"{mem_label}: {mem_bytes / 2**20:,.0f} MiB")
-    # the same peak on a line of its own, with what it depends on most (compare two bench.py processes)
+    print(
+        f"median time per iteration: {dt_median*1000:.4f}ms, tokens/s: {tokens_per_iter / dt_median:,.0f}, "
+        f"MFU (median): {model.estimate_mfu(batch_size, dt_median, peak_flops=peak_flops)*100:.2f}% "
+        f"of {peak_flops/1e12:.4g} TFLOP/s peak ({device}, {dtype}{cpu_cores}), "
+        f"{mem_label}: {mem_bytes / 2**20:,.0f} MiB")
+    # the same peak on a line of its own, with what it depends on most (compare two bench.py
+    # processes)
     print(f"peak memory: {mem_bytes / 2**20:,.0f} MiB ({mem_label}, "
           f"activation_checkpointing={model.activation_checkpointing})")
 

@@ -1,18 +1,19 @@
 """
 Settings for every entry point, with nanoGPT's command-line UX (its "Poor Man's Configurator") made
-strict. A script declares its settings as a Schema (each Setting with its default, type, allowed values and
-a one-line help; nanogpt_plus/settings.py holds them all) and calls configure():
+strict. A script declares its settings as a Schema (each Setting with its default, type, allowed
+values and a one-line help; nanogpt_plus/settings.py holds them all) and calls configure():
 
 $ python train.py config/train_shakespeare_char.py --device=cpu --max_iters=200
 $ python train.py --help          # the script's doc, then every setting with its default and help
 
-A config file is plain Python whose top-level assignments override the defaults; then each --key=value
-overrides again (values parsed with ast.literal_eval, else kept as strings). Unlike nanoGPT, nothing is
-exec'd into the caller's globals, an unknown key or a value of the wrong type (None included, where the
-setting has no "None" meaning) is an error that names it, and errors end in one sentence and exit code 2
-instead of a traceback. The result is a dict of every setting whose `given` attribute says which ones a
-config file or the command line set (a resumed run keeps the checkpoint's architecture for the rest).
-A plain dict of defaults works too (the scripts in scripts/): each value then keeps its default's type.
+A config file is plain Python whose top-level assignments override the defaults; then each
+--key=value overrides again (values parsed with ast.literal_eval, else kept as strings). Unlike
+nanoGPT, nothing is exec'd into the caller's globals, an unknown key or a value of the wrong type
+(None included, where the setting has no "None" meaning) is an error that names it, and errors end
+in one sentence and exit code 2 instead of a traceback. The result is a dict of every setting whose
+`given` attribute says which ones a config file or the command line set (a resumed run keeps the
+checkpoint's architecture for the rest). A plain dict of defaults works too (the scripts in
+scripts/): each value then keeps its default's type.
 
 Usage:
     from configurator import Schema, Setting, configure
@@ -34,8 +35,9 @@ from nanogpt_plus.errors import ConfigError, UserError
 
 class Settings(dict):
     """
-    The settings of a run: a plain dict (dict(settings) and saving it give one) plus `given`, the frozenset
-    of keys a config file or a --key=value set, so a script can tell a choice from a default.
+    The settings of a run: a plain dict (dict(settings) and saving it give one) plus `given`, the
+    frozenset of keys a config file or a --key=value set, so a script can tell a choice from a
+    default.
     """
 
     def __init__(self, values, given=()):
@@ -44,8 +46,9 @@ class Settings(dict):
 
     def select(self, spec):
         """
-        The values of one topic: spec is a dataclass whose fields are named as settings (a data spec, an LR
-        schedule), built from those settings alone. A component is handed this, never the whole settings.
+        The values of one topic: spec is a dataclass whose fields are named as settings (a data
+        spec, an LR schedule), built from those settings alone. A component is handed this, never
+        the whole settings.
         """
         return spec(**{f.name: self[f.name] for f in dataclasses.fields(spec)})
 
@@ -59,10 +62,10 @@ class Settings(dict):
 
 class Setting:
     """
-    One setting: its default, a one-line help, and what it accepts. kind: its type (the default's unless
-    given; an int is accepted where a float is expected); none_ok: None is a value of its own ("auto", "all",
-    "off"; True when the default is None); choices: the allowed values; low/high: bounds (open with
-    low_open/high_open); not_empty: a string that must not be blank.
+    One setting: its default, a one-line help, and what it accepts. kind: its type (the default's
+    unless given; an int is accepted where a float is expected); none_ok: None is a value of its own
+    ("auto", "all", "off"; True when the default is None); choices: the allowed values; low/high:
+    bounds (open with low_open/high_open); not_empty: a string that must not be blank.
     """
 
     def __init__(self, default, help, kind=None, choices=None, low=None, high=None, low_open=False,
@@ -90,7 +93,10 @@ class Setting:
         return self.kind.__name__ + (" or None" if self.none_ok else "")
 
     def convert(self, key, value, source):
-        """ value as this setting's kind (an int becomes a float where a float is expected), or a ConfigError. """
+        """
+        value as this setting's kind (an int becomes a float where a float is expected), or a
+        ConfigError.
+        """
         if value is None and self.none_ok:
             return value
         if self.kind is float and type(value) is int:
@@ -114,11 +120,14 @@ class Setting:
             return None
         if self.not_empty and not str(value).strip():
             return f"{key} must not be empty; pass --{key}=<a name>"
-        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
-        too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        too_low = self.low is not None and (value <= self.low
+                                            if self.low_open else value < self.low)
+        too_high = self.high is not None and (value >= self.high
+                                              if self.high_open else value > self.high)
         if too_low or too_high:
-            return (f"{key} must be {self._describe_range()}, got {value!r}; change --{key} (or the config file that "
-                    f"sets it)")
+            return (
+                f"{key} must be {self._describe_range()}, got {value!r}; change --{key} (or the config file that "
+                f"sets it)")
         return None
 
     def _choice_message(self, key, value):
@@ -137,7 +146,9 @@ class Setting:
 
 
 class Group(dict):
-    """ Settings that belong together, in the order --help lists them: {name: Setting} with a title. """
+    """
+    Settings that belong together, in the order --help lists them: {name: Setting} with a title.
+    """
 
     def __init__(self, title, **settings):
         super().__init__(settings)
@@ -146,9 +157,10 @@ class Group(dict):
 
 class Schema(dict):
     """
-    An entry point's settings, composed of groups: {name: default} (what a DEFAULTS dict always was, so
-    dict(schema) gives the plain defaults) plus `specs`, {name: Setting}. Keyword arguments give this entry
-    point's own default of a setting (a plain value) or its own Setting (another meaning or range).
+    An entry point's settings, composed of groups: {name: default} (what a DEFAULTS dict always was,
+    so dict(schema) gives the plain defaults) plus `specs`, {name: Setting}. Keyword arguments give
+    this entry point's own default of a setting (a plain value) or its own Setting (another meaning
+    or range).
     """
 
     def __init__(self, *groups, **own):
@@ -168,7 +180,10 @@ class Schema(dict):
         self.specs = specs
 
     def check(self, cfg):
-        """ Every value of cfg against its Setting (type, None, choices, range): the first problem as a UserError. """
+        """
+        Every value of cfg against its Setting (type, None, choices, range): the first problem as a
+        UserError.
+        """
         for key, value in cfg.items():
             spec = self.specs.get(key)
             message = spec.problem(key, value) if spec is not None else None
@@ -176,7 +191,9 @@ class Schema(dict):
                 raise UserError(message)
 
     def describe(self):
-        """ --help's list: per group, each setting with its default, and its help on the line below. """
+        """
+        --help's list: per group, each setting with its default, and its help on the line below.
+        """
         width = max(len(k) for k in self)
         lines = []
         for title, names in self.sections:
@@ -193,7 +210,10 @@ def _closest(key, valid):
 
 
 def _check_type(key, value, defaults, source):
-    """ value if it fits the setting's type (its Setting's kind, else the plain default's), else a ConfigError. """
+    """
+    value if it fits the setting's type (its Setting's kind, else the plain default's), else a
+    ConfigError.
+    """
     specs = getattr(defaults, 'specs', None)
     if specs is not None:
         return specs[key].convert(key, value, source)
@@ -204,7 +224,8 @@ def _check_type(key, value, defaults, source):
     if expected is float and type(value) is int:
         return float(value)
     if type(value) is not expected:
-        raise ConfigError(f"{source}: {key} expects {expected.__name__}, got {type(value).__name__} ({value!r})")
+        raise ConfigError(
+            f"{source}: {key} expects {expected.__name__}, got {type(value).__name__} ({value!r})")
     return value
 
 
@@ -217,21 +238,25 @@ def _read_config_file(path):
         with open(path, encoding="utf-8") as f:
             source = f.read()
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except OSError as e:
         raise ConfigError(f"config file {path} could not be read ({e.strerror or e})") from None
     namespace = {"__file__": os.path.abspath(path), "__name__": "__config__"}
     real_exit = os._exit
-    # os._exit would end the process at once, exit code 0 and no word: while the file runs it is sys.exit's
+    # os._exit would end the process at once, exit code 0 and no word: while the file runs it is
+    # sys.exit's
     os._exit = sys.exit
     try:
         exec(compile(source, path, "exec"), namespace)
     except SyntaxError as e:
-        raise ConfigError(f"config file {path} has a syntax error on line {e.lineno}: {e.msg}") from None
+        raise ConfigError(
+            f"config file {path} has a syntax error on line {e.lineno}: {e.msg}") from None
     # sys.exit() or exit() in a config file must not end the run as if it had finished
     except SystemExit as e:
-        raise ConfigError(f"config file {path} calls exit() on line {_failing_line(e, path)}; a config file only "
-                          f"assigns settings: remove that call") from None
+        raise ConfigError(
+            f"config file {path} calls exit() on line {_failing_line(e, path)}; a config file only "
+            f"assigns settings: remove that call") from None
     # NameError, ImportError, ZeroDivisionError, ...: the file's own code failed
     except Exception as e:
         raise ConfigError(f"config file {path} failed on line {_failing_line(e, path)} "
@@ -239,12 +264,17 @@ def _read_config_file(path):
     finally:
         os._exit = real_exit
     # keep plain settings; skip imports, helpers and dunders
-    return source, {k: v for k, v in namespace.items()
-                    if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
+    return source, {
+        k: v
+        for k, v in namespace.items()
+        if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))
+    }
 
 
 def _failing_line(error, path):
-    """ The line of the config file where error was raised (the deepest frame in that file), or '?'. """
+    """
+    The line of the config file where error was raised (the deepest frame in that file), or '?'.
+    """
     line = "?"
     tb = error.__traceback__
     while tb is not None:
@@ -256,8 +286,9 @@ def _failing_line(error, path):
 
 def _parse_value(text, kind):
     """
-    The value of --key=text: a Python literal where text is one (3, 1e-3, True, None, (0.9, 0.95), 'x'),
-    else text itself, so --device=cuda needs no quotes. A string setting (kind str) always gets a string:
+    The value of --key=text: a Python literal where text is one (3, 1e-3, True, None, (0.9, 0.95),
+    'x'), else text itself, so --device=cuda needs no quotes. A string setting (kind str) always
+    gets a string:
     --out_dir=123 means the directory '123'.
     """
     try:
@@ -271,7 +302,10 @@ def _parse_value(text, kind):
 
 
 def parse_config(defaults, argv):
-    """ defaults overridden by argv (config files and --key=value, in order) as Settings; raises ConfigError. """
+    """
+    defaults overridden by argv (config files and --key=value, in order) as Settings; raises
+    ConfigError.
+    """
     config = dict(defaults)
     given = set()
     for arg in argv:
@@ -315,8 +349,9 @@ def format_settings(defaults):
 
 def configure(defaults, argv=None, doc=None):
     """
-    parse_config on sys.argv[1:] for a script: -h/--help prints the doc and every setting with its default.
-    A ConfigError propagates; runtime.run_main, around every script's main(), prints it as one line, exit 2.
+    parse_config on sys.argv[1:] for a script: -h/--help prints the doc and every setting with its
+    default. A ConfigError propagates; runtime.run_main, around every script's main(), prints it as
+    one line, exit 2.
     """
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):

@@ -1,5 +1,6 @@
 """
-Zero-shot evaluation, GPT-2's thesis: a plain language model scored on tasks it was never trained for.
+Zero-shot evaluation, GPT-2's thesis: a plain language model scored on tasks it was never trained
+for.
 
 Tasks:
   loss       exact mean loss / perplexity over whole token files (the dataset's val.bin or val shards), in
@@ -15,7 +16,8 @@ Usage:
     python eval.py --init_from=gpt2 --task=lambada --data_file=lambada_test.jsonl --max_examples=500
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2 --task=hellaswag
 
-The last line printed is one line of JSON: {"task": ..., "metrics": {...}, "num_examples": ..., ...};
+The last line printed is one line of JSON: {"task": ..., "metrics": {...}, "num_examples": ...,
+...};
 --output_file=PATH writes the same JSON to a file (not over a checkpoint, a dataset's file or the --data_file
 unless --overwrite=True; an earlier result there is simply replaced).
 """
@@ -40,8 +42,8 @@ from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.settings import non_negative
 from nanogpt_plus.weight_formats import set_weights
 
-# the scoring is nanogpt_plus/evaluation.py's (one implementation, which other code calls in-process too);
-# this script reads the settings, loads the model, and prints or writes the result
+# the scoring is nanogpt_plus/evaluation.py's (one implementation, which other code calls in-process
+# too); this script reads the settings, loads the model, and prints or writes the result
 
 # -----------------------------------------------------------------------------
 # the settings and their defaults (`python eval.py --help` prints them with their help); a
@@ -81,33 +83,45 @@ DEFAULTS = Schema(
 
 
 def check_settings(cfg):
-    """ The mistakes that need no model, reported before one is loaded (stride vs block_size: once it is). """
+    """
+    The mistakes that need no model, reported before one is loaded (stride vs block_size: once it
+    is).
+    """
     DEFAULTS.check(cfg)
     if cfg['task'] not in TASKS:
         raise UserError(f"unknown task '{cfg['task']}'; use one of: {', '.join(TASKS)}")
     if cfg['output_file']:  # now, not after an evaluation that may take hours
-        check_output(cfg['output_file'], 'output_file', cfg['overwrite'], inputs={'data_file': cfg['data_file']},
+        check_output(cfg['output_file'],
+                     'output_file',
+                     cfg['overwrite'],
+                     inputs={'data_file': cfg['data_file']},
                      output_kind='eval result')
 
 
 def check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta, source):
     """
-    The loss of a model over another tokenizer's ids is a number that means nothing: refuse token files whose
-    dataset meta describes another tokenizer than the model's (train.py's check), unless the model's is only
-    guessed (a nanoGPT checkpoint whose dataset has no meta here: its files' meta is then the better guess).
+    The loss of a model over another tokenizer's ids is a number that means nothing: refuse token
+    files whose dataset meta describes another tokenizer than the model's (train.py's check), unless
+    the model's is only guessed (a nanoGPT checkpoint whose dataset has no meta here: its files'
+    meta is then the better guess).
     """
     if tokenizer_known(ckpt):
         paths = loss_files(cfg['data_file'], dataset, cfg['split'])
         data_dir = os.path.dirname(os.path.abspath(paths[0]))
-        check_dataset_tokenizer(data_dir, read_dataset_meta(data_dir), tokenizer_meta, source,
-                                remedy="evaluate it on token files made with its tokenizer (--dataset, --data_file)")
+        check_dataset_tokenizer(
+            data_dir,
+            read_dataset_meta(data_dir),
+            tokenizer_meta,
+            source,
+            remedy="evaluate it on token files made with its tokenizer (--dataset, --data_file)")
 
 
 def load_inputs(cfg):
     """
-    (model, tokenizer description, checkpoint, dataset, data file) of this rank: the model init_from names, the
-    dataset a loss is measured on (a checkpoint's own unless --dataset says otherwise; its token files must be
-    here, and speak the model's tokenizer), and a JSONL task's file (the public one downloaded once).
+    (model, tokenizer description, checkpoint, dataset, data file) of this rank: the model init_from
+    names, the dataset a loss is measured on (a checkpoint's own unless --dataset says otherwise;
+    its token files must be here, and speak the model's tokenizer), and a JSONL task's file (the
+    public one downloaded once).
     """
     data_file = cfg['data_file']
     if data_file and not os.path.exists(data_file):  # before the model is read
@@ -117,9 +131,11 @@ def load_inputs(cfg):
     if cfg['task'] == 'loss':
         missing = [p for p in loss_files(data_file, dataset, cfg['split']) if not os.path.exists(p)]
         if missing:
-            raise UserError(f"no token file at {missing[0]} on this machine; prepare the dataset, or pass "
-                            f"--dataset / --data_file")
-        check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta, describe_source(cfg['init_from'], cfg['out_dir']))
+            raise UserError(
+                f"no token file at {missing[0]} on this machine; prepare the dataset, or pass "
+                f"--dataset / --data_file")
+        check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta,
+                             describe_source(cfg['init_from'], cfg['out_dir']))
     else:
         data_file = task_data_file(cfg['task'], data_file)
     return model, tokenizer_meta, ckpt, dataset, data_file
@@ -135,8 +151,10 @@ def main():
     compile_model = resolve_compile(cfg['compile'], device_type_of(device))  # None = auto: on CUDA
     if dist_info.master:
         print(f"provenance: {json.dumps(provenance(device))}")
-    # what each rank reads (the model, the data), with one verdict: a node that lacks a file stops every rank
-    model, tokenizer_meta, ckpt, dataset, data_file = every_rank(dist_info, lambda: load_inputs(cfg))
+    # what each rank reads (the model, the data), with one verdict: a node that lacks a file stops
+    # every rank
+    model, tokenizer_meta, ckpt, dataset, data_file = every_rank(dist_info,
+                                                                 lambda: load_inputs(cfg))
     source = describe_source(cfg['init_from'], cfg['out_dir'])
     model.to(device)
     model.eval()

@@ -1,26 +1,29 @@
 """
 Export a trained model to a Hugging Face transformers directory: config.json, model.safetensors,
 generation_config.json and the tokenizer files, so that AutoModelForCausalLM / AutoTokenizer /
-pipeline("text-generation") load it offline. A model of GPT-2's architecture (ReLU^2 and an untied head
-included) exports as transformers' own GPT2LMHeadModel (Conv1D layout); one with rotary positions, RMSNorm,
-QK-norm or a logit soft cap as model_type 'nanogpt', its code beside it (modeling_nanogpt.py around an unchanged
-model.py), loaded with trust_remote_code=True. Tokenizer: GPT-2's files for GPT-2 BPE models, the model's own
-tokenizer.json for a bpe model (the one its dataset was prepared with), a small character tokenizer.json for a
-character-level model. Ids the model has beyond its tokenizer's (vocab_size padded to a multiple of 64) are
-never generated, by our sampler or by transformers (generation_config.json's suppress_tokens).
+pipeline("text-generation") load it offline. A model of GPT-2's architecture (ReLU^2 and an untied
+head included) exports as transformers' own GPT2LMHeadModel (Conv1D layout); one with rotary
+positions, RMSNorm, QK-norm or a logit soft cap as model_type 'nanogpt', its code beside it
+(modeling_nanogpt.py around an unchanged model.py), loaded with trust_remote_code=True. Tokenizer:
+GPT-2's files for GPT-2 BPE models, the model's own tokenizer.json for a bpe model (the one its
+dataset was prepared with), a small character tokenizer.json for a character-level model. Ids the
+model has beyond its tokenizer's (vocab_size padded to a multiple of 64) are never generated, by our
+sampler or by transformers (generation_config.json's suppress_tokens).
 
 Usage:
     python export_hf.py --out_dir=out --hf_dir=out/hf
     python -c "from transformers import pipeline; print(pipeline('text-generation', model='out/hf')('Hello')[0])"
     lm_eval --model hf --model_args pretrained=out/hf,trust_remote_code=True --tasks lambada_openai   # docs/export.md
 
-hf_dir may be new, empty or an earlier export (whose files are replaced); a directory holding a checkpoint, a
-dataset's files or other files, or the model's own directory, is refused unless --overwrite=True.
+hf_dir may be new, empty or an earlier export (whose files are replaced); a directory holding a
+checkpoint, a dataset's files or other files, or the model's own directory, is refused unless
+--overwrite=True.
 
-weights=bfloat16 stores the weights rounded to bfloat16 (half the file; config.json says so, and transformers
-loads them as bfloat16 unless told otherwise); the default float32 is exact.
+weights=bfloat16 stores the weights rounded to bfloat16 (half the file; config.json says so, and
+transformers loads them as bfloat16 unless told otherwise); the default float32 is exact.
 
-GPT-2's form maps the weights with model.hf_key_map, the same table GPT.from_pretrained imports with;
+GPT-2's form maps the weights with model.hf_key_map, the same table GPT.from_pretrained imports
+with;
 --init_from=out/hf reads either form back exactly (nanogpt_plus/hf_import.py).
 """
 
@@ -61,9 +64,14 @@ def main():
     DEFAULTS.check(cfg)
     check_export_weights(cfg['weights'])  # before the model is loaded
     hf_dir = cfg['hf_dir'] or os.path.join(cfg['out_dir'], 'hf')
-    # before the model is loaded: into a new or empty directory or an earlier export, not a checkpoint's or a
-    # dataset's directory, nor the model's own, nor one of other files (its README.md would be replaced)
-    check_output(hf_dir, 'hf_dir', cfg['overwrite'], kind='directory', inputs={'init_from': cfg['init_from']},
+    # before the model is loaded: into a new or empty directory or an earlier export, not a
+    # checkpoint's or a dataset's directory, nor the model's own, nor one of other files (its
+    # README.md would be replaced)
+    check_output(hf_dir,
+                 'hf_dir',
+                 cfg['overwrite'],
+                 kind='directory',
+                 inputs={'init_from': cfg['init_from']},
                  earlier=('config.json', 'model.safetensors'))
     model, tokenizer_meta, _ = init_model(cfg['init_from'], cfg['out_dir'])
     source = describe_source(cfg['init_from'], cfg['out_dir'])

@@ -7,7 +7,8 @@ JSONL file. Tasks and their JSONL fields: classification {"text", "label"}, enta
 "choices", "label"}; their input transformations, the labels and the learning rate:
 docs/finetuning.md.
 
-Fine-tune a model of train.py (its out_dir), GPT-2 or a local HF directory, texts in the model's tokenizer:
+Fine-tune a model of train.py (its out_dir), GPT-2 or a local HF directory, texts in the model's
+tokenizer:
 $ python finetune.py --task=classification --init_from=out-shakespeare-char-cpu --out_dir=out-ft \\
       --train_file=train.jsonl --val_file=val.jsonl
 $ python finetune.py config/finetune_classification.py --init_from=gpt2 --train_file=... --val_file=...
@@ -20,7 +21,8 @@ out_dir/ckpt.pt holds the best model (by val accuracy) with its head, label map,
 tokenizer, ckpt_last.pt the latest training state; the last line printed is JSON: {"task": ...,
 "val_acc": best val accuracy, ...}.
 """
-# first, before torch is imported (seconds): from here on a signal ends the run in one line, exit code 75 or 0
+# first, before torch is imported (seconds): from here on a signal ends the run in one line, exit
+# code 75 or 0
 from nanogpt_plus.signals import GracefulExit, early_exit_request
 
 EXIT_REQUEST = early_exit_request(__name__)
@@ -138,7 +140,10 @@ DEFAULTS = Schema(
 
 @dataclass
 class FinetuneRun:
-    """ What stays fixed while a fine-tune runs: settings, processes, model, optimizer, data and schedule. """
+    """
+    What stays fixed while a fine-tune runs: settings, processes, model, optimizer, data and
+    schedule.
+    """
     cfg: dict
     dist_info: object  # distributed.DistInfo
     task: str
@@ -164,7 +169,8 @@ class FinetuneRun:
 @dataclass
 class FinetuneState:
     """
-    Where a fine-tune is: the counters and the record of the epochs so far, which ckpt_last.pt saves and
+    Where a fine-tune is: the counters and the record of the epochs so far, which ckpt_last.pt saves
+    and
     --init_from=resume restores. last_loss and interrupted only live as long as the process.
     """
     epoch: int = 0
@@ -184,8 +190,13 @@ class FinetuneState:
 
     def saved(self):
         """ The keys ckpt_last.pt holds for from_checkpoint (iter_num is every checkpoint's). """
-        return {'epoch': self.epoch, 'step_in_epoch': self.step_in_epoch, 'best_val_acc': self.best_val_acc,
-                'best_epoch': self.best_epoch, 'history': self.history}
+        return {
+            'epoch': self.epoch,
+            'step_in_epoch': self.step_in_epoch,
+            'best_val_acc': self.best_val_acc,
+            'best_epoch': self.best_epoch,
+            'history': self.history
+        }
 
 
 def main():
@@ -206,9 +217,14 @@ def main():
     # the best model's predictions come after the training: their path is checked now
     if cfg['predict_file']:
         out_path = finetuning.predictions_path(cfg['predict_out'], cfg['out_dir'])
-        check_output(out_path, 'predict_out', cfg['overwrite'],
-                     inputs={k: cfg[k] for k in ('train_file', 'val_file', 'predict_file')}, output_kind='predictions')
-    # rank 0 holds out_dir/run.lock for the whole fine-tune; a new one over an earlier one's checkpoints needs
+        check_output(out_path,
+                     'predict_out',
+                     cfg['overwrite'],
+                     inputs={k: cfg[k]
+                             for k in ('train_file', 'val_file', 'predict_file')},
+                     output_kind='predictions')
+    # rank 0 holds out_dir/run.lock for the whole fine-tune; a new one over an earlier one's
+    # checkpoints needs
     # --overwrite=True (or continues it, with --init_from=resume, when its training state is there)
     guarded = [LAST_CKPT, BEST_CKPT] if cfg['init_from'] != 'resume' else []
     with claim_out_dir(cfg['out_dir'], dist_info, prepare=lambda: check_new_run(
@@ -219,30 +235,40 @@ def main():
 
 
 def check_settings(cfg):
-    """ Every setting, before any work: types, choices and ranges (settings.py), then the combinations and files. """
+    """
+    Every setting, before any work: types, choices and ranges (settings.py), then the combinations
+    and files.
+    """
     DEFAULTS.check(cfg)
     settings.check_model_shape(cfg['n_embd'], cfg['n_head'], cfg['pos'])
     if cfg['task'] and cfg['task'] not in finetuning.TASKS:
         raise UserError(f"unknown task '{cfg['task']}': use {', '.join(finetuning.TASKS)}")
     if cfg['weights'] != 'float32' and cfg['train_file']:
-        raise UserError(f"weights={cfg['weights']} is a format for predictions (--predict_file without --train_file); "
-                        f"fine-tuning trains float32 weights (--dtype=bfloat16 computes in bfloat16)")
+        raise UserError(
+            f"weights={cfg['weights']} is a format for predictions (--predict_file without --train_file); "
+            f"fine-tuning trains float32 weights (--dtype=bfloat16 computes in bfloat16)")
 
 
 def finetune(cfg, dist_info):
-    """ Fine-tune, evaluate after every epoch, keep the best model; returns the final result dict. """
+    """
+    Fine-tune, evaluate after every epoch, keep the best model; returns the final result dict.
+    """
     run, state = setup(cfg, dist_info)
     try:
         while state.epoch < cfg['epochs'] and not state.interrupted:
             run_epoch(run, state)
             if state.interrupted:
-                save_last(run, state, f"interrupted at epoch {state.epoch}, step {state.step_in_epoch}")
+                save_last(run, state,
+                          f"interrupted at epoch {state.epoch}, step {state.step_in_epoch}")
                 if run.dist_info.master:
-                    print(f"stopped cleanly; continue with --init_from=resume --out_dir={cfg['out_dir']} (exit 75)")
+                    print(
+                        f"stopped cleanly; continue with --init_from=resume --out_dir={cfg['out_dir']} (exit 75)"
+                    )
             else:
                 end_epoch(run, state)
     except torch.OutOfMemoryError:  # torch.cuda.OutOfMemoryError: one line that says what to change
-        raise out_of_memory_error(state.iter_num, run.checkpointer.path(LAST_CKPT), fsdp=False) from None
+        raise out_of_memory_error(state.iter_num, run.checkpointer.path(LAST_CKPT),
+                                  fsdp=False) from None
     finally:
         run.exit_request.uninstall()
         run.logger.close()
@@ -250,11 +276,17 @@ def finetune(cfg, dist_info):
 
 
 def setup(cfg, dist_info):
-    """ Everything the loop needs (FinetuneRun) and the state it starts from: new, or ckpt_last.pt's. """
+    """
+    Everything the loop needs (FinetuneRun) and the state it starts from: new, or ckpt_last.pt's.
+    """
     accum = accumulation_per_rank(cfg['gradient_accumulation_steps'], dist_info)
     device = dist_info.device
     resume = cfg['init_from'] == 'resume'
-    dtype, ctx, compile_model, _ = compute_setup(device, cfg['dtype'], cfg['compile'], num_threads=0, peak=False)
+    dtype, ctx, compile_model, _ = compute_setup(device,
+                                                 cfg['dtype'],
+                                                 cfg['compile'],
+                                                 num_threads=0,
+                                                 peak=False)
     # kept in the checkpoints
     run_provenance = dict(provenance(device), dtype=dtype, world_size=dist_info.world_size)
     if dist_info.master:
@@ -262,10 +294,12 @@ def setup(cfg, dist_info):
     if not cfg['task'] and not resume:  # (check_settings refused any other unknown task)
         raise UserError(f"unknown task '': pass --task=one of {', '.join(finetuning.TASKS)}")
 
-    # the model: the same initial weights on every rank (head, new embeddings), then per-rank dropout
+    # the model: the same initial weights on every rank (head, new embeddings), then per-rank
+    # dropout
     torch.manual_seed(cfg['seed'])
     gpt, tokenizer_meta, source = load_source(cfg)
-    # 0 = the rate for the source model's width, known only now; cfg (and so every checkpoint) keeps the number used
+    # 0 = the rate for the source model's width, known only now; cfg (and so every checkpoint) keeps
+    # the number used
     learning_rate, how = finetuning.resolve_learning_rate(
         cfg.select(finetuning.Recipe), gpt.config.n_embd, source if resume else None)
     cfg.update(learning_rate=learning_rate)
@@ -274,21 +308,27 @@ def setup(cfg, dist_info):
         print(f"learning rate {learning_rate:.4g} ({how})")
     task = cfg['task'] or source.get('task') if resume else cfg['task']
     if resume and task != source.get('task'):
-        raise UserError(f"--task={task} but the fine-tune in {cfg['out_dir']} is {source.get('task')}; "
-                        f"drop --task to resume it")
+        raise UserError(
+            f"--task={task} but the fine-tune in {cfg['out_dir']} is {source.get('task')}; "
+            f"drop --task to resume it")
     raw_model, special, tokenizer, data = finetuning.task_model_and_data(
         gpt, tokenizer_meta, source, task=task, spec=cfg.select(finetuning.TaskModelSpec),
         files=cfg.select(finetuning.TaskFiles))
     raw_model.to(device)
     if not cfg['val_file'] and dist_info.master:
-        print("warning: no --val_file; the model of the last epoch is kept and val_acc is null", file=sys.stderr)
+        print("warning: no --val_file; the model of the last epoch is kept and val_acc is null",
+              file=sys.stderr)
     torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank; data order does not
 
     optimizer = finetuning.configure_optimizers(raw_model, recipe, device_type_of(device))
     scaler = opt.make_grad_scaler(device_type_of(device), dtype)
     model = wrap_model(raw_model, dist_info, compile_model)
-    sampler = DistributedSampler(range(len(data.train_encoded)), num_replicas=dist_info.world_size,
-                                 rank=dist_info.rank, shuffle=True, seed=cfg['seed'], drop_last=False)
+    sampler = DistributedSampler(range(len(data.train_encoded)),
+                                 num_replicas=dist_info.world_size,
+                                 rank=dist_info.rank,
+                                 shuffle=True,
+                                 seed=cfg['seed'],
+                                 drop_last=False)
     schedule = finetuning.Schedule.for_run(len(sampler), recipe, accum)
     state = FinetuneState()
     if resume:
@@ -307,24 +347,27 @@ def setup(cfg, dist_info):
     source_name = source.get('source_model', cfg['init_from']) if resume else cfg['init_from']
     # ckpt.pt, ckpt_last.pt
     checkpointer = Checkpointer(cfg['out_dir'], dist_info, raw_model, optimizer)
-    return FinetuneRun(cfg, dist_info, task, raw_model, model, optimizer, scaler, ctx, data, special, tokenizer,
-                       tokenizer_meta, source_name, run_provenance, sampler, schedule, checkpointer, logger,
-                       EXIT_REQUEST or GracefulExit().install(), time.time()), state
+    return FinetuneRun(cfg, dist_info, task, raw_model, model, optimizer, scaler, ctx, data,
+                       special, tokenizer, tokenizer_meta, source_name, run_provenance, sampler,
+                       schedule, checkpointer, logger, EXIT_REQUEST or GracefulExit().install(),
+                       time.time()), state
 
 
 def load_source(cfg):
     """
-    (gpt, tokenizer description, source checkpoint or {}) for init_from, before the special tokens: init_model's,
-    with the model settings for scratch (and the dataset's tokenizer) and ckpt_last.pt for resume.
+    (gpt, tokenizer description, source checkpoint or {}) for init_from, before the special tokens:
+    init_model's, with the model settings for scratch (and the dataset's tokenizer) and ckpt_last.pt
+    for resume.
     """
     init_from = cfg['init_from']
     if init_from not in ('scratch', 'resume'):
         source_path = checkpoint_path(init_from, cfg['out_dir'])
         target = os.path.abspath(os.path.join(cfg['out_dir'], BEST_CKPT))
         if source_path is not None and os.path.abspath(source_path) == target:
-            raise UserError(f"init_from {init_from} is the checkpoint in --out_dir, which fine-tuning would "
-                            f"overwrite; pass a different --out_dir (or --init_from=resume to continue an "
-                            f"interrupted fine-tune)")
+            raise UserError(
+                f"init_from {init_from} is the checkpoint in --out_dir, which fine-tuning would "
+                f"overwrite; pass a different --out_dir (or --init_from=resume to continue an "
+                f"interrupted fine-tune)")
     # 0 means the source model's; scratch has none
     spec = dataclasses.replace(cfg.select(ModelSpec), block_size=cfg['block_size'] or 1024)
     # the tokenizer
@@ -335,7 +378,9 @@ def load_source(cfg):
 
 
 def run_epoch(run, state):
-    """ The optimizer steps of epoch state.epoch from state.step_in_epoch on; a signal stops it early. """
+    """
+    The optimizer steps of epoch state.epoch from state.step_in_epoch on; a signal stops it early.
+    """
     run.sampler.set_epoch(state.epoch)
     order = list(run.sampler)  # this rank's examples for the epoch, in order
     while state.step_in_epoch < run.schedule.steps_per_epoch:
@@ -350,21 +395,24 @@ def run_epoch(run, state):
 
 def train_step(run, state, order):
     """
-    One optimizer step over this rank's micro-batches of the step's global batch. Returns the learning
-    rate, this rank's (task loss, LM loss) of the step as tensors (no sync), and the gradient norm.
+    One optimizer step over this rank's micro-batches of the step's global batch. Returns the
+    learning rate, this rank's (task loss, LM loss) of the step as tensors (no sync), and the
+    gradient norm.
     """
     s = run.schedule
     cfg = run.cfg
     lr = opt.set_learning_rate(run.optimizer, s.rates.rate(state.iter_num))
-    batches = finetuning.step_batches(run.data, run.special, s, state.step_in_epoch, order, run.dist_info.device)
-    # normalise by the counts of the whole global batch (all micro-batches, all ranks): the gradient is then
-    # exactly that of one big batch, for any world size and accumulation
+    batches = finetuning.step_batches(run.data, run.special, s, state.step_in_epoch, order,
+                                      run.dist_info.device)
+    # normalise by the counts of the whole global batch (all micro-batches, all ranks): the gradient
+    # is then exactly that of one big batch, for any world size and accumulation
     n_ex, n_tok = finetuning.global_batch_counts(run.data, run.sampler, s, state.step_in_epoch)
     step_cls = torch.zeros((), device=run.dist_info.device)
     step_lm = torch.zeros((), device=run.dist_info.device)
     for k, b in enumerate(batches):
         with grad_sync_context(run.model, k == len(batches) - 1):
-            # GPT-1's L3 = L2 + lambda * L1 of the micro-batch, as its share of the global batch's mean
+            # GPT-1's L3 = L2 + lambda * L1 of the micro-batch, as its share of the global batch's
+            # mean
             with run.ctx:
                 logits, lm_sum = run.model(b['idx'], b['extract_pos'], b['choice_mask'],
                                            b['lm_targets'] if cfg['lm_loss_weight'] > 0 else None)
@@ -383,62 +431,99 @@ def train_step(run, state, order):
 
 
 def log_step(run, state, lr, step_losses, grad_norm):
-    """ The step's losses summed over ranks (one sync, at log time only): a line and a metrics record. """
+    """
+    The step's losses summed over ranks (one sync, at log time only): a line and a metrics record.
+    """
     step_cls, step_lm = all_reduce_sum([t.item() for t in step_losses], run.dist_info)
     state.last_loss = step_cls + run.cfg['lm_loss_weight'] * step_lm
     if not math.isfinite(step_cls + step_lm):
-        raise UserError(f"the loss is {step_cls + step_lm} at step {state.iter_num}; lower the learning rate "
-                        f"(or use --dtype=float32)")
+        raise UserError(
+            f"the loss is {step_cls + step_lm} at step {state.iter_num}; lower the learning rate "
+            f"(or use --dtype=float32)")
     if not run.dist_info.master:
         return
     dt = time.time() - run.t0
-    print(f"epoch {state.epoch} step {state.iter_num}/{run.schedule.total_steps}: loss {state.last_loss:.4f} "
-          f"(task {step_cls:.4f}, lm {step_lm:.4f}), lr {lr:.2e}, {dt:.1f}s")
-    run.logger.log({'type': 'iter', 'iter': state.iter_num, 'epoch': state.epoch, 'loss': state.last_loss,
-                    'task_loss': step_cls, 'lm_loss': step_lm, 'lr': lr,
-                    'grad_norm': float(grad_norm) if grad_norm is not None else None})
+    print(
+        f"epoch {state.epoch} step {state.iter_num}/{run.schedule.total_steps}: loss {state.last_loss:.4f} "
+        f"(task {step_cls:.4f}, lm {step_lm:.4f}), lr {lr:.2e}, {dt:.1f}s")
+    run.logger.log({
+        'type': 'iter',
+        'iter': state.iter_num,
+        'epoch': state.epoch,
+        'loss': state.last_loss,
+        'task_loss': step_cls,
+        'lm_loss': step_lm,
+        'lr': lr,
+        'grad_norm': float(grad_norm) if grad_norm is not None else None
+    })
 
 
 def end_epoch(run, state):
-    """ After the last step of an epoch: evaluate, keep the model if it is the best so far, save the state. """
+    """
+    After the last step of an epoch: evaluate, keep the model if it is the best so far, save the
+    state.
+    """
     record = evaluate_epoch(run, state)
     state.history.append(record)
     run.logger.log(dict(record, type='eval'))  # (rank 0's logger writes; the others' do nothing)
     # without a val file every epoch counts as the best, so ckpt.pt is the last epoch's model
-    if 'val_acc' not in record or state.best_val_acc is None or record['val_acc'] > state.best_val_acc:
+    if 'val_acc' not in record or state.best_val_acc is None or record[
+            'val_acc'] > state.best_val_acc:
         state.best_val_acc, state.best_epoch = record.get('val_acc'), state.epoch  # the best so far
         path = run.checkpointer.path(BEST_CKPT)
-        run.checkpointer.write(BEST_CKPT, lambda gathered: checkpoint(
-            run, state, epoch=state.epoch, val_acc=state.best_val_acc, val_loss=record.get('val_loss'),
-            history=state.history), state.iter_num, training_state=False, done=f"saved the best model so far to {path}")
+        run.checkpointer.write(BEST_CKPT,
+                               lambda gathered: checkpoint(run,
+                                                           state,
+                                                           epoch=state.epoch,
+                                                           val_acc=state.best_val_acc,
+                                                           val_loss=record.get('val_loss'),
+                                                           history=state.history),
+                               state.iter_num,
+                               training_state=False,
+                               done=f"saved the best model so far to {path}")
     state.epoch += 1
     state.step_in_epoch = 0
     save_last(run, state, f"end of epoch {state.epoch - 1}")
 
 
 def evaluate_epoch(run, state):
-    """ The epoch's record: its train loss and, with a val file, the accuracy on it (each rank a strided share). """
+    """
+    The epoch's record: its train loss and, with a val file, the accuracy on it (each rank a strided
+    share).
+    """
     record = {'epoch': state.epoch, 'iter': state.iter_num, 'train_loss': state.last_loss}
     if run.data.val_encoded is None:
         return record
-    correct, seen, loss_sum = finetuning.evaluate_val(run.raw_model, run.data, run.special,
-                                           run.cfg['eval_batch_size'] or run.cfg['batch_size'], run.ctx, run.dist_info)
+    correct, seen, loss_sum = finetuning.evaluate_val(
+        run.raw_model, run.data, run.special, run.cfg['eval_batch_size'] or run.cfg['batch_size'],
+        run.ctx, run.dist_info)
     record.update(val_acc=correct / seen, val_loss=loss_sum / seen)
     if run.dist_info.master:
-        print(f"epoch {state.epoch}: val accuracy {correct / seen:.4f} ({int(round(correct))}/{int(round(seen))}), "
-              f"val loss {loss_sum / seen:.4f}")
+        print(
+            f"epoch {state.epoch}: val accuracy {correct / seen:.4f} ({int(round(correct))}/{int(round(seen))}), "
+            f"val loss {loss_sum / seen:.4f}")
     return record
 
 
 def checkpoint(run, state, **extra):
     """ The fine-tune's checkpoint dict at this state: the GPT, its head and labels, then extra. """
-    return finetuning.finetune_checkpoint(run.raw_model, state.iter_num, run.cfg, run.tokenizer_meta, run.provenance,
-                               run.data.label_map, run.special, run.source_name,
-                               wandb_id=run.logger.wandb_id, **extra)
+    return finetuning.finetune_checkpoint(run.raw_model,
+                                          state.iter_num,
+                                          run.cfg,
+                                          run.tokenizer_meta,
+                                          run.provenance,
+                                          run.data.label_map,
+                                          run.special,
+                                          run.source_name,
+                                          wandb_id=run.logger.wandb_id,
+                                          **extra)
 
 
 def save_last(run, state, reason):
-    """ out_dir/ckpt_last.pt: the full training state (all ranks call this: RNG states come from every rank). """
+    """
+    out_dir/ckpt_last.pt: the full training state (all ranks call this: RNG states come from every
+    rank).
+    """
     scaler = run.scaler.state_dict() if run.scaler.is_enabled() else None
     path = run.checkpointer.path(LAST_CKPT)
     run.checkpointer.write(LAST_CKPT, lambda gathered: checkpoint(
@@ -447,7 +532,10 @@ def save_last(run, state, reason):
 
 
 def finish(run, state):
-    """ The result dict (printed as the last line, as JSON), after predictions of the best model if asked. """
+    """
+    The result dict (printed as the last line, as JSON), after predictions of the best model if
+    asked.
+    """
     cfg = run.cfg
     result = {'task': run.task, 'val_acc': state.best_val_acc, 'best_epoch': state.best_epoch,
               'epochs': state.epoch, 'steps': state.iter_num, 'learning_rate': cfg['learning_rate'],

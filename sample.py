@@ -78,7 +78,8 @@ DEFAULTS = Schema(
     settings.subset(settings.MODEL, 'attention'),
     settings.subset(settings.SYSTEM, 'device', 'dtype', 'compile', 'num_threads', 'seed'),
     compile=False,
-    # sample.py's own num_threads: 0 keeps torch's count (train.py's 0 times the candidates on a batch)
+    # sample.py's own num_threads: 0 keeps torch's count (train.py's 0 times the candidates on a
+    # batch)
     num_threads=non_negative(0, "CPU threads for torch; 0 = torch's default (one per core)"))
 # -----------------------------------------------------------------------------
 
@@ -92,9 +93,11 @@ def read_start(start):
         with open(path, 'r', encoding='utf-8') as f:
             return f.read()
     except FileNotFoundError:
-        raise UserError(f"start=FILE:{path}: no such file; check the path of the prompt file") from None
+        raise UserError(
+            f"start=FILE:{path}: no such file; check the path of the prompt file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"start=FILE:{path} could not be read as UTF-8 text ({e}); pass a text file") from None
+        raise UserError(
+            f"start=FILE:{path} could not be read as UTF-8 text ({e}); pass a text file") from None
 
 
 def encode_prompt(tok, text, block_size, vocab_size):
@@ -108,21 +111,24 @@ def encode_prompt(tok, text, block_size, vocab_size):
             raise UserError("start is empty; give the model at least one character to start from")
         ids = [tok.eot_token]  # GPT-2's unconditional samples start from <|endoftext|>
     if max(ids) >= vocab_size:
-        raise UserError(f"the prompt has token id {max(ids)} but the model's vocabulary has only {vocab_size} "
-                        f"tokens; is this the right checkpoint for this tokenizer?")
+        raise UserError(
+            f"the prompt has token id {max(ids)} but the model's vocabulary has only {vocab_size} "
+            f"tokens; is this the right checkpoint for this tokenizer?")
     if len(ids) > block_size:
-        print(f"warning: the prompt has {len(ids)} tokens, more than the model's block_size ({block_size}); "
-              f"using its last {block_size} tokens", file=sys.stderr)
+        print(
+            f"warning: the prompt has {len(ids)} tokens, more than the model's block_size ({block_size}); "
+            f"using its last {block_size} tokens",
+            file=sys.stderr)
         ids = ids[-block_size:]
     return ids
 
 
 class StreamDecoder:
     """
-    Turns tokens into text as they arrive: each token's bytes (decode_bytes, which every tokenizer has) go
-    through an incremental UTF-8 decoder, so a character a byte-level BPE (gpt2, bpe) splits over several
-    tokens is printed once complete instead of as replacement characters; a character token is one whole
-    character, printed at once.
+    Turns tokens into text as they arrive: each token's bytes (decode_bytes, which every tokenizer
+    has) go through an incremental UTF-8 decoder, so a character a byte-level BPE (gpt2, bpe) splits
+    over several tokens is printed once complete instead of as replacement characters; a character
+    token is one whole character, printed at once.
     """
 
     def __init__(self, tok):
@@ -185,7 +191,10 @@ class BatchPrinter:
 
 
 def check_settings(config):
-    """ Every setting, before a model is loaded: types, choices and counts (settings.py), the sampling knobs. """
+    """
+    Every setting, before a model is loaded: types, choices and counts (settings.py), the sampling
+    knobs.
+    """
     DEFAULTS.check(config)
     # temperature >= 0 (0 = greedy), top_k >= 1 or None, 0 < top_p <= 1: the engine's own rules
     try:
@@ -217,15 +226,18 @@ def main():
     model_vocab = model.config.vocab_size
     source = describe_source(config['init_from'], config['out_dir'])
     check_tokenizer_fits(model.config, tokenizer_meta, source)
-    # the head scores only the tokenizer's ids: a padded vocabulary's extra rows are never sampled. float32 on a
-    # CPU is packed for oneDNN, unless torch.compile is to choose the kernels (it packs weights its own way)
+    # the head scores only the tokenizer's ids: a padded vocabulary's extra rows are never sampled.
+    # float32 on a CPU is packed for oneDNN, unless torch.compile is to choose the kernels (it packs
+    # weights its own way)
     pack = can_pack(device, PTDTYPE[dtype]) and not compile_model
     set_weights(model, config['weights'], pack=pack, vocab_size=tok.vocab_size)
     stop_token = None
     if config['stop_at_eot']:
         if tok.eot_token is None:
-            print("warning: stop_at_eot does nothing for a character-level model (it has no end-of-text "
-                  "token)", file=sys.stderr)
+            print(
+                "warning: stop_at_eot does nothing for a character-level model (it has no end-of-text "
+                "token)",
+                file=sys.stderr)
         else:
             stop_token = tok.eot_token
     print(f"sampling {source} on {device} ({dtype}, "

@@ -1,6 +1,7 @@
 """
-Train a GPT on a prepared dataset: in one process (CPU, CUDA or MPS), or in several under torchrun with DDP or
-FSDP2 (--parallelism=fsdp). nanoGPT's commands work as-is; several machines and SLURM: docs/training.md.
+Train a GPT on a prepared dataset: in one process (CPU, CUDA or MPS), or in several under torchrun
+with DDP or FSDP2 (--parallelism=fsdp). nanoGPT's commands work as-is; several machines and SLURM:
+docs/training.md.
 
 $ python train.py config/train_shakespeare_char.py
 $ python train.py config/train_shakespeare_char_cpu.py     # nanoGPT's laptop command, ~minutes
@@ -8,12 +9,14 @@ $ torchrun --standalone --nproc_per_node=4 train.py        # DDP over the 4 GPUs
 $ torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py --device=cpu
 $ python train.py config/train_shakespeare_char.py --init_from=resume   # continue a stopped run
 
-A run stopped by SIGTERM/SIGINT saves first and exits with code 75 ("interrupted, resumable"); a finished one 0.
-How it is built: setup() makes a Run (model, optimizer, data, checkpointer: fixed for the whole run) and a
-TrainState (what changes every iteration); iteration() is one step of the loop, written out top to bottom, and
-checkpoint() is what a ckpt.pt holds. The settings are declared below; --help lists them.
+A run stopped by SIGTERM/SIGINT saves first and exits with code 75 ("interrupted, resumable"); a
+finished one 0. How it is built: setup() makes a Run (model, optimizer, data, checkpointer: fixed
+for the whole run) and a TrainState (what changes every iteration); iteration() is one step of the
+loop, written out top to bottom, and checkpoint() is what a ckpt.pt holds. The settings are declared
+below; --help lists them.
 """
-# first, before torch is imported (seconds): from here on a signal ends the run in one line, with exit code 75
+# first, before torch is imported (seconds): from here on a signal ends the run in one line, with
+# exit code 75
 from nanogpt_plus.signals import GracefulExit, early_exit_request
 
 EXIT_REQUEST = early_exit_request(__name__)
@@ -247,13 +250,15 @@ def check_settings(cfg):
 
 
 def train(cfg, dist_info, exit_request):
-    """ Train until iteration max_iters (True: the final checkpoint is saved) or a signal (False: saved too). """
+    """ Train to iteration max_iters (True: the final checkpoint is saved) or a signal (False). """
     run, state = setup(cfg, dist_info)
     try:
         # a signal during set-up: the run stops before its first step, with nothing to save
         if exit_request.should_stop(dist_info):
             if dist_info.master:
-                print(f"stopped before iter {state.iter_num}: a signal came during set-up; nothing new to save")
+                print(
+                    f"stopped before iter {state.iter_num}: a signal came during set-up; nothing new to save"
+                )
             return False
         while True:
             finished = iteration(run, state, exit_request)
@@ -266,15 +271,17 @@ def train(cfg, dist_info, exit_request):
 
 
 def iteration(run, state, exit_request):
-    """ One iteration of the loop. Returns None to go on, True when the run is complete, False after a signal. """
+    """ One iteration: None to go on, True when the run is complete, False after a signal. """
     loop, dist_info = run.loop, run.dist_info
     build = functools.partial(checkpoint, run, state)  # what a save at this iteration holds
     # the schedule's rate for this iteration, on every parameter group (Muon's scaled to muon_lr)
     lr = opt.set_learning_rate(run.optimizer, run.schedule.rate(state.iter_num))
-    # HellaSwag and a sample when due, then the train/val loss, after which the checkpointer may save. A signal
-    # ends a long pass between its batches (poll: every rank agrees), and the run stops here, saving this state
+    # HellaSwag and a sample when due, then the train/val loss, after which the checkpointer may
+    # save. A signal ends a long pass between its batches (poll: every rank agrees), and the run
+    # stops here, saving this state
     poll = functools.partial(exit_request.should_stop, dist_info)
-    scored = run.tasks is not None and run.tasks.run(state.iter_num, run.model, run.raw_model, run.logger, poll)
+    scored = run.tasks is not None and run.tasks.run(state.iter_num, run.model, run.raw_model,
+                                                     run.logger, poll)
     evaluating = state.iter_num % loop.eval_interval == 0
     val_loss = evaluate(run, state, lr, poll) if evaluating and not exit_request.agreed else None
     saved = val_loss is not None and run.checkpointer.evaluated(state.iter_num, val_loss, build)
@@ -285,8 +292,8 @@ def iteration(run, state, exit_request):
     if run.checkpointer.due(state.iter_num, state.local_iter_num) and not saved:
         run.checkpointer.save(state.iter_num, build)
 
-    # forward and backward over the micro-batches; DDP all-reduces the gradients once, after the last backward
-    # this rank's loss of the step: a tensor, so that no micro-step waits for the device
+    # forward and backward over the micro-batches; DDP all-reduces the gradients once, after the
+    # last backward. This rank's loss of the step: a tensor, so that no micro-step waits for the device
     step_loss = torch.zeros((), device=dist_info.device)
     for micro_step in range(run.grad_accum):
         last = micro_step == run.grad_accum - 1
@@ -302,8 +309,8 @@ def iteration(run, state, exit_request):
             try:
                 state.batch = run.train_loader.next_batch()
             except UserError as e:
-                # this rank's next batch is unusable: finish the step with the other ranks, then all stop at the
-                # agreement below, with this error (not one rank alone)
+                # this rank's next batch is unusable: finish the step with the other ranks, then all
+                # stop at the agreement below, with this error (not one rank alone)
                 exit_request.fail(e)
             # the scaler multiplies float16 losses, so that small gradients survive
             run.scaler.scale(loss).backward()
@@ -313,8 +320,9 @@ def iteration(run, state, exit_request):
     guard = state.spike_guard
     grad_norm = opt.unscale_and_clip(run.model, run.optimizer, run.scaler, loop.grad_clip,
                                      measure=loop.skip_grad_z > 0)
-    # the step's loss and grad norm as floats (a host sync and an all-reduce) only where they are used: at log
-    # steps, and every step for the spike guard; a non-finite loss stops the run there, before the update
+    # the step's loss and grad norm as floats (a host sync and an all-reduce) only where they are
+    # used: at log steps, and every step for the spike guard; a non-finite loss stops the run there,
+    # before the update
     logging = state.iter_num % loop.log_interval == 0
     if logging or guard is not None:
         lossf, grad_norm = opt.read_step(step_loss, grad_norm, dist_info)
@@ -330,13 +338,13 @@ def iteration(run, state, exit_request):
             print(f"iter {state.iter_num}: skipped the update: {spike.describe()}")
             run.logger.log(dict(spike.record(state.iter_num), skipped_updates=guard.skipped))
 
-    # timing and logging (the time since the previous iteration: evaluations and saves included, as nanoGPT's)
+    # timing and logging: the time since the previous iteration, evaluations and saves included
     now = time.time()
     dt = now - state.lap_start
     state.lap_start = now
     if logging:
         log_iteration(run, state, lossf, grad_norm, lr, dt)
-    # on a CPU with num_threads=0, the thread count is re-checked on ordinary iterations as the load changes
+    # on a CPU with num_threads=0, ordinary iterations re-check the thread count as the load changes
     if run.thread_retuner is not None and not (evaluating or scored) and state.local_iter_num > 0:
         message = run.thread_retuner.observe(dt)
         if message and dist_info.master:
@@ -344,9 +352,10 @@ def iteration(run, state, exit_request):
     state.iter_num += 1
     state.local_iter_num += 1
 
-    # termination: after max_iters, with a final checkpoint (the steps since the last save are not thrown away:
-    # iter_num = max_iters + 1, the steps done), or after SIGINT/SIGTERM. The ranks agree every iteration
-    # (torchrun kills the workers soon after its signal), which also stops all of them when one failed above
+    # termination: after max_iters, with a final checkpoint (the steps since the last save are not
+    # thrown away: iter_num = max_iters + 1, the steps done), or after SIGINT/SIGTERM. The ranks
+    # agree every iteration (torchrun kills the workers soon after its signal), which also stops all
+    # of them when one failed above
     stopping = exit_request.should_stop(dist_info)
     if state.iter_num > loop.max_iters:
         run.checkpointer.save(state.iter_num, build, reason=f"final, iter {state.iter_num}")
@@ -355,7 +364,9 @@ def iteration(run, state, exit_request):
 
 
 def stop_cleanly(run, state, build):
-    """ After a signal: save this iteration's state, so --init_from=resume continues exactly here. """
+    """
+    After a signal: save this iteration's state, so --init_from=resume continues exactly here.
+    """
     run.checkpointer.save(state.iter_num, build, reason=f"interrupted at iter {state.iter_num}")
     if run.dist_info.master:
         print(f"stopped cleanly; continue with --init_from=resume --out_dir={run.loop.out_dir} "
@@ -365,8 +376,9 @@ def stop_cleanly(run, state, build):
 
 def checkpoint(run, state, gathered):
     """
-    What ckpt.pt holds, built on rank 0 from what every rank gathered (saving.Gathered): nanoGPT's keys first,
-    so that nanoGPT's sample.py reads it, then what the other scripts and an exact resume need.
+    What ckpt.pt holds, built on rank 0 from what every rank gathered (saving.Gathered): nanoGPT's
+    keys first, so that nanoGPT's sample.py reads it, then what the other scripts and an exact
+    resume need.
     """
     return {
         # the plain GPT's weights (unsharded under FSDP), never a wrapper's '_orig_mod.' keys
@@ -376,8 +388,8 @@ def checkpoint(run, state, gathered):
         'iter_num': state.iter_num,
         'best_val_loss': run.checkpointer.best_val_loss,
         'config': run.config_record,
-        # ours: the model settings nanoGPT lacks (gelu, the modern options), the whole tokenizer (so sample.py,
-        # eval.py and export_hf.py need nothing else), what produced the run
+        # ours: the model settings nanoGPT lacks (gelu, the modern options), the whole tokenizer (so
+        # sample.py, eval.py and export_hf.py need nothing else), what produced the run
         'model_extra_args': run.raw_model.config.model_extra_args(),
         'tokenizer': run.tokenizer_meta,
         'provenance': run.provenance,
@@ -398,29 +410,38 @@ def setup(cfg, dist_info):
     master = dist_info.master
     device_type = device_type_of(dist_info.device)
     fsdp = dist_info.under_torchrun and cfg['parallelism'] == 'fsdp'
-    # the global batch is gradient_accumulation_steps micro-batches: each of the world_size processes runs its share
+    # the global batch is gradient_accumulation_steps micro-batches: each of the world_size
+    # processes runs its share
     grad_accum = distributed.accumulation_per_rank(cfg['gradient_accumulation_steps'], dist_info)
     tokens_per_iter = grad_accum * dist_info.world_size * cfg['batch_size'] * cfg['block_size']
     if master:
         print(f"tokens per iteration will be: {tokens_per_iter:,}")
     torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank, the data does not
     # only rank 0 reports MFU, so only it measures the device's peak
-    dtype, ctx, compile_model, peak_flops = compute_setup(dist_info.device, cfg['dtype'], cfg['compile'],
-                                                          cfg['num_threads'], peak=master)
+    dtype, ctx, compile_model, peak_flops = compute_setup(dist_info.device,
+                                                          cfg['dtype'],
+                                                          cfg['compile'],
+                                                          cfg['num_threads'],
+                                                          peak=master)
     # the dataset, worked out once, and its loaders: one verdict for all ranks
     data, train_loader, eval_loaders = training_data(cfg.select(DataSpec), dist_info)
 
-    # the model: under FSDP only rank 0 holds the full one, the others build it on the meta device (no memory)
+    # the model: under FSDP only rank 0 holds the full one, the others build it on the meta device
+    # (no memory)
     on_meta = fsdp and dist_info.rank != 0
     raw_model, tokenizer_meta, ckpt = distributed.every_rank(dist_info, lambda: init_training_model(
         cfg.select(ModelSource), cfg.select(ModelSpec), data, on_meta))
     tokenizer_ids = padded_tokenizer_size(raw_model.config.vocab_size, tokenizer_meta)
     # ids the model can't read: one verdict for every rank
-    distributed.every_rank(dist_info, lambda: [loader.check_vocab(raw_model.config.vocab_size, tokenizer_ids)
-                                               for loader in (train_loader, *eval_loaders.values())])
+    distributed.every_rank(
+        dist_info, lambda: [
+            loader.check_vocab(raw_model.config.vocab_size, tokenizer_ids)
+            for loader in (train_loader, *eval_loaders.values())
+        ])
     tasks = None
     if cfg['hellaswag_interval'] or cfg['sample_interval']:
-        # now, not at the first interval: a missing file (offline) or a bad prompt stops the run here
+        # now, not at the first interval: a missing file (offline) or a bad prompt stops the run
+        # here
         from nanogpt_plus.periodic import InLoopSpec, PeriodicTasks  # only these runs import it
         tasks = PeriodicTasks(cfg.select(InLoopSpec), dist_info, tokenizer_meta=tokenizer_meta,
                               block_size=raw_model.config.block_size, ctx=ctx,
@@ -432,8 +453,8 @@ def setup(cfg, dist_info):
     thread_retuner = None
     if device_type == 'cpu' and cfg['num_threads'] == 0:
         thread_retuner = choose_threads(raw_model, eval_loaders['train'], ctx, dist_info, fsdp=fsdp)
-    # the optimizer must see the parameters the training model has: under FSDP, the sharded ones; raw_model
-    # stays the plain module (sharded in place under FSDP) that checkpoints are taken from
+    # the optimizer must see the parameters the training model has: under FSDP, the sharded ones;
+    # raw_model stays the plain module (sharded in place under FSDP) that checkpoints are taken from
     model = wrap_model(raw_model, dist_info, compile_model, cfg['parallelism'], dtype)
     if fsdp and master:
         print(f"fsdp: this rank holds {local_param_count(raw_model):,} of "
@@ -480,13 +501,18 @@ def setup(cfg, dist_info):
 # the steps of one iteration
 
 def evaluate(run, state, lr, poll=None):
-    """ Both splits' losses, printed and logged (rank 0); the val loss, or None when a signal ended the estimate. """
+    """
+    Both splits' losses, printed and logged (rank 0); the val loss, or None when a signal ended the
+    estimate.
+    """
     losses = estimate_loss(run.model, run.eval_loaders, eval_iters=run.loop.eval_iters, ctx=run.ctx,
                            dist_info=run.dist_info, poll=poll)
     if losses is None:
         return None
     if run.dist_info.master:
-        print(f"step {state.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        print(
+            f"step {state.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+        )
         run.logger.log({'type': 'eval', 'iter': state.iter_num, 'train_loss': losses['train'],
                         'val_loss': losses['val'], 'lr': lr})
     if not math.isfinite(losses['val']):
@@ -502,8 +528,8 @@ def estimate_loss(model, loaders, eval_iters, ctx, dist_info, poll=None):
     the estimate ends: None. A long one (the char model on a CPU) shows its progress (rank 0). """
     model.eval()
     losses = {}
-    # every rank runs the same number of forwards (under FSDP each one all-gathers weights): a rank whose
-    # share ends early runs on past eval_iters and leaves those losses out of the sum
+    # every rank runs the same number of forwards (under FSDP each one all-gathers weights): a rank
+    # whose share ends early runs on past eval_iters and leaves those losses out of the sum
     forwards = math.ceil(eval_iters / dist_info.world_size)
     meter = progress.Progress(forwards * len(loaders), "evaluating", "batches", dist_info.master)
     for split, loader in loaders.items():
@@ -524,19 +550,30 @@ def estimate_loss(model, loaders, eval_iters, ctx, dist_info, poll=None):
 
 
 def log_iteration(run, state, lossf, grad_norm, lr, dt):
-    """ The `iter N: loss ...` line and metrics record (rank 0) of the step's loss and grad norm (floats or None). """
+    """
+    The `iter N: loss ...` line and metrics record (rank 0) of the step's loss and grad norm (floats
+    or None).
+    """
     if not run.dist_info.master:
         return
-    # MFU per device, as nanoGPT's (this rank's tokens against one device's peak), after a process's first
-    # iterations, which are slow (allocator, caches)
+    # MFU per device, as nanoGPT's (this rank's tokens against one device's peak), after a process's
+    # first iterations, which are slow (allocator, caches)
     if state.local_iter_num >= 5:
         sequences = run.loop.batch_size * run.grad_accum  # this rank's, per iteration
         mfu = run.raw_model.estimate_mfu(sequences, dt, peak_flops=run.peak_flops)
         state.running_mfu = mfu if state.running_mfu is None else 0.9 * state.running_mfu + 0.1 * mfu
     shown = 'n/a' if state.running_mfu is None else f"{state.running_mfu*100:.2f}%"  # n/a: not yet
     print(f"iter {state.iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {shown}")
-    run.logger.log({'type': 'iter', 'iter': state.iter_num, 'loss': lossf, 'lr': lr, 'grad_norm': grad_norm,
-                    'time_ms': dt * 1000, 'tokens_per_sec': run.tokens_per_iter / dt, 'mfu': state.running_mfu})
+    run.logger.log({
+        'type': 'iter',
+        'iter': state.iter_num,
+        'loss': lossf,
+        'lr': lr,
+        'grad_norm': grad_norm,
+        'time_ms': dt * 1000,
+        'tokens_per_sec': run.tokens_per_iter / dt,
+        'mfu': state.running_mfu
+    })
 
 
 if __name__ == '__main__':

@@ -1,5 +1,6 @@
 """
-The checkpoint, in one room: its files, its format, when and how a run saves, and what a resume puts back.
+The checkpoint, in one room: its files, its format, when and how a run saves, and what a resume puts
+back.
 
 - The files: ckpt.pt (train.py's training state; finetune.py's best model), ckpt_best.pt, finetune.py's
   ckpt_last.pt, the ckpt_<iter>.pt snapshots, each with a JSON sidecar (everything but the tensors); which
@@ -50,7 +51,8 @@ from nanogpt_plus.distributed import (
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_write
 
-# train.py's checkpoint: the training state to resume from (the best model without always_save_checkpoint)
+# train.py's checkpoint: the training state to resume from (the best model without
+# always_save_checkpoint)
 CHECKPOINT = 'ckpt.pt'
 # with always_save_checkpoint=False: the best model so far, kept beside ckpt.pt
 BEST = 'ckpt_best.pt'
@@ -67,9 +69,9 @@ FICLONE = 0x40049409
 
 def save_checkpoint(ckpt, path, sidecar=True):
     """
-    Atomically write ckpt (a dict of tensors and plain values) to path, plus path's .json sidecar. A failed
-    write (a full disk, say) raises files.WriteFailed, a UserError that is also an OSError; the file that was
-    at path stays as it was.
+    Atomically write ckpt (a dict of tensors and plain values) to path, plus path's .json sidecar. A
+    failed write (a full disk, say) raises files.WriteFailed, a UserError that is also an OSError;
+    the file that was at path stays as it was.
     """
     atomic_write(path, lambda f: _torch_save(ckpt, f))
     if sidecar:
@@ -79,9 +81,9 @@ def save_checkpoint(ckpt, path, sidecar=True):
 
 def _torch_save(obj, f):
     """
-    torch.save into the file object f. When f.write fails (a full disk) torch reports a RuntimeError of its
-    own ('unexpected pos ...', 'file write failed') with the OSError only as its context: raise the OSError,
-    which says what went wrong, so the atomic writer turns it into one line.
+    torch.save into the file object f. When f.write fails (a full disk) torch reports a RuntimeError
+    of its own ('unexpected pos ...', 'file write failed') with the OSError only as its context:
+    raise the OSError, which says what went wrong, so the atomic writer turns it into one line.
     """
     try:
         torch.save(obj, f)
@@ -101,7 +103,8 @@ def sidecar_of(path):
 
 def _json_summary(ckpt):
     """ The human-readable part of a checkpoint (no tensors), for ckpt.json. """
-    keep = ('model_args', 'model_extra_args', 'iter_num', 'best_val_loss', 'config', 'provenance', 'task')
+    keep = ('model_args', 'model_extra_args', 'iter_num', 'best_val_loss', 'config', 'provenance',
+            'task')
     summary = {k: ckpt[k] for k in keep if k in ckpt}
     tok = ckpt.get('tokenizer')
     if tok is not None:
@@ -109,13 +112,20 @@ def _json_summary(ckpt):
     return summary
 
 
-def build_checkpoint(model, iter_num, best_val_loss, config, tokenizer, provenance, model_state=None, **extra):
+def build_checkpoint(model,
+                     iter_num,
+                     best_val_loss,
+                     config,
+                     tokenizer,
+                     provenance,
+                     model_state=None,
+                     **extra):
     """
-    A checkpoint of a model's weights in this format: nanoGPT's keys ('model', 'model_args', 'iter_num',
-    'best_val_loss', 'config'), the model settings beyond nanoGPT's, the tokenizer and provenance, then whatever
-    the caller adds (finetune.py: the task head and its labels, its training state). train.py writes its own dict,
-    with the whole training state, where it saves. model_state replaces model.state_dict() where the caller
-    already holds the full state (FSDP).
+    A checkpoint of a model's weights in this format: nanoGPT's keys ('model', 'model_args',
+    'iter_num', 'best_val_loss', 'config'), the model settings beyond nanoGPT's, the tokenizer and
+    provenance, then whatever the caller adds (finetune.py: the task head and its labels, its
+    training state). train.py writes its own dict, with the whole training state, where it saves.
+    model_state replaces model.state_dict() where the caller already holds the full state (FSDP).
     """
     ckpt = {
         'model': model.state_dict() if model_state is None else model_state,
@@ -136,50 +146,60 @@ def build_checkpoint(model, iter_num, best_val_loss, config, tokenizer, provenan
 
 def load_checkpoint(path, map_location='cpu'):
     """
-    torch.load with weights_only=True and one clear error for a missing or corrupt file. The tensors are
-    memory-mapped from the file (torch.save's zip format), not read into RAM: a tensor's pages come from disk
-    when it is used, and the processes of one machine share them through the page cache, so resuming a large
-    model under torchrun doesn't hold one copy of the whole file per rank.
+    torch.load with weights_only=True and one clear error for a missing or corrupt file. The tensors
+    are memory-mapped from the file (torch.save's zip format), not read into RAM: a tensor's pages
+    come from disk when it is used, and the processes of one machine share them through the page
+    cache, so resuming a large model under torchrun doesn't hold one copy of the whole file per
+    rank.
     """
     if not os.path.exists(path):
-        raise UserError(f"no checkpoint at {path}; train a model first (python train.py ...) or check --out_dir")
-    # mmap needs the zip format; an old or damaged file is read the ordinary way (and its error reported below)
+        raise UserError(
+            f"no checkpoint at {path}; train a model first (python train.py ...) or check --out_dir"
+        )
+    # mmap needs the zip format; an old or damaged file is read the ordinary way (and its error
+    # reported below)
     mmap = zipfile.is_zipfile(path)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, foreign pickle, ... all mean the file can't be used
         raise load_error(path, e) from None
     if not isinstance(ckpt, dict) or 'model' not in ckpt or 'model_args' not in ckpt:
-        raise UserError(f"checkpoint {path} has no 'model'/'model_args' entries; is it a nanoGPT checkpoint?")
+        raise UserError(
+            f"checkpoint {path} has no 'model'/'model_args' entries; is it a nanoGPT checkpoint?")
     return ckpt
 
 
 def load_error(path, error):
     """
-    The one line for a file torch.load refused (a ckpt.pt, a Hugging Face pytorch_model.bin): a pickled Python
-    object (unsafe), else corrupt. Never torch's own text around it, which advises loading with
+    The one line for a file torch.load refused (a ckpt.pt, a Hugging Face pytorch_model.bin): a
+    pickled Python object (unsafe), else corrupt. Never torch's own text around it, which advises
+    loading with
     weights_only=False, i.e. running the file's code.
     """
     text = str(error)
-    # torch names the global it refused: 'Unsupported global: GLOBAL x.y' or 'unsupported GLOBAL x.y whose ...'
+    # torch names the global it refused: 'Unsupported global: GLOBAL x.y' or 'unsupported GLOBAL x.y
+    # whose ...'
     found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", text, re.IGNORECASE)
     if found:
-        return UserError(f"checkpoint {path} holds a pickled Python object ({found.group(1)}) that loading could "
-                         f"run as code; this project loads only tensors and plain values. Use a checkpoint written "
-                         f"by this project, or re-save the file's tensors with torch.save in a trusted session")
+        return UserError(
+            f"checkpoint {path} holds a pickled Python object ({found.group(1)}) that loading could "
+            f"run as code; this project loads only tensors and plain values. Use a checkpoint written "
+            f"by this project, or re-save the file's tensors with torch.save in a trusted session")
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and 'weights_only' not in ln]
-    detail = next((ln for ln in lines if not ln.startswith(('Please file', 'Check the documentation'))), '')
+    detail = next(
+        (ln for ln in lines if not ln.startswith(('Please file', 'Check the documentation'))), '')
     # its first sentence: what failed, not torch's guesses why
     detail = detail.split('. ')[0].rstrip('.')[:200]
-    return UserError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail}); "
-                     f"use another checkpoint")
+    return UserError(
+        f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail}); "
+        f"use another checkpoint")
 
 
 def file_digest(path, span=1 << 20):
     """
-    What tells two checkpoint files apart, cheaply (two nodes' copies of out_dir/ckpt.pt): its size and the
-    sha256 of its first and last MiB (torch.save's zip holds the tensors' data in between, its directory at the
-    end), not a read of gigabytes.
+    What tells two checkpoint files apart, cheaply (two nodes' copies of out_dir/ckpt.pt): its size
+    and the sha256 of its first and last MiB (torch.save's zip holds the tensors' data in between,
+    its directory at the end), not a read of gigabytes.
     """
     import hashlib
     size = os.path.getsize(path)
@@ -192,13 +212,18 @@ def file_digest(path, span=1 << 20):
 
 
 def saved_iter(path):
-    """ The iter_num of a checkpoint file, read from the file itself (memory-mapped: its tensors aren't read). """
+    """
+    The iter_num of a checkpoint file, read from the file itself (memory-mapped: its tensors aren't
+    read).
+    """
     # not the .json sidecar: a file copied by hand may lack its own
     return int(load_checkpoint(path)['iter_num'])
 
 
 def clean_state_dict(state_dict):
-    """ Strip the '_orig_mod.' prefix nanoGPT's compiled checkpoints have and drop non-weight buffers. """
+    """
+    Strip the '_orig_mod.' prefix nanoGPT's compiled checkpoints have and drop non-weight buffers.
+    """
     out = {}
     for k, v in state_dict.items():
         for prefix in ('_orig_mod.', 'module.'):
@@ -224,8 +249,9 @@ def model_config_from_checkpoint(ckpt, dropout=None):
 
 def checkpoint_tokenizer_meta(ckpt, data_root='data'):
     """
-    The tokenizer description for a checkpoint: our 'tokenizer' key; for nanoGPT's checkpoints, the meta of
-    the dataset they were trained on (data/<dataset>/meta.pkl, as nanoGPT's sample.py looks), else GPT-2.
+    The tokenizer description for a checkpoint: our 'tokenizer' key; for nanoGPT's checkpoints, the
+    meta of the dataset they were trained on (data/<dataset>/meta.pkl, as nanoGPT's sample.py
+    looks), else GPT-2.
     """
     if ckpt.get('tokenizer'):
         return ckpt['tokenizer']
@@ -239,9 +265,9 @@ def checkpoint_tokenizer_meta(ckpt, data_root='data'):
 
 def tokenizer_known(ckpt, data_root='data'):
     """
-    Whether checkpoint_tokenizer_meta(ckpt) describes the tokenizer the model was trained with, rather than
-    guessing GPT-2's (a nanoGPT checkpoint whose dataset has no meta file here). None (gpt2*, a Hugging Face
-    directory): known.
+    Whether checkpoint_tokenizer_meta(ckpt) describes the tokenizer the model was trained with,
+    rather than guessing GPT-2's (a nanoGPT checkpoint whose dataset has no meta file here). None
+    (gpt2*, a Hugging Face directory): known.
     """
     if ckpt is None or ckpt.get('tokenizer'):
         return True
@@ -254,7 +280,10 @@ def tokenizer_known(ckpt, data_root='data'):
 
 @dataclass
 class Gathered:
-    """ What every rank helped gather for rank 0 to save (None on the other ranks, or when not asked for). """
+    """
+    What every rank helped gather for rank 0 to save (None on the other ranks, or when not asked
+    for).
+    """
     model: dict = None  # the full model state dict (unsharded under FSDP)
     optimizer: dict = None
     rng: list = None  # the RNG states of every rank, in rank order
@@ -273,12 +302,13 @@ class Checkpointer:
     def __init__(self, out_dir, dist_info, model, optimizer=None, policy=CheckpointPolicy(),
                  replaces_a_run=False):
         """
-        model: the plain module whose weights are saved (sharded in place under FSDP); optimizer: its optimizer.
-        policy: a CheckpointPolicy, the cadence of evaluated() and due() (finetune.py's own saves
-        ignore it).
-        replaces_a_run: a new run with --overwrite=True: its first save replaces the earlier run's checkpoint of
-        that name and deletes the earlier run's others (ckpt_best.pt, ckpt_last.pt, snapshots), which it was
-        allowed to replace, so that none of them is ever taken for this run's.
+        model: the plain module whose weights are saved (sharded in place under FSDP); optimizer:
+        its optimizer. policy: a CheckpointPolicy, the cadence of evaluated() and due()
+        (finetune.py's own saves ignore it).
+        replaces_a_run: a new run with --overwrite=True: its first save replaces the earlier run's
+        checkpoint of that name and deletes the earlier run's others (ckpt_best.pt, ckpt_last.pt,
+        snapshots), which it was allowed to replace, so that none of them is ever taken for this
+        run's.
         """
         self.out_dir = out_dir
         self.dist_info = dist_info
@@ -300,8 +330,9 @@ class Checkpointer:
     def evaluated(self, iter_num, val_loss, build):
         """
         After an evaluation at iter_num: remember a better val loss, then save at every evaluation
-        (always_save_checkpoint, unless checkpoint_interval sets the saves) or, without always_save_checkpoint,
-        only the best model. Iteration 0 has nothing new to save. Returns whether it saved.
+        (always_save_checkpoint, unless checkpoint_interval sets the saves) or, without
+        always_save_checkpoint, only the best model. Iteration 0 has nothing new to save. Returns
+        whether it saved.
         """
         improved = val_loss < self.best_val_loss
         if improved:
@@ -317,14 +348,18 @@ class Checkpointer:
         return False
 
     def due(self, iter_num, local_iter_num):
-        """ checkpoint_interval=N: save the state after every N steps (not where this process began: nothing new). """
+        """
+        checkpoint_interval=N: save the state after every N steps (not where this process began:
+        nothing new).
+        """
         return self.interval > 0 and iter_num % self.interval == 0 and local_iter_num > 0
 
     def save(self, iter_num, build, reason='', best=False):
         """
-        out_dir/ckpt.pt of iteration iter_num; every rank calls this. best=True: the model of an evaluation that
-        improved the val loss (always_save_checkpoint=False), also copied to ckpt_best.pt: only such a model, of
-        this run and with its own val loss, is ever kept as the best. Snapshots follow (keep_checkpoints).
+        out_dir/ckpt.pt of iteration iter_num; every rank calls this. best=True: the model of an
+        evaluation that improved the val loss (always_save_checkpoint=False), also copied to
+        ckpt_best.pt: only such a model, of this run and with its own val loss, is ever kept as the
+        best. Snapshots follow (keep_checkpoints).
         """
         def after_write(path):
             if best:
@@ -338,12 +373,20 @@ class Checkpointer:
     # -------------------------------------------------------------------------
     # the write, the same for every file
 
-    def write(self, name, build, iter_num, training_state=True, announce=None, done=None, after_write=None):
+    def write(self,
+              name,
+              build,
+              iter_num,
+              training_state=True,
+              announce=None,
+              done=None,
+              after_write=None):
         """
-        out_dir/name, holding build(Gathered) (called on rank 0 only). Every rank calls this: the weights are
-        voted finite, then (training_state) the optimizer state, full weights and every rank's RNG state are
-        gathered, then rank 0 writes; every rank raises when the weights are not finite or rank 0 could not
-        write, so none waits for the others. announce / done: rank 0's lines before and after the write.
+        out_dir/name, holding build(Gathered) (called on rank 0 only). Every rank calls this: the
+        weights are voted finite, then (training_state) the optimizer state, full weights and every
+        rank's RNG state are gathered, then rank 0 writes; every rank raises when the weights are
+        not finite or rank 0 could not write, so none waits for the others. announce / done: rank
+        0's lines before and after the write.
         """
         self.check_finite(iter_num)
         gathered = self.gather() if training_state else Gathered()
@@ -364,41 +407,53 @@ class Checkpointer:
                     after_write(path)
             # full disk, permissions, a directory in the way: the user's to fix
             except OSError as e:
-                raise UserError(f"could not write the checkpoint {path} ({e.strerror or e}); make room or fix "
-                                f"--out_dir, then resume from the last checkpoint with --init_from=resume") from None
+                raise UserError(
+                    f"could not write the checkpoint {path} ({e.strerror or e}); make room or fix "
+                    f"--out_dir, then resume from the last checkpoint with --init_from=resume"
+                ) from None
             if done:
                 print(done)
         master_decides(self.dist_info, save)  # rank 0 saves; all ranks learn whether it worked
 
     def check_finite(self, iter_num):
         """
-        Every rank checks the weights it holds (its shards under FSDP) and the verdicts are summed: one decision
-        for all, taken before anything is gathered; a model that is not finite is never saved over a good one.
+        Every rank checks the weights it holds (its shards under FSDP) and the verdicts are summed:
+        one decision for all, taken before anything is gathered; a model that is not finite is never
+        saved over a good one.
         """
-        not_finite, = all_reduce_sum([0.0 if tensors_finite(local_parameters(self.model)) else 1.0], self.dist_info)
+        not_finite, = all_reduce_sum([0.0 if tensors_finite(local_parameters(self.model)) else 1.0],
+                                     self.dist_info)
         if not_finite:
-            fail_everywhere(UserError(f"the model's weights are not finite at iter {iter_num}; not saving, so "
-                                      f"the last good checkpoint in {self.out_dir} is kept. Lower the learning "
-                                      f"rate and resume"), self.dist_info)
+            fail_everywhere(
+                UserError(f"the model's weights are not finite at iter {iter_num}; not saving, so "
+                          f"the last good checkpoint in {self.out_dir} is kept. Lower the learning "
+                          f"rate and resume"), self.dist_info)
 
     def gather(self):
-        """ The training state for rank 0 to save: collectives, so every rank calls this at the same point. """
+        """
+        The training state for rank 0 to save: collectives, so every rank calls this at the same
+        point.
+        """
         rng = gather_rng_states(self.dist_info)
-        # FSDP: every rank takes part in gathering each tensor, only rank 0 keeps the full copy (None elsewhere)
+        # FSDP: every rank takes part in gathering each tensor, only rank 0 keeps the full copy
+        # (None elsewhere)
         model_state, optimizer_state = full_state_dicts(self.model, self.optimizer)
         return Gathered(model_state, optimizer_state, rng)
 
 
 def tensors_finite(tensors):
-    """ Whether every floating-point tensor (weights before a checkpoint is written) is free of inf/nan. """
+    """
+    Whether every floating-point tensor (weights before a checkpoint is written) is free of inf/nan.
+    """
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 
 def restore_training_state(ckpt, optimizer, scaler, dist_info, loader=None, spike_guard=None):
     """
-    On resume: the optimizer state (sharded for FSDP), the GradScaler's if saved, this rank's RNGs (derived
-    ones for ranks the checkpoint has none for, rng.restore_rng_states) and, when given, the training loader's
-    position and the spike guard's running statistics, so the run goes on as the uninterrupted one would.
+    On resume: the optimizer state (sharded for FSDP), the GradScaler's if saved, this rank's RNGs
+    (derived ones for ranks the checkpoint has none for, rng.restore_rng_states) and, when given,
+    the training loader's position and the spike guard's running statistics, so the run goes on as
+    the uninterrupted one would.
     """
     load_optimizer_state(optimizer, ckpt['optimizer'])
     if ckpt.get('scaler'):
@@ -406,25 +461,33 @@ def restore_training_state(ckpt, optimizer, scaler, dist_info, loader=None, spik
     rng = ckpt.get('rng')
     # the first such rank says
     if rng and restore_rng_states(rng, dist_info.rank) and dist_info.rank == len(rng):
-        print(f"note: the checkpoint holds the RNG states of {len(rng)} rank(s); ranks {len(rng)} and up got "
-              f"their own, drawn from rank 0's (their dropout differs from a run on {len(rng)} rank(s))")
+        print(
+            f"note: the checkpoint holds the RNG states of {len(rng)} rank(s); ranks {len(rng)} and up got "
+            f"their own, drawn from rank 0's (their dropout differs from a run on {len(rng)} rank(s))"
+        )
     if spike_guard is not None and ckpt.get('spike_guard'):
         spike_guard.load_state_dict(ckpt['spike_guard'])
     if loader is not None and ckpt.get('loader'):
         loader.load_state_dict(ckpt['loader'])
     elif loader is not None and dist_info.master:
-        print("warning: the checkpoint has no data-loader state (a nanoGPT checkpoint?); the data order after "
-              "resuming will differ from an uninterrupted run", file=sys.stderr)
+        print(
+            "warning: the checkpoint has no data-loader state (a nanoGPT checkpoint?); the data order after "
+            "resuming will differ from an uninterrupted run",
+            file=sys.stderr)
 
 
 # -----------------------------------------------------------------------------
-# RNG states, for exact resume: every generator a training step can draw from (torch's CPU and CUDA ones for
-# dropout, Python's and numpy's), as tensors and plain values that a weights_only checkpoint can hold, gathered
-# from every rank so that rank 0 can save them all
+# RNG states, for exact resume: every generator a training step can draw from (torch's CPU and CUDA
+# ones for dropout, Python's and numpy's), as tensors and plain values that a weights_only
+# checkpoint can hold, gathered from every rank so that rank 0 can save them all
 
 def rng_state():
     """ Every RNG a training step can touch (dropout, shuffles), as tensors and plain values. """
-    state = {'torch': torch.get_rng_state(), 'python': _python_rng_state(), 'numpy': _numpy_rng_state()}
+    state = {
+        'torch': torch.get_rng_state(),
+        'python': _python_rng_state(),
+        'numpy': _numpy_rng_state()
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state['cuda'] = torch.cuda.get_rng_state()
     return state
@@ -465,10 +528,11 @@ def gather_rng_states(dist_info):
 
 def restore_rng_states(states, rank):
     """
-    On resume, this rank's RNG states from a checkpoint's list of every saved rank's. A rank the checkpoint has no
-    state for (resuming on more ranks than were saved) starts from rank 0's, then is reseeded with a number drawn
-    from it plus its rank: its own stream, the same on every resume, never another rank's copy (which would give
-    two ranks the same dropout masks). Returns whether the state was derived.
+    On resume, this rank's RNG states from a checkpoint's list of every saved rank's. A rank the
+    checkpoint has no state for (resuming on more ranks than were saved) starts from rank 0's, then
+    is reseeded with a number drawn from it plus its rank: its own stream, the same on every resume,
+    never another rank's copy (which would give two ranks the same dropout masks). Returns whether
+    the state was derived.
     """
     if rank < len(states):
         set_rng_state(states[rank])
@@ -485,7 +549,10 @@ def restore_rng_states(states, rank):
 # the checkpoints a run keeps: ckpt.pt, ckpt_best.pt, the snapshots; going back to one
 
 def checkpoint_files(out_dir):
-    """ The checkpoints a run keeps in out_dir: ckpt.pt, ckpt_best.pt, finetune.py's ckpt_last.pt, the snapshots. """
+    """
+    The checkpoints a run keeps in out_dir: ckpt.pt, ckpt_best.pt, finetune.py's ckpt_last.pt, the
+    snapshots.
+    """
     if not os.path.isdir(out_dir):
         return []
     named = [n for n in (CHECKPOINT, BEST, LAST) if os.path.isfile(os.path.join(out_dir, n))]
@@ -499,10 +566,10 @@ def snapshots(out_dir):
 
 def copy_checkpoint(path, new_path):
     """
-    new_path (and its .json sidecar) becomes a copy of the complete checkpoint at path, atomically. A copy,
-    never a hard link: with a link, a file copied over one name (cp ckpt_2000.pt ckpt.pt) would be written
-    through into the other. Where the file system can clone (btrfs, XFS: copy-on-write), the copy takes no
-    time and no space until one of them changes.
+    new_path (and its .json sidecar) becomes a copy of the complete checkpoint at path, atomically.
+    A copy, never a hard link: with a link, a file copied over one name (cp ckpt_2000.pt ckpt.pt)
+    would be written through into the other. Where the file system can clone (btrfs, XFS:
+    copy-on-write), the copy takes no time and no space until one of them changes.
     """
     for src, dst in ((path, new_path), (sidecar_of(path), sidecar_of(new_path))):
         if src == path or os.path.exists(src):
@@ -519,9 +586,9 @@ def _clone_into(path, f):
 
 def snapshot_checkpoint(out_dir, iter_num, keep):
     """
-    After out_dir/ckpt.pt of iteration iter_num is complete: copy it to ckpt_<iter_num>.pt, then delete the
-    snapshots other than the `keep` newest. (Those of another line of the run never count: branch_off moved
-    them away before this line's first save.) Returns the deleted names.
+    After out_dir/ckpt.pt of iteration iter_num is complete: copy it to ckpt_<iter_num>.pt, then
+    delete the snapshots other than the `keep` newest. (Those of another line of the run never
+    count: branch_off moved them away before this line's first save.) Returns the deleted names.
     """
     copy_checkpoint(os.path.join(out_dir, CHECKPOINT), os.path.join(out_dir, f'ckpt_{iter_num}.pt'))
     iters = sorted(snapshots(out_dir))
@@ -544,13 +611,17 @@ def remove_checkpoint(out_dir, name):
 
 
 def resume_point(out_dir, resume_from=''):
-    """ The file --init_from=resume continues from: ckpt.pt, or the snapshot resume_from names ('2000' or its name). """
+    """
+    The file --init_from=resume continues from: ckpt.pt, or the snapshot resume_from names ('2000'
+    or its name).
+    """
     if not resume_from:
         return os.path.join(out_dir, CHECKPOINT)
     name = f'ckpt_{resume_from}.pt' if resume_from.isdigit() else resume_from
     if not SNAPSHOT.match(name):
-        raise UserError(f"--resume_from={resume_from!r} is not a snapshot: give its iteration (2000) or its name "
-                        f"(ckpt_2000.pt) in out_dir")
+        raise UserError(
+            f"--resume_from={resume_from!r} is not a snapshot: give its iteration (2000) or its name "
+            f"(ckpt_2000.pt) in out_dir")
     path = os.path.join(out_dir, name)
     if not os.path.isfile(path):
         held = ', '.join(snapshots(out_dir).values()) if os.path.isdir(out_dir) else ''
@@ -561,12 +632,13 @@ def resume_point(out_dir, resume_from=''):
 
 def branch_off(out_dir, resume_from=''):
     """
-    On rank 0, out_dir locked, before a resumed run writes anything. A run resumed at iteration k (ckpt.pt's, or
-    the snapshot resume_from names) continues a line of its own: the files of the line it leaves (ckpt.pt when
-    going back to a snapshot, the snapshots of later iterations, a ckpt_best.pt saved after k) move unchanged
-    into out_dir/abandoned_<n>/, so the new line's saves can neither overwrite nor prune them; then the snapshot
-    becomes ckpt.pt (a copy). The same happens when the user copied an older snapshot over ckpt.pt by hand.
-    metrics.jsonl stays: its reader drops the left line's records past k (metrics.read_metrics).
+    On rank 0, out_dir locked, before a resumed run writes anything. A run resumed at iteration k
+    (ckpt.pt's, or the snapshot resume_from names) continues a line of its own: the files of the
+    line it leaves (ckpt.pt when going back to a snapshot, the snapshots of later iterations, a
+    ckpt_best.pt saved after k) move unchanged into out_dir/abandoned_<n>/, so the new line's saves
+    can neither overwrite nor prune them; then the snapshot becomes ckpt.pt (a copy). The same
+    happens when the user copied an older snapshot over ckpt.pt by hand. metrics.jsonl stays: its
+    reader drops the left line's records past k (metrics.read_metrics).
     """
     start = resume_point(out_dir, resume_from)
     k = saved_iter(start)
@@ -588,14 +660,18 @@ def branch_off(out_dir, resume_from=''):
         if leaving:  # copied, then replaced below: out_dir always holds a ckpt.pt to resume from
             copy_checkpoint(current, os.path.join(keep_dir, CHECKPOINT))
             later.insert(0, CHECKPOINT)
-        print(f"resuming at iter {k}: the later files of this run ({', '.join(later)}) are kept, unchanged, in "
-              f"{keep_dir}")
+        print(
+            f"resuming at iter {k}: the later files of this run ({', '.join(later)}) are kept, unchanged, in "
+            f"{keep_dir}")
     if resume_from:
         copy_checkpoint(start, current)
 
 
 def checkpoint_path(init_from, out_dir, resume_file=CHECKPOINT):
-    """ The checkpoint file init_from names: 'resume' (out_dir/resume_file), a directory holding ckpt.pt, a file. """
+    """
+    The checkpoint file init_from names: 'resume' (out_dir/resume_file), a directory holding
+    ckpt.pt, a file.
+    """
     if init_from == 'resume':
         return os.path.join(out_dir, resume_file)
     if os.path.isfile(init_from):

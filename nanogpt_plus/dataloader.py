@@ -1,11 +1,11 @@
 """
-The token-window loader: (B, T) windows of a dataset split's tokens, with explicit state so runs resume
-exactly and DDP ranks stride one shared stream.
+The token-window loader: (B, T) windows of a dataset split's tokens, with explicit state so runs
+resume exactly and DDP ranks stride one shared stream.
 
-A split's tokens are a TokenSource: nanoGPT's one raw file (train.bin: uint16, or uint32 when its directory's
-meta.json says "dtype": "uint32", for vocabularies past 65,536), or a list of llm.c token shards
-(nanogpt_plus.shards: ours, llm.c's, build-nanogpt's, modded-nanogpt's). The windows come in one of two orders
-(data_order):
+A split's tokens are a TokenSource: nanoGPT's one raw file (train.bin: uint16, or uint32 when its
+directory's meta.json says "dtype": "uint32", for vocabularies past 65,536), or a list of llm.c
+token shards (nanogpt_plus.shards: ours, llm.c's, build-nanogpt's, modded-nanogpt's). The windows
+come in one of two orders (data_order):
   'random'      nanoGPT's get_batch: each micro-batch is B windows of T+1 tokens drawn uniformly from every
                 window of every file (so a file is drawn in proportion to its number of windows, and a window
                 never crosses the end of a file) with the loader's seeded torch.Generator. On one file these
@@ -15,11 +15,12 @@ meta.json says "dtype": "uint32", for vocabularies past 65,536), or a list of ll
                 per epoch. A file's tail too short for a whole micro-batch is skipped (as llm.c does); after
                 the last file the stream wraps to the first one and the epoch count goes up.
 
-Either way every process computes the same sequence of micro-batches, and micro-batch k belongs to rank
-k % world_size (each call to next_batch consumes world_size micro-batches). So the global batch of an
-optimizer step is the same for any world size: 2 ranks x 2 accumulation steps see exactly the micro-batches
-1 rank x 4 steps sees; and any rank's state_dict resumes all of them. training_data opens train.py's dataset
-(dataset.py says what its files are) and loaders, on every rank with one verdict.
+Either way every process computes the same sequence of micro-batches, and micro-batch k belongs to
+rank k % world_size (each call to next_batch consumes world_size micro-batches). So the global batch
+of an optimizer step is the same for any world size: 2 ranks x 2 accumulation steps see exactly the
+micro-batches 1 rank x 4 steps sees; and any rank's state_dict resumes all of them. training_data
+opens train.py's dataset (dataset.py says what its files are) and loaders, on every rank with one
+verdict.
 
 Usage:
     from nanogpt_plus.dataloader import TokenWindowLoader
@@ -47,11 +48,13 @@ from nanogpt_plus.shards import has_header, open_shard
 
 def open_tokens(path, dataset=None, dtype=None):
     """
-    nanoGPT's raw token file as a read-only memmap, or one clear error. dtype: the dataset's (Dataset.raw_dtype,
-    worked out once); None reads it from the meta.json beside the file (raw_token_dtype).
+    nanoGPT's raw token file as a read-only memmap, or one clear error. dtype: the dataset's
+    (Dataset.raw_dtype, worked out once); None reads it from the meta.json beside the file
+    (raw_token_dtype).
     """
     if not os.path.exists(path):
-        # a name under data/ has its prepare.py; a directory given as a path was prepared some other way
+        # a name under data/ has its prepare.py; a directory given as a path was prepared some other
+        # way
         named = dataset and not os.path.isabs(dataset) and os.sep not in dataset
         hint = f"run python data/{dataset}/prepare.py first" if named else "prepare the dataset first"
         raise UserError(f"no token file at {path}; {hint}")
@@ -60,42 +63,54 @@ def open_tokens(path, dataset=None, dtype=None):
         raise UserError(f"{path} is empty (0 tokens); re-run the dataset's prepare.py on some text")
     dtype = raw_token_dtype(path) if dtype is None else np.dtype(dtype)
     if size % dtype.itemsize:
-        raise UserError(f"{path} is {size:,} bytes, not a whole number of {dtype} tokens ({dtype.itemsize} bytes "
-                        f"each), so it is truncated or not a token file of this dataset; re-run prepare.py")
+        raise UserError(
+            f"{path} is {size:,} bytes, not a whole number of {dtype} tokens ({dtype.itemsize} bytes "
+            f"each), so it is truncated or not a token file of this dataset; re-run prepare.py")
     return np.memmap(path, dtype=dtype, mode='r')
 
 
 def open_token_file(path, dataset=None, dtype=None):
-    """ Any token file split_files returns, validated, as a read-only memmap of its tokens (never read whole). """
+    """
+    Any token file split_files returns, validated, as a read-only memmap of its tokens (never read
+    whole).
+    """
     return open_shard(path) if has_header(path) else open_tokens(path, dataset, dtype)
 
 
-# a split up to this many tokens (128 MB) is scanned whole when opened, in well under a second; a larger one
-# (OpenWebText's 9B tokens, FineWeb's 10B) is checked batch by batch instead, as its windows are read. The
-# environment variable lowers it, so that tests can take the per-batch path on small files
+# a split up to this many tokens (128 MB) is scanned whole when opened, in well under a second; a
+# larger one (OpenWebText's 9B tokens, FineWeb's 10B) is checked batch by batch instead, as its
+# windows are read. The environment variable lowers it, so that tests can take the per-batch path on
+# small files
 SCAN_TOKENS = int(os.environ.get('NANOGPT_PLUS_SCAN_TOKENS', 1 << 26))
 
 
 def check_token_ids(tokens, vocab_size, path, tokenizer_size=None):
     """
-    A token id >= the model's vocab_size has no embedding: an IndexError deep in the model on the CPU, a
-    device-side assert on a GPU. One >= the tokenizer's size (tokenizer_size, when the model's vocabulary is
-    padded past it) has an embedding row but means no text: the data was made with another tokenizer. Refuse
-    either in one line naming the file (tokens: an array or a tensor).
+    A token id >= the model's vocab_size has no embedding: an IndexError deep in the model on the
+    CPU, a device-side assert on a GPU. One >= the tokenizer's size (tokenizer_size, when the
+    model's vocabulary is padded past it) has an embedding row but means no text: the data was made
+    with another tokenizer. Refuse either in one line naming the file (tokens: an array or a
+    tensor).
     """
     top = int(tokens.max())
     if top >= vocab_size:
-        raise UserError(f"{path} holds token ids up to {top}, beyond the model's vocab_size ({vocab_size}); was it "
-                        f"prepared with another tokenizer? Re-run prepare.py, or use the model this data was made for")
+        raise UserError(
+            f"{path} holds token ids up to {top}, beyond the model's vocab_size ({vocab_size}); was it "
+            f"prepared with another tokenizer? Re-run prepare.py, or use the model this data was made for"
+        )
     if tokenizer_size and top >= tokenizer_size:
-        raise UserError(f"{path} holds token ids up to {top}, beyond the tokenizer's vocabulary ({tokenizer_size:,} "
-                        f"tokens; the model's ids from {tokenizer_size:,} to {vocab_size:,} are padding, which no "
-                        f"text has); was it prepared with another tokenizer? Re-run prepare.py, or use the model "
-                        f"this data was made for")
+        raise UserError(
+            f"{path} holds token ids up to {top}, beyond the tokenizer's vocabulary ({tokenizer_size:,} "
+            f"tokens; the model's ids from {tokenizer_size:,} to {vocab_size:,} are padding, which no "
+            f"text has); was it prepared with another tokenizer? Re-run prepare.py, or use the model "
+            f"this data was made for")
 
 
 def file_identity(path):
-    """ (device, inode, size, mtime) of a file, None when it is gone: what changes when the file is replaced. """
+    """
+    (device, inode, size, mtime) of a file, None when it is gone: what changes when the file is
+    replaced.
+    """
     try:
         st = os.stat(path)
     except OSError:
@@ -105,9 +120,9 @@ def file_identity(path):
 
 class TokenSource:
     """
-    The token files of one split, validated once and then memory-mapped anew for every read: a memmap kept
-    open holds on to every page it has touched, so on a corpus larger than RAM the process would keep
-    growing (numpy memmap, see stackoverflow.com/q/45132940).
+    The token files of one split, validated once and then memory-mapped anew for every read: a
+    memmap kept open holds on to every page it has touched, so on a corpus larger than RAM the
+    process would keep growing (numpy memmap, see stackoverflow.com/q/45132940).
     """
 
     def __init__(self, paths, dataset=None, dtype=None):
@@ -116,23 +131,31 @@ class TokenSource:
         # what np.memmap needs to map it again
         self.layouts = [(m.dtype, m.offset, len(m)) for m in opened]
         self.sizes = np.array([n for _, _, n in self.layouts], dtype=np.int64)  # tokens per file
-        # each file as it was validated: another file under its name (a dataset prepared again while the run
-        # reads it, perhaps with another vocabulary) is refused at the next read instead of trained on
+        # each file as it was validated: another file under its name (a dataset prepared again while
+        # the run reads it, perhaps with another vocabulary) is refused at the next read instead of
+        # trained on
         self.pins = [file_identity(p) for p in self.paths]
         # set by check_vocab for a large split: every window checked
         self.vocab_size = self.tokenizer_size = None
 
     def tokens(self, i):
-        """ File i's tokens, a fresh read-only memmap (of the file validated at start-up, or one line). """
+        """
+        File i's tokens, a fresh read-only memmap (of the file validated at start-up, or one line).
+        """
         if file_identity(self.paths[i]) != self.pins[i]:
-            raise UserError(f"{self.paths[i]} changed while the run was reading it (replaced, prepared again, "
-                            f"truncated or deleted); the run stops here without saving. Restore the dataset the run "
-                            f"started with and resume with --init_from=resume, or start a new run on the new one")
+            raise UserError(
+                f"{self.paths[i]} changed while the run was reading it (replaced, prepared again, "
+                f"truncated or deleted); the run stops here without saving. Restore the dataset the run "
+                f"started with and resume with --init_from=resume, or start a new run on the new one"
+            )
         dtype, offset, n = self.layouts[i]
         return np.memmap(self.paths[i], dtype=dtype, mode='r', offset=offset, shape=(n,))
 
     def read(self, files, starts, length):
-        """ (len(starts), length) int64 tensor: row j is tokens[starts[j]:starts[j] + length] of file files[j]. """
+        """
+        (len(starts), length) int64 tensor: row j is tokens[starts[j]:starts[j] + length] of file
+        files[j].
+        """
         window = np.empty((len(starts), length), dtype=np.int64)
         span = np.arange(length, dtype=np.int64)
         for i in np.unique(files):
@@ -144,7 +167,10 @@ class TokenSource:
         return torch.from_numpy(window)
 
     def check_vocab(self, vocab_size, tokenizer_size=None):
-        """ Refuse ids the model (or its tokenizer) doesn't have: now for a small split, else in each read. """
+        """
+        Refuse ids the model (or its tokenizer) doesn't have: now for a small split, else in each
+        read.
+        """
         if self.sizes.sum() <= SCAN_TOKENS:
             for i, path in enumerate(self.paths):
                 check_token_ids(self.tokens(i), vocab_size, path, tokenizer_size)  # all of it, now
@@ -163,7 +189,9 @@ class TokenSource:
 # the two orders of windows: draw() returns one micro-batch as (file of each window, its start)
 
 class RandomOrder:
-    """ nanoGPT's order: B windows drawn uniformly from all windows of all files, by a seeded generator. """
+    """
+    nanoGPT's order: B windows drawn uniformly from all windows of all files, by a seeded generator.
+    """
     name = 'random'
 
     def __init__(self, sizes, batch_size, block_size, seed):
@@ -193,7 +221,10 @@ class RandomOrder:
 
 
 class SequentialOrder:
-    """ llm.c's order: consecutive micro-batches of B*T+1 tokens through the files, wrapping after the last. """
+    """
+    llm.c's order: consecutive micro-batches of B*T+1 tokens through the files, wrapping after the
+    last.
+    """
     name = 'sequential'
 
     def __init__(self, sizes, batch_size, block_size, names):
@@ -225,15 +256,17 @@ class SequentialOrder:
         return files, starts
 
     def state_dict(self):
-        # the file's name too: a resume over another list of files is refused rather than read elsewhere
+        # the file's name too: a resume over another list of files is refused rather than read
+        # elsewhere
         return {'file': self.file, 'file_name': self.names[self.file], 'position': self.position,
                 'epoch': self.epoch}
 
     def load_state_dict(self, state):
         file = int(state['file'])
         if file >= len(self.names) or self.names[file] != state['file_name']:
-            raise UserError(f"the checkpoint's data position is in the shard {state['file_name']}, which is not "
-                            f"shard {file} of this dataset; resume on the dataset the run was started on")
+            raise UserError(
+                f"the checkpoint's data position is in the shard {state['file_name']}, which is not "
+                f"shard {file} of this dataset; resume on the dataset the run was started on")
         self.file = file
         self.position = int(state['position'])
         self.epoch = int(state['epoch'])
@@ -247,23 +280,27 @@ def make_order(order, source, batch_size, block_size, seed):
         if largest <= block_size:
             what = f"{where} has only {largest} tokens" if len(source.paths) == 1 else \
                 f"the largest of {where} has only {largest} tokens"
-            raise UserError(f"{what}, fewer than block_size+1 ({block_size + 1}); use a smaller --block_size or "
-                            f"more data")
+            raise UserError(
+                f"{what}, fewer than block_size+1 ({block_size + 1}); use a smaller --block_size or "
+                f"more data")
         return RandomOrder(source.sizes, batch_size, block_size, seed)
     if order == 'sequential':
         if largest <= batch_size * block_size:
-            raise UserError(f"no file of {where} holds batch_size*block_size+1 ({batch_size * block_size + 1:,}) "
-                            f"tokens, one micro-batch in sequential order (the largest has {largest:,}); use a "
-                            f"smaller --batch_size or --block_size, or more data")
-        return SequentialOrder(source.sizes, batch_size, block_size, [os.path.basename(p) for p in source.paths])
+            raise UserError(
+                f"no file of {where} holds batch_size*block_size+1 ({batch_size * block_size + 1:,}) "
+                f"tokens, one micro-batch in sequential order (the largest has {largest:,}); use a "
+                f"smaller --batch_size or --block_size, or more data")
+        return SequentialOrder(source.sizes, batch_size, block_size,
+                               [os.path.basename(p) for p in source.paths])
     raise UserError(f"unknown data order '{order}'; use one of: {', '.join(ORDERS)}")
 
 
 def evaluation_order(paths):
     """
-    The order of a fixed evaluation stream over paths: sequential from the start for shards, so the val loss
-    covers distinct tokens, the same ones whatever the seed, data_order or world size, as llm.c measures it;
-    nanoGPT's random windows for its val.bin, as nanoGPT does (and this loader always did).
+    The order of a fixed evaluation stream over paths: sequential from the start for shards, so the
+    val loss covers distinct tokens, the same ones whatever the seed, data_order or world size, as
+    llm.c measures it; nanoGPT's random windows for its val.bin, as nanoGPT does (and this loader
+    always did).
     """
     return 'sequential' if any(has_header(p) for p in paths) else 'random'
 
@@ -273,21 +310,25 @@ def evaluation_order(paths):
 
 def split_window(window, device, pin):
     """
-    (x, y) = (window[:, :-1], window[:, 1:]) on device, each contiguous, for a contiguous (B, T+1) CPU window.
-    With pin (CUDA) the window goes over once, from page-locked memory, and is sliced on the GPU: x and y
-    themselves are strided views, and pinning a view keeps its strides, so a non_blocking copy of one
-    would go through a pageable temporary and neither be cheap nor return at once.
+    (x, y) = (window[:, :-1], window[:, 1:]) on device, each contiguous, for a contiguous (B, T+1)
+    CPU window. With pin (CUDA) the window goes over once, from page-locked memory, and is sliced on
+    the GPU: x and y themselves are strided views, and pinning a view keeps its strides, so a
+    non_blocking copy of one would go through a pageable temporary and neither be cheap nor return
+    at once.
     """
     if pin:
         # a non_blocking copy from pinned memory returns at once: the CPU goes on queueing work
         window = window.pin_memory().to(device, non_blocking=True)
-        # contiguous() copies on the GPU, queued after the transfer (targets.view(-1) needs contiguous y)
+        # contiguous() copies on the GPU, queued after the transfer (targets.view(-1) needs
+        # contiguous y)
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
     return window[:, :-1].contiguous().to(device), window[:, 1:].contiguous().to(device)
 
 
 class TokenWindowLoader:
-    """ (B, T) batches of a split's token files (a path or a list of them) in data order `order`. """
+    """
+    (B, T) batches of a split's token files (a path or a list of them) in data order `order`.
+    """
 
     def __init__(self, paths, batch_size, block_size, seed=1337, rank=0, world_size=1, device='cpu',
                  dataset=None, order='random', dtype=None):
@@ -303,22 +344,29 @@ class TokenWindowLoader:
         self._pin = 'cuda' in str(device)
 
     def check_vocab(self, vocab_size, tokenizer_size=None):
-        """ Refuse ids the model (or its tokenizer) doesn't have: now for a small split, else in each batch read. """
+        """
+        Refuse ids the model (or its tokenizer) doesn't have: now for a small split, else in each
+        batch read.
+        """
         self.source.check_vocab(vocab_size, tokenizer_size)
 
     @property
     def epoch(self):
-        """ Passes completed over the files (sequential order; random windows have no epochs: 0). """
+        """
+        Passes completed over the files (sequential order; random windows have no epochs: 0).
+        """
         return getattr(self.order, 'epoch', 0)
 
     def reset(self):
-        """ Back to the start of the stream (evaluation calls this to see the same batches every time). """
+        """
+        Back to the start of the stream (evaluation calls this to see the same batches every time).
+        """
         self.order.reset()
         self.micro_step = 0
 
     def next_batch(self):
-        # draw the next world_size micro-batches of the shared stream and keep this rank's one, so every
-        # rank's order stays in the same state
+        # draw the next world_size micro-batches of the shared stream and keep this rank's one, so
+        # every rank's order stays in the same state
         for r in range(self.world_size):
             draw = self.order.draw()
             if r == self.rank:
@@ -334,8 +382,9 @@ class TokenWindowLoader:
         # checkpoints from before data_order drew random windows
         saved = state.get('order', 'random')
         if saved != self.order.name:
-            raise UserError(f"the checkpoint's data loader read the {saved} order, but data_order is "
-                            f"'{self.order.name}'; resume with --data_order={saved}")
+            raise UserError(
+                f"the checkpoint's data loader read the {saved} order, but data_order is "
+                f"'{self.order.name}'; resume with --data_order={saved}")
         self.order.load_state_dict(state)
         self.micro_step = int(state['micro_step'])
 
@@ -355,19 +404,29 @@ class DataSpec:
 
 def training_data(spec, dist_info):
     """
-    train.py's dataset and loaders, (Dataset, train_loader, {'train': ..., 'val': ...}), opened on every rank with
-    one verdict: a node whose disk lacks the data (or holds another copy that fails its checks) ends every rank
-    with the same line, instead of one rank stopping while the others wait for it in a collective; and so does a
-    node whose copy holds other numbers of tokens (a file cut short, another preparation) than rank 0's, which
-    would train on other data without an error. spec: a DataSpec.
+    train.py's dataset and loaders, (Dataset, train_loader, {'train': ..., 'val': ...}), opened on
+    every rank with one verdict: a node whose disk lacks the data (or holds another copy that fails
+    its checks) ends every rank with the same line, instead of one rank stopping while the others
+    wait for it in a collective; and so does a node whose copy holds other numbers of tokens (a file
+    cut short, another preparation) than rank 0's, which would train on other data without an error.
+    spec: a DataSpec.
     """
     def open_all():
         data = find_dataset(spec.dataset)
         loaders = training_loaders(data, spec, dist_info)
-        sizes = {split: [int(n) for n in loader.source.sizes] for split, loader in loaders[1].items()}
+        sizes = {
+            split: [int(n) for n in loader.source.sizes]
+            for split, loader in loaders[1].items()
+        }
         return {'data': data, 'loaders': loaders, 'dataset': sizes}
-    opened = every_rank(dist_info, open_all, agree={'dataset': "give every node the same copy of the dataset (its "
-                                                               "files' tokens per split are compared)"})
+
+    opened = every_rank(dist_info,
+                        open_all,
+                        agree={
+                            'dataset':
+                            "give every node the same copy of the dataset (its "
+                            "files' tokens per split are compared)"
+                        })
     return (opened['data'], *opened['loaders'])
 
 

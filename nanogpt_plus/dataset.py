@@ -1,10 +1,11 @@
 """
-What a prepared dataset is, worked out once at set-up and then handed to everything that reads it (the model
-builder, the loaders, the tokenizer and vocabulary checks): its directory, the token files of each split
-(nanoGPT's train.bin/val.bin or llm.c's shards), the dtype of the raw files, and the tokenizer description its
-meta file gives (and so the vocabulary size), read and checked here: meta.json (ours, plain JSON) or nanoGPT's
-meta.pkl (read with an unpickler that builds plain data only). Whether a dataset's tokens mean to a model what
-they meant to the tokenizer that made them is checked here too (check_dataset_tokenizer).
+What a prepared dataset is, worked out once at set-up and then handed to everything that reads it
+(the model builder, the loaders, the tokenizer and vocabulary checks): its directory, the token
+files of each split (nanoGPT's train.bin/val.bin or llm.c's shards), the dtype of the raw files, and
+the tokenizer description its meta file gives (and so the vocabulary size), read and checked here:
+meta.json (ours, plain JSON) or nanoGPT's meta.pkl (read with an unpickler that builds plain data
+only). Whether a dataset's tokens mean to a model what they meant to the tokenizer that made them is
+checked here too (check_dataset_tokenizer).
 
 Usage:
     from nanogpt_plus.dataset import find_dataset
@@ -30,15 +31,21 @@ REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # finding a dataset's files
 
 def holds_shards(data_dir):
-    """ Whether a directory holds llm.c token shards: a *train*.bin or *val*.bin other than nanoGPT's two. """
+    """
+    Whether a directory holds llm.c token shards: a *train*.bin or *val*.bin other than nanoGPT's
+    two.
+    """
     if not os.path.isdir(data_dir):
         return False
     return any(is_shard_name(n) for n in os.listdir(data_dir))
 
 
 def dataset_dir(dataset):
-    """ data/<dataset> (relative to the working directory, like nanoGPT, else to this repo), or a path. """
-    for candidate in (dataset, os.path.join('data', dataset), os.path.join(REPO_DIR, 'data', dataset)):
+    """
+    data/<dataset> (relative to the working directory, like nanoGPT, else to this repo), or a path.
+    """
+    for candidate in (dataset, os.path.join('data',
+                                            dataset), os.path.join(REPO_DIR, 'data', dataset)):
         if os.path.isdir(candidate) and (os.path.exists(os.path.join(candidate, 'train.bin'))
                                          or holds_shards(candidate)):
             return candidate
@@ -47,9 +54,10 @@ def dataset_dir(dataset):
 
 def split_files(dataset, split):
     """
-    The token files of a dataset's split ('train' or 'val'), in order: its llm.c shards (by shards.find_shards'
-    naming rule), else nanoGPT's data_dir/<split>.bin (whose absence open_token_file reports, with the
-    prepare.py to run). dataset is a name under data/ or a directory.
+    The token files of a dataset's split ('train' or 'val'), in order: its llm.c shards (by
+    shards.find_shards' naming rule), else nanoGPT's data_dir/<split>.bin (whose absence
+    open_token_file reports, with the prepare.py to run). dataset is a name under data/ or a
+    directory.
     """
     data_dir = dataset_dir(dataset)
     if not holds_shards(data_dir):
@@ -59,8 +67,9 @@ def split_files(dataset, split):
                         f"use --split=train or --split=val")
     files = find_shards(data_dir)[0 if split == 'train' else 1]
     if not files:
-        raise UserError(f"{data_dir} has no {split} shards (no *{split}*.bin file); prepare the dataset again "
-                        f"with its {split} split")
+        raise UserError(
+            f"{data_dir} has no {split} shards (no *{split}*.bin file); prepare the dataset again "
+            f"with its {split} split")
     return files
 
 
@@ -70,11 +79,12 @@ RAW_DTYPES = ('uint16', 'uint32')
 
 def raw_token_dtype(path):
     """
-    The dtype of a raw token file: its directory's meta.json "dtype" (prepare.py records it), else uint16
-    (nanoGPT's, and what a directory without meta.json or with nanoGPT's meta.pkl holds). Only that key is
-    read (and vocab_size): a bpe meta.json names its tokenizer.json rather than holding it, so this never parses
-    a tokenizer. uint16 for a vocabulary past 65,536 is refused: its ids were cut, or the file is uint32 and
-    would read as twice as many small, wrong ids that no vocabulary check catches.
+    The dtype of a raw token file: its directory's meta.json "dtype" (prepare.py records it), else
+    uint16 (nanoGPT's, and what a directory without meta.json or with nanoGPT's meta.pkl holds).
+    Only that key is read (and vocab_size): a bpe meta.json names its tokenizer.json rather than
+    holding it, so this never parses a tokenizer. uint16 for a vocabulary past 65,536 is refused:
+    its ids were cut, or the file is uint32 and would read as twice as many small, wrong ids that no
+    vocabulary check catches.
     """
     meta_path = os.path.join(os.path.dirname(path), 'meta.json')
     if not os.path.exists(meta_path):
@@ -85,13 +95,17 @@ def raw_token_dtype(path):
         dtype = meta.get('dtype', 'uint16')
         vocab_size = meta.get('vocab_size')
     except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"{meta_path} is unreadable ({e}); re-run the dataset's prepare.py") from None
+        raise UserError(
+            f"{meta_path} is unreadable ({e}); re-run the dataset's prepare.py") from None
     if dtype not in RAW_DTYPES:
-        raise UserError(f"{meta_path} says the token files are {dtype!r}, not one of {', '.join(RAW_DTYPES)}; "
-                        f"re-run the dataset's prepare.py")
+        raise UserError(
+            f"{meta_path} says the token files are {dtype!r}, not one of {', '.join(RAW_DTYPES)}; "
+            f"re-run the dataset's prepare.py")
     if isinstance(vocab_size, int) and np.dtype(dtype).itemsize < token_dtype(vocab_size).itemsize:
-        raise UserError(f"{meta_path} says the token files are {dtype}, but its vocabulary of {vocab_size:,} tokens "
-                        f"needs {token_dtype(vocab_size)}; re-run the dataset's prepare.py (it records the dtype)")
+        raise UserError(
+            f"{meta_path} says the token files are {dtype}, but its vocabulary of {vocab_size:,} tokens "
+            f"needs {token_dtype(vocab_size)}; re-run the dataset's prepare.py (it records the dtype)"
+        )
     return np.dtype(dtype)
 
 
@@ -115,20 +129,23 @@ class Dataset:
 
     @property
     def vocab_size(self):
-        """ The tokenizer's vocabulary size its meta gives, or None (no meta, or one that names none). """
+        """
+        The tokenizer's vocabulary size its meta gives, or None (no meta, or one that names none).
+        """
         size = (self.meta or {}).get('vocab_size')
         return int(size) if size else None
 
 
 def find_dataset(name, splits=('train', 'val')):
     """
-    The Dataset `name` (data/<name> relative to the working directory or this repo, or a path) with the files
-    of `splits` (none: its tokenizer only, for a new model of its vocabulary).
+    The Dataset `name` (data/<name> relative to the working directory or this repo, or a path) with
+    the files of `splits` (none: its tokenizer only, for a new model of its vocabulary).
     """
     directory = dataset_dir(name)
     shards = holds_shards(directory)
     files = {split: split_files(name, split) for split in splits}
-    # the raw files' dtype from meta.json, once (shards carry theirs in their headers); none asked for: no files
+    # the raw files' dtype from meta.json, once (shards carry theirs in their headers); none asked
+    # for: no files
     raw_dtype = raw_token_dtype(files[splits[0]][0]) if splits and not shards else None
     return Dataset(name, directory, files, shards, raw_dtype, read_dataset_meta(directory))
 
@@ -137,19 +154,23 @@ def find_dataset(name, splits=('train', 'val')):
 # its meta file: the tokenizer description (meta.json, or nanoGPT's meta.pkl)
 
 class _SafeUnpickler(pickle.Unpickler):
-    """ Loads only plain data (dicts, lists, strings, numbers); a meta.pkl can't run code through us. """
+    """
+    Loads only plain data (dicts, lists, strings, numbers); a meta.pkl can't run code through us.
+    """
 
     def find_class(self, module, name):
-        raise pickle.UnpicklingError(f"meta.pkl refers to {module}.{name}; only plain data is allowed")
+        raise pickle.UnpicklingError(
+            f"meta.pkl refers to {module}.{name}; only plain data is allowed")
 
 
 def read_dataset_meta(data_dir):
     """
-    The tokenizer description of a prepared dataset directory: meta.json first, else nanoGPT's meta.pkl
-    (read with a restricted unpickler), else None (the dataset is GPT-2 BPE, like nanoGPT assumes). A bpe
-    dataset's tokenizer.json is read in (as 'tokenizer_json'), so the description stands on its own. What it
-    returns is checked (see _checked_meta): an entry of the wrong type or a tokenizer.json that contradicts it is
-    refused here, when the dataset is read, in one line naming the file.
+    The tokenizer description of a prepared dataset directory: meta.json first, else nanoGPT's
+    meta.pkl (read with a restricted unpickler), else None (the dataset is GPT-2 BPE, like nanoGPT
+    assumes). A bpe dataset's tokenizer.json is read in (as 'tokenizer_json'), so the description
+    stands on its own. What it returns is checked (see _checked_meta): an entry of the wrong type or
+    a tokenizer.json that contradicts it is refused here, when the dataset is read, in one line
+    naming the file.
     """
     json_path = os.path.join(data_dir, "meta.json")
     pkl_path = os.path.join(data_dir, "meta.pkl")
@@ -166,9 +187,12 @@ def read_dataset_meta(data_dir):
             with open(pkl_path, "rb") as f:
                 meta = _SafeUnpickler(f).load()
         except Exception as e:
-            raise TokenizerError(f"{pkl_path} is unreadable or unsafe ({e}); re-run the dataset's prepare.py") from None
+            raise TokenizerError(
+                f"{pkl_path} is unreadable or unsafe ({e}); re-run the dataset's prepare.py"
+            ) from None
         if not isinstance(meta, dict):
-            raise TokenizerError(f"{pkl_path} does not hold a dict; re-run the dataset's prepare.py")
+            raise TokenizerError(
+                f"{pkl_path} does not hold a dict; re-run the dataset's prepare.py")
         meta = _checked_meta(dict(meta), pkl_path, data_dir)
         meta["kind"] = tokenizer_kind(meta)
         return meta
@@ -179,16 +203,20 @@ KINDS = ("gpt2", "char", "bpe")
 
 
 def _is_id(value):
-    """ Whether value is a token id or a count as a meta file can hold one: a whole number (JSON's true is not). """
+    """
+    Whether value is a token id or a count as a meta file can hold one: a whole number (JSON's true
+    is not).
+    """
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _checked_meta(meta, path, data_dir):
     """
-    A dataset's meta (of meta.json or meta.pkl, at path) with itos keyed by ints (JSON's keys are strings) and a
-    bpe dataset's tokenizer.json read in, refusing in one line what the rest of the code would trip over later or
-    silently misread: a kind we don't know, a vocab_size that isn't a positive whole number, a vocabulary that
-    isn't {character: id} / {id: character} or whose two halves disagree, a tokenizer.json that contradicts it.
+    A dataset's meta (of meta.json or meta.pkl, at path) with itos keyed by ints (JSON's keys are
+    strings) and a bpe dataset's tokenizer.json read in, refusing in one line what the rest of the
+    code would trip over later or silently misread: a kind we don't know, a vocab_size that isn't a
+    positive whole number, a vocabulary that isn't {character: id} / {id: character} or whose two
+    halves disagree, a tokenizer.json that contradicts it.
     """
     remedy = "re-run the dataset's prepare.py"
 
@@ -207,7 +235,8 @@ def _checked_meta(meta, path, data_dir):
         refuse(f"says eot_token={meta['eot_token']!r}, not a token id")
     if "stoi" in meta:
         stoi = meta["stoi"]
-        if not (isinstance(stoi, dict) and all(isinstance(ch, str) and _is_id(i) for ch, i in stoi.items())):
+        if not (isinstance(stoi, dict) and
+                all(isinstance(ch, str) and _is_id(i) for ch, i in stoi.items())):
             refuse("has a 'stoi' that is not a {character: id} mapping")
         if size is not None and any(i >= size for i in stoi.values()):
             refuse(f"has a 'stoi' with ids past its vocab_size={size}")
@@ -224,10 +253,12 @@ def _checked_meta(meta, path, data_dir):
                 refuse(f"has a {type(meta[key]).__name__} as its {key}, not a string")
         # held in the meta file itself, or else in the file it names
         name = f"the tokenizer.json in {path}"
-        # imported here: only a bpe dataset's tokenizer.json is read and checked with the tokenizers library
+        # imported here: only a bpe dataset's tokenizer.json is read and checked with the tokenizers
+        # library
         from nanogpt_plus.bpe import TOKENIZER_FILE, described_bpe, read_named_tokenizer
         if "tokenizer_json" not in meta:
-            meta["tokenizer_json"] = read_named_tokenizer(data_dir, meta, "the dataset's tokens were made",
+            meta["tokenizer_json"] = read_named_tokenizer(data_dir, meta,
+                                                          "the dataset's tokens were made",
                                                           f"restore it or {remedy}")
             name = os.path.join(data_dir, meta.get("tokenizer_file") or TOKENIZER_FILE)
         described_bpe(meta, source=path, name=name, remedy=remedy)
@@ -235,7 +266,9 @@ def _checked_meta(meta, path, data_dir):
 
 
 def _ids_to_text(itos, refuse):
-    """ An {id: character} vocabulary with int keys (meta.json's are strings of digits), or refuse(why). """
+    """
+    An {id: character} vocabulary with int keys (meta.json's are strings of digits), or refuse(why).
+    """
     if not isinstance(itos, dict):
         refuse(f"has an 'itos' that is a {type(itos).__name__}, not an {{id: character}} mapping")
     out = {}
@@ -249,7 +282,10 @@ def _ids_to_text(itos, refuse):
 
 
 def tokenizer_kind(meta):
-    """ 'gpt2', 'char' or 'bpe': a description's kind (nanoGPT's meta.pkl has none: char when it has a vocabulary). """
+    """
+    'gpt2', 'char' or 'bpe': a description's kind (nanoGPT's meta.pkl has none: char when it has a
+    vocabulary).
+    """
     return meta.get("kind", "char" if "stoi" in meta else "gpt2")
 
 
@@ -257,7 +293,10 @@ GPT2_TOKENS = 50257  # GPT-2's BPE, whose descriptions name no size
 
 
 def tokenizer_size(meta):
-    """ The number of token ids a tokenizer description uses (GPT-2's name none: 50,257), None if unknown. """
+    """
+    The number of token ids a tokenizer description uses (GPT-2's name none: 50,257), None if
+    unknown.
+    """
     kind = tokenizer_kind(meta)
     size = meta.get('vocab_size') or (len(meta.get('stoi') or {}) if kind == 'char' else None)
     return GPT2_TOKENS if size is None and kind == 'gpt2' else size
@@ -265,20 +304,23 @@ def tokenizer_size(meta):
 
 def padded_tokenizer_size(model_vocab, tokenizer_meta):
     """
-    The tokenizer's vocabulary size where it is below the model's vocab_size (a byte-level vocabulary padded to a
-    multiple of 64), else None: a dataset holding ids in the padding was made with another tokenizer.
+    The tokenizer's vocabulary size where it is below the model's vocab_size (a byte-level
+    vocabulary padded to a multiple of 64), else None: a dataset holding ids in the padding was made
+    with another tokenizer.
     """
     size = tokenizer_size(tokenizer_meta or {'kind': 'gpt2'})
     return int(size) if size and int(size) < model_vocab else None
 
 
 # -----------------------------------------------------------------------------
-# compatibility: whether a dataset's tokens mean to a model what they meant to the tokenizer that made them
+# compatibility: whether a dataset's tokens mean to a model what they meant to the tokenizer that
+# made them
 
 def tokenizer_identity(meta):
     """
-    What makes two tokenizer descriptions the same: ('gpt2',), ('char', its {character: id} vocabulary) or
-    ('bpe', the fingerprint of its tokenizer.json: the content, whatever its formatting).
+    What makes two tokenizer descriptions the same: ('gpt2',), ('char', its {character: id}
+    vocabulary) or ('bpe', the fingerprint of its tokenizer.json: the content, whatever its
+    formatting).
     """
     kind = tokenizer_kind(meta)
     if kind == 'char':
@@ -286,7 +328,8 @@ def tokenizer_identity(meta):
     if kind == 'bpe':
         # only a bpe tokenizer has a tokenizer.json to compare
         from nanogpt_plus.bpe import tokenizer_fingerprint
-        return kind, tokenizer_fingerprint(meta['tokenizer_json']) if meta.get('tokenizer_json') else None
+        return kind, tokenizer_fingerprint(
+            meta['tokenizer_json']) if meta.get('tokenizer_json') else None
     return (kind,)
 
 
@@ -295,15 +338,17 @@ TRAIN_REMEDY = "train on a dataset prepared with the model's tokenizer, or from 
 
 def check_dataset_tokenizer(data_dir, data_meta, tokenizer_meta, source, remedy=TRAIN_REMEDY):
     """
-    A model trained with one tokenizer reads another's ids as other tokens and trains on (or is scored) without
-    an error: refuse a dataset whose meta describes another tokenizer (another kind, another character vocabulary,
-    or another bpe tokenizer.json). A dataset without a meta file says nothing about its tokenizer; its ids are
-    checked against the model's vocab_size as they are read (dataloader.check_token_ids). remedy: what to do.
+    A model trained with one tokenizer reads another's ids as other tokens and trains on (or is
+    scored) without an error: refuse a dataset whose meta describes another tokenizer (another kind,
+    another character vocabulary, or another bpe tokenizer.json). A dataset without a meta file says
+    nothing about its tokenizer; its ids are checked against the model's vocab_size as they are read
+    (dataloader.check_token_ids). remedy: what to do.
     """
     if data_meta is None or tokenizer_identity(data_meta) == tokenizer_identity(tokenizer_meta):
         return
-    raise UserError(f"{_tokenizer_difference(data_dir, data_meta, source, tokenizer_meta)}: its token ids would "
-                    f"mean other tokens to the model; {remedy}")
+    raise UserError(
+        f"{_tokenizer_difference(data_dir, data_meta, source, tokenizer_meta)}: its token ids would "
+        f"mean other tokens to the model; {remedy}")
 
 
 def _describe_tokenizer(meta):
@@ -318,11 +363,14 @@ def _tokenizer_difference(data_dir, data_meta, source, model_meta):
     model = tokenizer_identity(model_meta)
     if data[0] != model[0] or data[0] == 'bpe':
         other = "another tokenizer.json: " if data[0] == model[0] else ""
-        return (f"the dataset {data_dir} is tokenized with {other}{_describe_tokenizer(data_meta)}, the model "
-                f"{source} with {_describe_tokenizer(model_meta)}")
+        return (
+            f"the dataset {data_dir} is tokenized with {other}{_describe_tokenizer(data_meta)}, the model "
+            f"{source} with {_describe_tokenizer(model_meta)}")
     if set(data[1]) == set(model[1]):
         return f"the dataset {data_dir} numbers the model's characters ({source}) differently"
     data_chars = ''.join(sorted(data[1]))
     model_chars = ''.join(sorted(model[1]))
-    return (f"the dataset {data_dir} has another character vocabulary ({len(data_chars)} characters "
-            f"{data_chars[:40]!r}) than the model {source} ({len(model_chars)} characters {model_chars[:40]!r})")
+    return (
+        f"the dataset {data_dir} has another character vocabulary ({len(data_chars)} characters "
+        f"{data_chars[:40]!r}) than the model {source} ({len(model_chars)} characters {model_chars[:40]!r})"
+    )

@@ -1,9 +1,10 @@
 """
-The processes of a run: joining torchrun's process group; the agreements between ranks that keep them
-from waiting on each other forever (one verdict for every rank, rank 0 decides and all learn the outcome,
-sums over ranks); and spreading the model over them (DDP or FSDP2, the gradient sync of accumulation,
-the full state dicts a checkpoint stores and their re-sharding on resume). A run of one process forms no
-group and wraps nothing. Signals, which must be caught before torch is imported, live in signals.py.
+The processes of a run: joining torchrun's process group; the agreements between ranks that keep
+them from waiting on each other forever (one verdict for every rank, rank 0 decides and all learn
+the outcome, sums over ranks); and spreading the model over them (DDP or FSDP2, the gradient sync of
+accumulation, the full state dicts a checkpoint stores and their re-sharding on resume). A run of
+one process forms no group and wraps nothing. Signals, which must be caught before torch is
+imported, live in signals.py.
 
 Usage:
     from nanogpt_plus.distributed import init_distributed, master_decides, wrap_model
@@ -40,9 +41,10 @@ class DistInfo:
 
 def init_distributed(device='auto', backend='auto', timeout=0):
     """
-    Under torchrun (RANK in the environment) join the process group: nccl for CUDA, gloo for CPU, each
-    CUDA rank on cuda:LOCAL_RANK. Otherwise a single process on the resolved device. timeout: the seconds a
-    collective may wait for the other ranks (the dist_timeout setting; 0 = PyTorch's default).
+    Under torchrun (RANK in the environment) join the process group: nccl for CUDA, gloo for CPU,
+    each CUDA rank on cuda:LOCAL_RANK. Otherwise a single process on the resolved device. timeout:
+    the seconds a collective may wait for the other ranks (the dist_timeout setting; 0 = PyTorch's
+    default).
     """
     import torch.distributed as dist
     device = resolve_device(device)
@@ -56,7 +58,8 @@ def init_distributed(device='auto', backend='auto', timeout=0):
         device = f'cuda:{local_rank}'
         torch.cuda.set_device(device)
     elif device_type == 'mps':
-        raise UserError("distributed training on MPS is not supported; use --device=cpu or a CUDA machine")
+        raise UserError(
+            "distributed training on MPS is not supported; use --device=cpu or a CUDA machine")
     if backend == 'auto':
         backend = 'nccl' if device_type == 'cuda' else 'gloo'
     if not dist.is_initialized():
@@ -74,26 +77,32 @@ def destroy_distributed():
 
 
 def several_processes():
-    """ Whether this process is one of several torchrun workers (read from the environment: the group may be gone). """
+    """
+    Whether this process is one of several torchrun workers (read from the environment: the group
+    may be gone).
+    """
     return int(os.environ.get('WORLD_SIZE', '1')) > 1
 
 
 def lost_peer(error):
-    """ Whether error is a collective failing because another rank is gone (gloo) or unreachable (nccl). """
+    """
+    Whether error is a collective failing because another rank is gone (gloo) or unreachable (nccl).
+    """
     import torch.distributed as dist
     # DistBackendError (nccl errors, timeouts), DistNetworkError, ...
     if isinstance(error, dist.DistError):
         return True
     # gloo raises a plain RuntimeError when the peer's socket closes
     return isinstance(error, RuntimeError) and any(
-        s in str(error) for s in ('Connection closed by peer', 'Connection reset by peer', 'Broken pipe'))
+        s in str(error)
+        for s in ('Connection closed by peer', 'Connection reset by peer', 'Broken pipe'))
 
 
 def master_decides(dist_info, fn):
     """
-    Run fn() on rank 0 only (writing a checkpoint, say) and let every rank end the same way: when it raises,
-    rank 0 raises the error and the others PeerFailed, instead of walking on into the next collective that
-    rank 0 will never join. Costs one broadcast (with several processes).
+    Run fn() on rank 0 only (writing a checkpoint, say) and let every rank end the same way: when it
+    raises, rank 0 raises the error and the others PeerFailed, instead of walking on into the next
+    collective that rank 0 will never join. Costs one broadcast (with several processes).
     """
     error = None
     if dist_info.master:
@@ -115,7 +124,10 @@ def master_decides(dist_info, fn):
 
 
 def fail_everywhere(error, dist_info):
-    """ Raise a UserError that every rank has decided on alike: rank 0 reports it, the others stop quietly. """
+    """
+    Raise a UserError that every rank has decided on alike: rank 0 reports it, the others stop
+    quietly.
+    """
     if dist_info.master:
         raise error
     raise PeerFailed(str(error), exit_code(error))
@@ -139,31 +151,34 @@ def all_reduce_mean(values, dist_info):
 def accumulation_per_rank(gradient_accumulation_steps, dist_info):
     """
     The micro-steps each of world_size processes runs, so that the global batch (batch_size x
-    gradient_accumulation_steps) is the same for any number of processes. Where it doesn't split evenly
-    (nanoGPT's Shakespeare config has 1 micro-step, and 2 processes can't share it), every process runs the
-    rounded-up share and rank 0 says once what the iteration then holds: a run on 2 processes of a 1-step
-    config is a run, not a refusal.
+    gradient_accumulation_steps) is the same for any number of processes. Where it doesn't split
+    evenly (nanoGPT's Shakespeare config has 1 micro-step, and 2 processes can't share it), every
+    process runs the rounded-up share and rank 0 says once what the iteration then holds: a run on 2
+    processes of a 1-step config is a run, not a refusal.
     """
     w = dist_info.world_size
     per_rank = -(-gradient_accumulation_steps // w)  # ceil
     if per_rank * w != gradient_accumulation_steps and dist_info.master:
-        print(f"gradient_accumulation_steps={gradient_accumulation_steps} does not split among {w} processes: "
-              f"each runs {per_rank}, so an iteration is {per_rank * w} micro-batches, not "
-              f"{gradient_accumulation_steps} (give a multiple of {w} to choose the global batch yourself)")
+        print(
+            f"gradient_accumulation_steps={gradient_accumulation_steps} does not split among {w} processes: "
+            f"each runs {per_rank}, so an iteration is {per_rank * w} micro-batches, not "
+            f"{gradient_accumulation_steps} (give a multiple of {w} to choose the global batch yourself)"
+        )
     return per_rank
 
 
 def every_rank(dist_info, fn, agree=None):
     """
-    Run fn() on every rank (each checks what only it can see: a file on its own node's disk) and reach one
-    verdict: when fn raises on any rank, the lowest such rank raises its error (the one line, naming the rank and
-    host when the ranks disagreed), every other rank stops with the same exit code, instead of walking on into a
-    collective the failed rank never joins, and the first process of every other node prints that same line too
-    (whoever watches one node's log sees why the run ended). Returns fn()'s result.
-    agree: {name: what to do} for entries of fn's result (a dict of plain values: the resolved settings, the
-    commit, the checkpoint resumed from, the dataset's sizes) that must be the same on every rank; one that
-    differs from rank 0's ends every rank the same way, in one line naming what differs, where, and agree[name].
-    One all_gather_object with several processes.
+    Run fn() on every rank (each checks what only it can see: a file on its own node's disk) and
+    reach one verdict: when fn raises on any rank, the lowest such rank raises its error (the one
+    line, naming the rank and host when the ranks disagreed), every other rank stops with the same
+    exit code, instead of walking on into a collective the failed rank never joins, and the first
+    process of every other node prints that same line too (whoever watches one node's log sees why
+    the run ended). Returns fn()'s result.
+    agree: {name: what to do} for entries of fn's result (a dict of plain values: the resolved
+    settings, the commit, the checkpoint resumed from, the dataset's sizes) that must be the same on
+    every rank; one that differs from rank 0's ends every rank the same way, in one line naming what
+    differs, where, and agree[name]. One all_gather_object with several processes.
     """
     error = None
     result = None
@@ -178,7 +193,8 @@ def every_rank(dist_info, fn, agree=None):
     import torch.distributed as dist
     code = None if error is None else exit_code(error)
     shown = {k: result[k] for k in agree} if agree and error is None else None
-    mine = (code, socket.gethostname(), os.environ.get('GROUP_RANK', '0'), str(error) if error else '', shown)
+    mine = (code, socket.gethostname(), os.environ.get('GROUP_RANK',
+                                                       '0'), str(error) if error else '', shown)
     outcomes = [None] * dist_info.world_size
     dist.all_gather_object(outcomes, mine)
     failed = [r for r, outcome in enumerate(outcomes) if outcome[0] is not None]
@@ -188,9 +204,10 @@ def every_rank(dist_info, fn, agree=None):
         # a file one node has, another lacks
         if len(failed) < dist_info.world_size and outcomes[first][0] == EXIT_USER_ERROR:
             fine = sorted({o[1] for o in outcomes if o[0] is None})
-            message = (f"{message} [rank {first} on {outcomes[first][1]}; ranks on {', '.join(fine)} found what "
-                       f"they needed: every node must see this path (a shared file system, or a copy on each "
-                       f"node), see docs/training.md#many-machines]")
+            message = (
+                f"{message} [rank {first} on {outcomes[first][1]}; ranks on {', '.join(fine)} found what "
+                f"they needed: every node must see this path (a shared file system, or a copy on each "
+                f"node), see docs/training.md#many-machines]")
         if dist_info.rank == first and message == str(error):
             raise error
         if dist_info.rank == first:
@@ -199,15 +216,20 @@ def every_rank(dist_info, fn, agree=None):
     if agree:
         difference = _first_difference(outcomes, agree)
         if difference:
-            stop_with(dist_info, outcomes, 0, difference, EXIT_USER_ERROR, error=UserError(difference))
+            stop_with(dist_info,
+                      outcomes,
+                      0,
+                      difference,
+                      EXIT_USER_ERROR,
+                      error=UserError(difference))
     return result
 
 
 def stop_with(dist_info, outcomes, source, message, code, error=None):
     """
-    End this rank after rank `source` failed with message (or, given error, every rank alike): the lowest rank
-    raises it, the others stop with its exit code, and the first process of every node that is not the raiser's
-    says it too (PeerFailed's `say`, printed by run_main).
+    End this rank after rank `source` failed with message (or, given error, every rank alike): the
+    lowest rank raises it, the others stop with its exit code, and the first process of every node
+    that is not the raiser's says it too (PeerFailed's `say`, printed by run_main).
     """
     nodes = [o[2] for o in outcomes]
     if error is not None and dist_info.rank == 0:
@@ -218,7 +240,9 @@ def stop_with(dist_info, outcomes, source, message, code, error=None):
 
 
 def _first_difference(outcomes, agree):
-    """ The line for the first entry of agree that is not the same on every rank as on rank 0, or None. """
+    """
+    The line for the first entry of agree that is not the same on every rank as on rank 0, or None.
+    """
     where = [f"rank {r} on {o[1]}" for r, o in enumerate(outcomes)]
     for name, remedy in agree.items():
         values = [o[4][name] for o in outcomes]
@@ -226,16 +250,20 @@ def _first_difference(outcomes, agree):
             if value == values[0]:
                 continue
             if isinstance(value, dict) and isinstance(values[0], dict):
-                keys = sorted(k for k in value.keys() | values[0].keys() if value.get(k) != values[0].get(k))
-                shown = ', '.join(f"{k}={values[0].get(k)!r} on {where[0]} but {value.get(k)!r} on {where[r]}"
-                                  for k in keys[:3])
+                keys = sorted(k for k in value.keys() | values[0].keys()
+                              if value.get(k) != values[0].get(k))
+                shown = ', '.join(
+                    f"{k}={values[0].get(k)!r} on {where[0]} but {value.get(k)!r} on {where[r]}"
+                    for k in keys[:3])
                 return f"the ranks differ in {name}: {shown}; {remedy}"
             return f"the ranks differ in {name}: {values[0]!r} on {where[0]} but {value!r} on {where[r]}; {remedy}"
     return None
 
 
 def broadcast_object(obj, dist_info, src=0):
-    """ rank src's obj on every rank (pickled over the process group); obj itself in a single process. """
+    """
+    rank src's obj on every rank (pickled over the process group); obj itself in a single process.
+    """
     if not dist_info.under_torchrun:
         return obj
     import torch.distributed as dist
@@ -245,16 +273,16 @@ def broadcast_object(obj, dist_info, src=0):
 
 
 # -----------------------------------------------------------------------------
-# the model over the processes: DDP or FSDP2 around the plain model, then torch.compile; the gradient
-# sync of accumulation; the full state dicts a checkpoint stores, re-sharded on resume
+# the model over the processes: DDP or FSDP2 around the plain model, then torch.compile; the
+# gradient sync of accumulation; the full state dicts a checkpoint stores, re-sharded on resume
 
 def wrap_model(model, dist_info, compile_model=False, parallelism='ddp', dtype='float32'):
     """
-    DistributedDataParallel or FSDP2 around a plain model, then torch.compile; returns the model to train.
-    parallelism='fsdp' (under torchrun) shards the model in place with FSDP2 instead of DDP, so create the
-    optimizer after this call: its parameters are the sharded ones. dtype (the run's 'float32', 'bfloat16' or
-    'float16') sets FSDP's mixed precision. The caller keeps `model` itself for checkpoints: it never gets
-    the '_orig_mod.'/'module.' prefixes of the wrappers.
+    DistributedDataParallel or FSDP2 around a plain model, then torch.compile; returns the model to
+    train. parallelism='fsdp' (under torchrun) shards the model in place with FSDP2 instead of DDP,
+    so create the optimizer after this call: its parameters are the sharded ones. dtype (the run's
+    'float32', 'bfloat16' or 'float16') sets FSDP's mixed precision. The caller keeps `model` itself
+    for checkpoints: it never gets the '_orig_mod.'/'module.' prefixes of the wrappers.
     """
     distributed = dist_info is not None and dist_info.under_torchrun
     fsdp = distributed and parallelism == 'fsdp'
@@ -264,16 +292,17 @@ def wrap_model(model, dist_info, compile_model=False, parallelism='ddp', dtype='
     elif distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
         device_ids = [dist_info.local_rank] if 'cuda' in dist_info.device else None
-        # forward_sync_buffers=False (formerly broadcast_buffers): the model's only buffers are the causal
-        # masks (non-persistent, built the same on every rank, read only by the manual attention path), so
-        # broadcasting them before every synced forward would send n_layer x block_size^2 bytes that change
-        # nothing; DDP still syncs them once, at construction
+        # forward_sync_buffers=False (formerly broadcast_buffers): the model's only buffers are the
+        # causal masks (non-persistent, built the same on every rank, read only by the manual
+        # attention path), so broadcasting them before every synced forward would send n_layer x
+        # block_size^2 bytes that change nothing; DDP still syncs them once, at construction
         model = DDP(model, device_ids=device_ids, forward_sync_buffers=False)
     if compile_model:
         print("compiling the model... (takes a ~minute)")
-        # compile last: dynamo's DDPOptimizer splits the graph at DDP's gradient buckets, so each bucket's
-        # all-reduce overlaps the rest of the backward, only when the module it compiles is the DDP one
-        # (compiled inside DDP, the whole backward is one graph and the all-reduces wait for its end)
+        # compile last: dynamo's DDPOptimizer splits the graph at DDP's gradient buckets, so each
+        # bucket's all-reduce overlaps the rest of the backward, only when the module it compiles is
+        # the DDP one (compiled inside DDP, the whole backward is one graph and the all-reduces wait
+        # for its end)
         model = torch.compile(model)
     return model
 
@@ -283,8 +312,8 @@ def mixed_precision_policy(dtype):
     FSDP2's MixedPrecisionPolicy for the run's dtype. bfloat16/float16: every Block's weights are
     all-gathered in that dtype (half the bytes of float32) and used as they are, so autocast has no
     float32 weights to cast and caches no half-precision copy of the whole model; gradients are
-    reduce-scattered in float32, so the sum over ranks loses nothing. The sharded weights, their gradients
-    and AdamW's state stay float32. float32: no casting (the default policy).
+    reduce-scattered in float32, so the sum over ranks loses nothing. The sharded weights, their
+    gradients and AdamW's state stay float32. float32: no casting (the default policy).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
     if dtype == 'float32':
@@ -294,21 +323,23 @@ def mixed_precision_policy(dtype):
 
 def shard_model(model, dist_info, dtype='float32'):
     """
-    FSDP2: shard every Block, then the root (which keeps wte/lm_head, one tied parameter, plus wpe and
-    ln_f), over all ranks. Each rank then holds 1/world_size of every parameter, gradient and AdamW
-    state; a Block's full weights are all-gathered just for its forward and backward. FSDP also moves
-    the model to the device, one Block at a time, so the full model never has to fit there. Only rank 0
-    needs real weights: the other ranks may pass the model built on the meta device, and every rank ends
-    with its shards of rank 0's weights (and causal masks built for the device).
+    FSDP2: shard every Block, then the root (which keeps wte/lm_head, one tied parameter, plus wpe
+    and ln_f), over all ranks. Each rank then holds 1/world_size of every parameter, gradient and
+    AdamW state; a Block's full weights are all-gathered just for its forward and backward. FSDP
+    also moves the model to the device, one Block at a time, so the full model never has to fit
+    there. Only rank 0 needs real weights: the other ranks may pass the model built on the meta
+    device, and every rank ends with its shards of rank 0's weights (and causal masks built for the
+    device).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    # Rank 0 has the real weights (resumed, pretrained, or its own seeded init); the other ranks built the model
-    # on the meta device (train.py's build_model), or hold pretrained weights of their own. Take rank 0's full
-    # state dict before sharding replaces its parameters: set_model_state_dict sends each tensor from it to
-    # every rank, which keeps its own shard, so rank 0's weights are the ones everywhere (as DDP's are)
+    # Rank 0 has the real weights (resumed, pretrained, or its own seeded init); the other ranks
+    # built the model on the meta device (train.py's build_model), or hold pretrained weights of
+    # their own. Take rank 0's full state dict before sharding replaces its parameters:
+    # set_model_state_dict sends each tensor from it to every rank, which keeps its own shard, so
+    # rank 0's weights are the ones everywhere (as DDP's are)
     full_state = model.state_dict() if dist_info.rank == 0 else {}
     mesh = init_device_mesh(torch.device(dist_info.device).type, (dist_info.world_size,))
     mp_policy = mixed_precision_policy(dtype)
@@ -316,14 +347,14 @@ def shard_model(model, dist_info, dtype='float32'):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if any(t.device.type == 'meta' for t in model.parameters()):
-        # storage for this rank's shards (and the masks), uninitialised; the tied wte/lm_head weight is one
-        # parameter, so it gets one shard and stays tied
+        # storage for this rank's shards (and the masks), uninitialised; the tied wte/lm_head weight
+        # is one parameter, so it gets one shard and stays tied
         model.to_empty(device=dist_info.device)
     set_model_state_dict(model, full_state,
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full_state
-    # the causal masks are no state-dict entries: after to_empty they hold garbage, so build them again (on
-    # every rank, so all of them run the same code)
+    # the causal masks are no state-dict entries: after to_empty they hold garbage, so build them
+    # again (on every rank, so all of them run the same code)
     model.init_buffers(torch.device(dist_info.device))
     return model
 
@@ -334,22 +365,26 @@ def is_fsdp(model):
 
 
 def local_parameters(model):
-    """ The parameter values this rank stores: its shards under FSDP, the whole tensors otherwise. """
+    """
+    The parameter values this rank stores: its shards under FSDP, the whole tensors otherwise.
+    """
     from torch.distributed.tensor import DTensor
     return [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
 
 
 def local_param_count(model):
-    """ The number of parameter values this rank stores (its shards under FSDP, all of them otherwise). """
+    """
+    The number of parameter values this rank stores (its shards under FSDP, all of them otherwise).
+    """
     return sum(p.numel() for p in local_parameters(model))
 
 
 def full_state_dicts(model, optimizer):
     """
-    The model and optimizer state dicts of the plain, unsharded model (what ckpt.pt holds, so sample.py
-    and a single-process or DDP resume read it unchanged). Under FSDP every shard is all-gathered, so
-    every rank must call this at the same point, but only rank 0 (the one that saves) keeps the full
-    tensors, in host RAM; the other ranks get (None, None).
+    The model and optimizer state dicts of the plain, unsharded model (what ckpt.pt holds, so
+    sample.py and a single-process or DDP resume read it unchanged). Under FSDP every shard is
+    all-gathered, so every rank must call this at the same point, but only rank 0 (the one that
+    saves) keeps the full tensors, in host RAM; the other ranks get (None, None).
     """
     if not is_fsdp(model):
         return model.state_dict(), optimizer.state_dict()
@@ -358,12 +393,14 @@ def full_state_dicts(model, optimizer):
     keep = dist.get_rank() == 0
     gathered = {}  # id(DTensor) -> full CPU tensor, so the tied wte/lm_head weight stays one tensor
 
-    # One tensor at a time, in the same order on every rank (full_tensor is a collective): a rank holds at most
-    # one full tensor on its device while it is gathered, and only rank 0 copies it into host RAM, where it
-    # keeps 12 bytes per parameter (weights + AdamW's two moments) instead of every rank doing so. PyTorch's
-    # get_model_state_dict/get_optimizer_state_dict(full_state_dict=True, cpu_offload=True) do the same
-    # gather, but they would gather the tied weight twice into two tensors and key the optimizer state by
-    # parameter name, which ckpt.pt's AdamW format would then need converting back from.
+    # One tensor at a time, in the same order on every rank (full_tensor is a collective): a rank
+    # holds at most one full tensor on its device while it is gathered, and only rank 0 copies it
+    # into host RAM, where it keeps 12 bytes per parameter (weights + AdamW's two moments) instead
+    # of every rank doing so. PyTorch's
+    # get_model_state_dict/get_optimizer_state_dict(full_state_dict=True, cpu_offload=True) do the
+    # same gather, but they would gather the tied weight twice into two tensors and key the
+    # optimizer state by parameter name, which ckpt.pt's AdamW format would then need converting
+    # back from.
     def full(t):
         if not isinstance(t, DTensor):
             return (t.detach() if torch.is_tensor(t) else t) if keep else None
@@ -383,9 +420,9 @@ def full_state_dicts(model, optimizer):
 
 def load_optimizer_state(optimizer, state_dict):
     """
-    optimizer.load_state_dict for a full (unsharded) state dict, sharding it for FSDP parameters: rank 0's
-    values are scattered, so the other ranks never read theirs (with a memory-mapped checkpoint, their
-    copies of the optimizer state are never paged in from disk).
+    optimizer.load_state_dict for a full (unsharded) state dict, sharding it for FSDP parameters:
+    rank 0's values are scattered, so the other ranks never read theirs (with a memory-mapped
+    checkpoint, their copies of the optimizer state are never paged in from disk).
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
     # an optimizer made of several (MuonWithAdamW): each its own state
@@ -395,30 +432,42 @@ def load_optimizer_state(optimizer, state_dict):
             load_optimizer_state(part, state_dict[name])
         return
     if parts is not None or 'state' not in state_dict:
-        raise UserError("the checkpoint's optimizer state is not of this run's optimizer setting (adamw vs muon); "
-                        "resume with the optimizer it was trained with")
+        raise UserError(
+            "the checkpoint's optimizer state is not of this run's optimizer setting (adamw vs muon); "
+            "resume with the optimizer it was trained with")
     params = [p for group in optimizer.param_groups for p in group['params']]
     if any(isinstance(p, DTensor) for p in params):
         import torch.distributed as dist
         source = dist.get_rank() == 0
 
         def shard(v, p):
-            # distribute_tensor scatters from rank 0 (src_data_rank=0); the others only give the shape
-            full = v.to(p.device) if source else torch.empty(v.shape, dtype=v.dtype, device=p.device)
+            # distribute_tensor scatters from rank 0 (src_data_rank=0); the others only give the
+            # shape
+            full = v.to(p.device) if source else torch.empty(
+                v.shape, dtype=v.dtype, device=p.device)
             return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0)
         state = {}
         # the same order on every rank: collectives
         for i, s in sorted(state_dict['state'].items()):
             p = params[int(i)]
-            state[i] = {k: shard(v, p) if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.shape
-                        else v for k, v in s.items()}
+            state[i] = {
+                k:
+                shard(v, p)
+                if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.shape else v
+                for k, v in s.items()
+            }
         state_dict = dict(state_dict, state=state)
     optimizer.load_state_dict(state_dict)
-    # AdamW keeps a loaded tensor as it is when it already has its parameter's device and dtype (a CPU run), so
-    # with a memory-mapped checkpoint its state would stay pages of that file, whose disk space a later
-    # atomic save (os.replace) could then not free while the run lasts. Take copies: AdamW rewrites every one
-    # at its first step anyway, so they cost no more memory than the mapped pages would.
-    loaded = {v.data_ptr() for s in state_dict['state'].values() for v in s.values() if torch.is_tensor(v)}
+    # AdamW keeps a loaded tensor as it is when it already has its parameter's device and dtype (a
+    # CPU run), so with a memory-mapped checkpoint its state would stay pages of that file, whose
+    # disk space a later atomic save (os.replace) could then not free while the run lasts. Take
+    # copies: AdamW rewrites every one at its first step anyway, so they cost no more memory than
+    # the mapped pages would.
+    loaded = {
+        v.data_ptr()
+        for s in state_dict['state'].values()
+        for v in s.values() if torch.is_tensor(v)
+    }
     for s in optimizer.state.values():
         for k, v in s.items():
             if torch.is_tensor(v) and v.data_ptr() in loaded:
@@ -429,7 +478,8 @@ def load_optimizer_state(optimizer, state_dict):
 def grad_sync_context(model, sync):
     """
     Skip the gradient communication on all but the last micro-step of gradient accumulation: DDP's
-    all-reduce (no_sync), or FSDP's reduce-scatter (gradients then accumulate unsharded on each rank).
+    all-reduce (no_sync), or FSDP's reduce-scatter (gradients then accumulate unsharded on each
+    rank).
     """
     if sync:
         yield

@@ -1,7 +1,7 @@
 """
-Fast inference for GPT: a preallocated KV cache, a pure sampling function, and generation that streams
-one token per step for a whole batch of samples. It is split from model.py (like nanochat's engine.py);
-GPT.generate in model.py stays the naive reference that this module is tested against.
+Fast inference for GPT: a preallocated KV cache, a pure sampling function, and generation that
+streams one token per step for a whole batch of samples. It is split from model.py (like nanochat's
+engine.py); GPT.generate in model.py stays the naive reference that this module is tested against.
 
 Usage:
     from nanogpt_plus.engine import generate, generate_stream
@@ -11,9 +11,10 @@ Usage:
         ...
 
 What is computed is nanoGPT's: every new token is predicted from the last block_size tokens of the
-sequence, at positions 0..T-1. While the sequence fits in block_size the KV cache makes that exact and
-cheap (the prompt is forwarded once, then one token per step). Past block_size, GPT-2's learned absolute
-position embeddings mean every cached key/value would be at the wrong position, so there are two modes:
+sequence, at positions 0..T-1. While the sequence fits in block_size the KV cache makes that exact
+and cheap (the prompt is forwarded once, then one token per step). Past block_size, GPT-2's learned
+absolute position embeddings mean every cached key/value would be at the wrong position, so there
+are two modes:
   'exact' (default): from then on, forward the whole last-block_size window for every new token, like
           nanoGPT does (but for all samples in one batch); identical results, ~block_size times the cost
           of a cached step.
@@ -32,17 +33,17 @@ from nanogpt_plus.settings import MODES
 
 class KVCache:
     """
-    Keys and values of every layer for a batch of sequences, preallocated for max_len positions so that a
-    decoding step writes one slot instead of concatenating. Implements the protocol model.py expects:
-    .pos, .update(layer_idx, k, v) -> (k_all, v_all), .advance(T).
+    Keys and values of every layer for a batch of sequences, preallocated for max_len positions so
+    that a decoding step writes one slot instead of concatenating. Implements the protocol model.py
+    expects: .pos, .update(layer_idx, k, v) -> (k_all, v_all), .advance(T).
     """
 
     def __init__(self, n_layer, max_len):
         self.n_layer = n_layer
         self.max_len = max_len
         self.pos = 0  # number of positions cached so far (the same for every layer after a forward)
-        # (n_layer, B, nh, max_len, hs); allocated by the first update, which knows B, nh, hs, the dtype
-        # (autocast may make k and v bfloat16) and the device
+        # (n_layer, B, nh, max_len, hs); allocated by the first update, which knows B, nh, hs, the
+        # dtype (autocast may make k and v bfloat16) and the device
         self.k = None
         self.v = None
 
@@ -55,7 +56,8 @@ class KVCache:
         if self.k is None or self.k.shape[1:3] != (B, nh) or self.k.shape[4] != hs or self.k.dtype != k.dtype \
                 or self.k.device != k.device:
             if self.pos != 0:
-                raise ValueError("the KV cache holds sequences of another shape/dtype; reset() it first")
+                raise ValueError(
+                    "the KV cache holds sequences of another shape/dtype; reset() it first")
             shape = (self.n_layer, B, nh, self.max_len, hs)
             self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
             self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
@@ -71,7 +73,9 @@ class KVCache:
 
 
 def check_sampling_args(temperature, top_k, top_p):
-    """ ValueError unless temperature >= 0, top_k is None or >= 1, and top_p is None or in (0, 1]. """
+    """
+    ValueError unless temperature >= 0, top_k is None or >= 1, and top_p is None or in (0, 1].
+    """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
@@ -83,10 +87,10 @@ def check_sampling_args(temperature, top_k, top_p):
 def next_token_probs(logits, temperature=1.0, top_k=None, top_p=None):
     """
     The distribution the next token is drawn from: logits (B, V) -> probabilities (B, V), float32.
-    temperature scales the logits; top_k keeps the k most likely tokens (nanoGPT's rule: everything below
-    the k-th largest logit is dropped, so ties with it stay); top_p keeps the smallest set of most likely
-    tokens whose probability reaches top_p (nucleus sampling), applied after top_k. temperature=0 means
-    greedy: all the mass on the argmax.
+    temperature scales the logits; top_k keeps the k most likely tokens (nanoGPT's rule: everything
+    below the k-th largest logit is dropped, so ties with it stay); top_p keeps the smallest set of
+    most likely tokens whose probability reaches top_p (nucleus sampling), applied after top_k.
+    temperature=0 means greedy: all the mass on the argmax.
     """
     check_sampling_args(temperature, top_k, top_p)
     logits = logits.float()  # under autocast the logits may be bfloat16; sample in float32
@@ -99,7 +103,8 @@ def next_token_probs(logits, temperature=1.0, top_k=None, top_p=None):
     probs = logits.softmax(dim=-1)
     if top_p is not None and top_p < 1.0:
         sorted_probs, sorted_idx = torch.sort(probs, dim=-1, descending=True)
-        # drop a token when the more likely tokens before it already reach top_p; the first always stays
+        # drop a token when the more likely tokens before it already reach top_p; the first always
+        # stays
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = mass_before >= top_p
         drop_sorted[:, 0] = False
@@ -111,10 +116,11 @@ def next_token_probs(logits, temperature=1.0, top_k=None, top_p=None):
 
 def last_position_logits(model, idx):
     """
-    model(idx)[0] for idx (B, T <= block_size) at positions 0..T-1, without a cache: the logits (B, 1, V) of
-    the last position. It skips the work that position does not need: in the final block the other
-    positions only supply keys and values, so their MLP (2/3 of a block's FLOPs) is not run. With 6
-    layers that is ~1/9 of the forward; it is what the exact mode pays for every token past block_size.
+    model(idx)[0] for idx (B, T <= block_size) at positions 0..T-1, without a cache: the logits (B,
+    1, V) of the last position. It skips the work that position does not need: in the final block
+    the other positions only supply keys and values, so their MLP (2/3 of a block's FLOPs) is not
+    run. With 6 layers that is ~1/9 of the forward; it is what the exact mode pays for every token
+    past block_size.
     """
     if idx.size(1) < 2:
         return model(idx)[0]
@@ -134,7 +140,10 @@ def last_position_logits(model, idx):
 
 
 class _PrefixKV:
-    """ The KV-cache protocol for a single layer used twice: keep a prefix's keys/values, append one step's. """
+    """
+    The KV-cache protocol for a single layer used twice: keep a prefix's keys/values, append one
+    step's.
+    """
 
     def __init__(self):
         self.pos = 0
@@ -154,8 +163,9 @@ class _PrefixKV:
 
 def sample_next_token(logits, generator=None, temperature=1.0, top_k=None, top_p=None):
     """
-    Draw the next token of each row: logits (B, V) -> (B, 1) int64. Pure apart from the generator: the same
-    logits and generator state give the same tokens. temperature=0 is greedy (argmax, no sampling).
+    Draw the next token of each row: logits (B, V) -> (B, 1) int64. Pure apart from the generator:
+    the same logits and generator state give the same tokens. temperature=0 is greedy (argmax, no
+    sampling).
     """
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
@@ -164,14 +174,24 @@ def sample_next_token(logits, generator=None, temperature=1.0, top_k=None, top_p
 
 
 @torch.inference_mode()
-def generate_stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None,
-                    mode='exact', stop_token=None, vocab_size=None, ctx=None):
+def generate_stream(model,
+                    idx,
+                    max_new_tokens,
+                    temperature=1.0,
+                    top_k=None,
+                    top_p=None,
+                    generator=None,
+                    mode='exact',
+                    stop_token=None,
+                    vocab_size=None,
+                    ctx=None):
     """
-    Generate max_new_tokens tokens after the prompts idx (B, T), yielding the (B,) new tokens of each step
-    as soon as they are drawn. mode: 'exact' or 'fast' (see the module docstring). stop_token: a row that
-    draws it is finished (it keeps yielding stop_token) and generation ends when every row is finished.
-    vocab_size: only tokens below it are drawn (the model's vocabulary may be padded, e.g. 50304 for GPT-2's
-    50257). ctx: a context manager for the forward passes (autocast). model should be in eval() mode.
+    Generate max_new_tokens tokens after the prompts idx (B, T), yielding the (B,) new tokens of
+    each step as soon as they are drawn. mode: 'exact' or 'fast' (see the module docstring).
+    stop_token: a row that draws it is finished (it keeps yielding stop_token) and generation ends
+    when every row is finished. vocab_size: only tokens below it are drawn (the model's vocabulary
+    may be padded, e.g. 50304 for GPT-2's 50257). ctx: a context manager for the forward passes
+    (autocast). model should be in eval() mode.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -202,24 +222,28 @@ def generate_stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
         seq = torch.cat((seq, next_tok), dim=1)
         with ctx:
             if cache.pos < block_size:
-                # the sequence still fits in the block: one cached decoding step at position cache.pos
+                # the sequence still fits in the block: one cached decoding step at position
+                # cache.pos
                 logits, _ = model(next_tok, kv_cache=cache)
             elif mode == 'fast':
-                # cache full: restart it from the most recent half window, re-prefilled at positions 0..
+                # cache full: restart it from the most recent half window, re-prefilled at positions
+                # 0..
                 seq = seq[:, -(block_size // 2):]
                 cache.reset()
                 logits, _ = model(seq, kv_cache=cache)
             else:
-                # exact: the window slid, so every token moved to a new position and no cached key/value
-                # is valid; recompute the last block_size tokens (only what the last position needs)
+                # exact: the window slid, so every token moved to a new position and no cached
+                # key/value is valid; recompute the last block_size tokens (only what the last
+                # position needs)
                 seq = seq[:, -block_size:]
                 logits = last_position_logits(model, seq)
 
 
 def generate(model, idx, max_new_tokens, **kwargs):
     """
-    Like GPT.generate, but cached and batched: returns (B, T + n) with the prompts idx (B, T) followed by the
-    n <= max_new_tokens generated tokens (fewer only when every row hit stop_token). kwargs: generate_stream's.
+    Like GPT.generate, but cached and batched: returns (B, T + n) with the prompts idx (B, T)
+    followed by the n <= max_new_tokens generated tokens (fewer only when every row hit stop_token).
+    kwargs: generate_stream's.
     """
     out = [idx]
     for tokens in generate_stream(model, idx, max_new_tokens, **kwargs):

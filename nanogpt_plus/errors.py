@@ -1,6 +1,6 @@
 """
-The errors every script can end with and the exit code of each. This module imports nothing of ours, so
-every other module (and configurator.py) may import it without a cycle.
+The errors every script can end with and the exit code of each. This module imports nothing of ours,
+so every other module (and configurator.py) may import it without a cycle.
 
   UserError      something the user can fix (a setting, a missing file, a bad checkpoint): one line, exit 2
   ConfigError    a bad config file or --key=value (a UserError)
@@ -16,14 +16,16 @@ Usage:
 import os
 
 # the exit code of a run stopped cleanly by SIGTERM/SIGINT after saving its checkpoint: sysexits.h's
-# EX_TEMPFAIL ("temporary failure, retry"), so a scheduler can tell "interrupted, resume me" from done (0),
-# a user error (2), a crash (1) and a second Ctrl-C (130)
+# EX_TEMPFAIL ("temporary failure, retry"), so a scheduler can tell "interrupted, resume me" from
+# done (0), a user error (2), a crash (1) and a second Ctrl-C (130)
 EXIT_INTERRUPTED = 75
 EXIT_USER_ERROR = 2
 
 
 class UserError(Exception):
-    """ Something the user can fix (missing data, bad checkpoint, bad option); the message says how. """
+    """
+    Something the user can fix (missing data, bad checkpoint, bad option); the message says how.
+    """
 
 
 class ConfigError(UserError):
@@ -31,28 +33,38 @@ class ConfigError(UserError):
 
 
 class TokenizerError(UserError):
-    """ A problem with a tokenizer the user can fix (missing files, unknown characters); the message says how. """
+    """
+    A problem with a tokenizer the user can fix (missing files, unknown characters); the message
+    says how.
+    """
 
 
 class Interrupted(Exception):
-    """ A signal stopped the run and its state is saved; run_main exits EXIT_INTERRUPTED without a traceback. """
+    """
+    A signal stopped the run and its state is saved; run_main exits EXIT_INTERRUPTED without a
+    traceback.
+    """
 
 
 class PeerFailed(Exception):
     """
-    Rank 0 failed at something all ranks depend on (a checkpoint it alone writes) and prints why itself; the
-    other ranks raise this to stop with the same exit code without printing the message a second time.
+    Rank 0 failed at something all ranks depend on (a checkpoint it alone writes) and prints why
+    itself; the other ranks raise this to stop with the same exit code without printing the message
+    a second time.
     """
 
     def __init__(self, message, code, say=None):
         super().__init__(message)
         self.code = code
-        # a line run_main prints on this rank too: the first process of another node than the failed rank's
+        # a line run_main prints on this rank too: the first process of another node than the failed
+        # rank's
         self.say = say
 
 
 def exit_code(error):
-    """ The exit code a script ends with for error, so the ranks that didn't raise it can end alike. """
+    """
+    The exit code a script ends with for error, so the ranks that didn't raise it can end alike.
+    """
     if isinstance(error, PeerFailed):
         return error.code
     if isinstance(error, Interrupted):
@@ -63,16 +75,19 @@ def exit_code(error):
 
 
 def error_line(error, limit=200):
-    """ 'Type: the first line of its message' (cut to limit characters), for an error quoted inside ours. """
+    """
+    'Type: the first line of its message' (cut to limit characters), for an error quoted inside
+    ours.
+    """
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:limit]}" if lines else type(error).__name__
 
 
 def out_of_memory_error(iter_num, checkpoint_path, fsdp=True):
     """
-    The one line a CUDA out-of-memory error in a training loop ends with: what to change so the step fits.
-    Nothing is saved after it (a checkpoint needs memory too, and the step's state is half-done), so the last
-    checkpoint, at checkpoint_path, stays as it was.
+    The one line a CUDA out-of-memory error in a training loop ends with: what to change so the step
+    fits. Nothing is saved after it (a checkpoint needs memory too, and the step's state is
+    half-done), so the last checkpoint, at checkpoint_path, stays as it was.
     """
     if os.path.exists(checkpoint_path):
         kept = f"the last checkpoint, {checkpoint_path}, is kept (nothing was saved after the error)"
@@ -80,19 +95,21 @@ def out_of_memory_error(iter_num, checkpoint_path, fsdp=True):
     else:
         kept = f"no checkpoint had been saved to {os.path.dirname(checkpoint_path)} yet"
         then = "start again"
-    fixes = ["a smaller --batch_size with more --gradient_accumulation_steps (the same tokens per step)",
-             "--activation_checkpointing=True (recompute each Block in the backward pass)"]
+    fixes = [
+        "a smaller --batch_size with more --gradient_accumulation_steps (the same tokens per step)",
+        "--activation_checkpointing=True (recompute each Block in the backward pass)"
+    ]
     if fsdp:
         fixes.append("--parallelism=fsdp under torchrun (shard the weights and optimizer state)")
     fixes.append("a smaller --block_size")
-    return UserError(f"out of GPU memory at iter {iter_num}; {kept}. To fit, use " + ", ".join(fixes[:-1])
-                     + f" or {fixes[-1]}, then {then}")
+    return UserError(f"out of GPU memory at iter {iter_num}; {kept}. To fit, use " +
+                     ", ".join(fixes[:-1]) + f" or {fixes[-1]}, then {then}")
 
 
 def non_finite_loss(value, iter_num, checkpoint_path):
     """
-    The one line a NaN or infinite loss stops a training run with: nothing is saved over the last good
-    state, the checkpoint at checkpoint_path.
+    The one line a NaN or infinite loss stops a training run with: nothing is saved over the last
+    good state, the checkpoint at checkpoint_path.
     """
     out_dir = os.path.dirname(checkpoint_path) or '.'
     if os.path.exists(checkpoint_path):
@@ -101,5 +118,6 @@ def non_finite_loss(value, iter_num, checkpoint_path):
     else:
         kept = f"and no checkpoint had been saved to {out_dir} yet"
         then = "start again"
-    return UserError(f"loss is {value} at iter {iter_num}; stopping without saving, {kept}. Lower the learning "
-                     f"rate (or use --dtype=bfloat16/float32) and {then}")
+    return UserError(
+        f"loss is {value} at iter {iter_num}; stopping without saving, {kept}. Lower the learning "
+        f"rate (or use --dtype=bfloat16/float32) and {then}")

@@ -1,11 +1,13 @@
 """
-Zero-shot evaluation scoring: loss / perplexity / bits per byte over a token file, HellaSwag and LAMBADA.
-eval.py is the command line for it; anything else that scores a model on a task (a training loop's periodic
-HellaSwag, say) calls the same functions, so there is one implementation of each metric.
+Zero-shot evaluation scoring: loss / perplexity / bits per byte over a token file, HellaSwag and
+LAMBADA. eval.py is the command line for it; anything else that scores a model on a task (a training
+loop's periodic HellaSwag, say) calls the same functions, so there is one implementation of each
+metric.
 
-Every task is turned into rows, a row being (tokens, n_target): the model reads tokens[:-1], predicts
-tokens[1:], and only the last n_target predictions count. An example owns a few consecutive rows (HellaSwag:
-one per ending; LAMBADA and the loss: one), so example k is rows[offsets[k]:offsets[k + 1]].
+Every task is turned into rows, a row being (tokens, n_target): the model reads tokens[:-1],
+predicts tokens[1:], and only the last n_target predictions count. An example owns a few consecutive
+rows (HellaSwag: one per ending; LAMBADA and the loss: one), so example k is
+rows[offsets[k]:offsets[k + 1]].
 
 Usage:
     from nanogpt_plus import evaluation
@@ -37,9 +39,11 @@ from nanogpt_plus.tokenizer import load_tokenizer
 TASKS = ('loss', 'hellaswag', 'lambada')
 # the fields each JSONL task's records must have
 TASK_KEYS = {'hellaswag': ('ctx', 'endings', 'label'), 'lambada': ('text',)}
-# the files the public harnesses use: HellaSwag's validation split and OpenAI's LAMBADA test set (GPT-2 paper)
+# the files the public harnesses use: HellaSwag's validation split and OpenAI's LAMBADA test set
+# (GPT-2 paper)
 DATA_URLS = {
-    'hellaswag': 'https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl',
+    'hellaswag':
+    'https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl',
     'lambada': 'https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl',
 }
 DOWNLOAD_TIMEOUT_S = 10
@@ -56,13 +60,21 @@ def make_row(context, target, block_size):
 
 
 @torch.no_grad()
-def score_rows(model, rows, indices, batch_size, device, ctx=nullcontext(), pad_to=None, progress=False):
+def score_rows(model,
+               rows,
+               indices,
+               batch_size,
+               device,
+               ctx=nullcontext(),
+               pad_to=None,
+               progress=False):
     """
-    Score rows[i] for i in indices, batch_size rows per forward pass. Rows are right-padded, and padding and
-    context positions get target -1: they are not counted, and (attention being causal) padding after a row
-    cannot change the logits of the row itself. pad_to fixes the padded length (one shape for torch.compile).
-    Returns a float64 (len(indices), 3) tensor, per row: the sum of its per-token losses in nats, the number of
-    scored tokens, and 1.0 if every scored token is the model's argmax prediction (else 0.0).
+    Score rows[i] for i in indices, batch_size rows per forward pass. Rows are right-padded, and
+    padding and context positions get target -1: they are not counted, and (attention being causal)
+    padding after a row cannot change the logits of the row itself. pad_to fixes the padded length
+    (one shape for torch.compile). Returns a float64 (len(indices), 3) tensor, per row: the sum of
+    its per-token losses in nats, the number of scored tokens, and 1.0 if every scored token is the
+    model's argmax prediction (else 0.0).
     """
     out = torch.zeros(len(indices), 3, dtype=torch.float64)
     starts = range(0, len(indices), batch_size)
@@ -86,9 +98,12 @@ def score_rows(model, rows, indices, batch_size, device, ctx=nullcontext(), pad_
         with ctx:
             logits, _ = model(idx, all_positions=True)  # (B, T, vocab_size)
         logits = logits.float()
-        losses = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
-                                 # (B, T), 0 where the target is -1
-                                 reduction='none').view(targets.shape)
+        losses = F.cross_entropy(
+            logits.view(-1, logits.size(-1)),
+            targets.view(-1),
+            ignore_index=-1,
+            # (B, T), 0 where the target is -1
+            reduction='none').view(targets.shape)
         scored = targets != -1
         greedy = ((logits.argmax(-1) == targets) | ~scored).all(dim=1)
         out[start:start + len(batch), 0] = losses.double().sum(dim=1).cpu()
@@ -97,24 +112,34 @@ def score_rows(model, rows, indices, batch_size, device, ctx=nullcontext(), pad_
     return out
 
 
-def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcontext(), dist_info=None,
-                   pad_to=None, progress=False, poll=None):
+def score_examples(model,
+                   rows,
+                   example_offsets,
+                   batch_size,
+                   device,
+                   ctx=nullcontext(),
+                   dist_info=None,
+                   pad_to=None,
+                   progress=False,
+                   poll=None):
     """
-    Score every row of every example; returns score_rows' table for all rows, (num_rows, 3). Under DDP
-    (dist_info.under_torchrun) example k goes to rank k % world_size, whose rows' results are written into a zeroed
-    table that is then summed across ranks: adding zeros is exact, so every rank ends with the table one
-    process would have computed (up to how the rows were grouped into batches). poll: called after every batch
-    on every rank (train.py's stop agreement); when it returns True the pass ends there and returns None.
+    Score every row of every example; returns score_rows' table for all rows, (num_rows, 3). Under
+    DDP (dist_info.under_torchrun) example k goes to rank k % world_size, whose rows' results are
+    written into a zeroed table that is then summed across ranks: adding zeros is exact, so every
+    rank ends with the table one process would have computed (up to how the rows were grouped into
+    batches). poll: called after every batch on every rank (train.py's stop agreement); when it
+    returns True the pass ends there and returns None.
     """
-    rank, world_size = (dist_info.rank, dist_info.world_size) if dist_info and dist_info.under_torchrun else (0, 1)
+    rank, world_size = (dist_info.rank,
+                        dist_info.world_size) if dist_info and dist_info.under_torchrun else (0, 1)
 
     def rows_of(r):
         return [i for k in range(r, len(example_offsets) - 1, world_size)
                 for i in range(example_offsets[k], example_offsets[k + 1])]
     mine = rows_of(rank)
     table = torch.zeros(example_offsets[-1], 3, dtype=torch.float64)
-    # every rank runs as many forwards as the busiest: a wrapped model's forwards (FSDP all-gathers the
-    # weights in each) are collectives. The extra ones score a single row and are thrown away.
+    # every rank runs as many forwards as the busiest: a wrapped model's forwards (FSDP all-gathers
+    # the weights in each) are collectives. The extra ones score a single row and are thrown away.
     batches = max(math.ceil(len(rows_of(r)) / batch_size) for r in range(world_size))
     steps = range(batches)
     if progress:
@@ -141,15 +166,17 @@ def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcon
 
 def loss_windows(num_tokens, block_size, stride=0):
     """
-    (begin, end, n_scored) windows over a token file: inputs tokens[begin:end], targets tokens[begin+1:end+1],
-    of which the last n_scored count. Every target tokens[1:] is scored exactly once; with a stride S <
-    block_size each window after the first moves by S and scores only its last S targets, which so see at
-    least block_size - S tokens of context (the usual sliding-window perplexity recipe).
+    (begin, end, n_scored) windows over a token file: inputs tokens[begin:end], targets
+    tokens[begin+1:end+1], of which the last n_scored count. Every target tokens[1:] is scored
+    exactly once; with a stride S < block_size each window after the first moves by S and scores
+    only its last S targets, which so see at least block_size - S tokens of context (the usual
+    sliding-window perplexity recipe).
     """
     stride = stride or block_size
     if not 1 <= stride <= block_size:
-        raise UserError(f"stride must be between 1 and block_size ({block_size}), got {stride}; 0 means "
-                        f"non-overlapping windows")
+        raise UserError(
+            f"stride must be between 1 and block_size ({block_size}), got {stride}; 0 means "
+            f"non-overlapping windows")
     # targets tokens[1:scored_upto + 1] are already scored
     windows = []
     begin = 0
@@ -163,7 +190,10 @@ def loss_windows(num_tokens, block_size, stride=0):
 
 
 class TokenWindows:
-    """ The rows of [(tokens, windows)] parts (a file each), sliced from the memmaps only when a batch needs them. """
+    """
+    The rows of [(tokens, windows)] parts (a file each), sliced from the memmaps only when a batch
+    needs them.
+    """
 
     def __init__(self, parts):
         self.rows = [(tokens, window) for tokens, windows in parts for window in windows]
@@ -178,20 +208,23 @@ class TokenWindows:
 
 def token_byte_lengths(tokenizer):
     """
-    The number of UTF-8 bytes each token id decodes to, as an array indexed by id (for bits per byte): what
-    any tokenizer's token_bytes says (a byte-level BPE's own bytes, gpt2 or bpe), for a character vocabulary
-    its characters' UTF-8 (by its itos, which may skip ids).
+    The number of UTF-8 bytes each token id decodes to, as an array indexed by id (for bits per
+    byte): what any tokenizer's token_bytes says (a byte-level BPE's own bytes, gpt2 or bpe), for a
+    character vocabulary its characters' UTF-8 (by its itos, which may skip ids).
     """
     if tokenizer.kind == 'char':
         lengths = np.zeros(max(tokenizer.itos) + 1, dtype=np.int64)
         for i, ch in tokenizer.itos.items():
             lengths[i] = len(ch.encode('utf-8'))
         return lengths
-    return np.array([len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)], dtype=np.int64)
+    return np.array([len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)],
+                    dtype=np.int64)
 
 
 def loss_metrics(table, num_bytes):
-    """ Mean loss and perplexity per token of score_rows' table; bits per byte when num_bytes is known. """
+    """
+    Mean loss and perplexity per token of score_rows' table; bits per byte when num_bytes is known.
+    """
     nll = table[:, 0].sum().item()
     count = table[:, 1].sum().item()
     metrics = {'loss': nll / count, 'perplexity': math.exp(nll / count), 'tokens': int(count)}
@@ -201,21 +234,31 @@ def loss_metrics(table, num_bytes):
     return metrics
 
 
-def evaluate_loss(model, parts, tokenizer, batch_size, device, ctx=nullcontext(), dist_info=None, pad_to=None,
+def evaluate_loss(model,
+                  parts,
+                  tokenizer,
+                  batch_size,
+                  device,
+                  ctx=nullcontext(),
+                  dist_info=None,
+                  pad_to=None,
                   progress=False):
     """
-    The loss metrics of model over [(tokens, windows)] parts: a token array or memmap per file (a split's
-    shards: no window spans two) and loss_windows' windows over it. tokenizer is the one the tokens were made
-    with: it says how many bytes of text they are, for bits per byte.
+    The loss metrics of model over [(tokens, windows)] parts: a token array or memmap per file (a
+    split's shards: no window spans two) and loss_windows' windows over it. tokenizer is the one the
+    tokens were made with: it says how many bytes of text they are, for bits per byte.
     """
     rows = TokenWindows(parts)
-    table = score_examples(model, rows, list(range(len(rows) + 1)), batch_size, device, ctx, dist_info, pad_to,
-                           progress)
+    table = score_examples(model, rows, list(range(len(rows) + 1)), batch_size, device, ctx,
+                           dist_info, pad_to, progress)
     return loss_metrics(table, scored_bytes(parts, token_byte_lengths(tokenizer)))
 
 
 def scored_bytes(parts, lengths):
-    """ The UTF-8 bytes of every target some window scored; None when a file holds an id the tokenizer lacks. """
+    """
+    The UTF-8 bytes of every target some window scored; None when a file holds an id the tokenizer
+    lacks.
+    """
     total = 0
     for tokens, windows in parts:
         scored = np.asarray(tokens[1:windows[-1][1] + 1], dtype=np.int64)
@@ -229,14 +272,17 @@ def scored_bytes(parts, lengths):
 # multiple choice (HellaSwag) and last word (LAMBADA) JSONL tasks
 
 def read_task_records(task, path):
-    """ [(line number, record)] of a JSONL task file; a malformed line is an error that names it. """
+    """
+    [(line number, record)] of a JSONL task file; a malformed line is an error that names it.
+    """
     return read_jsonl(path, TASK_KEYS[task], "pass --data_file=PATH to an existing JSONL file")
 
 
 def hellaswag_examples(records, tokenizer, block_size, path='data'):
     """
-    One row per ending: the context's tokens, then the tokens of ' ' + ending (the way the standard harnesses
-    tokenize it), only the ending scored. path names the file in errors. Returns (rows, offsets, labels).
+    One row per ending: the context's tokens, then the tokens of ' ' + ending (the way the standard
+    harnesses tokenize it), only the ending scored. path names the file in errors. Returns (rows,
+    offsets, labels).
     """
     rows = []
     offsets = [0]
@@ -247,12 +293,13 @@ def hellaswag_examples(records, tokenizer, block_size, path='data'):
         label = rec['label']
         if isinstance(label, str) and label.strip().isdigit():
             label = int(label)  # the Hugging Face copy of HellaSwag stores labels as strings
-        ok = (isinstance(ctx, str) and ctx and isinstance(endings, list) and len(endings) >= 2
-              and all(isinstance(e, str) and e for e in endings)
-              and isinstance(label, int) and not isinstance(label, bool) and 0 <= label < len(endings))
+        ok = (isinstance(ctx, str) and ctx and isinstance(endings, list) and len(endings) >= 2 and
+              all(isinstance(e, str) and e for e in endings) and isinstance(label, int) and
+              not isinstance(label, bool) and 0 <= label < len(endings))
         if not ok:
-            raise UserError(f"{path} line {lineno}: expected a non-empty 'ctx' string, a list of at least 2 "
-                            f"non-empty 'endings' and an integer 'label' indexing them; fix that line")
+            raise UserError(
+                f"{path} line {lineno}: expected a non-empty 'ctx' string, a list of at least 2 "
+                f"non-empty 'endings' and an integer 'label' indexing them; fix that line")
         context = tokenizer.encode_ordinary(ctx)
         for ending in endings:
             rows.append(make_row(context, tokenizer.encode_ordinary(' ' + ending), block_size))
@@ -276,25 +323,44 @@ def hellaswag_counts(table, offsets, labels):
 
 def hellaswag_metrics(counts):
     """ acc and acc_norm, the fractions of hellaswag_counts' counts. """
-    return {'acc': counts['correct'] / counts['total'], 'acc_norm': counts['correct_norm'] / counts['total']}
+    return {
+        'acc': counts['correct'] / counts['total'],
+        'acc_norm': counts['correct_norm'] / counts['total']
+    }
 
 
-def score_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None, pad_to=None,
-                    progress=False, poll=None):
+def score_hellaswag(model,
+                    examples,
+                    batch_size,
+                    device,
+                    ctx=nullcontext(),
+                    dist_info=None,
+                    pad_to=None,
+                    progress=False,
+                    poll=None):
     """
-    hellaswag_counts of model on examples, hellaswag_examples' (rows, offsets, labels), the same on every rank
-    (score_examples splits the examples across them). The one scoring of HellaSwag: eval.py's (through
-    evaluate_hellaswag) and train.py's in-loop figure both come from here. None when poll stopped the pass.
+    hellaswag_counts of model on examples, hellaswag_examples' (rows, offsets, labels), the same on
+    every rank (score_examples splits the examples across them). The one scoring of HellaSwag:
+    eval.py's (through evaluate_hellaswag) and train.py's in-loop figure both come from here. None
+    when poll stopped the pass.
     """
     rows, offsets, labels = examples
-    table = score_examples(model, rows, offsets, batch_size, device, ctx, dist_info, pad_to, progress, poll)
+    table = score_examples(model, rows, offsets, batch_size, device, ctx, dist_info, pad_to,
+                           progress, poll)
     return None if table is None else hellaswag_counts(table, offsets, labels)
 
 
-def evaluate_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None, pad_to=None,
+def evaluate_hellaswag(model,
+                       examples,
+                       batch_size,
+                       device,
+                       ctx=nullcontext(),
+                       dist_info=None,
+                       pad_to=None,
                        progress=False):
     """ {'acc', 'acc_norm'} of model on examples, hellaswag_examples' (rows, offsets, labels). """
-    return hellaswag_metrics(score_hellaswag(model, examples, batch_size, device, ctx, dist_info, pad_to, progress))
+    return hellaswag_metrics(
+        score_hellaswag(model, examples, batch_size, device, ctx, dist_info, pad_to, progress))
 
 
 def lambada_examples(records, tokenizer, block_size, path='data'):
@@ -305,9 +371,12 @@ def lambada_examples(records, tokenizer, block_size, path='data'):
         text = rec['text']
         context, _, word = text.rpartition(' ') if isinstance(text, str) else ('', '', '')
         if not context or not word:
-            raise UserError(f"{path} line {lineno}: 'text' must be a string with some context, a space and a "
-                            f"last word; fix that line")
-        rows.append(make_row(tokenizer.encode_ordinary(context), tokenizer.encode_ordinary(' ' + word), block_size))
+            raise UserError(
+                f"{path} line {lineno}: 'text' must be a string with some context, a space and a "
+                f"last word; fix that line")
+        rows.append(
+            make_row(tokenizer.encode_ordinary(context), tokenizer.encode_ordinary(' ' + word),
+                     block_size))
     return rows, list(range(len(rows) + 1))
 
 
@@ -317,30 +386,40 @@ def lambada_metrics(table):
     return {'acc': table[:, 2].mean().item(), 'ppl': math.exp(table[:, 0].mean().item())}
 
 
-def evaluate_lambada(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None, pad_to=None,
+def evaluate_lambada(model,
+                     examples,
+                     batch_size,
+                     device,
+                     ctx=nullcontext(),
+                     dist_info=None,
+                     pad_to=None,
                      progress=False):
     """ {'acc', 'ppl'} of model on examples, lambada_examples' (rows, offsets). """
     rows, offsets = examples
-    return lambada_metrics(score_examples(model, rows, offsets, batch_size, device, ctx, dist_info, pad_to, progress))
+    return lambada_metrics(
+        score_examples(model, rows, offsets, batch_size, device, ctx, dist_info, pad_to, progress))
 
 
 # -----------------------------------------------------------------------------
 # a task end to end: find its data, build its examples, score them
 
 def public_task_file(task):
-    """ Where the task's public file is kept once downloaded: data/<task>/<its name> in this repo. """
+    """
+    Where the task's public file is kept once downloaded: data/<task>/<its name> in this repo.
+    """
     return os.path.join(REPO_DIR, 'data', task, os.path.basename(DATA_URLS[task]))
 
 
 def task_data_file(task, data_file='', setting='data_file'):
     """
-    data_file when given, else the task's public file: data/<task>/<name> in this repo, downloaded once.
-    It lives here rather than in eval.py so that every caller of a JSONL task shares one cached copy.
-    setting is the option the caller's user passes a file with (named in the errors).
+    data_file when given, else the task's public file: data/<task>/<name> in this repo, downloaded
+    once. It lives here rather than in eval.py so that every caller of a JSONL task shares one
+    cached copy. setting is the option the caller's user passes a file with (named in the errors).
     """
     if data_file:
         if not os.path.exists(data_file):
-            raise UserError(f"no data file at {data_file}; pass --{setting}=PATH to an existing file")
+            raise UserError(
+                f"no data file at {data_file}; pass --{setting}=PATH to an existing file")
         return data_file
     url = DATA_URLS[task]
     path = public_task_file(task)
@@ -351,16 +430,18 @@ def task_data_file(task, data_file='', setting='data_file'):
         with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
             content = response.read()
     except Exception as e:  # URLError, timeouts, HTTP errors: all mean "get the file another way"
-        raise UserError(f"could not download {url} ({type(e).__name__}: {e}); download it elsewhere and pass "
-                        f"--{setting}=PATH") from None
+        raise UserError(
+            f"could not download {url} ({type(e).__name__}: {e}); download it elsewhere and pass "
+            f"--{setting}=PATH") from None
     atomic_write(path, lambda f: f.write(content))  # never a half-downloaded file that looks cached
     return path
 
 
 def task_examples(task, path, tokenizer, block_size, max_examples=0):
     """
-    (examples, their number) of a JSONL task file, tokenized once: hellaswag_examples' or lambada_examples'.
-    max_examples > 0 keeps the first ones only. eval.py and train.py's in-loop HellaSwag both build them here.
+    (examples, their number) of a JSONL task file, tokenized once: hellaswag_examples' or
+    lambada_examples'. max_examples > 0 keeps the first ones only. eval.py and train.py's in-loop
+    HellaSwag both build them here.
     """
     records = read_task_records(task, path)
     if max_examples:
@@ -370,16 +451,23 @@ def task_examples(task, path, tokenizer, block_size, max_examples=0):
 
 
 def loss_files(data_file, dataset, split):
-    """ The token files the loss is measured on: data_file (a token file or a directory), else the dataset's split. """
+    """
+    The token files the loss is measured on: data_file (a token file or a directory), else the
+    dataset's split.
+    """
     if data_file:
         return split_files(data_file, split) if os.path.isdir(data_file) else [data_file]
     if not dataset:
-        raise UserError("no dataset to evaluate the loss on: pass --dataset=NAME or --data_file=PATH/val.bin")
+        raise UserError(
+            "no dataset to evaluate the loss on: pass --dataset=NAME or --data_file=PATH/val.bin")
     return split_files(dataset, split)
 
 
 def loss_parts(paths, dataset, vocab_size, block_size, stride=0, max_examples=0):
-    """ [(tokens as a memmap, loss_windows over them)] per file; max_examples > 0 keeps the first windows only. """
+    """
+    [(tokens as a memmap, loss_windows over them)] per file; max_examples > 0 keeps the first
+    windows only.
+    """
     parts = []
     left = max_examples
     for path in paths:
@@ -400,9 +488,14 @@ def loss_parts(paths, dataset, vocab_size, block_size, stride=0, max_examples=0)
 
 
 def loss_task(model, tokenizer_meta, paths, dataset, stride, batch_size, max_examples, run):
-    """ evaluate()'s loss task over token files paths: (metrics, number of windows, the data_file to report). """
-    parts = loss_parts(paths, dataset, model.config.vocab_size, model.config.block_size, stride, max_examples)
-    # the tokenizer the files were made with (their dataset's meta, else the model's) counts their bytes
+    """
+    evaluate()'s loss task over token files paths: (metrics, number of windows, the data_file to
+    report).
+    """
+    parts = loss_parts(paths, dataset, model.config.vocab_size, model.config.block_size, stride,
+                       max_examples)
+    # the tokenizer the files were made with (their dataset's meta, else the model's) counts their
+    # bytes
     meta = read_dataset_meta(os.path.dirname(os.path.abspath(paths[0]))) or tokenizer_meta
     metrics = evaluate_loss(model, parts, load_tokenizer(meta), batch_size, **run)
     # several shards: their directory
@@ -410,12 +503,24 @@ def loss_task(model, tokenizer_meta, paths, dataset, stride, batch_size, max_exa
     return metrics, sum(len(windows) for _, windows in parts), path
 
 
-def evaluate(model, task, tokenizer_meta, data_file='', dataset='', split='val', stride=0, batch_size=16,
-             max_examples=0, device='cpu', ctx=nullcontext(), dist_info=None, pad_to=None, progress=False):
+def evaluate(model,
+             task,
+             tokenizer_meta,
+             data_file='',
+             dataset='',
+             split='val',
+             stride=0,
+             batch_size=16,
+             max_examples=0,
+             device='cpu',
+             ctx=nullcontext(),
+             dist_info=None,
+             pad_to=None,
+             progress=False):
     """
-    Run one task (see TASKS) on model, whose tokenizer tokenizer_meta describes. data_file is the token file
-    (loss: or a directory of shards) or the JSONL file; '' means the dataset's <split>.bin or <split> shards for
-    the loss, and the public file otherwise.
+    Run one task (see TASKS) on model, whose tokenizer tokenizer_meta describes. data_file is the
+    token file (loss: or a directory of shards) or the JSONL file; '' means the dataset's
+    <split>.bin or <split> shards for the loss, and the public file otherwise.
     stride is loss_windows'. max_examples > 0 keeps the first examples (loss: windows) only.
     Returns {'task', 'metrics', 'num_examples', 'data_file'}.
     """
@@ -424,11 +529,13 @@ def evaluate(model, task, tokenizer_meta, data_file='', dataset='', split='val',
     block_size = model.config.block_size
     run = dict(device=device, ctx=ctx, dist_info=dist_info, pad_to=pad_to, progress=progress)
     if task == 'loss':
-        metrics, num_examples, path = loss_task(model, tokenizer_meta, loss_files(data_file, dataset, split),
-                                                dataset, stride, batch_size, max_examples, run)
+        metrics, num_examples, path = loss_task(model, tokenizer_meta,
+                                                loss_files(data_file, dataset, split), dataset,
+                                                stride, batch_size, max_examples, run)
     elif task in TASK_KEYS:
         path = task_data_file(task, data_file)
-        examples, num_examples = task_examples(task, path, load_tokenizer(tokenizer_meta), block_size, max_examples)
+        examples, num_examples = task_examples(task, path, load_tokenizer(tokenizer_meta),
+                                               block_size, max_examples)
         score = evaluate_hellaswag if task == 'hellaswag' else evaluate_lambada
         metrics = score(model, examples, batch_size, **run)
     else:

@@ -1,11 +1,13 @@
 """
 Files on disk: the one atomic writer every output goes through (datasets, checkpoints, exports, eval
-results), and reading JSONL files with one-line errors. Where an output may go at all is outputs.py's.
+results), and reading JSONL files with one-line errors. Where an output may go at all is
+outputs.py's.
 
-An output is written under a hidden temporary name beside it (.train.bin.tmp.<pid>, .ckpt.pt.tmp.<pid>),
-fsynced, and renamed over the real name only when complete, so a crash at any moment leaves either the old
-complete file or the new one, never a file that looks finished but isn't. Several outputs of one run
-(train.bin, val.bin, meta.json) are renamed together, after all of them are on disk.
+An output is written under a hidden temporary name beside it (.train.bin.tmp.<pid>,
+.ckpt.pt.tmp.<pid>), fsynced, and renamed over the real name only when complete, so a crash at any
+moment leaves either the old complete file or the new one, never a file that looks finished but
+isn't. Several outputs of one run (train.bin, val.bin, meta.json) are renamed together, after all of
+them are on disk.
 
 Usage:
     from nanogpt_plus.files import atomic_outputs, atomic_write, read_jsonl
@@ -28,9 +30,10 @@ from nanogpt_plus.errors import UserError
 
 class WriteFailed(UserError, OSError):
     """
-    An output could not be written (a full disk, a quota, a read-only or unwritable directory): one line for
-    the user, and still an OSError (with the OS's errno and strerror) for a caller that handles a failed
-    write with advice of its own (train.py's checkpoints: resume from the last one).
+    An output could not be written (a full disk, a quota, a read-only or unwritable directory): one
+    line for the user, and still an OSError (with the OS's errno and strerror) for a caller that
+    handles a failed write with advice of its own (train.py's checkpoints: resume from the last
+    one).
     """
 
     def __init__(self, message, cause):
@@ -42,31 +45,46 @@ class WriteFailed(UserError, OSError):
 
 
 def write_failed(error, final):
-    """ The WriteFailed for an OSError met while writing final (whose previous version, if any, is kept). """
+    """
+    The WriteFailed for an OSError met while writing final (whose previous version, if any, is
+    kept).
+    """
     reason = error.strerror or str(error)
     if os.path.isdir(final):  # the output directory itself could not be made
         kept = "nothing was written"
     else:
-        kept = f"the previous {final} is unchanged" if os.path.exists(final) else f"no {final} was written"
-    return WriteFailed(f"could not write {final} ({reason}); {kept}. Make room on the disk (or fix the "
-                       f"directory's permissions, or write somewhere else) and run again", error)
+        kept = f"the previous {final} is unchanged" if os.path.exists(
+            final) else f"no {final} was written"
+    return WriteFailed(
+        f"could not write {final} ({reason}); {kept}. Make room on the disk (or fix the "
+        f"directory's permissions, or write somewhere else) and run again", error)
 
 
 def _is_write_error(error, directory):
-    """ Whether an OSError raised inside atomic_outputs is about its outputs (not, say, an input file read there). """
+    """
+    Whether an OSError raised inside atomic_outputs is about its outputs (not, say, an input file
+    read there).
+    """
     if isinstance(error, UserError):
         return False  # already one line (a WriteFailed of a nested writer, say)
-    return error.filename is None or os.path.abspath(error.filename).startswith(os.path.abspath(directory))
+    return error.filename is None or os.path.abspath(error.filename).startswith(
+        os.path.abspath(directory))
 
 
 def temp_path(final):
-    """ The hidden name this process writes final under: same directory (so os.replace is atomic), pid last. """
+    """
+    The hidden name this process writes final under: same directory (so os.replace is atomic), pid
+    last.
+    """
     directory, name = os.path.split(final)
     return os.path.join(directory, f".{name}.tmp.{os.getpid()}")
 
 
 class AtomicOutputs:
-    """ Temp paths for a run's outputs; commit() renames all of them over the real names, discard() drops them. """
+    """
+    Temp paths for a run's outputs; commit() renames all of them over the real names, discard()
+    drops them.
+    """
 
     def __init__(self, directory):
         self.directory = directory
@@ -76,7 +94,9 @@ class AtomicOutputs:
         self.outdated = []
 
     def path(self, name):
-        """ Where to write the output called name (a path inside directory); it appears at commit(). """
+        """
+        Where to write the output called name (a path inside directory); it appears at commit().
+        """
         final = os.path.join(self.directory, name)
         remove_stale_temps(final)
         tmp = temp_path(final)
@@ -91,8 +111,8 @@ class AtomicOutputs:
         self.outdated.append(os.path.join(self.directory, name))
 
     def commit(self):
-        # every file's data reaches the disk before the first rename, so no final name ever points at
-        # a half-written file, even after a power cut between two renames
+        # every file's data reaches the disk before the first rename, so no final name ever points
+        # at a half-written file, even after a power cut between two renames
         for tmp, final in self.pending:
             # a full disk can surface only now, as fsync writes out the cached pages
             self.writing = final
@@ -117,8 +137,9 @@ class AtomicOutputs:
 @contextmanager
 def atomic_outputs(directory):
     """
-    with atomic_outputs(d) as out: write to out.path('train.bin'), ...; all are renamed at a clean exit. An
-    OSError writing them (ENOSPC, EDQUOT, EFBIG, EROFS, EACCES, ...) becomes one WriteFailed naming the file.
+    with atomic_outputs(d) as out: write to out.path('train.bin'), ...; all are renamed at a clean
+    exit. An OSError writing them (ENOSPC, EDQUOT, EFBIG, EROFS, EACCES, ...) becomes one
+    WriteFailed naming the file.
     """
     out = AtomicOutputs(directory)
     try:
@@ -135,15 +156,23 @@ def atomic_outputs(directory):
 
 
 def atomic_write(path, write_fn, binary=True):
-    """ One atomic output: write_fn(f) fills the file object of a temp file, which then replaces path. """
+    """
+    One atomic output: write_fn(f) fills the file object of a temp file, which then replaces path.
+    """
     directory, name = os.path.split(os.path.abspath(path))
     with atomic_outputs(directory) as out:
-        with open(out.path(name), "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+        with open(out.path(name), "wb" if binary else "w",
+                  **({} if binary else {
+                      "encoding": "utf-8"
+                  })) as f:
             write_fn(f)
 
 
 def remove_stale_temps(final):
-    """ Delete the temp files an earlier run killed mid-write left for final (their process no longer exists). """
+    """
+    Delete the temp files an earlier run killed mid-write left for final (their process no longer
+    exists).
+    """
     directory, name = os.path.split(final)
     _remove_stale(glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.tmp.*")))
 
@@ -151,7 +180,8 @@ def remove_stale_temps(final):
 def remove_stale_temps_in(directory):
     """
     Delete every temp file of a dead process in directory (a kill -9 mid-save leaves a full-size
-    .ckpt.pt.tmp.<pid>); returns their names. For a directory only one run writes to (its out_dir, locked).
+    .ckpt.pt.tmp.<pid>); returns their names. For a directory only one run writes to (its out_dir,
+    locked).
     """
     return _remove_stale(glob.glob(os.path.join(glob.escape(directory), ".*.tmp.*")))
 
@@ -196,8 +226,9 @@ def _fsync_dir(path):
 
 def read_jsonl(path, required_keys=(), missing_hint="pass an existing JSONL file"):
     """
-    [(line number, record dict)] of a JSONL file (blank lines skipped). A missing or empty file, a line
-    that is not a JSON object, or a record without one of required_keys is one UserError naming the line.
+    [(line number, record dict)] of a JSONL file (blank lines skipped). A missing or empty file, a
+    line that is not a JSON object, or a record without one of required_keys is one UserError naming
+    the line.
     """
     if not path or not os.path.isfile(path):
         raise UserError(f"no data file at {path or '(none given)'}; {missing_hint}")
@@ -210,13 +241,17 @@ def read_jsonl(path, required_keys=(), missing_hint="pass an existing JSONL file
             try:
                 record = json.loads(line)
             except ValueError as e:
-                raise UserError(f"{path} line {lineno} is not valid JSON ({e}); fix or remove that line") from None
+                raise UserError(
+                    f"{path} line {lineno} is not valid JSON ({e}); fix or remove that line"
+                ) from None
             if not isinstance(record, dict):
-                raise UserError(f"{path} line {lineno} is not a JSON object; write one object per line")
+                raise UserError(
+                    f"{path} line {lineno} is not a JSON object; write one object per line")
             missing = [k for k in required_keys if k not in record]
             if missing:
-                raise UserError(f"{path} line {lineno} has no {', '.join(repr(k) for k in missing)} field; "
-                                f"each line needs {', '.join(required_keys)}")
+                raise UserError(
+                    f"{path} line {lineno} has no {', '.join(repr(k) for k in missing)} field; "
+                    f"each line needs {', '.join(required_keys)}")
             records.append((lineno, record))
     if not records:
         raise UserError(f"{path} has no examples; write one JSON object per line")
@@ -224,9 +259,13 @@ def read_jsonl(path, required_keys=(), missing_hint="pass an existing JSONL file
 
 
 def _utf8_line(raw, path, lineno):
-    """ One line of a JSONL file as text (JSON is UTF-8, RFC 8259); anything else is the user's to re-encode. """
+    """
+    One line of a JSONL file as text (JSON is UTF-8, RFC 8259); anything else is the user's to
+    re-encode.
+    """
     try:
         return raw.decode('utf-8')
     except UnicodeDecodeError as e:
-        raise UserError(f"{path} line {lineno} is not UTF-8 text (byte {raw[e.start]:#04x} at position {e.start + 1}); "
-                        f"save the file as UTF-8") from None
+        raise UserError(
+            f"{path} line {lineno} is not UTF-8 text (byte {raw[e.start]:#04x} at position {e.start + 1}); "
+            f"save the file as UTF-8") from None

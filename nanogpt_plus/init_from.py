@@ -1,12 +1,13 @@
 """
-Where a model comes from: every init_from, turned into (model on the CPU, tokenizer description, checkpoint or
-None) by one function, with the model construction each one needs and the rules a resumed or fine-tuned run keeps.
+Where a model comes from: every init_from, turned into (model on the CPU, tokenizer description,
+checkpoint or None) by one function, with the model construction each one needs and the rules a
+resumed or fine-tuned run keeps.
   'scratch'   a new random GPT from the model settings, its vocabulary from the dataset's tokenizer
   'resume'    the run in out_dir: its checkpoint's architecture, weights and training state
   a path      a ckpt.pt, or a training out_dir holding one: its weights (training starts at iter 0)
   gpt2*       OpenAI's GPT-2 weights, or a local Hugging Face GPT-2 directory (read by hf_import.py)
-A model that is about to receive weights is built on the meta device (shapes only, no random draws) and then
-takes float32 copies of them, each checked finite; nothing is cropped or rebuilt on resume.
+A model that is about to receive weights is built on the meta device (shapes only, no random draws)
+and then takes float32 copies of them, each checked finite; nothing is cropped or rebuilt on resume.
 
 Usage:
     from nanogpt_plus.init_from import init_model
@@ -47,7 +48,8 @@ ModelSpec = dataclasses.make_dataclass('ModelSpec', frozen=True, fields=[
 def init_model(init_from, out_dir='out', dataset=None, spec=None, dropout=None,
                resume_file=CHECKPOINT, on_meta=False):
     """
-    The one place that turns init_from into (model on the CPU, tokenizer description, checkpoint or None):
+    The one place that turns init_from into (model on the CPU, tokenizer description, checkpoint or
+    None):
       'scratch'        a new GPT of spec (a ModelSpec: n_layer, n_head, ..., gelu, the modern ones),
                        with the vocabulary and tokenizer of `dataset` (a dataset.Dataset; GPT-2's when it has
                        no meta, or when dataset is None)
@@ -55,48 +57,58 @@ def init_model(init_from, out_dir='out', dataset=None, spec=None, dropout=None,
       a path           a ckpt.pt, or a training out_dir holding one
       gpt2*, a path    OpenAI's GPT-2 weights, or a local Hugging Face GPT-2 directory (export_hf.py's too)
     dropout overrides the saved dropout (architecture settings always come from the weights).
-    on_meta=True (FSDP's ranks other than 0, which are sent their shards by rank 0): the same architecture on the
-    meta device, without initialising or loading weights; the checkpoint (memory-mapped) is still returned, for
-    the optimizer, loader and RNG states, its 'model' tensors untouched; gpt2* and Hugging Face directories
-    give their config.json's architecture without reading (or downloading) the weights.
+    on_meta=True (FSDP's ranks other than 0, which are sent their shards by rank 0): the same
+    architecture on the meta device, without initialising or loading weights; the checkpoint
+    (memory-mapped) is still returned, for the optimizer, loader and RNG states, its 'model' tensors
+    untouched; gpt2* and Hugging Face directories give their config.json's architecture without
+    reading (or downloading) the weights.
     """
     if init_from == 'scratch':
         if spec is None:  # sample.py, eval.py, export_hf.py: a script that reads weights
-            raise UserError("init_from=scratch makes a new, untrained model, which only train.py and finetune.py "
-                            "do; pass resume (with --out_dir), a ckpt.pt or out_dir, gpt2* or a Hugging Face "
-                            "directory")
-        data_meta, data_dir = (dataset.meta, dataset.directory) if dataset is not None else (None, None)
+            raise UserError(
+                "init_from=scratch makes a new, untrained model, which only train.py and finetune.py "
+                "do; pass resume (with --out_dir), a ckpt.pt or out_dir, gpt2* or a Hugging Face "
+                "directory")
+        data_meta, data_dir = (dataset.meta, dataset.directory) if dataset is not None else (None,
+                                                                                             None)
         model = scratch_model(spec, data_meta, data_dir, on_meta)
         return model, data_meta or {'kind': 'gpt2'}, None
     ckpt_path = checkpoint_path(init_from, out_dir, resume_file)
     if ckpt_path is not None:
         ckpt = load_checkpoint(ckpt_path, map_location='cpu')
-        return model_from_checkpoint(ckpt, dropout, on_meta, ckpt_path), checkpoint_tokenizer_meta(ckpt), ckpt
+        return model_from_checkpoint(ckpt, dropout, on_meta,
+                                     ckpt_path), checkpoint_tokenizer_meta(ckpt), ckpt
     if init_from in GPT2_NAMES or is_hf_dir(init_from):
         # only for Hugging Face weights
         from nanogpt_plus.hf_import import pretrained_tokenizer_meta
-        return pretrained_model(init_from, dropout, on_meta), pretrained_tokenizer_meta(init_from), None
+        return pretrained_model(init_from, dropout,
+                                on_meta), pretrained_tokenizer_meta(init_from), None
     raise unknown_source(init_from)
 
 
 def unknown_source(init_from):
-    """ The one line for an init_from that names nothing here: a path that is not on this machine, or a typo. """
+    """
+    The one line for an init_from that names nothing here: a path that is not on this machine, or a
+    typo.
+    """
     if not os.path.exists(init_from):
-        return UserError(f"init_from={init_from}: there is nothing at that path on this machine, and it is none of "
-                         f"scratch, resume, gpt2/gpt2-medium/gpt2-large/gpt2-xl; check the path (every node of a "
-                         f"run must see it)")
-    return UserError(f"init_from={init_from}: there is no ckpt.pt, training out_dir or Hugging Face GPT-2 directory "
-                     f"at that path; pass one of those, scratch, resume (with --out_dir) or gpt2*")
+        return UserError(
+            f"init_from={init_from}: there is nothing at that path on this machine, and it is none of "
+            f"scratch, resume, gpt2/gpt2-medium/gpt2-large/gpt2-xl; check the path (every node of a "
+            f"run must see it)")
+    return UserError(
+        f"init_from={init_from}: there is no ckpt.pt, training out_dir or Hugging Face GPT-2 directory "
+        f"at that path; pass one of those, scratch, resume (with --out_dir) or gpt2*")
 
 
 def init_training_model(source, spec, data, on_meta=False):
     """
-    train.py's init_model: (the plain GPT on the CPU, its tokenizer description, the checkpoint read or None)
-    for source (a ModelSource: its init_from and out_dir), said in one line, checked against the
-    dataset the run trains on (a dataset.Dataset): weights with their own tokenizer must have the
-    dataset's, and the dataset's vocabulary must fit the model. spec (a ModelSpec): a new model's
-    settings; loaded weights take its dropout and may train on shorter windows (its block_size: a
-    resume has the checkpoint's).
+    train.py's init_model: (the plain GPT on the CPU, its tokenizer description, the checkpoint read
+    or None) for source (a ModelSource: its init_from and out_dir), said in one line, checked
+    against the dataset the run trains on (a dataset.Dataset): weights with their own tokenizer must
+    have the dataset's, and the dataset's vocabulary must fit the model. spec (a ModelSpec): a new
+    model's settings; loaded weights take its dropout and may train on shorter windows (its
+    block_size: a resume has the checkpoint's).
     on_meta: FSDP's ranks other than 0, which get their shards of rank 0's weights (see init_model).
     """
     init_from, out_dir = source.init_from, source.out_dir
@@ -107,12 +119,15 @@ def init_training_model(source, spec, data, on_meta=False):
         print(f"Initializing from the weights in {path} (training starts at iter 0)")
     elif init_from in GPT2_NAMES or is_hf_dir(init_from):
         print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
-    # the architecture comes from the weights (a new model: from the settings); dropout from the settings always
+    # the architecture comes from the weights (a new model: from the settings); dropout from the
+    # settings always
     model, tokenizer_meta, ckpt = init_model(init_from, out_dir, dataset=data, spec=spec,
                                              dropout=spec.dropout, on_meta=on_meta)
-    # a new model has the dataset's tokenizer; weights come with their own (unless nanoGPT's left it unknown)
+    # a new model has the dataset's tokenizer; weights come with their own (unless nanoGPT's left it
+    # unknown)
     if init_from != 'scratch' and tokenizer_known(ckpt):
-        check_dataset_tokenizer(data.directory, data.meta, tokenizer_meta, describe_source(init_from, out_dir))
+        check_dataset_tokenizer(data.directory, data.meta, tokenizer_meta,
+                                describe_source(init_from, out_dir))
     fit_block_size(model, spec.block_size)
     if data.vocab_size and data.vocab_size > model.config.vocab_size:
         raise UserError(f"the dataset's vocabulary ({data.vocab_size}) is larger than the model's "
@@ -130,7 +145,8 @@ def check_new_model_fits(spec, dataset, batch_size, attention, on_cpu):
     try:
         vocab_size = find_dataset(dataset, splits=()).vocab_size or 50304
     except UserError:
-        # a meta file that can't be read: said later, by every rank with one verdict (this runs before they meet)
+        # a meta file that can't be read: said later, by every rank with one verdict (this runs
+        # before they meet)
         vocab_size = 50304
     # (settings.check_model_shape refused the shapes GPTConfig would)
     config = GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(spec))
@@ -179,12 +195,15 @@ def is_hf_dir(path):
 
 
 def describe_source(init_from, out_dir='out', resume_file=CHECKPOINT):
-    """ What init_model(init_from, out_dir) reads, for messages: the checkpoint's path, else init_from. """
+    """
+    What init_model(init_from, out_dir) reads, for messages: the checkpoint's path, else init_from.
+    """
     return checkpoint_path(init_from, out_dir, resume_file) or init_from
 
 
 # -----------------------------------------------------------------------------
-# making a GPT: a new one, its architecture alone, one holding given weights, cropped to a shorter context
+# making a GPT: a new one, its architecture alone, one holding given weights, cropped to a shorter
+# context
 
 def scratch_model(spec, data_meta, data_dir, on_meta=False):
     """ A new random GPT of spec (a ModelSpec), its vocab_size the dataset's (model_vocab_size). """
@@ -197,19 +216,19 @@ def scratch_model(spec, data_meta, data_dir, on_meta=False):
         raise UserError(f"{e}; change the model settings") from None
 
 
-# a byte-level vocabulary (of the PADDED_KINDS of tokenizer) is padded up to a multiple of PAD_MULTIPLE:
-# matmul kernels like the shape
+# a byte-level vocabulary (of the PADDED_KINDS of tokenizer) is padded up to a multiple of
+# PAD_MULTIPLE: matmul kernels like the shape
 PAD_MULTIPLE = 64
 PADDED_KINDS = ('gpt2', 'bpe')
 
 
 def model_vocab_size(data_meta, data_dir):
     """
-    The vocab_size of a new model for a dataset's tokenizer description, printing how it was found: a
-    character vocabulary's exact size (nanoGPT's 65 for Shakespeare), as for a meta that names no kind; a
-    byte-level one's (gpt2, bpe) padded up to a multiple of 64 (GPT-2's 50,257 -> 50,304). The padded ids never
-    appear in the data and are never sampled (the engine draws only below the tokenizer's vocab_size); they
-    only make the matmuls faster.
+    The vocab_size of a new model for a dataset's tokenizer description, printing how it was found:
+    a character vocabulary's exact size (nanoGPT's 65 for Shakespeare), as for a meta that names no
+    kind; a byte-level one's (gpt2, bpe) padded up to a multiple of 64 (GPT-2's 50,257 -> 50,304).
+    The padded ids never appear in the data and are never sampled (the engine draws only below the
+    tokenizer's vocab_size); they only make the matmuls faster.
     """
     if data_meta is None or not data_meta.get('vocab_size'):
         print("defaulting to vocab_size of GPT-2 to 50304 (50257 rounded up for efficiency)")
@@ -221,17 +240,19 @@ def model_vocab_size(data_meta, data_dir):
         return vocab_size
     padded = -(-vocab_size // PAD_MULTIPLE) * PAD_MULTIPLE
     if padded != vocab_size:
-        print(f"padded vocab_size to {padded:,} (a multiple of {PAD_MULTIPLE}, for speed; ids from {vocab_size:,} "
-              f"up are never sampled)")
+        print(
+            f"padded vocab_size to {padded:,} (a multiple of {PAD_MULTIPLE}, for speed; ids from {vocab_size:,} "
+            f"up are never sampled)")
     return padded
 
 
 class _ShapesOnly(TorchFunctionMode):
     """
-    While a model is built on the meta device, the calls that only fill in values (nn.init's normal_, the causal
-    mask's tril) return their tensor unchanged: on meta they compute nothing anyway, but PyTorch runs them through
-    its Python reference kernels, whose first call imports torch._dynamo, ~2 s of a sampling run's start-up.
-    A tensor that isn't on meta (one made with an explicit device) is computed as usual: it would be used.
+    While a model is built on the meta device, the calls that only fill in values (nn.init's
+    normal_, the causal mask's tril) return their tensor unchanged: on meta they compute nothing
+    anyway, but PyTorch runs them through its Python reference kernels, whose first call imports
+    torch._dynamo, ~2 s of a sampling run's start-up. A tensor that isn't on meta (one made with an
+    explicit device) is computed as usual: it would be used.
     """
     VALUES_ONLY = {torch.Tensor.normal_, torch.nn.init.normal_, torch.Tensor.tril_}
 
@@ -245,31 +266,36 @@ class _ShapesOnly(TorchFunctionMode):
 
 
 def meta_model(config):
-    """ A GPT of this config on the meta device: shapes only, no storage, no random draws (the RNG is untouched). """
+    """
+    A GPT of this config on the meta device: shapes only, no storage, no random draws (the RNG is
+    untouched).
+    """
     with torch.device('meta'), _ShapesOnly():
         return GPT(config)
 
 
 def model_from_checkpoint(ckpt, dropout=None, on_meta=False, source='the checkpoint'):
     """
-    A GPT with the checkpoint's architecture and weights (on the CPU; move it yourself). on_meta=True: the
-    architecture only, on the meta device, and the checkpoint's 'model' tensors are never read (so none of their
-    memory-mapped pages are loaded); FSDP's ranks other than 0 get their shards from rank 0 instead. source: the
-    file, for messages (a NaN in its weights names it).
+    A GPT with the checkpoint's architecture and weights (on the CPU; move it yourself).
+    on_meta=True: the architecture only, on the meta device, and the checkpoint's 'model' tensors
+    are never read (so none of their memory-mapped pages are loaded); FSDP's ranks other than 0 get
+    their shards from rank 0 instead. source: the file, for messages (a NaN in its weights names
+    it).
     """
     config = model_config_from_checkpoint(ckpt, dropout)
     if on_meta:
         return meta_model(config)
-    return loaded_model(config, clean_state_dict(ckpt['model']), "the checkpoint's weights don't fit its model_args",
-                        source)
+    return loaded_model(config, clean_state_dict(ckpt['model']),
+                        "the checkpoint's weights don't fit its model_args", source)
 
 
 def pretrained_model(init_from, dropout=None, on_meta=False):
     """
-    A GPT with the weights of gpt2* or a local Hugging Face GPT-2 directory, read without transformers
-    (nanogpt_plus.hf_import; GPT.from_pretrained is the reference it is tested against). on_meta=True: its
-    architecture only, on the meta device, from config.json alone (FSDP's ranks other than 0: gpt2-xl's 6 GB of
-    float32 weights are read by rank 0 only, which sends every rank its shards).
+    A GPT with the weights of gpt2* or a local Hugging Face GPT-2 directory, read without
+    transformers (nanogpt_plus.hf_import; GPT.from_pretrained is the reference it is tested
+    against). on_meta=True: its architecture only, on the meta device, from config.json alone
+    (FSDP's ranks other than 0: gpt2-xl's 6 GB of float32 weights are read by rank 0 only, which
+    sends every rank its shards).
     """
     # imported here: only a run that starts from Hugging Face weights reads them
     from nanogpt_plus.hf_import import hf_config, hf_config_and_weights
@@ -277,29 +303,33 @@ def pretrained_model(init_from, dropout=None, on_meta=False):
         return meta_model(hf_config(init_from, dropout))
     print(f"loading weights from pretrained gpt: {init_from}")
     config, state_dict, path = hf_config_and_weights(init_from, dropout)
-    return loaded_model(config, state_dict, f"the weights of {init_from} don't fit its config.json", path)
+    return loaded_model(config, state_dict, f"the weights of {init_from} don't fit its config.json",
+                        path)
 
 
 def loaded_model(config, state_dict, misfit, source='the checkpoint'):
     """
-    A GPT of config holding state_dict's weights, built without drawing the random weights that the load would
-    overwrite: the model is made on the meta device (shapes only), then takes fp32 copies of the tensors
-    (fresh memory, not pages of the memory-mapped file, which another process truncating it would turn into a
-    SIGBUS mid-sample; each checked for NaN and inf), then gets back the tie and the masks that a meta build can't
-    hold. misfit: the words for a state_dict that doesn't fit config (missing or unexpected keys, other shapes),
-    said before load_state_dict's; source: where the tensors come from (the file), for the NaN/inf refusal.
+    A GPT of config holding state_dict's weights, built without drawing the random weights that the
+    load would overwrite: the model is made on the meta device (shapes only), then takes fp32 copies
+    of the tensors (fresh memory, not pages of the memory-mapped file, which another process
+    truncating it would turn into a SIGBUS mid-sample; each checked for NaN and inf), then gets back
+    the tie and the masks that a meta build can't hold. misfit: the words for a state_dict that
+    doesn't fit config (missing or unexpected keys, other shapes), said before load_state_dict's;
+    source: where the tensors come from (the file), for the NaN/inf refusal.
     """
     try:
         model = meta_model(config)
     except ValueError as e:  # e.g. n_embd not divisible by n_head
         raise UserError(f"{misfit} ({e})") from None
-    copies = fp32_copies(one_head(state_dict, misfit) if config.tie_embeddings else state_dict, source)
+    copies = fp32_copies(
+        one_head(state_dict, misfit) if config.tie_embeddings else state_dict, source)
     try:
         model.load_state_dict(copies, assign=True)
     except RuntimeError as e:
         raise UserError(f"{misfit} ({_misfit_detail(e)})") from None
     if config.tie_embeddings:
-        # assign=True gave wte and lm_head a Parameter each (one tensor, one_head made sure): tie them again
+        # assign=True gave wte and lm_head a Parameter each (one tensor, one_head made sure): tie
+        # them again
         model.transformer.wte.weight = model.lm_head.weight
     # the causal masks (and rotary tables) are no state_dict entries: built for block_size
     model.init_buffers('cpu')
@@ -310,49 +340,55 @@ def loaded_model(config, state_dict, misfit, source='the checkpoint'):
 
 def fp32_copies(state_dict, source='the weights'):
     """
-    Every tensor of state_dict copied into fresh memory, floating-point ones as float32 (what copy_ into a float32
-    model did to an fp16/bf16 file). Entries that are the same view of the same data (the tied wte/lm_head, saved
-    once) get one copy: copying GPT-2's 38.6M-value (154 MB) embedding twice would cost time and memory for nothing.
-    A NaN or inf in a copy is refused in one line naming source (the file) and the first tensor holding one.
+    Every tensor of state_dict copied into fresh memory, floating-point ones as float32 (what copy_
+    into a float32 model did to an fp16/bf16 file). Entries that are the same view of the same data
+    (the tied wte/lm_head, saved once) get one copy: copying GPT-2's 38.6M-value (154 MB) embedding
+    twice would cost time and memory for nothing. A NaN or inf in a copy is refused in one line
+    naming source (the file) and the first tensor holding one.
     """
     copies = {}
     out = {}
     for name, t in state_dict.items():
         same = _view(t)
         if same not in copies:
-            # contiguous: a transposed view (Hugging Face's Conv1D weights) is copied into nn.Linear's layout
+            # contiguous: a transposed view (Hugging Face's Conv1D weights) is copied into
+            # nn.Linear's layout
             dtype = torch.float32 if t.is_floating_point() else t.dtype
             copies[same] = t.to(dtype, memory_format=torch.contiguous_format, copy=True)
             if dtype == torch.float32 and not finite(copies[same]):
-                raise UserError(f"{source} holds NaN or infinite values (the first in {name}): a model with them "
-                                f"computes nothing but NaN; use another copy, or an earlier checkpoint of the run")
+                raise UserError(
+                    f"{source} holds NaN or infinite values (the first in {name}): a model with them "
+                    f"computes nothing but NaN; use another copy, or an earlier checkpoint of the run"
+                )
         out[name] = copies[same]
     return out
 
 
 def _view(t):
     """
-    What makes two tensors the same view of the same data: torch.load gives the tied wte/lm_head, saved once, as
-    two tensor objects over one storage.
+    What makes two tensors the same view of the same data: torch.load gives the tied wte/lm_head,
+    saved once, as two tensor objects over one storage.
     """
     return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
 
 
 def finite(t):
     """
-    Whether every value of a float32 tensor is finite. Its sum is one read of it, without isfinite's bool tensor:
-    a GPT-2 124M's weights take ~30 ms on 2 CPU threads, ~50 ms on one (isfinite().all(): ~460 / ~720 ms), beside
-    ~310 ms for the copies themselves. A NaN or inf anywhere makes the sum non-finite; only then, as finite values
-    can overflow a sum too, is every value looked at.
+    Whether every value of a float32 tensor is finite. Its sum is one read of it, without isfinite's
+    bool tensor: a GPT-2 124M's weights take ~30 ms on 2 CPU threads, ~50 ms on one
+    (isfinite().all(): ~460 / ~720 ms), beside ~310 ms for the copies themselves. A NaN or inf
+    anywhere makes the sum non-finite; only then, as finite values can overflow a sum too, is every
+    value looked at.
     """
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def one_head(state_dict, misfit):
     """
-    Our GPT's head is its token embedding, one matrix: a file whose lm_head.weight and transformer.wte.weight
-    differ holds an untied head, which loading would silently replace with one of the two. Refused instead; a
-    head saved as an equal copy (a Hugging Face file may hold one) is replaced by wte, so it is copied only once.
+    Our GPT's head is its token embedding, one matrix: a file whose lm_head.weight and
+    transformer.wte.weight differ holds an untied head, which loading would silently replace with
+    one of the two. Refused instead; a head saved as an equal copy (a Hugging Face file may hold
+    one) is replaced by wte, so it is copied only once.
     """
     wte = state_dict.get('transformer.wte.weight')
     head = state_dict.get('lm_head.weight')
@@ -361,25 +397,33 @@ def one_head(state_dict, misfit):
         return state_dict
     # torch.equal: an fp16 file's tensors compare exactly
     if wte.shape != head.shape or not torch.equal(wte, head):
-        raise UserError(f"{misfit} (its lm_head.weight differs from transformer.wte.weight: an untied output head, "
-                        f"which this GPT can't hold)")
+        raise UserError(
+            f"{misfit} (its lm_head.weight differs from transformer.wte.weight: an untied output head, "
+            f"which this GPT can't hold)")
     return dict(state_dict, **{'lm_head.weight': wte})
 
 
 def _misfit_detail(error):
-    """ What load_state_dict's error says after its header line (the missing keys, the first wrong shape), cut. """
+    """
+    What load_state_dict's error says after its header line (the missing keys, the first wrong
+    shape), cut.
+    """
     lines = [ln.strip() for ln in str(error).strip().splitlines()]
     return '; '.join(lines[1:] or lines)[:300]
 
 
 def fit_block_size(model, block_size):
-    """ Crop the model to block_size (model surgery) when it is smaller; a larger one is an error. 0 = keep. """
+    """
+    Crop the model to block_size (model surgery) when it is smaller; a larger one is an error. 0 =
+    keep.
+    """
     if block_size and block_size < model.config.block_size:
         # model surgery: keeps the first block_size positions of wpe
         model.crop_block_size(block_size)
     elif block_size > model.config.block_size:
-        raise UserError(f"block_size {block_size} is larger than the model's {model.config.block_size}; "
-                        f"use --block_size={model.config.block_size} or less")
+        raise UserError(
+            f"block_size {block_size} is larger than the model's {model.config.block_size}; "
+            f"use --block_size={model.config.block_size} or less")
 
 
 # -----------------------------------------------------------------------------
@@ -392,7 +436,8 @@ ARCHITECTURE = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'gelu') + t
 # what a source may fix: its architecture, and a resumed run's optimizer (whose state it continues).
 # The script passes the user's own values of these (Settings.chosen): a default contradicts nothing
 FIXED_BY_SOURCE = ARCHITECTURE + ('optimizer',)
-# what a train.py checkpoint must hold to be resumed (finetune.py's and weights-only files lack the training state)
+# what a train.py checkpoint must hold to be resumed (finetune.py's and weights-only files lack the
+# training state)
 RESUME_KEYS = ('model', 'model_args', 'optimizer', 'iter_num', 'best_val_loss', 'config')
 
 
@@ -455,10 +500,13 @@ def same_start(settings_record, resumed):
 
 # what must be the same in every rank's same_start (distributed.every_rank's agree), and what to do
 SAME_START = {
-    'settings': "start every node with the same command line and config files",
-    'commit': "check out the same commit of this repository on every node",
-    'checkpoint': "every node must resume from the same checkpoint: copy rank 0's node's out_dir/ckpt.pt to every "
-                  "node's out_dir, or put out_dir on a shared file system",
+    'settings':
+    "start every node with the same command line and config files",
+    'commit':
+    "check out the same commit of this repository on every node",
+    'checkpoint':
+    "every node must resume from the same checkpoint: copy rank 0's node's out_dir/ckpt.pt to every "
+    "node's out_dir, or put out_dir on a shared file system",
 }
 
 
@@ -547,13 +595,14 @@ def resumed_run_settings(out_dir, path, chosen, max_iters):
     missing = [k for k in RESUME_KEYS if k not in ckpt]
     if missing or 'task' in ckpt:  # 'task': finetune.py's checkpoint of a model with a task head
         what = f"it has no {', '.join(repr(k) for k in missing)}" if missing else "it is a finetune.py checkpoint"
-        raise UserError(f"{path} is not a train.py training checkpoint ({what}: a finetune.py out_dir or a "
-                        f"weights-only file?); to train on its weights from iter 0 use --init_from={path} with "
-                        f"another --out_dir")
+        raise UserError(
+            f"{path} is not a train.py training checkpoint ({what}: a finetune.py out_dir or a "
+            f"weights-only file?); to train on its weights from iter 0 use --init_from={path} with "
+            f"another --out_dir")
     imposed = checkpoint_architecture(ckpt, path, chosen)
     imposed.update(kept_optimizer(ckpt, path, chosen))
-    # the loop trains iteration max_iters too and then stops, so the final checkpoint of a finished run has
-    # iter_num = max_iters + 1; one at iter_num == max_iters still has that last step to run
+    # the loop trains iteration max_iters too and then stops, so the final checkpoint of a finished
+    # run has iter_num = max_iters + 1; one at iter_num == max_iters still has that last step to run
     if int(ckpt['iter_num']) > max_iters:
         raise UserError(f"the run in {out_dir} is already complete: its checkpoint is at iter "
                         f"{int(ckpt['iter_num'])}, past max_iters={max_iters}; to train further, "
@@ -576,11 +625,13 @@ def resume_refusal(out_dir, chosen, max_iters):
 
 def resumed_finetune_settings(path, chosen):
     """
-    finetune.py's --init_from=resume, before any work: its ckpt_last.pt must be there, and the run keeps its
-    architecture (checkpoint_architecture, train.py's rule; finetune's block_size=0 means the
+    finetune.py's --init_from=resume, before any work: its ckpt_last.pt must be there, and the run
+    keeps its architecture (checkpoint_architecture, train.py's rule; finetune's block_size=0 means
+    the
     model's own).
     """
     if not os.path.exists(path):
-        raise UserError(f"init_from=resume but there is no {path}; check --out_dir or start a new fine-tune "
-                        f"with --init_from=<pretrained model>")
+        raise UserError(
+            f"init_from=resume but there is no {path}; check --out_dir or start a new fine-tune "
+            f"with --init_from=<pretrained model>")
     return checkpoint_architecture(load_checkpoint(path), path, chosen, keep_zero=('block_size',))

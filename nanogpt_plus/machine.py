@@ -29,7 +29,9 @@ PTDTYPE = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torc
 
 
 def resolve_device(device='auto'):
-    """ 'auto' -> cuda, else mps, else cpu; validates explicit choices ('cpu', 'cuda', 'cuda:N', 'mps'). """
+    """
+    'auto' -> cuda, else mps, else cpu; validates explicit choices ('cpu', 'cuda', 'cuda:N', 'mps').
+    """
     if device == 'auto':
         if torch.cuda.is_available():
             return 'cuda'
@@ -37,15 +39,22 @@ def resolve_device(device='auto'):
             return 'mps'
         return 'cpu'
     kind, _, index = device.partition(':')
-    if kind not in ('cpu', 'cuda', 'mps') or (index and not index.isdigit()) or (index and kind != 'cuda'):
+    if kind not in ('cpu', 'cuda', 'mps') or (index and not index.isdigit()) or (index and
+                                                                                 kind != 'cuda'):
         raise UserError(f"unknown device '{device}': use auto, cpu, cuda, cuda:N or mps")
     if kind == 'cuda':
         if not torch.cuda.is_available():
-            raise UserError(f"device '{device}' was asked for but CUDA is not available; use --device=cpu (or auto)")
+            raise UserError(
+                f"device '{device}' was asked for but CUDA is not available; use --device=cpu (or auto)"
+            )
         if index and int(index) >= torch.cuda.device_count():
-            raise UserError(f"device '{device}' does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
-    if kind == 'mps' and not (getattr(torch.backends, 'mps', None) and torch.backends.mps.is_available()):
-        raise UserError("device 'mps' was asked for but MPS is not available; use --device=cpu (or auto)")
+            raise UserError(
+                f"device '{device}' does not exist: this machine has {torch.cuda.device_count()} GPU(s)"
+            )
+    if kind == 'mps' and not (getattr(torch.backends, 'mps', None) and
+                              torch.backends.mps.is_available()):
+        raise UserError(
+            "device 'mps' was asked for but MPS is not available; use --device=cpu (or auto)")
     return device
 
 
@@ -58,9 +67,11 @@ def resolve_dtype(dtype, device):
     device_type = device_type_of(device)
     if dtype == 'auto':
         if device_type == 'cuda':
-            # by default is_bf16_supported() also says yes where bf16 is only emulated (V100, T4: no bf16
-            # tensor cores), which runs far slower than fp16 with a GradScaler; count native support only
-            return 'bfloat16' if torch.cuda.is_bf16_supported(including_emulation=False) else 'float16'
+            # by default is_bf16_supported() also says yes where bf16 is only emulated (V100, T4: no
+            # bf16 tensor cores), which runs far slower than fp16 with a GradScaler; count native
+            # support only
+            return 'bfloat16' if torch.cuda.is_bf16_supported(
+                including_emulation=False) else 'float16'
         return 'float32'
     if dtype not in PTDTYPE:
         raise UserError(f"unknown dtype '{dtype}': use auto, float32, bfloat16 or float16")
@@ -70,7 +81,9 @@ def resolve_dtype(dtype, device):
 
 
 def autocast_context(device, dtype):
-    """ Mixed precision for the forward pass; float32 (and so the CPU default) runs without autocast. """
+    """
+    Mixed precision for the forward pass; float32 (and so the CPU default) runs without autocast.
+    """
     device_type = device_type_of(device)
     if dtype == 'float32':
         return nullcontext()
@@ -78,13 +91,18 @@ def autocast_context(device, dtype):
 
 
 def enable_tf32():
-    """ float32 matmuls and convolutions on CUDA may use TF32 tensor cores (10-bit mantissa inputs, fp32 sums). """
+    """
+    float32 matmuls and convolutions on CUDA may use TF32 tensor cores (10-bit mantissa inputs, fp32
+    sums).
+    """
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
 
 
 def precision(device, dtype):
-    """ The numerics of a run on device: TF32 on CUDA, dtype ('auto' resolved) and its autocast context. """
+    """
+    The numerics of a run on device: TF32 on CUDA, dtype ('auto' resolved) and its autocast context.
+    """
     if device_type_of(device) == 'cuda':
         enable_tf32()
     dtype = resolve_dtype(dtype, device)
@@ -93,11 +111,11 @@ def precision(device, dtype):
 
 def resolve_compile(setting, device_type, triton=None):
     """
-    compile=None (auto) compiles on CUDA only: on the CPU the compile time (20-100 s on 2 cores) costs
-    about what it saves over a few thousand small-model iterations (measured with bench.py). On CUDA
-    torch.compile writes Triton kernels: without Triton (Windows has none by default) auto runs eager, saying so
-    in one line, and compile=True is refused before any work, instead of failing at the first step.
-    triton: whether Triton is importable (None: look).
+    compile=None (auto) compiles on CUDA only: on the CPU the compile time (20-100 s on 2 cores)
+    costs about what it saves over a few thousand small-model iterations (measured with bench.py).
+    On CUDA torch.compile writes Triton kernels: without Triton (Windows has none by default) auto
+    runs eager, saying so in one line, and compile=True is refused before any work, instead of
+    failing at the first step. triton: whether Triton is importable (None: look).
     """
     wanted = setting if setting is not None else device_type == 'cuda'
     if not wanted or device_type != 'cuda':
@@ -109,10 +127,13 @@ def resolve_compile(setting, device_type, triton=None):
     fix = "install it (pip install triton; on Windows: pip install triton-windows)"
     if setting is None:
         if int(os.environ.get('RANK', 0)) == 0:
-            print(f"compile: torch.compile on CUDA needs Triton, which is not installed; running without compile "
-                  f"({fix}, or pass --compile=False to say so)")
+            print(
+                f"compile: torch.compile on CUDA needs Triton, which is not installed; running without compile "
+                f"({fix}, or pass --compile=False to say so)")
         return False
-    raise UserError(f"--compile=True on CUDA needs Triton, which is not installed; {fix}, or pass --compile=False")
+    raise UserError(
+        f"--compile=True on CUDA needs Triton, which is not installed; {fix}, or pass --compile=False"
+    )
 
 
 def triton_installed():
@@ -123,26 +144,29 @@ def triton_installed():
 
 def check_training_dtype(device_type, dtype):
     """
-    float16 training needs a loss scaler, and torch.amp.GradScaler's for MPS is not one this code has tested (nor
-    can, without a Mac): refused in one line rather than trained with a scaler built for the wrong device.
+    float16 training needs a loss scaler, and torch.amp.GradScaler's for MPS is not one this code
+    has tested (nor can, without a Mac): refused in one line rather than trained with a scaler built
+    for the wrong device.
     """
     if device_type == 'mps' and dtype == 'float16':
-        raise UserError("--dtype=float16 training on MPS is not supported (its loss scaler is CUDA's); use "
-                        "--dtype=float32, or bfloat16 on macOS 14 or later")
+        raise UserError(
+            "--dtype=float16 training on MPS is not supported (its loss scaler is CUDA's); use "
+            "--dtype=float32, or bfloat16 on macOS 14 or later")
 
 
 def compute_setup(device, dtype, compile_setting, num_threads, peak=True):
     """
     Everything a run on `device` decides before building the model: TF32 on CUDA, the dtype ('auto'
-    resolved), the autocast context, whether to torch.compile, the device's peak FLOP/s for MFU (None
-    with peak=False: on a CPU finding it runs a short matmul probe), and the CPU thread count.
+    resolved), the autocast context, whether to torch.compile, the device's peak FLOP/s for MFU
+    (None with peak=False: on a CPU finding it runs a short matmul probe), and the CPU thread count.
     Returns (dtype, ctx, compile_model, peak_flops).
     """
     device_type = device_type_of(device)
     check_training_dtype(device_type, dtype)
     dtype, ctx = precision(device, dtype)
     compile_model = resolve_compile(compile_setting, device_type)
-    # MFU against the whole device: on the CPU every core torch uses by default, whatever num_threads
+    # MFU against the whole device: on the CPU every core torch uses by default, whatever
+    # num_threads
     peak_flops = device_peak_flops(device, PTDTYPE[dtype]) if peak else None
     apply_cpu_threads(num_threads)
     return dtype, ctx, compile_model, peak_flops
@@ -150,9 +174,10 @@ def compute_setup(device, dtype, compile_setting, num_threads, peak=True):
 
 def available_host_memory():
     """
-    The bytes of RAM this machine can give a new allocation now (/proc/meminfo's MemAvailable), or None (not
-    Linux: no check). NANOGPT_FREE_MEMORY_GIB overrides it: what a container's memory limit really leaves, or a
-    fixed figure so that a test's outcome does not depend on what else the machine runs. A new
+    The bytes of RAM this machine can give a new allocation now (/proc/meminfo's MemAvailable), or
+    None (not Linux: no check). NANOGPT_FREE_MEMORY_GIB overrides it: what a container's memory
+    limit really leaves, or a fixed figure so that a test's outcome does not depend on what else the
+    machine runs. A new
     model's memory is counted against it where models are built (init_from.check_model_memory).
     """
     override = os.environ.get('NANOGPT_FREE_MEMORY_GIB')
@@ -162,8 +187,9 @@ def available_host_memory():
         except ValueError:
             gib = math.nan
         if not (math.isfinite(gib) and gib > 0):
-            raise UserError(f"NANOGPT_FREE_MEMORY_GIB={override!r} is not a number of GiB; set it to one "
-                            f"(e.g. 16) or unset it")
+            raise UserError(
+                f"NANOGPT_FREE_MEMORY_GIB={override!r} is not a number of GiB; set it to one "
+                f"(e.g. 16) or unset it")
         return int(gib * 2**30)
     try:
         with open('/proc/meminfo', encoding='ascii') as f:
@@ -181,19 +207,34 @@ def available_host_memory():
 
 # dense tensor-core TFLOPS by GPU name fragment: (bf16/fp16, tf32 used for float32 matmuls)
 GPU_PEAK_TFLOPS = [
-    ('H200', 989.0, 494.5), ('GH200', 989.0, 494.5), ('H100 NVL', 835.0, 417.5), ('H100 PCIe', 756.0, 378.0),
-    ('H100', 989.0, 494.5), ('H800', 989.0, 494.5), ('B200', 2250.0, 1100.0), ('B100', 1750.0, 875.0),
-    ('A100', 312.0, 156.0), ('A800', 312.0, 156.0), ('A10G', 70.0, 35.0), ('A10', 125.0, 62.5),
-    ('L40S', 362.0, 183.0), ('L40', 181.0, 90.5), ('L4', 121.0, 60.0), ('A6000', 154.8, 77.4),
-    ('RTX 4090', 165.2, 82.6), ('RTX 3090', 71.0, 35.6), ('V100', 125.0, 15.7), ('T4', 65.0, 8.1),
+    ('H200', 989.0, 494.5),
+    ('GH200', 989.0, 494.5),
+    ('H100 NVL', 835.0, 417.5),
+    ('H100 PCIe', 756.0, 378.0),
+    ('H100', 989.0, 494.5),
+    ('H800', 989.0, 494.5),
+    ('B200', 2250.0, 1100.0),
+    ('B100', 1750.0, 875.0),
+    ('A100', 312.0, 156.0),
+    ('A800', 312.0, 156.0),
+    ('A10G', 70.0, 35.0),
+    ('A10', 125.0, 62.5),
+    ('L40S', 362.0, 183.0),
+    ('L40', 181.0, 90.5),
+    ('L4', 121.0, 60.0),
+    ('A6000', 154.8, 77.4),
+    ('RTX 4090', 165.2, 82.6),
+    ('RTX 3090', 71.0, 35.6),
+    ('V100', 125.0, 15.7),
+    ('T4', 65.0, 8.1),
 ]
 CPU_FLOPS_PER_CYCLE = {'avx512': 64, 'avx2': 32, 'avx': 16, 'sse': 8, 'neon': 16}  # fp32, per core
 
 
 def device_peak_flops(device, dtype=torch.float32):
     """
-    Peak FLOP/s of `device` for matmuls in `dtype`. The environment variable NANOGPT_PEAK_FLOPS (FLOP/s,
-    e.g. 989e12) overrides the lookup, for hardware the table below doesn't know.
+    Peak FLOP/s of `device` for matmuls in `dtype`. The environment variable NANOGPT_PEAK_FLOPS
+    (FLOP/s, e.g. 989e12) overrides the lookup, for hardware the table below doesn't know.
     """
     override = os.environ.get('NANOGPT_PEAK_FLOPS')
     if override:
@@ -218,23 +259,28 @@ def gpu_peak_flops(name, dtype):
 
 def cpu_peak(num_cores=None):
     """
-    (peak FLOP/s, how it was found) of the CPU for fp32 matmuls on num_cores threads (default: torch's
-    current thread count): the nominal peak (cores x clock x FLOPs per cycle), or what a large fp32 matmul
-    measurably reaches when that is more. Virtual machines report the base clock, not the turbo clock the
-    cores actually run at, so the nominal figure alone can be below what the CPU does (MFU over 100%).
+    (peak FLOP/s, how it was found) of the CPU for fp32 matmuls on num_cores threads (default:
+    torch's current thread count): the nominal peak (cores x clock x FLOPs per cycle), or what a
+    large fp32 matmul measurably reaches when that is more. Virtual machines report the base clock,
+    not the turbo clock the cores actually run at, so the nominal figure alone can be below what the
+    CPU does (MFU over 100%).
     """
     num_cores = num_cores or torch.get_num_threads()
     isa, hz = _cpu_info()
     nominal = cpu_peak_flops(num_cores, hz, isa)
     measured = measured_matmul_flops(num_cores)
-    how = (f"max of nominal {num_cores} cores x {hz / 1e9:.2f} GHz x {CPU_FLOPS_PER_CYCLE[isa]} FLOP/cycle "
-           f"({isa}) = {nominal / 1e12:.4g} TFLOP/s and a measured {MATMUL_PROBE_SIZE}^3 fp32 matmul "
-           f"{measured / 1e12:.4g} TFLOP/s")
+    how = (
+        f"max of nominal {num_cores} cores x {hz / 1e9:.2f} GHz x {CPU_FLOPS_PER_CYCLE[isa]} FLOP/cycle "
+        f"({isa}) = {nominal / 1e12:.4g} TFLOP/s and a measured {MATMUL_PROBE_SIZE}^3 fp32 matmul "
+        f"{measured / 1e12:.4g} TFLOP/s")
     return max(nominal, measured), how
 
 
 def cpu_peak_flops(num_cores=None, clock_hz=None, vector_isa=None):
-    """ Nominal fp32 peak of the CPU cores torch uses: cores x clock x FLOPs per cycle (from the vector width). """
+    """
+    Nominal fp32 peak of the CPU cores torch uses: cores x clock x FLOPs per cycle (from the vector
+    width).
+    """
     num_cores = num_cores or torch.get_num_threads()
     if clock_hz is None or vector_isa is None:
         isa, hz = _cpu_info()
@@ -249,8 +295,9 @@ MATMUL_PROBE_SIZE = 1024
 @functools.lru_cache(maxsize=None)
 def measured_matmul_flops(num_threads, n=MATMUL_PROBE_SIZE, repeats=5):
     """
-    FLOP/s of the fastest of `repeats` fp32 (n x n) @ (n x n) matmuls on num_threads CPU threads (about
-    0.1 s once per thread count; cached). Touches no random number generator, so training is unaffected.
+    FLOP/s of the fastest of `repeats` fp32 (n x n) @ (n x n) matmuls on num_threads CPU threads
+    (about 0.1 s once per thread count; cached). Touches no random number generator, so training is
+    unaffected.
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
@@ -270,7 +317,9 @@ def measured_matmul_flops(num_threads, n=MATMUL_PROBE_SIZE, repeats=5):
 
 @functools.lru_cache(maxsize=None)
 def _cpu_info():
-    """ (vector ISA, clock in Hz) from /proc/cpuinfo and sysfs, with safe guesses where unreadable. """
+    """
+    (vector ISA, clock in Hz) from /proc/cpuinfo and sysfs, with safe guesses where unreadable.
+    """
     flags = set()
     mhz = None
     try:
@@ -315,7 +364,10 @@ def apply_cpu_threads(num_threads):
 
 
 def thread_candidates():
-    """ The CPU thread counts worth trying: torch's current count (one per core by default), half, ..., 1. """
+    """
+    The CPU thread counts worth trying: torch's current count (one per core by default), half, ...,
+    1.
+    """
     candidates = []
     n = torch.get_num_threads()
     while n >= 1:
@@ -326,13 +378,14 @@ def thread_candidates():
 
 def tune_cpu_threads(model, X, Y, ctx, repeats=3, max_flops=2e10, announce=None):
     """
-    Pick the fastest CPU thread count for this model and batch by timing a few forward/backward passes
-    with torch's default (one thread per core), half of it, ..., down to 1, and keep the fastest. Small
-    models are bound by per-op overhead, where extra OpenMP threads mostly wait on each other (and
-    collapse when the cores are shared with other processes); big ones (a forward/backward of more than
-    max_flops) keep every core without trying. The passes leave no trace: gradients are dropped and the
-    RNG restored. The choice is re-checked during training by ThreadRetuner. announce: called with a
-    line that says what is being timed, before the timing starts (print, say).
+    Pick the fastest CPU thread count for this model and batch by timing a few forward/backward
+    passes with torch's default (one thread per core), half of it, ..., down to 1, and keep the
+    fastest. Small models are bound by per-op overhead, where extra OpenMP threads mostly wait on
+    each other (and collapse when the cores are shared with other processes); big ones (a
+    forward/backward of more than max_flops) keep every core without trying. The passes leave no
+    trace: gradients are dropped and the RNG restored. The choice is re-checked during training by
+    ThreadRetuner. announce: called with a line that says what is being timed, before the timing
+    starts (print, say).
     Returns (threads, {threads: mean seconds}).
     """
     candidates = thread_candidates()
@@ -367,22 +420,25 @@ def tune_cpu_threads(model, X, Y, ctx, repeats=3, max_flops=2e10, announce=None)
 
 
 def describe_thread_choice(threads, timings):
-    """ The line train.py and bench.py print after tune_cpu_threads (scripts/bench_train_cpu.py reads it). """
+    """
+    The line train.py and bench.py print after tune_cpu_threads (scripts/bench_train_cpu.py reads
+    it).
+    """
     return (f"using {threads} CPU threads (fwd+bwd ms: "
             + ", ".join(f"{n} threads {t * 1000:.1f}" for n, t in timings.items()) + ")")
 
 
 class ThreadRetuner:
     """
-    Keeps the automatic CPU thread count (num_threads=0) the fastest while training. The best count moves
-    with the machine's load (other processes on the cores), so a choice made at start-up can go stale.
-    Every `interval` iterations, each other candidate count is timed on `probe` real training iterations
-    (after one warm-up iteration) and compared with the mean of the current count's last `window`
-    iterations; the lowest mean time per iteration wins. Means, not medians: on shared cores the cost of
-    too many threads is mostly rare long stalls (a thread descheduled at a barrier), which a median hides
-    and throughput pays for. A candidate whose first timed iteration takes over 1.5x the current mean is
-    dropped at once, so a round costs little. Feed it the time of every ordinary iteration (not those
-    that evaluated or saved a checkpoint).
+    Keeps the automatic CPU thread count (num_threads=0) the fastest while training. The best count
+    moves with the machine's load (other processes on the cores), so a choice made at start-up can
+    go stale. Every `interval` iterations, each other candidate count is timed on `probe` real
+    training iterations (after one warm-up iteration) and compared with the mean of the current
+    count's last `window` iterations; the lowest mean time per iteration wins. Means, not medians:
+    on shared cores the cost of too many threads is mostly rare long stalls (a thread descheduled at
+    a barrier), which a median hides and throughput pays for. A candidate whose first timed
+    iteration takes over 1.5x the current mean is dropped at once, so a round costs little. Feed it
+    the time of every ordinary iteration (not those that evaluated or saved a checkpoint).
     """
 
     def __init__(self, candidates, interval=250, probe=8, window=50):
@@ -398,7 +454,9 @@ class ThreadRetuner:
         self.warmup = 0  # iterations to ignore after a change of thread count
 
     def observe(self, dt):
-        """ Record an iteration's time in seconds. Returns a message when the thread count changed. """
+        """
+        Record an iteration's time in seconds. Returns a message when the thread count changed.
+        """
         if not self.todo:
             self.recent.append(dt)
             self.since_round += 1
@@ -436,12 +494,13 @@ class ThreadRetuner:
 
 def choose_threads(model, loader, ctx, dist_info, fsdp=False):
     """
-    num_threads=0 on the CPU: small models run faster on fewer threads than cores (per-op overhead outweighs
-    the parallelism), so time the candidates on a batch of an evaluation stream (rewound before every
-    evaluation, so the training stream is untouched) and keep the fastest. Returns a ThreadRetuner that
-    re-checks while training, as the machine's load changes (None when there was nothing to choose).
-    Under FSDP the other ranks' models are on the meta device and can't run a forward: rank 0 times for them
-    all and its choice is set on every rank (same cores per process, same model: the same best count).
+    num_threads=0 on the CPU: small models run faster on fewer threads than cores (per-op overhead
+    outweighs the parallelism), so time the candidates on a batch of an evaluation stream (rewound
+    before every evaluation, so the training stream is untouched) and keep the fastest. Returns a
+    ThreadRetuner that re-checks while training, as the machine's load changes (None when there was
+    nothing to choose). Under FSDP the other ranks' models are on the meta device and can't run a
+    forward: rank 0 times for them all and its choice is set on every rank (same cores per process,
+    same model: the same best count).
     """
     if not fsdp:
         return _time_threads(model, loader, ctx, dist_info.master)

@@ -1,7 +1,7 @@
 """
-Metrics logging: one JSON object per line in out_dir/metrics.jsonl (and, when asked, the same numbers to
-wandb), marked with the run (start) each record belongs to, and reading a file back as one true trajectory
-across resumes.
+Metrics logging: one JSON object per line in out_dir/metrics.jsonl (and, when asked, the same
+numbers to wandb), marked with the run (start) each record belongs to, and reading a file back as
+one true trajectory across resumes.
 
 Usage:
     from nanogpt_plus.metrics import MetricsLogger, read_metrics
@@ -31,16 +31,17 @@ class WandbSpec:
 
 class MetricsLogger:
     """
-    One JSON object per line in out_dir/metrics.jsonl (always, on the master rank) and, when asked, the
-    same numbers to wandb. A wandb that can't start (not installed, not logged in, offline without
-    WANDB_MODE=offline) is a warning, not a crash.
+    One JSON object per line in out_dir/metrics.jsonl (always, on the master rank) and, when asked,
+    the same numbers to wandb. A wandb that can't start (not installed, not logged in, offline
+    without WANDB_MODE=offline) is a warning, not a crash.
 
-    Every start of a run into the out_dir is a new 'run' (1, 2, ... counted from the file): each record
-    carries its number, and start() writes a {'type': 'start', 'run', 'iter', ...} record first, so a
-    resumed run's repeated iterations can be told from the ones they replace (read_metrics).
+    Every start of a run into the out_dir is a new 'run' (1, 2, ... counted from the file): each
+    record carries its number, and start() writes a {'type': 'start', 'run', 'iter', ...} record
+    first, so a resumed run's repeated iterations can be told from the ones they replace
+    (read_metrics).
 
-    wandb_id: the wandb run a resumed run continues (its checkpoint's 'wandb_id'; None: a new wandb run).
-    self.wandb_id is the id in use, for the next checkpoint. wandb's steps are the iterations.
+    wandb_id: the wandb run a resumed run continues (its checkpoint's 'wandb_id'; None: a new wandb
+    run). self.wandb_id is the id in use, for the next checkpoint. wandb's steps are the iterations.
     """
 
     def __init__(self, path, enabled=True, wandb_log=False, wandb_project=None, wandb_run_name=None,
@@ -56,30 +57,38 @@ class MetricsLogger:
             return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if os.path.lexists(path) and not os.path.isfile(path):
-            raise UserError(f"{path} is not a file (a directory is in its place?); move it away, or pass another "
-                            f"--out_dir")
+            raise UserError(
+                f"{path} is not a file (a directory is in its place?); move it away, or pass another "
+                f"--out_dir")
         self.run = last_run_number(path) + 1
         try:
             self.file = open(path, 'a', encoding='utf-8')
         except OSError as e:
-            raise UserError(f"could not open {path} for writing ({e.strerror or e}); pass an --out_dir this user can "
-                            f"write to") from None
+            raise UserError(
+                f"could not open {path} for writing ({e.strerror or e}); pass an --out_dir this user can "
+                f"write to") from None
         if self.file.tell() and not _ends_with_newline(path):
             # a run killed mid-line left half a record: ours start on a line of their own
             self.file.write("\n")
         if wandb_log:
             try:
                 import wandb
-                # resume='allow': the run of that id continues (a new one when it was never synced), so a
-                # preempted and resumed run is one wandb run, not one per start
-                run = wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=wandb_dir,
-                                 id=wandb_id, resume='allow')
+                # resume='allow': the run of that id continues (a new one when it was never synced),
+                # so a preempted and resumed run is one wandb run, not one per start
+                run = wandb.init(project=wandb_project,
+                                 name=wandb_run_name,
+                                 config=config,
+                                 dir=wandb_dir,
+                                 id=wandb_id,
+                                 resume='allow')
                 self.wandb = wandb
                 self.wandb_id = run.id
             # wandb raises many kinds (UsageError, CommError, ...): all mean "no wandb"
             except Exception as e:
-                print(f"warning: wandb could not start ({error_line(e)}); "
-                      f"continuing without it (set WANDB_MODE=offline to log locally)", file=sys.stderr)
+                print(
+                    f"warning: wandb could not start ({error_line(e)}); "
+                    f"continuing without it (set WANDB_MODE=offline to log locally)",
+                    file=sys.stderr)
 
     @classmethod
     def for_run(cls, out_dir, wandb, config_record, enabled, resumed=None):
@@ -94,7 +103,10 @@ class MetricsLogger:
                    wandb_id=(resumed or {}).get('wandb_id'))
 
     def start(self, iter_num, init_from):
-        """ The record that opens this run: where it starts (a resume: the checkpoint's iteration) and from what. """
+        """
+        The record that opens this run: where it starts (a resume: the checkpoint's iteration) and
+        from what.
+        """
         self.log({'type': 'start', 'iter': iter_num, 'init_from': init_from,
                   'time': datetime.now().astimezone().isoformat(timespec='seconds')})
 
@@ -105,7 +117,11 @@ class MetricsLogger:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb is not None and record.get('type') != 'start':
-            numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ('iter', 'run')}
+            numbers = {
+                k: v
+                for k, v in record.items()
+                if isinstance(v, (int, float)) and k not in ('iter', 'run')
+            }
             self.wandb.log(numbers, step=record.get('iter'))
 
     def close(self):
@@ -127,10 +143,10 @@ def last_run_number(path):
 
 def read_metrics(path):
     """
-    The records of a metrics.jsonl that make up the run's true trajectory, in order: a later run's records
-    replace an earlier run's at iterations from its start on (a resume from iter 1000 drops the first run's
-    records past 1000; a new run from iter 0 into the same out_dir drops all of them). Its 'start' records
-    stay. Records of files from before the 'run' marks pass as they are.
+    The records of a metrics.jsonl that make up the run's true trajectory, in order: a later run's
+    records replace an earlier run's at iterations from its start on (a resume from iter 1000 drops
+    the first run's records past 1000; a new run from iter 0 into the same out_dir drops all of
+    them). Its 'start' records stay. Records of files from before the 'run' marks pass as they are.
     """
     kept = []
     for record in _metrics_records(path):
@@ -143,9 +159,9 @@ def read_metrics(path):
 
 def _metrics_records(path):
     """
-    The records of a metrics file, skipping lines a killed run left unfinished and any record that isn't one of
-    ours (not an object, or an 'iter' or 'run' that is no whole number: a file edited or written by another
-    tool), so that such a line costs itself and not the run; none for no file.
+    The records of a metrics file, skipping lines a killed run left unfinished and any record that
+    isn't one of ours (not an object, or an 'iter' or 'run' that is no whole number: a file edited
+    or written by another tool), so that such a line costs itself and not the run; none for no file.
     """
     if not os.path.isfile(path):
         return
@@ -167,4 +183,3 @@ def _ends_with_newline(path):
     with open(path, 'rb') as f:
         f.seek(-1, os.SEEK_END)
         return f.read(1) == b"\n"
-

@@ -1,8 +1,8 @@
 """
-The optimizer side of a training step, shared by train.py and finetune.py: the optimizer itself (AdamW, or
-Muon with AdamW), the learning-rate schedule (and setting it on the optimizer), the GradScaler, and the step
-itself in two halves (unscale and clip, then take or skip the update), so that the spike guard can refuse an
-update in between.
+The optimizer side of a training step, shared by train.py and finetune.py: the optimizer itself
+(AdamW, or Muon with AdamW), the learning-rate schedule (and setting it on the optimizer), the
+GradScaler, and the step itself in two halves (unscale and clip, then take or skip the update), so
+that the spike guard can refuse an update in between.
 
 Usage:
     from nanogpt_plus.optimizer import AdamWSpec, LRSchedule, make_optimizer, set_learning_rate, ...
@@ -85,8 +85,9 @@ def set_learning_rate(optimizer, lr):
 
 def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
     """
-    torch.optim.Muon's orthogonalisation (the same quintic Newton-Schulz iteration, the same coefficients and
-    steps) computed in float32 instead of bfloat16. tests/test_modern.py checks it against PyTorch's own.
+    torch.optim.Muon's orthogonalisation (the same quintic Newton-Schulz iteration, the same
+    coefficients and steps) computed in float32 instead of bfloat16. tests/test_modern.py checks it
+    against PyTorch's own.
     """
     a, b, c = ns_coefficients
     x = grad.float()
@@ -104,11 +105,12 @@ def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
 
 def gram_newton_schulz(x, ns_coefficients, ns_steps):
     """
-    The Newton-Schulz steps of a stack of wide matrices x (m x n, m < n, each of spectral norm <= 1) taken on
-    their m x m Gram matrices. A step is x <- P x with P = a I + b G + c G^2 and G = x x^T, so the steps' end is
-    Q x0, Q the product of the P's; the next G is P G P (P, a polynomial in G, commutes with it). The same
-    polynomial as the plain steps with m x m products in place of m x n ones: for s steps 4 m^2 n + (8 s - 6) m^3
-    operations against s (4 m^2 n + 2 m^3), half for the MLP's 4:1 matrices, fewer wherever n > 1.5 m.
+    The Newton-Schulz steps of a stack of wide matrices x (m x n, m < n, each of spectral norm <= 1)
+    taken on their m x m Gram matrices. A step is x <- P x with P = a I + b G + c G^2 and G = x x^T,
+    so the steps' end is Q x0, Q the product of the P's; the next G is P G P (P, a polynomial in G,
+    commutes with it). The same polynomial as the plain steps with m x m products in place of m x n
+    ones: for s steps 4 m^2 n + (8 s - 6) m^3 operations against s (4 m^2 n + 2 m^3), half for the
+    MLP's 4:1 matrices, fewer wherever n > 1.5 m.
     """
     a, b, c = ns_coefficients
     g = x @ x.mT
@@ -122,11 +124,16 @@ def gram_newton_schulz(x, ns_coefficients, ns_steps):
     return x if q is None else q @ x
 
 
-def orthogonalise(matrices, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps=5, eps=1e-7, gram=True):
+def orthogonalise(matrices,
+                  ns_coefficients=(3.4445, -4.7750, 2.0315),
+                  ns_steps=5,
+                  eps=1e-7,
+                  gram=True):
     """
-    newton_schulz_float32 of each matrix, with the matrices of one shape (in their wide orientation, m x n)
-    stacked and iterated together: 3 batched matmuls per step for each shape instead of 3 per matrix.
-    gram: where n > 1.5 m, where it takes fewer operations, iterate on the Gram matrices (gram_newton_schulz).
+    newton_schulz_float32 of each matrix, with the matrices of one shape (in their wide orientation,
+    m x n) stacked and iterated together: 3 batched matmuls per step for each shape instead of 3 per
+    matrix. gram: where n > 1.5 m, where it takes fewer operations, iterate on the Gram matrices
+    (gram_newton_schulz).
     """
     out = [None] * len(matrices)
     by_shape = {}
@@ -144,7 +151,13 @@ def orthogonalise(matrices, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps=
         else:
             for _ in range(ns_steps):
                 gram_matrix = x @ x.mT
-                x = torch.baddbmm(x, torch.baddbmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c), x,
+                x = torch.baddbmm(x,
+                                  torch.baddbmm(gram_matrix,
+                                                gram_matrix,
+                                                gram_matrix,
+                                                beta=b,
+                                                alpha=c),
+                                  x,
                                   beta=a)
         if tall:
             x = x.mT
@@ -156,10 +169,11 @@ def orthogonalise(matrices, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps=
 @contextlib.contextmanager
 def float32_newton_schulz(enabled=True):
     """
-    Within it, torch.optim.Muon orthogonalises in float32 (newton_schulz_float32). PyTorch's Muon casts to
-    bfloat16, which GPUs multiply at full speed but a CPU without AVX-512 BF16 does not: on this project's AMD
-    EPYC (AVX2) the 16 matrices of the laptop Shakespeare model take ~900 ms in bfloat16, ~40 ms in float32.
-    The optimizer (momentum, Nesterov, learning-rate adjustment, weight decay, state) stays PyTorch's.
+    Within it, torch.optim.Muon orthogonalises in float32 (newton_schulz_float32). PyTorch's Muon
+    casts to bfloat16, which GPUs multiply at full speed but a CPU without AVX-512 BF16 does not: on
+    this project's AMD EPYC (AVX2) the 16 matrices of the laptop Shakespeare model take ~900 ms in
+    bfloat16, ~40 ms in float32. The optimizer (momentum, Nesterov, learning-rate adjustment, weight
+    decay, state) stays PyTorch's.
     """
     original = getattr(muon_impl, '_zeropower_via_newtonschulz', None) if muon_impl else None
     if not enabled or original is None:  # a PyTorch that has moved it: keep its own
@@ -206,26 +220,40 @@ def make_optimizer(model, adamw, device_type, muon=None, fused=None):
 
 class MuonWithAdamW:
     """
-    Muon (Jordan et al. 2024; PyTorch's torch.optim.Muon) for the hidden matrices, the 2-D weights inside the
-    Blocks: each update is the momentum of the gradient made orthogonal (its singular values set to ~1) by a
-    few Newton-Schulz steps, so every direction of a matrix learns at the same rate. Muon is for such matrices
-    only; the embeddings, the head and the vectors (gains, biases) keep AdamW, made by adamw(params=...)
-    (configure_optimizers' two groups at learning_rate). One object with the optimizer interface the loop, the
-    GradScaler and the checkpoints use (param_groups, step, zero_grad, state_dict, load_state_dict). Its state
-    dict holds each of its parts' ({'muon': ..., 'adamw': ...}), so a resume continues both exactly.
+    Muon (Jordan et al. 2024; PyTorch's torch.optim.Muon) for the hidden matrices, the 2-D weights
+    inside the Blocks: each update is the momentum of the gradient made orthogonal (its singular
+    values set to ~1) by a few Newton-Schulz steps, so every direction of a matrix learns at the
+    same rate. Muon is for such matrices only; the embeddings, the head and the vectors (gains,
+    biases) keep AdamW, made by adamw(params=...) (configure_optimizers' two groups at
+    learning_rate). One object with the optimizer interface the loop, the GradScaler and the
+    checkpoints use (param_groups, step, zero_grad, state_dict, load_state_dict). Its state dict
+    holds each of its parts' ({'muon': ..., 'adamw': ...}), so a resume continues both exactly.
     float32_ns: orthogonalise in float32 (the CPU; see float32_newton_schulz).
     """
 
-    def __init__(self, model, adamw, learning_rate, muon_lr, momentum, muon_weight_decay, float32_ns=False):
+    def __init__(self,
+                 model,
+                 adamw,
+                 learning_rate,
+                 muon_lr,
+                 momentum,
+                 muon_weight_decay,
+                 float32_ns=False):
         hidden = [p for n, p in model.named_parameters()
                   if p.requires_grad and p.dim() == 2 and n.startswith('transformer.h.')]
         hidden_ids = {id(p) for p in hidden}
         rest = [p for p in model.parameters() if p.requires_grad and id(p) not in hidden_ids]
-        print(f"muon: {len(hidden)} matrices with {sum(p.numel() for p in hidden):,} parameters; adamw: "
-              f"{len(rest)} tensors with {sum(p.numel() for p in rest):,} parameters")
+        print(
+            f"muon: {len(hidden)} matrices with {sum(p.numel() for p in hidden):,} parameters; adamw: "
+            f"{len(rest)} tensors with {sum(p.numel() for p in rest):,} parameters")
         # lr_ratio: set_learning_rate gives Muon the schedule's rate times muon_lr / learning_rate
-        self.muon = torch.optim.Muon([{'params': hidden, 'lr_ratio': muon_lr / learning_rate}], lr=muon_lr,
-                                     momentum=momentum, weight_decay=muon_weight_decay)
+        self.muon = torch.optim.Muon([{
+            'params': hidden,
+            'lr_ratio': muon_lr / learning_rate
+        }],
+                                     lr=muon_lr,
+                                     momentum=momentum,
+                                     weight_decay=muon_weight_decay)
         self.adamw = adamw(params=rest)
         # what state_dict holds, and load_optimizer_state loads
         self.parts = {'muon': self.muon, 'adamw': self.adamw}
@@ -247,11 +275,12 @@ class MuonWithAdamW:
     @torch.no_grad()
     def muon_step_batched(self):
         """
-        torch.optim.Muon's step (its _single_tensor_muon: Nesterov momentum, the orthogonalised update, the
-        learning-rate adjustment, decoupled weight decay), with the matrices' orthogonalisations batched by shape
-        and the wide ones iterated on their Gram matrices (orthogonalise): on a 2-core CPU the laptop model's 16
-        take 11 ms, against 19 ms one by one. The state is PyTorch's (a 'momentum_buffer' per matrix), so
-        checkpoints are the same as with its step.
+        torch.optim.Muon's step (its _single_tensor_muon: Nesterov momentum, the orthogonalised
+        update, the learning-rate adjustment, decoupled weight decay), with the matrices'
+        orthogonalisations batched by shape and the wide ones iterated on their Gram matrices
+        (orthogonalise): on a 2-core CPU the laptop model's 16 take 11 ms, against 19 ms one by one.
+        The state is PyTorch's (a 'momentum_buffer' per matrix), so checkpoints are the same as with
+        its step.
         """
         for group in self.muon.param_groups:
             params = [p for p in group['params'] if p.grad is not None]
@@ -262,12 +291,15 @@ class MuonWithAdamW:
             for p in params:
                 state = self.muon.state[p]
                 if 'momentum_buffer' not in state:
-                    state['momentum_buffer'] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                    state['momentum_buffer'] = torch.zeros_like(p.grad,
+                                                                memory_format=torch.preserve_format)
                 bufs.append(state['momentum_buffer'])
             momentum, lr = group['momentum'], group['lr']
             torch._foreach_lerp_(bufs, grads, 1 - momentum)
-            updates = [g.lerp(b, momentum) for g, b in zip(grads, bufs)] if group['nesterov'] else bufs
-            updates = orthogonalise(updates, group['ns_coefficients'], group['ns_steps'], group['eps'])
+            updates = [g.lerp(b, momentum)
+                       for g, b in zip(grads, bufs)] if group['nesterov'] else bufs
+            updates = orthogonalise(updates, group['ns_coefficients'], group['ns_steps'],
+                                    group['eps'])
             for p, update in zip(params, updates):
                 p.mul_(1 - lr * group['weight_decay'])
                 p.add_(update, alpha=-muon_impl._adjust_lr(lr, group['adjust_lr_fn'], p.shape))
@@ -281,7 +313,8 @@ class MuonWithAdamW:
 
     def load_state_dict(self, state_dict):
         if set(state_dict) != set(self.parts):
-            raise ValueError("not a Muon+AdamW optimizer state (a checkpoint of an optimizer='adamw' run?)")
+            raise ValueError(
+                "not a Muon+AdamW optimizer state (a checkpoint of an optimizer='adamw' run?)")
         for name, opt in self.parts.items():
             opt.load_state_dict(state_dict[name])
 
@@ -305,7 +338,8 @@ def apply_settings(optimizer, adamw, muon=None, master=True):
             changed.setdefault(setting, (old, value))
             group[key] = value
 
-    adamw_groups = optimizer.parts['adamw'].param_groups if hasattr(optimizer, 'parts') else optimizer.param_groups
+    adamw_groups = optimizer.parts['adamw'].param_groups if hasattr(
+        optimizer, 'parts') else optimizer.param_groups
     for group in adamw_groups:
         put(group, 'betas', (adamw.beta1, adamw.beta2), 'betas')
         if all(p.dim() >= 2 for p in group['params']):  # the decayed group: matrices and embeddings
@@ -323,11 +357,15 @@ def apply_settings(optimizer, adamw, muon=None, master=True):
 
 def make_grad_scaler(device_type, dtype):
     """ A GradScaler, enabled only for float16 (bf16 and fp32 don't need loss scaling). """
-    return torch.amp.GradScaler(device_type if device_type == 'cuda' else 'cpu', enabled=(dtype == 'float16'))
+    return torch.amp.GradScaler(device_type if device_type == 'cuda' else 'cpu',
+                                enabled=(dtype == 'float16'))
 
 
 def optimizer_step(model, optimizer, scaler, grad_clip):
-    """ Unscale, clip, step, update the scaler and zero the grads; returns the grad norm tensor (or None). """
+    """
+    Unscale, clip, step, update the scaler and zero the grads; returns the grad norm tensor (or
+    None).
+    """
     norm = unscale_and_clip(model, optimizer, scaler, grad_clip)
     take_update(optimizer, scaler)
     return norm
@@ -335,9 +373,10 @@ def optimizer_step(model, optimizer, scaler, grad_clip):
 
 def unscale_and_clip(model, optimizer, scaler, grad_clip, measure=False):
     """
-    The first half of an optimizer step: unscale the float16 gradients and clip them to grad_clip. Returns
-    their global norm before clipping (a tensor, the same on every rank), or None when grad_clip is 0 and
-    measure is False. measure=True measures the norm without clipping (the spike guard needs it).
+    The first half of an optimizer step: unscale the float16 gradients and clip them to grad_clip.
+    Returns their global norm before clipping (a tensor, the same on every rank), or None when
+    grad_clip is 0 and measure is False. measure=True measures the norm without clipping (the spike
+    guard needs it).
     """
     if grad_clip == 0.0 and not measure:
         return None
@@ -345,14 +384,18 @@ def unscale_and_clip(model, optimizer, scaler, grad_clip, measure=False):
     if grad_clip != 0.0:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in model.parameters() if p.grad is not None])
     if hasattr(norm, 'full_tensor'):  # FSDP: a DTensor; the same total norm on every rank
         norm = norm.full_tensor()
     return norm
 
 
 def take_update(optimizer, scaler):
-    """ The second half: step (the scaler skips it if float16 gradients overflowed), update the scaler, zero. """
+    """
+    The second half: step (the scaler skips it if float16 gradients overflowed), update the scaler,
+    zero.
+    """
     scaler.step(optimizer)
     scaler.update()
     # None, not zeros: the memory is free until the next backward
@@ -361,9 +404,10 @@ def take_update(optimizer, scaler):
 
 def skip_update(optimizer, scaler):
     """
-    The second half of a step the spike guard refused: the weights and AdamW state stay exactly as they
-    were, the gradients are dropped. A float16 scaler keeps its scale and growth count (new_scale=its own
-    scale only clears the record of this iteration's unscale_, which the next unscale_ would refuse).
+    The second half of a step the spike guard refused: the weights and AdamW state stay exactly as
+    they were, the gradients are dropped. A float16 scaler keeps its scale and growth count
+    (new_scale=its own scale only clears the record of this iteration's unscale_, which the next
+    unscale_ would refuse).
     """
     if scaler.is_enabled():
         scaler.update(new_scale=scaler.get_scale())
@@ -372,9 +416,11 @@ def skip_update(optimizer, scaler):
 
 def read_step(step_loss, grad_norm, dist_info):
     """
-    A step's loss (this rank's micro-batch mean, a tensor) and grad norm (a tensor, or None when not measured)
-    as floats, the same on every rank, in one all-reduce (and the host sync it costs): the loss averaged over
-    ranks; the grad norm is already the same on every rank, and averaging it keeps it bitwise so.
+    A step's loss (this rank's micro-batch mean, a tensor) and grad norm (a tensor, or None when not
+    measured) as floats, the same on every rank, in one all-reduce (and the host sync it costs): the
+    loss averaged over ranks; the grad norm is already the same on every rank, and averaging it
+    keeps it bitwise so.
     """
-    values = all_reduce_mean([step_loss.item()] + ([float(grad_norm)] if grad_norm is not None else []), dist_info)
+    values = all_reduce_mean([step_loss.item()] +
+                             ([float(grad_norm)] if grad_norm is not None else []), dist_info)
     return values[0], (values[1] if grad_norm is not None else None)

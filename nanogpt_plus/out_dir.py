@@ -6,17 +6,17 @@ A run's directory, out_dir: who may write there, and whether a new run may.
     branches off (checkpoint.branch_off).
 The checkpoint files themselves (their names, snapshots, going back to one) are checkpoint.py's.
 
-The lock is a JSON line (pid, host, start time, command line). The process that owns it also holds an flock on
-it, which the kernel drops when the process dies in any way (SIGKILL, OOM killer, power cut aside), so a lock
-whose flock can be taken belongs to a run that is gone. A run:
+The lock is a JSON line (pid, host, start time, command line). The process that owns it also holds
+an flock on it, which the kernel drops when the process dies in any way (SIGKILL, OOM killer, power
+cut aside), so a lock whose flock can be taken belongs to a run that is gone. A run:
   1. writes its lock into a temp file and flocks it, then publishes it with os.link (atomic, fails when a
      run.lock exists): of two runs starting at the same moment exactly one links, the other finds the
      winner's complete, flocked file and is refused;
   2. finding a run.lock whose flock it can take (its holder is dead) renames its own file over it while
      holding that flock: a second run trying the same takeover can't get the dead file's flock meanwhile,
      and once it does, the name no longer points at that file, so it starts again from 1 (and is refused).
-A lock written on another host can't be proven dead from here (flock is not shared over every network
-file system): such a run is refused and told to delete the file if the other run is gone.
+A lock written on another host can't be proven dead from here (flock is not shared over every
+network file system): such a run is refused and told to delete the file if the other run is gone.
 
 Usage:
     from nanogpt_plus.out_dir import OutDirSpec, claim_out_dir, prepare_out_dir
@@ -47,7 +47,10 @@ LOCK_NAME = 'run.lock'
 # the lock
 
 class OutDirLock:
-    """ out_dir/run.lock while the run lives: acquire() takes it (or raises UserError), release() frees it. """
+    """
+    out_dir/run.lock while the run lives: acquire() takes it (or raises UserError), release() frees
+    it.
+    """
 
     def __init__(self, out_dir):
         self.out_dir = out_dir
@@ -57,14 +60,16 @@ class OutDirLock:
     def acquire(self):
         make_out_dir(self.out_dir)
         if os.path.lexists(self.path) and not os.path.isfile(self.path):
-            raise UserError(f"{self.path} is not a lock file (a directory or another kind of file is in its place); "
-                            f"move it away, or pass another --out_dir")
+            raise UserError(
+                f"{self.path} is not a lock file (a directory or another kind of file is in its place); "
+                f"move it away, or pass another --out_dir")
         tmp = temp_path(self.path)
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:  # a read-only file system, no write permission, a full disk
-            raise UserError(f"could not write in out_dir {self.out_dir} ({e.strerror or e}); pass an --out_dir this "
-                            f"user can write to") from None
+            raise UserError(
+                f"could not write in out_dir {self.out_dir} ({e.strerror or e}); pass an --out_dir this "
+                f"user can write to") from None
         try:
             flock_new_file(fd, self.out_dir)
             write_lock_record(fd, self.path)
@@ -89,14 +94,21 @@ class OutDirLock:
                 pass
             # EPERM/ENOTSUP: a file system without hard links (some FUSE and SMB mounts)
             except OSError as e:
-                raise UserError(f"could not create the lock {self.path} ({e.strerror or e}): the file system of "
-                                f"{self.out_dir} has no hard links; pass an --out_dir on a local disk") from None
+                raise UserError(
+                    f"could not create the lock {self.path} ({e.strerror or e}): the file system of "
+                    f"{self.out_dir} has no hard links; pass an --out_dir on a local disk"
+                ) from None
             if self._take_over(tmp):
                 return
-        raise UserError(f"could not take the lock {self.path}: other runs keep changing it; start one run at a time")
+        raise UserError(
+            f"could not take the lock {self.path}: other runs keep changing it; start one run at a time"
+        )
 
     def _take_over(self, tmp):
-        """ True once tmp replaced a dead run's lock; False to start again (run.lock changed or vanished). """
+        """
+        True once tmp replaced a dead run's lock; False to start again (run.lock changed or
+        vanished).
+        """
         try:
             old = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
@@ -106,34 +118,42 @@ class OutDirLock:
                 return False
             holder = read_holder(old)
             if not holder.get('pid'):
-                # our locks are written whole before they get their name: this file is not one of them (another
-                # program's output put in its place, perhaps while a live run still holds the lock it replaced)
-                raise UserError(f"{self.path} is not a lock this project wrote (it holds no run's pid); if no run "
-                                f"uses {self.out_dir}, delete {self.path} and start again")
+                # our locks are written whole before they get their name: this file is not one of
+                # them (another program's output put in its place, perhaps while a live run still
+                # holds the lock it replaced)
+                raise UserError(
+                    f"{self.path} is not a lock this project wrote (it holds no run's pid); if no run "
+                    f"uses {self.out_dir}, delete {self.path} and start again")
             if holder.get('host', socket.gethostname()) != socket.gethostname():
-                raise UserError(f"{self.path} says a run on {holder.get('host')} (pid {holder.get('pid')}, started "
-                                f"{holder.get('started')}) uses {self.out_dir}; this machine can't tell whether it "
-                                f"still runs: if it has ended, delete {self.path} and start again")
+                raise UserError(
+                    f"{self.path} says a run on {holder.get('host')} (pid {holder.get('pid')}, started "
+                    f"{holder.get('started')}) uses {self.out_dir}; this machine can't tell whether it "
+                    f"still runs: if it has ended, delete {self.path} and start again")
             # while we hold the dead file's flock: no other run can take it meanwhile
             os.rename(tmp, self.path)
-            print(f"warning: took over the lock {self.path} of a run that ended without releasing it "
-                  f"(pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')})",
-                  file=sys.stderr)
+            print(
+                f"warning: took over the lock {self.path} of a run that ended without releasing it "
+                f"(pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')})",
+                file=sys.stderr)
             return True
         finally:
             os.close(old)
 
     def _flock_same_file(self, fd):
-        """ Take fd's flock; True when we have it and run.lock still names fd's file. Refuses a live holder. """
+        """
+        Take fd's flock; True when we have it and run.lock still names fd's file. Refuses a live
+        holder.
+        """
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if not self._names(fd):
                 return False  # replaced under us by a run that took it over: look again
             holder = read_holder(fd)
-            raise UserError(f"{self.out_dir} is in use by another run (pid {holder.get('pid')} on "
-                            f"{holder.get('host')}, started {holder.get('started')}; lock {self.path}); wait for it "
-                            f"to end, stop it, or pass another --out_dir") from None
+            raise UserError(
+                f"{self.out_dir} is in use by another run (pid {holder.get('pid')} on "
+                f"{holder.get('host')}, started {holder.get('started')}; lock {self.path}); wait for it "
+                f"to end, stop it, or pass another --out_dir") from None
         return self._names(fd)
 
     def _names(self, fd):
@@ -158,35 +178,48 @@ class OutDirLock:
 
 
 def flock_new_file(fd, out_dir):
-    """ flock a file only we know yet (it never blocks); some network file systems have no locks at all. """
+    """
+    flock a file only we know yet (it never blocks); some network file systems have no locks at all.
+    """
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        raise UserError(f"the file system of {out_dir} does not support file locks ({e.strerror or e}); "
-                        f"pass an --out_dir on a local disk") from None
+        raise UserError(
+            f"the file system of {out_dir} does not support file locks ({e.strerror or e}); "
+            f"pass an --out_dir on a local disk") from None
 
 
 def make_out_dir(out_dir):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"out_dir {out_dir} is a file, not a directory; pass another --out_dir")
-    # a run's files (ckpt.pt, metrics.jsonl, ...) beside a dataset's would mix two things that cost hours to remake
-    held = sorted(n for n in os.listdir(out_dir) if n.endswith('.bin')) if os.path.isdir(out_dir) else []
+    # a run's files (ckpt.pt, metrics.jsonl, ...) beside a dataset's would mix two things that cost
+    # hours to remake
+    held = sorted(n for n in os.listdir(out_dir)
+                  if n.endswith('.bin')) if os.path.isdir(out_dir) else []
     if held:
-        raise UserError(f"out_dir {out_dir} is a dataset's directory (it holds {held[0]}); pass another --out_dir")
+        raise UserError(
+            f"out_dir {out_dir} is a dataset's directory (it holds {held[0]}); pass another --out_dir"
+        )
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        raise UserError(f"could not create out_dir {out_dir} ({e.strerror or e}); pass another --out_dir") from None
+        raise UserError(
+            f"could not create out_dir {out_dir} ({e.strerror or e}); pass another --out_dir"
+        ) from None
 
 
 def write_lock_record(fd, path):
-    """ This run's record into its new lock file, on disk; a full disk or a quota is one line, as saves give. """
+    """
+    This run's record into its new lock file, on disk; a full disk or a quota is one line, as saves
+    give.
+    """
     try:
         os.write(fd, (json.dumps(lock_record()) + "\n").encode())
         os.fsync(fd)
     except OSError as e:
-        raise UserError(f"could not write the lock {path} ({e.strerror or e}); make room on the disk, or pass an "
-                        f"--out_dir where this run can write") from None
+        raise UserError(
+            f"could not write the lock {path} ({e.strerror or e}); make room on the disk, or pass an "
+            f"--out_dir where this run can write") from None
 
 
 def lock_record():
@@ -208,9 +241,10 @@ def read_holder(fd):
 @contextmanager
 def claim_out_dir(out_dir, dist_info, prepare=None):
     """
-    Hold out_dir's lock on rank 0 for the body of the with-block, released however it ends. Then (still on
-    rank 0) remove the temp files dead processes left there and run prepare() (e.g. the overwrite check).
-    Every rank learns whether rank 0 succeeded (master_decides), so a refused run ends on all of them.
+    Hold out_dir's lock on rank 0 for the body of the with-block, released however it ends. Then
+    (still on rank 0) remove the temp files dead processes left there and run prepare() (e.g. the
+    overwrite check). Every rank learns whether rank 0 succeeded (master_decides), so a refused run
+    ends on all of them.
     """
     lock = OutDirLock(out_dir)
 
@@ -219,7 +253,9 @@ def claim_out_dir(out_dir, dist_info, prepare=None):
         try:
             removed = remove_stale_temps_in(out_dir)
             if removed:
-                print(f"removed {len(removed)} temp file(s) that killed runs left in {out_dir}: {', '.join(removed)}")
+                print(
+                    f"removed {len(removed)} temp file(s) that killed runs left in {out_dir}: {', '.join(removed)}"
+                )
             if prepare is not None:
                 prepare()
         except BaseException:
@@ -268,10 +304,10 @@ def prepare_out_dir(spec, script, argv, resume_refusal=None):
 def check_new_run(out_dir, checkpoints, script, argv, overwrite, resume_file=CHECKPOINT,
                   why_not_resume=None):
     """
-    On rank 0, with out_dir locked: a new run (not a resume) into an out_dir that holds one of `checkpoints`
-    (file names) is refused with the commands to continue the earlier run (when it left its resume_file and
-    why_not_resume is None) or to start over, unless overwrite. With overwrite the earlier files stay until the
-    new run's saves replace them.
+    On rank 0, with out_dir locked: a new run (not a resume) into an out_dir that holds one of
+    `checkpoints` (file names) is refused with the commands to continue the earlier run (when it
+    left its resume_file and why_not_resume is None) or to start over, unless overwrite. With
+    overwrite the earlier files stay until the new run's saves replace them.
     """
     held = [name for name in checkpoints if os.path.isfile(os.path.join(out_dir, name))]
     if not held:
@@ -279,14 +315,17 @@ def check_new_run(out_dir, checkpoints, script, argv, overwrite, resume_file=CHE
     if not overwrite:
         resumable = os.path.isfile(os.path.join(out_dir, resume_file)) and why_not_resume is None
         raise refuse_overwrite(out_dir, held[0], script, argv, resumable=resumable)
-    print(f"overwrite=True: the earlier run's checkpoints in {out_dir} stay until this run's saves replace them")
+    print(
+        f"overwrite=True: the earlier run's checkpoints in {out_dir} stay until this run's saves replace them"
+    )
 
 
 def refuse_overwrite(out_dir, checkpoint, script, argv, resumable=True):
     """
-    The UserError for a new run that would overwrite checkpoint (a file in out_dir) without --overwrite: it
-    gives the commands to continue the earlier run (when it is resumable) or to start over, and another out_dir
-    (the first choice when it can't be resumed: its run is another run).
+    The UserError for a new run that would overwrite checkpoint (a file in out_dir) without
+    --overwrite: it gives the commands to continue the earlier run (when it is resumable) or to
+    start over, and another out_dir (the first choice when it can't be resumed: its run is another
+    run).
     """
     iter_note = ''
     try:
@@ -297,18 +336,21 @@ def refuse_overwrite(out_dir, checkpoint, script, argv, resumable=True):
     elsewhere = command_line(script, argv, out_dir=f"{out_dir.rstrip(os.sep)}-2")
     start_over = command_line(script, argv, overwrite=True)
     if resumable:
-        choices = (f"continue it with `{command_line(script, argv, init_from='resume')}`, start over with "
-                   f"`{start_over}`, or pass another --out_dir")
+        choices = (
+            f"continue it with `{command_line(script, argv, init_from='resume')}`, start over with "
+            f"`{start_over}`, or pass another --out_dir")
     else:
         choices = f"write this run elsewhere with `{elsewhere}`, or replace the earlier one with `{start_over}`"
-    return UserError(f"{out_dir} already holds the checkpoint {checkpoint}{iter_note} of an earlier run, which this "
-                     f"run would overwrite; {choices}")
+    return UserError(
+        f"{out_dir} already holds the checkpoint {checkpoint}{iter_note} of an earlier run, which this "
+        f"run would overwrite; {choices}")
 
 
 def command_line(script, argv, **replace):
     """
-    The command that ran this script with argv, --key=value settings of replace put in (replacing any the
-    user gave), for messages that say what to type: command_line('train.py', argv, init_from='resume').
+    The command that ran this script with argv, --key=value settings of replace put in (replacing
+    any the user gave), for messages that say what to type: command_line('train.py', argv,
+    init_from='resume').
     """
     keep = [a for a in argv if not any(a.startswith(f'--{k}=') for k in replace)]
     args = keep + [f'--{k}={v}' for k, v in replace.items()]

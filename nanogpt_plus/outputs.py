@@ -1,14 +1,15 @@
 """
-Where a script's output may go: the one rule every output path a user names is checked against (eval.py
+Where a script's output may go: the one rule every output path a user names is checked against
+(eval.py
 --output_file, export_hf.py --hf_dir, finetune.py --predict_out), before any work, so that nothing is computed
 for an output that is then refused.
 
 An output path names something the user has (a setting they typed, a default beside their files), so
-check_output refuses one that would replace a checkpoint, a dataset's files, a directory holding them, a file
-the run reads, or any other existing file that is not an earlier output of the same kind (an eval result, a
-predictions file: recognised by what they hold), unless --overwrite=True. A run's lock (run.lock) is never an
-output: replacing it would let a second run into a live run's out_dir. Re-running a script replaces its own
-earlier output.
+check_output refuses one that would replace a checkpoint, a dataset's files, a directory holding
+them, a file the run reads, or any other existing file that is not an earlier output of the same
+kind (an eval result, a predictions file: recognised by what they hold), unless --overwrite=True. A
+run's lock (run.lock) is never an output: replacing it would let a second run into a live run's
+out_dir. Re-running a script replaces its own earlier output.
 
 Usage:
     from nanogpt_plus.outputs import check_output
@@ -23,26 +24,34 @@ import zipfile
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.out_dir import LOCK_NAME
 
-# what an output never replaces unprompted: checkpoints (ckpt.pt, snapshots, a Hugging Face pytorch_model.bin,
-# any file torch.save wrote) and a dataset's files: its token files (nanoGPT's train.bin/val.bin, llm.c's shards;
-# all .bin), and beside them the meta and tokenizer.json that say how to read them. They cost hours to remake.
+# what an output never replaces unprompted: checkpoints (ckpt.pt, snapshots, a Hugging Face
+# pytorch_model.bin, any file torch.save wrote) and a dataset's files: its token files (nanoGPT's
+# train.bin/val.bin, llm.c's shards; all .bin), and beside them the meta and tokenizer.json that say
+# how to read them. They cost hours to remake.
 CHECKPOINT_SUFFIX = '.pt'
 TOKEN_SUFFIX = '.bin'
 DATASET_DESCRIPTIONS = ('meta.json', 'meta.pkl', 'tokenizer.json')
 ZIP_MAGIC = b'PK\x03\x04'
-# torch.save's legacy (non-zip) format starts with its magic number, pickled: protocol 2, a 10-byte long
+# torch.save's legacy (non-zip) format starts with its magic number, pickled: protocol 2, a 10-byte
+# long
 LEGACY_TORCH_MAGIC = b'\x80\x02\x8a\x0a' + (0x1950a86a20f9469cfc6c).to_bytes(10, 'little')
-# the kinds of file output the scripts write, each told by its records (JSON lines): what may be replaced
+# the kinds of file output the scripts write, each told by its records (JSON lines): what may be
+# replaced
 OUTPUT_KINDS = {
-    'eval result': lambda records: len(records) == 1 and {'task', 'metrics', 'source'} <= records[0].keys(),
-    'predictions': lambda records: bool(records) and all({'prediction', 'probs'} <= r.keys() for r in records),
+    'eval result':
+    lambda records: len(records) == 1 and {'task', 'metrics', 'source'} <= records[0].keys(),
+    'predictions':
+    lambda records: bool(records) and all({'prediction', 'probs'} <= r.keys() for r in records),
 }
 # an earlier output is read to be recognised: files beyond this size are not one
 RECOGNISE_BYTES = 1 << 28
 
 
 def torch_saved(path):
-    """ Whether the file at path was written by torch.save: a zip holding a data.pkl, or the legacy format. """
+    """
+    Whether the file at path was written by torch.save: a zip holding a data.pkl, or the legacy
+    format.
+    """
     try:
         with open(path, 'rb') as f:
             head = f.read(len(LEGACY_TORCH_MAGIC))
@@ -55,7 +64,10 @@ def torch_saved(path):
 
 
 def protected(path):
-    """ What the existing file at path is, if an output must not replace it ('the checkpoint x'), else None. """
+    """
+    What the existing file at path is, if an output must not replace it ('the checkpoint x'), else
+    None.
+    """
     name = os.path.basename(path)
     if name.endswith(CHECKPOINT_SUFFIX) or torch_saved(path):
         return f"the checkpoint {path}"
@@ -67,7 +79,10 @@ def protected(path):
 
 
 def earlier_output(path, kind):
-    """ Whether the file at path is an earlier output of this kind (OUTPUT_KINDS): JSON objects, one per line. """
+    """
+    Whether the file at path is an earlier output of this kind (OUTPUT_KINDS): JSON objects, one per
+    line.
+    """
     try:
         if os.path.getsize(path) > RECOGNISE_BYTES:
             return False
@@ -79,13 +94,17 @@ def earlier_output(path, kind):
 
 
 def _whose(path):
-    """ ' of the run in d' / ' of the dataset in d' for a file in a run's out_dir or a dataset's directory. """
+    """
+    ' of the run in d' / ' of the dataset in d' for a file in a run's out_dir or a dataset's
+    directory.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     try:
         names = set(os.listdir(directory))
     except OSError:
         return ''
-    if names & {LOCK_NAME, 'metrics.jsonl'} or any(n.startswith('ckpt') and n.endswith('.pt') for n in names):
+    if names & {LOCK_NAME, 'metrics.jsonl'} or any(
+            n.startswith('ckpt') and n.endswith('.pt') for n in names):
         return f" of the run in {directory}"
     if any(n.endswith(TOKEN_SUFFIX) for n in names) or names & set(DATASET_DESCRIPTIONS):
         return f" of the dataset in {directory}"
@@ -119,22 +138,28 @@ def _same(a, b):
 
 
 def _check_writable(path, setting, kind):
-    """ The output can be made: the nearest existing directory on its way is a directory this user may write. """
+    """
+    The output can be made: the nearest existing directory on its way is a directory this user may
+    write.
+    """
     place = path if kind == 'directory' else os.path.dirname(os.path.abspath(path))
     while not os.path.lexists(place):
         place = os.path.dirname(os.path.abspath(place))  # makedirs creates the rest
     if not os.path.isdir(place):
-        raise UserError(f"--{setting}={path} is inside {place}, which is a file, not a directory; pass another "
-                        f"--{setting}")
+        raise UserError(
+            f"--{setting}={path} is inside {place}, which is a file, not a directory; pass another "
+            f"--{setting}")
     if not os.access(place, os.W_OK | os.X_OK):
-        raise UserError(f"--{setting}={path}: this user may not write in {place}; fix its permissions or pass "
-                        f"another --{setting}")
+        raise UserError(
+            f"--{setting}={path}: this user may not write in {place}; fix its permissions or pass "
+            f"another --{setting}")
 
 
 def _conflict(path, kind, inputs, earlier, output_kind=None):
     """ What writing the output at path would replace (check_output's words), or None. """
     if kind == 'file':
-        # a .pt name is a checkpoint's even before one is there: finetune.py writes its ckpt.pt after the check
+        # a .pt name is a checkpoint's even before one is there: finetune.py writes its ckpt.pt
+        # after the check
         if path.endswith(CHECKPOINT_SUFFIX):
             exists = os.path.exists(path)
             return f"would replace the checkpoint {path}" if exists else "is named like a checkpoint (*.pt)"
@@ -148,11 +173,13 @@ def _conflict(path, kind, inputs, earlier, output_kind=None):
         # its files would be replaced (a dataset's tokenizer.json) or mixed with an export's
         if what:
             return f"would write into {path}, which holds {what}"
-        # files of some other kind: the script's fixed names (README.md, config.json) may be among them
+        # files of some other kind: the script's fixed names (README.md, config.json) may be among
+        # them
         if earlier and not all(os.path.isfile(os.path.join(path, n)) for n in earlier) and \
                 any(not n.startswith('.') for n in os.listdir(path)):
-            return (f"would write into {path}, which holds files and no earlier output of this script "
-                    f"({' and '.join(earlier)})")
+            return (
+                f"would write into {path}, which holds files and no earlier output of this script "
+                f"({' and '.join(earlier)})")
     for name, source in (inputs or {}).items():
         if source and _same(source, path):
             return f"would {'replace' if kind == 'file' else 'write into'} the --{name} this run reads, {source}"
@@ -161,21 +188,24 @@ def _conflict(path, kind, inputs, earlier, output_kind=None):
 
 def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(), output_kind=None):
     """
-    Refuse, in one line naming setting, an output path (kind 'file', or 'directory' for one written into)
-    that would replace a checkpoint or a dataset's file (protected), an existing file that is not an earlier
-    output_kind (OUTPUT_KINDS: the file output the script writes), write into a directory holding a protected
-    file (or, given earlier: the names an earlier output of the script there holds, into a directory of other
-    files), or replace one of inputs ({setting: path} the run reads), unless overwrite; and, overwrite or not, a
-    run's lock or an output that can't be written at all. Call it before the work, so nothing is computed for an
-    output that is then refused. What a script wrote itself (an eval JSON, predictions.jsonl, an export
-    directory) is none of these: re-running replaces it.
+    Refuse, in one line naming setting, an output path (kind 'file', or 'directory' for one written
+    into) that would replace a checkpoint or a dataset's file (protected), an existing file that is
+    not an earlier output_kind (OUTPUT_KINDS: the file output the script writes), write into a
+    directory holding a protected file (or, given earlier: the names an earlier output of the script
+    there holds, into a directory of other files), or replace one of inputs ({setting: path} the run
+    reads), unless overwrite; and, overwrite or not, a run's lock or an output that can't be written
+    at all. Call it before the work, so nothing is computed for an output that is then refused. What
+    a script wrote itself (an eval JSON, predictions.jsonl, an export directory) is none of these:
+    re-running replaces it.
     """
     if os.path.basename(os.path.normpath(path)) == LOCK_NAME:
-        raise UserError(f"--{setting}={path} is a run's lock ({LOCK_NAME}), which no output may replace (a second "
-                        f"run could then start beside a live one); pass another --{setting}")
+        raise UserError(
+            f"--{setting}={path} is a run's lock ({LOCK_NAME}), which no output may replace (a second "
+            f"run could then start beside a live one); pass another --{setting}")
     if kind == 'directory' and os.path.isfile(path):
-        raise UserError(f"--{setting}={path} is a file, not a directory; pass a directory (a new one, or an "
-                        f"earlier output of this script)")
+        raise UserError(
+            f"--{setting}={path} is a file, not a directory; pass a directory (a new one, or an "
+            f"earlier output of this script)")
     if kind == 'file' and os.path.isdir(path):
         raise UserError(f"--{setting}={path} is a directory; pass a file path")
     _check_writable(path, setting, kind)
@@ -183,6 +213,7 @@ def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(),
     if conflict is None:
         return
     if not overwrite:
-        raise UserError(f"--{setting}={path} {conflict}; pass another --{setting}, or --overwrite=True to write "
-                        f"there anyway")
+        raise UserError(
+            f"--{setting}={path} {conflict}; pass another --{setting}, or --overwrite=True to write "
+            f"there anyway")
     print(f"warning: --{setting}={path} {conflict} (overwrite=True)", file=sys.stderr)

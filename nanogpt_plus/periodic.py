@@ -1,6 +1,6 @@
 """
-What train.py does every N iterations besides training and the loss evaluation: zero-shot HellaSwag with
-the training model (hellaswag_interval, eval.py's scoring) and a greedy sample after a prompt
+What train.py does every N iterations besides training and the loss evaluation: zero-shot HellaSwag
+with the training model (hellaswag_interval, eval.py's scoring) and a greedy sample after a prompt
 (sample_interval), each printed as one line and logged to metrics.jsonl.
 
 Usage:
@@ -39,9 +39,10 @@ class PeriodicTasks:
 
     def __init__(self, spec, dist_info, tokenizer_meta, block_size, ctx, compiled, fsdp=False):
         """
-        Everything read before the first iteration, so that a missing HellaSwag file (offline) or a prompt the
-        tokenizer can't encode stops the run at set-up with one line, not at the first interval.
-        spec: an InLoopSpec; block_size: the model's; fsdp: the model is sharded (sampling_prompt).
+        Everything read before the first iteration, so that a missing HellaSwag file (offline) or a
+        prompt the tokenizer can't encode stops the run at set-up with one line, not at the first
+        interval. spec: an InLoopSpec; block_size: the model's; fsdp: the model is sharded
+        (sampling_prompt).
         """
         self.spec = spec
         self.dist_info = dist_info
@@ -53,10 +54,11 @@ class PeriodicTasks:
 
     def run(self, iter_num, model, raw_model, logger, poll=None):
         """
-        HellaSwag and a sample when they are due at iter_num (before the val-loss evaluation). Returns whether
-        anything ran (that iteration's time then says nothing about the training step's). poll: the stop
-        agreement, asked between HellaSwag's batches (a pass over 10,042 examples can outlast the time torchrun
-        gives between its SIGTERM and its SIGKILL); when it says stop, the pass ends unscored.
+        HellaSwag and a sample when they are due at iter_num (before the val-loss evaluation).
+        Returns whether anything ran (that iteration's time then says nothing about the training
+        step's). poll: the stop agreement, asked between HellaSwag's batches (a pass over 10,042
+        examples can outlast the time torchrun gives between its SIGTERM and its SIGKILL); when it
+        says stop, the pass ends unscored.
         """
         hellaswag = self.hellaswag is not None and due(self.spec.hellaswag_interval, iter_num)
         sample = self.prompt is not None and due(self.spec.sample_interval, iter_num)
@@ -68,8 +70,9 @@ class PeriodicTasks:
 
     def score_hellaswag(self, iter_num, model, logger, poll=None):
         """
-        Score HellaSwag with the training model (compiled, wrapped: every rank takes its share of the examples
-        and joins every forward) in eval mode under the run's autocast; print its line and log it (rank 0).
+        Score HellaSwag with the training model (compiled, wrapped: every rank takes its share of
+        the examples and joins every forward) in eval mode under the run's autocast; print its line
+        and log it (rank 0).
         """
         model.eval()
         counts = score_hellaswag(model, self.hellaswag, self.spec.batch_size, self.dist_info.device,
@@ -85,7 +88,10 @@ class PeriodicTasks:
                         'correct': correct, 'total': total})
 
     def print_sample(self, iter_num, raw_model, logger):
-        """ `sample N: <text>`: sample_tokens greedy tokens after the prompt, from the plain model (rank 0 only). """
+        """
+        `sample N: <text>`: sample_tokens greedy tokens after the prompt, from the plain model (rank
+        0 only).
+        """
         tokenizer = load_tokenizer(self.tokenizer_meta)
         idx = torch.tensor([self.prompt], dtype=torch.long, device=self.dist_info.device)
         # greedy: no randomness drawn, so the training RNGs (and a resume) are untouched
@@ -107,11 +113,11 @@ def due(interval, iter_num):
 def load_hellaswag(spec, dist_info, tokenizer_meta, block_size):
     """
     The HellaSwag examples the loop scores (evaluation.task_examples: eval.py's), or None when
-    hellaswag_interval is 0. Rank 0 alone finds the file (downloading the default once, into the repo),
-    reads and tokenizes it; every rank learns whether that worked and gets the examples over the process
-    group, so the file need only be on rank 0's node (there is no shared disk between machines) and a rank
-    never decides by itself whether to join a collective. Offline without it, every rank stops here with one
-    line, before any training.
+    hellaswag_interval is 0. Rank 0 alone finds the file (downloading the default once, into the
+    repo), reads and tokenizes it; every rank learns whether that worked and gets the examples over
+    the process group, so the file need only be on rank 0's node (there is no shared disk between
+    machines) and a rank never decides by itself whether to join a collective. Offline without it,
+    every rank stops here with one line, before any training.
     """
     if spec.hellaswag_interval == 0:
         return None
@@ -126,12 +132,13 @@ def load_hellaswag(spec, dist_info, tokenizer_meta, block_size):
             # a file of the user's must exist
             task_data_file('hellaswag', path, setting='hellaswag_file')
         try:
-            examples, total = task_examples('hellaswag', path, load_tokenizer(tokenizer_meta), block_size,
-                                            spec.hellaswag_examples)
+            examples, total = task_examples('hellaswag', path, load_tokenizer(tokenizer_meta),
+                                            block_size, spec.hellaswag_examples)
         # a char-level vocabulary without the letters (or the space) of the endings
         except TokenizerError as e:
-            raise UserError(f"HellaSwag ({path}) can't be scored with this model's tokenizer: {e}; or set "
-                            f"--hellaswag_interval=0") from None
+            raise UserError(
+                f"HellaSwag ({path}) can't be scored with this model's tokenizer: {e}; or set "
+                f"--hellaswag_interval=0") from None
         print(f"hellaswag: {total:,} examples of {path}, scored every {spec.hellaswag_interval} "
               f"iterations")
         loaded.append(examples)
@@ -141,15 +148,17 @@ def load_hellaswag(spec, dist_info, tokenizer_meta, block_size):
 
 def sampling_prompt(spec, dist_info, tokenizer_meta, fsdp=False):
     """
-    The token ids of the prompt the loop's samples continue, or None when sample_interval is 0 (or under
-    FSDP, where rank 0 alone holds no whole model to sample from and a batch of one would make every rank
-    join each decoding step: the samples are left out, said once here).
+    The token ids of the prompt the loop's samples continue, or None when sample_interval is 0 (or
+    under FSDP, where rank 0 alone holds no whole model to sample from and a batch of one would make
+    every rank join each decoding step: the samples are left out, said once here).
     """
     if spec.sample_interval == 0:
         return None
     if fsdp:
         if dist_info.master:
-            print("note: sample_interval is ignored under parallelism=fsdp; sample from a checkpoint with sample.py")
+            print(
+                "note: sample_interval is ignored under parallelism=fsdp; sample from a checkpoint with sample.py"
+            )
         return None
     tokenizer = load_tokenizer(tokenizer_meta)
     if not spec.sample_prompt:

@@ -1,7 +1,7 @@
 """
-How a script runs from start to end: run_main around its main() (errors the user can fix as one line and
-exit code 2, a clean stop after a signal as 75, the process group torn down once, at the end of a run that
-finished), and the provenance a run prints at start-up and keeps in its checkpoints.
+How a script runs from start to end: run_main around its main() (errors the user can fix as one line
+and exit code 2, a clean stop after a signal as 75, the process group torn down once, at the end of
+a run that finished), and the provenance a run prints at start-up and keeps in its checkpoints.
 
 Usage:
     from nanogpt_plus.runtime import run_main
@@ -24,12 +24,13 @@ from nanogpt_plus.machine import device_type_of
 
 def run_main(main):
     """
-    Run a script's main(): errors the user can fix print as one line ('error: ...') and exit code 2; a clean
-    stop after a signal (Interrupted) exits EXIT_INTERRUPTED (75), a second Ctrl-C 130. The process group is
-    destroyed here, once main() has returned on every rank (a teardown is a collective of its own).
-    Under torchrun a failing rank exits at once (os._exit, no interpreter shutdown and no teardown), so it never
-    waits while its peers sit in a collective: they see it gone (gloo: 'Connection closed by peer') or torchrun
-    stops them, and the whole job ends with the one message of the rank that failed.
+    Run a script's main(): errors the user can fix print as one line ('error: ...') and exit code 2;
+    a clean stop after a signal (Interrupted) exits EXIT_INTERRUPTED (75), a second Ctrl-C 130. The
+    process group is destroyed here, once main() has returned on every rank (a teardown is a
+    collective of its own). Under torchrun a failing rank exits at once (os._exit, no interpreter
+    shutdown and no teardown), so it never waits while its peers sit in a collective: they see it
+    gone (gloo: 'Connection closed by peer') or torchrun stops them, and the whole job ends with the
+    one message of the rank that failed.
     """
     try:
         main()
@@ -53,8 +54,10 @@ def run_main(main):
         if not several_processes():
             raise
         if lost_peer(e):  # a consequence, not the cause: the rank that failed has printed the cause
-            print(f"rank {os.environ.get('RANK')}: stopping without saving, another process of this run is "
-                  f"gone ({error_line(e)})", file=sys.stderr)
+            print(
+                f"rank {os.environ.get('RANK')}: stopping without saving, another process of this run is "
+                f"gone ({error_line(e)})",
+                file=sys.stderr)
         else:
             traceback.print_exc()
         _exit(1)
@@ -74,8 +77,11 @@ def git_commit():
     """ The current git commit of this checkout (with '+dirty' when modified), or 'unknown'. """
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=here, capture_output=True,
-                                text=True, timeout=5).stdout.strip()
+        commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'],
+                                cwd=here,
+                                capture_output=True,
+                                text=True,
+                                timeout=5).stdout.strip()
         dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], cwd=here,
                                capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -84,9 +90,16 @@ def git_commit():
 
 
 def provenance(device):
-    """ What produced a run: versions, commit and device, printed at start-up and kept in checkpoints. """
-    info = {'torch': str(torch.__version__), 'python': sys.version.split()[0], 'git_commit': git_commit(),
-            'device': str(device), 'num_threads': torch.get_num_threads()}
+    """
+    What produced a run: versions, commit and device, printed at start-up and kept in checkpoints.
+    """
+    info = {
+        'torch': str(torch.__version__),
+        'python': sys.version.split()[0],
+        'git_commit': git_commit(),
+        'device': str(device),
+        'num_threads': torch.get_num_threads()
+    }
     if device_type_of(device) == 'cuda':
         info['gpu'] = torch.cuda.get_device_name(torch.device(device))
     return info

@@ -23,16 +23,17 @@ from configurator import Group, Schema, Setting  # noqa: F401  (Schema: what the
 from model import MODERN_CHOICES
 from nanogpt_plus.errors import UserError
 
-# The values a choice setting may take live here, with the settings, so that reading this table imports no part
-# of the code that acts on them (the sampling engine, the weight formats, the evaluation tasks); those modules
-# take their lists from here.
+# The values a choice setting may take live here, with the settings, so that reading this table
+# imports no part of the code that acts on them (the sampling engine, the weight formats, the
+# evaluation tasks); those modules take their lists from here.
 DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
 BACKENDS = ('auto', 'nccl', 'gloo')
 ATTENTIONS = ('flash', 'manual')
 GELUS = MODERN_CHOICES['gelu']
 OPTIMIZERS = ('adamw', 'muon')
 LR_SCHEDULES = ('cosine', 'wsd')
-# data_order: nanoGPT's random windows, or llm.c's pass over every token (nanogpt_plus/dataloader.py)
+# data_order: nanoGPT's random windows, or llm.c's pass over every token
+# (nanogpt_plus/dataloader.py)
 ORDERS = ('random', 'sequential')
 MODES = ('exact', 'fast')  # sample.py's mode (nanogpt_plus/engine.py)
 # weight formats for inference (nanogpt_plus/weight_formats.py)
@@ -123,7 +124,8 @@ decay_lr = Shared(bool, "linear warmup, then the lr_schedule's decay to min_lr; 
 min_lr = Shared(float, "the rate after lr_decay_iters; Chinchilla suggests about "
                        "learning_rate/10", low=0)
 
-# how sample.py, eval.py and finetune.py's predictions store and read the weights (weight_formats.py)
+# how sample.py, eval.py and finetune.py's predictions store and read the weights
+# (weight_formats.py)
 WEIGHTS_SETTING = Setting('float32', "how the weights are stored and read: 'float32' (exact), "
                                      "'bfloat16' or 'int8' (weight-only, per row)", choices=WEIGHTS)
 
@@ -134,44 +136,72 @@ MODEL = Group(
     n_layer=positive(12, "Transformer blocks"),
     n_head=positive(12, "attention heads per block"),
     n_embd=positive(768, "the width: embedding and residual-stream size"),
-    dropout=Setting(0.0, "0.0 suits pretraining; fine-tuning usually wants 0.1 or more", low=0.0, high=1.0,
+    dropout=Setting(0.0,
+                    "0.0 suits pretraining; fine-tuning usually wants 0.1 or more",
+                    low=0.0,
+                    high=1.0,
                     high_open=True),
-    bias=flag(False, "biases in the Linear and LayerNorm layers (GPT-2 has them; without is a bit faster)"),
-    gelu=Setting('none', "'none' = exact GELU (nanoGPT), 'tanh' = GPT-2's approximation (new models)",
+    bias=flag(
+        False,
+        "biases in the Linear and LayerNorm layers (GPT-2 has them; without is a bit faster)"),
+    gelu=Setting('none',
+                 "'none' = exact GELU (nanoGPT), 'tanh' = GPT-2's approximation (new models)",
                  choices=GELUS),
-    attention=Setting('flash', "'flash' (scaled_dot_product_attention) or 'manual'", choices=ATTENTIONS),
+    attention=Setting('flash',
+                      "'flash' (scaled_dot_product_attention) or 'manual'",
+                      choices=ATTENTIONS),
     # the modern options (config/train_*_fast.py, *_speedrun.py); the defaults are GPT-2's
-    pos=Setting('learned', "positions: 'learned' (GPT-2's wpe table) or 'rope' (rotary, on queries and keys)",
+    pos=Setting('learned',
+                "positions: 'learned' (GPT-2's wpe table) or 'rope' (rotary, on queries and keys)",
                 choices=MODERN_CHOICES['pos']),
     norm=Setting('layernorm', "'layernorm' (GPT-2) or 'rmsnorm'", choices=MODERN_CHOICES['norm']),
-    qk_norm=flag(False, "True: RMS-normalise each head's queries and keys before the attention scores"),
-    mlp_act=Setting('gelu', "the MLP's activation: 'gelu' (see gelu) or 'relu2' (relu(x)^2)",
+    qk_norm=flag(False,
+                 "True: RMS-normalise each head's queries and keys before the attention scores"),
+    mlp_act=Setting('gelu',
+                    "the MLP's activation: 'gelu' (see gelu) or 'relu2' (relu(x)^2)",
                     choices=MODERN_CHOICES['mlp_act']),
     logit_softcap=Setting(0.0, "C > 0: the logits become C*tanh(logits/C); 0.0 = off", low=0.0),
-    tie_embeddings=flag(True, "True: the output head is the token embedding (GPT-2); False: a matrix of its own"),
+    tie_embeddings=flag(
+        True, "True: the output head is the token embedding (GPT-2); False: a matrix of its own"),
 )
 
 # the machine and the process, the same defaults everywhere but compile (False in sample.py,
 # eval.py, finetune.py)
 SYSTEM = Group(
     'system',
-    backend=Setting('auto', "'auto' = nccl for CUDA, gloo for CPU; or 'nccl', 'gloo'", choices=BACKENDS),
-    dist_timeout=non_negative(0, "under torchrun: seconds a rank waits in a collective before the run fails (the "
-                                 "process group's timeout); 0 = PyTorch's (10 minutes for nccl, 30 for gloo). "
-                                 "Raise it where a first compile or rank 0's evaluation takes longer"),
-    parallelism=Setting('ddp', "under torchrun: 'ddp' (a full model copy per rank) or 'fsdp' (shard the model, "
-                               "FSDP2)", choices=('ddp', 'fsdp')),
-    device=Setting('auto', "'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:N', 'mps'", not_empty=True),
-    dtype=Setting('auto', "'auto' (bfloat16 if the GPU has it, else float16; float32 on CPU), 'float32', "
-                          "'bfloat16', 'float16'", choices=DTYPES),
-    compile=Setting(None, "torch.compile the model: None = auto (on for CUDA, where it pays for itself), "
-                          "True/False to force", kind=bool, choices=(None, True, False)),
-    activation_checkpointing=flag(False, "True: recompute each Block in the backward pass (less memory, more "
-                                         "compute)"),
-    num_threads=non_negative(0, "CPU threads for torch; 0 = auto (time all cores, half, ..., 1; keep the "
-                                "fastest; re-checked while training)"),
-    seed=Setting(1337, "the seed of the model's initialisation, the data order, dropout and sampling", low=0,
-                 high=2 ** 32 - 1),
+    backend=Setting('auto',
+                    "'auto' = nccl for CUDA, gloo for CPU; or 'nccl', 'gloo'",
+                    choices=BACKENDS),
+    dist_timeout=non_negative(
+        0, "under torchrun: seconds a rank waits in a collective before the run fails (the "
+        "process group's timeout); 0 = PyTorch's (10 minutes for nccl, 30 for gloo). "
+        "Raise it where a first compile or rank 0's evaluation takes longer"),
+    parallelism=Setting(
+        'ddp', "under torchrun: 'ddp' (a full model copy per rank) or 'fsdp' (shard the model, "
+        "FSDP2)",
+        choices=('ddp', 'fsdp')),
+    device=Setting('auto',
+                   "'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:N', 'mps'",
+                   not_empty=True),
+    dtype=Setting('auto',
+                  "'auto' (bfloat16 if the GPU has it, else float16; float32 on CPU), 'float32', "
+                  "'bfloat16', 'float16'",
+                  choices=DTYPES),
+    compile=Setting(None,
+                    "torch.compile the model: None = auto (on for CUDA, where it pays for itself), "
+                    "True/False to force",
+                    kind=bool,
+                    choices=(None, True, False)),
+    activation_checkpointing=flag(
+        False, "True: recompute each Block in the backward pass (less memory, more "
+        "compute)"),
+    num_threads=non_negative(
+        0, "CPU threads for torch; 0 = auto (time all cores, half, ..., 1; keep the "
+        "fastest; re-checked while training)"),
+    seed=Setting(1337,
+                 "the seed of the model's initialisation, the data order, dropout and sampling",
+                 low=0,
+                 high=2**32 - 1),
 )
 
 
@@ -182,8 +212,9 @@ def check_model_shape(n_embd, n_head, pos):
                         f"n_embd / n_head dimensions; change one of them")
     head_size = n_embd // n_head if n_embd and n_head else 0
     if pos == 'rope' and head_size % 2:
-        raise UserError(f"pos='rope' turns pairs of each head's {head_size} dimensions, an odd number; choose "
-                        f"n_embd and n_head so that n_embd / n_head is even")
+        raise UserError(
+            f"pos='rope' turns pairs of each head's {head_size} dimensions, an odd number; choose "
+            f"n_embd and n_head so that n_embd / n_head is even")
 
 
 def check_training(cfg):
@@ -194,17 +225,21 @@ def check_training(cfg):
     """
     check_model_shape(cfg['n_embd'], cfg['n_head'], cfg['pos'])
     if cfg['decay_lr'] and cfg['min_lr'] > cfg['learning_rate']:  # the "decay" would raise the rate
-        raise UserError(f"min_lr ({cfg['min_lr']}) is above learning_rate ({cfg['learning_rate']}), so the decay "
-                        f"would raise the learning rate; set --min_lr to at most learning_rate (about 1/10 of it)")
+        raise UserError(
+            f"min_lr ({cfg['min_lr']}) is above learning_rate ({cfg['learning_rate']}), so the decay "
+            f"would raise the learning rate; set --min_lr to at most learning_rate (about 1/10 of it)"
+        )
     if cfg['decay_lr']:
         check_schedule(cfg['learning_rate'], cfg['warmup_iters'], cfg['lr_decay_iters'],
                        cfg['max_iters'])
     if cfg['optimizer'] == 'muon' and cfg['parallelism'] == 'fsdp':
-        raise UserError("optimizer='muon' orthogonalises whole matrices, which FSDP splits over the ranks; use "
-                        "--parallelism=ddp with Muon, or --optimizer=adamw with FSDP")
+        raise UserError(
+            "optimizer='muon' orthogonalises whole matrices, which FSDP splits over the ranks; use "
+            "--parallelism=ddp with Muon, or --optimizer=adamw with FSDP")
     if cfg['resume_from'] and cfg['init_from'] != 'resume':
-        raise UserError(f"--resume_from={cfg['resume_from']} goes back to a snapshot of the run in out_dir: it "
-                        f"needs --init_from=resume")
+        raise UserError(
+            f"--resume_from={cfg['resume_from']} goes back to a snapshot of the run in out_dir: it "
+            f"needs --init_from=resume")
     if cfg['init_from'] == 'scratch':  # weights that trained before have a size that fitted
         # imported here: this table of settings loads none of the code that acts on them
         from nanogpt_plus.init_from import ModelSpec, check_new_model_fits

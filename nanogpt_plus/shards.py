@@ -1,15 +1,17 @@
 """
-llm.c's token shards: the .bin files of llm.c, build-nanogpt and modded-nanogpt (their pre-tokenized FineWeb
-shards too), written by data/fineweb/prepare.py, and how a dataset directory's token files are found.
+llm.c's token shards: the .bin files of llm.c, build-nanogpt and modded-nanogpt (their pre-tokenized
+FineWeb shards too), written by data/fineweb/prepare.py, and how a dataset directory's token files
+are found.
 
-The format, as llm.c writes it (dev/data/data_common.py, write_datafile) and reads it (llmc/dataloader.h,
-dataloader_load_shard_; train_gpt2.py, _peek_data_shard / _load_data_shard):
+The format, as llm.c writes it (dev/data/data_common.py, write_datafile) and reads it
+(llmc/dataloader.h, dataloader_load_shard_; train_gpt2.py, _peek_data_shard / _load_data_shard):
     bytes 0..1023   a header of 256 int32 (little-endian): [0] magic, [1] version, [2] token count, the rest 0
     bytes 1024..    the tokens, token count of them, nothing after
     magic 20240520, version 1: uint16 tokens (GPT-2, vocabularies up to 65,536)
     magic 20240801, version 7: uint32 tokens (llm.c's llama-3 shards, larger vocabularies)
-A reader checks magic, version and that the file is exactly 1024 + count * itemsize bytes long (llm.c checks
-the same three things), so a truncated shard or a file that isn't a shard is refused, never half-read.
+A reader checks magic, version and that the file is exactly 1024 + count * itemsize bytes long
+(llm.c checks the same three things), so a truncated shard or a file that isn't a shard is refused,
+never half-read.
 
 Usage:
     from nanogpt_plus.shards import find_shards, open_shard, read_header, write_shard
@@ -45,7 +47,9 @@ class ShardHeader:
 
 
 def token_dtype(vocab_size):
-    """ The shard dtype for a vocabulary: uint16 while every id fits (GPT-2's 50,257), else uint32. """
+    """
+    The shard dtype for a vocabulary: uint16 while every id fits (GPT-2's 50,257), else uint32.
+    """
     return np.dtype(np.uint16) if vocab_size <= 2 ** 16 else np.dtype(np.uint32)
 
 
@@ -58,7 +62,10 @@ def _format_of(dtype):
 
 
 def as_token_array(ids, dtype):
-    """ ids as a dtype array, refusing (instead of silently wrapping, as numpy would) an id that doesn't fit. """
+    """
+    ids as a dtype array, refusing (instead of silently wrapping, as numpy would) an id that doesn't
+    fit.
+    """
     arr = np.asarray(ids)
     dtype = np.dtype(dtype)
     if arr.dtype == dtype:
@@ -66,8 +73,9 @@ def as_token_array(ids, dtype):
     limit = np.iinfo(dtype).max
     if arr.size and (arr.min() < 0 or arr.max() > limit):
         bad = int(arr.max()) if arr.max() > limit else int(arr.min())
-        raise UserError(f"token id {bad} does not fit in {dtype} (0..{limit:,}); the tokenizer's vocabulary is "
-                        f"too large for {dtype} token files")
+        raise UserError(
+            f"token id {bad} does not fit in {dtype} (0..{limit:,}); the tokenizer's vocabulary is "
+            f"too large for {dtype} token files")
     return arr.astype(dtype)
 
 
@@ -84,12 +92,14 @@ def shard_header(num_tokens, dtype):
 
 def write_shard(path, tokens):
     """
-    One shard at path: the header, then the tokens (a uint16 or uint32 array; the dtype picks the kind).
-    Written under a temp name and renamed when complete (nanogpt_plus.files), so path is never half a shard.
+    One shard at path: the header, then the tokens (a uint16 or uint32 array; the dtype picks the
+    kind). Written under a temp name and renamed when complete (nanogpt_plus.files), so path is
+    never half a shard.
     """
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or not 0 < len(tokens) <= MAX_TOKENS:
-        raise ValueError(f"a shard holds 1 to {MAX_TOKENS:,} tokens in a flat array, got shape {tokens.shape}")
+        raise ValueError(
+            f"a shard holds 1 to {MAX_TOKENS:,} tokens in a flat array, got shape {tokens.shape}")
     header = shard_header(len(tokens), tokens.dtype)
     # little-endian, as llm.c's files are
     data = tokens.astype(tokens.dtype.newbyteorder("<"), copy=False)
@@ -104,13 +114,16 @@ def write_shard(path, tokens):
 # reading
 
 def read_header(path):
-    """ The validated header of the shard at path; anything else is one UserError naming the file. """
+    """
+    The validated header of the shard at path; anything else is one UserError naming the file.
+    """
     if not os.path.isfile(path):
         raise UserError(f"no token shard at {path}; prepare the dataset first")
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
-        raise UserError(f"{path} is {size} bytes, shorter than the 1024-byte header of an llm.c token shard; "
-                        f"it is truncated or not a shard: prepare it again")
+        raise UserError(
+            f"{path} is {size} bytes, shorter than the 1024-byte header of an llm.c token shard; "
+            f"it is truncated or not a shard: prepare it again")
     with open(path, "rb") as f:
         magic, version, num_tokens = (int(v) for v in np.frombuffer(f.read(12), dtype="<i4"))
     if magic not in FORMATS:
@@ -119,12 +132,14 @@ def read_header(path):
                         f"pass a directory of token shards (or nanoGPT's train.bin/val.bin)")
     expected_version, dtype = FORMATS[magic]
     if version != expected_version:
-        raise UserError(f"{path} has format version {version}, but magic {magic} shards are version "
-                        f"{expected_version}; this reader doesn't know that format: prepare the shard again")
+        raise UserError(
+            f"{path} has format version {version}, but magic {magic} shards are version "
+            f"{expected_version}; this reader doesn't know that format: prepare the shard again")
     expected = HEADER_BYTES + num_tokens * dtype.itemsize
     if num_tokens <= 0 or size != expected:
-        raise UserError(f"{path} is {size:,} bytes, but its header says {num_tokens:,} {dtype} tokens "
-                        f"({max(expected, 0):,} bytes); it is truncated or corrupt: prepare it again")
+        raise UserError(
+            f"{path} is {size:,} bytes, but its header says {num_tokens:,} {dtype} tokens "
+            f"({max(expected, 0):,} bytes); it is truncated or corrupt: prepare it again")
     return ShardHeader(path, magic, version, num_tokens, dtype)
 
 
@@ -136,7 +151,9 @@ def open_shard(path):
 
 
 def has_header(path):
-    """ Whether a token file is an llm.c shard; train.bin and val.bin (exactly) are nanoGPT's raw files. """
+    """
+    Whether a token file is an llm.c shard; train.bin and val.bin (exactly) are nanoGPT's raw files.
+    """
     return os.path.basename(path) not in RAW_NAMES
 
 
@@ -144,7 +161,10 @@ def has_header(path):
 # finding a dataset's token files
 
 def is_shard_name(name):
-    """ Whether a file name is a shard's by find_shards' rule: a *train*.bin or *val*.bin other than nanoGPT's. """
+    """
+    Whether a file name is a shard's by find_shards' rule: a *train*.bin or *val*.bin other than
+    nanoGPT's.
+    """
     if not name.endswith(".bin") or name.startswith(".") or name in RAW_NAMES:
         return False
     return "train" in name or "val" in name
@@ -152,11 +172,12 @@ def is_shard_name(name):
 
 def find_shards(data_dir):
     """
-    (train files, val files) of a dataset directory, by name: files called exactly train.bin / val.bin are
-    nanoGPT's raw uint16 files; otherwise every *train*.bin (sorted by name) is a training shard and every
+    (train files, val files) of a dataset directory, by name: files called exactly train.bin /
+    val.bin are nanoGPT's raw uint16 files; otherwise every *train*.bin (sorted by name) is a
+    training shard and every
     *val*.bin a validation shard, with llm.c's header. Either list may be empty (one split, say); a directory
-    with no token files at all, or with both kinds, is a UserError. Names only: opening validates (open_shard;
-    dataloader.open_token_file for either kind).
+    with no token files at all, or with both kinds, is a UserError. Names only: opening validates
+    (open_shard; dataloader.open_token_file for either kind).
     """
     if not os.path.isdir(data_dir):
         raise UserError(f"no dataset directory at {data_dir}; prepare the dataset first")
@@ -167,15 +188,18 @@ def find_shards(data_dir):
     val = [n for n in shards if "val" in n]
     both = sorted(set(train) & set(val))
     if both:
-        raise UserError(f"{os.path.join(data_dir, both[0])} names both train and val, so its split is unclear; "
-                        f"rename it to *train*.bin or *val*.bin")
+        raise UserError(
+            f"{os.path.join(data_dir, both[0])} names both train and val, so its split is unclear; "
+            f"rename it to *train*.bin or *val*.bin")
     if raw and (train or val):
-        raise UserError(f"{data_dir} holds both nanoGPT's {'/'.join(raw)} and llm.c shards ({(train + val)[0]}, "
-                        f"...); keep one kind of token file per directory")
+        raise UserError(
+            f"{data_dir} holds both nanoGPT's {'/'.join(raw)} and llm.c shards ({(train + val)[0]}, "
+            f"...); keep one kind of token file per directory")
     if raw:
         train = [n for n in raw if n == "train.bin"]
         val = [n for n in raw if n == "val.bin"]
     if not (train or val):
-        raise UserError(f"{data_dir} has no token files (train.bin/val.bin, or *train*.bin / *val*.bin shards); "
-                        f"prepare the dataset first")
+        raise UserError(
+            f"{data_dir} has no token files (train.bin/val.bin, or *train*.bin / *val*.bin shards); "
+            f"prepare the dataset first")
     return [os.path.join(data_dir, n) for n in train], [os.path.join(data_dir, n) for n in val]

