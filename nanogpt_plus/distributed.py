@@ -193,8 +193,8 @@ def every_rank(dist_info, fn, agree=None):
     import torch.distributed as dist
     code = None if error is None else exit_code(error)
     shown = {k: result[k] for k in agree} if agree and error is None else None
-    mine = (code, socket.gethostname(), os.environ.get('GROUP_RANK',
-                                                       '0'), str(error) if error else '', shown)
+    node = os.environ.get('GROUP_RANK', '0')  # torchrun's node rank
+    mine = (code, socket.gethostname(), node, str(error) if error else '', shown)
     outcomes = [None] * dist_info.world_size
     dist.all_gather_object(outcomes, mine)
     failed = [r for r, outcome in enumerate(outcomes) if outcome[0] is not None]
