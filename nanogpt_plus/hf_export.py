@@ -117,8 +117,11 @@ def write_generation_config(hf_dir, hf_cfg, n_tokens):
     # built directly rather than from_model_config: one marked as derived from the model config may
     # be re-derived from it by generate(), which would drop suppress_tokens
     padded = list(range(n_tokens, hf_cfg.vocab_size))
+    # a sample ends at the model's context (pipeline's default of 256 new tokens would run a small
+    # model's position table out of range); a longer one needs a sliding window, sample.py's
+    context = getattr(hf_cfg, 'n_positions', None) or getattr(hf_cfg, 'block_size', None)
     GenerationConfig(bos_token_id=hf_cfg.bos_token_id, eos_token_id=hf_cfg.eos_token_id,
-                     suppress_tokens=padded or None).save_pretrained(hf_dir)
+                     suppress_tokens=padded or None, max_length=context).save_pretrained(hf_dir)
 
 
 def hf_state_dict(model):

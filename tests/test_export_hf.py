@@ -133,6 +133,17 @@ def test_cli_export_gpt2_tokenizer_and_pipeline(tmp_path):
     assert out == GPT2Tokenizer().decode(ours)
 
 
+def test_pipeline_defaults_stop_at_the_models_context(tmp_path):
+    """ pipeline('text-generation') asks for 256 new tokens by default: a 32-token model stops at 32. """
+    from transformers import pipeline
+    tok = CharTokenizer.from_text("hello world\nthe quick brown fox!")
+    model = tiny_gpt(vocab_size=tok.vocab_size, block_size=32)
+    export(model, tok.meta(), str(tmp_path / 'hf'))
+    gen = pipeline('text-generation', model=str(tmp_path / 'hf'), device='cpu')
+    text = gen("hello")[0]['generated_text']
+    assert text.startswith("hello") and len(text) == 32  # one character a token
+
+
 def test_char_model_export_with_char_tokenizer(tmp_path):
     from transformers import AutoTokenizer
     tok = CharTokenizer.from_text("hello world\nthe quick brown fox é!")
