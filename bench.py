@@ -131,7 +131,7 @@ def check_settings(cfg):
     DEFAULTS.check(cfg)
     check_model_shape(cfg['n_embd'], cfg['n_head'], cfg['pos'])
     if cfg['profile']:  # now, not after the benchmark: a file in the way, or a dataset's directory
-        check_output(cfg['profile_dir'], 'profile_dir', overwrite=False, kind='directory')
+        check_output(cfg['profile_dir'], 'profile_dir', overwrite=None, kind='directory')
 
 
 def main(argv=None):

@@ -26,6 +26,7 @@ Usage:
 import ast
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import types
@@ -65,11 +66,14 @@ class Setting:
     One setting: its default, a one-line help, and what it accepts. kind: its type (the default's
     unless given; an int is accepted where a float is expected); none_ok: None is a value of its own
     ("auto", "all", "off"; True when the default is None); choices: the allowed values; low/high:
-    bounds (open with low_open/high_open); not_empty: a string that must not be blank.
+    bounds (open with low_open/high_open); not_empty: a string that must not be blank. A float is
+    finite: NaN passes every bound (each comparison with it is False) and an inf (1e999 parses as
+    one) is no rate, norm or fraction, so both are refused; infinite_ok=True lets a setting whose
+    inf means something take one.
     """
 
     def __init__(self, default, help, kind=None, choices=None, low=None, high=None, low_open=False,
-                 high_open=False, none_ok=None, not_empty=False):
+                 high_open=False, none_ok=None, not_empty=False, infinite_ok=False):
         if kind is None and default is None:
             raise TypeError("a setting whose default is None needs its kind")
         self.default = default
@@ -82,6 +86,7 @@ class Setting:
         self.high_open = high_open
         self.none_ok = default is None if none_ok is None else none_ok
         self.not_empty = not_empty
+        self.infinite_ok = infinite_ok
 
     def with_default(self, default):
         """ The same setting with another default (an entry point whose own default differs). """
@@ -120,6 +125,10 @@ class Setting:
             return None
         if self.not_empty and not str(value).strip():
             return f"{key} must not be empty; pass --{key}=<a name>"
+        if isinstance(value, float) and not math.isfinite(value) and \
+                (math.isnan(value) or not self.infinite_ok):
+            return (f"{key} must be a finite number, got {value!r}; change --{key} (or the config "
+                    f"file that sets it)")
         too_low = self.low is not None and (value <= self.low
                                             if self.low_open else value < self.low)
         too_high = self.high is not None and (value >= self.high

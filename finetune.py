@@ -241,6 +241,7 @@ def check_settings(cfg):
     """
     DEFAULTS.check(cfg)
     settings.check_model_shape(cfg['n_embd'], cfg['n_head'], cfg['pos'])
+    settings.check_auto_resume(cfg['auto_resume'], cfg['overwrite'])
     if cfg['task'] and cfg['task'] not in finetuning.TASKS:
         raise UserError(f"unknown task '{cfg['task']}': use {', '.join(finetuning.TASKS)}")
     if cfg['weights'] != 'float32' and cfg['train_file']:

@@ -217,7 +217,19 @@ def saved_iter(path):
     read).
     """
     # not the .json sidecar: a file copied by hand may lack its own
-    return int(load_checkpoint(path)['iter_num'])
+    return saved_count(load_checkpoint(path), path)
+
+
+def saved_count(ckpt, path, key='iter_num'):
+    """
+    A counter of a checkpoint (iter_num, a fine-tune's epoch): an int >= 0, else one line naming
+    path (a file edited by hand, or written by other code, can hold anything there).
+    """
+    value = ckpt.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UserError(f"checkpoint {path} holds {key}={value!r}, not a count of steps: it was "
+                        f"edited or written by other code; use another checkpoint")
+    return value
 
 
 def clean_state_dict(state_dict):
@@ -455,7 +467,14 @@ def restore_training_state(ckpt, optimizer, scaler, dist_info, loader=None, spik
     the training loader's position and the spike guard's running statistics, so the run goes on as
     the uninterrupted one would.
     """
-    load_optimizer_state(optimizer, ckpt['optimizer'])
+    try:
+        load_optimizer_state(optimizer, ckpt['optimizer'])
+    # torch's check of the saved groups against this optimizer's: another number of parameter
+    # groups, or of parameters in one (a file edited, or saved by other code)
+    except ValueError as e:
+        raise UserError(f"the checkpoint's optimizer state does not fit this run's optimizer "
+                        f"({error_line(e)}); resume from another checkpoint, or start a new run "
+                        f"in another --out_dir") from None
     if ckpt.get('scaler'):
         scaler.load_state_dict(ckpt['scaler'])
     rng = ckpt.get('rng')
@@ -595,13 +614,23 @@ def snapshot_checkpoint(out_dir, iter_num, keep):
     deleted = []
     for i in iters[:-keep]:
         deleted += remove_checkpoint(out_dir, f'ckpt_{i}.pt')
+    # a run killed between a snapshot and its sidecar's removal (before the order below) left the
+    # sidecar alone: it would describe a checkpoint that isn't there
+    held = snapshots(out_dir)
+    for name in os.listdir(out_dir):
+        found = re.match(r'^ckpt_(\d+)\.json$', name)
+        if found and int(found.group(1)) not in held:
+            deleted += remove_checkpoint(out_dir, f'ckpt_{found.group(1)}.pt')
     return deleted
 
 
 def remove_checkpoint(out_dir, name):
-    """ Delete a checkpoint and its sidecar; returns the names deleted. """
+    """
+    Delete a checkpoint and its sidecar (the sidecar first: a kill between the two leaves a
+    checkpoint without its summary, never a summary of nothing); returns the names deleted.
+    """
     deleted = []
-    for n in (name, sidecar_of(name)):
+    for n in (sidecar_of(name), name):
         try:
             os.remove(os.path.join(out_dir, n))
             deleted.append(n)

@@ -74,6 +74,9 @@ def open_token_file(path, dataset=None, dtype=None):
     Any token file split_files returns, validated, as a read-only memmap of its tokens (never read
     whole).
     """
+    if os.path.isdir(path):  # (else an IsADirectoryError from deep in numpy)
+        raise UserError(f"{path} is a directory, not a token file; move it away and re-run the "
+                        f"dataset's prepare.py, or pass another --dataset")
     return open_shard(path) if has_header(path) else open_tokens(path, dataset, dtype)
 
 

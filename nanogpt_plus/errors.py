@@ -7,6 +7,7 @@ so every other module (and configurator.py) may import it without a cycle.
   TokenizerError text a tokenizer can't encode, tokenizer files that can't be used (a UserError)
   Interrupted    a signal stopped the run after it saved: exit 75, "resume me"
   PeerFailed     another rank failed at something all ranks depend on and said why: exit with its code
+  NothingToDo    the work was done before (a requeued job whose run is complete): one line, exit 0
 
 Usage:
     from nanogpt_plus.errors import UserError
@@ -61,6 +62,13 @@ class PeerFailed(Exception):
         self.say = say
 
 
+class NothingToDo(Exception):
+    """
+    The work was done before: a requeued job (auto_resume) whose run is complete. Not an error: a
+    scheduler must not run it again. run_main prints the message and exits 0.
+    """
+
+
 def exit_code(error):
     """
     The exit code a script ends with for error, so the ranks that didn't raise it can end alike.
@@ -69,6 +77,8 @@ def exit_code(error):
         return error.code
     if isinstance(error, Interrupted):
         return EXIT_INTERRUPTED
+    if isinstance(error, NothingToDo):
+        return 0
     if isinstance(error, UserError):
         return EXIT_USER_ERROR
     return 130 if isinstance(error, KeyboardInterrupt) else 1

@@ -31,10 +31,11 @@ from nanogpt_plus.checkpoint import (
     load_checkpoint,
     model_config_from_checkpoint,
     resume_point,
+    saved_count,
     tokenizer_known,
 )
 from nanogpt_plus.dataset import check_dataset_tokenizer, find_dataset
-from nanogpt_plus.errors import UserError
+from nanogpt_plus.errors import NothingToDo, UserError
 from nanogpt_plus.machine import available_host_memory
 from nanogpt_plus.runtime import git_commit
 
@@ -156,13 +157,18 @@ def check_new_model_fits(spec, dataset, batch_size, attention, on_cpu):
 def check_model_memory(config, batch_size, attention, on_cpu):
     """
     Refuse, before anything is built, a new model (config, a GPTConfig) whose first step can't fit
-    this machine's free memory (device.available_host_memory), instead of being killed by the kernel
-    a minute later (exit 137, no word). Counted: each Block's causal mask (block_size^2 bytes, so a
-    long context costs quadratically), the weights with their gradients and AdamW's two moments (16
-    bytes per parameter), and, when the CPU computes (on_cpu), a lower bound of the first step's
-    activations: per token, about 16 n_embd float32 values per Block kept for the backward pass, the
-    logits and their gradient, and with attention='manual' the (T, T) scores and weights of every
-    head, for batch_size sequences. Passing says "not hopeless", not "fits".
+    this machine's free memory (machine.available_host_memory) with a margin (MEMORY_MARGIN of it
+    kept free, for the rest of the process and the machine), instead of being killed by the kernel
+    a minute later (exit 137, no word) or swapping a step that can't honour a signal. Counted: each
+    Block's causal mask (block_size^2 bytes, so a long context costs quadratically), the weights
+    with their gradients and AdamW's two moments (16 bytes per parameter), and, when the CPU
+    computes (on_cpu), the first step's activations, as measured on a CPU (float32, batch_size 1-4,
+    block_size 2048-32768, 1-2 layers): per token about 16 n_embd values per Block kept for the
+    backward pass and 4 copies of the logits (they, their log-softmax and both gradients); the
+    (T, T) scores of every head where they are materialised: attention='manual', or dropout > 0
+    (the CPU's fused attention has no dropout: PyTorch falls back to the written-out one), about 2
+    transient copies plus 1 kept per Block (2 with dropout); and ~100 MiB of the first step's own
+    (kernels, allocator), counted as FIRST_STEP. Passing says "not hopeless", not "fits".
     """
     available = available_host_memory()
     if available is None:
@@ -173,11 +179,14 @@ def check_model_memory(config, batch_size, attention, on_cpu):
     params = 12 * n_layer * n_embd ** 2 + (vocab_size + block_size) * n_embd
     activations = 0
     if on_cpu:
-        scores = 2 * config.n_head * block_size if attention == 'manual' else 0
-        per_token = n_layer * (16 * n_embd + scores) + 2 * vocab_size
-        activations = 4 * batch_size * block_size * per_token
+        per_token = n_layer * 16 * n_embd + 4 * vocab_size
+        activations = 4 * batch_size * block_size * per_token + FIRST_STEP
+        if attention == 'manual' or config.dropout > 0:
+            copies = 2 + n_layer * (2 if config.dropout > 0 else 1)
+            activations += copies * 4 * batch_size * config.n_head * block_size ** 2
     need = masks + 16 * params + activations
-    if need > available:
+    usable = available * (1 - MEMORY_MARGIN)
+    if need > usable:
         parts = [f"{masks / 2**30:,.1f} GiB of causal masks: n_layer x block_size^2 bytes",
                  f"{16 * params / 2**30:,.1f} GiB of weights, gradients and AdamW state"]
         if activations:
@@ -185,9 +194,15 @@ def check_model_memory(config, batch_size, attention, on_cpu):
                          f"batch_size={batch_size}")
         raise UserError(f"this model needs at least {need / 2**30:,.1f} GiB of memory "
                         f"({'; '.join(parts)}), and this machine has {available / 2**30:,.1f} GiB "
-                        f"free; use a smaller --block_size, --batch_size or model")
+                        f"free; use a smaller --block_size, --batch_size or model (a step may use "
+                        f"{100 * (1 - MEMORY_MARGIN):.0f}% of the free memory)")
 
 
+# the share of the free memory a new model's first step must leave (check_model_memory): the
+# estimate is a lower bound, and a machine that swaps can't stop a step when asked
+MEMORY_MARGIN = 0.1
+# what a CPU's first training step holds beyond its tensors (measured: 90-110 MiB)
+FIRST_STEP = 128 * 2**20
 
 
 def is_hf_dir(path):
@@ -473,19 +488,66 @@ def source_settings(source, chosen, keep_zero=(), resume=None, resume_file=None)
     """
     imposed = {}
     init_from, out_dir = source.init_from, source.out_dir
-    if source.auto_resume and init_from != 'resume' and \
-            os.path.isfile(os.path.join(out_dir, resume_file or CHECKPOINT)):
-        # a requeued job: its checkpoint is there, so it continues
+    # a requeued job: its checkpoint is there, so it continues. auto_resume wins over init_from: a
+    # job's command line always carries the init_from that started the run, which must then be the
+    # run in out_dir (requeued_run)
+    requeued = source.auto_resume and init_from != 'resume' and \
+        os.path.isfile(os.path.join(out_dir, resume_file or CHECKPOINT))
+    if requeued:
         init_from = imposed['init_from'] = 'resume'
-        if int(os.environ.get('RANK', 0)) == 0:
-            print(f"auto_resume=True: {out_dir} holds this run's checkpoint; resuming it")
     if init_from != 'resume':
         return dict(imposed, **weights_settings(init_from, out_dir, chosen, keep_zero)), None
     if resume_file is not None:
         path = os.path.join(out_dir, resume_file)
-        return dict(imposed, **resumed_finetune_settings(path, chosen)), path
-    path = resume_point(out_dir, resume.resume_from)
-    return dict(imposed, **resumed_run_settings(out_dir, path, chosen, resume.max_iters)), path
+        if requeued:
+            requeued_run(source.init_from, out_dir, path)
+        imposed.update(resumed_finetune_settings(path, chosen))
+    else:
+        path = resume_point(out_dir, resume.resume_from)
+        if requeued:
+            requeued_run(source.init_from, out_dir, path)
+        imposed.update(resumed_run_settings(out_dir, path, chosen, resume.max_iters,
+                                            requeued=source.auto_resume))
+    if requeued and int(os.environ.get('RANK', 0)) == 0:
+        print(f"auto_resume=True: {out_dir} holds this run's checkpoint; resuming it (init_from="
+              f"{source.init_from} is how it started)")
+    return imposed, path
+
+
+def requeued_run(init_from, out_dir, path):
+    """
+    auto_resume's check that the checkpoint at path (out_dir's) is of the run that init_from
+    started: the weights init_from names fix a run's architecture, so a checkpoint of another one
+    (of another run left in out_dir) is refused in one line rather than resumed in its place.
+    block_size may be smaller (the run cropped the model). init_from=scratch names no weights: the
+    architecture settings given are compared with the checkpoint's as for any resume. Weights that
+    can't be read now (a Hub offline) are not compared: the requeued job needs only the checkpoint.
+    """
+    if init_from == 'scratch' or not os.path.isfile(path):
+        return  # a missing file: said by the resume's own check
+    ckpt = load_checkpoint(path)
+    if 'model_args' not in ckpt:
+        return  # not a training checkpoint: said by the resume's own check
+    resumed = model_config_from_checkpoint(ckpt)
+    source = checkpoint_path(init_from, out_dir)
+    try:
+        if source is not None:
+            started = model_config_from_checkpoint(load_checkpoint(source))
+        elif init_from in GPT2_NAMES or is_hf_dir(init_from):
+            from nanogpt_plus.hf_import import hf_config  # only for Hugging Face weights
+            started = hf_config(init_from)
+        else:
+            return
+    except UserError:
+        return
+    for key in ARCHITECTURE:
+        was, now = getattr(started, key), getattr(resumed, key)
+        if now != was and not (key == 'block_size' and now < was):
+            raise UserError(
+                f"auto_resume=True but {path} is not a run that init_from={init_from} started: it "
+                f"has {key}={now!r}, {describe_source(init_from, out_dir)} {key}={was!r}; pass "
+                f"another --out_dir for a new run from {init_from}, or --init_from=resume to "
+                f"continue the run in {out_dir}")
 
 
 def same_start(settings_record, resumed):
@@ -581,12 +643,14 @@ def kept_optimizer(ckpt, path, chosen):
     return {'optimizer': saved}
 
 
-def resumed_run_settings(out_dir, path, chosen, max_iters):
+def resumed_run_settings(out_dir, path, chosen, max_iters, requeued=False):
     """
     train.py's --init_from=resume of the run in out_dir, before any work (its block_size is used
     before the model is built): the checkpoint at path must exist and be a train.py training
     checkpoint, the run takes its architecture and optimizer (checkpoint_architecture,
-    kept_optimizer), and the run must not be over. Its tensors are memory-mapped, not read.
+    kept_optimizer), and the run must not be over: a user error, but for a requeued job
+    (auto_resume, requeued=True) NothingToDo: the job had finished, exit 0. Its tensors are
+    memory-mapped, not read.
     """
     if not os.path.exists(path):
         raise UserError(f"init_from=resume but there is no checkpoint at {path}; "
@@ -603,9 +667,20 @@ def resumed_run_settings(out_dir, path, chosen, max_iters):
     imposed.update(kept_optimizer(ckpt, path, chosen))
     # the loop trains iteration max_iters too and then stops, so the final checkpoint of a finished
     # run has iter_num = max_iters + 1; one at iter_num == max_iters still has that last step to run
-    if int(ckpt['iter_num']) > max_iters:
+    iter_num = saved_count(ckpt, path)
+    try:
+        float(ckpt['best_val_loss'])  # nanoGPT's is a 0-d tensor
+    except (TypeError, ValueError, RuntimeError):
+        raise UserError(f"checkpoint {path} holds best_val_loss={ckpt['best_val_loss']!r}, not a "
+                        f"loss: it was edited or written by other code; use another "
+                        f"checkpoint") from None
+    if iter_num > max_iters and requeued:
+        raise NothingToDo(f"auto_resume=True: the run in {out_dir} is already complete (its "
+                          f"checkpoint is at iter {iter_num}, past max_iters={max_iters}); "
+                          f"nothing to do")
+    if iter_num > max_iters:
         raise UserError(f"the run in {out_dir} is already complete: its checkpoint is at iter "
-                        f"{int(ckpt['iter_num'])}, past max_iters={max_iters}; to train further, "
+                        f"{iter_num}, past max_iters={max_iters}; to train further, "
                         f"resume with a larger --max_iters (and --lr_decay_iters to match)")
     return imposed
 
@@ -634,4 +709,7 @@ def resumed_finetune_settings(path, chosen):
         raise UserError(
             f"init_from=resume but there is no {path}; check --out_dir or start a new fine-tune "
             f"with --init_from=<pretrained model>")
-    return checkpoint_architecture(load_checkpoint(path), path, chosen, keep_zero=('block_size',))
+    ckpt = load_checkpoint(path)
+    for key in ('iter_num', 'epoch', 'step_in_epoch'):  # where the fine-tune goes on
+        saved_count(ckpt, path, key)
+    return checkpoint_architecture(ckpt, path, chosen, keep_zero=('block_size',))

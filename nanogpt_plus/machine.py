@@ -76,7 +76,8 @@ def resolve_dtype(dtype, device):
     if dtype not in PTDTYPE:
         raise UserError(f"unknown dtype '{dtype}': use auto, float32, bfloat16 or float16")
     if dtype == 'float16' and device_type == 'cpu':
-        raise UserError("float16 training is not supported on CPU; use --dtype=bfloat16 or float32")
+        # every script resolves its dtype here: training, sampling and evaluation alike
+        raise UserError("--dtype=float16 is not supported on CPU; use --dtype=bfloat16 or float32")
     return dtype
 
 

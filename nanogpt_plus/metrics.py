@@ -83,6 +83,9 @@ class MetricsLogger:
                                  resume='allow')
                 self.wandb = wandb
                 self.wandb_id = run.id
+            except ModuleNotFoundError:  # not installed: WANDB_MODE can't help
+                print("warning: wandb is not installed; continuing without it (pip install wandb "
+                      "to log there, or --wandb_log=False)", file=sys.stderr)
             # wandb raises many kinds (UsageError, CommError, ...): all mean "no wandb"
             except Exception as e:
                 print(

@@ -193,10 +193,10 @@ def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(),
     not an earlier output_kind (OUTPUT_KINDS: the file output the script writes), write into a
     directory holding a protected file (or, given earlier: the names an earlier output of the script
     there holds, into a directory of other files), or replace one of inputs ({setting: path} the run
-    reads), unless overwrite; and, overwrite or not, a run's lock or an output that can't be written
-    at all. Call it before the work, so nothing is computed for an output that is then refused. What
-    a script wrote itself (an eval JSON, predictions.jsonl, an export directory) is none of these:
-    re-running replaces it.
+    reads), unless overwrite (None: the script has no --overwrite, and its advice names none);
+    and, overwrite or not, a run's lock or an output that can't be written at all. Call it before
+    the work, so nothing is computed for an output that is then refused. What a script wrote itself
+    (an eval JSON, predictions.jsonl, an export directory) is none of these: re-running replaces it.
     """
     if os.path.basename(os.path.normpath(path)) == LOCK_NAME:
         raise UserError(
@@ -212,6 +212,8 @@ def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(),
     conflict = _conflict(path, kind, inputs, earlier, output_kind)
     if conflict is None:
         return
+    if overwrite is None:  # a script without --overwrite (bench.py): never replaced
+        raise UserError(f"--{setting}={path} {conflict}; pass another --{setting}")
     if not overwrite:
         raise UserError(
             f"--{setting}={path} {conflict}; pass another --{setting}, or --overwrite=True to write "

@@ -40,13 +40,20 @@ def run_main(main):
         _exit(exit_code(e))
     except PeerFailed as e:  # rank 0 said why; no teardown: a rank may still be gone
         # the first process of another node repeats the line, for whoever reads this node's log
-        if e.say:
+        if e.say and e.code == 0:  # NothingToDo: not an error
+            print(e.say)
+        elif e.say:
             print(f"error: {e.say}", file=sys.stderr)
         _exit(exit_code(e))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         _exit(130)
     except Exception as e:
+        # NothingToDo: a requeued job whose run is complete; said, exit 0 (every rank raised it: no
+        # teardown, as for a user error)
+        if exit_code(e) == 0:
+            print(e)
+            _exit(0)
         # UserError, ConfigError, TokenizerError: the user's to fix
         if exit_code(e) == EXIT_USER_ERROR:
             print(f"error: {e}", file=sys.stderr)

@@ -172,10 +172,13 @@ SYSTEM = Group(
     backend=Setting('auto',
                     "'auto' = nccl for CUDA, gloo for CPU; or 'nccl', 'gloo'",
                     choices=BACKENDS),
-    dist_timeout=non_negative(
+    # at most a week: a rank waiting longer is gone, and a bigger timeout overflows the C++
+    # side's milliseconds (OverflowError, or a process group that fails to start)
+    dist_timeout=Setting(
         0, "under torchrun: seconds a rank waits in a collective before the run fails (the "
         "process group's timeout); 0 = PyTorch's (10 minutes for nccl, 30 for gloo). "
-        "Raise it where a first compile or rank 0's evaluation takes longer"),
+        "Raise it where a first compile or rank 0's evaluation takes longer", low=0,
+        high=7 * 24 * 3600),
     parallelism=Setting(
         'ddp', "under torchrun: 'ddp' (a full model copy per rank) or 'fsdp' (shard the model, "
         "FSDP2)",
@@ -217,6 +220,19 @@ def check_model_shape(n_embd, n_head, pos):
             f"n_embd and n_head so that n_embd / n_head is even")
 
 
+def check_auto_resume(auto_resume, overwrite):
+    """
+    auto_resume=True continues the run in out_dir; overwrite=True starts it over: together, every
+    requeue of a job would throw its run away (or the first start would keep the run it was told to
+    replace). Refused, whichever script (train.py, finetune.py).
+    """
+    if auto_resume and overwrite:
+        raise UserError(
+            "auto_resume=True continues the run in out_dir and overwrite=True starts it over; give "
+            "one of them (to start over once, run with --overwrite=True alone, then requeue with "
+            "--auto_resume=True)")
+
+
 def check_training(cfg):
     """
     train.py's checks of the combinations of its settings, once each one passed its own check
@@ -224,6 +240,7 @@ def check_training(cfg):
     topic; the last one refuses a new model whose first step can't fit in this machine's memory.
     """
     check_model_shape(cfg['n_embd'], cfg['n_head'], cfg['pos'])
+    check_auto_resume(cfg['auto_resume'], cfg['overwrite'])
     if cfg['decay_lr'] and cfg['min_lr'] > cfg['learning_rate']:  # the "decay" would raise the rate
         raise UserError(
             f"min_lr ({cfg['min_lr']}) is above learning_rate ({cfg['learning_rate']}), so the decay "
