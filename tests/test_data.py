@@ -321,8 +321,8 @@ def test_interrupted_write_leaves_old_outputs_and_no_finished_looking_file(tmp_p
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
     monkeypatch.setattr(shakespeare, "write_dataset_meta", boom)
-    with pytest.raises(KeyboardInterrupt):
-        prepare_char("completely different text\n" * 50, str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):  # another dataset: it takes --overwrite=True
+        prepare_char("completely different text\n" * 50, str(tmp_path), overwrite=True)
     after = {p: (tmp_path / p).read_bytes() for p in before}
     assert after == before  # all or nothing: the old dataset is intact and consistent
     assert sorted(os.listdir(tmp_path)) == sorted(before)  # and no temp files are left
