@@ -340,7 +340,8 @@ def test_interrupted_write_leaves_old_outputs_and_no_finished_looking_file(tmp_p
 
 
 def test_rerun_is_safe_and_clears_temps_of_killed_runs(tmp_path):
-    dead = tmp_path / ".train.bin.nanogpt_plus.tmp.99999999"  # what a run killed with SIGKILL leaves
+    # what a run killed with SIGKILL leaves behind
+    dead = tmp_path / ".train.bin.nanogpt_plus.tmp.99999999"
     dead.write_bytes(b"\0" * 10)
     prepare_char(TEXT, str(tmp_path))
     first = (tmp_path / "train.bin").read_bytes()
@@ -358,8 +359,8 @@ def test_write_token_batches_checks_the_total(tmp_path):
 
 
 def test_atomic_write_is_the_dataset_writer_for_one_file(tmp_path):
-    # a checkpoint goes through the same steps as train.bin: temp name .<name>.nanogpt_plus.tmp.<pid>, renamed
-    # when complete
+    # a checkpoint goes through the same steps as train.bin: temp name
+    # .<name>.nanogpt_plus.tmp.<pid>, renamed when complete
     seen = []
 
     def write(f):

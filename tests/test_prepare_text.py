@@ -32,7 +32,7 @@ def prepare(monkeypatch, *args):
 
 
 def files_of(out_dir, names=BINS + ("meta.json", "tokenizer.json")):
-    """ The files' bytes; meta.json's without the record of how it was prepared (its corpus's path, ...). """
+    """ The files' bytes; meta.json's without the record of its preparation (the corpus's path). """
     files = {n: (out_dir / n).read_bytes() for n in names if (out_dir / n).exists()}
     if "meta.json" in files:
         meta = json.loads(files["meta.json"])

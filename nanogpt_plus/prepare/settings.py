@@ -1,8 +1,8 @@
 """
 What the data/<name>/prepare.py scripts share around their work: the settings several of them take,
 declared once with their help (as nanogpt_plus/settings.py declares the training entry points'), and
-check_out_dir, the rule of the overwrite setting: a prepare script must not write into a directory
-that holds another kind of data.
+check_out_dir and check_same_dataset, the rule of the overwrite setting: a prepare script must not
+write into a directory that holds another kind of data, another dataset or a live run.
 
 A directory holds one kind of token files (find_shards refuses a mix): nanoGPT's train.bin/val.bin,
 written by data/text, openwebtext, shakespeare and shakespeare_char, or llm.c's token shards
@@ -64,8 +64,8 @@ CACHE_DIR = Setting(
     '', "Hugging Face datasets cache ('' = its default, ~/.cache/huggingface/datasets)")
 SEED = Setting(2357, "the shuffle that picks the val documents (nanoGPT's seed)", low=0)
 OVERWRITE = Setting(
-    False, "True: write even where out_dir holds another kind of dataset (which is replaced) or a "
-    "training run's files",
+    False, "True: write even where out_dir holds another dataset (which is replaced) or a "
+    "training run's files (never a live run's)",
     kind=bool)
 
 
