@@ -578,6 +578,16 @@ def checkpoint_files(out_dir):
     return named + [name for _, name in sorted(snapshots(out_dir).items())]
 
 
+def is_checkpoint_name(name):
+    """
+    Whether a run saves under this name: ckpt.pt, ckpt_best.pt, ckpt_last.pt, a snapshot, or the
+    .json sidecar of one of them.
+    """
+    named = (CHECKPOINT, BEST, LAST)
+    return name in named or name in map(sidecar_of, named) or bool(
+        SNAPSHOT.match(name) or SNAPSHOT.match(os.path.splitext(name)[0] + '.pt'))
+
+
 def snapshots(out_dir):
     """ {iteration: file name} of the ckpt_<iter>.pt snapshots in out_dir. """
     return {int(m.group(1)): m.group(0) for m in map(SNAPSHOT.match, os.listdir(out_dir)) if m}

@@ -3,11 +3,11 @@ Files on disk: the one atomic writer every output goes through (datasets, checkp
 results), and reading JSONL files with one-line errors. Where an output may go at all is
 outputs.py's.
 
-An output is written under a hidden temporary name beside it (.train.bin.tmp.<pid>,
-.ckpt.pt.tmp.<pid>), fsynced, and renamed over the real name only when complete, so a crash at any
-moment leaves either the old complete file or the new one, never a file that looks finished but
-isn't. Several outputs of one run (train.bin, val.bin, meta.json) are renamed together, after all of
-them are on disk.
+An output is written under a hidden temporary name beside it (.train.bin.nanogpt_plus.tmp.<pid>,
+.ckpt.pt.nanogpt_plus.tmp.<pid>), fsynced, and renamed over the real name only when complete, so a
+crash at any moment leaves either the old complete file or the new one, never a file that looks
+finished but isn't. Several outputs of one run (train.bin, val.bin, meta.json) are renamed together,
+after all of them are on disk.
 
 Usage:
     from nanogpt_plus.files import atomic_outputs, atomic_write, read_jsonl
@@ -18,6 +18,7 @@ Usage:
     records = read_jsonl('val.jsonl', required_keys=('text',))        # [(line number, dict)]
 """
 
+import fcntl
 import glob
 import json
 import os
@@ -25,6 +26,9 @@ from contextlib import contextmanager
 
 from nanogpt_plus.errors import UserError
 
+# in every temp file's name, so that a sweep for the temps of killed runs removes only files this
+# project wrote (a user's own .thesis.tmp.4242 has no such mark)
+TEMP_MARK = ".nanogpt_plus.tmp."
 # -----------------------------------------------------------------------------
 # atomic outputs
 
@@ -77,7 +81,7 @@ def temp_path(final):
     last.
     """
     directory, name = os.path.split(final)
-    return os.path.join(directory, f".{name}.tmp.{os.getpid()}")
+    return os.path.join(directory, f".{name}{TEMP_MARK}{os.getpid()}")
 
 
 class AtomicOutputs:
@@ -174,16 +178,17 @@ def remove_stale_temps(final):
     exists).
     """
     directory, name = os.path.split(final)
-    _remove_stale(glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.tmp.*")))
+    pattern = f".{glob.escape(name)}{TEMP_MARK}*"
+    _remove_stale(glob.glob(os.path.join(glob.escape(directory), pattern)))
 
 
 def remove_stale_temps_in(directory):
     """
-    Delete every temp file of a dead process in directory (a kill -9 mid-save leaves a full-size
-    .ckpt.pt.tmp.<pid>); returns their names. For a directory only one run writes to (its out_dir,
-    locked).
+    Delete every temp file of ours (TEMP_MARK) of a dead process in directory (a kill -9 mid-save
+    leaves a full-size .ckpt.pt.nanogpt_plus.tmp.<pid>); returns their names. For a directory only
+    one run writes to (its out_dir, locked, once the run's checks passed).
     """
-    return _remove_stale(glob.glob(os.path.join(glob.escape(directory), ".*.tmp.*")))
+    return _remove_stale(glob.glob(os.path.join(glob.escape(directory), f".*{TEMP_MARK}*")))
 
 
 def _remove_stale(temps):
@@ -208,6 +213,27 @@ def _pid_alive(pid):
     except PermissionError:
         return True  # it exists, it just belongs to another user
     return True
+
+
+def flock_held(path):
+    """
+    Whether another open file (another process, live, on this machine) holds an flock on the file at
+    path: a run's lock (out_dir.OutDirLock) while the run lives. False when there is no such file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        # a shared lock for an instant: it conflicts only with the exclusive one a live run holds
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # a file system without locks: no lock can be held there either
+    finally:
+        os.close(fd)  # and with it our shared lock, if we got it
+    return False
 
 
 def _fsync_dir(path):

@@ -35,10 +35,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 
-from nanogpt_plus.checkpoint import CHECKPOINT, branch_off, checkpoint_files, sidecar_of
+from nanogpt_plus.checkpoint import CHECKPOINT, branch_off, checkpoint_files, is_checkpoint_name, sidecar_of
 from nanogpt_plus.distributed import master_decides
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.files import remove_stale_temps_in, temp_path
+from nanogpt_plus.files import flock_held, remove_stale_temps_in, temp_path
 
 LOCK_NAME = 'run.lock'
 
@@ -242,22 +242,23 @@ def read_holder(fd):
 def claim_out_dir(out_dir, dist_info, prepare=None):
     """
     Hold out_dir's lock on rank 0 for the body of the with-block, released however it ends. Then
-    (still on rank 0) remove the temp files dead processes left there and run prepare() (e.g. the
-    overwrite check). Every rank learns whether rank 0 succeeded (master_decides), so a refused run
-    ends on all of them.
+    (still on rank 0) check that no checkpoint name there is taken by a directory, run prepare()
+    (e.g. the overwrite check) and remove the temp files dead processes of ours left there. Every
+    rank learns whether rank 0 succeeded (master_decides), so a refused run ends on all of them.
     """
     lock = OutDirLock(out_dir)
 
     def claim():
         lock.acquire()
         try:
-            removed = remove_stale_temps_in(out_dir)
-            if removed:
-                print(
-                    f"removed {len(removed)} temp file(s) that killed runs left in {out_dir}: {', '.join(removed)}"
-                )
+            check_checkpoint_names(out_dir)
             if prepare is not None:
                 prepare()
+            # only now that the checks found out_dir to be this run's: a refused run touches nothing
+            removed = remove_stale_temps_in(out_dir)
+            if removed:
+                print(f"removed {len(removed)} temp file(s) that killed runs left in {out_dir}: "
+                      f"{', '.join(removed)}")
         except BaseException:
             lock.release()
             raise
@@ -266,6 +267,41 @@ def claim_out_dir(out_dir, dist_info, prepare=None):
         yield lock
     finally:
         lock.release()
+
+
+def live_holder(directory):
+    """
+    The lock record (pid, host, started) of a live run, other than this process, that holds
+    directory's run.lock, else None: no output of another script may go into that directory.
+    """
+    path = os.path.join(directory, LOCK_NAME)
+    if not flock_held(path):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None  # released just now
+    try:
+        holder = read_holder(fd)
+    finally:
+        os.close(fd)
+    if holder.get('pid') == os.getpid() and holder.get('host') == socket.gethostname():
+        return None  # our own run's directory (finetune.py's predictions beside its checkpoints)
+    return holder
+
+
+def check_checkpoint_names(out_dir):
+    """
+    Refuse a run whose checkpoint names in out_dir are taken by something a save can't replace (a
+    directory called ckpt.pt, say): its first save would fail only after all the training before it.
+    """
+    for name in sorted(os.listdir(out_dir)):
+        path = os.path.join(out_dir, name)
+        if is_checkpoint_name(name) and os.path.lexists(path) and not os.path.isfile(path):
+            raise UserError(
+                f"{path} is not a file (a directory or another kind of file is in its place), so "
+                f"this run could not save its checkpoint there; move it away, or pass another "
+                f"--out_dir")
 
 
 # -----------------------------------------------------------------------------

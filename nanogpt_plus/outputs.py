@@ -9,7 +9,8 @@ check_output refuses one that would replace a checkpoint, a dataset's files, a d
 them, a file the run reads, or any other existing file that is not an earlier output of the same
 kind (an eval result, a predictions file: recognised by what they hold), unless --overwrite=True. A
 run's lock (run.lock) is never an output: replacing it would let a second run into a live run's
-out_dir. Re-running a script replaces its own earlier output.
+out_dir; and a live run's out_dir (its lock held) takes no output at all, overwrite or not: the
+run's files are its own until it ends. Re-running a script replaces its own earlier output.
 
 Usage:
     from nanogpt_plus.outputs import check_output
@@ -22,7 +23,7 @@ import sys
 import zipfile
 
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.out_dir import LOCK_NAME
+from nanogpt_plus.out_dir import LOCK_NAME, live_holder
 
 # what an output never replaces unprompted: checkpoints (ckpt.pt, snapshots, a Hugging Face
 # pytorch_model.bin, any file torch.save wrote) and a dataset's files: its token files (nanoGPT's
@@ -194,14 +195,22 @@ def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(),
     directory holding a protected file (or, given earlier: the names an earlier output of the script
     there holds, into a directory of other files), or replace one of inputs ({setting: path} the run
     reads), unless overwrite (None: the script has no --overwrite, and its advice names none);
-    and, overwrite or not, a run's lock or an output that can't be written at all. Call it before
-    the work, so nothing is computed for an output that is then refused. What a script wrote itself
-    (an eval JSON, predictions.jsonl, an export directory) is none of these: re-running replaces it.
+    and, overwrite or not, a run's lock, an output into a live run's out_dir or an output that
+    can't be written at all. Call it before the work, so nothing is computed for an output that is
+    then refused. What a script wrote itself (an eval JSON, predictions.jsonl, an export directory)
+    is none of these: re-running replaces it.
     """
     if os.path.basename(os.path.normpath(path)) == LOCK_NAME:
         raise UserError(
             f"--{setting}={path} is a run's lock ({LOCK_NAME}), which no output may replace (a second "
             f"run could then start beside a live one); pass another --{setting}")
+    directory = path if kind == 'directory' else os.path.dirname(os.path.abspath(path))
+    holder = live_holder(directory) if os.path.isdir(directory) else None
+    if holder is not None:
+        raise UserError(
+            f"--{setting}={path} is in the out_dir of a live run (pid {holder.get('pid')} on "
+            f"{holder.get('host')}, started {holder.get('started')}), which no output may change, "
+            f"--overwrite=True or not; wait for the run to end, or pass another --{setting}")
     if kind == 'directory' and os.path.isfile(path):
         raise UserError(
             f"--{setting}={path} is a file, not a directory; pass a directory (a new one, or an "

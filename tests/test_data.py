@@ -321,8 +321,8 @@ def test_interrupted_write_leaves_old_outputs_and_no_finished_looking_file(tmp_p
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
     monkeypatch.setattr(shakespeare, "write_dataset_meta", boom)
-    with pytest.raises(KeyboardInterrupt):
-        prepare_char("completely different text\n" * 50, str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):  # another dataset: it takes --overwrite=True
+        prepare_char("completely different text\n" * 50, str(tmp_path), overwrite=True)
     after = {p: (tmp_path / p).read_bytes() for p in before}
     assert after == before  # all or nothing: the old dataset is intact and consistent
     assert sorted(os.listdir(tmp_path)) == sorted(before)  # and no temp files are left
@@ -340,7 +340,8 @@ def test_interrupted_write_leaves_old_outputs_and_no_finished_looking_file(tmp_p
 
 
 def test_rerun_is_safe_and_clears_temps_of_killed_runs(tmp_path):
-    dead = tmp_path / ".train.bin.tmp.99999999"  # what a run killed with SIGKILL leaves behind
+    # what a run killed with SIGKILL leaves behind
+    dead = tmp_path / ".train.bin.nanogpt_plus.tmp.99999999"
     dead.write_bytes(b"\0" * 10)
     prepare_char(TEXT, str(tmp_path))
     first = (tmp_path / "train.bin").read_bytes()
@@ -358,17 +359,18 @@ def test_write_token_batches_checks_the_total(tmp_path):
 
 
 def test_atomic_write_is_the_dataset_writer_for_one_file(tmp_path):
-    # a checkpoint goes through the same steps as train.bin: temp name .<name>.tmp.<pid>, renamed when complete
+    # a checkpoint goes through the same steps as train.bin: temp name
+    # .<name>.nanogpt_plus.tmp.<pid>, renamed when complete
     seen = []
 
     def write(f):
         seen.append(os.path.basename(f.name))
         f.write(b"new")
-    dead = tmp_path / ".ckpt.pt.tmp.99999999"  # left by a save killed with SIGKILL
+    dead = tmp_path / ".ckpt.pt.nanogpt_plus.tmp.99999999"  # left by a save killed with SIGKILL
     dead.write_bytes(b"half")
     (tmp_path / "ckpt.pt").write_bytes(b"old")
     atomic_write(str(tmp_path / "ckpt.pt"), write)
-    assert seen == [f".ckpt.pt.tmp.{os.getpid()}"]
+    assert seen == [f".ckpt.pt.nanogpt_plus.tmp.{os.getpid()}"]
     assert (tmp_path / "ckpt.pt").read_bytes() == b"new" and not dead.exists()
 
     def crash(f):

@@ -164,8 +164,8 @@ def test_runs_starting_together_take_the_lock_once(tmp_path, stale):
 
 
 def test_stale_temp_files_are_removed_at_start_up(dataset, tmp_path, capsys):
-    dead = tmp_path / f".ckpt.pt.tmp.{dead_pid()}"
-    live = tmp_path / f".ckpt.pt.tmp.{os.getppid()}"
+    dead = tmp_path / f".ckpt.pt.nanogpt_plus.tmp.{dead_pid()}"
+    live = tmp_path / f".ckpt.pt.nanogpt_plus.tmp.{os.getppid()}"
     dead.write_bytes(b"half a checkpoint")
     live.write_bytes(b"another process is writing this one")
     out = run_train(capsys, tiny_args(dataset, tmp_path, max_iters=1)).out

@@ -32,7 +32,13 @@ def prepare(monkeypatch, *args):
 
 
 def files_of(out_dir, names=BINS + ("meta.json", "tokenizer.json")):
-    return {n: (out_dir / n).read_bytes() for n in names if (out_dir / n).exists()}
+    """ The files' bytes; meta.json's without the record of its preparation (the corpus's path). """
+    files = {n: (out_dir / n).read_bytes() for n in names if (out_dir / n).exists()}
+    if "meta.json" in files:
+        meta = json.loads(files["meta.json"])
+        assert set(meta.pop("preparation")) == {"corpus", "tokenizer", "vocabulary"}
+        files["meta.json"] = json.dumps(meta).encode()
+    return files
 
 
 def documents_of(ids, eot):
@@ -72,6 +78,7 @@ def test_bpe_is_deterministic_and_round_trips_every_document_byte_exact(corpus_d
     # same tokenizer.json, same bins
     assert files_of(first) == files_of(second) and len(files_of(first)) == 4
     meta = json.loads((first / "meta.json").read_text())
+    assert meta.pop("preparation")["tokenizer"] == "bpe of 512 tokens trained on the corpus"
     tokenizer_json = (first / "tokenizer.json").read_text(encoding="utf-8")
     assert meta == {"kind": "bpe", "vocab_size": 512, "eot_token": 0, "dtype": "uint16",
                     "tokenizer_file": "tokenizer.json",

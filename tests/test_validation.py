@@ -296,8 +296,9 @@ def test_full_disk_while_preparing_a_dataset(tmp_path):
     before = (out / "train.bin").read_bytes()
     text = tmp_path / "big.txt"
     text.write_text("all the world's a stage\n" * 2000)  # 48,000 characters: a 86 KB train.bin
-    r = run_with_file_size_limit(["data/shakespeare_char/prepare.py", f"--input={text}", f"--out_dir={out}"],
-                                 60_000)
+    # another text: the earlier dataset is replaced only with --overwrite=True
+    r = run_with_file_size_limit(["data/shakespeare_char/prepare.py", f"--input={text}",
+                                  f"--out_dir={out}", "--overwrite=True"], 60_000)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == (
         f"error: could not write {out / 'train.bin'} (File too large); the previous {out / 'train.bin'} is "

@@ -28,7 +28,7 @@ import numpy as np
 from nanogpt_plus.bpe import BPETokenizer, check_bpe_vocab_size, read_tokenizer_file, train_bpe
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_outputs
-from nanogpt_plus.prepare.settings import RAW, SAMPLE_BY, check_out_dir
+from nanogpt_plus.prepare.settings import RAW, SAMPLE_BY, check_out_dir, check_same_dataset
 from nanogpt_plus.prepare.shakespeare import encode_chars
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_token_batches
@@ -64,20 +64,28 @@ def prepare_corpus(out_dir,
     nanoGPT's openwebtext/prepare.py for any corpus: train.bin, val.bin and meta.json in out_dir (+
     meta.pkl for char, tokenizer.json for bpe). tokenizer: 'gpt2', 'char', 'bpe' (trained on the
     train split, of vocab_size tokens, None = 8,192) or the path of a tokenizer.json; test_size: the
-    share held out for val. An out_dir holding token shards or a training run is refused unless
-    overwrite (settings.check_out_dir).
+    share held out for val. An out_dir holding token shards, a training run or another dataset (of
+    another corpus, tokenizer or vocabulary) is refused unless overwrite (settings.check_out_dir,
+    check_same_dataset).
     """
     check_options(num_proc, test_size)
     # now, so a bad choice fails before the corpus is read
     tok = given_tokenizer(tokenizer, vocab_size)
     # after the cheap checks: with overwrite it removes the shards there
     check_out_dir(out_dir, RAW, overwrite)
+    # another corpus or tokenizer than the dataset there was made from: refused before any work
+    corpus = corpus_record(dataset, files, name)
+    preparation = check_same_dataset(out_dir, corpus, tokenizer_name(tokenizer, vocab_size), tok,
+                                     overwrite)
     ds, text_column = load_corpus(dataset, files, text_column, num_proc, cache_dir, sample_by, name)
     print(n_documents(len(ds)))
     splits, by_documents = split_corpus(ds, text_column, test_size, seed, piece_chars(tok))
     if tok is None:  # char and bpe: made from the corpus
         tok = corpus_tokenizer(tokenizer, vocab_size or DEFAULT_BPE_VOCAB, splits, text_column,
                                by_documents, progress)
+        # the corpus changed under its name and size: another vocabulary, refused before the
+        # encoding
+        preparation = check_same_dataset(out_dir, corpus, preparation["tokenizer"], tok, overwrite)
     dtype = describe_tokenizer(tok, by_documents)
     t0 = time.time()
     tokenized = tokenize_splits(splits, text_column, tok, dtype, by_documents, num_proc,
@@ -86,7 +94,7 @@ def prepare_corpus(out_dir,
     t0 = time.time()
     with atomic_outputs(out_dir) as out:
         counts = write_splits(tokenized, out, dtype, total_batches, progress)
-        write_dataset_meta(out, tok, dtype)
+        write_dataset_meta(out, tok, dtype, preparation)
     t_write = time.time() - t0
     return report(out_dir, counts, tokenized if by_documents else None, len(ds), num_proc, t_tok,
                   t_write)
@@ -400,6 +408,23 @@ def given_tokenizer(choice, vocab_size):
     tok = read_tokenizer_file(choice)
     print(f"using the tokenizer {choice}")
     return tok
+
+
+def corpus_record(dataset, files, name):
+    """
+    What a dataset's preparation records of its corpus (settings.check_same_dataset): each local
+    file's real path and size, or the Hugging Face dataset's name and config.
+    """
+    if files:
+        return {"files": [[os.path.realpath(p), os.path.getsize(p)] for p in expand_files(files)]}
+    return {"dataset": dataset, "config": name or ""}
+
+
+def tokenizer_name(choice, vocab_size):
+    """ The tokenizer a dataset's preparation records: --tokenizer as asked for. """
+    if choice == "bpe":
+        return f"bpe of {vocab_size or DEFAULT_BPE_VOCAB:,} tokens trained on the corpus"
+    return choice if choice in TOKENIZERS else "tokenizer.json (given)"
 
 
 def corpus_tokenizer(choice, vocab_size, splits, column, by_documents, progress):

@@ -11,6 +11,7 @@ Usage:
     counts = prepare_bpe(text, out_dir)            # train.bin, val.bin (uint16), meta.json
 """
 
+import hashlib
 import http.client
 import os
 
@@ -20,7 +21,7 @@ from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_outputs
 from nanogpt_plus.prepare.plays import shakespeare_substitute
-from nanogpt_plus.prepare.settings import OVERWRITE, RAW, check_out_dir, out_dir_setting
+from nanogpt_plus.prepare.settings import OVERWRITE, RAW, check_out_dir, check_same_dataset, out_dir_setting
 from nanogpt_plus.prepare.text import download_text, read_text_file
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_tokens
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -62,7 +63,11 @@ def shakespeare_main(defaults, doc, prepare):
     defaults.check(config)
     # before the text: a fetched input.txt is saved in out_dir too
     check_out_dir(config['out_dir'], RAW, config['overwrite'])
-    prepare(shakespeare_text_for(config), config['out_dir'])
+    # a dataset of another tokenizer there is refused before the text is fetched; one of another
+    # text once it is read (prepare, which also says what --overwrite=True replaces)
+    if not config['overwrite']:
+        check_same_dataset(config['out_dir'], None, TOKENIZER_OF[prepare])
+    prepare(shakespeare_text_for(config), config['out_dir'], overwrite=config['overwrite'])
 
 
 def shakespeare_text_for(config):
@@ -111,8 +116,11 @@ def shakespeare_text(out_dir,
 # -----------------------------------------------------------------------------
 # the two pipelines
 
-def prepare_char(text, out_dir):
-    """ nanoGPT's shakespeare_char/prepare.py on text; prints its lines and returns the figures. """
+def prepare_char(text, out_dir, overwrite=False):
+    """
+    nanoGPT's shakespeare_char/prepare.py on text; prints its lines and returns the figures. A
+    dataset of another text or tokenizer in out_dir is refused unless overwrite.
+    """
     if not text:
         raise UserError("the input text is empty; pass a text file with some content")
     print(f"length of dataset in characters: {len(text):,}")
@@ -120,18 +128,23 @@ def prepare_char(text, out_dir):
     chars = [tok.itos[i] for i in range(tok.vocab_size)]
     print("all the unique characters:", "".join(chars))
     print(f"vocab size: {tok.vocab_size:,}")
-    return split_encode_write(text, out_dir, lambda s: encode_chars(s, chars), tok)
+    return split_encode_write(text, out_dir, lambda s: encode_chars(s, chars), tok, overwrite)
 
 
-def prepare_bpe(text, out_dir):
+def prepare_bpe(text, out_dir, overwrite=False):
     """
-    nanoGPT's shakespeare/prepare.py: GPT-2 BPE (encode_ordinary) of the 90/10 character split.
+    nanoGPT's shakespeare/prepare.py: GPT-2 BPE (encode_ordinary) of the 90/10 character split. A
+    dataset of another text or tokenizer in out_dir is refused unless overwrite.
     """
     if not text:
         raise UserError("the input text is empty; pass a text file with some content")
     print(f"length of dataset in characters: {len(text):,}")
     tok = GPT2Tokenizer()
-    return split_encode_write(text, out_dir, tok.encode_ordinary, tok)
+    return split_encode_write(text, out_dir, tok.encode_ordinary, tok, overwrite)
+
+
+# the tokenizer each pipeline records in its dataset's preparation (data/text/prepare.py's names)
+TOKENIZER_OF = {prepare_char: "char", prepare_bpe: "gpt2"}
 
 
 def encode_chars(text, chars):
@@ -152,11 +165,16 @@ def split_text(text, train_fraction=0.9):
     return text[:int(n * train_fraction)], text[int(n * train_fraction):]
 
 
-def split_encode_write(text, out_dir, encode, tok):
+def split_encode_write(text, out_dir, encode, tok, overwrite=False):
     """
     The end of both pipelines: 90/10 split, encode each half, write train.bin/val.bin/meta
-    atomically.
+    atomically, unless out_dir holds another dataset (settings.check_same_dataset) and not
+    overwrite.
     """
+    # the text's digest: the same whether it was downloaded, read from input.txt or given
+    corpus = {"text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+              "characters": len(text)}
+    preparation = check_same_dataset(out_dir, corpus, tok.kind, tok, overwrite)
     # uint16, as nanoGPT's, unless the text has 65,536+ characters
     dtype = check_vocab_fits(tok.vocab_size)
     train_data, val_data = split_text(text)
@@ -167,6 +185,6 @@ def split_encode_write(text, out_dir, encode, tok):
     with atomic_outputs(out_dir) as out:
         write_tokens(out.path("train.bin"), train_ids, dtype)
         write_tokens(out.path("val.bin"), val_ids, dtype)
-        write_dataset_meta(out, tok, dtype)
+        write_dataset_meta(out, tok, dtype, preparation)
     return {"chars": len(text), "vocab_size": tok.vocab_size, "train_tokens": len(train_ids),
             "val_tokens": len(val_ids)}

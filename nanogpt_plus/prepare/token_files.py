@@ -88,11 +88,13 @@ def reserve_disk_space(path, nbytes):
             f.truncate(nbytes)  # sparse: the space is found while writing
 
 
-def write_dataset_meta(out, tokenizer, dtype):
+def write_dataset_meta(out, tokenizer, dtype, preparation=None):
     """
     The meta files of a dataset in tokenizer's ids stored as dtype: meta.json (the tokenizer's
     description and the dtype), plus nanoGPT's meta.pkl for a character vocabulary, or
     tokenizer.json for a bpe one (meta.json names it with its sha256 instead of holding it).
+    preparation (settings.check_same_dataset's record: corpus, tokenizer, vocabulary) goes into
+    meta.json too, so that the next preparation there can tell a re-run from another dataset.
     """
     dtype = np.dtype(dtype).name
     if tokenizer.kind == "bpe":
@@ -103,6 +105,8 @@ def write_dataset_meta(out, tokenizer, dtype):
         meta = dict(tokenizer.meta(), dtype=dtype)
     else:
         meta = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "dtype": dtype}
+    if preparation is not None:
+        meta = dict(meta, preparation=preparation)
     write_meta(out, meta, pickle_too=tokenizer.kind == "char")
     # an earlier preparation of this directory with another tokenizer left files this one has not
     if tokenizer.kind != "bpe":
