@@ -294,7 +294,7 @@ def _end_now():
     if _EXIT_CODE is None or _KEPT is None or os.getpid() != _KEPT._pid:
         return
     with held():
-        for stream in (sys.stdout, sys.stderr):
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
             try:
                 stream.flush()
             except (OSError, ValueError, AttributeError):
