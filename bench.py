@@ -22,6 +22,11 @@ $ python bench.py --dataset=data/fineweb --data_order=sequential     # a directo
 $ python bench.py --profile=True                              # trace + top ops
 $ python bench.py --activation_checkpointing=True             # the peak memory with the Blocks recomputed
 """
+# first, before torch is imported (seconds): from here on a signal stops the work in one line and
+# exit code 130 (it can't resume; no output is left half-written), or is only said once it is done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
 
 import functools
 import os

@@ -21,6 +21,11 @@ The last line printed is one line of JSON: {"task": ..., "metrics": {...}, "num_
 --output_file=PATH writes the same JSON to a file (not over a checkpoint, a dataset's file or the --data_file
 unless --overwrite=True; an earlier result there is simply replaced).
 """
+# first, before torch is imported (seconds): from here on a signal stops the work in one line and
+# exit code 130 (it can't resume; no output is left half-written), or is only said once it is done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
 
 import json
 import os

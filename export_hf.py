@@ -26,6 +26,11 @@ GPT-2's form maps the weights with model.hf_key_map, the same table GPT.from_pre
 with;
 --init_from=out/hf reads either form back exactly (nanogpt_plus/hf_import.py).
 """
+# first, before torch is imported (seconds): from here on a signal stops the work in one line and
+# exit code 130 (it can't resume; no output is left half-written), or is only said once it is done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
 
 import json
 import os

@@ -213,6 +213,8 @@ def main():
     cfg.update(imposed)
     every_rank(dist_info, lambda: same_start(dict(cfg), resumed), agree=SAME_START)
     if not cfg['train_file'] and cfg['predict_file']:
+        if EXIT_REQUEST is not None:  # predictions alone: nothing to save, a signal stops them
+            EXIT_REQUEST.interrupt_at_once()
         return finetuning.predict_with_checkpoint(cfg.select(finetuning.PredictSpec), dist_info)
     # the best model's predictions come after the training: their path is checked now
     if cfg['predict_file']:

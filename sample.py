@@ -25,6 +25,11 @@ weights: float32 (exact), bfloat16 or int8 (weight-only, per row): fewer bytes r
 faster on a CPU, the held-out loss moved in the fourth decimal. Details and measurements:
 docs/sampling.md.
 """
+# first, before torch is imported (seconds): from here on a signal stops the work in one line and
+# exit code 130 (it can't resume; no output is left half-written), or is only said once it is done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
 
 import codecs
 import sys

@@ -9,11 +9,11 @@ $ torchrun --standalone --nproc_per_node=4 train.py        # DDP over the 4 GPUs
 $ torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py --device=cpu
 $ python train.py config/train_shakespeare_char.py --init_from=resume   # continue a stopped run
 
-A run stopped by SIGTERM/SIGINT saves first and exits with code 75 ("interrupted, resumable"); a
-finished one 0. How it is built: setup() makes a Run (model, optimizer, data, checkpointer: fixed
-for the whole run) and a TrainState (what changes every iteration); iteration() is one step of the
-loop, written out top to bottom, and checkpoint() is what a ckpt.pt holds. The settings are declared
-below; --help lists them.
+A run stopped by SIGTERM/SIGINT/SIGHUP saves first and exits with code 75 ("interrupted,
+resumable"); a finished one 0. How it is built: setup() makes a Run (model, optimizer, data,
+checkpointer: fixed for the whole run) and a TrainState (what changes every iteration);
+iteration() is one step of the loop, written out top to bottom, and checkpoint() is what a ckpt.pt
+holds. The settings are declared below; --help lists them.
 """
 # first, before torch is imported (seconds): from here on a signal ends the run in one line, with
 # exit code 75
@@ -359,6 +359,7 @@ def iteration(run, state, exit_request):
     stopping = exit_request.should_stop(dist_info)
     if state.iter_num > loop.max_iters:
         run.checkpointer.save(state.iter_num, build, reason=f"final, iter {state.iter_num}")
+        exit_request.uninstall()  # the work is done: a signal from now on is only said
         return True
     return stop_cleanly(run, state, build) if stopping else None
 

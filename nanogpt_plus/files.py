@@ -25,6 +25,7 @@ import os
 from contextlib import contextmanager
 
 from nanogpt_plus.errors import UserError
+from nanogpt_plus.signals import held
 
 # in every temp file's name, so that a sweep for the temps of killed runs removes only files this
 # project wrote (a user's own .thesis.tmp.4242 has no such mark)
@@ -122,13 +123,16 @@ class AtomicOutputs:
             self.writing = final
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-        for tmp, final in self.pending:
-            self.writing = final
-            os.replace(tmp, final)
-        self.pending = []
-        for path in self.outdated:
-            if os.path.isfile(path):
-                os.remove(path)
+        # a signal that stops the work (signals.Stopped) waits until every output is renamed and
+        # the earlier output's leftovers are gone: never a new train.bin beside an old val.bin
+        with held():
+            for tmp, final in self.pending:
+                self.writing = final
+                os.replace(tmp, final)
+            self.pending = []
+            for path in self.outdated:
+                if os.path.isfile(path):
+                    os.remove(path)
         _fsync_dir(self.directory)  # and the renames themselves are made durable
 
     def discard(self):

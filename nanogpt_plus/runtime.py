@@ -20,34 +20,56 @@ import torch
 from nanogpt_plus.distributed import destroy_distributed, lost_peer, several_processes
 from nanogpt_plus.errors import EXIT_USER_ERROR, Interrupted, PeerFailed, error_line, exit_code
 from nanogpt_plus.machine import device_type_of
+from nanogpt_plus.signals import EXIT_STOPPED, Stopped, work_ended, work_started
 
 
 def run_main(main):
     """
     Run a script's main(): errors the user can fix print as one line ('error: ...') and exit code 2;
-    a clean stop after a signal (Interrupted) exits EXIT_INTERRUPTED (75), a second Ctrl-C 130. The
+    a clean stop after a signal (Interrupted) exits EXIT_INTERRUPTED (75), a second Ctrl-C 130, as
+    does a signal that stopped work that can't resume (Stopped, said in one line). The
     process group is destroyed here, once main() has returned on every rank (a teardown is a
     collective of its own). Under torchrun a failing rank exits at once (os._exit, no interpreter
     shutdown and no teardown), so it never waits while its peers sit in a collective: they see it
     gone (gloo: 'Connection closed by peer') or torchrun stops them, and the whole job ends with the
-    one message of the rank that failed.
+    one message of the rank that failed. In every case the work is over once the exit code is known:
+    a signal after that is said and changes nothing (signals.work_ended).
     """
+    work_started()
+    try:
+        code = _run(main)
+        work_ended(code)
+    except Stopped as e:  # as main() ended, before work_ended: one line and 130, as any other
+        code = _stopped(e)
+        work_ended(code)
+    _exit(code)
+
+
+def _run(main):
+    """ main() to its end, said; returns the process's exit code. """
     try:
         main()
     # saved, and the script said how to resume; every rank stopped at one iteration
     except Interrupted as e:
         destroy_distributed()
-        _exit(exit_code(e))
+        return exit_code(e)
     except PeerFailed as e:  # rank 0 said why; no teardown: a rank may still be gone
         # the first process of another node repeats the line, for whoever reads this node's log
         if e.say and e.code == 0:  # NothingToDo: not an error
             print(e.say)
         elif e.say:
             print(f"error: {e.say}", file=sys.stderr)
-        _exit(exit_code(e))
+        return exit_code(e)
+    except Stopped as e:
+        return _stopped(e)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        _exit(130)
+        return 130
+    except SystemExit as e:  # --help, or sys.exit() in main: the code it asks for
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
     except Exception as e:
         # NothingToDo: a requeued job whose run is complete; said, exit 0 (every rank raised it: no
         # teardown, as for a user error)
@@ -57,9 +79,10 @@ def run_main(main):
         # UserError, ConfigError, TokenizerError: the user's to fix
         if exit_code(e) == EXIT_USER_ERROR:
             print(f"error: {e}", file=sys.stderr)
-            _exit(EXIT_USER_ERROR)
+            return EXIT_USER_ERROR
         if not several_processes():
-            raise
+            traceback.print_exc()  # a bug of ours: the whole story
+            return 1
         if lost_peer(e):  # a consequence, not the cause: the rank that failed has printed the cause
             print(
                 f"rank {os.environ.get('RANK')}: stopping without saving, another process of this run is "
@@ -67,13 +90,24 @@ def run_main(main):
                 file=sys.stderr)
         else:
             traceback.print_exc()
-        _exit(1)
+        return 1
     destroy_distributed()
+    return 0
+
+
+def _stopped(stop):
+    """ Say that a signal stopped work that can't resume (signals.Stopped); its exit code. """
+    print(stop.line(), file=sys.stderr)
+    return EXIT_STOPPED
 
 
 def _exit(code):
+    # with one process the exit functions (wandb, logging) run, then signals._end_now ends it
+    # before the interpreter's teardown
     if not several_processes():
-        sys.exit(code)
+        if code:
+            sys.exit(code)
+        return  # the script ends as any Python program does
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

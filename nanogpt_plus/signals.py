@@ -1,6 +1,15 @@
 """
-Stopping cleanly on SIGINT/SIGTERM (Ctrl-C, preemption): the signal sets a flag, the loop finishes
-its iteration, saves, and the script exits with code 75 ("interrupted, resumable").
+Stopping cleanly on SIGINT/SIGTERM/SIGHUP (Ctrl-C, preemption, a closed terminal), in one line and a
+documented exit code at any moment of a script's life:
+  - work that can resume (train.py, finetune.py): the signal sets a flag, the loop finishes its
+    iteration, saves, and the script exits with code 75 ("interrupted, resumable");
+  - work that can't (sampling, an evaluation, an export, a dataset's preparation): the signal stops
+    it at once (Stopped, exit code 130); outputs are written whole or not at all (files.py), so
+    nothing half-written is left;
+  - after the work is done: the signal is said and changes nothing (the exit code the work earned).
+A script's first lines call early_exit_request, which also ends the process as soon as Python's
+exit functions have run (end_process): the interpreter's own teardown (a second or more once torch
+is loaded) runs with the signals back at their defaults, where SIGTERM would end it with 143.
 
 Usage:
     from nanogpt_plus.signals import GracefulExit
@@ -10,16 +19,42 @@ Usage:
         save_and_stop()
 """
 
+import atexit
+import os
 import signal
 import sys
+from contextlib import contextmanager
 
 from nanogpt_plus.errors import PeerFailed, exit_code
+
+# the signals a script stops on: Ctrl-C, a scheduler's or kill's SIGTERM, a closed terminal
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# the exit code of work a signal stopped that can't resume: a shell's for Ctrl-C (128 + SIGINT)
+EXIT_STOPPED = 130
+
+
+class Stopped(KeyboardInterrupt):
+    """
+    A signal stopped work that can't resume (GracefulExit with resumable=False): a
+    KeyboardInterrupt, as Ctrl-C's is, so that only the code that cleans up (finally, with) runs on
+    the way out; run_main says it in one line and exits 130.
+    """
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+    def line(self):
+        # outputs are written whole or not at all (files.atomic_outputs)
+        return (f"stopped by {self} before the work was done; it can't be resumed, and no output "
+                f"was left half-written (exit code {EXIT_STOPPED})")
 
 
 class GracefulExit:
     """
-    SIGINT/SIGTERM (Ctrl-C, preemption) set a flag instead of killing the process, so the loop can
-    finish the current iteration and save. A second Ctrl-C exits at once.
+    SIGINT/SIGTERM/SIGHUP (Ctrl-C, preemption, a closed terminal) set a flag instead of killing the
+    process, so the loop can finish the current iteration and save. A second Ctrl-C exits at once.
+    With resumable=False the signal stops the work at once instead (Stopped).
 
     Under torchrun the launcher forwards one signal to every worker and SIGKILLs them
     --shutdown_timeout seconds later (30 by default), so the ranks agree on the flag after every
@@ -31,10 +66,13 @@ class GracefulExit:
     rank has joined the agreement.
     """
 
-    def __init__(self, keep=False):
+    def __init__(self, keep=False, resumable=True):
         # keep: installed for the whole process (early_exit_request): uninstall() then only marks
         # the work done
         self.keep = keep
+        # False: a signal stops the work at once (Stopped); True: it sets the flag a loop polls
+        self.resumable = resumable
+        self.working = False  # run_main has called the script's main() (work_started)
         self.done = False
         self.requested = False
         self.signum = 0  # the signal received, 0 = none
@@ -43,9 +81,12 @@ class GracefulExit:
         self.failure = None  # an error this rank met that every rank must stop for (fail)
         self._previous = {}
         self._flag_group = None  # the (gloo, CPU) process group the flag is all-reduced over
+        # a process forked from this one (a data-loading or tokenizing pool's worker) inherits the
+        # handler: there it gives way to the signal's default, so that its pool can end it
+        self._pid = os.getpid()
 
     def install(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in SIGNALS:
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread
@@ -53,20 +94,41 @@ class GracefulExit:
         return self
 
     def _handle(self, signum, frame):
-        if self.done:  # the work is over and saved: the process ends as it would have, exit code 0
-            print(f"\nreceived {signal.Signals(signum).name} after the run ended; exiting",
-                  file=sys.stderr,
-                  flush=True)
+        if os.getpid() != self._pid:  # a forked worker: the signal does what it would have
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
             return
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            _leave_the_terminal()
+        if self.done:  # the work is over and saved: the process ends as it would have
+            _say(f"\nreceived {name} after the run ended; exiting")
+            return
+        if self.requested:
+            # a second Ctrl-C ends a resumable run at once (130); after Stopped the way out is
+            # only clean-up, which a second signal must not cut short
+            if self.resumable and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
         self.requested = True
         self.signum = int(signum)
+        if not self.resumable:
+            if not self.working:  # still importing (torch: seconds): no run_main to say it yet
+                _say(Stopped(signum).line())
+                work_ended(EXIT_STOPPED)
+                raise SystemExit(EXIT_STOPPED)
+            raise Stopped(signum)
         if not _in_process_group():  # several processes: should_stop says it, once they all agreed
-            print(
-                f"\nreceived {signal.Signals(signum).name}: finishing this iteration, then saving a checkpoint",
-                file=sys.stderr,
-                flush=True)
+            _say(f"\nreceived {name}: finishing this iteration, then saving a checkpoint")
+
+    def interrupt_at_once(self):
+        """
+        From here on the work can't resume (finetune.py's predictions alone): a signal stops it at
+        once, exit code 130; one that came already stops it now.
+        """
+        self.resumable = False
+        if self.requested and not self.done:
+            raise Stopped(self.signum)
 
     def should_stop(self, dist_info):
         """
@@ -129,6 +191,49 @@ class GracefulExit:
             signal.signal(sig, handler)
 
 
+def _say(line):
+    """ The handler's one line; a closed terminal (EIO) or pipe can't be told anything. """
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _leave_the_terminal():
+    """
+    After SIGHUP (the terminal was closed): output that went to the terminal goes nowhere from now
+    on, as nohup's does, so that the run's next line doesn't fail on the closed terminal (EIO)
+    before it has saved. Output redirected to a file or a pipe is left as it is.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            fd = stream.fileno()
+            if os.isatty(fd):
+                stream.flush()
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+@contextmanager
+def held():
+    """
+    with held(): a few steps no signal may cut in two (the renames that publish a run's outputs):
+    SIGINT/SIGTERM/SIGHUP wait, blocked, and are handled right after the block.
+    """
+    try:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    except (AttributeError, ValueError, OSError):  # no pthread_sigmask (Windows)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _in_process_group():
     """ Whether this process is one of several in a process group; asked from the signal handler, which may run
     while torch is still being imported: then there is none, and nothing is imported from here. """
@@ -139,12 +244,59 @@ def _in_process_group():
         return False
 
 
-def early_exit_request(name):
+# the process's kept GracefulExit (early_exit_request), and the exit code run_main ends with
+_KEPT = None
+_EXIT_CODE = None
+
+
+def early_exit_request(name, resumable=True):
     """
     For a script's first lines, before torch is imported (seconds): with name '__main__' (run as a
     script), a GracefulExit installed now and kept until the process ends, so that a signal at any
-    moment ends the run in one line with exit code 75 (before or during its work) or 0 (after it);
-    None when the script is imported (a test calls its main(), which installs its own). This module
-    imports nothing heavy for that reason.
+    moment ends the run in one line with exit code 75 (resumable work, before or during it), 130
+    (work that can't resume) or the code the work earned (after it); None when the script is
+    imported (a test calls its main()). This module imports nothing heavy for that reason.
     """
-    return GracefulExit(keep=True).install() if name == '__main__' else None
+    global _KEPT
+    if name != '__main__':
+        return None
+    _KEPT = GracefulExit(keep=True, resumable=resumable).install()
+    # registered before any other module's exit function, so it runs after all of them
+    atexit.register(_end_now)
+    return _KEPT
+
+
+def work_started():
+    """ run_main's first call: from here a Stopped is said by run_main. """
+    if _KEPT is not None:
+        _KEPT.working = True
+
+
+def work_ended(code):
+    """
+    run_main's last call: the work is over (its exit code is code), so a signal from now on is said
+    and changes nothing, and the process ends once Python's exit functions have run.
+    """
+    global _EXIT_CODE
+    _EXIT_CODE = code
+    if _KEPT is not None:
+        _KEPT.uninstall()
+
+
+def _end_now():
+    """
+    The last exit function (see early_exit_request): end the process with run_main's exit code at
+    once. What Python would do after it (free every module, then libtorch's own teardown: a second
+    or more) runs with the signals back at their defaults, where a SIGTERM ends the process with 143
+    and no line; nothing of ours is left to write by then (the exit functions have run, every
+    thread has ended, and the standard streams are flushed here).
+    """
+    if _EXIT_CODE is None or _KEPT is None or os.getpid() != _KEPT._pid:
+        return
+    with held():
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(_EXIT_CODE)

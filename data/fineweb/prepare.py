@@ -20,6 +20,12 @@ Killed or stopped by max_tokens? Run the same command again (a larger --max_toke
 complete shards are kept and tokenizing goes on after the last one. Memory holds one shard (200 MB at the
 default size) plus the documents in flight, never the corpus. Read a shard with nanogpt_plus.shards.open_shard.
 """
+# first, before torch is imported (seconds): from here on a signal stops the work in one line and
+# exit code 130 (it can't resume; no output is left half-written), or is only said once it is done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
+
 import os
 
 from configurator import Group, Schema, Setting, configure

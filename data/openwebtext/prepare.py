@@ -15,6 +15,12 @@ The tokenized splits are cached by Hugging Face datasets (--cache_dir), so a sec
 Read a token file back with np.memmap(path, dtype=np.uint16, mode='r') (meta.json records the dtype).
 For your own tokenizer (a BPE trained on the corpus, characters, a tokenizer.json) use data/text/prepare.py.
 """
+# first, before torch is imported (seconds): from here on a signal stops the work in one line and
+# exit code 130 (it can't resume; no output is left half-written), or is only said once it is done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
+
 import os
 
 from configurator import Group, Schema, Setting, configure

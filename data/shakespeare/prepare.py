@@ -12,6 +12,12 @@ Usage:
 
 On the real tiny Shakespeare: train 301,966 tokens, val 36,059.
 """
+# first, before torch is imported (seconds): from here on a signal stops the work in one line and
+# exit code 130 (it can't resume; no output is left half-written), or is only said once it is done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
+
 import os
 
 from nanogpt_plus.prepare.shakespeare import prepare_bpe, shakespeare_main, shakespeare_settings

@@ -18,6 +18,12 @@ Usage:
 Then: python train.py --dataset=mytext (the model's vocab_size comes from meta.json, padded to a multiple of 64).
 The tokenized splits are cached by Hugging Face datasets (--cache_dir), so a second run skips the encoding.
 """
+# first, before torch is imported (seconds): from here on a signal stops the work in one line and
+# exit code 130 (it can't resume; no output is left half-written), or is only said once it is done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
+
 import os
 
 from configurator import Group, Schema, Setting, configure

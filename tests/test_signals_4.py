@@ -1,0 +1,341 @@
+"""
+A signal at any moment of every entry point and prepare script (issue 42, items 7-9): it ends in one
+line and a documented exit code (75: a clean, resumable stop; 130: work that can't resume was
+stopped; 0: the work was done), leaves no half-written output and no run.lock. Each script is
+signalled at the earliest moment it can answer (as soon as its handler is installed: the
+interpreter's own start-up comes before any line of a script) and just after its last output. No
+fixed sleeps: a case waits for the handler (/proc/<pid>/status) or for a line.
+"""
+import glob
+import json
+import os
+import queue
+import re
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from helpers import run_python, start_python, train_args
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith('linux'),
+                                reason="reads /proc/<pid>/status")
+
+DONE = "after the run ended; exiting"  # the line of a signal once the work is done (signals.py)
+STOPPED = re.compile(r"stopped by SIG\w+ before the work was done; it can't be resumed, and no "
+                     r"output was left half-written \(exit code 130\)")
+
+
+class Watched:
+    """ A started script whose stdout and stderr are read as they come (threads): a test waits for a
+    line. """
+
+    def __init__(self, proc):
+        self.proc = proc
+        self.lines = queue.Queue()
+        self.out, self.err = [], []
+        self.readers = [threading.Thread(target=self._read, args=(stream, kept), daemon=True)
+                        for stream, kept in ((proc.stdout, self.out), (proc.stderr, self.err))]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, stream, kept):
+        for line in stream:
+            kept.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, pattern, timeout=180):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                assert self.proc.poll() is None, \
+                    f"ended ({self.proc.returncode}) before {pattern!r}:\n{self.text()}"
+                continue
+            if re.search(pattern, line):
+                return
+        raise AssertionError(f"no {pattern!r} in {timeout} s:\n{self.text()}")
+
+    def wait_for_handler(self, sig=signal.SIGTERM, timeout=60):
+        """ Until the script has installed its handler for sig (its first line has run). """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            caught = caught_signals(self.proc.pid)
+            assert caught is not None, f"ended before its handler was installed:\n{self.text()}"
+            if caught & (1 << (sig - 1)):
+                return
+            time.sleep(0.002)
+        raise AssertionError(f"no handler for {sig.name} in {timeout} s")
+
+    def finish(self, timeout=180):
+        self.proc.wait(timeout=timeout)
+        for reader in self.readers:
+            reader.join(timeout=10)
+        return self.proc.returncode, ''.join(self.out), ''.join(self.err)
+
+    def text(self):
+        return ''.join(self.out) + ''.join(self.err)
+
+
+def caught_signals(pid):
+    """ The mask of signals pid has a handler for (SigCgt), or None once it is gone. """
+    try:
+        with open(f'/proc/{pid}/status') as f:
+            status = f.read()
+    except FileNotFoundError:
+        return None
+    fields = dict(line.split(':', 1) for line in status.splitlines() if ':' in line)
+    if fields.get('State', '').split()[:1] == ['Z']:
+        return None
+    return int(fields['SigCgt'].strip(), 16)
+
+
+def start(args, env=None):
+    return Watched(start_python(args, env=dict(os.environ, **(env or {}), PYTHONUNBUFFERED='1')))
+
+
+def no_half_written(*directories):
+    """ No temp file of an unfinished output is left in any of directories. """
+    for d in directories:
+        assert not glob.glob(os.path.join(str(d), '.*.tmp.*')), os.listdir(d)
+
+
+# -----------------------------------------------------------------------------
+# the scripts and their cases: (arguments, the last line each prints, the outputs it writes)
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory, dataset):
+    """ A tiny finished train.py run, the source of sample, eval and export: (out_dir, dataset). """
+    from nanogpt_plus.checkpoint import CHECKPOINT
+    out = tmp_path_factory.mktemp('trained')
+    r = run_python(['train.py', *train_args(dataset, out, max_iters=2, eval_interval=2)])
+    assert r.returncode == 0 and (out / CHECKPOINT).exists(), r.stderr[-2000:]
+    return str(out), dataset
+
+
+def script_case(name, trained, tmp_path):
+    """ (argv, the pattern of its last output, the directories it writes) for script `name`. """
+    out_dir, dataset = trained
+    text = tmp_path / 'input.txt'
+    text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 400)
+    cases = {
+        'sample': (['sample.py', f'--out_dir={out_dir}', '--device=cpu', '--num_samples=1',
+                    '--max_new_tokens=8', '--start=a', '--num_threads=1'],
+                   r"^generated \d+ tokens", []),
+        'eval': (['eval.py', f'--init_from={out_dir}', f'--dataset={dataset}', '--split=train',
+                  '--device=cpu', '--max_examples=8', f'--output_file={tmp_path / "eval.json"}'],
+                 r'^\{"task"', [tmp_path]),
+        'export_hf': (['export_hf.py', f'--out_dir={out_dir}', f'--hf_dir={tmp_path / "hf"}'],
+                      r'^\{"hf_dir"', [tmp_path / 'hf']),
+        'bench': (['bench.py', f'--dataset={dataset}', '--device=cpu', '--n_layer=2', '--n_head=2',
+                   '--n_embd=32', '--block_size=16', '--batch_size=4', '--burnin=1', '--steps=2',
+                   '--num_threads=1'],
+                  r"^peak memory", []),
+        'prepare_char': (['data/shakespeare_char/prepare.py', f'--input={text}',
+                          f'--out_dir={tmp_path / "d"}'],
+                         r"^val has", [tmp_path / 'd']),
+        'prepare_text': (['data/text/prepare.py', f'--input={text}', '--tokenizer=char',
+                          f'--out_dir={tmp_path / "t"}', f'--cache_dir={tmp_path / "cache"}'],
+                         r"val", [tmp_path / 't']),
+        'prepare_bpe': (['data/text/prepare.py', f'--input={text}', '--tokenizer=bpe',
+                         '--vocab_size=300', f'--out_dir={tmp_path / "b"}',
+                         f'--cache_dir={tmp_path / "cache"}'],
+                        r"val", [tmp_path / 'b']),
+    }
+    return cases[name]
+
+
+NON_RESUMABLE = ['sample', 'eval', 'export_hf', 'bench', 'prepare_char', 'prepare_text',
+                 'prepare_bpe']
+# scripts that need the network for their data: their early signal only (while torch is imported)
+EARLY_ONLY = ['data/openwebtext/prepare.py', 'data/fineweb/prepare.py',
+              'data/shakespeare/prepare.py']
+
+
+@pytest.mark.parametrize('name', NON_RESUMABLE)
+def test_a_signal_as_soon_as_a_script_can_answer_stops_it_in_130(name, trained, tmp_path):
+    args, _, outputs = script_case(name, trained, tmp_path)
+    proc = start(args)
+    proc.wait_for_handler()
+    proc.proc.send_signal(signal.SIGTERM)
+    code, out, err = proc.finish()
+    # torch is still being imported (seconds): the work has not started
+    assert code == 130 and STOPPED.search(err), (code, out + err)
+    assert 'Traceback' not in err and len(err.strip().splitlines()) <= 2, err
+    no_half_written(*[d for d in outputs if os.path.isdir(d)])
+
+
+@pytest.mark.parametrize('script', EARLY_ONLY)
+def test_a_signal_as_a_network_prepare_script_starts_ends_in_130(script, tmp_path):
+    proc = start([script, f'--out_dir={tmp_path / "d"}'])
+    proc.wait_for_handler()
+    proc.proc.send_signal(signal.SIGTERM)
+    code, out, err = proc.finish()
+    assert code == 130 and STOPPED.search(err) and 'Traceback' not in err, (code, out + err)
+    assert not (tmp_path / 'd').exists() or not os.listdir(tmp_path / 'd')
+
+
+@pytest.mark.parametrize('name', NON_RESUMABLE)
+def test_a_signal_just_after_the_last_output_changes_nothing(name, trained, tmp_path):
+    args, last, outputs = script_case(name, trained, tmp_path)
+    proc = start(args)
+    proc.wait_for(last)
+    proc.proc.send_signal(signal.SIGTERM)
+    code, out, err = proc.finish()
+    assert 'Traceback' not in err and code != -signal.SIGTERM, (code, out + err)
+    if code == 130:  # it came before main() returned: said, and every output is whole or absent
+        assert STOPPED.search(err), err
+    else:  # the work was done: exit 0, the signal said (or it came after the process had ended)
+        assert code == 0, (code, out + err)
+        assert 'received SIGTERM' not in err or DONE in err, err
+    no_half_written(*[d for d in outputs if os.path.isdir(d)])
+
+
+def test_a_long_generation_and_an_evaluation_stop_at_a_signal(trained, tmp_path):
+    """ Work of minutes: a signal while it runs stops it at once, in one line and 130, writing
+    nothing. """
+    out_dir, dataset = trained
+    long_sample = ['sample.py', f'--out_dir={out_dir}', '--device=cpu', '--num_samples=2',
+                   '--max_new_tokens=100000', '--num_threads=1']
+    long_eval = ['eval.py', f'--init_from={out_dir}', f'--dataset={dataset}', '--split=train',
+                 '--device=cpu', '--batch_size=1', f'--output_file={tmp_path / "eval.json"}']
+    for args, started in [(long_sample, r"^sampling "), (long_eval, r"^provenance")]:
+        proc = start(args)
+        proc.wait_for(started)
+        proc.proc.send_signal(signal.SIGTERM)
+        code, out, err = proc.finish()
+        assert code == 130 and STOPPED.search(err) and 'Traceback' not in err, \
+            (code, out + err)
+        assert not (tmp_path / 'eval.json').exists()
+    no_half_written(tmp_path)
+
+
+# -----------------------------------------------------------------------------
+# train.py: 75 and a checkpoint before the work is done, 0 after it, run.lock released
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP])
+def test_train_saves_and_exits_75_at_sigterm_and_sighup(sig, dataset, tmp_path):
+    from nanogpt_plus.checkpoint import CHECKPOINT, load_checkpoint
+    from nanogpt_plus.out_dir import LOCK_NAME
+    proc = start(['train.py', *train_args(dataset, tmp_path, max_iters=200, eval_interval=100)])
+    proc.wait_for(r"^iter 3:")
+    proc.proc.send_signal(sig)
+    code, out, err = proc.finish()
+    assert code == 75, (code, out + err)
+    assert f"received {sig.name}: finishing this iteration, then saving a checkpoint" in err
+    assert "stopped cleanly; continue with --init_from=resume" in out and 'Traceback' not in err
+    assert 3 <= load_checkpoint(str(tmp_path / CHECKPOINT))['iter_num'] < 200
+    assert not (tmp_path / LOCK_NAME).exists()
+    no_half_written(tmp_path)
+
+
+def test_train_at_the_earliest_moment_stops_before_its_first_step(dataset, tmp_path):
+    from nanogpt_plus.out_dir import LOCK_NAME
+    proc = start(['train.py', *train_args(dataset, tmp_path)])
+    proc.wait_for_handler()
+    proc.proc.send_signal(signal.SIGTERM)
+    code, out, err = proc.finish()
+    said = "stopped before iter 0: a signal came during set-up; nothing new to save"
+    assert code == 75 and said in out, (code, out + err)
+    assert 'Traceback' not in err and not (tmp_path / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP])
+def test_train_after_its_final_save_exits_0(sig, dataset, tmp_path):
+    from nanogpt_plus.checkpoint import CHECKPOINT, load_checkpoint
+    from nanogpt_plus.out_dir import LOCK_NAME
+    proc = start(['train.py', *train_args(dataset, tmp_path, max_iters=4, eval_interval=4)])
+    proc.wait_for(r"\(final, iter 5\)")
+    proc.proc.send_signal(sig)
+    code, out, err = proc.finish()
+    # the final save goes on (a signal during it is said as a stop, which it then is): exit 0,
+    # never 128 + sig
+    assert code == 0 and 'Traceback' not in err, (code, out + err)
+    assert load_checkpoint(str(tmp_path / CHECKPOINT))['iter_num'] == 5
+    assert not (tmp_path / LOCK_NAME).exists()
+    no_half_written(tmp_path)
+
+
+# -----------------------------------------------------------------------------
+# finetune.py: as train.py
+
+@pytest.fixture
+def finetune_args(tmp_path):
+    from test_finetune import make_source, make_task
+    src = make_source(tmp_path / 'src')
+    train_file, val_file = make_task(tmp_path, 'classification', n_train=64, n_val=8)
+    return ['finetune.py', '--task=classification', f'--init_from={src}',
+            f'--train_file={train_file}', f'--val_file={val_file}', f'--out_dir={tmp_path / "ft"}',
+            '--device=cpu', '--batch_size=8']
+
+
+def test_finetune_at_the_earliest_moment_stops_resumable(finetune_args, tmp_path):
+    from nanogpt_plus.out_dir import LOCK_NAME
+    proc = start(finetune_args + ['--epochs=50'])
+    proc.wait_for_handler()
+    proc.proc.send_signal(signal.SIGTERM)
+    code, out, err = proc.finish()
+    assert code == 75 and "stopped cleanly" in out and 'Traceback' not in err, (code, out + err)
+    assert not (tmp_path / 'ft' / LOCK_NAME).exists()
+    no_half_written(tmp_path / 'ft')
+
+
+def test_finetune_after_its_result_exits_0(finetune_args, tmp_path):
+    from nanogpt_plus.out_dir import LOCK_NAME
+    proc = start(finetune_args + ['--epochs=1'])
+    proc.wait_for(r'^\{"task"')
+    proc.proc.send_signal(signal.SIGTERM)
+    code, out, err = proc.finish()
+    assert code == 0 and 'Traceback' not in err, (code, out + err)
+    assert 'received SIGTERM' not in err or DONE in err, err
+    assert json.loads(out.strip().splitlines()[-1])['interrupted'] is False
+    assert not (tmp_path / 'ft' / LOCK_NAME).exists()
+    no_half_written(tmp_path / 'ft')
+
+
+# -----------------------------------------------------------------------------
+# in this process: the pieces
+
+def test_a_signal_during_the_renames_waits_until_every_output_is_in_place(tmp_path, monkeypatch):
+    """ Stopped comes after the last rename: never a new train.bin beside an old val.bin. """
+    from nanogpt_plus import files
+    from nanogpt_plus.signals import GracefulExit, Stopped
+    for name in ('train.bin', 'val.bin'):
+        (tmp_path / name).write_bytes(b'old')
+    real_replace = os.replace
+    renamed = []
+
+    def replace(src, dst):  # SIGTERM arrives between the two renames
+        renamed.append(os.path.basename(dst))
+        if len(renamed) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        real_replace(src, dst)
+    stop = GracefulExit(resumable=False).install()
+    stop.working = True  # inside main(), as run_main marks it
+    try:
+        monkeypatch.setattr(files.os, 'replace', replace)
+        with pytest.raises(Stopped):
+            with files.atomic_outputs(str(tmp_path)) as out:
+                for name in ('train.bin', 'val.bin'):
+                    with open(out.path(name), 'wb') as f:
+                        f.write(b'new')
+    finally:
+        stop.uninstall()
+    assert renamed == ['train.bin', 'val.bin']
+    assert [(tmp_path / n).read_bytes() for n in ('train.bin', 'val.bin')] == [b'new', b'new']
+    no_half_written(tmp_path)
+
+
+def test_after_the_work_a_signal_is_said_and_the_code_stays(capsys):
+    from nanogpt_plus.signals import GracefulExit, Stopped
+    stop = GracefulExit(keep=True, resumable=False)
+    stop.working = True
+    with pytest.raises(Stopped):
+        stop._handle(signal.SIGHUP, None)
+    stop._handle(signal.SIGTERM, None)  # a second one while cleaning up: nothing more
+    stop.uninstall()
+    stop._handle(signal.SIGTERM, None)
+    assert DONE in capsys.readouterr().err
