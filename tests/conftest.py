@@ -29,6 +29,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # in every process a test starts) reads this figure, not /proc/meminfo's MemAvailable (a full suite once failed
 # on the default GPT-2 config with 10 GiB free). Tests of the check itself set their own figure
 os.environ["NANOGPT_FREE_MEMORY_GIB"] = "64"
+# a process a test starts that dies of a fatal signal says where: faulthandler prints the Python stack of
+# every thread, torch the C++ backtrace of a std::terminate. A torchrun rank once died of SIGABRT
+# ("terminate called without an active exception") in a full run and left only that line, with no
+# way to tell at which step of the script it happened
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+os.environ.setdefault("TORCH_CUSTOM_TERMINATE", "1")
 # where transformers copies an export's code for trust_remote_code: a directory of this run (removed at its end),
 # not the user's cache
 if "HF_MODULES_CACHE" not in os.environ:

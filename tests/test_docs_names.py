@@ -15,7 +15,8 @@ PACKAGE = 'nanogpt_plus'
 MODULES = sorted(os.path.splitext(os.path.basename(p))[0]
                  for p in glob.glob(os.path.join(REPO, PACKAGE, '*.py'))
                  if not p.endswith('__init__.py'))
-DOTTED = re.compile(rf'\b{PACKAGE}(?:\.\w+)+')
+# not inside a file name: a temp file's mark (`.ckpt.pt.nanogpt_plus.tmp.<pid>`) is no code
+DOTTED = re.compile(rf'(?<![.\w]){PACKAGE}(?:\.\w+)+')
 FROM_IMPORT = re.compile(rf'\bfrom ({PACKAGE}(?:\.\w+)*) import ([\w, ]+)')
 SHORT = re.compile(rf"`((?:{'|'.join(MODULES)})\.\w+)")
 # a short form that is a file name (`metrics.jsonl`, `tokenizer.json`), not a module's attribute
