@@ -75,7 +75,7 @@ def _run(main):
         # teardown, as for a user error)
         if exit_code(e) == 0:
             print(e)
-            _exit(0)
+            return 0
         # UserError, ConfigError, TokenizerError: the user's to fix
         if exit_code(e) == EXIT_USER_ERROR:
             print(f"error: {e}", file=sys.stderr)

@@ -69,11 +69,19 @@ def test_uneven_evaluation_finishes_with_the_single_process_losses(dataset, tmp_
 
 
 def test_a_checkpoint_rank0_cannot_write_stops_every_rank_with_one_message(dataset, tmp_path):
-    # a directory where rank 0 must write the file: the save fails
-    os.makedirs(tmp_path / "ckpt.pt")
+    # a directory where rank 0 must write the file, put there once the run has started (one there
+    # before is refused when the out_dir is claimed): the save at iteration 300 fails
     began = time.time()
-    r = launch(train_args(dataset, tmp_path, max_iters=3, eval_interval=3, num_threads=1), timeout=40)
-    assert time.time() - began < 30, "the ranks waited for each other"
+    proc = start(TORCHRUN_2 + ["train.py", *train_args(dataset, tmp_path, max_iters=300, eval_interval=300,
+                                                       lr_decay_iters=300, num_threads=1)])
+    try:
+        wait_for_line(proc, "iter 0:")
+        os.makedirs(tmp_path / "ckpt.pt")
+        out, err = proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert time.time() - began < 60, "the ranks waited for each other"
     assert r.returncode != 0
     assert r.stderr.count("error: could not write the checkpoint") == 1, r.stderr[-3000:]
     # no worker traceback (torchrun prints its summary)

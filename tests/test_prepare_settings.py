@@ -160,7 +160,7 @@ def test_the_real_command_lines(tmp_path):
     # the two paths in a fresh interpreter: --help prints the manual, exit 0; a bad choice is one line, exit 2
     r = run_python(["data/fineweb/prepare.py", "--help"], timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("FineWeb-Edu for GPT-2"), r.stderr
-    assert "  --overwrite   = False\n      True: write even where out_dir holds another kind of dataset" in r.stdout
+    assert "  --overwrite   = False\n      True: write even where out_dir holds another dataset" in r.stdout
     r = run_python(["scripts/bench_sample.py", "--which=all"], timeout=120)
     assert r.returncode == 2 and r.stderr == "error: which must be 'both', 'gpt2' or 'char', got 'all'\n", r.stderr
 

@@ -198,8 +198,9 @@ def test_a_long_generation_and_an_evaluation_stop_at_a_signal(trained, tmp_path)
     """ Work of minutes: a signal while it runs stops it at once, in one line and 130, writing
     nothing. """
     out_dir, dataset = trained
+    # the tiny dataset's letters: sample.py's default prompt, a newline, is none of them
     long_sample = ['sample.py', f'--out_dir={out_dir}', '--device=cpu', '--num_samples=2',
-                   '--max_new_tokens=100000', '--num_threads=1']
+                   '--max_new_tokens=100000', '--num_threads=1', '--start=abc']
     long_eval = ['eval.py', f'--init_from={out_dir}', f'--dataset={dataset}', '--split=train',
                  '--device=cpu', '--batch_size=1', f'--output_file={tmp_path / "eval.json"}']
     for args, started in [(long_sample, r"^sampling "), (long_eval, r"^provenance")]:
