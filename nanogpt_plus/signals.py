@@ -258,12 +258,25 @@ def early_exit_request(name, resumable=True):
     imported (a test calls its main()). This module imports nothing heavy for that reason.
     """
     global _KEPT
-    if name != '__main__':
+    if name != '__main__' or not _is_the_program(sys._getframe(1).f_globals.get('__file__')):
         return None
     _KEPT = GracefulExit(keep=True, resumable=resumable).install()
     # registered before any other module's exit function, so it runs after all of them
     atexit.register(_end_now)
     return _KEPT
+
+
+def _is_the_program(script):
+    """
+    Whether script is the program this process runs (python script.py, or a torchrun worker), not one
+    run as '__main__' inside another program (a test's runpy.run_path): only the program itself may
+    keep the signals and end the process with its own exit code.
+    """
+    # the interpreter's own command line: a test may replace sys.argv, never this
+    if not script:
+        return False
+    ran = getattr(sys, 'orig_argv', sys.argv)
+    return any(os.path.realpath(arg) == os.path.realpath(script) for arg in ran if arg.endswith('.py'))
 
 
 def work_started():

@@ -8,6 +8,7 @@ In-process (runpy) and offline, but for two real command lines.
 import os
 import re
 import runpy
+import signal
 import sys
 
 import numpy as np
@@ -297,3 +298,15 @@ def test_preparing_again_works_and_overwrite_replaces_shards(tmp_path, monkeypat
     assert find_shards(str(shards)) == ([str(shards / "train.bin")], [str(shards / "val.bin")])
     x, _ = TokenWindowLoader(split_files(str(shards), "train"), 2, 8, seed=0).next_batch()
     assert x.shape == (2, 8)
+
+
+def test_a_script_run_inside_another_program_leaves_its_exit_code_alone(monkeypatch, capsys):
+    """
+    A script run as '__main__' in this process (as these tests do) must not keep the signals or end
+    the process with its own exit code at exit: the test run once exited 2 with every test passed,
+    from a prepare script's refusal recorded in-process.
+    """
+    from nanogpt_plus import signals
+    code, _, _ = run("data/text/prepare.py", monkeypatch, capsys, "--tokenizer=nope")
+    assert code == 2
+    assert signals._KEPT is None and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
