@@ -72,10 +72,7 @@ def main():
     # before the model is loaded: into a new or empty directory or an earlier export, not a
     # checkpoint's or a dataset's directory, nor the model's own, nor one of other files (its
     # README.md would be replaced)
-    check_output(hf_dir,
-                 'hf_dir',
-                 cfg['overwrite'],
-                 kind='directory',
+    check_output(hf_dir, 'hf_dir', cfg['overwrite'], kind='directory',
                  inputs={'init_from': cfg['init_from']},
                  earlier=('config.json', 'model.safetensors'))
     model, tokenizer_meta, _ = init_model(cfg['init_from'], cfg['out_dir'])

@@ -219,10 +219,7 @@ def main():
     # the best model's predictions come after the training: their path is checked now
     if cfg['predict_file']:
         out_path = finetuning.predictions_path(cfg['predict_out'], cfg['out_dir'])
-        check_output(out_path,
-                     'predict_out',
-                     cfg['overwrite'],
-                     inputs={k: cfg[k]
+        check_output(out_path, 'predict_out', cfg['overwrite'], inputs={k: cfg[k]
                              for k in ('train_file', 'val_file', 'predict_file')},
                      output_kind='predictions')
     # rank 0 holds out_dir/run.lock for the whole fine-tune; a new one over an earlier one's
@@ -285,11 +282,8 @@ def setup(cfg, dist_info):
     accum = accumulation_per_rank(cfg['gradient_accumulation_steps'], dist_info)
     device = dist_info.device
     resume = cfg['init_from'] == 'resume'
-    dtype, ctx, compile_model, _ = compute_setup(device,
-                                                 cfg['dtype'],
-                                                 cfg['compile'],
-                                                 num_threads=0,
-                                                 peak=False)
+    dtype, ctx, compile_model, _ = compute_setup(device, cfg['dtype'], cfg['compile'],
+                                                 num_threads=0, peak=False)
     # kept in the checkpoints
     run_provenance = dict(provenance(device), dtype=dtype, world_size=dist_info.world_size)
     if dist_info.master:
@@ -510,16 +504,10 @@ def evaluate_epoch(run, state):
 
 def checkpoint(run, state, **extra):
     """ The fine-tune's checkpoint dict at this state: the GPT, its head and labels, then extra. """
-    return finetuning.finetune_checkpoint(run.raw_model,
-                                          state.iter_num,
-                                          run.cfg,
-                                          run.tokenizer_meta,
-                                          run.provenance,
-                                          run.data.label_map,
-                                          run.special,
-                                          run.source_name,
-                                          wandb_id=run.logger.wandb_id,
-                                          **extra)
+    return finetuning.finetune_checkpoint(run.raw_model, state.iter_num, run.cfg,
+                                          run.tokenizer_meta, run.provenance, run.data.label_map,
+                                          run.special, run.source_name,
+                                          wandb_id=run.logger.wandb_id, **extra)
 
 
 def save_last(run, state, reason):

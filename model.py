@@ -588,12 +588,7 @@ class GPT(nn.Module):
                 sd[ours].copy_(src)
         return model
 
-    def configure_optimizers(self,
-                             weight_decay,
-                             learning_rate,
-                             betas,
-                             device_type,
-                             fused=None,
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, fused=None,
                              params=None):
         """
         AdamW in two groups: weight_decay for every parameter with 2 or more dimensions (the Linear

@@ -419,10 +419,8 @@ def setup(cfg, dist_info):
         print(f"tokens per iteration will be: {tokens_per_iter:,}")
     torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank, the data does not
     # only rank 0 reports MFU, so only it measures the device's peak
-    dtype, ctx, compile_model, peak_flops = compute_setup(dist_info.device,
-                                                          cfg['dtype'],
-                                                          cfg['compile'],
-                                                          cfg['num_threads'],
+    dtype, ctx, compile_model, peak_flops = compute_setup(dist_info.device, cfg['dtype'],
+                                                          cfg['compile'], cfg['num_threads'],
                                                           peak=master)
     # the dataset, worked out once, and its loaders: one verdict for all ranks
     data, train_loader, eval_loaders = training_data(cfg.select(DataSpec), dist_info)

@@ -112,14 +112,8 @@ def _json_summary(ckpt):
     return summary
 
 
-def build_checkpoint(model,
-                     iter_num,
-                     best_val_loss,
-                     config,
-                     tokenizer,
-                     provenance,
-                     model_state=None,
-                     **extra):
+def build_checkpoint(model, iter_num, best_val_loss, config, tokenizer, provenance,
+                     model_state=None, **extra):
     """
     A checkpoint of a model's weights in this format: nanoGPT's keys ('model', 'model_args',
     'iter_num', 'best_val_loss', 'config'), the model settings beyond nanoGPT's, the tokenizer and
@@ -385,13 +379,7 @@ class Checkpointer:
     # -------------------------------------------------------------------------
     # the write, the same for every file
 
-    def write(self,
-              name,
-              build,
-              iter_num,
-              training_state=True,
-              announce=None,
-              done=None,
+    def write(self, name, build, iter_num, training_state=True, announce=None, done=None,
               after_write=None):
         """
         out_dir/name, holding build(Gathered) (called on rank 0 only). Every rank calls this: the

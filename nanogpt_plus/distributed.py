@@ -216,11 +216,7 @@ def every_rank(dist_info, fn, agree=None):
     if agree:
         difference = _first_difference(outcomes, agree)
         if difference:
-            stop_with(dist_info,
-                      outcomes,
-                      0,
-                      difference,
-                      EXIT_USER_ERROR,
+            stop_with(dist_info, outcomes, 0, difference, EXIT_USER_ERROR,
                       error=UserError(difference))
     return result
 

@@ -174,17 +174,8 @@ def sample_next_token(logits, generator=None, temperature=1.0, top_k=None, top_p
 
 
 @torch.inference_mode()
-def generate_stream(model,
-                    idx,
-                    max_new_tokens,
-                    temperature=1.0,
-                    top_k=None,
-                    top_p=None,
-                    generator=None,
-                    mode='exact',
-                    stop_token=None,
-                    vocab_size=None,
-                    ctx=None):
+def generate_stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                    generator=None, mode='exact', stop_token=None, vocab_size=None, ctx=None):
     """
     Generate max_new_tokens tokens after the prompts idx (B, T), yielding the (B,) new tokens of
     each step as soon as they are drawn. mode: 'exact' or 'fast' (see the module docstring).

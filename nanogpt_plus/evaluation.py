@@ -60,13 +60,7 @@ def make_row(context, target, block_size):
 
 
 @torch.no_grad()
-def score_rows(model,
-               rows,
-               indices,
-               batch_size,
-               device,
-               ctx=nullcontext(),
-               pad_to=None,
+def score_rows(model, rows, indices, batch_size, device, ctx=nullcontext(), pad_to=None,
                progress=False):
     """
     Score rows[i] for i in indices, batch_size rows per forward pass. Rows are right-padded, and
@@ -112,16 +106,8 @@ def score_rows(model,
     return out
 
 
-def score_examples(model,
-                   rows,
-                   example_offsets,
-                   batch_size,
-                   device,
-                   ctx=nullcontext(),
-                   dist_info=None,
-                   pad_to=None,
-                   progress=False,
-                   poll=None):
+def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcontext(),
+                   dist_info=None, pad_to=None, progress=False, poll=None):
     """
     Score every row of every example; returns score_rows' table for all rows, (num_rows, 3). Under
     DDP (dist_info.under_torchrun) example k goes to rank k % world_size, whose rows' results are
@@ -234,15 +220,8 @@ def loss_metrics(table, num_bytes):
     return metrics
 
 
-def evaluate_loss(model,
-                  parts,
-                  tokenizer,
-                  batch_size,
-                  device,
-                  ctx=nullcontext(),
-                  dist_info=None,
-                  pad_to=None,
-                  progress=False):
+def evaluate_loss(model, parts, tokenizer, batch_size, device, ctx=nullcontext(), dist_info=None,
+                  pad_to=None, progress=False):
     """
     The loss metrics of model over [(tokens, windows)] parts: a token array or memmap per file (a
     split's shards: no window spans two) and loss_windows' windows over it. tokenizer is the one the
@@ -329,15 +308,8 @@ def hellaswag_metrics(counts):
     }
 
 
-def score_hellaswag(model,
-                    examples,
-                    batch_size,
-                    device,
-                    ctx=nullcontext(),
-                    dist_info=None,
-                    pad_to=None,
-                    progress=False,
-                    poll=None):
+def score_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None,
+                    pad_to=None, progress=False, poll=None):
     """
     hellaswag_counts of model on examples, hellaswag_examples' (rows, offsets, labels), the same on
     every rank (score_examples splits the examples across them). The one scoring of HellaSwag:
@@ -350,14 +322,8 @@ def score_hellaswag(model,
     return None if table is None else hellaswag_counts(table, offsets, labels)
 
 
-def evaluate_hellaswag(model,
-                       examples,
-                       batch_size,
-                       device,
-                       ctx=nullcontext(),
-                       dist_info=None,
-                       pad_to=None,
-                       progress=False):
+def evaluate_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None,
+                       pad_to=None, progress=False):
     """ {'acc', 'acc_norm'} of model on examples, hellaswag_examples' (rows, offsets, labels). """
     return hellaswag_metrics(
         score_hellaswag(model, examples, batch_size, device, ctx, dist_info, pad_to, progress))
@@ -386,14 +352,8 @@ def lambada_metrics(table):
     return {'acc': table[:, 2].mean().item(), 'ppl': math.exp(table[:, 0].mean().item())}
 
 
-def evaluate_lambada(model,
-                     examples,
-                     batch_size,
-                     device,
-                     ctx=nullcontext(),
-                     dist_info=None,
-                     pad_to=None,
-                     progress=False):
+def evaluate_lambada(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None,
+                     pad_to=None, progress=False):
     """ {'acc', 'ppl'} of model on examples, lambada_examples' (rows, offsets). """
     rows, offsets = examples
     return lambada_metrics(
@@ -503,20 +463,9 @@ def loss_task(model, tokenizer_meta, paths, dataset, stride, batch_size, max_exa
     return metrics, sum(len(windows) for _, windows in parts), path
 
 
-def evaluate(model,
-             task,
-             tokenizer_meta,
-             data_file='',
-             dataset='',
-             split='val',
-             stride=0,
-             batch_size=16,
-             max_examples=0,
-             device='cpu',
-             ctx=nullcontext(),
-             dist_info=None,
-             pad_to=None,
-             progress=False):
+def evaluate(model, task, tokenizer_meta, data_file='', dataset='', split='val', stride=0,
+             batch_size=16, max_examples=0, device='cpu', ctx=nullcontext(), dist_info=None,
+             pad_to=None, progress=False):
     """
     Run one task (see TASKS) on model, whose tokenizer tokenizer_meta describes. data_file is the
     token file (loss: or a directory of shards) or the JSONL file; '' means the dataset's

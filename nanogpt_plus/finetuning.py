@@ -396,10 +396,8 @@ class Schedule:
         """
         The learning rate at each step: train.py's warmup and cosine, over this fine-tune's steps.
         """
-        return LRSchedule(learning_rate=self.learning_rate,
-                          warmup_iters=self.warmup_iters,
-                          lr_decay_iters=self.lr_decay_iters,
-                          min_lr=self.min_lr,
+        return LRSchedule(learning_rate=self.learning_rate, warmup_iters=self.warmup_iters,
+                          lr_decay_iters=self.lr_decay_iters, min_lr=self.min_lr,
                           decay_lr=self.decay_lr)
 
 
@@ -728,13 +726,8 @@ def evaluate_val(model, data, special, batch_size, ctx, dist_info):
     world = dist_info.world_size
     # of the rank with the most examples
     most_batches = math.ceil(math.ceil(n_val / world) / batch_size)
-    correct, seen, loss_sum, _ = evaluate(model,
-                                          data.val_encoded,
-                                          data.val_labels,
-                                          special,
-                                          batch_size,
-                                          dist_info.device,
-                                          ctx,
+    correct, seen, loss_sum, _ = evaluate(model, data.val_encoded, data.val_labels, special,
+                                          batch_size, dist_info.device, ctx,
                                           range(dist_info.rank, n_val, world),
                                           num_batches=most_batches)
     return tuple(all_reduce_sum([correct, seen, loss_sum], dist_info))

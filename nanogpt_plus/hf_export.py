@@ -81,21 +81,13 @@ def nanogpt_config(config, eot_token):
     """
     from nanogpt_plus.hf_modeling import NanoGPTConfig
     module = MODELING_FILE[:-len('.py')]
-    hf_cfg = NanoGPTConfig(vocab_size=config.vocab_size,
-                           n_positions=config.block_size,
-                           n_embd=config.n_embd,
-                           n_layer=config.n_layer,
-                           n_head=config.n_head,
-                           bias=config.bias,
-                           activation_function=hf_activation(config),
-                           pos=config.pos,
-                           norm=config.norm,
-                           qk_norm=config.qk_norm,
+    hf_cfg = NanoGPTConfig(vocab_size=config.vocab_size, n_positions=config.block_size,
+                           n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head,
+                           bias=config.bias, activation_function=hf_activation(config),
+                           pos=config.pos, norm=config.norm, qk_norm=config.qk_norm,
                            logit_softcap=config.logit_softcap,
-                           tie_word_embeddings=config.tie_embeddings,
-                           bos_token_id=eot_token,
-                           eos_token_id=eot_token,
-                           architectures=['NanoGPTForCausalLM'])
+                           tie_word_embeddings=config.tie_embeddings, bos_token_id=eot_token,
+                           eos_token_id=eot_token, architectures=['NanoGPTForCausalLM'])
     # what AutoConfig / AutoModelForCausalLM load with trust_remote_code=True
     hf_cfg.auto_map = {
         'AutoConfig': f'{module}.NanoGPTConfig',

@@ -53,20 +53,11 @@ WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin')  # in the order transf
 # opens in well under a second; without a network huggingface_hub's retries take ~25 s to give up
 HUB_PROBE_SECONDS = 3.0
 # GPT2Config's defaults, for the keys an older config.json (the hub's own gpt2 one) leaves out
-HF_DEFAULTS = dict(model_type='gpt2',
-                   activation_function='gelu_new',
-                   layer_norm_epsilon=1e-5,
-                   n_inner=None,
-                   scale_attn_weights=True,
-                   scale_attn_by_inverse_layer_idx=False,
-                   reorder_and_upcast_attn=False,
-                   tie_word_embeddings=True,
-                   add_cross_attention=False,
-                   vocab_size=50257,
-                   n_positions=1024,
-                   n_embd=768,
-                   n_layer=12,
-                   n_head=12)
+HF_DEFAULTS = dict(model_type='gpt2', activation_function='gelu_new', layer_norm_epsilon=1e-5,
+                   n_inner=None, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+                   reorder_and_upcast_attn=False, tie_word_embeddings=True,
+                   add_cross_attention=False, vocab_size=50257, n_positions=1024, n_embd=768,
+                   n_layer=12, n_head=12)
 # causal-mask buffers older transformers saved
 IGNORED_SUFFIXES = ('.attn.bias', '.attn.masked_bias')
 # the JSON type each key must have; anything else ("768", 768.0, null, true) is a broken file, said
@@ -274,9 +265,7 @@ def read_tensors(path):
                 f"copy") from None
     try:
         # mmap needs torch.save's zip format; a file of the legacy format is read the ordinary way
-        tensors = torch.load(path,
-                             map_location='cpu',
-                             weights_only=True,
+        tensors = torch.load(path, map_location='cpu', weights_only=True,
                              mmap=zipfile.is_zipfile(path))
     except Exception as e:  # truncated, not a weights file, a pickled object
         # the ckpt.pt reader's words for what torch.load refused (never torch's advice to load the

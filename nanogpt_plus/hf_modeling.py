@@ -45,20 +45,9 @@ class NanoGPTConfig(PretrainedConfig):
     model_type = MODEL_TYPE
     attribute_map = ATTRIBUTE_MAP
 
-    def __init__(self,
-                 vocab_size=50304,
-                 n_positions=1024,
-                 n_embd=768,
-                 n_layer=12,
-                 n_head=12,
-                 bias=True,
-                 activation_function='gelu',
-                 pos='learned',
-                 norm='layernorm',
-                 qk_norm=False,
-                 logit_softcap=0.0,
-                 tie_word_embeddings=True,
-                 **kwargs):
+    def __init__(self, vocab_size=50304, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                 bias=True, activation_function='gelu', pos='learned', norm='layernorm',
+                 qk_norm=False, logit_softcap=0.0, tie_word_embeddings=True, **kwargs):
         self.vocab_size = vocab_size
         self.n_positions = n_positions
         self.n_embd = n_embd
@@ -80,18 +69,10 @@ class NanoGPTConfig(PretrainedConfig):
         if self.activation_function not in HF_ACTIVATIONS:
             raise ValueError(f"activation_function={self.activation_function!r}: use one of "
                              f"{', '.join(HF_ACTIVATIONS)}")
-        return GPTConfig(block_size=self.n_positions,
-                         vocab_size=self.vocab_size,
-                         n_layer=self.n_layer,
-                         n_head=self.n_head,
-                         n_embd=self.n_embd,
-                         dropout=0.0,
-                         bias=self.bias,
-                         **HF_ACTIVATIONS[self.activation_function],
-                         pos=self.pos,
-                         norm=self.norm,
-                         qk_norm=self.qk_norm,
-                         logit_softcap=self.logit_softcap,
+        return GPTConfig(block_size=self.n_positions, vocab_size=self.vocab_size,
+                         n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, dropout=0.0,
+                         bias=self.bias, **HF_ACTIVATIONS[self.activation_function], pos=self.pos,
+                         norm=self.norm, qk_norm=self.qk_norm, logit_softcap=self.logit_softcap,
                          tie_embeddings=self.tie_word_embeddings)
 
 

@@ -75,12 +75,8 @@ class MetricsLogger:
                 import wandb
                 # resume='allow': the run of that id continues (a new one when it was never synced),
                 # so a preempted and resumed run is one wandb run, not one per start
-                run = wandb.init(project=wandb_project,
-                                 name=wandb_run_name,
-                                 config=config,
-                                 dir=wandb_dir,
-                                 id=wandb_id,
-                                 resume='allow')
+                run = wandb.init(project=wandb_project, name=wandb_run_name, config=config,
+                                 dir=wandb_dir, id=wandb_id, resume='allow')
                 self.wandb = wandb
                 self.wandb_id = run.id
             except ModuleNotFoundError:  # not installed: WANDB_MODE can't help

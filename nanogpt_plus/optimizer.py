@@ -124,10 +124,7 @@ def gram_newton_schulz(x, ns_coefficients, ns_steps):
     return x if q is None else q @ x
 
 
-def orthogonalise(matrices,
-                  ns_coefficients=(3.4445, -4.7750, 2.0315),
-                  ns_steps=5,
-                  eps=1e-7,
+def orthogonalise(matrices, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps=5, eps=1e-7,
                   gram=True):
     """
     newton_schulz_float32 of each matrix, with the matrices of one shape (in their wide orientation,
@@ -231,13 +228,7 @@ class MuonWithAdamW:
     float32_ns: orthogonalise in float32 (the CPU; see float32_newton_schulz).
     """
 
-    def __init__(self,
-                 model,
-                 adamw,
-                 learning_rate,
-                 muon_lr,
-                 momentum,
-                 muon_weight_decay,
+    def __init__(self, model, adamw, learning_rate, muon_lr, momentum, muon_weight_decay,
                  float32_ns=False):
         hidden = [p for n, p in model.named_parameters()
                   if p.requires_grad and p.dim() == 2 and n.startswith('transformer.h.')]

@@ -101,6 +101,23 @@ def save_test_checkpoint(model, tokenizer_meta, path, dataset='x'):
     return str(path)
 
 
+def dead_pid():
+    """ The pid of a process that has ended (and was reaped, so no live process has it for now). """
+    p = subprocess.Popen(["true"])  # not Python: a process that is gone at once
+    p.wait()
+    return p.pid
+
+
+def exit_code(main):
+    """ What runtime.run_main makes of main(): the exit code (0 when main returns). """
+    from nanogpt_plus.runtime import run_main
+    try:
+        run_main(main)
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
 def run_script(module, monkeypatch, *args):
     """ An entry point's main() in this process (it reads sys.argv), with these command-line settings. """
     monkeypatch.setattr(sys, 'argv', [f'{module.__name__}.py', *args])

@@ -11,7 +11,6 @@ import os
 import runpy
 import shutil
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -19,34 +18,17 @@ import pytest
 import export_hf
 import finetune
 import train
-from helpers import REPO, run_script, start_python, train_args
+from helpers import REPO, dead_pid, exit_code, run_script, start_python, train_args
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import remove_stale_temps_in, temp_path
 from nanogpt_plus.out_dir import LOCK_NAME, OutDirLock
 from nanogpt_plus.outputs import check_output
-from nanogpt_plus.runtime import run_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 TEXT = os.path.join(REPO, "data", "text", "prepare.py")
 CHAR = os.path.join(REPO, "data", "shakespeare_char", "prepare.py")
 GPT2 = os.path.join(REPO, "data", "shakespeare", "prepare.py")
-
-
-def dead_pid():
-    """ The pid of a process that has ended (and was reaped, so no live process has it for now). """
-    p = subprocess.Popen(["true"])
-    p.wait()
-    return p.pid
-
-
-def exit_code(main):
-    """ What run_main makes of main(): the exit code (0 when main returns). """
-    try:
-        run_main(main)
-    except SystemExit as e:
-        return e.code
-    return 0
 
 
 def prepare(monkeypatch, script, *args):

@@ -9,7 +9,6 @@ HF_HUB_OFFLINE=1, would refuse a real request anyway).
 import json
 import os
 import socket
-import time
 
 import pytest
 import torch
@@ -105,16 +104,14 @@ def test_no_network_is_refused_at_once(hub_cache, online, monkeypatch):
         timeouts.append(timeout)
         raise socket.gaierror(-2, 'Name or service not known')
     monkeypatch.setattr(hf_import.socket, 'create_connection', no_route)
-    start = time.perf_counter()
     with pytest.raises(UserError) as e:
         init_model('gpt2-medium')
-    took = time.perf_counter() - start
     message = str(e.value)
     assert "\n" not in message and "could not download 'gpt2-medium'" in message
     assert "no connection to huggingface.co:443" in message and "init_from=DIR" in message
-    # one short attempt, no download after it (huggingface_hub's retries took ~25 s)
+    # one short attempt, no download after it (huggingface_hub's retries took ~25 s); what it costs
+    # is bounded by the timeout asked for, not timed here (no test measures time)
     assert asked == [('config.json', True)] and len(timeouts) == 1 and timeouts[0] <= 5
-    assert took < 3, took
 
 
 def closed_port():
@@ -185,10 +182,8 @@ def test_sample_py_refuses_at_once_without_a_network(tmp_path):
     unset = ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE')
     env = {k: v for k, v in os.environ.items() if k not in unset and not k.lower().endswith('_proxy')}
     env.update(HF_ENDPOINT=f'http://127.0.0.1:{closed_port()}', HF_HUB_CACHE=str(tmp_path / 'hub'))
-    start = time.perf_counter()
     r = run_python(['sample.py', '--init_from=gpt2', '--device=cpu'], env=env, timeout=120)
-    took = time.perf_counter() - start
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert "could not download 'gpt2'" in r.stderr
-    assert "Retrying" not in r.stderr and took < 20, (took, r.stderr)
+    assert "Retrying" not in r.stderr, r.stderr  # huggingface_hub's retries: the 25 s it took

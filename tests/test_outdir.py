@@ -12,7 +12,6 @@ import re
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
 import time
 
@@ -21,11 +20,10 @@ import torch
 
 import finetune
 import train
-from helpers import iter_losses, start_python, train_args
+from helpers import dead_pid, exit_code, iter_losses, start_python, train_args
 from nanogpt_plus.errors import EXIT_INTERRUPTED, UserError
 from nanogpt_plus.metrics import read_metrics
 from nanogpt_plus.out_dir import LOCK_NAME, OutDirLock
-from nanogpt_plus.runtime import run_main
 from nanogpt_plus.signals import GracefulExit
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -36,22 +34,6 @@ tiny_args = functools.partial(train_args, num_threads=1)
 def run_train(capsys, args):
     train.main(args)
     return capsys.readouterr()
-
-
-def dead_pid():
-    """ The pid of a process that has ended (and was reaped, so no live process has it for now). """
-    p = subprocess.Popen(["true"])  # not Python: a process that is gone at once
-    p.wait()
-    return p.pid
-
-
-def exit_code(main):
-    """ What run_main makes of main(): the exit code (0 when main returns). """
-    try:
-        run_main(main)
-    except SystemExit as e:
-        return e.code
-    return 0
 
 
 # -----------------------------------------------------------------------------

@@ -44,22 +44,10 @@ PIECE_CHARS = 1 << 16
 TEXT_ROWS = 256  # documents (or pieces) read at a time for the tokenizer's training and vocabulary
 
 
-def prepare_corpus(out_dir,
-                   dataset="openwebtext",
-                   files="",
-                   text_column="text",
-                   num_proc=1,
-                   test_size=0.0005,
-                   seed=2357,
-                   total_batches=1024,
-                   cache_dir="",
-                   sample_by="paragraph",
-                   load_from_cache_file=True,
-                   progress=True,
-                   name="",
-                   tokenizer="gpt2",
-                   vocab_size=None,
-                   overwrite=False):
+def prepare_corpus(out_dir, dataset="openwebtext", files="", text_column="text", num_proc=1,
+                   test_size=0.0005, seed=2357, total_batches=1024, cache_dir="",
+                   sample_by="paragraph", load_from_cache_file=True, progress=True, name="",
+                   tokenizer="gpt2", vocab_size=None, overwrite=False):
     """
     nanoGPT's openwebtext/prepare.py for any corpus: train.bin, val.bin and meta.json in out_dir (+
     meta.pkl for char, tokenizer.json for bpe). tokenizer: 'gpt2', 'char', 'bpe' (trained on the
@@ -462,12 +450,7 @@ def describe_tokenizer(tok, by_documents):
 # tokenizing in parallel
 
 
-def tokenize_splits(splits,
-                    text_column,
-                    tokenizer,
-                    dtype,
-                    add_eot=True,
-                    num_proc=1,
+def tokenize_splits(splits, text_column, tokenizer, dtype, add_eot=True, num_proc=1,
                     load_from_cache_file=True):
     """
     Every document of the splits tokenized by num_proc workers (ids, then the eot token if add_eot).
@@ -481,9 +464,7 @@ def tokenize_splits(splits,
     # the workers get the tokenizer's description (part of the cache fingerprint, so another
     # tokenizer is never served a stale cache) and build it once per process
     description = json.dumps(tokenizer.meta(), sort_keys=True, ensure_ascii=False)
-    return splits.map(tokenize_batch,
-                      batched=True,
-                      remove_columns=splits["train"].column_names,
+    return splits.map(tokenize_batch, batched=True, remove_columns=splits["train"].column_names,
                       fn_kwargs={
                           "text_column": text_column,
                           "tokenizer": description,

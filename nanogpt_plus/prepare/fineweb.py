@@ -51,19 +51,9 @@ CHUNKSIZE = 16  # documents per task sent to a worker (llm.c's imap chunksize)
 READ_BATCH = 256  # documents read from the dataset at a time
 
 
-def prepare_fineweb(out_dir,
-                    dataset="HuggingFaceFW/fineweb-edu",
-                    name="sample-10BT",
-                    files="",
-                    text_column="text",
-                    streaming=False,
-                    num_proc=1,
-                    shard_size=10**8,
-                    max_tokens=0,
-                    prefix="edufineweb",
-                    cache_dir="",
-                    progress=True,
-                    tokenizer="gpt2",
+def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", files="",
+                    text_column="text", streaming=False, num_proc=1, shard_size=10**8, max_tokens=0,
+                    prefix="edufineweb", cache_dir="", progress=True, tokenizer="gpt2",
                     overwrite=False):
     """
     Shards <prefix>_{val,train}_NNNNNN.bin and meta.json in out_dir (resuming a run left there); a
@@ -92,12 +82,8 @@ def prepare_fineweb(out_dir,
                      lambda f: f.write(tok.json.encode("utf-8")))
     ds, column = load_documents(dataset, name, files, text_column, streaming, num_proc, cache_dir)
     t0 = time.time()
-    with tqdm(total=max_tokens or None,
-              initial=done,
-              unit="tok",
-              unit_scale=True,
-              disable=not progress,
-              desc="tokenizing") as bar:
+    with tqdm(total=max_tokens or None, initial=done, unit="tok", unit_scale=True,
+              disable=not progress, desc="tokenizing") as bar:
         writer = ShardWriter(out_dir, spec, tokenizer_meta(tok, dtype), dtype, records=records,
                              bar=bar)
         end_of_corpus = fill_shards(writer, ds, column, num_proc, max_tokens, tok)

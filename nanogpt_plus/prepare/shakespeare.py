@@ -78,10 +78,7 @@ def shakespeare_text_for(config):
     return text
 
 
-def shakespeare_text(out_dir,
-                     input_path="",
-                     url=TINY_SHAKESPEARE_URL,
-                     timeout=10.0,
+def shakespeare_text(out_dir, input_path="", url=TINY_SHAKESPEARE_URL, timeout=10.0,
                      download=download_text):
     """
     The text for the Shakespeare datasets and where it came from, in this order: --input, input.txt
