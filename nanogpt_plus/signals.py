@@ -98,6 +98,9 @@ class GracefulExit:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if _HELD['depth']:  # inside held(): handled as the block ends
+            _HELD['pending'].append((self, signum))
+            return
         name = signal.Signals(signum).name
         if signum == signal.SIGHUP:
             _leave_the_terminal()
@@ -217,21 +220,34 @@ def _leave_the_terminal():
             pass
 
 
+# held()'s nesting depth, and the signals that arrived inside it, in order
+_HELD = {'depth': 0, 'pending': []}
+
+
 @contextmanager
 def held():
     """
     with held(): a few steps no signal may cut in two (the renames that publish a run's outputs):
-    SIGINT/SIGTERM/SIGHUP wait, blocked, and are handled right after the block.
+    SIGINT/SIGTERM/SIGHUP wait and are handled right after the block. Blocking them in this thread
+    is not enough: the kernel may deliver a process-directed signal to another thread (torch's,
+    a test runner's), and Python then runs the handler in this thread at once; so the handler
+    itself also waits (_HELD) while a block is open.
     """
     try:
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     except (AttributeError, ValueError, OSError):  # no pthread_sigmask (Windows)
-        yield
-        return
+        previous = None
+    _HELD['depth'] += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        _HELD['depth'] -= 1
+        if previous is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if not _HELD['depth']:
+            pending, _HELD['pending'] = _HELD['pending'], []
+            for handler, signum in pending:
+                handler._handle(signum, None)
 
 
 def _in_process_group():

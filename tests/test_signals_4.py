@@ -330,6 +330,27 @@ def test_a_signal_during_the_renames_waits_until_every_output_is_in_place(tmp_pa
     no_half_written(tmp_path)
 
 
+def test_a_signal_another_thread_took_waits_for_the_end_of_held_too():
+    """ The kernel may hand a process-directed signal to a thread that doesn't block it; Python then
+    runs the handler in the main thread inside held(), which must wait for the block's end too. """
+    from nanogpt_plus.signals import GracefulExit, Stopped, held
+    stop = GracefulExit(resumable=False).install()
+    stop.working = True
+    steps = []
+    try:
+        with pytest.raises(Stopped):
+            with held():
+                stop._handle(signal.SIGTERM, None)  # as Python calls it, whichever thread got it
+                steps.append('first rename')
+                with held():  # nested: still waits for the outermost block
+                    steps.append('second rename')
+                steps.append('clean-up')
+    finally:
+        stop.uninstall()
+    assert steps == ['first rename', 'second rename', 'clean-up']
+    assert stop.requested and stop.signum == signal.SIGTERM
+
+
 def test_after_the_work_a_signal_is_said_and_the_code_stays(capsys):
     from nanogpt_plus.signals import GracefulExit, Stopped
     stop = GracefulExit(keep=True, resumable=False)
