@@ -130,6 +130,61 @@ def git_commit():
     return (commit + ('+dirty' if dirty else '')) if commit else 'unknown'
 
 
+# this project's checkout: the directory above this package
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.lru_cache(maxsize=None)
+def code_digest(root=PROJECT_DIR):
+    """
+    What tells two copies of this project's code apart beyond their commit (git_commit's '+dirty'
+    says only that there are edits, not which): in a git checkout, a digest of the names and
+    contents on disk of the tracked files that differ from HEAD ('no uncommitted changes' when
+    none); without git, or outside a checkout, a digest of the project's .py files (those at root
+    and in the package). Read from the files, not from `git diff`'s text, whose form depends on each
+    node's git version and settings.
+    """
+    import hashlib
+    digest = hashlib.sha256()
+    try:
+        top = _git(root, 'rev-parse', '--show-toplevel').strip()
+        changed = _git(top, 'diff', 'HEAD', '--name-only', '--no-renames', '-z').split('\0')
+    except (OSError, subprocess.SubprocessError):
+        top = None  # no git, or no checkout here: the .py files themselves
+    if top is not None:
+        changed = sorted(name for name in changed if name)
+        if not changed:
+            return "git: no uncommitted changes"
+        for name in changed:
+            _digest_file(digest, top, name)
+        return f"git: uncommitted changes {digest.hexdigest()[:16]}"
+    package = os.path.join(root, 'nanogpt_plus')
+    names = [n for n in os.listdir(root) if n.endswith('.py')]
+    for folder, _, files in os.walk(package):
+        names += [os.path.relpath(os.path.join(folder, n), root)
+                  for n in files if n.endswith('.py')]
+    for name in sorted(names):
+        _digest_file(digest, root, name)
+    return f"no git checkout: .py files {digest.hexdigest()[:16]}"
+
+
+def _git(cwd, *args):
+    """ git's output for args in cwd; a SubprocessError when git fails (not a checkout). """
+    return subprocess.run(['git', *args], cwd=cwd, capture_output=True, text=True, timeout=5,
+                          check=True).stdout
+
+
+def _digest_file(digest, root, name):
+    """ Add the file root/name (its name, then its bytes; a missing one says so) to digest. """
+    digest.update(name.encode() + b'\0')
+    try:
+        with open(os.path.join(root, name), 'rb') as f:
+            digest.update(f.read())
+    except OSError:  # deleted, or not a file
+        digest.update(b'(none)')
+    digest.update(b'\0')
+
+
 def provenance(device):
     """
     What produced a run: versions, commit and device, printed at start-up and kept in checkpoints.
