@@ -621,11 +621,12 @@ def checkpoint_difference(states, places):
         return (f"the ranks differ in checkpoint: {path} is on {where}{_at(state)} but not on "
                 f"{', '.join(lack)}, so they would not start from the same point; copy it from "
                 f"{where} to {path} on {', '.join(lack)} ({share}), then start again")
-    iters = {where: s['iter_num'] for where, s in have}
-    if len(set(iters.values())) > 1 and None not in iters.values():
-        newest = max(iters, key=iters.get)
-        others = [where for where in iters if iters[where] != iters[newest]]
-        shown = ', '.join(f"iter {i} on {where}" for where, i in iters.items())
+    iters = [s['iter_num'] for _, s in have]
+    newest, kept = max(have, key=lambda h: h[1]['iter_num'] or 0)
+    # one newest copy (a tie of two others at the top: which to keep is the user's call)
+    if None not in iters and len({s['digest'] for _, s in have if s['iter_num'] == max(iters)}) == 1:
+        others = [where for where, s in have if s['digest'] != kept['digest']]
+        shown = ', '.join(f"iter {s['iter_num']} on {where}" for where, s in have)
         return (f"the ranks differ in checkpoint: {path} is at {shown}; {newest} has the newer "
                 f"one: copy it over {path} on {', '.join(others)} ({share}), then start again")
     shown = ', '.join(f"{s['digest']}{_at(s)} on {where}" for where, s in have)

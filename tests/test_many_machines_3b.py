@@ -253,6 +253,13 @@ def test_checkpoint_difference_names_each_nodes_iteration_and_the_newer():
     assert line == ("the ranks differ in checkpoint: out/ckpt.pt is at iter 3 on node 0 (host-a), iter 6 on "
                     "node 1 (host-b); node 1 (host-b) has the newer one: copy it over out/ckpt.pt on node 0 "
                     "(host-a) (or keep it on a shared file system), then start again")
+    # three nodes: the copies that are not the newest are named; two other newest ones are the user's call
+    three = [('a', '0'), ('b', '1'), ('c', '2')]
+    line = checkpoint_difference([state(3), state(6, '9:cd'), state(6, '9:cd')], three)
+    assert line.endswith("node 1 (b) has the newer one: copy it over out/ckpt.pt on node 0 (a) (or keep it on a "
+                         "shared file system), then start again")
+    assert "the copies of out/ckpt.pt differ" in checkpoint_difference(
+        [state(3), state(6, '9:cd'), state(6, '9:ef')], three)
     lacking = checkpoint_difference([state(4), state(4), state(None, None), state(None, None)], PLACES)
     assert "out/ckpt.pt is on node 0 (host-a) (iter 4) but not on node 1 (host-b)" in lacking
     assert "copy it from node 0 (host-a) to out/ckpt.pt on node 1 (host-b)" in lacking
