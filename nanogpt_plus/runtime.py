@@ -1,7 +1,8 @@
 """
 How a script runs from start to end: run_main around its main() (errors the user can fix as one line
 and exit code 2, a clean stop after a signal as 75, the process group torn down once, at the end of
-a run that finished), and the provenance a run prints at start-up and keeps in its checkpoints.
+a run that finished), and the provenance a run prints at start-up and keeps in its checkpoints
+(its commit; code_digest tells two copies at one commit apart).
 
 Usage:
     from nanogpt_plus.runtime import run_main
@@ -19,6 +20,7 @@ import torch
 
 from nanogpt_plus.distributed import destroy_distributed, lost_peer, several_processes
 from nanogpt_plus.errors import EXIT_USER_ERROR, Interrupted, PeerFailed, error_line, exit_code
+from nanogpt_plus.files import file_digest
 from nanogpt_plus.machine import device_type_of
 from nanogpt_plus.signals import EXIT_STOPPED, Stopped, work_ended, work_started
 
@@ -175,14 +177,15 @@ def _git(cwd, *args):
 
 
 def _digest_file(digest, root, name):
-    """ Add the file root/name (its name, then its bytes; a missing one says so) to digest. """
-    digest.update(name.encode() + b'\0')
+    """
+    Add the file root/name to digest: its name and files.file_digest (all of a source file; a large
+    tracked data file is not read whole), or that it is gone.
+    """
     try:
-        with open(os.path.join(root, name), 'rb') as f:
-            digest.update(f.read())
+        content = file_digest(os.path.join(root, name))
     except OSError:  # deleted, or not a file
-        digest.update(b'(none)')
-    digest.update(b'\0')
+        content = '(none)'
+    digest.update(f"{name}\0{content}\0".encode())
 
 
 def provenance(device):
