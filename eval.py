@@ -40,7 +40,7 @@ from nanogpt_plus.distributed import every_rank, init_distributed
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import TASKS, evaluate, loss_files, task_data_file
 from nanogpt_plus.files import atomic_write
-from nanogpt_plus.init_from import describe_source, init_model
+from nanogpt_plus.init_from import SAME_START, describe_source, init_model, same_start
 from nanogpt_plus.machine import device_type_of, precision, resolve_compile
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.runtime import provenance, run_main
@@ -146,6 +146,18 @@ def load_inputs(cfg):
     return model, tokenizer_meta, ckpt, dataset, data_file
 
 
+def scored_files(cfg, dataset, data_file):
+    """
+    What this rank scores, as same_start compares it: data, {name: path} (the loss task's token
+    files, else the task's JSONL file), and data_meta, the token files' tokenizer description.
+    """
+    if cfg['task'] != 'loss':
+        return {'data': {'data_file': data_file}}
+    paths = loss_files(data_file, dataset, cfg['split'])
+    return {'data': {os.path.basename(p): p for p in paths},
+            'data_meta': read_dataset_meta(os.path.dirname(os.path.abspath(paths[0])))}
+
+
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     check_settings(cfg)
@@ -160,6 +172,9 @@ def main():
     # every rank
     model, tokenizer_meta, ckpt, dataset, data_file = every_rank(dist_info,
                                                                  lambda: load_inputs(cfg))
+    # and all of them the same: settings, code, checkpoint and data (else all stop in one line)
+    every_rank(dist_info, lambda: same_start(dict(cfg), **scored_files(cfg, dataset, data_file)),
+               agree=SAME_START)
     source = describe_source(cfg['init_from'], cfg['out_dir'])
     model.to(device)
     model.eval()

@@ -206,12 +206,13 @@ def main():
     dist_info = init_distributed(cfg['device'], cfg['backend'], cfg['dist_timeout'])
     # the task files are on every node, and train.py's rules give the architecture of the model
     # init_from names (0 = its block_size), with one verdict for all ranks; then all must start from
-    # the same settings and code
+    # the same settings, code, checkpoint and task files
     imposed, resumed = every_rank(dist_info, lambda: finetuning.start(
         cfg.select(finetuning.TaskFiles), cfg.select(ModelSource), cfg.chosen(FIXED_BY_SOURCE),
         LAST_CKPT))
     cfg.update(imposed)
-    every_rank(dist_info, lambda: same_start(dict(cfg), resumed), agree=SAME_START)
+    every_rank(dist_info, lambda: same_start(dict(cfg), resumed, data=finetuning.task_files(
+        cfg.select(finetuning.TaskFiles)), resume_file=LAST_CKPT), agree=SAME_START)
     if not cfg['train_file'] and cfg['predict_file']:
         if EXIT_REQUEST is not None:  # predictions alone: nothing to save, a signal stops them
             EXIT_REQUEST.interrupt_at_once()

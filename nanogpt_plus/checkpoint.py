@@ -189,22 +189,6 @@ def load_error(path, error):
         f"use another checkpoint")
 
 
-def file_digest(path, span=1 << 20):
-    """
-    What tells two checkpoint files apart, cheaply (two nodes' copies of out_dir/ckpt.pt): its size
-    and the sha256 of its first and last MiB (torch.save's zip holds the tensors' data in between,
-    its directory at the end), not a read of gigabytes.
-    """
-    import hashlib
-    size = os.path.getsize(path)
-    digest = hashlib.sha256()
-    with open(path, 'rb') as f:
-        digest.update(f.read(span))
-        f.seek(max(size - span, 0))
-        digest.update(f.read(span))
-    return f"{size}:{digest.hexdigest()[:16]}"
-
-
 def saved_iter(path):
     """
     The iter_num of a checkpoint file, read from the file itself (memory-mapped: its tensors aren't

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanogpt_plus.dataset import find_dataset, raw_token_dtype
+from nanogpt_plus.dataset import SAME_DATA, data_digests, find_dataset, raw_token_dtype, tokenizer_digest
 from nanogpt_plus.distributed import every_rank
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.settings import ORDERS
@@ -410,9 +410,10 @@ def training_data(spec, dist_info):
     train.py's dataset and loaders, (Dataset, train_loader, {'train': ..., 'val': ...}), opened on
     every rank with one verdict: a node whose disk lacks the data (or holds another copy that fails
     its checks) ends every rank with the same line, instead of one rank stopping while the others
-    wait for it in a collective; and so does a node whose copy holds other numbers of tokens (a file
-    cut short, another preparation) than rank 0's, which would train on other data without an error.
-    spec: a DataSpec.
+    wait for it in a collective; and so does a node whose copy holds another tokenizer description,
+    other numbers of tokens (a file cut short) or other tokens (a digest of each file's size and
+    first and last bytes: another preparation) than rank 0's, which would train on other data
+    without an error. spec: a DataSpec.
     """
     def open_all():
         data = find_dataset(spec.dataset)
@@ -421,15 +422,17 @@ def training_data(spec, dist_info):
             split: [int(n) for n in loader.source.sizes]
             for split, loader in loaders[1].items()
         }
-        return {'data': data, 'loaders': loaders, 'dataset': sizes}
+        files = {os.path.basename(p): p for split in ('train', 'val') for p in data.files(split)}
+        return {'data': data, 'loaders': loaders, 'tokenizer': tokenizer_digest(data.meta),
+                'dataset': sizes, 'tokens': data_digests(files)}
 
-    opened = every_rank(dist_info,
-                        open_all,
-                        agree={
-                            'dataset':
-                            "give every node the same copy of the dataset (its "
-                            "files' tokens per split are compared)"
-                        })
+    # the tokenizer first (a dataset prepared again with another vocabulary), then the numbers of
+    # tokens (a file cut short), then each file's content (the same size, other tokens)
+    opened = every_rank(dist_info, open_all, agree={
+        'tokenizer': SAME_DATA['tokenizer'],
+        'dataset': "give every node the same copy of the dataset (its files' tokens per split are "
+                   "compared)",
+        'tokens': SAME_DATA['data']})
     return (opened['data'], *opened['loaders'])
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanogpt_plus.errors import TokenizerError, UserError, error_line
+from nanogpt_plus.files import file_digest
 from nanogpt_plus.shards import find_shards, is_shard_name, token_dtype
 
 # the checkout above this package: data/<name> is looked up here too, wherever a script runs
@@ -334,6 +335,45 @@ def tokenizer_identity(meta):
         return kind, tokenizer_fingerprint(
             meta['tokenizer_json']) if meta.get('tokenizer_json') else None
     return (kind,)
+
+
+def tokenizer_digest(meta):
+    """
+    What tells two nodes' tokenizer descriptions apart (a dataset prepared again with another
+    vocabulary on one node), short enough for a message: its kind and size and a digest of its
+    identity (tokenizer_identity: the character vocabulary, the bpe tokenizer.json's content), e.g.
+    'char (65 tokens) 3f2a...'; None for a dataset without a meta file.
+    """
+    if meta is None:
+        return None
+    import hashlib
+    identity = json.dumps(tokenizer_identity(meta), sort_keys=True)
+    return f"{_describe_tokenizer(meta)} {hashlib.sha256(identity.encode()).hexdigest()[:12]}"
+
+
+# each token file's digest reads its first and last 256 KiB: a dataset of a hundred shards costs
+# 50 MiB of reading at start-up (once per node: its ranks find them in the page cache)
+TOKENS_SPAN = 1 << 18
+
+
+def data_digests(files):
+    """
+    {name: file_digest} of files ({name: path}): what every rank compares of the data it reads
+    (SAME_DATA), its size and its first and last bytes.
+    """
+    return {name: file_digest(path, span=TOKENS_SPAN) for name, path in files.items()}
+
+
+# what must be the same on every rank of the data it reads (distributed.every_rank's agree): the
+# tokenizer description and each file's digest, and what to do when they are not
+SAME_DATA = {
+    'tokenizer':
+    "give every node the same prepared dataset (its meta.json or meta.pkl describes another "
+    "tokenizer on one node)",
+    'data':
+    "give every node the same copy of each file (the sizes and the first and last 256 KiB of "
+    "every file are compared)",
+}
 
 
 TRAIN_REMEDY = "train on a dataset prepared with the model's tokenizer, or from scratch on this one"

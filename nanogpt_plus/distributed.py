@@ -178,7 +178,8 @@ def every_rank(dist_info, fn, agree=None):
     agree: {name: what to do} for entries of fn's result (a dict of plain values: the resolved
     settings, the commit, the checkpoint resumed from, the dataset's sizes) that must be the same on
     every rank; one that differs from rank 0's ends every rank the same way, in one line naming what
-    differs, where, and agree[name]. One all_gather_object with several processes.
+    differs, where, and agree[name] (or the line a function there writes: _first_difference). One
+    all_gather_object with several processes.
     """
     error = None
     result = None
@@ -205,9 +206,10 @@ def every_rank(dist_info, fn, agree=None):
         if len(failed) < dist_info.world_size and outcomes[first][0] == EXIT_USER_ERROR:
             fine = sorted({o[1] for o in outcomes if o[0] is None})
             message = (
-                f"{message} [rank {first} on {outcomes[first][1]}; ranks on {', '.join(fine)} found what "
-                f"they needed: every node must see this path (a shared file system, or a copy on each "
-                f"node), see docs/training.md#many-machines]")
+                f"{message} [rank {first} on {outcomes[first][1]}; ranks on {', '.join(fine)} "
+                f"found what they needed: every node must have the same files at the same paths "
+                f"(a shared file system, or the same copy on each node), see "
+                f"docs/training.md#many-machines]")
         if dist_info.rank == first and message == str(error):
             raise error
         if dist_info.rank == first:
@@ -238,10 +240,20 @@ def stop_with(dist_info, outcomes, source, message, code, error=None):
 def _first_difference(outcomes, agree):
     """
     The line for the first entry of agree that is not the same on every rank as on rank 0, or None.
+    An entry whose remedy is a function writes its own line from every rank's value and place
+    ((host, node rank) per rank), or returns None to leave the difference to a later entry (a
+    checkpoint read from another path: the settings say why).
     """
     where = [f"rank {r} on {o[1]}" for r, o in enumerate(outcomes)]
+    left = None  # an entry that left its difference to a later one, said if none differs
     for name, remedy in agree.items():
         values = [o[4][name] for o in outcomes]
+        if callable(remedy) and any(value != values[0] for value in values):
+            line = remedy(values, [(o[1], o[2]) for o in outcomes])
+            if line:
+                return line
+            left = left or name
+            continue
         for r, value in enumerate(values):
             if value == values[0]:
                 continue
@@ -253,6 +265,8 @@ def _first_difference(outcomes, agree):
                     for k in keys[:3])
                 return f"the ranks differ in {name}: {shown}; {remedy}"
             return f"the ranks differ in {name}: {values[0]!r} on {where[0]} but {value!r} on {where[r]}; {remedy}"
+    if left:
+        return f"the ranks differ in {left}; every node must start from the same files and settings"
     return None
 
 

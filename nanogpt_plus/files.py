@@ -1,7 +1,7 @@
 """
 Files on disk: the one atomic writer every output goes through (datasets, checkpoints, exports, eval
-results), and reading JSONL files with one-line errors. Where an output may go at all is
-outputs.py's.
+results), reading JSONL files with one-line errors, and the cheap digest that tells two nodes'
+copies of a file apart. Where an output may go at all is outputs.py's.
 
 An output is written under a hidden temporary name beside it (.train.bin.nanogpt_plus.tmp.<pid>,
 .ckpt.pt.nanogpt_plus.tmp.<pid>), fsynced, and renamed over the real name only when complete, so a
@@ -253,6 +253,23 @@ def _fsync_dir(path):
 
 # -----------------------------------------------------------------------------
 # reading
+
+def file_digest(path, span=1 << 20):
+    """
+    What tells two nodes' copies of a file apart, cheaply (a stale ckpt.pt, a token file of another
+    preparation, a JSONL file with fewer rows): its size and the sha256 of its first and last span
+    bytes (a MiB; torch.save's zip holds the tensors' data in between, its directory at the end),
+    not a read of gigabytes. Two files that differ only in between are not told apart.
+    """
+    import hashlib
+    size = os.path.getsize(path)
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        digest.update(f.read(span))
+        f.seek(max(size - span, 0))
+        digest.update(f.read(span))
+    return f"{size}:{digest.hexdigest()[:16]}"
+
 
 def read_jsonl(path, required_keys=(), missing_hint="pass an existing JSONL file"):
     """

@@ -13,6 +13,7 @@ Usage:
     examples = read_jsonl('val.jsonl', model.task)
 """
 
+import dataclasses
 import functools
 import json
 import math
@@ -52,6 +53,11 @@ class TaskFiles:
     train_file: str
     val_file: str
     predict_file: str
+
+
+def task_files(files):
+    """ {setting: path} of the TaskFiles given (those not ''), what every rank compares. """
+    return {name: path for name, path in dataclasses.asdict(files).items() if path}
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """
 How a script runs from start to end: run_main around its main() (errors the user can fix as one line
 and exit code 2, a clean stop after a signal as 75, the process group torn down once, at the end of
-a run that finished), and the provenance a run prints at start-up and keeps in its checkpoints.
+a run that finished), and the provenance a run prints at start-up and keeps in its checkpoints
+(its commit; code_digest tells two copies at one commit apart).
 
 Usage:
     from nanogpt_plus.runtime import run_main
@@ -19,6 +20,7 @@ import torch
 
 from nanogpt_plus.distributed import destroy_distributed, lost_peer, several_processes
 from nanogpt_plus.errors import EXIT_USER_ERROR, Interrupted, PeerFailed, error_line, exit_code
+from nanogpt_plus.files import file_digest
 from nanogpt_plus.machine import device_type_of
 from nanogpt_plus.signals import EXIT_STOPPED, Stopped, work_ended, work_started
 
@@ -128,6 +130,62 @@ def git_commit():
     except (OSError, subprocess.SubprocessError):
         return 'unknown'
     return (commit + ('+dirty' if dirty else '')) if commit else 'unknown'
+
+
+# this project's checkout: the directory above this package
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.lru_cache(maxsize=None)
+def code_digest(root=PROJECT_DIR):
+    """
+    What tells two copies of this project's code apart beyond their commit (git_commit's '+dirty'
+    says only that there are edits, not which): in a git checkout, a digest of the names and
+    contents on disk of the tracked files that differ from HEAD ('no uncommitted changes' when
+    none); without git, or outside a checkout, a digest of the project's .py files (those at root
+    and in the package). Read from the files, not from `git diff`'s text, whose form depends on each
+    node's git version and settings.
+    """
+    import hashlib
+    digest = hashlib.sha256()
+    try:
+        top = _git(root, 'rev-parse', '--show-toplevel').strip()
+        changed = _git(top, 'diff', 'HEAD', '--name-only', '--no-renames', '-z').split('\0')
+    except (OSError, subprocess.SubprocessError):
+        top = None  # no git, or no checkout here: the .py files themselves
+    if top is not None:
+        changed = sorted(name for name in changed if name)
+        if not changed:
+            return "git: no uncommitted changes"
+        for name in changed:
+            _digest_file(digest, top, name)
+        return f"git: uncommitted changes {digest.hexdigest()[:16]}"
+    package = os.path.join(root, 'nanogpt_plus')
+    names = [n for n in os.listdir(root) if n.endswith('.py')]
+    for folder, _, files in os.walk(package):
+        names += [os.path.relpath(os.path.join(folder, n), root)
+                  for n in files if n.endswith('.py')]
+    for name in sorted(names):
+        _digest_file(digest, root, name)
+    return f"no git checkout: .py files {digest.hexdigest()[:16]}"
+
+
+def _git(cwd, *args):
+    """ git's output for args in cwd; a SubprocessError when git fails (not a checkout). """
+    return subprocess.run(['git', *args], cwd=cwd, capture_output=True, text=True, timeout=5,
+                          check=True).stdout
+
+
+def _digest_file(digest, root, name):
+    """
+    Add the file root/name to digest: its name and files.file_digest (all of a source file; a large
+    tracked data file is not read whole), or that it is gone.
+    """
+    try:
+        content = file_digest(os.path.join(root, name))
+    except OSError:  # deleted, or not a file
+        content = '(none)'
+    digest.update(f"{name}\0{content}\0".encode())
 
 
 def provenance(device):

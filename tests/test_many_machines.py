@@ -115,7 +115,8 @@ def test_resume_with_out_dir_on_one_node_only_is_one_line_on_both(tiny_dataset, 
     assert first.returncode == 0, first.stderr[-2000:]
     results = two_nodes(nodes, tiny('out', max_iters=6, init_from='resume'))
     assert all(r.returncode != 0 for r in results)
-    assert_one_line_on_each_node(results, "there is no checkpoint at out/ckpt.pt", "every node must see this path")
+    assert_one_line_on_each_node(results, "there is no checkpoint at out/ckpt.pt",
+                                 "every node must have the same files at the same paths")
     # no worker traceback (torchrun's own launcher prints one of its ChildFailedError: frames of its files only)
     assert not any(project_frames(r.stderr, node) for node, r in zip(nodes, results)), results[1].stderr[-3000:]
 
@@ -304,8 +305,8 @@ def test_a_stale_checkpoint_on_one_node_is_refused_on_both(tiny_dataset, tmp_pat
     began = time.time()
     results = two_nodes(nodes, tiny('out', max_iters=8, init_from='resume'))
     assert time.time() - began < 60
-    assert_one_line_on_each_node(results, "the ranks differ in checkpoint:", "rank 0 on", "rank 1 on",
-                                 "every node must resume from the same checkpoint")
+    assert_one_line_on_each_node(results, "differ in checkpoint: out/ckpt.pt is at iter 6 on node 0 (",
+                                 "iter 4 on node 1 (", "newer one: copy it over out/ckpt.pt on node 1")
     # nothing trained, node 0's checkpoint unchanged
     assert not iter_losses(results[0].stdout) and load_checkpoint(str(nodes[0] / 'out' / 'ckpt.pt'))['iter_num'] == 6
 
@@ -329,12 +330,16 @@ def test_a_token_file_that_differs_on_one_node_is_refused_on_both(tiny_dataset, 
 
 def test_a_bad_token_id_in_a_small_split_of_one_node_is_one_verdict(tiny_dataset, tmp_path):
     nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
-    train_bin = nodes[1] / 'data' / 'tiny' / 'train.bin'
-    tokens = np.fromfile(train_bin, dtype=np.uint16)
-    tokens[100] = TINY_VOCAB + 7  # the same size: only the scan at set-up finds it
-    tokens.tofile(train_bin)
+    # a train.bin of 648 KB on both nodes, whose middle the digest compared at start-up doesn't read (its first
+    # and last 256 KiB): only the scan at set-up finds node 1's bad id there
+    tokens = np.tile(np.fromfile(nodes[0] / 'data' / 'tiny' / 'train.bin', dtype=np.uint16), 6)
+    for node in nodes:
+        tokens.tofile(node / 'data' / 'tiny' / 'train.bin')
+    tokens[tokens.size // 2] = TINY_VOCAB + 7
+    tokens.tofile(nodes[1] / 'data' / 'tiny' / 'train.bin')
     results = two_nodes(nodes, tiny('out', max_iters=2))
-    assert_one_line_on_each_node(results, f"holds token ids up to {TINY_VOCAB + 7}", "[rank 1 on")
+    assert_one_line_on_each_node(results, f"holds token ids up to {TINY_VOCAB + 7}", "[rank 1 on",
+                                 "every node must have the same files at the same paths")
 
 
 def test_finetune_inputs_missing_on_one_node_are_one_verdict(tmp_path):
