@@ -138,9 +138,8 @@ class MuonWithAdamW:
                   if p.requires_grad and p.dim() == 2 and n.startswith('transformer.h.')]
         hidden_ids = {id(p) for p in hidden}
         rest = [p for p in model.parameters() if p.requires_grad and id(p) not in hidden_ids]
-        print(
-            f"muon: {len(hidden)} matrices with {sum(p.numel() for p in hidden):,} parameters; adamw: "
-            f"{len(rest)} tensors with {sum(p.numel() for p in rest):,} parameters")
+        print(f"muon: {len(hidden)} matrices with {sum(p.numel() for p in hidden):,} parameters; "
+              f"adamw: {len(rest)} tensors with {sum(p.numel() for p in rest):,} parameters")
         # lr_ratio: set_learning_rate gives Muon the schedule's rate times muon_lr / learning_rate
         self.muon = torch.optim.Muon([{
             'params': hidden,

@@ -1,8 +1,8 @@
 """
 The optimizer side of a training step, shared by train.py and finetune.py: the optimizer itself
-(AdamW, or Muon with AdamW: muon.py), the learning-rate schedule (and setting it on the optimizer), the
-GradScaler, and the step itself in two halves (unscale and clip, then take or skip the update), so
-that the spike guard can refuse an update in between.
+(AdamW, or Muon with AdamW: muon.py), the learning-rate schedule (and setting it on the
+optimizer), the GradScaler, and the step itself in two halves (unscale and clip, then take or skip
+the update), so that the spike guard can refuse an update in between.
 
 Usage:
     from nanogpt_plus.optimizer import AdamWSpec, LRSchedule, make_optimizer, set_learning_rate, ...
