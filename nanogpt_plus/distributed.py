@@ -104,6 +104,9 @@ def master_decides(dist_info, fn):
     raises, rank 0 raises the error and the others PeerFailed, instead of walking on into the next
     collective that rank 0 will never join. Costs one broadcast (with several processes).
     """
+    if not dist_info.under_torchrun:  # one process: nobody to tell
+        fn()
+        return
     error = None
     if dist_info.master:
         try:
@@ -111,12 +114,10 @@ def master_decides(dist_info, fn):
         # every kind, a second Ctrl-C too: the other ranks must hear of it first
         except BaseException as e:
             error = e
-    outcome = None if error is None else exit_code(error)
-    if dist_info.under_torchrun:
-        import torch.distributed as dist
-        box = [outcome]
-        dist.broadcast_object_list(box, src=0)
-        outcome = box[0]
+    import torch.distributed as dist
+    box = [None if error is None else exit_code(error)]
+    dist.broadcast_object_list(box, src=0)
+    outcome = box[0]
     if error is not None:
         raise error
     if outcome is not None:
@@ -181,16 +182,14 @@ def every_rank(dist_info, fn, agree=None):
     differs, where, and agree[name] (or the line a function there writes: _first_difference). One
     all_gather_object with several processes.
     """
+    if not dist_info.under_torchrun:
+        return fn()  # one process: its own verdict, nothing to agree on
     error = None
     result = None
     try:
         result = fn()
     except Exception as e:  # every kind: the other ranks must hear of it before anyone raises
         error = e
-    if not dist_info.under_torchrun:
-        if error is not None:
-            raise error
-        return result
     import torch.distributed as dist
     code = None if error is None else exit_code(error)
     shown = {k: result[k] for k in agree} if agree and error is None else None

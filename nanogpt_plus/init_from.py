@@ -113,13 +113,14 @@ def init_training_model(source, spec, data, on_meta=False):
     on_meta: FSDP's ranks other than 0, which get their shards of rank 0's weights (see init_model).
     """
     init_from, out_dir = source.init_from, source.out_dir
-    path = checkpoint_path(init_from, out_dir)
     if init_from == 'resume':
         print(f"Resuming training from {out_dir}")
-    elif init_from != 'scratch' and path is not None:
-        print(f"Initializing from the weights in {path} (training starts at iter 0)")
-    elif init_from in GPT2_NAMES or is_hf_dir(init_from):
-        print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
+    elif init_from != 'scratch':
+        path = checkpoint_path(init_from, out_dir)
+        if path is not None:
+            print(f"Initializing from the weights in {path} (training starts at iter 0)")
+        elif init_from in GPT2_NAMES or is_hf_dir(init_from):
+            print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
     # the architecture comes from the weights (a new model: from the settings); dropout from the
     # settings always
     model, tokenizer_meta, ckpt = init_model(init_from, out_dir, dataset=data, spec=spec,
@@ -692,14 +693,14 @@ def checkpoint_architecture(ckpt, path, chosen, keep_zero=()):
 
 def weights_settings(init_from, out_dir, chosen, keep_zero=()):
     """ source_settings for given weights: their architecture (see there); none for scratch. """
+    if init_from == 'scratch':  # a new model, as in init_model (even beside a file named scratch)
+        return {}
     path = checkpoint_path(init_from, out_dir)
     if path is not None:
         saved = model_config_from_checkpoint(load_checkpoint(path))
     elif init_from in GPT2_NAMES or is_hf_dir(init_from):
         from nanogpt_plus.hf_import import hf_config  # only for Hugging Face weights
         saved = hf_config(init_from)
-    elif init_from == 'scratch':
-        return {}
     else:
         # now, in the verdict of every rank: this node may lack the path
         raise unknown_source(init_from)

@@ -332,9 +332,10 @@ def prepare_out_dir(spec, script, argv, resume_refusal=None):
     if spec.init_from == 'resume':
         branch_off(spec.out_dir, spec.resume_from)
         return
-    why_not = resume_refusal() if resume_refusal is not None else None
-    check_new_run(spec.out_dir, checkpoint_files(spec.out_dir), script, argv, spec.overwrite,
-                  why_not_resume=why_not)
+    checkpoints = checkpoint_files(spec.out_dir)
+    # asked only where there is an earlier run to refuse (it reads that run's checkpoint)
+    why_not = resume_refusal() if checkpoints and resume_refusal is not None else None
+    check_new_run(spec.out_dir, checkpoints, script, argv, spec.overwrite, why_not_resume=why_not)
 
 
 def check_new_run(out_dir, checkpoints, script, argv, overwrite, resume_file=CHECKPOINT,

@@ -273,6 +273,7 @@ def muon_profile(cfg):
     import torch
 
     from model import GPT, GPTConfig
+    from nanogpt_plus import muon as muon_code
     from nanogpt_plus import optimizer as opt
     torch.set_num_threads(cfg['num_threads'])
     torch.manual_seed(0)
@@ -301,7 +302,7 @@ def muon_profile(cfg):
         take()
     def one_by_one(optimizer):
         # what the step was before the batching: PyTorch's loop, each matrix orthogonalised alone (in float32)
-        with opt.float32_newton_schulz():
+        with muon_code.float32_newton_schulz():
             optimizer.muon.step()
         optimizer.adamw.step()
     muon = opt.make_optimizer(model, adamw, 'cpu', muon=muon_spec)
@@ -309,11 +310,11 @@ def muon_profile(cfg):
     rows = [('adamw step', opt.make_optimizer(model, adamw, 'cpu').step),
             ('muon step', muon.step),
             (f'  of which Newton-Schulz, {len(hidden)} matrices batched',
-             lambda: opt.orthogonalise(hidden)),
-            ('  the same without the Gram-matrix steps', lambda: opt.orthogonalise(hidden, gram=False)),
+             lambda: muon_code.orthogonalise(hidden)),
+            ('  the same without the Gram-matrix steps', lambda: muon_code.orthogonalise(hidden, gram=False)),
             ('muon step, one matrix at a time (before)', lambda: one_by_one(muon)),
             (f'  of which Newton-Schulz, {len(hidden)} matrices one by one',
-             lambda: [opt.newton_schulz_float32(g, (3.4445, -4.7750, 2.0315), 5, 1e-7) for g in hidden])]
+             lambda: [muon_code.newton_schulz_float32(g, (3.4445, -4.7750, 2.0315), 5, 1e-7) for g in hidden])]
     for name, fn in rows:
         timed = (lambda: step(fn)) if name.endswith(('step', '(before)')) else fn
         print(f"{name:52s} {median_ms(timed, cfg['profile_steps']):7.1f}", flush=True)

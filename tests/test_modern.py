@@ -46,17 +46,8 @@ from nanogpt_plus.engine import KVCache, generate, last_position_logits
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.finetuning import FinetuneModel, make_batch, model_from_finetune_checkpoint
 from nanogpt_plus.init_from import init_model, model_from_checkpoint
-from nanogpt_plus.optimizer import (
-    AdamWSpec,
-    LRSchedule,
-    MuonSpec,
-    MuonWithAdamW,
-    float32_newton_schulz,
-    make_optimizer,
-    newton_schulz_float32,
-    orthogonalise,
-    set_learning_rate,
-)
+from nanogpt_plus.muon import MuonWithAdamW, float32_newton_schulz, newton_schulz_float32, orthogonalise
+from nanogpt_plus.optimizer import AdamWSpec, LRSchedule, MuonSpec, make_optimizer, set_learning_rate
 from nanogpt_plus.tokenizer import CharTokenizer
 from nanogpt_plus.weight_formats import set_weights
 

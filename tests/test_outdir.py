@@ -23,7 +23,7 @@ import train
 from helpers import dead_pid, exit_code, iter_losses, start_python, train_args
 from nanogpt_plus.errors import EXIT_INTERRUPTED, UserError
 from nanogpt_plus.metrics import read_metrics
-from nanogpt_plus.out_dir import LOCK_NAME, OutDirLock
+from nanogpt_plus.out_dir import LOCK_NAME, OutDirLock, OutDirSpec, prepare_out_dir
 from nanogpt_plus.signals import GracefulExit
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -75,6 +75,23 @@ def test_the_refusal_over_another_architecture_suggests_what_works(dataset, tmp_
     suggested = re.search(r"write this run elsewhere with `python train\.py (.*?)`", err).group(1)
     run_train(capsys, shlex.split(suggested))
     assert torch.load(tmp_path / "out-2" / "ckpt.pt", weights_only=True)["model_args"]["n_layer"] == 3
+
+
+def test_why_a_resume_would_be_refused_is_asked_only_over_an_earlier_run(tmp_path):
+    """ A new run into an empty out_dir never reads an earlier checkpoint (resume_refusal), one over a run does. """
+    spec = OutDirSpec(out_dir=str(tmp_path), init_from='scratch', resume_from='', overwrite=False, eval_only=False)
+    asked = []
+
+    def resume_refusal():
+        asked.append(True)
+        return "another architecture"
+
+    prepare_out_dir(spec, 'train.py', [], resume_refusal)
+    assert asked == []
+    (tmp_path / "ckpt.pt").write_bytes(b"an earlier run's")
+    with pytest.raises(UserError, match="write this run elsewhere"):
+        prepare_out_dir(spec, 'train.py', [], resume_refusal)
+    assert asked == [True]
 
 
 def test_out_dir_that_is_a_file(dataset, tmp_path):

@@ -201,6 +201,14 @@ def test_init_from_a_training_out_dir_starts_at_iter_0_from_its_weights(dataset,
     assert ckpt["model_args"] == source["model_args"]
 
 
+def test_scratch_is_a_new_model_even_beside_a_file_named_scratch(dataset, tmp_path, capsys, monkeypatch):
+    """ init_from='scratch' never reads a file of that name in the working directory (as init_model doesn't). """
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "scratch").write_bytes(b"not a checkpoint")
+    out = run_train(capsys, tiny_args(dataset, tmp_path / "out", max_iters=1, eval_interval=1))
+    assert "Initializing a new model from scratch" in out and "Initializing from the weights" not in out
+
+
 def test_resume_from_nanogpt_checkpoint(dataset, tmp_path, capsys):
     """ A checkpoint as nanoGPT writes it (compiled: '_orig_mod.' keys; no loader/RNG/tokenizer state). """
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=VOCAB, bias=False))
