@@ -348,10 +348,11 @@ def _argument_value(defaults, key, text):
 
 def command_line_values(defaults, argv, names):
     """
-    {name: value} of the settings in names: the last --name=value of argv that is one, else the
-    default. What a script can still tell of its settings when they can't all be read (a config
-    file missing on one node of several, whose process group must be formed all the same, to say
-    why on every node); config files are not read.
+    {name: value} of the settings in names: the last --name=value of argv that is one of its
+    values (its type, choices and range), else the default. What a script can still tell of its
+    settings when they can't all be read (a config file missing on one node of several, whose
+    process group must be formed all the same, to say why on every node); config files are not
+    read.
     """
     values = {name: defaults[name] for name in names if name in defaults}
     for arg in argv:
@@ -359,9 +360,12 @@ def command_line_values(defaults, argv, names):
         if not arg.startswith("--") or not equals or key not in values:
             continue
         try:
-            values[key] = _argument_value(defaults, key, text)
-        except ConfigError:  # not a value of it: the default stands
-            pass
+            value = _argument_value(defaults, key, text)
+        except ConfigError:  # not a value of it: the one before stands
+            continue
+        spec = getattr(defaults, 'specs', {}).get(key)
+        if spec is None or spec.problem(key, value) is None:  # in its range, one of its choices
+            values[key] = value
     return values
 
 
