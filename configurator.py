@@ -333,12 +333,40 @@ def parse_config(defaults, argv):
         key, text = arg[2:].split("=", 1)
         if key not in defaults:
             raise ConfigError(f"unknown setting '{key}'{_closest(key, defaults)}")
-        spec = getattr(defaults, 'specs', {}).get(key)
-        kind = spec.kind if spec is not None else type(defaults[key])
-        config[key] = _check_type(key, _parse_value(text, kind), defaults, f"--{key}")
+        config[key] = _argument_value(defaults, key, text)
         given.add(key)
         _echo(f"Overriding: {key} = {config[key]!r}")
     return Settings(config, given)
+
+
+def _argument_value(defaults, key, text):
+    """ The value of --key=text, of the setting's type, or a ConfigError. """
+    spec = getattr(defaults, 'specs', {}).get(key)
+    kind = spec.kind if spec is not None else type(defaults[key])
+    return _check_type(key, _parse_value(text, kind), defaults, f"--{key}")
+
+
+def command_line_values(defaults, argv, names):
+    """
+    {name: value} of the settings in names: the last --name=value of argv that is one of its
+    values (its type, choices and range), else the default. What a script can still tell of its
+    settings when they can't all be read (a config file missing on one node of several, whose
+    process group must be formed all the same, to say why on every node); config files are not
+    read.
+    """
+    values = {name: defaults[name] for name in names if name in defaults}
+    for arg in argv:
+        key, equals, text = arg[2:].partition("=")
+        if not arg.startswith("--") or not equals or key not in values:
+            continue
+        try:
+            value = _argument_value(defaults, key, text)
+        except ConfigError:  # not a value of it: the one before stands
+            continue
+        spec = getattr(defaults, 'specs', {}).get(key)
+        if spec is None or spec.problem(key, value) is None:  # in its range, one of its choices
+            values[key] = value
+    return values
 
 
 def _echo(text):

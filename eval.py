@@ -29,14 +29,15 @@ early_exit_request(__name__, resumable=False)
 
 import json
 import os
+import sys
 
 import torch
 
-from configurator import Group, Schema, Setting, configure
+from configurator import Group, Schema, Setting
 from nanogpt_plus import settings
 from nanogpt_plus.checkpoint import tokenizer_known
 from nanogpt_plus.dataset import check_dataset_tokenizer, read_dataset_meta
-from nanogpt_plus.distributed import every_rank, init_distributed
+from nanogpt_plus.distributed import every_rank, master_decides, start
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import TASKS, evaluate, loss_files, task_data_file
 from nanogpt_plus.files import atomic_write
@@ -90,17 +91,27 @@ DEFAULTS = Schema(
 def check_settings(cfg):
     """
     The mistakes that need no model, reported before one is loaded (stride vs block_size: once it
-    is).
+    is; the output file: by the rank that writes it, check_output_file).
     """
     DEFAULTS.check(cfg)
     if cfg['task'] not in TASKS:
         raise UserError(f"unknown task '{cfg['task']}'; use one of: {', '.join(TASKS)}")
-    if cfg['output_file']:  # now, not after an evaluation that may take hours
-        check_output(cfg['output_file'],
-                     'output_file',
-                     cfg['overwrite'],
-                     inputs={'data_file': cfg['data_file']},
-                     output_kind='eval result')
+
+
+def check_output_file(cfg):
+    """ Where --output_file goes, checked now, not after an evaluation that may take hours. """
+    if cfg['output_file']:
+        check_output(cfg['output_file'], 'output_file', cfg['overwrite'],
+                     inputs={'data_file': cfg['data_file']}, output_kind='eval result')
+
+
+def write_output_file(path, line):
+    """ The result's JSON line into path, whole or not at all; a failed write is one line. """
+    try:
+        atomic_write(path, lambda f: f.write(line + '\n'), binary=False)
+    except OSError as e:  # a full disk, a directory put in its place: the user's to fix
+        raise UserError(f"could not write --output_file={path} ({e.strerror or e}); the result "
+                        f"was: {line}") from None
 
 
 def check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta, source):
@@ -159,9 +170,9 @@ def scored_files(cfg, dataset, data_file):
 
 
 def main():
-    cfg = configure(DEFAULTS, doc=__doc__)
-    check_settings(cfg)
-    dist_info = init_distributed(cfg['device'], timeout=cfg['dist_timeout'])
+    # the settings, with one verdict for every rank; rank 0 writes the result, and checks where
+    cfg, dist_info = start(DEFAULTS, sys.argv[1:], check_settings, doc=__doc__)
+    master_decides(dist_info, lambda: check_output_file(cfg))
     torch.manual_seed(cfg['seed'])
     device = dist_info.device
     _, ctx = precision(device, cfg['dtype'])
@@ -187,13 +198,13 @@ def main():
                       split=cfg['split'], stride=cfg['stride'], batch_size=cfg['batch_size'],
                       max_examples=cfg['max_examples'], device=device, ctx=ctx, dist_info=dist_info,
                       pad_to=pad_to, progress=dist_info.master)
+    # the printed JSON: where the model came from goes between what was scored and on which file
+    line = json.dumps({'task': result['task'], 'metrics': result['metrics'],
+                       'num_examples': result['num_examples'], 'source': source,
+                       'data_file': result['data_file']})
+    if cfg['output_file']:  # rank 0's; every rank ends as its write did
+        master_decides(dist_info, lambda: write_output_file(cfg['output_file'], line))
     if dist_info.master:
-        # the printed JSON: where the model came from goes between what was scored and on which file
-        line = json.dumps({'task': result['task'], 'metrics': result['metrics'],
-                           'num_examples': result['num_examples'], 'source': source,
-                           'data_file': result['data_file']})
-        if cfg['output_file']:
-            atomic_write(cfg['output_file'], lambda f: f.write(line + '\n'), binary=False)
         print(line)
 
 

@@ -39,7 +39,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
-from configurator import Group, Schema, Setting, configure
+from configurator import Group, Schema, Setting
 from nanogpt_plus import finetuning, settings
 from nanogpt_plus import optimizer as opt
 from nanogpt_plus.checkpoint import CHECKPOINT, Checkpointer, checkpoint_path, load_checkpoint, restore_training_state
@@ -49,7 +49,8 @@ from nanogpt_plus.distributed import (
     all_reduce_sum,
     every_rank,
     grad_sync_context,
-    init_distributed,
+    master_decides,
+    start,
     wrap_model,
 )
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
@@ -201,9 +202,8 @@ class FinetuneState:
 
 def main():
     argv = sys.argv[1:]
-    cfg = configure(DEFAULTS, argv, doc=__doc__)
-    check_settings(cfg)
-    dist_info = init_distributed(cfg['device'], cfg['backend'], cfg['dist_timeout'])
+    # the settings, read and checked by every rank, with one verdict (a config file one node lacks)
+    cfg, dist_info = start(DEFAULTS, argv, check_settings, doc=__doc__)
     # the task files are on every node, and train.py's rules give the architecture of the model
     # init_from names (0 = its block_size), with one verdict for all ranks; then all must start from
     # the same settings, code, checkpoint and task files
@@ -217,12 +217,13 @@ def main():
         if EXIT_REQUEST is not None:  # predictions alone: nothing to save, a signal stops them
             EXIT_REQUEST.interrupt_at_once()
         return finetuning.predict_with_checkpoint(cfg.select(finetuning.PredictSpec), dist_info)
-    # the best model's predictions come after the training: their path is checked now
+    # the best model's predictions come after the training: their path is checked now, by rank 0,
+    # which writes them (every rank learns the outcome)
     if cfg['predict_file']:
         out_path = finetuning.predictions_path(cfg['predict_out'], cfg['out_dir'])
-        check_output(out_path, 'predict_out', cfg['overwrite'], inputs={k: cfg[k]
-                             for k in ('train_file', 'val_file', 'predict_file')},
-                     output_kind='predictions')
+        master_decides(dist_info, lambda: check_output(
+            out_path, 'predict_out', cfg['overwrite'], output_kind='predictions',
+            inputs={k: cfg[k] for k in ('train_file', 'val_file', 'predict_file')}))
     # rank 0 holds out_dir/run.lock for the whole fine-tune; a new one over an earlier one's
     # checkpoints needs
     # --overwrite=True (or continues it, with --init_from=resume, when its training state is there)

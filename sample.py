@@ -37,12 +37,13 @@ import time
 
 import torch
 
-from configurator import Group, Schema, Setting, configure
+from configurator import Group, Schema, Setting
 from nanogpt_plus import settings
+from nanogpt_plus.distributed import every_rank, start
 from nanogpt_plus.engine import check_sampling_args, generate_stream
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.init_from import describe_source, init_model
-from nanogpt_plus.machine import PTDTYPE, apply_cpu_threads, device_type_of, precision, resolve_compile, resolve_device
+from nanogpt_plus.machine import PTDTYPE, apply_cpu_threads, device_type_of, precision, resolve_compile
 from nanogpt_plus.progress import Progress
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.settings import flag, non_negative, positive
@@ -208,12 +209,27 @@ def check_settings(config):
         raise UserError(str(e)) from None
 
 
+def load_inputs(config):
+    """
+    (model, tokenizer, the prompt's ids) of this rank: what it reads of its node's disk (the
+    checkpoint, a FILE: prompt), checked.
+    """
+    model, tokenizer_meta, _ = init_model(config['init_from'], config['out_dir'])
+    tok = load_tokenizer(tokenizer_meta)
+    check_tokenizer_fits(model.config, tokenizer_meta,
+                         describe_source(config['init_from'], config['out_dir']))
+    start_ids = encode_prompt(tok, read_start(config['start']), model.config.block_size,
+                              model.config.vocab_size)
+    return model, tok, start_ids
+
+
 def main():
-    config = configure(DEFAULTS, doc=__doc__)
-    check_settings(config)
+    # under torchrun every rank samples on its own device, after one verdict on its settings and on
+    # what it reads: a node that lacks the checkpoint or the prompt file stops every rank at once
+    config, dist_info = start(DEFAULTS, sys.argv[1:], check_settings, doc=__doc__)
     top_p = config['top_p']
 
-    device = resolve_device(config['device'])
+    device = dist_info.device
     apply_cpu_threads(config['num_threads'])
     dtype, ctx = precision(device, config['dtype'])
     # None = auto: on CUDA
@@ -222,15 +238,11 @@ def main():
     if 'cuda' in device:
         torch.cuda.manual_seed(config['seed'])
 
-    model, tokenizer_meta, _ = init_model(config['init_from'], config['out_dir'])
+    model, tok, start_ids = every_rank(dist_info, lambda: load_inputs(config))
     model.to(device)
     model.eval()
     model.set_attention(config['attention'])
-    tok = load_tokenizer(tokenizer_meta)
-    block_size = model.config.block_size
-    model_vocab = model.config.vocab_size
     source = describe_source(config['init_from'], config['out_dir'])
-    check_tokenizer_fits(model.config, tokenizer_meta, source)
     # the head scores only the tokenizer's ids: a padded vocabulary's extra rows are never sampled.
     # float32 on a CPU is packed for oneDNN, unless torch.compile is to choose the kernels (it packs
     # weights its own way)
@@ -251,7 +263,6 @@ def main():
         model = torch.compile(model, dynamic=True)  # the cache makes shapes change every step
 
     # the prompt's ids, one copy per sample: x is (num_samples, T)
-    start_ids = encode_prompt(tok, read_start(config['start']), block_size, model_vocab)
     num_samples = config['num_samples']
     stream = config['num_samples'] == 1
     x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...].repeat(num_samples, 1)

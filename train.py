@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from configurator import Group, Schema, Setting, configure
+from configurator import Group, Schema, Setting
 from model import GPT
 from nanogpt_plus import distributed, progress, settings
 from nanogpt_plus import optimizer as opt
@@ -214,9 +214,9 @@ def main(argv=None):
     # SIGINT/SIGTERM set a flag: one during set-up (minutes for a big model) stops the run after it
     exit_request = EXIT_REQUEST or GracefulExit().install()
     try:
-        cfg = configure(DEFAULTS, argv, doc=__doc__)
-        check_settings(cfg)
-        dist_info = distributed.init_distributed(cfg['device'], cfg['backend'], cfg['dist_timeout'])
+        # the settings, read and checked by every rank, then one verdict on them: a config file one
+        # node lacks stops every rank in one line, after the process group is formed
+        cfg, dist_info = distributed.start(DEFAULTS, argv, check_settings, doc=__doc__)
         # the model's source fixes its architecture (a resume: its optimizer too; auto_resume:
         # init_from), and a finished run is refused, with one verdict: a node lacking the file stops
         # every rank in one line

@@ -7,13 +7,15 @@ one process forms no group and wraps nothing. Signals, which must be caught befo
 imported, live in signals.py.
 
 Usage:
-    from nanogpt_plus.distributed import init_distributed, master_decides, wrap_model
-    dist_info = init_distributed(device='auto', backend='auto')   # torchrun's ranks, or a single process
+    from nanogpt_plus.distributed import master_decides, start, wrap_model
+    # the settings (one verdict for every rank) and torchrun's ranks, or a single process
+    cfg, dist_info = start(DEFAULTS, sys.argv[1:], check_settings, doc=__doc__)
     master_decides(dist_info, lambda: write_the_file())           # rank 0 acts; every rank ends alike
     model = wrap_model(raw_model, dist_info, compile_model, parallelism='fsdp')
 """
 
 import datetime
+import functools
 import os
 import socket
 from contextlib import contextmanager
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogpt_plus.errors import EXIT_USER_ERROR, PeerFailed, UserError, exit_code
+from nanogpt_plus.errors import EXIT_USER_ERROR, PeerFailed, UserError, error_line, exit_code
 from nanogpt_plus.machine import PTDTYPE, device_type_of, resolve_device
 
 
@@ -70,6 +72,45 @@ def init_distributed(device='auto', backend='auto', timeout=0):
     return DistInfo(True, rank, local_rank, world_size, device)
 
 
+# the settings a process group is formed with (DistInfo's device, the backend, the collectives'
+# timeout), which a node that could not read its settings takes from its command line alone
+GROUP_SETTINGS = ('device', 'backend', 'dist_timeout')
+
+
+def start(defaults, argv, check, doc=None):
+    """
+    A script's settings and its process group, with one verdict on the settings: (settings,
+    DistInfo). The settings of argv (configure(): config files, then --key=value), then check(cfg),
+    may fail on one node only: a config file only node 0 has, a value one machine refuses. Under
+    torchrun the group is formed all the same, where they failed from GROUP_SETTINGS as the
+    command line gives them (else their defaults: the other nodes' too, unless a config file sets
+    them), and every rank learns whether every rank read its settings (every_rank): a failure on
+    any rank ends every rank at once with its exit code and its line on every node, instead of the
+    ranks that read theirs waiting for it in their first collective until the group's timeout (30
+    minutes for gloo).
+    """
+    from configurator import command_line_values, configure
+    failure = cfg = None
+    try:
+        cfg = configure(defaults, argv, doc=doc)
+        check(cfg)
+    except Exception as e:  # a bug too: the other ranks must hear of it
+        failure = e
+    if failure is not None and int(os.environ.get('RANK', -1)) == -1:
+        raise failure  # a single process: no one waits for it
+    group = cfg if failure is None else command_line_values(defaults, argv, GROUP_SETTINGS)
+    dist_info = init_distributed(group.get('device', 'auto'), group.get('backend', 'auto'),
+                                 group.get('dist_timeout', 0))
+    every_rank(dist_info, functools.partial(_raise, failure))
+    return cfg, dist_info
+
+
+def _raise(error):
+    """ Raise error, if any (a rank's part in a verdict on what it met before). """
+    if error is not None:
+        raise error
+
+
 def destroy_distributed():
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
@@ -101,8 +142,10 @@ def lost_peer(error):
 def master_decides(dist_info, fn):
     """
     Run fn() on rank 0 only (writing a checkpoint, say) and let every rank end the same way: when it
-    raises, rank 0 raises the error and the others PeerFailed, instead of walking on into the next
-    collective that rank 0 will never join. Costs one broadcast (with several processes).
+    raises, rank 0 raises the error and the others PeerFailed with its exit code, instead of walking
+    on into the next collective that rank 0 will never join, and the first process of every other
+    node says rank 0's line too (whoever reads that node's log sees why the run ended). Costs one
+    broadcast (with several processes).
     """
     if not dist_info.under_torchrun:  # one process: nobody to tell
         fn()
@@ -115,23 +158,47 @@ def master_decides(dist_info, fn):
         except BaseException as e:
             error = e
     import torch.distributed as dist
-    box = [None if error is None else exit_code(error)]
+    box = [None if error is None else (exit_code(error), _line_for_the_others(error))]
     dist.broadcast_object_list(box, src=0)
     outcome = box[0]
     if error is not None:
         raise error
     if outcome is not None:
-        raise PeerFailed("rank 0 failed", outcome)
+        code, line = outcome
+        raise PeerFailed("rank 0 failed", code, say=_said_on_this_node(line, source_node='0'))
 
 
 def fail_everywhere(error, dist_info):
     """
-    Raise a UserError that every rank has decided on alike: rank 0 reports it, the others stop
-    quietly.
+    Raise a UserError that every rank has decided on alike: rank 0 reports it, the others stop with
+    its exit code, and the first process of every other node says it too.
     """
     if dist_info.master:
         raise error
-    raise PeerFailed(str(error), exit_code(error))
+    raise PeerFailed(str(error), exit_code(error), say=_said_on_this_node(str(error), '0'))
+
+
+def _line_for_the_others(error):
+    """
+    What the other nodes say of an error rank 0 met alone: its line (a user's error, or the one of
+    a run that has nothing to do), a crash in short; None for a signal (every node got its own).
+    """
+    code = exit_code(error)
+    if code in (0, EXIT_USER_ERROR):
+        return str(error)
+    if isinstance(error, Exception):
+        return f"rank 0 failed ({error_line(error)}); its log has the traceback"
+    return None
+
+
+def _said_on_this_node(line, source_node):
+    """
+    line, where this process is the first of its node (local rank 0) and another node's than the
+    failed rank's (whose log has the line already): run_main prints it (PeerFailed's say). None
+    elsewhere, so a node with several processes says it once.
+    """
+    first = os.environ.get('LOCAL_RANK', '0') == '0'
+    return line if first and os.environ.get('GROUP_RANK', '0') != source_node else None
 
 
 def all_reduce_sum(values, dist_info):
@@ -191,12 +258,9 @@ def every_rank(dist_info, fn, agree=None):
     except Exception as e:  # every kind: the other ranks must hear of it before anyone raises
         error = e
     import torch.distributed as dist
-    code = None if error is None else exit_code(error)
     shown = {k: result[k] for k in agree} if agree and error is None else None
-    node = os.environ.get('GROUP_RANK', '0')  # torchrun's node rank
-    mine = (code, socket.gethostname(), node, str(error) if error else '', shown)
     outcomes = [None] * dist_info.world_size
-    dist.all_gather_object(outcomes, mine)
+    dist.all_gather_object(outcomes, _outcome(error, shown))
     failed = [r for r, outcome in enumerate(outcomes) if outcome[0] is not None]
     if failed:
         first = failed[0]
@@ -220,6 +284,32 @@ def every_rank(dist_info, fn, agree=None):
             stop_with(dist_info, outcomes, 0, difference, EXIT_USER_ERROR,
                       error=UserError(difference))
     return result
+
+
+def _outcome(error, shown=None):
+    """
+    What a rank tells the others in a verdict: (its exit code, None when it is fine; its host; its
+    node, torchrun's node rank; its error's line; shown: the values that must agree).
+    """
+    code = None if error is None else exit_code(error)
+    node = os.environ.get('GROUP_RANK', '0')
+    return (code, socket.gethostname(), node, str(error) if error else '', shown)
+
+
+def end_together(dist_info, failure, group=None):
+    """
+    Once an agreement (signals.py's, every step) has shown that some rank met a failure mid-run (a
+    bad token id in its next batch): every rank ends, the lowest such rank raising its failure, the
+    others stopping with its exit code, and the first process of every other node saying its line
+    (stop_with). Every rank calls this at the same point: one all_gather_object over group.
+    """
+    import torch.distributed as dist
+    outcomes = [None] * dist_info.world_size
+    dist.all_gather_object(outcomes, _outcome(failure), group=group)
+    first = next(r for r, outcome in enumerate(outcomes) if outcome[0] is not None)
+    if dist_info.rank == first:
+        raise failure
+    stop_with(dist_info, outcomes, first, outcomes[first][3], outcomes[first][0])
 
 
 def stop_with(dist_info, outcomes, source, message, code, error=None):

@@ -25,7 +25,7 @@ import signal
 import sys
 from contextlib import contextmanager
 
-from nanogpt_plus.errors import PeerFailed, exit_code
+from nanogpt_plus.errors import exit_code
 
 # the signals a script stops on: Ctrl-C, a scheduler's or kill's SIGTERM, a closed terminal
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -141,8 +141,9 @@ class GracefulExit:
         waits for the GPU (no host sync, unlike a flag on the device); it costs 0.5-0.7 ms measured
         with 2 ranks on a busy 2-core CPU, against a training step of tens of milliseconds (tiny
         models) to seconds. Rank 0 then says why the run stops. An error this rank met where it
-        could still go on with the others (fail() recorded it) is heard of here by every rank: this
-        rank raises it (its line is the one printed), the others stop with its exit code.
+        could still go on with the others (fail() recorded it) is heard of here by every rank: the
+        lowest rank that met one raises it, the others stop with its exit code, and the first
+        process of every other node prints its line too (distributed.end_together).
         """
         failure = self.failure
         if not dist_info.under_torchrun:
@@ -159,9 +160,9 @@ class GracefulExit:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group())
         signum, failed = flag.tolist()
         if failed:
-            if failure is not None:
-                raise failure
-            raise PeerFailed("another rank failed and said why", failed)
+            # the lowest failed rank's line, said on every node (one more gather, at the end)
+            from nanogpt_plus.distributed import end_together
+            end_together(dist_info, failure, group=self._cpu_group())
         if signum and not self.agreed and dist_info.master:
             print(
                 f"received {signal.Signals(signum).name}: all processes stop here and save a checkpoint",

@@ -170,3 +170,19 @@ def test_shipped_configs_are_valid():
     assert {k: speedrun[k] for k in tokens} == {k: gpt2[k] for k in tokens}
     xl = parse_config(train.DEFAULTS, [os.path.join(REPO, "config", "eval_gpt2_xl.py")])
     assert xl["init_from"] == "gpt2-xl" and xl["eval_only"] is True
+
+
+def test_command_line_values_read_what_they_can_without_the_config_files(tmp_path):
+    # what a node that can't read its config file forms its process group with (distributed.start)
+    import train
+    from configurator import command_line_values
+    from nanogpt_plus.distributed import GROUP_SETTINGS
+    argv = [str(tmp_path / 'missing.py'), '--device=cpu', '--dist_timeout=oops', '--backend=gloo',
+            '--backend=nccl', '--backend=mpi', '--dist_timeout=-5', '--batch_size=3']
+    # the last value given; one that is no value of the setting (its type, choices, range) leaves
+    # the one before
+    assert command_line_values(train.DEFAULTS, argv, GROUP_SETTINGS) == dict(
+        device='cpu', backend='nccl', dist_timeout=0)
+    # a script without some of them (sample.py has no backend): those it has
+    plain = dict(device='auto', seed=1)
+    assert command_line_values(plain, ['--device=cuda:1'], GROUP_SETTINGS) == dict(device='cuda:1')

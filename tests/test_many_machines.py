@@ -56,10 +56,11 @@ def node_copy(dst, dataset):
     return dst
 
 
-def two_nodes(copies, args, timeout=60, script='train.py', node_args=None):
+def two_nodes(copies, args, timeout=60, script='train.py', node_args=None, meanwhile=None):
     """
     script under two torchrun agents (--nnodes=2, one process each), each in its own copy; both must end.
-    node_args: per node, arguments after args (what differs between the nodes' command lines).
+    node_args: per node, arguments after args (what differs between the nodes' command lines). meanwhile(procs):
+    what the test does while they run (it may read their stdout).
     """
     port = free_port()
     node_args = node_args or [[], []]
@@ -70,6 +71,8 @@ def two_nodes(copies, args, timeout=60, script='train.py', node_args=None):
     began = time.time()
     results = []
     try:
+        if meanwhile is not None:
+            meanwhile(procs)
         for p in procs:
             out, err = p.communicate(timeout=max(1, timeout - (time.time() - began)))
             results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
