@@ -36,7 +36,7 @@ from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write, read_jsonl
 from nanogpt_plus.tokenizer import load_tokenizer
 
-TASKS = ('loss', 'hellaswag', 'lambada')
+TASKS = ('loss', 'hellaswag', 'lambada', 'core')  # core: core_eval.py's DCLM CORE score
 # the fields each JSONL task's records must have
 TASK_KEYS = {'hellaswag': ('ctx', 'endings', 'label'), 'lambada': ('text',)}
 # the files the public harnesses use: HellaSwag's validation split and OpenAI's LAMBADA test set
@@ -205,6 +205,42 @@ def token_byte_lengths(tokenizer):
         return lengths
     return np.array([len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)],
                     dtype=np.int64)
+
+
+# a split up to this many tokens is counted whole for its bytes per token; a larger one
+# (OpenWebText's or FineWeb's train split) by this many tokens in BYTES_SAMPLE_RUNS runs spread
+# evenly over it
+BYTES_SAMPLE_TOKENS = 1 << 24
+BYTES_SAMPLE_RUNS = 1024
+
+
+def split_bytes_per_token(source, tokenizer, sample_tokens=BYTES_SAMPLE_TOKENS):
+    """
+    {'bytes_per_token', 'tokens_counted', 'whole'} of a split (a dataloader.TokenSource): the mean
+    UTF-8 bytes of its tokens, the tokenizer's token_byte_lengths, over every token (whole) or over
+    sample_tokens of them in BYTES_SAMPLE_RUNS evenly spaced runs; None when the split holds an id
+    the tokenizer lacks (a vocabulary padded past it). Loss / ln 2 / this = bits per byte.
+    """
+    lengths = token_byte_lengths(tokenizer)
+    total = int(source.sizes.sum())
+    whole = total <= sample_tokens
+    run = total if whole else max(1, sample_tokens // BYTES_SAMPLE_RUNS)
+    starts = [0] if whole else np.linspace(0, total - run, BYTES_SAMPLE_RUNS).astype(np.int64)
+    ends = np.cumsum(source.sizes)  # the global position where each file ends
+    num_bytes = counted = 0
+    for start in starts:
+        i = int(np.searchsorted(ends, start, side='right'))  # the file the run starts in
+        while i < len(ends):  # a whole split's run goes through every file; a sample's stays in one
+            begin = int(start - (ends[i] - source.sizes[i]))
+            tokens = np.asarray(source.tokens(i)[max(begin, 0):begin + run], dtype=np.int64)
+            if len(tokens) and tokens.max() >= len(lengths):
+                return {'bytes_per_token': None, 'tokens_counted': 0, 'whole': whole}
+            num_bytes += int(lengths[tokens].sum())
+            counted += len(tokens)
+            if not whole:
+                break
+            i += 1
+    return {'bytes_per_token': num_bytes / counted, 'tokens_counted': counted, 'whole': whole}
 
 
 def loss_metrics(table, num_bytes):
@@ -463,13 +499,32 @@ def loss_task(model, tokenizer_meta, paths, dataset, stride, batch_size, max_exa
     return metrics, sum(len(windows) for _, windows in parts), path
 
 
+def core_task(model, tokenizer_meta, bundle, dataset, split, batch_size, max_examples, run):
+    """
+    evaluate()'s core task on the bundle directory (core_eval.bundle_dir's): (metrics, number of
+    examples, the bundle). With a dataset, the metrics also give the bits per byte of its split
+    (<split>_bpb, over its first max_examples windows when > 0).
+    """
+    from nanogpt_plus import core_eval  # it imports this module
+    bundle = core_eval.bundle_dir(bundle)  # '': the downloaded one
+    tasks = core_eval.read_bundle(bundle)
+    metrics = core_eval.evaluate_core(model, load_tokenizer(tokenizer_meta), tasks, batch_size,
+                                      max_examples, **run)
+    if dataset:
+        loss, _, _ = loss_task(model, tokenizer_meta, loss_files('', dataset, split), dataset, 0,
+                               batch_size, max_examples, dict(run, progress=False))
+        metrics[f'{split}_bpb'] = loss.get('bits_per_byte')
+    return metrics, sum(s['num_examples'] for s in metrics['tasks'].values()), bundle
+
+
 def evaluate(model, task, tokenizer_meta, data_file='', dataset='', split='val', stride=0,
              batch_size=16, max_examples=0, device='cpu', ctx=nullcontext(), dist_info=None,
              pad_to=None, progress=False):
     """
     Run one task (see TASKS) on model, whose tokenizer tokenizer_meta describes. data_file is the
-    token file (loss: or a directory of shards) or the JSONL file; '' means the dataset's
-    <split>.bin or <split> shards for the loss, and the public file otherwise.
+    token file (loss: or a directory of shards), the JSONL file or the CORE bundle's directory; ''
+    means the dataset's <split>.bin or <split> shards for the loss, and the public file otherwise
+    (core: dataset, when given, adds its split's bits per byte).
     stride is loss_windows'. max_examples > 0 keeps the first examples (loss: windows) only.
     Returns {'task', 'metrics', 'num_examples', 'data_file'}.
     """
@@ -481,6 +536,9 @@ def evaluate(model, task, tokenizer_meta, data_file='', dataset='', split='val',
         metrics, num_examples, path = loss_task(model, tokenizer_meta,
                                                 loss_files(data_file, dataset, split), dataset,
                                                 stride, batch_size, max_examples, run)
+    elif task == 'core':
+        metrics, num_examples, path = core_task(model, tokenizer_meta, data_file, dataset, split,
+                                                batch_size, max_examples, run)
     elif task in TASK_KEYS:
         path = task_data_file(task, data_file)
         examples, num_examples = task_examples(task, path, load_tokenizer(tokenizer_meta),
