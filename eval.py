@@ -100,8 +100,8 @@ def check_settings(cfg):
     is).
     """
     DEFAULTS.check(cfg)
-    if cfg['task'] not in TASKS:
-        raise UserError(f"unknown task '{cfg['task']}'; use one of: {', '.join(TASKS)}")
+    if cfg['task'] not in TASKS + ('core',):
+        raise UserError(f"unknown task '{cfg['task']}'; use one of: {', '.join(TASKS)}, core")
     if cfg['task'] == 'core' and cfg['data_file']:
         raise UserError("--task=core reads its bundle from --core_dir, not --data_file; pass "
                         "--dataset=NAME for the bits per byte of a split")
@@ -185,10 +185,13 @@ def main():
     pad_to = model.config.block_size if compile_model else None
     if compile_model:
         model = torch.compile(model)
-    result = evaluate(model, cfg['task'], tokenizer_meta, data_file=data_file, dataset=dataset,
-                      split=cfg['split'], stride=cfg['stride'], batch_size=cfg['batch_size'],
-                      max_examples=cfg['max_examples'], device=device, ctx=ctx, dist_info=dist_info,
-                      pad_to=pad_to, progress=dist_info.master)
+    common = dict(data_file=data_file, dataset=dataset, split=cfg['split'],
+                  batch_size=cfg['batch_size'], max_examples=cfg['max_examples'], device=device,
+                  ctx=ctx, dist_info=dist_info, pad_to=pad_to, progress=dist_info.master)
+    if cfg['task'] == 'core':
+        result = core_eval.evaluate_bundle(model, tokenizer_meta, **common)
+    else:
+        result = evaluate(model, cfg['task'], tokenizer_meta, stride=cfg['stride'], **common)
     if dist_info.master:
         # the printed JSON: where the model came from goes between what was scored and on which file
         line = json.dumps({'task': result['task'], 'metrics': result['metrics'],

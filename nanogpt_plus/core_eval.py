@@ -35,6 +35,8 @@ Usage:
     tasks = core_eval.read_bundle(directory)      # [CoreTask], every file checked
     result = core_eval.evaluate_core(model, tokenizer, tasks, batch_size=16, device='cuda')
     result['core'], result['tasks']['hellaswag_zeroshot']['centered']
+    # eval.py's whole task (the bundle found, the split's bits per byte with a dataset)
+    core_eval.evaluate_bundle(model, tokenizer_meta, '', dataset='fineweb', device='cuda')
 """
 
 import csv
@@ -52,8 +54,9 @@ import torch
 
 from nanogpt_plus.dataset import REPO_DIR
 from nanogpt_plus.errors import TokenizerError, UserError
-from nanogpt_plus.evaluation import make_row, score_examples
+from nanogpt_plus.evaluation import loss_files, loss_task, make_row, score_examples
 from nanogpt_plus.files import read_jsonl
+from nanogpt_plus.tokenizer import load_tokenizer
 
 # nanochat's copy of DCLM's bundle (scripts/base_eval.py's EVAL_BUNDLE_URL)
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -459,3 +462,24 @@ def score_card(metrics, source, max_examples=0):
     for name, core, where in REFERENCES:
         lines.append(f"  {name:<20} {core:<8}  published: {where}")
     return lines
+
+
+def evaluate_bundle(model, tokenizer_meta, data_file='', dataset='', split='val', batch_size=16,
+                    max_examples=0, device='cpu', ctx=nullcontext(), dist_info=None, pad_to=None,
+                    progress=False):
+    """
+    eval.py's core task, laid out as evaluation.evaluate's result: {'task': 'core', 'metrics':
+    {'core', 'tasks', and <split>_bpb with a dataset}, 'num_examples', 'data_file': the bundle}.
+    data_file is the bundle's directory ('': the downloaded one); with a dataset, its split's bits
+    per byte too (the loss task's, over its first max_examples windows when > 0).
+    """
+    bundle = bundle_dir(data_file)
+    run = dict(device=device, ctx=ctx, dist_info=dist_info, pad_to=pad_to)
+    metrics = evaluate_core(model, load_tokenizer(tokenizer_meta), read_bundle(bundle), batch_size,
+                            max_examples, progress=progress, **run)
+    if dataset:
+        loss, _, _ = loss_task(model, tokenizer_meta, loss_files('', dataset, split), dataset, 0,
+                               batch_size, max_examples, dict(run, progress=False))
+        metrics[f'{split}_bpb'] = loss.get('bits_per_byte')
+    num_examples = sum(s['num_examples'] for s in metrics['tasks'].values())
+    return {'task': 'core', 'metrics': metrics, 'num_examples': num_examples, 'data_file': bundle}

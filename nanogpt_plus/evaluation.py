@@ -36,7 +36,7 @@ from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write, read_jsonl
 from nanogpt_plus.tokenizer import load_tokenizer
 
-TASKS = ('loss', 'hellaswag', 'lambada', 'core')  # core: core_eval.py's DCLM CORE score
+TASKS = ('loss', 'hellaswag', 'lambada')
 # the fields each JSONL task's records must have
 TASK_KEYS = {'hellaswag': ('ctx', 'endings', 'label'), 'lambada': ('text',)}
 # the files the public harnesses use: HellaSwag's validation split and OpenAI's LAMBADA test set
@@ -499,32 +499,13 @@ def loss_task(model, tokenizer_meta, paths, dataset, stride, batch_size, max_exa
     return metrics, sum(len(windows) for _, windows in parts), path
 
 
-def core_task(model, tokenizer_meta, bundle, dataset, split, batch_size, max_examples, run):
-    """
-    evaluate()'s core task on the bundle directory (core_eval.bundle_dir's): (metrics, number of
-    examples, the bundle). With a dataset, the metrics also give the bits per byte of its split
-    (<split>_bpb, over its first max_examples windows when > 0).
-    """
-    from nanogpt_plus import core_eval  # it imports this module
-    bundle = core_eval.bundle_dir(bundle)  # '': the downloaded one
-    tasks = core_eval.read_bundle(bundle)
-    metrics = core_eval.evaluate_core(model, load_tokenizer(tokenizer_meta), tasks, batch_size,
-                                      max_examples, **run)
-    if dataset:
-        loss, _, _ = loss_task(model, tokenizer_meta, loss_files('', dataset, split), dataset, 0,
-                               batch_size, max_examples, dict(run, progress=False))
-        metrics[f'{split}_bpb'] = loss.get('bits_per_byte')
-    return metrics, sum(s['num_examples'] for s in metrics['tasks'].values()), bundle
-
-
 def evaluate(model, task, tokenizer_meta, data_file='', dataset='', split='val', stride=0,
              batch_size=16, max_examples=0, device='cpu', ctx=nullcontext(), dist_info=None,
              pad_to=None, progress=False):
     """
     Run one task (see TASKS) on model, whose tokenizer tokenizer_meta describes. data_file is the
-    token file (loss: or a directory of shards), the JSONL file or the CORE bundle's directory; ''
-    means the dataset's <split>.bin or <split> shards for the loss, and the public file otherwise
-    (core: dataset, when given, adds its split's bits per byte).
+    token file (loss: or a directory of shards) or the JSONL file; '' means the dataset's
+    <split>.bin or <split> shards for the loss, and the public file otherwise.
     stride is loss_windows'. max_examples > 0 keeps the first examples (loss: windows) only.
     Returns {'task', 'metrics', 'num_examples', 'data_file'}.
     """
@@ -536,9 +517,6 @@ def evaluate(model, task, tokenizer_meta, data_file='', dataset='', split='val',
         metrics, num_examples, path = loss_task(model, tokenizer_meta,
                                                 loss_files(data_file, dataset, split), dataset,
                                                 stride, batch_size, max_examples, run)
-    elif task == 'core':
-        metrics, num_examples, path = core_task(model, tokenizer_meta, data_file, dataset, split,
-                                                batch_size, max_examples, run)
     elif task in TASK_KEYS:
         path = task_data_file(task, data_file)
         examples, num_examples = task_examples(task, path, load_tokenizer(tokenizer_meta),

@@ -17,7 +17,7 @@ from helpers import TORCHRUN, run_python, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus import core_eval
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.evaluation import evaluate, score_examples
+from nanogpt_plus.evaluation import score_examples
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
 # every choice starts with "the": the prompts share it, so only what follows is scored
@@ -93,7 +93,8 @@ def split_prompts(task_type, item, shots, delimiter):
     """ [(context text, scored text)] of an example, one per choice / option / the LM item. """
     if task_type == 'multiple_choice':
         head = '\n\n'.join(s['query'] + delimiter + s['choices'][s['gold']] for s in shots + [item])
-        head = head[:len(head) - len(item['choices'][item['gold']])]  # the example's own answer goes
+        # the example's own answer goes
+        head = head[:len(head) - len(item['choices'][item['gold']])]
         return [(head + 'the', choice[len('the'):]) for choice in item['choices']]
     if task_type == 'schema':
         lines = [s['context_options'][s['gold']] + delimiter + s['continuation'] for s in shots]
@@ -110,7 +111,8 @@ def reference_rows(model, tok, context, scored, block_size):
     """ (sum of losses, tokens scored, all greedy, scored tokens) of one prompt, forwarded alone. """
     start = [] if tok.eot_token is None else [tok.eot_token]
     tokens = start + tok.encode_ordinary(context) + tok.encode_ordinary(scored)
-    assert tokens == start + tok.encode_ordinary(context + scored)  # the split is at a token boundary
+    # the split is at a token boundary
+    assert tokens == start + tok.encode_ordinary(context + scored)
     n = len(tok.encode_ordinary(scored))
     tokens = tokens[-(block_size + 1):]
     n = min(n, len(tokens) - 1)
@@ -225,7 +227,7 @@ def test_centring_and_core_by_hand(tmp_path):
     # end to end: CORE is the mean of each task's accuracy centred on its bundle baseline
     tok = GPT2Tokenizer()
     model = tiny_gpt(tok.vocab_size, 32)
-    result = evaluate(model, 'core', tok.meta(), data_file=write_bundle(tmp_path / 'b'), batch_size=4)
+    result = core_eval.evaluate_bundle(model, tok.meta(), data_file=write_bundle(tmp_path / 'b'), batch_size=4)
     tasks = result['metrics']['tasks']
     centred = [(tasks[label]['accuracy'] - b / 100) / (1 - b / 100) for label, *_, b in TASKS]
     assert [tasks[t[0]]['centered'] for t in TASKS] == pytest.approx(centred)
