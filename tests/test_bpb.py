@@ -7,6 +7,7 @@ one bits-per-byte axis.
 import json
 import math
 import os
+import pickle
 import runpy
 
 import numpy as np
@@ -27,14 +28,18 @@ BPE_TEXT = ("It was the best of times, it was the worst of times, it was the age
             "and wise alike — €3 a loaf.\n") * 40
 
 
-def write_split_files(directory, ids, meta=None):
-    """ train.bin (the first 80%) and val.bin of token ids, and meta.json when given. """
+def write_split_files(directory, ids, meta=None, pickled=False):
+    """ train.bin (the first 80%) and val.bin of token ids, and meta.json (or nanoGPT's meta.pkl) when
+    given. """
     os.makedirs(directory, exist_ok=True)
     ids = np.asarray(ids, dtype=np.uint16)
     cut = len(ids) * 4 // 5
     ids[:cut].tofile(os.path.join(directory, 'train.bin'))
     ids[cut:].tofile(os.path.join(directory, 'val.bin'))
-    if meta is not None:
+    if meta is not None and pickled:
+        with open(os.path.join(directory, 'meta.pkl'), 'wb') as f:
+            pickle.dump({k: meta[k] for k in ('vocab_size', 'itos', 'stoi')}, f)
+    elif meta is not None:
         with open(os.path.join(directory, 'meta.json'), 'w', encoding='utf-8') as f:
             json.dump(meta, f)
     return str(directory)
@@ -48,17 +53,21 @@ def decoded_bytes_per_token(tok, path):
 
 @pytest.fixture(scope='module')
 def two_datasets(tmp_path_factory):
-    """ {'char': (dataset, tokenizer), 'gpt2': ...}: the same kind of text in either tokenizer. """
+    """ {'char': (dataset, tokenizer), 'char_pkl': ..., 'gpt2': ...}: text with multi-byte characters in a
+    character vocabulary (its meta.json, or nanoGPT's meta.pkl) and in GPT-2's BPE (no meta). """
     root = tmp_path_factory.mktemp('bpb')
     char = CharTokenizer.from_text(CHAR_TEXT)
     gpt2 = GPT2Tokenizer()
-    return {'char': (write_split_files(root / 'char', char.encode(CHAR_TEXT), char.meta()), char),
+    ids = char.encode(CHAR_TEXT)
+    return {'char': (write_split_files(root / 'char', ids, char.meta()), char),
+            'char_pkl': (write_split_files(root / 'char_pkl', ids, char.meta(), pickled=True), char),
             'gpt2': (write_split_files(root / 'gpt2', gpt2.encode_ordinary(BPE_TEXT)), gpt2)}
 
 
-@pytest.mark.parametrize('kind', ['char', 'gpt2'])
-def test_metrics_bpb_is_loss_over_ln2_and_bytes_per_token(two_datasets, kind, tmp_path, capsys):
-    dataset, tok = two_datasets[kind]
+@pytest.mark.parametrize('kind', ['char', 'char_pkl', 'gpt2', 'bpe'])
+def test_metrics_bpb_is_loss_over_ln2_and_bytes_per_token(two_datasets, kind, tmp_path, capsys, request):
+    # bpe: your own byte-level BPE (vocab 512; its tokenizer.json beside the data)
+    tok, dataset = request.getfixturevalue('bpe512') if kind == 'bpe' else two_datasets[kind][::-1]
     out = tmp_path / kind
     train.main(train_args(dataset, out, max_iters=4, eval_interval=2, lr_decay_iters=4,
                           n_embd=16, block_size=16))
@@ -70,7 +79,7 @@ def test_metrics_bpb_is_loss_over_ln2_and_bytes_per_token(two_datasets, kind, tm
     assert measured['train'] == pytest.approx(expected['train'], rel=1e-12)
     assert measured['val'] == pytest.approx(expected['val'], rel=1e-12)
     assert measured['train_whole'] and measured['val_whole']
-    assert expected['train'] > (1.0 if kind == 'char' else 3.0)  # multi-byte characters; BPE words
+    assert expected['train'] > (1.0 if kind.startswith('char') else 2.0)  # multi-byte characters; BPE words
     evals = [r for r in records if r['type'] == 'eval']
     assert [r['iter'] for r in evals] == [0, 2, 4]
     for r in evals:
