@@ -241,10 +241,18 @@ def read_bundle(directory):
 # -----------------------------------------------------------------------------
 # a task's examples and their prompts
 
-def check_item(task, lineno, item):
-    """ One line naming the file and line when an example's fields have the wrong shape. """
+# the scalars a prompt writes out as text (a number in a task file reads as it would print, as in
+# nanochat's templates); anything else in a text field is refused
+SCALARS = (str, int, float, bool)
+
+
+def checked_item(task, lineno, item):
+    """
+    The example with its text fields as strings, or one line naming the file and line when its
+    fields have the wrong shape.
+    """
     def text(x):
-        return isinstance(x, str)
+        return isinstance(x, SCALARS)
 
     def texts(x):
         return isinstance(x, list) and len(x) >= 2 and all(map(text, x))
@@ -255,18 +263,22 @@ def check_item(task, lineno, item):
 
     if task.task_type == 'multiple_choice':
         ok = text(item['query']) and texts(item['choices']) and index(item['gold'], item['choices'])
-        shape = "a 'query' string, at least 2 'choices' strings and a 'gold' index of them"
+        shape = "a 'query' text, at least 2 'choices' texts and a 'gold' index of them"
     elif task.task_type == 'schema':
         ok = (texts(item['context_options']) and text(item['continuation']) and
               index(item['gold'], item['context_options']))
-        shape = ("at least 2 'context_options' strings, a 'continuation' string and a 'gold' index "
-                 "of the options")
+        shape = ("at least 2 'context_options' texts, a 'continuation' text and a 'gold' index of "
+                 "the options")
     else:
-        ok = text(item['context']) and text(item['continuation']) and item['continuation'].strip()
-        shape = "a 'context' string and a 'continuation' string that is not blank"
+        ok = (text(item['context']) and text(item['continuation']) and
+              str(item['continuation']).strip())
+        shape = "a 'context' text and a 'continuation' text that is not blank"
     if not ok:
         raise UserError(f"{task.path} line {lineno}: a {task.task_type} example needs {shape}; "
                         f"fix that line")
+    return {key: ([str(x) for x in value] if isinstance(value, list) else
+                  value if key == 'gold' else str(value))
+            for key, value in item.items() if key in ITEM_KEYS[task.task_type]}
 
 
 def task_items(task, max_examples=0):
@@ -274,9 +286,8 @@ def task_items(task, max_examples=0):
     [(line number, example)] of a task: its lines in the fixed shuffled order, the first
     max_examples of them when > 0 (nanochat's subsample), each checked.
     """
-    records = read_jsonl(task.path, ITEM_KEYS[task.task_type], BUNDLE_HINT)
-    for lineno, item in records:
-        check_item(task, lineno, item)
+    records = [(lineno, checked_item(task, lineno, item)) for lineno, item in
+               read_jsonl(task.path, ITEM_KEYS[task.task_type], BUNDLE_HINT)]
     random.Random(SHUFFLE_SEED).shuffle(records)
     if max_examples:
         records = records[:max_examples]

@@ -301,6 +301,8 @@ def test_bad_bundle_refused_in_one_line(tmp_path, damage, message):
     ('{"query": "q", "choices": ["a", "b"], "gold": 2}', r"line 6: a multiple_choice example needs"),
     ('{"query": "q", "choices": ["a"], "gold": 0}', r"line 6: a multiple_choice example needs"),
     ('{"query": "q", "gold": 0}', r"line 6 has no 'choices' field"),
+    ('{"query": null, "choices": ["a", "b"], "gold": 0}', r"line 6: a multiple_choice example needs"),
+    ('{"query": "q", "choices": [["a"], "b"], "gold": 0}', r"line 6: a multiple_choice example needs"),
     ('{"query": "q", "choices": ["a", "b"], "gold": 0', r'line 6 is not valid JSON'),
 ])
 def test_bad_example_names_its_line(tmp_path, line, message):
@@ -309,6 +311,15 @@ def test_bad_example_names_its_line(tmp_path, line, message):
         f.write(line + '\n')
     with pytest.raises(UserError, match=message):
         core_eval.task_items(task)
+
+
+def test_numbers_in_a_task_file_read_as_text(tmp_path):
+    """ A number where text goes is written as it prints (as nanochat's templates render it). """
+    items = [{'query': f'{k} + {k} =', 'choices': [2 * k, 2 * k + 1, 0.5], 'gold': 0} for k in range(3)]
+    task = core_eval.read_bundle(write_bundle(tmp_path / 'b', [('sums', 'multiple_choice', 1, ' ', items, 25)]))[0]
+    kept = dict(core_eval.task_items(task))
+    assert kept[2] == {'query': '1 + 1 =', 'choices': ['2', '3', '0.5'], 'gold': 0}
+    assert core_eval.prompts_of('multiple_choice', kept[2], [kept[1]], ' ')[0] == '0 + 0 = 0\n\n1 + 1 = 2'
 
 
 def test_missing_core_dir_and_offline_download(tmp_path, monkeypatch):
