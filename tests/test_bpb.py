@@ -79,7 +79,8 @@ def test_metrics_bpb_is_loss_over_ln2_and_bytes_per_token(two_datasets, kind, tm
     assert measured['train'] == pytest.approx(expected['train'], rel=1e-12)
     assert measured['val'] == pytest.approx(expected['val'], rel=1e-12)
     assert measured['train_whole'] and measured['val_whole']
-    assert expected['train'] > (1.0 if kind.startswith('char') else 2.0)  # multi-byte characters; BPE words
+    # multi-byte characters; BPE words
+    assert expected['train'] > (1.0 if kind.startswith('char') else 2.0)
     evals = [r for r in records if r['type'] == 'eval']
     assert [r['iter'] for r in evals] == [0, 2, 4]
     for r in evals:
