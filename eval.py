@@ -9,12 +9,17 @@ Tasks:
              ending) and acc_norm (lowest mean loss per ending token)
   lambada    last-word prediction (JSONL with text): acc (the whole last word is the greedy continuation)
              and ppl (perplexity of the last word)
+  core       DCLM's CORE score as nanochat measures it (nanogpt_plus/core_eval.py): every
+             in-context task of an eval bundle (--core_dir), its accuracy and centred accuracy,
+             CORE their mean; with --dataset also that split's bits per byte. Ends with a score
+             card of published CORE figures
 
 Usage:
     python eval.py --init_from=resume --out_dir=out-shakespeare-char-cpu --task=loss
     python eval.py --init_from=gpt2 --task=hellaswag                  # downloads the validation set once
     python eval.py --init_from=gpt2 --task=lambada --data_file=lambada_test.jsonl --max_examples=500
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2 --task=hellaswag
+    python eval.py --init_from=gpt2 --task=core --core_dir=eval_bundle --max_examples=100
 
 The last line printed is one line of JSON: {"task": ..., "metrics": {...}, "num_examples": ...,
 ...};
@@ -34,7 +39,7 @@ import sys
 import torch
 
 from configurator import Group, Schema, Setting
-from nanogpt_plus import settings
+from nanogpt_plus import core_eval, settings
 from nanogpt_plus.checkpoint import tokenizer_known
 from nanogpt_plus.dataset import check_dataset_tokenizer, read_dataset_meta
 from nanogpt_plus.distributed import every_rank, master_decides, start
@@ -63,7 +68,7 @@ IO = Group(
 )
 EVALUATION = Group(
     'zero-shot evaluation',
-    task=Setting('loss', "loss | hellaswag | lambada"),
+    task=Setting('loss', "loss | hellaswag | lambada | core"),
     data_file=Setting('', "the token file (loss) or JSONL (hellaswag, lambada); '' = the task's "
                           "default"),
     split=Setting('val', "loss: the split of the dataset to score", not_empty=True),
@@ -71,13 +76,15 @@ EVALUATION = Group(
                            "every token scored once"),
     max_examples=non_negative(0, "0 = all; else the first N examples (loss: windows), for quick "
                                  "runs"),
+    core_dir=Setting('', "core: DCLM's eval bundle (core.yaml, eval_data/, eval_meta_data.csv); "
+                         "'' = data/core/eval_bundle, downloaded once"),
     output_file=Setting('', "also write the result JSON here"),
     weights=settings.WEIGHTS_SETTING,  # shared with sample.py and finetune.py
 )
 DATA = Group(
     'data',
     dataset=Setting('', "loss: data/<dataset>/<split>.bin or its <split> shards; '' = the "
-                        "checkpoint's training dataset"),
+                        "checkpoint's training dataset (core: its bits per byte, only when given)"),
     batch_size=settings.batch_size(16),
 )
 DEFAULTS = Schema(
@@ -94,8 +101,11 @@ def check_settings(cfg):
     is; the output file: by the rank that writes it, check_output_file).
     """
     DEFAULTS.check(cfg)
-    if cfg['task'] not in TASKS:
-        raise UserError(f"unknown task '{cfg['task']}'; use one of: {', '.join(TASKS)}")
+    if cfg['task'] not in TASKS + ('core',):
+        raise UserError(f"unknown task '{cfg['task']}'; use one of: {', '.join(TASKS)}, core")
+    if cfg['task'] == 'core' and cfg['data_file']:
+        raise UserError("--task=core reads its bundle from --core_dir, not --data_file; pass "
+                        "--dataset=NAME for the bits per byte of a split")
 
 
 def check_output_file(cfg):
@@ -142,17 +152,24 @@ def load_inputs(cfg):
     data_file = cfg['data_file']
     if data_file and not os.path.exists(data_file):  # before the model is read
         raise UserError(f"no data file at {data_file}; pass --data_file=PATH to an existing file")
+    if cfg['task'] == 'core':  # the bundle, checked before the model is read
+        data_file = core_eval.bundle_dir(cfg['core_dir'])
+        core_eval.read_bundle(data_file)
     model, tokenizer_meta, ckpt = init_model(cfg['init_from'], cfg['out_dir'])
     dataset = cfg['dataset'] or ((ckpt or {}).get('config') or {}).get('dataset', '')
-    if cfg['task'] == 'loss':
-        missing = [p for p in loss_files(data_file, dataset, cfg['split']) if not os.path.exists(p)]
+    if cfg['task'] == 'core':
+        dataset = cfg['dataset']  # a split's bits per byte only when asked for
+    if cfg['task'] == 'loss' or (cfg['task'] == 'core' and dataset):
+        token_file = '' if cfg['task'] == 'core' else data_file
+        paths = loss_files(token_file, dataset, cfg['split'])
+        missing = [p for p in paths if not os.path.exists(p)]
         if missing:
             raise UserError(
                 f"no token file at {missing[0]} on this machine; prepare the dataset, or pass "
                 f"--dataset / --data_file")
         check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta,
                              describe_source(cfg['init_from'], cfg['out_dir']))
-    else:
+    elif cfg['task'] != 'core':
         data_file = task_data_file(cfg['task'], data_file)
     return model, tokenizer_meta, ckpt, dataset, data_file
 
@@ -162,6 +179,14 @@ def scored_files(cfg, dataset, data_file):
     What this rank scores, as same_start compares it: data, {name: path} (the loss task's token
     files, else the task's JSONL file), and data_meta, the token files' tokenizer description.
     """
+    if cfg['task'] == 'core':  # the bundle's files, and the split whose bits per byte it reports
+        bundle = {name: os.path.join(data_file, name) for name in core_eval.BUNDLE_FILES}
+        bundle.update({task.label: task.path for task in core_eval.read_bundle(data_file)})
+        if not dataset:
+            return {'data': bundle}
+        paths = loss_files('', dataset, cfg['split'])
+        return {'data': {**bundle, **{os.path.basename(p): p for p in paths}},
+                'data_meta': read_dataset_meta(os.path.dirname(os.path.abspath(paths[0])))}
     if cfg['task'] != 'loss':
         return {'data': {'data_file': data_file}}
     paths = loss_files(data_file, dataset, cfg['split'])
@@ -194,10 +219,13 @@ def main():
     pad_to = model.config.block_size if compile_model else None
     if compile_model:
         model = torch.compile(model)
-    result = evaluate(model, cfg['task'], tokenizer_meta, data_file=data_file, dataset=dataset,
-                      split=cfg['split'], stride=cfg['stride'], batch_size=cfg['batch_size'],
-                      max_examples=cfg['max_examples'], device=device, ctx=ctx, dist_info=dist_info,
-                      pad_to=pad_to, progress=dist_info.master)
+    common = dict(data_file=data_file, dataset=dataset, split=cfg['split'],
+                  batch_size=cfg['batch_size'], max_examples=cfg['max_examples'], device=device,
+                  ctx=ctx, dist_info=dist_info, pad_to=pad_to, progress=dist_info.master)
+    if cfg['task'] == 'core':
+        result = core_eval.evaluate_bundle(model, tokenizer_meta, **common)
+    else:
+        result = evaluate(model, cfg['task'], tokenizer_meta, stride=cfg['stride'], **common)
     # the printed JSON: where the model came from goes between what was scored and on which file
     line = json.dumps({'task': result['task'], 'metrics': result['metrics'],
                        'num_examples': result['num_examples'], 'source': source,
@@ -205,6 +233,8 @@ def main():
     if cfg['output_file']:  # rank 0's; every rank ends as its write did
         master_decides(dist_info, lambda: write_output_file(cfg['output_file'], line))
     if dist_info.master:
+        if cfg['task'] == 'core':  # the tasks' lines came as each was done: CORE and the card
+            print('\n'.join(core_eval.score_card(result['metrics'], source, cfg['max_examples'])))
         print(line)
 
 

@@ -39,6 +39,7 @@ from nanogpt_plus.dataloader import DataSpec, TokenWindowLoader, training_data
 from nanogpt_plus.dataset import padded_tokenizer_size
 from nanogpt_plus.distributed import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.errors import Interrupted, UserError, non_finite_loss, out_of_memory_error
+from nanogpt_plus.evaluation import split_bytes_per_token
 from nanogpt_plus.init_from import (
     FIXED_BY_SOURCE,
     SAME_START,
@@ -55,6 +56,7 @@ from nanogpt_plus.metrics import MetricsLogger, WandbSpec
 from nanogpt_plus.out_dir import OutDirSpec, claim_out_dir, prepare_out_dir
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.settings import flag, non_negative, positive
+from nanogpt_plus.tokenizer import load_tokenizer
 
 # -----------------------------------------------------------------------------
 # The settings and their defaults: nanoGPT's (GPT-2 124M on OpenWebText) in its order, then ours;
@@ -190,6 +192,8 @@ class Run:
     tasks: object  # periodic.PeriodicTasks (in-loop HellaSwag and samples), or None
     logger: MetricsLogger
     tokenizer_meta: dict  # the tokenizer description, stored in every checkpoint
+    # {split: its bytes per token} (rank 0; None where unknown): the evaluation's bits per byte
+    bytes_per_token: dict
     provenance: dict  # versions, git commit, device: printed at start-up, kept in every checkpoint
     grad_accum: int  # micro-steps per optimizer step in this process
     tokens_per_iter: int
@@ -484,6 +488,8 @@ def setup(cfg, dist_info):
     logger = MetricsLogger.for_run(cfg['out_dir'], cfg.select(WandbSpec), config_record=dict(cfg),
                                    enabled=master, resumed=resumed)
     logger.start(state.iter_num, cfg['init_from'])
+    bytes_per_token = measure_bytes_per_token(eval_loaders, data.meta or tokenizer_meta, logger,
+                                              state.iter_num) if master else {}
     state.loader_state = train_loader.state_dict()
     state.batch = train_loader.next_batch()
     state.lap_start = time.time()
@@ -491,9 +497,34 @@ def setup(cfg, dist_info):
               config_record=dict(cfg), dist_info=dist_info, ctx=ctx, model=model,
               raw_model=raw_model, optimizer=optimizer, scaler=scaler, train_loader=train_loader,
               eval_loaders=eval_loaders, checkpointer=checkpointer, tasks=tasks, logger=logger,
-              tokenizer_meta=tokenizer_meta, provenance=run_provenance, grad_accum=grad_accum,
+              tokenizer_meta=tokenizer_meta, bytes_per_token=bytes_per_token,
+              provenance=run_provenance, grad_accum=grad_accum,
               tokens_per_iter=tokens_per_iter, peak_flops=peak_flops, thread_retuner=thread_retuner)
     return run, state
+
+
+def measure_bytes_per_token(eval_loaders, tokenizer_meta, logger, iter_num):
+    """
+    {split: UTF-8 bytes per token} of the splits evaluated on, measured once (a large split by an
+    even sample: evaluation.split_bytes_per_token) and logged as a 'bytes_per_token' record; None
+    for a split with ids the tokenizer lacks. Each evaluation's loss / ln 2 / this is its bits per
+    byte, which compares across tokenizers (a char model's and a GPT-2 BPE model's).
+    """
+    tokenizer = load_tokenizer(tokenizer_meta)
+    counts = {split: split_bytes_per_token(loader.source, tokenizer)
+              for split, loader in eval_loaders.items()}
+    record = {'type': 'bytes_per_token', 'iter': iter_num}
+    for split, count in counts.items():
+        record.update({split: count['bytes_per_token'], f'{split}_tokens_counted':
+                       count['tokens_counted'], f'{split}_whole': count['whole']})
+    logger.log(record)
+    return {split: count['bytes_per_token'] for split, count in counts.items()}
+
+
+def bits_per_byte(losses, bytes_per_token):
+    """ {'<split>_bpb': loss / ln 2 / bytes per token} of the splits whose bytes are known. """
+    return {f'{split}_bpb': loss / math.log(2) / bytes_per_token[split]
+            for split, loss in losses.items() if bytes_per_token.get(split)}
 
 
 # -----------------------------------------------------------------------------
@@ -513,7 +544,8 @@ def evaluate(run, state, lr, poll=None):
             f"step {state.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
         )
         run.logger.log({'type': 'eval', 'iter': state.iter_num, 'train_loss': losses['train'],
-                        'val_loss': losses['val'], 'lr': lr})
+                        'val_loss': losses['val'], **bits_per_byte(losses, run.bytes_per_token),
+                        'lr': lr})
     if not math.isfinite(losses['val']):
         failure = non_finite_loss(losses['val'], state.iter_num, run.checkpointer.path())
         distributed.fail_everywhere(failure, run.dist_info)

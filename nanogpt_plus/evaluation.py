@@ -207,6 +207,42 @@ def token_byte_lengths(tokenizer):
                     dtype=np.int64)
 
 
+# a split up to this many tokens is counted whole for its bytes per token; a larger one
+# (OpenWebText's or FineWeb's train split) by this many tokens in BYTES_SAMPLE_RUNS runs spread
+# evenly over it
+BYTES_SAMPLE_TOKENS = 1 << 24
+BYTES_SAMPLE_RUNS = 1024
+
+
+def split_bytes_per_token(source, tokenizer, sample_tokens=BYTES_SAMPLE_TOKENS):
+    """
+    {'bytes_per_token', 'tokens_counted', 'whole'} of a split (a dataloader.TokenSource): the mean
+    UTF-8 bytes of its tokens, the tokenizer's token_byte_lengths, over every token (whole) or over
+    sample_tokens of them in BYTES_SAMPLE_RUNS evenly spaced runs; None when the split holds an id
+    the tokenizer lacks (a vocabulary padded past it). Loss / ln 2 / this = bits per byte.
+    """
+    lengths = token_byte_lengths(tokenizer)
+    total = int(source.sizes.sum())
+    whole = total <= sample_tokens
+    run = total if whole else max(1, sample_tokens // BYTES_SAMPLE_RUNS)
+    starts = [0] if whole else np.linspace(0, total - run, BYTES_SAMPLE_RUNS).astype(np.int64)
+    ends = np.cumsum(source.sizes)  # the global position where each file ends
+    num_bytes = counted = 0
+    for start in starts:
+        i = int(np.searchsorted(ends, start, side='right'))  # the file the run starts in
+        while i < len(ends):  # a whole split's run goes through every file; a sample's stays in one
+            begin = int(start - (ends[i] - source.sizes[i]))
+            tokens = np.asarray(source.tokens(i)[max(begin, 0):begin + run], dtype=np.int64)
+            if len(tokens) and tokens.max() >= len(lengths):
+                return {'bytes_per_token': None, 'tokens_counted': 0, 'whole': whole}
+            num_bytes += int(lengths[tokens].sum())
+            counted += len(tokens)
+            if not whole:
+                break
+            i += 1
+    return {'bytes_per_token': num_bytes / counted, 'tokens_counted': counted, 'whole': whole}
+
+
 def loss_metrics(table, num_bytes):
     """
     Mean loss and perplexity per token of score_rows' table; bits per byte when num_bytes is known.

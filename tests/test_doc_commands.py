@@ -46,6 +46,8 @@ BENCH = "a benchmark: minutes of timing by design (tests/test_bench.py runs its 
 COMPILE = "torch.compile: a minute of compiling on 2 cores (tests/test_gpu.py compiles on a GPU)"
 INSTALL = "installs packages or makes a virtual environment: the set-up these tests run in"
 SUITE = "the test suite and the linter themselves"
+CORE_BUNDLE = "needs DCLM's eval bundle (a download; tests/test_core.py writes a small one) and a FineWeb run"
+TWO_RUNS = "needs a character and a GPT-2 BPE training run (tests/test_bpb.py plots two on one axis)"
 NODE_RUN = ('torchrun --nnodes=2 --nproc_per_node=8 --node_rank={} --master_addr=10.0.0.1 '
             '--master_port=29500 train.py config/train_gpt2.py')
 
@@ -79,6 +81,14 @@ SKIP = {
     'python eval.py --init_from=gpt2 --task=lambada --data_file=lambada_test.jsonl '
     '--max_examples=500': GPT2,
     'torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2 --task=hellaswag': GPT2,
+    'python eval.py --init_from=gpt2 --task=core': GPT2,
+    'python eval.py --init_from=gpt2 --task=core --core_dir=eval_bundle --max_examples=100': GPT2,
+    'python eval.py --init_from=resume --out_dir=out-gpt2-fineweb --task=core --core_dir=eval_bundle '
+    '--dataset=fineweb --max_examples=100': CORE_BUNDLE,
+    'torchrun --standalone --nproc_per_node=8 eval.py --init_from=resume --out_dir=out-gpt2-fineweb '
+    '--task=core --core_dir=eval_bundle': CORE_BUNDLE,
+    'python scripts/plot_metrics.py --out_dir=out-shakespeare-char-cpu --compare=out-shakespeare '
+    '--bpb=True': TWO_RUNS,
     'python finetune.py config/finetune_classification.py --init_from=gpt2 --train_file=... '
     '--val_file=...': GPT2,
     'python data/openwebtext/prepare.py': HUB,
