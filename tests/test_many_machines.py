@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -18,13 +17,11 @@ import torch
 from helpers import (
     REPO,
     SPACED_SYMBOLS,
-    TINY_RUN,
     TINY_VOCAB,
     TORCHRUN,
     iter_losses,
     project_frames,
     run_python,
-    start_program,
     start_python,
     train_args,
     write_hellaswag,
@@ -218,79 +215,7 @@ def test_resuming_on_more_ranks_gives_the_new_ranks_their_own_rng(dataset, tmp_p
     assert len(rng) == 2 and not torch.equal(rng[0]['torch'], rng[1]['torch'])
 
 
-# -----------------------------------------------------------------------------
-# the SLURM script of docs/training.md (scripts/slurm_train.sh), with stand-ins for srun and scontrol
-
-FAKE_SRUN = """#!/bin/bash
-# srun's stand-in: one task per node, each with its own SLURM_NODEID, all on this machine (options skipped)
-while [[ "$1" == --* ]]; do shift; done
-pids=()
-for ((i = 0; i < SLURM_NNODES; i++)); do
-    SLURM_NODEID=$i SLURM_PROCID=$i "$@" &
-    pids+=($!)
-    echo $! >> "$SRUN_PIDS"
-done
-code=0
-for p in "${pids[@]}"; do wait "$p" || code=$?; done
-exit $code
-"""
-FAKE_SCONTROL = """#!/bin/bash
-case "$1 $2" in
-    "show hostnames") echo 127.0.0.1 ;;
-    requeue*) echo "$2" >> "$REQUEUED" ;;
-esac
-"""
-
-
-def slurm_job(tmp_path, dataset, *args):
-    """ scripts/slurm_train.sh as SLURM would run it on 2 nodes (one torchrun each), started in the background. """
-    bin_dir = tmp_path / 'bin'
-    bin_dir.mkdir(exist_ok=True)
-    for name, text in (('srun', FAKE_SRUN), ('scontrol', FAKE_SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    config = tmp_path / 'tiny_config.py'
-    settings = dict(TINY_RUN, dataset=dataset, num_threads=1)
-    config.write_text(''.join(f"{key} = {value!r}\n" for key, value in settings.items()))
-    (tmp_path / 'pids').write_text('')
-    env = dict(ENV, PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}", SLURM_NNODES='2',
-               SLURM_JOB_NODELIST='node[1-2]', SLURM_JOB_ID='77', CONFIG=str(config), OUT_DIR=str(tmp_path / 'out'),
-               NPROC_PER_NODE='1', MASTER_PORT=str(free_port()), SRUN_PIDS=str(tmp_path / 'pids'),
-               REQUEUED=str(tmp_path / 'requeued'), LOG=str(tmp_path / 'job.log'))
-    return start_program(['bash', 'scripts/slurm_train.sh', *args], env=env, start_new_session=True)
-
-
-def test_the_slurm_script_signals_every_node_requeues_and_resumes(tiny_dataset, tmp_path):
-    # a long run; SLURM's --signal=TERM@120 sends SIGTERM to every task (each node's torchrun)
-    job = slurm_job(tmp_path, tiny_dataset, '--max_iters=100000', '--lr_decay_iters=100000',
-                    '--eval_interval=100000')
-    try:
-        deadline = time.time() + 120
-        for line in job.stdout:
-            if line.startswith('iter 3:') or time.time() > deadline:
-                break
-        for pid in (tmp_path / 'pids').read_text().split():
-            os.kill(int(pid), signal.SIGTERM)
-        out = job.communicate(timeout=120)[0]
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.communicate()
-    assert job.returncode == 0, out[-3000:]
-    assert (tmp_path / 'requeued').read_text().split() == ['77']  # the job asked to run again
-    assert 'requeueing job 77' in out
-    # both nodes had node ranks of their own (with one node rank for both, the agents would never meet)
-    stopped = load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))['iter_num']
-    assert stopped >= 3 and len(load_checkpoint(str(tmp_path / 'out' / 'ckpt.pt'))['rng']) == 2
-    # the requeued job: the same command continues the run and finishes it
-    job = slurm_job(tmp_path, tiny_dataset, f'--max_iters={stopped + 2}', f'--lr_decay_iters={stopped + 2}',
-                    '--eval_interval=100000')
-    out = job.communicate(timeout=180)[0]
-    assert job.returncode == 0, out[-3000:]
-    assert f"auto_resume=True: {tmp_path / 'out'} holds this run's checkpoint; resuming it" in out
-    assert min(iter_losses(out)) == stopped and f"(final, iter {stopped + 3})" in out
-    # no second requeue: the run is done
-    assert (tmp_path / 'requeued').read_text().split() == ['77']
+# the SLURM script of docs/training.md (scripts/slurm_train.sh): tests/test_slurm_script.py
 
 
 # -----------------------------------------------------------------------------
