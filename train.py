@@ -39,7 +39,6 @@ from nanogpt_plus.dataloader import DataSpec, TokenWindowLoader, training_data
 from nanogpt_plus.dataset import padded_tokenizer_size
 from nanogpt_plus.distributed import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.errors import Interrupted, UserError, non_finite_loss, out_of_memory_error
-from nanogpt_plus.evaluation import split_bytes_per_token
 from nanogpt_plus.init_from import (
     FIXED_BY_SOURCE,
     SAME_START,
@@ -56,7 +55,7 @@ from nanogpt_plus.metrics import MetricsLogger, WandbSpec
 from nanogpt_plus.out_dir import OutDirSpec, claim_out_dir, prepare_out_dir
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.settings import flag, non_negative, positive
-from nanogpt_plus.tokenizer import load_tokenizer
+from nanogpt_plus.tokenizer import load_tokenizer, split_bytes_per_token
 
 # -----------------------------------------------------------------------------
 # The settings and their defaults: nanoGPT's (GPT-2 124M on OpenWebText) in its order, then ours;
@@ -506,7 +505,7 @@ def setup(cfg, dist_info):
 def measure_bytes_per_token(eval_loaders, tokenizer_meta, logger, iter_num):
     """
     {split: UTF-8 bytes per token} of the splits evaluated on, measured once (a large split by an
-    even sample: evaluation.split_bytes_per_token) and logged as a 'bytes_per_token' record; None
+    even sample: tokenizer.split_bytes_per_token) and logged as a 'bytes_per_token' record; None
     for a split with ids the tokenizer lacks. Each evaluation's loss / ln 2 / this is its bits per
     byte, which compares across tokenizers (a char model's and a GPT-2 BPE model's).
     """

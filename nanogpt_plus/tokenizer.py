@@ -23,6 +23,8 @@ import hashlib
 import importlib.util
 import os
 
+import numpy as np
+
 from nanogpt_plus.bpe import EOT_TEXT, described_bpe
 from nanogpt_plus.dataset import tokenizer_kind, tokenizer_size
 from nanogpt_plus.errors import TokenizerError, UserError
@@ -232,3 +234,58 @@ def check_tokenizer_fits(config, tokenizer_meta, source):
             f"the tokenizer of {source} has {int(size):,} tokens but its model only "
             f"{config.vocab_size:,}, so it is not the model's (a nanoGPT checkpoint is GPT-2 BPE unless "
             f"data/<dataset>/meta.pkl says otherwise): restore its dataset's meta.pkl")
+
+
+# -----------------------------------------------------------------------------
+# bytes per token: what turns a loss in nats per token into bits per byte, which compares across
+# tokenizers (a char model's with a GPT-2 BPE model's)
+
+def token_byte_lengths(tokenizer):
+    """
+    The number of UTF-8 bytes each token id decodes to, as an array indexed by id (for bits per
+    byte): what any tokenizer's token_bytes says (a byte-level BPE's own bytes, gpt2 or bpe), for a
+    character vocabulary its characters' UTF-8 (by its itos, which may skip ids).
+    """
+    if tokenizer.kind == 'char':
+        lengths = np.zeros(max(tokenizer.itos) + 1, dtype=np.int64)
+        for i, ch in tokenizer.itos.items():
+            lengths[i] = len(ch.encode('utf-8'))
+        return lengths
+    return np.array([len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)],
+                    dtype=np.int64)
+
+
+# a split up to this many tokens is counted whole for its bytes per token; a larger one
+# (OpenWebText's or FineWeb's train split) by this many tokens in BYTES_SAMPLE_RUNS runs spread
+# evenly over it
+BYTES_SAMPLE_TOKENS = 1 << 24
+BYTES_SAMPLE_RUNS = 1024
+
+
+def split_bytes_per_token(source, tokenizer, sample_tokens=BYTES_SAMPLE_TOKENS):
+    """
+    {'bytes_per_token', 'tokens_counted', 'whole'} of a split (a dataloader.TokenSource): the mean
+    UTF-8 bytes of its tokens, the tokenizer's token_byte_lengths, over every token (whole) or over
+    sample_tokens of them in BYTES_SAMPLE_RUNS evenly spaced runs; None when the split holds an id
+    the tokenizer lacks (a vocabulary padded past it). Loss / ln 2 / this = bits per byte.
+    """
+    lengths = token_byte_lengths(tokenizer)
+    total = int(source.sizes.sum())
+    whole = total <= sample_tokens
+    run = total if whole else max(1, sample_tokens // BYTES_SAMPLE_RUNS)
+    starts = [0] if whole else np.linspace(0, total - run, BYTES_SAMPLE_RUNS).astype(np.int64)
+    ends = np.cumsum(source.sizes)  # the global position where each file ends
+    num_bytes = counted = 0
+    for start in starts:
+        i = int(np.searchsorted(ends, start, side='right'))  # the file the run starts in
+        while i < len(ends):  # a whole split's run goes through every file; a sample's stays in one
+            begin = int(start - (ends[i] - source.sizes[i]))
+            tokens = np.asarray(source.tokens(i)[max(begin, 0):begin + run], dtype=np.int64)
+            if len(tokens) and tokens.max() >= len(lengths):
+                return {'bytes_per_token': None, 'tokens_counted': 0, 'whole': whole}
+            num_bytes += int(lengths[tokens].sum())
+            counted += len(tokens)
+            if not whole:
+                break
+            i += 1
+    return {'bytes_per_token': num_bytes / counted, 'tokens_counted': counted, 'whole': whole}

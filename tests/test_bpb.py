@@ -15,7 +15,7 @@ import pytest
 
 import train
 from helpers import REPO, train_args
-from nanogpt_plus import evaluation
+from nanogpt_plus import tokenizer
 from nanogpt_plus.dataloader import TokenSource
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.metrics import read_metrics
@@ -103,14 +103,14 @@ def test_large_split_is_sampled_evenly(tmp_path):
         write_shard(path, np.array([stoi[c] for c in text], dtype=np.uint16))  # llm.c shards
         files.append(path)
     source = TokenSource(files)
-    whole = evaluation.split_bytes_per_token(source, tok)
+    whole = tokenizer.split_bytes_per_token(source, tok)
     assert whole == {'bytes_per_token': 2.0, 'tokens_counted': 9000, 'whole': True}
-    sample = evaluation.split_bytes_per_token(source, tok, sample_tokens=9000 - 1)
+    sample = tokenizer.split_bytes_per_token(source, tok, sample_tokens=9000 - 1)
     assert not sample['whole'] and 0 < sample['tokens_counted'] <= 9000 - 1
     assert sample['bytes_per_token'] == pytest.approx(2.0, abs=0.01)
     # ids the tokenizer lacks (a padded vocabulary): no figure rather than a wrong one
     np.array([0, 1, 7], dtype=np.uint16).tofile(tmp_path / 'val.bin')
-    assert evaluation.split_bytes_per_token(TokenSource([str(tmp_path / 'val.bin')]), tok)['bytes_per_token'] is None
+    assert tokenizer.split_bytes_per_token(TokenSource([str(tmp_path / 'val.bin')]), tok)['bytes_per_token'] is None
 
 
 def test_plot_a_char_and_a_bpe_run_on_one_bpb_axis(two_datasets, tmp_path, capsys):
