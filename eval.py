@@ -32,6 +32,7 @@ from nanogpt_plus.signals import early_exit_request
 
 early_exit_request(__name__, resumable=False)
 
+import functools
 import json
 import os
 import sys
@@ -42,7 +43,7 @@ from configurator import Group, Schema, Setting
 from nanogpt_plus import core_eval, settings
 from nanogpt_plus.checkpoint import tokenizer_known
 from nanogpt_plus.dataset import check_dataset_tokenizer, read_dataset_meta
-from nanogpt_plus.distributed import every_rank, master_decides, start
+from nanogpt_plus.distributed import every_rank, master_decides, same_everywhere, start
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import TASKS, evaluate, loss_files, task_data_file
 from nanogpt_plus.files import atomic_write
@@ -209,8 +210,8 @@ def main():
     model, tokenizer_meta, ckpt, dataset, data_file = every_rank(dist_info,
                                                                  lambda: load_inputs(cfg))
     # and all of them the same: settings, code, checkpoint and data (else all stop in one line)
-    every_rank(dist_info, lambda: same_start(dict(cfg), **scored_files(cfg, dataset, data_file)),
-               agree=SAME_START)
+    scored = functools.partial(scored_files, cfg, dataset, data_file)
+    same_everywhere(dist_info, lambda: same_start(dict(cfg), **scored()), SAME_START)
     source = describe_source(cfg['init_from'], cfg['out_dir'])
     model.to(device)
     model.eval()

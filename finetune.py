@@ -50,6 +50,7 @@ from nanogpt_plus.distributed import (
     every_rank,
     grad_sync_context,
     master_decides,
+    same_everywhere,
     start,
     wrap_model,
 )
@@ -211,8 +212,8 @@ def main():
         cfg.select(finetuning.TaskFiles), cfg.select(ModelSource), cfg.chosen(FIXED_BY_SOURCE),
         LAST_CKPT))
     cfg.update(imposed)
-    every_rank(dist_info, lambda: same_start(dict(cfg), resumed, data=finetuning.task_files(
-        cfg.select(finetuning.TaskFiles)), resume_file=LAST_CKPT), agree=SAME_START)
+    same_everywhere(dist_info, lambda: same_start(dict(cfg), resumed, data=finetuning.task_files(
+        cfg.select(finetuning.TaskFiles)), resume_file=LAST_CKPT), SAME_START)
     if not cfg['train_file'] and cfg['predict_file']:
         if EXIT_REQUEST is not None:  # predictions alone: nothing to save, a signal stops them
             EXIT_REQUEST.interrupt_at_once()

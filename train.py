@@ -228,7 +228,7 @@ def main(argv=None):
             cfg.select(ModelSource), chosen, resume=cfg.select(ResumeSpec)))
         cfg.update(imposed)
         # every rank starts from the same settings, commit and checkpoint, else all stop in one line
-        distributed.every_rank(dist_info, lambda: same_start(dict(cfg), resumed), agree=SAME_START)
+        distributed.same_everywhere(dist_info, lambda: same_start(dict(cfg), resumed), SAME_START)
         # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run
         # ends); a new run over an earlier one is refused, suggesting a resume only where these
         # settings would resume it

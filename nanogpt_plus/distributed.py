@@ -312,6 +312,17 @@ def end_together(dist_info, failure, group=None):
     stop_with(dist_info, outcomes, first, outcomes[first][3], outcomes[first][0])
 
 
+def same_everywhere(dist_info, describe, agree):
+    """
+    every_rank(dist_info, describe, agree) where there are ranks to compare: each rank describes
+    what it starts from (its code, checkpoint, data: digests that read files and ask git), and one
+    that differs from rank 0's ends every rank in one line. A single process has no one to differ
+    from, so it describes nothing.
+    """
+    if dist_info.under_torchrun:
+        every_rank(dist_info, describe, agree=agree)
+
+
 def stop_with(dist_info, outcomes, source, message, code, error=None):
     """
     End this rank after rank `source` failed with message (or, given error, every rank alike): the

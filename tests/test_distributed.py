@@ -252,3 +252,16 @@ def test_dist_timeout_reaches_the_process_group(dataset, tmp_path, monkeypatch, 
     train.main(train_args(dataset, tmp_path / 'b', max_iters=1, eval_interval=1, num_threads=1))
     assert made[1] == {'backend': 'gloo'}  # 0: the default, not a timeout of 0 s
     capsys.readouterr()
+
+
+def test_a_single_process_describes_nothing_to_compare(tiny_dataset, tmp_path, monkeypatch):
+    """ same_start reads files and asks git: a run of one process (no torchrun) has no rank to compare with. """
+    import train
+    from nanogpt_plus.distributed import DistInfo, same_everywhere
+
+    def describe():
+        raise AssertionError('described in a single process')
+    same_everywhere(DistInfo(False, 0, 0, 1, 'cpu'), describe, {})
+    monkeypatch.setattr(train, 'same_start', describe)
+    train.main(train_args(tiny_dataset, tmp_path / 'out', max_iters=1))
+    assert (tmp_path / 'out' / 'ckpt.pt').exists()
