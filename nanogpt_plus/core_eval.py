@@ -45,7 +45,6 @@ import math
 import os
 import random
 import shutil
-import urllib.request
 import zipfile
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -54,7 +53,7 @@ import torch
 
 from nanogpt_plus.dataset import REPO_DIR
 from nanogpt_plus.errors import TokenizerError, UserError
-from nanogpt_plus.evaluation import loss_files, loss_task, make_row, score_examples
+from nanogpt_plus.evaluation import download, loss_files, loss_task, make_row, score_examples
 from nanogpt_plus.files import read_jsonl
 from nanogpt_plus.tokenizer import load_tokenizer
 
@@ -126,14 +125,8 @@ def download_bundle(url, target):
     this process, then renamed, so that a half-unpacked bundle never looks complete (and ranks
     unpacking at once on one node leave one whole copy).
     """
-    print(f"downloading {url} to {target}")
-    try:
-        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
-            content = response.read()
-    except Exception as e:  # URLError, timeouts, HTTP errors: all mean "get it another way"
-        raise UserError(
-            f"could not download {url} ({type(e).__name__}: {e}); offline, download and unzip it "
-            f"elsewhere and pass --core_dir=PATH/eval_bundle") from None
+    content = download(url, target, "offline, download and unzip it elsewhere and pass "
+                       "--core_dir=PATH/eval_bundle", timeout=DOWNLOAD_TIMEOUT_S)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     scratch = os.path.join(parent, f'.unpack.{os.getpid()}')

@@ -355,6 +355,19 @@ def public_task_file(task):
     return os.path.join(REPO_DIR, 'data', task, os.path.basename(DATA_URLS[task]))
 
 
+def download(url, target, instead, timeout=DOWNLOAD_TIMEOUT_S):
+    """
+    The bytes at url (said as going to target); when they can't be had, one line ending in instead:
+    what to do offline.
+    """
+    print(f"downloading {url} to {target}")
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read()
+    except Exception as e:  # URLError, timeouts, HTTP errors: all mean "get the file another way"
+        raise UserError(f"could not download {url} ({type(e).__name__}: {e}); {instead}") from None
+
+
 def task_data_file(task, data_file='', setting='data_file'):
     """
     data_file when given, else the task's public file: data/<task>/<name> in this repo, downloaded
@@ -370,14 +383,7 @@ def task_data_file(task, data_file='', setting='data_file'):
     path = public_task_file(task)
     if os.path.exists(path):
         return path
-    print(f"downloading {url} to {path}")
-    try:
-        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
-            content = response.read()
-    except Exception as e:  # URLError, timeouts, HTTP errors: all mean "get the file another way"
-        raise UserError(
-            f"could not download {url} ({type(e).__name__}: {e}); download it elsewhere and pass "
-            f"--{setting}=PATH") from None
+    content = download(url, path, f"download it elsewhere and pass --{setting}=PATH")
     atomic_write(path, lambda f: f.write(content))  # never a half-downloaded file that looks cached
     return path
 

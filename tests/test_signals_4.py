@@ -217,14 +217,20 @@ def test_a_long_generation_and_an_evaluation_stop_at_a_signal(trained, tmp_path)
 # -----------------------------------------------------------------------------
 # train.py: 75 and a checkpoint before the work is done, 0 after it, run.lock released
 
+def train_signalled_at(line, sig, dataset, out_dir, **settings):
+    """ A tiny train.py run into out_dir, sent sig once its output shows line: (code, stdout, stderr). """
+    proc = start(['train.py', *train_args(dataset, out_dir, **settings)])
+    proc.wait_for(line)
+    proc.proc.send_signal(sig)
+    return proc.finish()
+
+
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP])
 def test_train_saves_and_exits_75_at_sigterm_and_sighup(sig, dataset, tmp_path):
     from nanogpt_plus.checkpoint import CHECKPOINT, load_checkpoint
     from nanogpt_plus.out_dir import LOCK_NAME
-    proc = start(['train.py', *train_args(dataset, tmp_path, max_iters=200, eval_interval=100)])
-    proc.wait_for(r"^iter 3:")
-    proc.proc.send_signal(sig)
-    code, out, err = proc.finish()
+    code, out, err = train_signalled_at(r"^iter 3:", sig, dataset, tmp_path, max_iters=200,
+                                        eval_interval=100)
     assert code == 75, (code, out + err)
     assert f"received {sig.name}: finishing this iteration, then saving a checkpoint" in err
     assert "stopped cleanly; continue with --init_from=resume" in out and 'Traceback' not in err
@@ -248,10 +254,8 @@ def test_train_at_the_earliest_moment_stops_before_its_first_step(dataset, tmp_p
 def test_train_after_its_final_save_exits_0(sig, dataset, tmp_path):
     from nanogpt_plus.checkpoint import CHECKPOINT, load_checkpoint
     from nanogpt_plus.out_dir import LOCK_NAME
-    proc = start(['train.py', *train_args(dataset, tmp_path, max_iters=4, eval_interval=4)])
-    proc.wait_for(r"\(final, iter 5\)")
-    proc.proc.send_signal(sig)
-    code, out, err = proc.finish()
+    code, out, err = train_signalled_at(r"\(final, iter 5\)", sig, dataset, tmp_path, max_iters=4,
+                                        eval_interval=4)
     # the final save goes on (a signal during it is said as a stop, which it then is): exit 0,
     # never 128 + sig
     assert code == 0 and 'Traceback' not in err, (code, out + err)
