@@ -55,7 +55,6 @@ SKIP = {
     'python -m venv .venv': INSTALL,
     'pip install torch==2.13.0': INSTALL,
     'pip install -e ".[dev]"': INSTALL,
-    'pip install -e .': INSTALL,
     'python -m pytest': SUITE,
     'python -m pytest --runslow': SUITE,
     'ruff check .': SUITE,
