@@ -52,7 +52,7 @@ from nanogpt_plus.init_from import (
 )
 from nanogpt_plus.machine import choose_threads, compute_setup, device_type_of
 from nanogpt_plus.metrics import MetricsLogger, WandbSpec
-from nanogpt_plus.out_dir import OutDirSpec, claim_out_dir, prepare_out_dir
+from nanogpt_plus.outputs import OutDirSpec, claim_out_dir, prepare_out_dir
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.settings import flag, non_negative, positive
 from nanogpt_plus.tokenizer import load_tokenizer, split_bytes_per_token

@@ -183,7 +183,7 @@ def read_dataset_meta(data_dir):
             raise TokenizerError(f"{json_path} is unreadable ({error_line(e)}); re-run the dataset's prepare.py") \
                 from None
         if isinstance(meta, dict):
-            # how the dataset was made (prepare/settings.py), not its tokenizer's description
+            # how the dataset was made (outputs.check_same_dataset), not its tokenizer's description
             meta.pop("preparation", None)
         return _checked_meta(meta, json_path, data_dir)
     if os.path.exists(pkl_path):

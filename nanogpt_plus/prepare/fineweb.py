@@ -39,8 +39,8 @@ from tqdm import tqdm
 from nanogpt_plus.bpe import TOKENIZER_FILE, BPETokenizer, read_tokenizer_file, tokenizer_fingerprint
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_write
+from nanogpt_plus.outputs import SHARDS, check_out_dir
 from nanogpt_plus.prepare.corpus import LOCAL_BUILDERS, expand_files
-from nanogpt_plus.prepare.settings import SHARDS, check_out_dir
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import bpe_meta
 from nanogpt_plus.shards import as_token_array, read_header, shard_header, token_dtype, write_shard
@@ -59,7 +59,7 @@ def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-1
     Shards <prefix>_{val,train}_NNNNNN.bin and meta.json in out_dir (resuming a run left there); a
     summary. tokenizer: 'gpt2' or the path of a byte-level BPE tokenizer.json (or of a directory
     holding one). An out_dir holding train.bin/val.bin or a training run is refused unless overwrite
-    (settings.check_out_dir).
+    (outputs.check_out_dir).
     """
     check_options(num_proc, shard_size, max_tokens, prefix)
     tok = chosen_tokenizer(tokenizer)
