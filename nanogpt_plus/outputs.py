@@ -42,11 +42,10 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from nanogpt_plus.checkpoint import CHECKPOINT, branch_off, checkpoint_files, is_checkpoint_name, sidecar_of
-from nanogpt_plus.dataset import tokenizer_identity
+from nanogpt_plus.dataset import RAW_NAMES, is_shard_name, tokenizer_identity
 from nanogpt_plus.distributed import master_decides
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import flock_held, remove_stale_temps_in, temp_path
-from nanogpt_plus.shards import RAW_NAMES, is_shard_name
 
 LOCK_NAME = 'run.lock'
 # the files beside its checkpoints that make a directory a training run's out_dir: its lock and its metrics log

@@ -22,8 +22,8 @@ import numpy as np
 from tqdm import tqdm
 
 from nanogpt_plus.bpe import TOKENIZER_FILE
+from nanogpt_plus.dataset import as_token_array, token_dtype
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.shards import as_token_array, token_dtype
 
 UINT32_LIMIT = 2 ** 32  # the largest token files hold uint32 ids
 
