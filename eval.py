@@ -9,7 +9,7 @@ Tasks:
              ending) and acc_norm (lowest mean loss per ending token)
   lambada    last-word prediction (JSONL with text): acc (the whole last word is the greedy continuation)
              and ppl (perplexity of the last word)
-  core       DCLM's CORE score as nanochat measures it (nanogpt_plus/core_eval.py): every
+  core       DCLM's CORE score as nanochat measures it (nanogpt_plus/core.py): every
              in-context task of an eval bundle (--core_dir), its accuracy and centred accuracy,
              CORE their mean; with --dataset also that split's bits per byte. Ends with a score
              card of published CORE figures
@@ -40,12 +40,12 @@ import sys
 import torch
 
 from configurator import Group, Schema, Setting
-from nanogpt_plus import core_eval, settings
+from nanogpt_plus import settings
 from nanogpt_plus.checkpoint import tokenizer_known
 from nanogpt_plus.dataset import check_dataset_tokenizer, read_dataset_meta
 from nanogpt_plus.distributed import every_rank, master_decides, same_everywhere, start
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.evaluation import TASKS, evaluate, loss_files, task_data_file
+from nanogpt_plus.evaluation import TASKS, core, evaluate, loss_files, task_data_file
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.init_from import SAME_START, describe_source, init_model, same_start
 from nanogpt_plus.machine import device_type_of, precision, resolve_compile
@@ -54,7 +54,7 @@ from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.settings import non_negative
 from nanogpt_plus.weight_formats import set_weights
 
-# the scoring is nanogpt_plus/evaluation.py's (one implementation, which other code calls in-process
+# the scoring is nanogpt_plus/evaluation's (one implementation, which other code calls in-process
 # too); this script reads the settings, loads the model, and prints or writes the result
 
 # -----------------------------------------------------------------------------
@@ -154,8 +154,8 @@ def load_inputs(cfg):
     if data_file and not os.path.exists(data_file):  # before the model is read
         raise UserError(f"no data file at {data_file}; pass --data_file=PATH to an existing file")
     if cfg['task'] == 'core':  # the bundle, checked before the model is read
-        data_file = core_eval.bundle_dir(cfg['core_dir'])
-        core_eval.read_bundle(data_file)
+        data_file = core.bundle_dir(cfg['core_dir'])
+        core.read_bundle(data_file)
     model, tokenizer_meta, ckpt = init_model(cfg['init_from'], cfg['out_dir'])
     dataset = cfg['dataset'] or ((ckpt or {}).get('config') or {}).get('dataset', '')
     if cfg['task'] == 'core':
@@ -181,8 +181,8 @@ def scored_files(cfg, dataset, data_file):
     files, else the task's JSONL file), and data_meta, the token files' tokenizer description.
     """
     if cfg['task'] == 'core':  # the bundle's files, and the split whose bits per byte it reports
-        bundle = {name: os.path.join(data_file, name) for name in core_eval.BUNDLE_FILES}
-        bundle.update({task.label: task.path for task in core_eval.read_bundle(data_file)})
+        bundle = {name: os.path.join(data_file, name) for name in core.BUNDLE_FILES}
+        bundle.update({task.label: task.path for task in core.read_bundle(data_file)})
         if not dataset:
             return {'data': bundle}
         paths = loss_files('', dataset, cfg['split'])
@@ -224,7 +224,7 @@ def main():
                   batch_size=cfg['batch_size'], max_examples=cfg['max_examples'], device=device,
                   ctx=ctx, dist_info=dist_info, pad_to=pad_to, progress=dist_info.master)
     if cfg['task'] == 'core':
-        result = core_eval.evaluate_bundle(model, tokenizer_meta, **common)
+        result = core.evaluate_bundle(model, tokenizer_meta, **common)
     else:
         result = evaluate(model, cfg['task'], tokenizer_meta, stride=cfg['stride'], **common)
     # the printed JSON: where the model came from goes between what was scored and on which file
@@ -235,7 +235,7 @@ def main():
         master_decides(dist_info, lambda: write_output_file(cfg['output_file'], line))
     if dist_info.master:
         if cfg['task'] == 'core':  # the tasks' lines came as each was done: CORE and the card
-            print('\n'.join(core_eval.score_card(result['metrics'], source, cfg['max_examples'])))
+            print('\n'.join(core.score_card(result['metrics'], source, cfg['max_examples'])))
         print(line)
 
 

@@ -42,7 +42,14 @@ from torch.utils.data import DistributedSampler
 from configurator import Group, Schema, Setting
 from nanogpt_plus import finetuning, settings
 from nanogpt_plus import optimizer as opt
-from nanogpt_plus.checkpoint import CHECKPOINT, Checkpointer, checkpoint_path, load_checkpoint, restore_training_state
+from nanogpt_plus.checkpoint import (
+    CHECKPOINT,
+    LAST,
+    Checkpointer,
+    checkpoint_path,
+    load_checkpoint,
+    restore_training_state,
+)
 from nanogpt_plus.dataset import find_dataset
 from nanogpt_plus.distributed import (
     accumulation_per_rank,
@@ -58,13 +65,13 @@ from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
 from nanogpt_plus.init_from import FIXED_BY_SOURCE, SAME_START, ModelSource, ModelSpec, init_model, same_start
 from nanogpt_plus.machine import compute_setup, device_type_of
 from nanogpt_plus.metrics import MetricsLogger, WandbSpec
-from nanogpt_plus.out_dir import check_new_run, claim_out_dir
-from nanogpt_plus.outputs import check_output
+from nanogpt_plus.outputs import check_new_run, check_output, claim_out_dir
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.settings import non_negative, positive
 
+# checkpoint.py's names, in a fine-tune's roles
 BEST_CKPT = CHECKPOINT  # the best model so far (by val accuracy), with its head
-LAST_CKPT = 'ckpt_last.pt'  # the latest training state, for --init_from=resume
+LAST_CKPT = LAST  # the latest training state, for --init_from=resume
 
 # -----------------------------------------------------------------------------
 # The settings and their defaults: GPT-1's fine-tuning recipe (batch 32, 3 epochs, dropout 0.1,

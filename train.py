@@ -52,7 +52,7 @@ from nanogpt_plus.init_from import (
 )
 from nanogpt_plus.machine import choose_threads, compute_setup, device_type_of
 from nanogpt_plus.metrics import MetricsLogger, WandbSpec
-from nanogpt_plus.out_dir import OutDirSpec, claim_out_dir, prepare_out_dir
+from nanogpt_plus.outputs import OutDirSpec, claim_out_dir, prepare_out_dir
 from nanogpt_plus.runtime import provenance, run_main
 from nanogpt_plus.settings import flag, non_negative, positive
 from nanogpt_plus.tokenizer import load_tokenizer, split_bytes_per_token
@@ -82,7 +82,7 @@ IO = Group(
                             "or name (ckpt_2000.pt); '' = ckpt.pt"),
     auto_resume=settings.auto_resume(False),
 )
-# in-loop evaluation (nanogpt_plus/periodic.py)
+# in-loop evaluation (nanogpt_plus/evaluation/periodic.py)
 INLOOP = Group(
     'zero-shot HellaSwag and samples while training',
     hellaswag_interval=non_negative(0, "score HellaSwag (eval.py's scoring) every N "
@@ -443,8 +443,8 @@ def setup(cfg, dist_info):
     tasks = None
     if cfg['hellaswag_interval'] or cfg['sample_interval']:
         # now, not at the first interval: a missing file (offline) or a bad prompt stops the run
-        # here
-        from nanogpt_plus.periodic import InLoopSpec, PeriodicTasks  # only these runs import it
+        # here; only these runs import the in-loop tasks
+        from nanogpt_plus.evaluation.periodic import InLoopSpec, PeriodicTasks
         tasks = PeriodicTasks(cfg.select(InLoopSpec), dist_info, tokenizer_meta=tokenizer_meta,
                               block_size=raw_model.config.block_size, ctx=ctx,
                               compiled=compile_model, fsdp=fsdp)

@@ -560,6 +560,11 @@ def is_checkpoint_name(name):
         SNAPSHOT.match(name) or SNAPSHOT.match(os.path.splitext(name)[0] + '.pt'))
 
 
+def snapshot_name(iter_num):
+    """ The file name of the snapshot of iteration iter_num: ckpt_<iter_num>.pt. """
+    return f'ckpt_{iter_num}.pt'
+
+
 def snapshots(out_dir):
     """ {iteration: file name} of the ckpt_<iter>.pt snapshots in out_dir. """
     return {int(m.group(1)): m.group(0) for m in map(SNAPSHOT.match, os.listdir(out_dir)) if m}
@@ -591,18 +596,18 @@ def snapshot_checkpoint(out_dir, iter_num, keep):
     delete the snapshots other than the `keep` newest. (Those of another line of the run never
     count: branch_off moved them away before this line's first save.) Returns the deleted names.
     """
-    copy_checkpoint(os.path.join(out_dir, CHECKPOINT), os.path.join(out_dir, f'ckpt_{iter_num}.pt'))
+    copy_checkpoint(os.path.join(out_dir, CHECKPOINT), os.path.join(out_dir, snapshot_name(iter_num)))
     iters = sorted(snapshots(out_dir))
     deleted = []
     for i in iters[:-keep]:
-        deleted += remove_checkpoint(out_dir, f'ckpt_{i}.pt')
+        deleted += remove_checkpoint(out_dir, snapshot_name(i))
     # a run killed between a snapshot and its sidecar's removal (before the order below) left the
     # sidecar alone: it would describe a checkpoint that isn't there
     held = snapshots(out_dir)
     for name in os.listdir(out_dir):
         found = re.match(r'^ckpt_(\d+)\.json$', name)
         if found and int(found.group(1)) not in held:
-            deleted += remove_checkpoint(out_dir, f'ckpt_{found.group(1)}.pt')
+            deleted += remove_checkpoint(out_dir, snapshot_name(found.group(1)))
     return deleted
 
 
@@ -628,7 +633,7 @@ def resume_point(out_dir, resume_from=''):
     """
     if not resume_from:
         return os.path.join(out_dir, CHECKPOINT)
-    name = f'ckpt_{resume_from}.pt' if resume_from.isdigit() else resume_from
+    name = snapshot_name(resume_from) if resume_from.isdigit() else resume_from
     if not SNAPSHOT.match(name):
         raise UserError(
             f"--resume_from={resume_from!r} is not a snapshot: give its iteration (2000) or its name "

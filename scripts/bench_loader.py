@@ -22,8 +22,8 @@ from benchtools import cpu_model, work_directory
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.dataset import split_files
+from nanogpt_plus.dataset.shards import write_shard
 from nanogpt_plus.runtime import run_main
-from nanogpt_plus.shards import write_shard
 
 DEFAULTS = Schema(Group(
     'benchmark',

@@ -55,7 +55,7 @@ import time
 # scripts/ is on sys.path
 from benchtools import cpu_model, run_checked, work_directory, write_jsonl_corpus
 from configurator import Group, Schema, Setting, configure
-from nanogpt_plus.checkpoint import snapshots
+from nanogpt_plus.checkpoint import CHECKPOINT, sidecar_of, snapshots
 from nanogpt_plus.metrics import read_metrics
 from nanogpt_plus.runtime import run_main
 
@@ -207,9 +207,10 @@ def whole_run(work, name, config, args, num_threads):
     run_checked(cmd, f"train.py for {name}", cwd=REPO, env=env)
     seconds = time.perf_counter() - start
     # the final checkpoint's iter_num (its .json beside it) is the number of optimizer steps taken
-    with open(os.path.join(out_dir, 'ckpt.json')) as f:
+    final = os.path.join(out_dir, CHECKPOINT)
+    with open(sidecar_of(final)) as f:
         steps = json.load(f)['iter_num']
-    return full_val_loss(os.path.join(out_dir, 'ckpt.pt'), num_threads), seconds, steps
+    return full_val_loss(final, num_threads), seconds, steps
 
 
 def compare_whole(work, cfg, recipes):

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from configurator import Group, Schema, Setting, configure
+from nanogpt_plus.checkpoint import CHECKPOINT
 from nanogpt_plus.runtime import run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,7 +148,7 @@ def nanogpt_loop(max_iters, out_dir, threads, dataset='shakespeare_char'):
                     state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
                                  model_args=model.config.model_args(), iter_num=it, best_val_loss=best_val, config=c)
                     print(f"saving checkpoint to {out_dir}")
-                    torch.save(state, os.path.join(out_dir, 'ckpt.pt'))
+                    torch.save(state, os.path.join(out_dir, CHECKPOINT))
         for _ in range(accum):
             _, loss = model(X, Y)
             loss = loss / accum

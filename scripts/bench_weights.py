@@ -140,16 +140,16 @@ def speed_table(models, cfg):
 
 def write_124m_sources(work):
     """ A 124M ckpt.pt (out_dir) and a Hugging Face directory of the same random weights, once per work_dir. """
-    from nanogpt_plus.checkpoint import build_checkpoint, save_checkpoint
+    from nanogpt_plus.checkpoint import CHECKPOINT, build_checkpoint, save_checkpoint
     from nanogpt_plus.hf_export import export
     out_dir = os.path.join(work, 'out-124m')
     hf_dir = os.path.join(work, 'hf-124m')
-    if not os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
+    if not os.path.exists(os.path.join(out_dir, CHECKPOINT)):
         torch.manual_seed(0)
         model = GPT(GPTConfig())
         os.makedirs(out_dir, exist_ok=True)
         ckpt = build_checkpoint(model, 0, 0.0, {'dataset': 'none'}, {'kind': 'gpt2'}, {})
-        save_checkpoint(ckpt, os.path.join(out_dir, 'ckpt.pt'))
+        save_checkpoint(ckpt, os.path.join(out_dir, CHECKPOINT))
         export(model, {'kind': 'gpt2'}, hf_dir)
     return out_dir, hf_dir
 

@@ -15,7 +15,6 @@ $ python scripts/fault_inject.py                    # 20 kills, in a temp direct
 $ python scripts/fault_inject.py --kills=50 --seed=1 --max_delay=3.0
 """
 
-import glob
 import hashlib
 import json
 import os
@@ -30,7 +29,7 @@ import time
 import numpy as np
 
 from configurator import configure
-from nanogpt_plus.checkpoint import load_checkpoint
+from nanogpt_plus.checkpoint import CHECKPOINT, load_checkpoint, snapshots
 from nanogpt_plus.runtime import run_main
 
 # max_delay: the longest wait (s) after the first iter line
@@ -91,7 +90,7 @@ def temp_files(out_dir):
 
 def checkpoint_iter(out_dir):
     """ iter_num of out_dir/ckpt.pt, loaded the only safe way (None when there is none yet). """
-    path = os.path.join(out_dir, 'ckpt.pt')
+    path = os.path.join(out_dir, CHECKPOINT)
     if not os.path.exists(path):
         return None
     # train.py's own loader: torch.load(weights_only=True)
@@ -99,18 +98,17 @@ def checkpoint_iter(out_dir):
 
 
 def snapshot_iters(out_dir):
-    return sorted(int(os.path.basename(p)[5:-3]) for p in glob.glob(os.path.join(out_dir, 'ckpt_*.pt'))
-                  if os.path.basename(p)[5:-3].isdigit())
+    return sorted(snapshots(out_dir))
 
 
 def check_snapshots(out_dir):
     """ The snapshots in out_dir that do not load, as failures. """
     failures = []
-    for i in snapshot_iters(out_dir):
+    for _, name in sorted(snapshots(out_dir).items()):
         try:
-            load_checkpoint(os.path.join(out_dir, f'ckpt_{i}.pt'))
+            load_checkpoint(os.path.join(out_dir, name))
         except Exception as e:  # what a torn snapshot would raise
-            failures.append(f"snapshot ckpt_{i}.pt does not load: {type(e).__name__}: {e}")
+            failures.append(f"snapshot {name} does not load: {type(e).__name__}: {e}")
     return failures
 
 

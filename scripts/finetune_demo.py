@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from configurator import Group, Schema, Setting, configure
-from nanogpt_plus.checkpoint import load_checkpoint
+from nanogpt_plus.checkpoint import CHECKPOINT, load_checkpoint
 from nanogpt_plus.dataset import dataset_dir, read_dataset_meta
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.finetuning import scaled_learning_rate
@@ -186,7 +186,7 @@ def run(args, show=True, threads=None):
 
 def pretrain(cfg, pretrained):
     """ The char model of config/train_shakespeare_char_cpu.py, pretrained into `pretrained` unless it is there. """
-    if os.path.exists(os.path.join(pretrained, 'ckpt.pt')):
+    if os.path.exists(os.path.join(pretrained, CHECKPOINT)):
         print(f"using the pretrained model already in {pretrained}")
         return
     iters = cfg['pretrain_iters']
@@ -263,7 +263,7 @@ def main():
                                       cfg['task'])
     pretrained = os.path.join(out, 'pretrain')
     pretrain(cfg, pretrained)
-    n_embd = load_checkpoint(os.path.join(pretrained, 'ckpt.pt'))['model_args']['n_embd']
+    n_embd = load_checkpoint(os.path.join(pretrained, CHECKPOINT))['model_args']['n_embd']
     # what learning_rate=0 gives this width (scratch has the same)
     default_lr = scaled_learning_rate(n_embd)
     print(f"finetune.py's default learning rate for n_embd={n_embd}: {default_lr:.3g}; tried x "

@@ -17,9 +17,9 @@ import train
 from helpers import REPO, train_args
 from nanogpt_plus import tokenizer
 from nanogpt_plus.dataloader import TokenSource
+from nanogpt_plus.dataset.shards import write_shard
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.metrics import read_metrics
-from nanogpt_plus.shards import write_shard
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
 # 1-, 2- and 3-byte characters: a character's token is not a byte

@@ -27,17 +27,16 @@ from helpers import (
     write_bpe_dataset,
 )
 from model import GPT, GPTConfig
-from nanogpt_plus import periodic
 from nanogpt_plus.bpe import BPETokenizer, tokenizer_fingerprint
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.dataloader import TokenSource, open_token_file
 from nanogpt_plus.dataset import read_dataset_meta, split_files
+from nanogpt_plus.dataset.shards import read_header, write_shard
 from nanogpt_plus.engine import generate
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.evaluation import evaluate, task_examples
+from nanogpt_plus.evaluation import evaluate, periodic, task_examples
 from nanogpt_plus.init_from import model_vocab_size
 from nanogpt_plus.runtime import run_main
-from nanogpt_plus.shards import read_header, write_shard
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 # the shortest train.py run

@@ -1,5 +1,5 @@
 """
-eval.py --task=core (nanogpt_plus/core_eval.py): the three task types on a small bundle written here,
+eval.py --task=core (nanogpt_plus/evaluation/core.py): the three task types on a small bundle written here,
 against a direct loop over model(...) per prompt; centring and CORE by hand; bad bundles refused in
 one line; the download path; eval.py under torchrun with 2 gloo ranks equal to one process (slow).
 """
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from helpers import TORCHRUN, run_python, save_test_checkpoint
 from model import GPT, GPTConfig
-from nanogpt_plus import core_eval
 from nanogpt_plus.errors import UserError
+from nanogpt_plus.evaluation import core as core_eval
 from nanogpt_plus.evaluation import score_examples
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 

@@ -14,7 +14,7 @@ import torch
 
 from helpers import run_python
 from nanogpt_plus.dataloader import TokenWindowLoader
-from nanogpt_plus.dataset import read_dataset_meta
+from nanogpt_plus.dataset import as_token_array, read_dataset_meta
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_outputs, atomic_write
 from nanogpt_plus.prepare import plays, shakespeare
@@ -23,7 +23,6 @@ from nanogpt_plus.prepare.plays import TINY_SHAKESPEARE_CHARS, shakespeare_subst
 from nanogpt_plus.prepare.shakespeare import TINY_SHAKESPEARE_URL, prepare_bpe, prepare_char, shakespeare_text
 from nanogpt_plus.prepare.text import download_text, find_invalid_utf8, read_text_file
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_token_batches, write_tokens
-from nanogpt_plus.shards import as_token_array
 from nanogpt_plus.tokenizer import get_gpt2_encoding, load_tokenizer
 
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n" * 40

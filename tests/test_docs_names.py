@@ -12,13 +12,26 @@ import re
 from helpers import REPO
 
 PACKAGE = 'nanogpt_plus'
-MODULES = sorted(os.path.splitext(os.path.basename(p))[0]
-                 for p in glob.glob(os.path.join(REPO, PACKAGE, '*.py'))
-                 if not p.endswith('__init__.py'))
+
+
+def package_modules():
+    """ The package's modules as a doc names them short: 'checkpoint', a subpackage 'dataset' and its
+    modules 'dataset.shards' (longest first, so that the scan takes the whole dotted module). """
+    names = set()
+    for path in glob.glob(os.path.join(REPO, PACKAGE, '**', '*.py'), recursive=True):
+        parts = os.path.relpath(path, os.path.join(REPO, PACKAGE))[:-len('.py')].split(os.sep)
+        if parts[-1] == '__init__':
+            parts = parts[:-1]
+        if parts:
+            names.add('.'.join(parts))
+    return sorted(names, key=lambda n: (-len(n), n))
+
+
+MODULES = package_modules()
 # not inside a file name: a temp file's mark (`.ckpt.pt.nanogpt_plus.tmp.<pid>`) is no code
 DOTTED = re.compile(rf'(?<![.\w]){PACKAGE}(?:\.\w+)+')
 FROM_IMPORT = re.compile(rf'\bfrom ({PACKAGE}(?:\.\w+)*) import ([\w, ]+)')
-SHORT = re.compile(rf"`((?:{'|'.join(MODULES)})\.\w+)")
+SHORT = re.compile(rf"`((?:{'|'.join(map(re.escape, MODULES))})\.\w+)")
 # a short form that is a file name (`metrics.jsonl`, `tokenizer.json`), not a module's attribute
 FILE_SUFFIXES = ('py', 'json', 'jsonl', 'png', 'pt', 'bin', 'pkl', 'txt', 'md')
 
@@ -68,8 +81,10 @@ def test_every_package_name_in_the_docs_exists():
 
 def test_the_scan_finds_each_form():
     line = ("`nanogpt_plus.training.optimizer_step`, `checkpoint.init_model`, `metrics.jsonl`, "
-            "from nanogpt_plus.shards import find_shards, open_token_file")
-    assert named(line) == ['nanogpt_plus.training.optimizer_step', 'nanogpt_plus.shards',
-                           'nanogpt_plus.shards.find_shards', 'nanogpt_plus.shards.open_token_file',
-                           'nanogpt_plus.checkpoint.init_model']
-    assert [exists(n) for n in named(line)] == [False, True, True, False, False]
+            "from nanogpt_plus.dataset import find_shards, open_token_file; `dataset.shards.open_shard`, "
+            "`dataset.shards.open_token_file`")
+    assert named(line) == ['nanogpt_plus.training.optimizer_step', 'nanogpt_plus.dataset',
+                           'nanogpt_plus.dataset.find_shards', 'nanogpt_plus.dataset.open_token_file',
+                           'nanogpt_plus.checkpoint.init_model', 'nanogpt_plus.dataset.shards.open_shard',
+                           'nanogpt_plus.dataset.shards.open_token_file']
+    assert [exists(n) for n in named(line)] == [False, True, True, False, False, True, False]

@@ -1,5 +1,5 @@
 """
-llm.c's token shards (nanogpt_plus/shards.py) and data/fineweb/prepare.py on a small local parquet corpus:
+llm.c's token shards (nanogpt_plus/dataset/shards.py) and data/fineweb/prepare.py on a small local parquet corpus:
 exact headers and token counts, num_proc=2 == 1 byte for byte, interrupted runs resumed byte-identical,
 max_tokens, bounded memory, shards from an independent writer read back, one-line errors. Offline.
 """
@@ -16,10 +16,11 @@ import pytest
 
 from helpers import REPO
 from nanogpt_plus.dataloader import open_token_file
+from nanogpt_plus.dataset import as_token_array, find_shards
+from nanogpt_plus.dataset.shards import open_shard, read_header, write_shard
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare import fineweb
 from nanogpt_plus.prepare.fineweb import ShardWriter, prepare_fineweb
-from nanogpt_plus.shards import as_token_array, find_shards, open_shard, read_header, write_shard
 from nanogpt_plus.tokenizer import get_gpt2_encoding
 
 EOT = 50256

@@ -163,8 +163,8 @@ def test_no_long_line_ends_in_a_comment():
 
 
 # the package modules nanoGPT's laptop command runs on (README's map shows them in bold): nothing it does not use
-DEFAULT_PATH = {'errors', 'settings', 'runtime', 'signals', 'distributed', 'machine', 'files', 'shards',
-                'dataset', 'dataloader', 'checkpoint', 'init_from', 'out_dir', 'optimizer', 'metrics',
+DEFAULT_PATH = {'errors', 'settings', 'runtime', 'signals', 'distributed', 'machine', 'files',
+                'dataset', 'dataloader', 'checkpoint', 'init_from', 'outputs', 'optimizer', 'metrics',
                 'progress',
                 # each split's bytes per token, for the evaluation's bits per byte
                 'tokenizer', 'bpe'}

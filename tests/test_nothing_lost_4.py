@@ -21,8 +21,7 @@ import train
 from helpers import REPO, dead_pid, exit_code, run_script, start_python, train_args
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import remove_stale_temps_in, temp_path
-from nanogpt_plus.out_dir import LOCK_NAME, OutDirLock
-from nanogpt_plus.outputs import check_output
+from nanogpt_plus.outputs import LOCK_NAME, OutDirLock, check_output
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -201,7 +200,7 @@ def test_check_output_refuses_a_live_runs_out_dir_but_not_our_own(tmp_path):
 
 
 LOCK_HOLDER = ("import sys, time\n"
-               "from nanogpt_plus.out_dir import OutDirLock\n"
+               "from nanogpt_plus.outputs import OutDirLock\n"
                "OutDirLock(sys.argv[1]).acquire()\n"
                "print('held', flush=True)\n"
                "time.sleep(300)\n")

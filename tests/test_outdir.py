@@ -1,5 +1,5 @@
 """
-Owning an out_dir (nanogpt_plus/out_dir.py and train.py/finetune.py around it): the lock against a second
+Owning an out_dir (nanogpt_plus/outputs.py and train.py/finetune.py around it): the lock against a second
 run, stale locks and temp files of killed runs, the refusal to overwrite a checkpoint, checkpoint cadence
 (checkpoint_interval, the final checkpoint, keep_checkpoints), the exit code of a clean stop, and
 metrics.jsonl after a resume.
@@ -23,7 +23,7 @@ import train
 from helpers import dead_pid, exit_code, iter_losses, start_python, train_args
 from nanogpt_plus.errors import EXIT_INTERRUPTED, UserError
 from nanogpt_plus.metrics import read_metrics
-from nanogpt_plus.out_dir import LOCK_NAME, OutDirLock, OutDirSpec, prepare_out_dir
+from nanogpt_plus.outputs import LOCK_NAME, OutDirLock, OutDirSpec, prepare_out_dir
 from nanogpt_plus.signals import GracefulExit
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -290,11 +290,11 @@ def test_a_lock_replaced_under_a_live_run_is_not_taken_over(tmp_path):
 def test_a_full_disk_while_writing_the_lock_is_one_line(tmp_path, monkeypatch):
     import errno
 
-    from nanogpt_plus import out_dir
+    from nanogpt_plus import outputs
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(out_dir.os, "write", full)
+    monkeypatch.setattr(outputs.os, "write", full)
     with pytest.raises(UserError, match=r"^could not write the lock .*run.lock \(No space left on device\); make "
                                         r"room on the disk"):
         OutDirLock(str(tmp_path)).acquire()

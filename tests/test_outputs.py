@@ -21,10 +21,10 @@ import export_hf
 import finetune
 from helpers import run_script, save_test_checkpoint
 from model import GPT, GPTConfig
+from nanogpt_plus.dataset.shards import write_shard
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.hf_export import export
 from nanogpt_plus.outputs import check_output
-from nanogpt_plus.shards import write_shard
 from nanogpt_plus.tokenizer import CharTokenizer
 from test_finetune import SINGLE, config, make_task, write_jsonl
 

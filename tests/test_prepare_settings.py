@@ -1,7 +1,7 @@
 """
 The settings of the dataset scripts (data/*/prepare.py) and of scripts/*.py, each declared once as a Schema with
 a one-line help: --help lists every setting with its default and help, a wrong type or range is one line and exit
-code 2 before any work. And the out_dir rule (nanogpt_plus/prepare/settings.py check_out_dir): no prepare script
+code 2 before any work. And the out_dir rule (nanogpt_plus/outputs.py check_out_dir): no prepare script
 writes where another kind of dataset or a training run lies, unless --overwrite=True; the same kind again is fine.
 In-process (runpy) and offline, but for two real command lines.
 """
@@ -17,11 +17,12 @@ import pytest
 from configurator import Schema
 from helpers import REPO, run_python
 from nanogpt_plus.dataloader import TokenWindowLoader
-from nanogpt_plus.dataset import split_files
+from nanogpt_plus.dataset import find_shards, split_files
+from nanogpt_plus.dataset.shards import write_shard
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.prepare.settings import RAW, RUN_FILES, SHARDS, check_out_dir, default_num_proc
+from nanogpt_plus.outputs import RAW, RUN_FILES, SHARDS, check_out_dir
+from nanogpt_plus.prepare.settings import default_num_proc
 from nanogpt_plus.prepare.shakespeare import TINY_SHAKESPEARE_URL
-from nanogpt_plus.shards import find_shards, write_shard
 
 DATA = {name: os.path.join(REPO, "data", name) for name in
         ("text", "fineweb", "openwebtext", "shakespeare", "shakespeare_char")}
@@ -191,12 +192,15 @@ def contents(path):
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
 
-def test_run_files_are_the_training_scripts_names():
-    from nanogpt_plus.checkpoint import BEST, CHECKPOINT
-    from nanogpt_plus.out_dir import LOCK_NAME
+def test_run_files_are_the_training_scripts_names(tmp_path):
+    """ What makes a directory a run's is what the training scripts write: checkpoint.py's names, the lock. """
+    from nanogpt_plus.checkpoint import BEST, CHECKPOINT, LAST
+    from nanogpt_plus.outputs import LOCK_NAME, run_files
     assert LOCK_NAME in RUN_FILES and "metrics.jsonl" in RUN_FILES
-    for name in (CHECKPOINT, BEST, "ckpt_2000.pt"):  # what check_out_dir's ckpt*.pt must match
-        assert re.fullmatch(r"ckpt.*\.pt", name)
+    names = [CHECKPOINT, BEST, LAST, "ckpt_2000.pt", *RUN_FILES]
+    for name in names + ["ckpt.txt", "input.txt"]:
+        (tmp_path / name).write_bytes(b"x")
+    assert run_files(str(tmp_path)) == sorted(names)
 
 
 @pytest.mark.parametrize("writes, make, holds", [(RAW, shard_dir, "a dataset of llm.c token shards"),

@@ -20,8 +20,8 @@ from helpers import TINY_VOCAB, iter_losses, train_args, train_one_and_two_ranks
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.dataset import split_files
+from nanogpt_plus.dataset.shards import write_shard
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.shards import write_shard
 
 tiny_args = functools.partial(train_args, dropout=0.1, num_threads=1)  # fixed threads: bitwise runs
 TRAIN_SIZES = (700, 500, 300)  # 10 + 7 + 4 = 21 sequential micro-batches of 4 x 16 tokens per epoch

@@ -18,7 +18,7 @@ Usage:
 
 Killed or stopped by max_tokens? Run the same command again (a larger --max_tokens, or 0, to go further): the
 complete shards are kept and tokenizing goes on after the last one. Memory holds one shard (200 MB at the
-default size) plus the documents in flight, never the corpus. Read a shard with nanogpt_plus.shards.open_shard.
+default size) plus the documents in flight, never the corpus. Read a shard with nanogpt_plus.dataset.shards.open_shard.
 """
 # first, before torch is imported (seconds): from here on a signal stops the work in one line and
 # exit code 130 (it can't resume; no output is left half-written), or is only said once it is done

@@ -20,8 +20,9 @@ import numpy as np
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_outputs
+from nanogpt_plus.outputs import RAW, check_out_dir, check_same_dataset
 from nanogpt_plus.prepare.plays import shakespeare_substitute
-from nanogpt_plus.prepare.settings import OVERWRITE, RAW, check_out_dir, check_same_dataset, out_dir_setting
+from nanogpt_plus.prepare.settings import OVERWRITE, out_dir_setting
 from nanogpt_plus.prepare.text import download_text, read_text_file
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_tokens
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -165,7 +166,7 @@ def split_text(text, train_fraction=0.9):
 def split_encode_write(text, out_dir, encode, tok, overwrite=False):
     """
     The end of both pipelines: 90/10 split, encode each half, write train.bin/val.bin/meta
-    atomically, unless out_dir holds another dataset (settings.check_same_dataset) and not
+    atomically, unless out_dir holds another dataset (outputs.check_same_dataset) and not
     overwrite.
     """
     # the text's digest: the same whether it was downloaded, read from input.txt or given

@@ -4,6 +4,7 @@ with the training model (hellaswag_interval, eval.py's scoring) and a greedy sam
 (sample_interval), each printed as one line and logged to metrics.jsonl.
 
 Usage:
+    from nanogpt_plus.evaluation.periodic import InLoopSpec, PeriodicTasks
     # at set-up: the HellaSwag file, the prompt
     tasks = PeriodicTasks(cfg.select(InLoopSpec), dist_info, tokenizer_meta=meta, block_size=1024,
                           ctx=ctx, compiled=True)
