@@ -19,8 +19,9 @@ from helpers import REPO, run_python
 from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.dataset import split_files
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.prepare.settings import RAW, RUN_FILES, SHARDS, check_out_dir, default_num_proc
+from nanogpt_plus.prepare.settings import RAW, RUN_FILES, SHARDS, check_out_dir
 from nanogpt_plus.prepare.shakespeare import TINY_SHAKESPEARE_URL
+from nanogpt_plus.settings import default_num_proc
 from nanogpt_plus.shards import find_shards, write_shard
 
 DATA = {name: os.path.join(REPO, "data", name) for name in

@@ -1,8 +1,8 @@
 """
-What the data/<name>/prepare.py scripts share around their work: the settings several of them take,
-declared once with their help (as nanogpt_plus/settings.py declares the training entry points'), and
-check_out_dir and check_same_dataset, the rule of the overwrite setting: a prepare script must not
-write into a directory that holds another kind of data, another dataset or a live run.
+What the data/<name>/prepare.py scripts share around their work (their shared settings are declared
+with the entry points' in the package's settings.py): check_out_dir and check_same_dataset, the rule
+of the overwrite setting: a prepare script must not write into a directory that holds another kind
+of data, another dataset or a live run.
 
 A directory holds one kind of token files (find_shards refuses a mix): nanoGPT's train.bin/val.bin,
 written by data/text, openwebtext, shakespeare and shakespeare_char, or llm.c's token shards
@@ -12,11 +12,11 @@ fineweb run could no longer resume them); and a training run's out_dir (checkpoi
 metrics.jsonl) is no dataset directory at all.
 
 Usage (in a prepare script):
-    from nanogpt_plus.prepare.settings import CACHE_DIR, NUM_PROC, OVERWRITE, check_out_dir
-    DEFAULTS = Schema(Group('the text', ...), Group('output', out_dir=..., overwrite=OVERWRITE, ...))
+    from nanogpt_plus.prepare.settings import check_out_dir
+    DEFAULTS = Schema(Group('the text', ...), Group('output', overwrite=settings.dataset_overwrite(False), ...))
     config = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(config)                          # a type, choice or range: one line naming the setting
-    check_out_dir(config['out_dir'], RAW, config['overwrite'])   # before any work
+    check_out_dir(config.out_dir, RAW, config.overwrite)   # before any work
 """
 
 import fnmatch
@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 
-from configurator import Setting
 from nanogpt_plus.dataset import tokenizer_identity
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import flock_held
@@ -34,8 +33,6 @@ from nanogpt_plus.shards import RAW_NAMES, is_shard_name
 RAW = "raw"
 SHARDS = "shards"
 KINDS = {RAW: "a train.bin/val.bin dataset", SHARDS: "a dataset of llm.c token shards"}
-# how a .txt file is cut into documents (datasets' text builder)
-SAMPLE_BY = ("line", "paragraph", "document")
 
 # the files that make a directory a training run's out_dir (train.py, finetune.py): its checkpoints
 # (ckpt.pt, ckpt_best.pt, ckpt_<iter>.pt), the lock of a live run (nanogpt_plus/out_dir.py's
@@ -46,32 +43,6 @@ RUN_LOCK = "run.lock"
 RUN_FILES = (RUN_LOCK, "metrics.jsonl")
 # a dataset's description; tokenizer.json stays (it may be our input)
 DATASET_META = ("meta.json", "meta.pkl")
-
-
-def default_num_proc():
-    """ Half the CPU threads, 1 to 8: cpu_count() counts hyperthreads, and BPE encoding gains little from a
-    core's second. """
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
-NUM_PROC = Setting(default_num_proc(),
-                   "tokenizer worker processes (default: half the CPU threads, 1 to 8)",
-                   low=1)
-TEXT_COLUMN = Setting('text',
-                      "the column holding the documents (.jsonl / .json / .parquet / Hub datasets)",
-                      not_empty=True)
-CACHE_DIR = Setting(
-    '', "Hugging Face datasets cache ('' = its default, ~/.cache/huggingface/datasets)")
-SEED = Setting(2357, "the shuffle that picks the val documents (nanoGPT's seed)", low=0)
-OVERWRITE = Setting(
-    False, "True: write even where out_dir holds another dataset (which is replaced) or a "
-    "training run's files (never a live run's)",
-    kind=bool)
-
-
-def out_dir_setting(default, outputs):
-    """ A script's out_dir: its own default, and the files it writes there. """
-    return Setting(default, f"where {outputs} go", not_empty=True)
 
 
 # -----------------------------------------------------------------------------
