@@ -156,7 +156,8 @@ def test_every_script_writes_every_setting_it_reads_with_its_default(path):
     written = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'Group':
-            for keyword in node.keywords:  # name=Setting(default, ...) / name=settings.name(default)
+            # name=Setting(default, ...) / name=settings.name(default)
+            for keyword in node.keywords:
                 default = keyword.value.args[0]
                 assert default.lineno == keyword.value.lineno, keyword.arg  # on the name's line
                 written[keyword.arg] = eval(compile(ast.Expression(default), path, 'eval'), script)
