@@ -1,7 +1,8 @@
 """
 Settings for every entry point, with nanoGPT's command-line UX (its "Poor Man's Configurator") made
 strict. A script declares its settings as a Schema (each Setting with its default, type, allowed
-values and a one-line help; nanogpt_plus/settings.py holds them all) and calls configure():
+values and a one-line help, on its name's line; nanogpt_plus/settings.py holds what several scripts
+share) and calls configure(), or read_settings() where a process group hears one verdict:
 
 $ python train.py config/train_shakespeare_char.py --device=cpu --max_iters=200
 $ python train.py --help          # the script's doc, then every setting with its default and help
@@ -10,16 +11,18 @@ A config file is plain Python whose top-level assignments override the defaults;
 --key=value overrides again (values parsed with ast.literal_eval, else kept as strings). Unlike
 nanoGPT, nothing is exec'd into the caller's globals, an unknown key or a value of the wrong type
 (None included, where the setting has no "None" meaning) is an error that names it, and errors end
-in one sentence and exit code 2 instead of a traceback. The result is a dict of every setting whose
-`given` attribute says which ones a config file or the command line set (a resumed run keeps the
-checkpoint's architecture for the rest). A plain dict of defaults works too (the scripts in
-scripts/): each value then keeps its default's type.
+in one sentence and exit code 2 instead of a traceback. The result is a frozen Settings: a dict of
+every setting, read as attributes (config.batch_size), whose `given` attribute says which ones a
+config file or the command line set (a resumed run keeps the checkpoint's architecture for the
+rest). A plain dict of defaults works too (the scripts in scripts/): each value then keeps its
+default's type.
 
 Usage:
-    from configurator import Schema, Setting, configure
+    from configurator import Group, Schema, Setting, configure
     SETTINGS = Schema(Group('run', batch_size=Setting(12, "sequences per batch", low=1)))
     config = configure(SETTINGS, doc=__doc__)        # reads sys.argv[1:]
     SETTINGS.check(config)                           # types, choices and ranges: one UserError naming the setting
+    config.batch_size                                # 12, or what the user gave
     'batch_size' in config.given                     # set by the user?
 """
 
