@@ -177,3 +177,9 @@ def test_no_package_module_imports_the_settings_table():
                     (module == 'nanogpt_plus' and 'settings' in names):
                 found.append(os.path.relpath(path, REPO))
     assert not found, found
+
+
+def test_the_hellaswag_default_is_the_evaluations_file():
+    # written out in train.py (the laptop path loads no evaluation code), the same path eval.py downloads to
+    from nanogpt_plus.evaluation import HELLASWAG_FILE
+    assert train.DEFAULTS['hellaswag_file'] == HELLASWAG_FILE
