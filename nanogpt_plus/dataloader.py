@@ -40,7 +40,10 @@ import torch
 from nanogpt_plus.dataset import SAME_DATA, data_digests, find_dataset, has_header, raw_token_dtype, tokenizer_digest
 from nanogpt_plus.distributed import every_rank
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.settings import ORDERS
+
+# the data_order setting's choices: nanoGPT's random windows, or llm.c's pass over every token
+# (training_loader acts on them)
+ORDERS = ('random', 'sequential')
 
 # -----------------------------------------------------------------------------
 # opening a split's token files

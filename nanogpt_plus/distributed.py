@@ -8,8 +8,10 @@ imported, live in signals.py.
 
 Usage:
     from nanogpt_plus.distributed import master_decides, start, wrap_model
-    # the settings (one verdict for every rank) and torchrun's ranks, or a single process
-    cfg, dist_info = start(DEFAULTS, sys.argv[1:], check_settings, doc=__doc__)
+    # the settings, read by every rank (a failure held), then torchrun's ranks (or a single process)
+    # and one verdict on the settings
+    cfg, failure, group = read_settings(DEFAULTS, sys.argv[1:], check_settings, __doc__, GROUP_SETTINGS)
+    dist_info = start(failure, **group)
     master_decides(dist_info, lambda: write_the_file())           # rank 0 acts; every rank ends alike
     model = wrap_model(raw_model, dist_info, compile_model, parallelism='fsdp')
 """
@@ -72,37 +74,30 @@ def init_distributed(device='auto', backend='auto', timeout=0):
     return DistInfo(True, rank, local_rank, world_size, device)
 
 
-# the settings a process group is formed with (DistInfo's device, the backend, the collectives'
-# timeout), which a node that could not read its settings takes from its command line alone
+# the settings a process group is formed with (start's keywords: DistInfo's device, the backend,
+# the collectives' timeout), which a node that could not read its settings takes from its command
+# line alone (configurator.read_settings)
 GROUP_SETTINGS = ('device', 'backend', 'dist_timeout')
+# the backend setting's choices: 'auto' = nccl for CUDA, gloo for CPU (init_distributed)
+BACKENDS = ('auto', 'nccl', 'gloo')
 
 
-def start(defaults, argv, check, doc=None):
+def start(failure=None, device='auto', backend='auto', dist_timeout=0):
     """
-    A script's settings and its process group, with one verdict on the settings: (settings,
-    DistInfo). The settings of argv (configure(): config files, then --key=value), then check(cfg),
-    may fail on one node only: a config file only node 0 has, a value one machine refuses. Under
-    torchrun the group is formed all the same, where they failed from GROUP_SETTINGS as the
-    command line gives them (else their defaults: the other nodes' too, unless a config file sets
-    them), and every rank learns whether every rank read its settings (every_rank): a failure on
-    any rank ends every rank at once with its exit code and its line on every node, instead of the
-    ranks that read theirs waiting for it in their first collective until the group's timeout (30
-    minutes for gloo).
+    A script's process group, with one verdict on its settings: DistInfo. Reading them
+    (configurator.read_settings) may fail on one node only: a config file only node 0 has, a value
+    one machine refuses; that failure is held and given here. Under torchrun the group is formed
+    all the same (where the settings failed, with GROUP_SETTINGS as the command line gives them:
+    else their defaults, the other nodes' too unless a config file sets them), and every rank
+    learns whether every rank read its settings (every_rank): a failure on any rank ends every rank
+    at once with its exit code and its line on every node, instead of the ranks that read theirs
+    waiting for it in their first collective until the group's timeout (30 minutes for gloo).
     """
-    from configurator import command_line_values, configure
-    failure = cfg = None
-    try:
-        cfg = configure(defaults, argv, doc=doc)
-        check(cfg)
-    except Exception as e:  # a bug too: the other ranks must hear of it
-        failure = e
     if failure is not None and int(os.environ.get('RANK', -1)) == -1:
         raise failure  # a single process: no one waits for it
-    group = cfg if failure is None else command_line_values(defaults, argv, GROUP_SETTINGS)
-    dist_info = init_distributed(group.get('device', 'auto'), group.get('backend', 'auto'),
-                                 group.get('dist_timeout', 0))
+    dist_info = init_distributed(device, backend, dist_timeout)
     every_rank(dist_info, functools.partial(_raise, failure))
-    return cfg, dist_info
+    return dist_info
 
 
 def _raise(error):

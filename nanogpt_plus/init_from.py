@@ -475,8 +475,9 @@ class ResumeSpec:
 def source_settings(source, chosen, keep_zero=(), resume=None, resume_file=None):
     """
     Before any work: the settings the model that source names imposes on the run, {name: value}, and
-    the checkpoint it resumes (a path, or None). The script applies them (cfg.update) and decides
-    nothing else from them. chosen: {name: value} of the FIXED_BY_SOURCE settings the user gave.
+    the checkpoint it resumes (a path, or None). The script builds its run's settings from the
+    user's and these (Settings.replaced) and decides nothing else from them. chosen: {name: value}
+    of the FIXED_BY_SOURCE settings the user gave.
     train.py passes resume (a ResumeSpec); finetune.py passes its resume_file and
     keep_zero=('block_size',) (0: the model's own). auto_resume: init_from becomes 'resume' when
     out_dir holds the run's checkpoint (a requeued job), so one command starts a run and continues

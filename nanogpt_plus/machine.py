@@ -26,6 +26,8 @@ from nanogpt_plus.errors import UserError
 # the device, its precision and compile choice, its free memory
 
 PTDTYPE = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+# the dtype setting's choices: 'auto' (resolve_dtype picks for the device) or one of PTDTYPE
+DTYPES = ('auto', *PTDTYPE)
 
 
 def resolve_device(device='auto'):

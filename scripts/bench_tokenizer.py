@@ -139,12 +139,12 @@ def main():
     config = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(config)
     print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-    with work_directory(config['work_dir'], "bench_tokenizer_") as work:
-        if config['part'] in ('train', 'all'):
-            vocab_sizes = parse_ints(str(config['vocab_sizes']), 'vocab_sizes')
-            bench_training(work, config['size_mb'], vocab_sizes, config['seed'])
-        if config['part'] in ('bpb', 'all'):
-            bench_bits_per_byte(work, config['tokenizers'].split(","), config['max_iters'])
+    with work_directory(config.work_dir, "bench_tokenizer_") as work:
+        if config.part in ('train', 'all'):
+            vocab_sizes = parse_ints(str(config.vocab_sizes), 'vocab_sizes')
+            bench_training(work, config.size_mb, vocab_sizes, config.seed)
+        if config.part in ('bpb', 'all'):
+            bench_bits_per_byte(work, config.tokenizers.split(","), config.max_iters)
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def check_start(run, out_dir, expected_iter, left_lock, left_temps):
 
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
-    rng = random.Random(cfg['seed'])
+    rng = random.Random(cfg.seed)
     work = tempfile.mkdtemp(prefix='fault_inject_')
     data_dir = os.path.join(work, 'data')
     out_dir = os.path.join(work, 'out')
@@ -152,10 +152,10 @@ def main():
     # the line left by going back, its hashes
     abandoned = os.path.join(out_dir, 'abandoned_1')
     left_line = None
-    for k in range(cfg['kills']):
+    for k in range(cfg.kills):
         saved_iter = checkpoint_iter(out_dir) if os.path.isdir(out_dir) else None
         # halfway: go back to the oldest snapshot, as a user would after a loss spike
-        back = k == cfg['kills'] // 2 and saved_iter is not None and len(snapshot_iters(out_dir)) > 1
+        back = k == cfg.kills // 2 and saved_iter is not None and len(snapshot_iters(out_dir)) > 1
         resume_from = str(snapshot_iters(out_dir)[0]) if back else ''
         run = Training(data_dir, out_dir, resume=saved_iter is not None, resume_from=resume_from)
         run.started.wait(timeout=120)
@@ -163,7 +163,7 @@ def main():
         if back:
             left_line = fingerprints(abandoned)
             print(f"went back to iter {resume_from}: {', '.join(left_line)} kept in {abandoned}", flush=True)
-        time.sleep(rng.uniform(0, cfg['max_delay']))
+        time.sleep(rng.uniform(0, cfg.max_delay))
         run.kill()
         left = [n for n in temp_files(out_dir) if n.endswith(f'.tmp.{run.proc.pid}')]
         mid_save += bool(left)
@@ -182,7 +182,7 @@ def main():
               f"{'; FAILED: ' + '; '.join(problems) if problems else ''}", flush=True)
         failures += problems
     failures += finish(data_dir, out_dir, iters[-1], left_lock, left_temps)
-    print(f"\nkills: {cfg['kills']}, mid-save: {mid_save} (their temp files: {temp_bytes / 2**20:.0f} MB, "
+    print(f"\nkills: {cfg.kills}, mid-save: {mid_save} (their temp files: {temp_bytes / 2**20:.0f} MB, "
           f"removed by the next start), ckpt.pt and every snapshot loaded with weights_only=True after every kill; "
           f"the line left by going back {'unchanged' if left_line else 'not made'}; "
           f"iter_num {iters[0]} -> {iters[-1]} over the kills; failures: {len(failures)}")

@@ -21,8 +21,8 @@ from nanogpt_plus.dataset import find_shards, split_files
 from nanogpt_plus.dataset.shards import write_shard
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.outputs import RAW, RUN_FILES, SHARDS, check_out_dir
-from nanogpt_plus.prepare.settings import default_num_proc
 from nanogpt_plus.prepare.shakespeare import TINY_SHAKESPEARE_URL
+from nanogpt_plus.settings import default_num_proc
 
 DATA = {name: os.path.join(REPO, "data", name) for name in
         ("text", "fineweb", "openwebtext", "shakespeare", "shakespeare_char")}

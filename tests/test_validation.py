@@ -119,7 +119,7 @@ def test_defaults_pass_and_settings_know_what_was_given(tmp_path):
 ])
 def test_other_scripts_check_their_settings(check, settings, message):
     with pytest.raises(UserError, match=message):
-        check(settings)
+        check(Settings(settings))  # as read_settings hands them: read as attributes
 
 
 @pytest.mark.parametrize("body, error", [

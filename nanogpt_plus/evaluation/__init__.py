@@ -48,6 +48,9 @@ DATA_URLS = {
     'lambada': 'https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl',
 }
 DOWNLOAD_TIMEOUT_S = 10
+# where the in-loop HellaSwag (train.py's hellaswag_file, whose default it is) and eval.py keep the
+# download, relative to the repository
+HELLASWAG_FILE = 'data/hellaswag/hellaswag_val.jsonl'
 
 
 # -----------------------------------------------------------------------------

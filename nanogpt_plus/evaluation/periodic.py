@@ -19,8 +19,7 @@ import torch
 from nanogpt_plus.distributed import broadcast_object, master_decides
 from nanogpt_plus.engine import generate
 from nanogpt_plus.errors import TokenizerError, UserError
-from nanogpt_plus.evaluation import score_hellaswag, task_data_file, task_examples
-from nanogpt_plus.settings import HELLASWAG_FILE
+from nanogpt_plus.evaluation import HELLASWAG_FILE, score_hellaswag, task_data_file, task_examples
 from nanogpt_plus.tokenizer import load_tokenizer
 
 

@@ -29,7 +29,6 @@ from nanogpt_plus.bpe import BPETokenizer, check_bpe_vocab_size, read_tokenizer_
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_outputs
 from nanogpt_plus.outputs import RAW, check_out_dir, check_same_dataset
-from nanogpt_plus.prepare.settings import SAMPLE_BY
 from nanogpt_plus.prepare.shakespeare import encode_chars
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_token_batches
@@ -37,6 +36,8 @@ from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
 
 # the Hugging Face datasets builder that reads each kind of local file
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# the sample_by setting's choices: how the text builder cuts a .txt file into documents
+SAMPLE_BY = ("line", "paragraph", "document")
 # what --tokenizer names; anything else is the path of a tokenizer.json
 TOKENIZERS = ("bpe", "gpt2", "char")
 DEFAULT_BPE_VOCAB = 8192
