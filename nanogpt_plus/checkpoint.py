@@ -48,7 +48,7 @@ from nanogpt_plus.distributed import (
     local_parameters,
     master_decides,
 )
-from nanogpt_plus.errors import UserError, error_line
+from nanogpt_plus.errors import UserError, error_line, load_error
 from nanogpt_plus.files import atomic_write
 
 # train.py's checkpoint: the training state to resume from (the best model without
@@ -161,32 +161,6 @@ def load_checkpoint(path, map_location='cpu'):
         raise UserError(
             f"checkpoint {path} has no 'model'/'model_args' entries; is it a nanoGPT checkpoint?")
     return ckpt
-
-
-def load_error(path, error):
-    """
-    The one line for a file torch.load refused (a ckpt.pt, a Hugging Face pytorch_model.bin): a
-    pickled Python object (unsafe), else corrupt. Never torch's own text around it, which advises
-    loading with
-    weights_only=False, i.e. running the file's code.
-    """
-    text = str(error)
-    # torch names the global it refused: 'Unsupported global: GLOBAL x.y' or 'unsupported GLOBAL x.y
-    # whose ...'
-    found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", text, re.IGNORECASE)
-    if found:
-        return UserError(
-            f"checkpoint {path} holds a pickled Python object ({found.group(1)}) that loading could "
-            f"run as code; this project loads only tensors and plain values. Use a checkpoint written "
-            f"by this project, or re-save the file's tensors with torch.save in a trusted session")
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and 'weights_only' not in ln]
-    detail = next(
-        (ln for ln in lines if not ln.startswith(('Please file', 'Check the documentation'))), '')
-    # its first sentence: what failed, not torch's guesses why
-    detail = detail.split('. ')[0].rstrip('.')[:200]
-    return UserError(
-        f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail}); "
-        f"use another checkpoint")
 
 
 def saved_iter(path):
