@@ -38,8 +38,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model import GPTConfig
-from nanogpt_plus.dataset import read_dataset_meta
 from nanogpt_plus.distributed import (
     all_reduce_sum,
     fail_everywhere,
@@ -182,61 +180,6 @@ def saved_count(ckpt, path, key='iter_num'):
         raise UserError(f"checkpoint {path} holds {key}={value!r}, not a count of steps: it was "
                         f"edited or written by other code; use another checkpoint")
     return value
-
-
-def clean_state_dict(state_dict):
-    """
-    Strip the '_orig_mod.' prefix nanoGPT's compiled checkpoints have and drop non-weight buffers.
-    """
-    out = {}
-    for k, v in state_dict.items():
-        for prefix in ('_orig_mod.', 'module.'):
-            while k.startswith(prefix):
-                k = k[len(prefix):]
-        if k.endswith('.attn.bias') and v.dim() == 4:
-            # the causal-mask buffer nanoGPT's manual path saved; we rebuild it from block_size
-            continue
-        out[k] = v
-    return out
-
-
-def model_config_from_checkpoint(ckpt, dropout=None):
-    args = dict(ckpt['model_args'])
-    args.update(ckpt.get('model_extra_args') or {})
-    if dropout is not None:
-        args['dropout'] = dropout
-    try:
-        return GPTConfig(**args)
-    except TypeError as e:
-        raise UserError(f"the checkpoint's model_args don't describe a GPT ({e})") from None
-
-
-def checkpoint_tokenizer_meta(ckpt, data_root='data'):
-    """
-    The tokenizer description for a checkpoint: our 'tokenizer' key; for nanoGPT's checkpoints, the
-    meta of the dataset they were trained on (data/<dataset>/meta.pkl, as nanoGPT's sample.py
-    looks), else GPT-2.
-    """
-    if ckpt.get('tokenizer'):
-        return ckpt['tokenizer']
-    dataset = (ckpt.get('config') or {}).get('dataset')
-    if dataset:
-        meta = read_dataset_meta(os.path.join(data_root, dataset))
-        if meta is not None:
-            return meta
-    return {'kind': 'gpt2'}
-
-
-def tokenizer_known(ckpt, data_root='data'):
-    """
-    Whether checkpoint_tokenizer_meta(ckpt) describes the tokenizer the model was trained with,
-    rather than guessing GPT-2's (a nanoGPT checkpoint whose dataset has no meta file here). None
-    (gpt2*, a Hugging Face directory): known.
-    """
-    if ckpt is None or ckpt.get('tokenizer'):
-        return True
-    dataset = (ckpt.get('config') or {}).get('dataset')
-    return bool(dataset) and read_dataset_meta(os.path.join(data_root, dataset)) is not None
 
 
 # -----------------------------------------------------------------------------
