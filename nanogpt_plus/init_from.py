@@ -23,8 +23,9 @@ from torch.overrides import TorchFunctionMode
 
 from model import GPT, GPT2_NAMES, MODERN, GPTConfig
 from nanogpt_plus.checkpoint import CHECKPOINT, checkpoint_path, load_checkpoint, resume_point, saved_count
-from nanogpt_plus.dataset import check_dataset_tokenizer, read_dataset_meta, tokenizer_size
+from nanogpt_plus.dataset import check_dataset_tokenizer, find_dataset, read_dataset_meta, tokenizer_size
 from nanogpt_plus.errors import NothingToDo, UserError
+from nanogpt_plus.machine import check_model_memory
 
 # The settings a new GPT is built from: GPTConfig's fields but vocab_size, which the dataset gives
 # (a frozen dataclass, so that a script hands them over with cfg.select(ModelSpec)). A loaded model
@@ -122,6 +123,24 @@ def init_training_model(source, spec, data, on_meta=False):
         raise UserError(f"the dataset's vocabulary ({data.vocab_size}) is larger than the model's "
                         f"({model.config.vocab_size}); train from scratch on this dataset")
     return model, tokenizer_meta, ckpt
+
+
+def check_new_model_fits(spec, dataset, batch_size, attention, on_cpu):
+    """
+    train.py's check before any work, for a new model (init_from='scratch'; weights that trained
+    before have a size that fitted): one of spec (a ModelSpec) whose first step can't fit in memory
+    is refused in one line (check_model_memory), counted at the vocabulary of dataset (its name; its
+    meta alone is read).
+    """
+    try:
+        vocab_size = find_dataset(dataset, splits=()).vocab_size or 50304
+    except UserError:
+        # a meta file that can't be read: said later, by every rank with one verdict (this runs
+        # before they meet)
+        vocab_size = 50304
+    # (settings.check_model_shape refused the shapes GPTConfig would)
+    config = GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(spec))
+    check_model_memory(config, batch_size, attention, on_cpu)
 
 
 def is_hf_dir(path):

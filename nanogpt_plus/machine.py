@@ -12,7 +12,6 @@ Usage:
 """
 
 import collections
-import dataclasses
 import functools
 import math
 import os
@@ -22,8 +21,6 @@ from contextlib import nullcontext
 
 import torch
 
-from model import GPTConfig
-from nanogpt_plus.dataset import find_dataset
 from nanogpt_plus.errors import UserError
 
 # -----------------------------------------------------------------------------
@@ -204,24 +201,6 @@ def available_host_memory():
     except (OSError, ValueError, IndexError):
         pass
     return None  # not Linux: no check
-
-
-def check_new_model_fits(spec, dataset, batch_size, attention, on_cpu):
-    """
-    train.py's check before any work, for a new model (init_from='scratch'; weights that trained
-    before have a size that fitted): one of spec (a ModelSpec) whose first step can't fit in memory
-    is refused in one line (check_model_memory), counted at the vocabulary of dataset (its name; its
-    meta alone is read).
-    """
-    try:
-        vocab_size = find_dataset(dataset, splits=()).vocab_size or 50304
-    except UserError:
-        # a meta file that can't be read: said later, by every rank with one verdict (this runs
-        # before they meet)
-        vocab_size = 50304
-    # (settings.check_model_shape refused the shapes GPTConfig would)
-    config = GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(spec))
-    check_model_memory(config, batch_size, attention, on_cpu)
 
 
 def check_model_memory(config, batch_size, attention, on_cpu):

@@ -259,8 +259,8 @@ def check_training(cfg):
             f"needs --init_from=resume")
     if cfg['init_from'] == 'scratch':  # weights that trained before have a size that fitted
         # imported here: this table of settings loads none of the code that acts on them
-        from nanogpt_plus.init_from import ModelSpec
-        from nanogpt_plus.machine import check_new_model_fits, resolve_device
+        from nanogpt_plus.init_from import ModelSpec, check_new_model_fits
+        from nanogpt_plus.machine import resolve_device
         on_cpu = resolve_device(cfg['device']) == 'cpu'
         check_new_model_fits(cfg.select(ModelSpec), dataset=cfg['dataset'],
                              batch_size=cfg['batch_size'], attention=cfg['attention'],

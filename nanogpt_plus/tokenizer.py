@@ -77,9 +77,10 @@ def _encoding_from_files(vocab_bpe, encoder_json):
     """
     Build tiktoken's GPT-2 encoding from local copies of OpenAI's files, refusing altered files.
     """
+    # the end-of-text token and the regex of tiktoken's own 'gpt2'
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-    from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str  # tiktoken's own 'gpt2' uses them
+    from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
     for path, expected in ((vocab_bpe, GPT2_VOCAB_BPE_SHA256), (encoder_json,
                                                                 GPT2_ENCODER_JSON_SHA256)):
         if _sha256(path) != expected:
