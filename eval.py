@@ -41,16 +41,15 @@ import torch
 
 from configurator import Group, Schema, Setting, read_settings
 from nanogpt_plus import settings
-from nanogpt_plus.checkpoint import tokenizer_known
 from nanogpt_plus.dataset import check_dataset_tokenizer, read_dataset_meta
 from nanogpt_plus.distributed import GROUP_SETTINGS, every_rank, master_decides, same_everywhere, start
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import TASKS, core, evaluate, loss_files, task_data_file
 from nanogpt_plus.files import atomic_write
-from nanogpt_plus.init_from import SAME_START, describe_source, init_model, same_start
+from nanogpt_plus.init_from import describe_source, init_model, tokenizer_known
 from nanogpt_plus.machine import device_type_of, precision, resolve_compile
 from nanogpt_plus.outputs import check_output
-from nanogpt_plus.runtime import provenance, run_main
+from nanogpt_plus.runtime import SAME_START, provenance, run_main, same_start
 from nanogpt_plus.settings import non_negative
 from nanogpt_plus.weight_formats import WEIGHTS, set_weights
 

@@ -63,11 +63,11 @@ from nanogpt_plus.distributed import (
     wrap_model,
 )
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
-from nanogpt_plus.init_from import FIXED_BY_SOURCE, SAME_START, ModelSource, ModelSpec, init_model, same_start
+from nanogpt_plus.init_from import FIXED_BY_SOURCE, ModelSource, ModelSpec, init_model
 from nanogpt_plus.machine import compute_setup, device_type_of
 from nanogpt_plus.metrics import MetricsLogger, WandbSpec
 from nanogpt_plus.outputs import check_new_run, check_output, claim_out_dir
-from nanogpt_plus.runtime import provenance, run_main
+from nanogpt_plus.runtime import SAME_START, provenance, run_main, same_start
 from nanogpt_plus.settings import non_negative, positive
 from nanogpt_plus.weight_formats import WEIGHTS
 

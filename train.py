@@ -36,24 +36,22 @@ from nanogpt_plus import distributed, progress, settings
 from nanogpt_plus import optimizer as opt
 from nanogpt_plus.checkpoint import Checkpointer, CheckpointPolicy, restore_training_state
 from nanogpt_plus.dataloader import DataSpec, TokenWindowLoader, training_data
-from nanogpt_plus.dataset import padded_tokenizer_size
 from nanogpt_plus.distributed import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.errors import Interrupted, UserError, non_finite_loss, out_of_memory_error
 from nanogpt_plus.init_from import (
     FIXED_BY_SOURCE,
-    SAME_START,
     ModelSource,
     ModelSpec,
     ResumeSpec,
     init_training_model,
+    padded_tokenizer_size,
     resume_refusal,
-    same_start,
     source_settings,
 )
 from nanogpt_plus.machine import choose_threads, compute_setup, device_type_of
 from nanogpt_plus.metrics import MetricsLogger, WandbSpec
 from nanogpt_plus.outputs import OutDirSpec, claim_out_dir, prepare_out_dir
-from nanogpt_plus.runtime import provenance, run_main
+from nanogpt_plus.runtime import SAME_START, provenance, run_main, same_start
 from nanogpt_plus.settings import flag, non_negative, positive
 from nanogpt_plus.tokenizer import load_tokenizer, split_bytes_per_token
 

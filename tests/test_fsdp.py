@@ -16,14 +16,9 @@ from helpers import TORCHRUN, assert_losses_close, iter_losses, run_python, trai
 from model import GPT, GPTConfig
 from nanogpt_plus import hf_import
 from nanogpt_plus.checkpoint import load_checkpoint, save_checkpoint
-from nanogpt_plus.distributed import (
-    DistInfo,
-    full_state_dicts,
-    load_optimizer_state,
-    mixed_precision_policy,
-    wrap_model,
-)
+from nanogpt_plus.distributed import DistInfo, full_state_dicts, load_optimizer_state, wrap_model
 from nanogpt_plus.init_from import model_from_checkpoint
+from nanogpt_plus.process_group import mixed_precision_policy
 
 # 4 micro-batches per step = 2 per rank: exercises FSDP's gradient accumulation without sync
 args = functools.partial(train_args, gradient_accumulation_steps=4, max_iters=6, eval_interval=3, lr_decay_iters=6,
@@ -289,8 +284,8 @@ def test_a_pretrained_model_on_meta_reads_only_its_config(tmp_path, monkeypatch)
 def meta_worker(rank, init_file, out_dir, source):
     import torch.distributed as dist
 
-    from nanogpt_plus.distributed import shard_model
     from nanogpt_plus.init_from import ModelSpec, fit_block_size, init_model, scratch_model
+    from nanogpt_plus.process_group import shard_model
     torch.set_num_threads(1)
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
     try:

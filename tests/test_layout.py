@@ -166,8 +166,8 @@ def test_no_long_line_ends_in_a_comment():
 DEFAULT_PATH = {'errors', 'settings', 'runtime', 'signals', 'distributed', 'machine', 'files',
                 'dataset', 'dataloader', 'checkpoint', 'init_from', 'outputs', 'optimizer', 'metrics',
                 'progress',
-                # each split's bytes per token, for the evaluation's bits per byte
-                'tokenizer', 'bpe'}
+                # each split's bytes per token, for the evaluation's bits per byte (a character vocabulary's: no BPE)
+                'tokenizer'}
 
 
 def test_the_laptop_command_imports_only_the_modules_it_uses(tiny_dataset, tmp_path):

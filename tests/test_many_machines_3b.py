@@ -16,10 +16,9 @@ import numpy as np
 from helpers import REPO, TINY_VOCAB, run_python, write_hellaswag
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.dataset import tokenizer_digest
-from nanogpt_plus.distributed import _first_difference
 from nanogpt_plus.files import file_digest
-from nanogpt_plus.init_from import SAME_START, checkpoint_difference, same_start
-from nanogpt_plus.runtime import code_digest
+from nanogpt_plus.process_group import _first_difference
+from nanogpt_plus.runtime import SAME_START, checkpoint_difference, code_digest, same_start
 from test_many_machines import ENV, SYMBOLS, assert_one_line_on_each_node, node_copy, tiny, two_nodes
 
 

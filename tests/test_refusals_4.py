@@ -21,8 +21,7 @@ from helpers import run_python, train_args
 from model import GPTConfig
 from nanogpt_plus.checkpoint import load_checkpoint, save_checkpoint, snapshot_checkpoint
 from nanogpt_plus.errors import NothingToDo, UserError
-from nanogpt_plus.init_from import check_model_memory
-from nanogpt_plus.machine import resolve_dtype
+from nanogpt_plus.machine import check_model_memory, resolve_dtype
 from nanogpt_plus.metrics import MetricsLogger
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

@@ -26,7 +26,7 @@ from nanogpt_plus.checkpoint import Checkpointer, load_checkpoint
 from nanogpt_plus.dataloader import open_tokens
 from nanogpt_plus.distributed import DistInfo
 from nanogpt_plus.errors import UserError, non_finite_loss
-from nanogpt_plus.init_from import check_model_memory
+from nanogpt_plus.machine import check_model_memory
 from nanogpt_plus.prepare.corpus import expand_files, prepare_corpus
 from nanogpt_plus.signals import GracefulExit
 from test_finetune import make_source, make_task

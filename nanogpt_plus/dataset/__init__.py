@@ -390,16 +390,6 @@ def tokenizer_size(meta):
     return GPT2_TOKENS if size is None and kind == 'gpt2' else size
 
 
-def padded_tokenizer_size(model_vocab, tokenizer_meta):
-    """
-    The tokenizer's vocabulary size where it is below the model's vocab_size (a byte-level
-    vocabulary padded to a multiple of 64), else None: a dataset holding ids in the padding was made
-    with another tokenizer.
-    """
-    size = tokenizer_size(tokenizer_meta or {'kind': 'gpt2'})
-    return int(size) if size and int(size) < model_vocab else None
-
-
 # -----------------------------------------------------------------------------
 # compatibility: whether a dataset's tokens mean to a model what they meant to the tokenizer that
 # made them
