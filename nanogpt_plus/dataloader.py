@@ -425,7 +425,8 @@ def training_data(spec, dist_info):
         data = find_dataset(spec.dataset)
         loaders = training_loaders(data, spec, dist_info)
         opened = {'data': data, 'loaders': loaders}
-        if dist_info.under_torchrun:  # what the ranks compare; one process has no one to differ from
+        # what the ranks compare: a single process has no one to differ from, and computes none of it
+        if dist_info.under_torchrun:
             files = {os.path.basename(p): p for split in ('train', 'val') for p in data.files(split)}
             opened.update(tokenizer=tokenizer_digest(data.meta), tokens=data_digests(files),
                           dataset={split: [int(n) for n in loader.source.sizes]
