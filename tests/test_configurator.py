@@ -1,10 +1,14 @@
-"""configurator.py: nanoGPT's UX (config file, then --key=value), but strict and with clear errors."""
+"""
+configurator.py: nanoGPT's UX (config file, then --key=value), but strict and with clear errors: unknown keys,
+wrong types, a config file that raises or exits, and the shipped config files.
+"""
 import os
 import runpy
 import types
 
 import pytest
 
+import train
 from configurator import ConfigError, parse_config
 from helpers import REPO, run_python
 
@@ -186,3 +190,33 @@ def test_command_line_values_read_what_they_can_without_the_config_files(tmp_pat
     # a script without some of them (sample.py has no backend): those it has
     plain = dict(device='auto', seed=1)
     assert command_line_values(plain, ['--device=cuda:1'], GROUP_SETTINGS) == dict(device='cuda:1')
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_a_config_file_that_exits_is_refused(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("batch_size = 4\nimport sys\nsys.exit(0)\n")
+    with pytest.raises(ConfigError, match=f"config file {path} calls exit\\(\\) on line 3"):
+        parse_config(train.DEFAULTS, [str(path)])
+    # os._exit would end the process with exit 0 and no word: it is refused the same way, and os._exit is back
+    path.write_text("batch_size = 4\nimport os\nos._exit(0)\n")
+    with pytest.raises(ConfigError, match=f"config file {path} calls exit\\(\\) on line 3"):
+        parse_config(train.DEFAULTS, [str(path)])
+    assert os._exit.__module__ == 'posix'
+    path.write_bytes("out_dir = 'caf\u00e9'\n".encode('latin-1'))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        parse_config(train.DEFAULTS, [str(path)])
+
+
+@pytest.mark.usefixtures('one_thread')
+@pytest.mark.parametrize("body, error", [
+    ("batch_size = 1 / 0\n", "ZeroDivisionError"),
+    ("import not_a_module_anywhere\n", "ModuleNotFoundError"),
+    ("batch_size = 4\nout_dir = undefined_name\n", "NameError"),
+])
+def test_config_file_that_raises_names_file_line_and_error(tmp_path, body, error):
+    path = tmp_path / "bad_config.py"
+    path.write_text(body)
+    line = body.count("\n")  # the failing statement is the last line of each body
+    with pytest.raises(ConfigError, match=rf"config file {path} failed on line {line} \({error}: .*\); fix that"):
+        parse_config(train.DEFAULTS, [str(path)])

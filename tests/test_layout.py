@@ -1,7 +1,8 @@
 """
-The shape of the code (DESIGN.md): train.py and finetune.py stay as short as nanoGPT's train.py, the package
-has no import cycle (function-level imports included), errors.py is a leaf, no entry point imports another,
-and tests share helpers through tests/helpers.py, not conftest.
+The shape of the code (a topic across rooms): the package has no import cycle (function-level imports included),
+errors.py is a leaf, no entry point imports another, a script declares its settings at its top, few long lines,
+the laptop command imports only the modules it uses, tests share helpers through tests/helpers.py, not conftest,
+and every test file is named for a module, a script or one of a few topics.
 """
 import ast
 import glob
@@ -12,6 +13,8 @@ import pytest
 from helpers import REPO, run_python
 
 ENTRY_POINTS = ['train', 'sample', 'bench', 'eval', 'finetune', 'export_hf']
+
+
 TOP_LEVEL = ['model', 'configurator']  # the front-door modules the package imports
 
 
