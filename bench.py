@@ -90,15 +90,32 @@ BENCH = Group(
     profile=flag(False, "True: a torch.profiler trace and op table instead of the timings"),
     profile_dir=Setting('bench_log', "where the profiler trace goes", not_empty=True),
 )
-DEFAULTS = Schema(
-    DATA,
-    # shared whole (nanogpt_plus/settings.py): n_layer, n_head, n_embd, dropout, bias, ...
-    settings.MODEL,
-    ADAMW,
-    # shared with the other entry points: nanogpt_plus/settings.py
-    settings.subset(settings.SYSTEM, 'device', 'dtype', 'compile', 'activation_checkpointing',
-                    'num_threads', 'seed'),
-    BENCH)
+MODEL = Group(
+    'model',
+    n_layer=settings.n_layer(12),
+    n_head=settings.n_head(12),
+    n_embd=settings.n_embd(768),
+    dropout=settings.dropout(0.0),
+    bias=settings.bias(False),
+    gelu=settings.gelu('none'),
+    attention=settings.attention('flash'),
+    pos=settings.pos('learned'),
+    norm=settings.norm('layernorm'),
+    qk_norm=settings.qk_norm(False),
+    mlp_act=settings.mlp_act('gelu'),
+    logit_softcap=settings.logit_softcap(0.0),
+    tie_embeddings=settings.tie_embeddings(True),
+)
+SYSTEM = Group(
+    'system',
+    device=settings.device('auto'),
+    dtype=settings.dtype('auto'),
+    compile=settings.compile(None),
+    activation_checkpointing=settings.activation_checkpointing(False),
+    num_threads=settings.num_threads(0),
+    seed=settings.seed(1337),
+)
+DEFAULTS = Schema(DATA, MODEL, ADAMW, SYSTEM, BENCH)
 # -----------------------------------------------------------------------------
 
 
@@ -134,65 +151,65 @@ def check_settings(cfg):
     timing.
     """
     DEFAULTS.check(cfg)
-    check_model_shape(cfg['n_embd'], cfg['n_head'], cfg['pos'])
-    if cfg['profile']:  # now, not after the benchmark: a file in the way, or a dataset's directory
-        check_output(cfg['profile_dir'], 'profile_dir', overwrite=None, kind='directory')
+    check_model_shape(cfg.n_embd, cfg.n_head, cfg.pos)
+    if cfg.profile:  # now, not after the benchmark: a file in the way, or a dataset's directory
+        check_output(cfg.profile_dir, 'profile_dir', overwrite=None, kind='directory')
 
 
 def main(argv=None):
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     check_settings(cfg)
-    device = resolve_device(cfg['device'])
+    device = resolve_device(cfg.device)
     device_type = device_type_of(device)
-    torch.manual_seed(cfg['seed'])
+    torch.manual_seed(cfg.seed)
     device_threads = torch.get_num_threads()  # the CPU's peak is for these (every core by default)
-    dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg['dtype'], cfg['compile'],
-                                                          cfg['num_threads'])
+    dtype, ctx, compile_model, peak_flops = compute_setup(device, cfg.dtype, cfg.compile,
+                                                          cfg.num_threads)
 
     # the data before the model, so a missing dataset is reported before anything is built
     loader = None
-    if cfg['real_data']:
-        loader = TokenWindowLoader(split_files(cfg['dataset'], 'train'),
-                                   cfg['batch_size'],
-                                   cfg['block_size'],
-                                   seed=cfg['seed'],
+    if cfg.real_data:
+        loader = TokenWindowLoader(split_files(cfg.dataset, 'train'),
+                                   cfg.batch_size,
+                                   cfg.block_size,
+                                   seed=cfg.seed,
                                    device=device,
-                                   dataset=cfg['dataset'],
-                                   order=cfg['data_order'])
+                                   dataset=cfg.dataset,
+                                   order=cfg.data_order)
     model = bench_model(cfg)
     if loader is not None:
         # an id the model has no embedding for: one line
         loader.check_vocab(model.config.vocab_size)
-    model.set_attention(cfg['attention'])
-    model.set_activation_checkpointing(cfg['activation_checkpointing'])
+    model.set_attention(cfg.attention)
+    model.set_activation_checkpointing(cfg.activation_checkpointing)
     model.to(device)
     next_batch = loader.next_batch if loader else random_batches(
-        cfg['batch_size'], cfg['block_size'], model.config.vocab_size, device)
+        cfg.batch_size, cfg.block_size, model.config.vocab_size, device)
     X, Y = next_batch()
-    if device_type == 'cpu' and cfg['num_threads'] == 0:
+    if device_type == 'cpu' and cfg.num_threads == 0:
         threads, timings = tune_cpu_threads(model, X, Y, ctx)
         if timings:
             print(describe_thread_choice(threads, timings))
     # Muon's work is no model FLOPs
-    muon = cfg.select(opt.MuonSpec) if cfg['optimizer'] == 'muon' else None
+    muon = cfg.select(opt.MuonSpec) if cfg.optimizer == 'muon' else None
     optimizer = opt.make_optimizer(model, cfg.select(opt.AdamWSpec), device_type, muon=muon,
-                                   fused=cfg['fused'])
+                                   fused=cfg.fused)
     scaler = opt.make_grad_scaler(device_type, dtype)
     raw_model = model
     model = wrap_model(model, None, compile_model)
     print("provenance: " + str(dict(provenance(device), dtype=dtype, compile=compile_model,
                                     gelu=raw_model.config.gelu, **raw_model.config.modern())))
     step = functools.partial(train_step, model, optimizer, scaler, ctx, next_batch,
-                             cfg['grad_clip'])
+                             cfg.grad_clip)
 
-    if cfg['profile']:
-        profile(step, X, Y, cfg['burnin'], cfg['profile_dir'], device_type)
+    if cfg.profile:
+        profile(step, X, Y, cfg.burnin, cfg.profile_dir, device_type)
         return
     if device_type == 'cuda':
         # the peak of the training steps (weights, AdamW state included)
         torch.cuda.reset_peak_memory_stats(device)
-    times = time_steps(step, X, Y, cfg['burnin'], cfg['steps'], device)
-    report(times, raw_model, cfg['batch_size'], peak_flops, device, dtype, device_threads)
+    times = time_steps(step, X, Y, cfg.burnin, cfg.steps, device)
+    report(times, raw_model, cfg.batch_size, peak_flops, device, dtype, device_threads)
 
 
 def bench_model(cfg):
@@ -202,8 +219,8 @@ def bench_model(cfg):
     for random tokens, which have no dataset.
     """
     spec = cfg.select(ModelSpec)
-    if cfg['real_data']:
-        data = find_dataset(cfg['dataset'], splits=('train',))
+    if cfg.real_data:
+        data = find_dataset(cfg.dataset, splits=('train',))
         model, _, _ = init_model('scratch', dataset=data, spec=spec)
         return model
     return scratch_model(spec, data_meta=None, data_dir=None)

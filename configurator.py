@@ -1,7 +1,8 @@
 """
 Settings for every entry point, with nanoGPT's command-line UX (its "Poor Man's Configurator") made
 strict. A script declares its settings as a Schema (each Setting with its default, type, allowed
-values and a one-line help; nanogpt_plus/settings.py holds them all) and calls configure():
+values and a one-line help, on its name's line; nanogpt_plus/settings.py holds what several scripts
+share) and calls configure(), or read_settings() where a process group hears one verdict:
 
 $ python train.py config/train_shakespeare_char.py --device=cpu --max_iters=200
 $ python train.py --help          # the script's doc, then every setting with its default and help
@@ -10,16 +11,18 @@ A config file is plain Python whose top-level assignments override the defaults;
 --key=value overrides again (values parsed with ast.literal_eval, else kept as strings). Unlike
 nanoGPT, nothing is exec'd into the caller's globals, an unknown key or a value of the wrong type
 (None included, where the setting has no "None" meaning) is an error that names it, and errors end
-in one sentence and exit code 2 instead of a traceback. The result is a dict of every setting whose
-`given` attribute says which ones a config file or the command line set (a resumed run keeps the
-checkpoint's architecture for the rest). A plain dict of defaults works too (the scripts in
-scripts/): each value then keeps its default's type.
+in one sentence and exit code 2 instead of a traceback. The result is a frozen Settings: a dict of
+every setting, read as attributes (config.batch_size), whose `given` attribute says which ones a
+config file or the command line set (a resumed run keeps the checkpoint's architecture for the
+rest). A plain dict of defaults works too (the scripts in scripts/): each value then keeps its
+default's type.
 
 Usage:
-    from configurator import Schema, Setting, configure
+    from configurator import Group, Schema, Setting, configure
     SETTINGS = Schema(Group('run', batch_size=Setting(12, "sequences per batch", low=1)))
     config = configure(SETTINGS, doc=__doc__)        # reads sys.argv[1:]
     SETTINGS.check(config)                           # types, choices and ranges: one UserError naming the setting
+    config.batch_size                                # 12, or what the user gave
     'batch_size' in config.given                     # set by the user?
 """
 
@@ -36,14 +39,49 @@ from nanogpt_plus.errors import ConfigError, UserError
 
 class Settings(dict):
     """
-    The settings of a run: a plain dict (dict(settings) and saving it give one) plus `given`, the
-    frozenset of keys a config file or a --key=value set, so a script can tell a choice from a
-    default.
+    The settings of a run, frozen once read: a dict (dict(settings) and saving it give a plain one),
+    read as attributes (cfg.batch_size, which grep finds) or items, plus `given`, the frozenset of
+    keys a config file or a --key=value set, so a script can tell a choice from a default. Nothing
+    writes to it after it is read: item or attribute assignment, update, pop, setdefault, clear are
+    refused. A value the run derives (what a resumed checkpoint imposes) makes a new Settings
+    (replaced), so the one the user gave stays as it was read.
     """
 
     def __init__(self, values, given=()):
         super().__init__(values)
-        self.given = frozenset(given)
+        shadowed = [k for k in self if hasattr(dict, k) or k in ('given', 'select', 'chosen', 'replaced')]
+        if shadowed:  # cfg.items would be the dict's method, not the setting
+            raise ValueError(f"setting {shadowed[0]} has the name of a method of Settings; rename it")
+        object.__setattr__(self, 'given', frozenset(given))
+
+    def __getattr__(self, name):
+        # only for names that are no attribute of the object itself: a setting
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"no setting {name!r}") from None
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("the settings are frozen once read: a value derived from them goes into a new "
+                        "Settings (settings.replaced({...})) or beside them, never into them")
+
+    __setitem__ = __delitem__ = __setattr__ = __delattr__ = __ior__ = _refuse
+    update = pop = popitem = setdefault = clear = _refuse
+
+    def __reduce__(self):
+        # copy and pickle rebuild it through __init__ (the dict's way would set item after item)
+        return (Settings, (dict(self), self.given))
+
+    def replaced(self, values):
+        """
+        A new Settings: these with values (a dict of settings it has) in place of theirs, the same
+        `given`; self is unchanged. How a script holds the run's settings beside the user's (a
+        resume's architecture, a fine-tuning rate worked out from the model).
+        """
+        unknown = [k for k in values if k not in self]
+        if unknown:
+            raise KeyError(f"no setting {unknown[0]!r} to replace")
+        return Settings({**self, **values}, self.given)
 
     def select(self, spec):
         """
@@ -87,12 +125,6 @@ class Setting:
         self.none_ok = default is None if none_ok is None else none_ok
         self.not_empty = not_empty
         self.infinite_ok = infinite_ok
-
-    def with_default(self, default):
-        """ The same setting with another default (an entry point whose own default differs). """
-        other = object.__new__(Setting)
-        other.__dict__.update(self.__dict__, default=default)
-        return other
 
     def kind_name(self):
         return self.kind.__name__ + (" or None" if self.none_ok else "")
@@ -167,12 +199,11 @@ class Group(dict):
 class Schema(dict):
     """
     An entry point's settings, composed of groups: {name: default} (what a DEFAULTS dict always was,
-    so dict(schema) gives the plain defaults) plus `specs`, {name: Setting}. Keyword arguments give
-    this entry point's own default of a setting (a plain value) or its own Setting (another meaning
-    or range).
+    so dict(schema) gives the plain defaults) plus `specs`, {name: Setting}. Every setting is in one
+    of the script's groups, with its default there.
     """
 
-    def __init__(self, *groups, **own):
+    def __init__(self, *groups):
         specs = {}
         self.sections = []
         for group in groups:
@@ -181,10 +212,6 @@ class Schema(dict):
                     raise ValueError(f"setting {name} is declared twice")
                 specs[name] = spec
             self.sections.append((group.title, list(group)))
-        for name, value in own.items():
-            if name not in specs:
-                raise ValueError(f"setting {name} is not in any group of this schema")
-            specs[name] = value if isinstance(value, Setting) else specs[name].with_default(value)
         super().__init__({name: spec.default for name, spec in specs.items()})
         self.specs = specs
 
@@ -398,3 +425,22 @@ def configure(defaults, argv=None, doc=None):
         print(format_settings(defaults))
         sys.exit(0)
     return parse_config(defaults, argv)
+
+
+def read_settings(defaults, argv, check, doc=None, keep=()):
+    """
+    A script's settings as every process of a run reads them: (settings, failure, kept). settings:
+    configure()'s (config files, then --key=value) once check(settings) passed, else None, with
+    failure the exception either raised (a config file only node 0 has, a value one machine
+    refuses): held, not raised, so that the process group can still be formed and every rank hear
+    the one verdict (distributed.start). kept: {name: value} of the settings in keep (those the
+    process group is formed with): the settings' own, or, where they could not be read, what the
+    command line alone says of them (command_line_values: else their defaults). --help prints and
+    exits here, as configure() does.
+    """
+    try:
+        settings = configure(defaults, argv, doc=doc)
+        check(settings)
+    except Exception as e:  # a bug too: the other ranks must hear of it
+        return None, e, command_line_values(defaults, argv, keep)
+    return settings, None, {name: settings[name] for name in keep if name in settings}

@@ -9,7 +9,7 @@ Tasks:
              ending) and acc_norm (lowest mean loss per ending token)
   lambada    last-word prediction (JSONL with text): acc (the whole last word is the greedy continuation)
              and ppl (perplexity of the last word)
-  core       DCLM's CORE score as nanochat measures it (nanogpt_plus/core_eval.py): every
+  core       DCLM's CORE score as nanochat measures it (nanogpt_plus/evaluation/core.py): every
              in-context task of an eval bundle (--core_dir), its accuracy and centred accuracy,
              CORE their mean; with --dataset also that split's bits per byte. Ends with a score
              card of published CORE figures
@@ -39,22 +39,21 @@ import sys
 
 import torch
 
-from configurator import Group, Schema, Setting
-from nanogpt_plus import core_eval, settings
-from nanogpt_plus.checkpoint import tokenizer_known
+from configurator import Group, Schema, Setting, read_settings
+from nanogpt_plus import settings
 from nanogpt_plus.dataset import check_dataset_tokenizer, read_dataset_meta
-from nanogpt_plus.distributed import every_rank, master_decides, same_everywhere, start
+from nanogpt_plus.distributed import GROUP_SETTINGS, every_rank, master_decides, same_everywhere, start
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.evaluation import TASKS, evaluate, loss_files, task_data_file
+from nanogpt_plus.evaluation import TASKS, core, evaluate, loss_files, task_data_file
 from nanogpt_plus.files import atomic_write
-from nanogpt_plus.init_from import SAME_START, describe_source, init_model, same_start
+from nanogpt_plus.init_from import describe_source, init_model, tokenizer_known
 from nanogpt_plus.machine import device_type_of, precision, resolve_compile
 from nanogpt_plus.outputs import check_output
-from nanogpt_plus.runtime import provenance, run_main
+from nanogpt_plus.runtime import SAME_START, provenance, run_main, same_start
 from nanogpt_plus.settings import non_negative
-from nanogpt_plus.weight_formats import set_weights
+from nanogpt_plus.weight_formats import WEIGHTS, set_weights
 
-# the scoring is nanogpt_plus/evaluation.py's (one implementation, which other code calls in-process
+# the scoring is nanogpt_plus/evaluation's (one implementation, which other code calls in-process
 # too); this script reads the settings, loads the model, and prints or writes the result
 
 # -----------------------------------------------------------------------------
@@ -80,7 +79,7 @@ EVALUATION = Group(
     core_dir=Setting('', "core: DCLM's eval bundle (core.yaml, eval_data/, eval_meta_data.csv); "
                          "'' = data/core/eval_bundle, downloaded once"),
     output_file=Setting('', "also write the result JSON here"),
-    weights=settings.WEIGHTS_SETTING,  # shared with sample.py and finetune.py
+    weights=settings.weights('float32', choices=WEIGHTS),  # shared with sample.py and finetune.py
 )
 DATA = Group(
     'data',
@@ -88,11 +87,15 @@ DATA = Group(
                         "checkpoint's training dataset (core: its bits per byte, only when given)"),
     batch_size=settings.batch_size(16),
 )
-DEFAULTS = Schema(
-    IO, EVALUATION, DATA,
-    # shared with the other entry points: nanogpt_plus/settings.py
-    settings.subset(settings.SYSTEM, 'device', 'dtype', 'compile', 'seed', 'dist_timeout'),
-    compile=False)
+SYSTEM = Group(
+    'system',
+    dist_timeout=settings.dist_timeout(0),
+    device=settings.device('auto'),
+    dtype=settings.dtype('auto'),
+    compile=settings.compile(False),
+    seed=settings.seed(1337),
+)
+DEFAULTS = Schema(IO, EVALUATION, DATA, SYSTEM)
 # -----------------------------------------------------------------------------
 
 
@@ -102,18 +105,18 @@ def check_settings(cfg):
     is; the output file: by the rank that writes it, check_output_file).
     """
     DEFAULTS.check(cfg)
-    if cfg['task'] not in TASKS + ('core',):
-        raise UserError(f"unknown task '{cfg['task']}'; use one of: {', '.join(TASKS)}, core")
-    if cfg['task'] == 'core' and cfg['data_file']:
+    if cfg.task not in TASKS + ('core',):
+        raise UserError(f"unknown task '{cfg.task}'; use one of: {', '.join(TASKS)}, core")
+    if cfg.task == 'core' and cfg.data_file:
         raise UserError("--task=core reads its bundle from --core_dir, not --data_file; pass "
                         "--dataset=NAME for the bits per byte of a split")
 
 
 def check_output_file(cfg):
     """ Where --output_file goes, checked now, not after an evaluation that may take hours. """
-    if cfg['output_file']:
-        check_output(cfg['output_file'], 'output_file', cfg['overwrite'],
-                     inputs={'data_file': cfg['data_file']}, output_kind='eval result')
+    if cfg.output_file:
+        check_output(cfg.output_file, 'output_file', cfg.overwrite,
+                     inputs={'data_file': cfg.data_file}, output_kind='eval result')
 
 
 def write_output_file(path, line):
@@ -133,7 +136,7 @@ def check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta, source):
     meta is then the better guess).
     """
     if tokenizer_known(ckpt):
-        paths = loss_files(cfg['data_file'], dataset, cfg['split'])
+        paths = loss_files(cfg.data_file, dataset, cfg.split)
         data_dir = os.path.dirname(os.path.abspath(paths[0]))
         check_dataset_tokenizer(
             data_dir,
@@ -150,28 +153,28 @@ def load_inputs(cfg):
     its token files must be here, and speak the model's tokenizer), and a JSONL task's file (the
     public one downloaded once).
     """
-    data_file = cfg['data_file']
+    data_file = cfg.data_file
     if data_file and not os.path.exists(data_file):  # before the model is read
         raise UserError(f"no data file at {data_file}; pass --data_file=PATH to an existing file")
-    if cfg['task'] == 'core':  # the bundle, checked before the model is read
-        data_file = core_eval.bundle_dir(cfg['core_dir'])
-        core_eval.read_bundle(data_file)
-    model, tokenizer_meta, ckpt = init_model(cfg['init_from'], cfg['out_dir'])
-    dataset = cfg['dataset'] or ((ckpt or {}).get('config') or {}).get('dataset', '')
-    if cfg['task'] == 'core':
-        dataset = cfg['dataset']  # a split's bits per byte only when asked for
-    if cfg['task'] == 'loss' or (cfg['task'] == 'core' and dataset):
-        token_file = '' if cfg['task'] == 'core' else data_file
-        paths = loss_files(token_file, dataset, cfg['split'])
+    if cfg.task == 'core':  # the bundle, checked before the model is read
+        data_file = core.bundle_dir(cfg.core_dir)
+        core.read_bundle(data_file)
+    model, tokenizer_meta, ckpt = init_model(cfg.init_from, cfg.out_dir)
+    dataset = cfg.dataset or ((ckpt or {}).get('config') or {}).get('dataset', '')
+    if cfg.task == 'core':
+        dataset = cfg.dataset  # a split's bits per byte only when asked for
+    if cfg.task == 'loss' or (cfg.task == 'core' and dataset):
+        token_file = '' if cfg.task == 'core' else data_file
+        paths = loss_files(token_file, dataset, cfg.split)
         missing = [p for p in paths if not os.path.exists(p)]
         if missing:
             raise UserError(
                 f"no token file at {missing[0]} on this machine; prepare the dataset, or pass "
                 f"--dataset / --data_file")
         check_loss_tokenizer(cfg, dataset, ckpt, tokenizer_meta,
-                             describe_source(cfg['init_from'], cfg['out_dir']))
-    elif cfg['task'] != 'core':
-        data_file = task_data_file(cfg['task'], data_file)
+                             describe_source(cfg.init_from, cfg.out_dir))
+    elif cfg.task != 'core':
+        data_file = task_data_file(cfg.task, data_file)
     return model, tokenizer_meta, ckpt, dataset, data_file
 
 
@@ -180,29 +183,30 @@ def scored_files(cfg, dataset, data_file):
     What this rank scores, as same_start compares it: data, {name: path} (the loss task's token
     files, else the task's JSONL file), and data_meta, the token files' tokenizer description.
     """
-    if cfg['task'] == 'core':  # the bundle's files, and the split whose bits per byte it reports
-        bundle = {name: os.path.join(data_file, name) for name in core_eval.BUNDLE_FILES}
-        bundle.update({task.label: task.path for task in core_eval.read_bundle(data_file)})
+    if cfg.task == 'core':  # the bundle's files, and the split whose bits per byte it reports
+        bundle = {name: os.path.join(data_file, name) for name in core.BUNDLE_FILES}
+        bundle.update({task.label: task.path for task in core.read_bundle(data_file)})
         if not dataset:
             return {'data': bundle}
-        paths = loss_files('', dataset, cfg['split'])
+        paths = loss_files('', dataset, cfg.split)
         return {'data': {**bundle, **{os.path.basename(p): p for p in paths}},
                 'data_meta': read_dataset_meta(os.path.dirname(os.path.abspath(paths[0])))}
-    if cfg['task'] != 'loss':
+    if cfg.task != 'loss':
         return {'data': {'data_file': data_file}}
-    paths = loss_files(data_file, dataset, cfg['split'])
+    paths = loss_files(data_file, dataset, cfg.split)
     return {'data': {os.path.basename(p): p for p in paths},
             'data_meta': read_dataset_meta(os.path.dirname(os.path.abspath(paths[0])))}
 
 
 def main():
     # the settings, with one verdict for every rank; rank 0 writes the result, and checks where
-    cfg, dist_info = start(DEFAULTS, sys.argv[1:], check_settings, doc=__doc__)
+    cfg, failure, group = read_settings(DEFAULTS, sys.argv[1:], check_settings, __doc__, GROUP_SETTINGS)
+    dist_info = start(failure, **group)
     master_decides(dist_info, lambda: check_output_file(cfg))
-    torch.manual_seed(cfg['seed'])
+    torch.manual_seed(cfg.seed)
     device = dist_info.device
-    _, ctx = precision(device, cfg['dtype'])
-    compile_model = resolve_compile(cfg['compile'], device_type_of(device))  # None = auto: on CUDA
+    _, ctx = precision(device, cfg.dtype)
+    compile_model = resolve_compile(cfg.compile, device_type_of(device))  # None = auto: on CUDA
     if dist_info.master:
         print(f"provenance: {json.dumps(provenance(device))}")
     # what each rank reads (the model, the data), with one verdict: a node that lacks a file stops
@@ -212,30 +216,30 @@ def main():
     # and all of them the same: settings, code, checkpoint and data (else all stop in one line)
     scored = functools.partial(scored_files, cfg, dataset, data_file)
     same_everywhere(dist_info, lambda: same_start(dict(cfg), **scored()), SAME_START)
-    source = describe_source(cfg['init_from'], cfg['out_dir'])
+    source = describe_source(cfg.init_from, cfg.out_dir)
     model.to(device)
     model.eval()
-    set_weights(model, cfg['weights'])  # every row of the head: a loss scores the padded ids too
+    set_weights(model, cfg.weights)  # every row of the head: a loss scores the padded ids too
     # compiled, every batch is padded to block_size: one shape, so torch.compile compiles once
     pad_to = model.config.block_size if compile_model else None
     if compile_model:
         model = torch.compile(model)
-    common = dict(data_file=data_file, dataset=dataset, split=cfg['split'],
-                  batch_size=cfg['batch_size'], max_examples=cfg['max_examples'], device=device,
+    common = dict(data_file=data_file, dataset=dataset, split=cfg.split,
+                  batch_size=cfg.batch_size, max_examples=cfg.max_examples, device=device,
                   ctx=ctx, dist_info=dist_info, pad_to=pad_to, progress=dist_info.master)
-    if cfg['task'] == 'core':
-        result = core_eval.evaluate_bundle(model, tokenizer_meta, **common)
+    if cfg.task == 'core':
+        result = core.evaluate_bundle(model, tokenizer_meta, **common)
     else:
-        result = evaluate(model, cfg['task'], tokenizer_meta, stride=cfg['stride'], **common)
+        result = evaluate(model, cfg.task, tokenizer_meta, stride=cfg.stride, **common)
     # the printed JSON: where the model came from goes between what was scored and on which file
     line = json.dumps({'task': result['task'], 'metrics': result['metrics'],
                        'num_examples': result['num_examples'], 'source': source,
                        'data_file': result['data_file']})
-    if cfg['output_file']:  # rank 0's; every rank ends as its write did
-        master_decides(dist_info, lambda: write_output_file(cfg['output_file'], line))
+    if cfg.output_file:  # rank 0's; every rank ends as its write did
+        master_decides(dist_info, lambda: write_output_file(cfg.output_file, line))
     if dist_info.master:
-        if cfg['task'] == 'core':  # the tasks' lines came as each was done: CORE and the card
-            print('\n'.join(core_eval.score_card(result['metrics'], source, cfg['max_examples'])))
+        if cfg.task == 'core':  # the tasks' lines came as each was done: CORE and the card
+            print('\n'.join(core.score_card(result['metrics'], source, cfg.max_examples)))
         print(line)
 
 

@@ -67,17 +67,17 @@ DEFAULTS = Schema(IO, EXPORT)
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(cfg)
-    check_export_weights(cfg['weights'])  # before the model is loaded
-    hf_dir = cfg['hf_dir'] or os.path.join(cfg['out_dir'], 'hf')
+    check_export_weights(cfg.weights)  # before the model is loaded
+    hf_dir = cfg.hf_dir or os.path.join(cfg.out_dir, 'hf')
     # before the model is loaded: into a new or empty directory or an earlier export, not a
     # checkpoint's or a dataset's directory, nor the model's own, nor one of other files (its
     # README.md would be replaced)
-    check_output(hf_dir, 'hf_dir', cfg['overwrite'], kind='directory',
-                 inputs={'init_from': cfg['init_from']},
+    check_output(hf_dir, 'hf_dir', cfg.overwrite, kind='directory',
+                 inputs={'init_from': cfg.init_from},
                  earlier=('config.json', 'model.safetensors'))
-    model, tokenizer_meta, _ = init_model(cfg['init_from'], cfg['out_dir'])
-    source = describe_source(cfg['init_from'], cfg['out_dir'])
-    export(model, tokenizer_meta, hf_dir, source=source, weights=cfg['weights'])
+    model, tokenizer_meta, _ = init_model(cfg.init_from, cfg.out_dir)
+    source = describe_source(cfg.init_from, cfg.out_dir)
+    export(model, tokenizer_meta, hf_dir, source=source, weights=cfg.weights)
     files = sorted(os.listdir(hf_dir))
     print(f"exported {source} to {hf_dir}: {', '.join(files)}")
     print(json.dumps({'hf_dir': hf_dir, 'files': files}))

@@ -39,12 +39,20 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
-from configurator import Group, Schema, Setting
+from configurator import Group, Schema, Setting, read_settings
 from nanogpt_plus import finetuning, settings
 from nanogpt_plus import optimizer as opt
-from nanogpt_plus.checkpoint import CHECKPOINT, Checkpointer, checkpoint_path, load_checkpoint, restore_training_state
+from nanogpt_plus.checkpoint import (
+    CHECKPOINT,
+    LAST,
+    Checkpointer,
+    checkpoint_path,
+    load_checkpoint,
+    restore_training_state,
+)
 from nanogpt_plus.dataset import find_dataset
 from nanogpt_plus.distributed import (
+    GROUP_SETTINGS,
     accumulation_per_rank,
     all_reduce_sum,
     every_rank,
@@ -55,23 +63,23 @@ from nanogpt_plus.distributed import (
     wrap_model,
 )
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
-from nanogpt_plus.init_from import FIXED_BY_SOURCE, SAME_START, ModelSource, ModelSpec, init_model, same_start
+from nanogpt_plus.init_from import FIXED_BY_SOURCE, ModelSource, ModelSpec, init_model
 from nanogpt_plus.machine import compute_setup, device_type_of
 from nanogpt_plus.metrics import MetricsLogger, WandbSpec
-from nanogpt_plus.out_dir import check_new_run, claim_out_dir
-from nanogpt_plus.outputs import check_output
-from nanogpt_plus.runtime import provenance, run_main
+from nanogpt_plus.outputs import check_new_run, check_output, claim_out_dir
+from nanogpt_plus.runtime import SAME_START, provenance, run_main, same_start
 from nanogpt_plus.settings import non_negative, positive
+from nanogpt_plus.weight_formats import WEIGHTS
 
+# checkpoint.py's names, in a fine-tune's roles
 BEST_CKPT = CHECKPOINT  # the best model so far (by val accuracy), with its head
-LAST_CKPT = 'ckpt_last.pt'  # the latest training state, for --init_from=resume
+LAST_CKPT = LAST  # the latest training state, for --init_from=resume
 
 # -----------------------------------------------------------------------------
 # The settings and their defaults: GPT-1's fine-tuning recipe (batch 32, 3 epochs, dropout 0.1,
 # warmup over 0.2% of training, lambda 0.5, lr 6.25e-5 scaled to the width); `python finetune.py
 # --help` prints them with their help. A setting other entry points share has its type, range and
-# help in nanogpt_plus/settings.py and its default here; the model settings (shared whole) are for
-# init_from=scratch (the weights fix the rest).
+# help in nanogpt_plus/settings.py and its default here.
 FINETUNING = Group(
     'fine-tuning (GPT-1)',
     task=Setting('', "classification | entailment | similarity | multiple_choice ('' = the "
@@ -89,7 +97,7 @@ FINETUNING = Group(
                                "the last step", low=0.0, high=1.0),
     eval_batch_size=non_negative(0, "examples per forward pass in evaluation; 0 = batch_size"),
     # predictions only (--predict_file without --train_file); shared with sample.py and eval.py
-    weights=settings.WEIGHTS_SETTING,
+    weights=settings.weights('float32', choices=WEIGHTS),
 )
 IO = Group(
     'I/O',
@@ -128,15 +136,34 @@ WANDB = Group(
     wandb_project=settings.wandb_project('finetune'),
     wandb_run_name=settings.wandb_run_name('finetune'),
 )
-DEFAULTS = Schema(
-    FINETUNING, IO, DATA,
-    # shared whole (nanogpt_plus/settings.py): n_layer, n_head, n_embd, dropout, bias, ...
-    settings.MODEL,
-    ADAMW, LR_DECAY, WANDB,
-    # shared with the other entry points: nanogpt_plus/settings.py
-    settings.subset(settings.SYSTEM, 'backend', 'dist_timeout', 'device', 'dtype', 'compile',
-                    'activation_checkpointing', 'seed'),
-    dropout=0.1, compile=False)
+# the model (init_from=scratch; weights fix the architecture, dropout is this run's)
+MODEL = Group(
+    'model',
+    n_layer=settings.n_layer(12),
+    n_head=settings.n_head(12),
+    n_embd=settings.n_embd(768),
+    dropout=settings.dropout(0.1),
+    bias=settings.bias(False),
+    gelu=settings.gelu('none'),
+    attention=settings.attention('flash'),
+    pos=settings.pos('learned'),
+    norm=settings.norm('layernorm'),
+    qk_norm=settings.qk_norm(False),
+    mlp_act=settings.mlp_act('gelu'),
+    logit_softcap=settings.logit_softcap(0.0),
+    tie_embeddings=settings.tie_embeddings(True),
+)
+SYSTEM = Group(
+    'system',
+    backend=settings.backend('auto'),
+    dist_timeout=settings.dist_timeout(0),
+    device=settings.device('auto'),
+    dtype=settings.dtype('auto'),
+    compile=settings.compile(False),
+    activation_checkpointing=settings.activation_checkpointing(False),
+    seed=settings.seed(1337),
+)
+DEFAULTS = Schema(FINETUNING, IO, DATA, MODEL, ADAMW, LR_DECAY, WANDB, SYSTEM)
 # -----------------------------------------------------------------------------
 
 
@@ -204,33 +231,36 @@ class FinetuneState:
 def main():
     argv = sys.argv[1:]
     # the settings, read and checked by every rank, with one verdict (a config file one node lacks)
-    cfg, dist_info = start(DEFAULTS, argv, check_settings, doc=__doc__)
+    user_cfg, failure, group = read_settings(DEFAULTS, argv, check_settings, __doc__, GROUP_SETTINGS)
+    dist_info = start(failure, **group)
     # the task files are on every node, and train.py's rules give the architecture of the model
     # init_from names (0 = its block_size), with one verdict for all ranks; then all must start from
     # the same settings, code, checkpoint and task files
     imposed, resumed = every_rank(dist_info, lambda: finetuning.start(
-        cfg.select(finetuning.TaskFiles), cfg.select(ModelSource), cfg.chosen(FIXED_BY_SOURCE),
-        LAST_CKPT))
-    cfg.update(imposed)
+        user_cfg.select(finetuning.TaskFiles), user_cfg.select(ModelSource),
+        user_cfg.chosen(FIXED_BY_SOURCE), LAST_CKPT))
+    # the fine-tune's settings: the user's with what the source imposes, a new frozen Settings
+    # (user_cfg stays as given), so that every part and each checkpoint's 'config' see one set
+    cfg = user_cfg.replaced(imposed)
     same_everywhere(dist_info, lambda: same_start(dict(cfg), resumed, data=finetuning.task_files(
         cfg.select(finetuning.TaskFiles)), resume_file=LAST_CKPT), SAME_START)
-    if not cfg['train_file'] and cfg['predict_file']:
+    if not cfg.train_file and cfg.predict_file:
         if EXIT_REQUEST is not None:  # predictions alone: nothing to save, a signal stops them
             EXIT_REQUEST.interrupt_at_once()
         return finetuning.predict_with_checkpoint(cfg.select(finetuning.PredictSpec), dist_info)
     # the best model's predictions come after the training: their path is checked now, by rank 0,
     # which writes them (every rank learns the outcome)
-    if cfg['predict_file']:
-        out_path = finetuning.predictions_path(cfg['predict_out'], cfg['out_dir'])
+    if cfg.predict_file:
+        out_path = finetuning.predictions_path(cfg.predict_out, cfg.out_dir)
         master_decides(dist_info, lambda: check_output(
-            out_path, 'predict_out', cfg['overwrite'], output_kind='predictions',
+            out_path, 'predict_out', cfg.overwrite, output_kind='predictions',
             inputs={k: cfg[k] for k in ('train_file', 'val_file', 'predict_file')}))
     # rank 0 holds out_dir/run.lock for the whole fine-tune; a new one over an earlier one's
     # checkpoints needs
     # --overwrite=True (or continues it, with --init_from=resume, when its training state is there)
-    guarded = [LAST_CKPT, BEST_CKPT] if cfg['init_from'] != 'resume' else []
-    with claim_out_dir(cfg['out_dir'], dist_info, prepare=lambda: check_new_run(
-            cfg['out_dir'], guarded, 'finetune.py', argv, cfg['overwrite'], resume_file=LAST_CKPT)):
+    guarded = [LAST_CKPT, BEST_CKPT] if cfg.init_from != 'resume' else []
+    with claim_out_dir(cfg.out_dir, dist_info, prepare=lambda: check_new_run(
+            cfg.out_dir, guarded, 'finetune.py', argv, cfg.overwrite, resume_file=LAST_CKPT)):
         result = finetune(cfg, dist_info)
     if result['interrupted']:
         raise Interrupted()  # ckpt_last.pt saved, resumable: exit code 75
@@ -242,13 +272,13 @@ def check_settings(cfg):
     and files.
     """
     DEFAULTS.check(cfg)
-    settings.check_model_shape(cfg['n_embd'], cfg['n_head'], cfg['pos'])
-    settings.check_auto_resume(cfg['auto_resume'], cfg['overwrite'])
-    if cfg['task'] and cfg['task'] not in finetuning.TASKS:
-        raise UserError(f"unknown task '{cfg['task']}': use {', '.join(finetuning.TASKS)}")
-    if cfg['weights'] != 'float32' and cfg['train_file']:
+    settings.check_model_shape(cfg.n_embd, cfg.n_head, cfg.pos)
+    settings.check_auto_resume(cfg.auto_resume, cfg.overwrite)
+    if cfg.task and cfg.task not in finetuning.TASKS:
+        raise UserError(f"unknown task '{cfg.task}': use {', '.join(finetuning.TASKS)}")
+    if cfg.weights != 'float32' and cfg.train_file:
         raise UserError(
-            f"weights={cfg['weights']} is a format for predictions (--predict_file without --train_file); "
+            f"weights={cfg.weights} is a format for predictions (--predict_file without --train_file); "
             f"fine-tuning trains float32 weights (--dtype=bfloat16 computes in bfloat16)")
 
 
@@ -258,14 +288,14 @@ def finetune(cfg, dist_info):
     """
     run, state = setup(cfg, dist_info)
     try:
-        while state.epoch < cfg['epochs'] and not state.interrupted:
+        while state.epoch < cfg.epochs and not state.interrupted:
             run_epoch(run, state)
             if state.interrupted:
                 save_last(run, state,
                           f"interrupted at epoch {state.epoch}, step {state.step_in_epoch}")
                 if run.dist_info.master:
                     print(
-                        f"stopped cleanly; continue with --init_from=resume --out_dir={cfg['out_dir']} (exit 75)"
+                        f"stopped cleanly; continue with --init_from=resume --out_dir={cfg.out_dir} (exit 75)"
                     )
             else:
                 end_epoch(run, state)
@@ -282,43 +312,44 @@ def setup(cfg, dist_info):
     """
     Everything the loop needs (FinetuneRun) and the state it starts from: new, or ckpt_last.pt's.
     """
-    accum = accumulation_per_rank(cfg['gradient_accumulation_steps'], dist_info)
+    accum = accumulation_per_rank(cfg.gradient_accumulation_steps, dist_info)
     device = dist_info.device
-    resume = cfg['init_from'] == 'resume'
-    dtype, ctx, compile_model, _ = compute_setup(device, cfg['dtype'], cfg['compile'],
+    resume = cfg.init_from == 'resume'
+    dtype, ctx, compile_model, _ = compute_setup(device, cfg.dtype, cfg.compile,
                                                  num_threads=0, peak=False)
     # kept in the checkpoints
     run_provenance = dict(provenance(device), dtype=dtype, world_size=dist_info.world_size)
     if dist_info.master:
         print("provenance: " + json.dumps(run_provenance))
-    if not cfg['task'] and not resume:  # (check_settings refused any other unknown task)
+    if not cfg.task and not resume:  # (check_settings refused any other unknown task)
         raise UserError(f"unknown task '': pass --task=one of {', '.join(finetuning.TASKS)}")
 
     # the model: the same initial weights on every rank (head, new embeddings), then per-rank
     # dropout
-    torch.manual_seed(cfg['seed'])
+    torch.manual_seed(cfg.seed)
     gpt, tokenizer_meta, source = load_source(cfg)
-    # 0 = the rate for the source model's width, known only now; cfg (and so every checkpoint) keeps
-    # the number used
+    # 0 = the rate for the source model's width, known only now: from here on the run's settings
+    # are cfg with the number used, a new Settings (the one read stays as it was), which every
+    # checkpoint's 'config' and the result keep
     learning_rate, how = finetuning.resolve_learning_rate(
         cfg.select(finetuning.Recipe), gpt.config.n_embd, source if resume else None)
-    cfg.update(learning_rate=learning_rate)
+    cfg = cfg.replaced({'learning_rate': learning_rate})
     recipe = cfg.select(finetuning.Recipe)
     if dist_info.master:
         print(f"learning rate {learning_rate:.4g} ({how})")
-    task = cfg['task'] or source.get('task') if resume else cfg['task']
+    task = cfg.task or source.get('task') if resume else cfg.task
     if resume and task != source.get('task'):
         raise UserError(
-            f"--task={task} but the fine-tune in {cfg['out_dir']} is {source.get('task')}; "
+            f"--task={task} but the fine-tune in {cfg.out_dir} is {source.get('task')}; "
             f"drop --task to resume it")
     raw_model, special, tokenizer, data = finetuning.task_model_and_data(
         gpt, tokenizer_meta, source, task=task, spec=cfg.select(finetuning.TaskModelSpec),
         files=cfg.select(finetuning.TaskFiles))
     raw_model.to(device)
-    if not cfg['val_file'] and dist_info.master:
+    if not cfg.val_file and dist_info.master:
         print("warning: no --val_file; the model of the last epoch is kept and val_acc is null",
               file=sys.stderr)
-    torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank; data order does not
+    torch.manual_seed(cfg.seed + dist_info.rank)  # dropout differs per rank; data order does not
 
     optimizer = finetuning.configure_optimizers(raw_model, recipe, device_type_of(device))
     scaler = opt.make_grad_scaler(device_type_of(device), dtype)
@@ -327,7 +358,7 @@ def setup(cfg, dist_info):
                                  num_replicas=dist_info.world_size,
                                  rank=dist_info.rank,
                                  shuffle=True,
-                                 seed=cfg['seed'],
+                                 seed=cfg.seed,
                                  drop_last=False)
     schedule = finetuning.Schedule.for_run(len(sampler), recipe, accum)
     state = FinetuneState()
@@ -340,13 +371,13 @@ def setup(cfg, dist_info):
             print(f"resuming the fine-tune at epoch {state.epoch}, step {state.step_in_epoch} of "
                   f"{schedule.steps_per_epoch}")
     # a resume continues its checkpoint's wandb run too
-    logger = MetricsLogger.for_run(cfg['out_dir'], cfg.select(WandbSpec), config_record=dict(cfg),
+    logger = MetricsLogger.for_run(cfg.out_dir, cfg.select(WandbSpec), config_record=dict(cfg),
                                    enabled=dist_info.master, resumed=source if resume else None)
-    logger.start(state.iter_num, cfg['init_from'])
+    logger.start(state.iter_num, cfg.init_from)
     # a resumed fine-tune still names the model it started from, not its own ckpt_last.pt
-    source_name = source.get('source_model', cfg['init_from']) if resume else cfg['init_from']
+    source_name = source.get('source_model', cfg.init_from) if resume else cfg.init_from
     # ckpt.pt, ckpt_last.pt
-    checkpointer = Checkpointer(cfg['out_dir'], dist_info, raw_model, optimizer)
+    checkpointer = Checkpointer(cfg.out_dir, dist_info, raw_model, optimizer)
     return FinetuneRun(cfg, dist_info, task, raw_model, model, optimizer, scaler, ctx, data,
                        special, tokenizer, tokenizer_meta, source_name, run_provenance, sampler,
                        schedule, checkpointer, logger, EXIT_REQUEST or GracefulExit().install(),
@@ -359,21 +390,21 @@ def load_source(cfg):
     init_model's, with the model settings for scratch (and the dataset's tokenizer) and ckpt_last.pt
     for resume.
     """
-    init_from = cfg['init_from']
+    init_from = cfg.init_from
     if init_from not in ('scratch', 'resume'):
-        source_path = checkpoint_path(init_from, cfg['out_dir'])
-        target = os.path.abspath(os.path.join(cfg['out_dir'], BEST_CKPT))
+        source_path = checkpoint_path(init_from, cfg.out_dir)
+        target = os.path.abspath(os.path.join(cfg.out_dir, BEST_CKPT))
         if source_path is not None and os.path.abspath(source_path) == target:
             raise UserError(
                 f"init_from {init_from} is the checkpoint in --out_dir, which fine-tuning would "
                 f"overwrite; pass a different --out_dir (or --init_from=resume to continue an "
                 f"interrupted fine-tune)")
     # 0 means the source model's; scratch has none
-    spec = dataclasses.replace(cfg.select(ModelSpec), block_size=cfg['block_size'] or 1024)
+    spec = dataclasses.replace(cfg.select(ModelSpec), block_size=cfg.block_size or 1024)
     # the tokenizer
-    data = find_dataset(cfg['dataset'], splits=()) if init_from == 'scratch' else None
-    gpt, tokenizer_meta, source = init_model(init_from, cfg['out_dir'], dataset=data, spec=spec,
-                                             dropout=cfg['dropout'], resume_file=LAST_CKPT)
+    data = find_dataset(cfg.dataset, splits=()) if init_from == 'scratch' else None
+    gpt, tokenizer_meta, source = init_model(init_from, cfg.out_dir, dataset=data, spec=spec,
+                                             dropout=cfg.dropout, resume_file=LAST_CKPT)
     return gpt, tokenizer_meta, source or {}
 
 
@@ -386,7 +417,7 @@ def run_epoch(run, state):
     while state.step_in_epoch < run.schedule.steps_per_epoch:
         lr, step_losses, grad_norm = train_step(run, state, order)
         last_of_epoch = state.step_in_epoch == run.schedule.steps_per_epoch
-        if state.iter_num % run.cfg['log_interval'] == 0 or last_of_epoch:
+        if state.iter_num % run.cfg.log_interval == 0 or last_of_epoch:
             log_step(run, state, lr, step_losses, grad_norm)
         if run.exit_request.should_stop(run.dist_info):  # every step: torchrun kills soon after
             state.interrupted = True
@@ -415,16 +446,16 @@ def train_step(run, state, order):
             # mean
             with run.ctx:
                 logits, lm_sum = run.model(b['idx'], b['extract_pos'], b['choice_mask'],
-                                           b['lm_targets'] if cfg['lm_loss_weight'] > 0 else None)
+                                           b['lm_targets'] if cfg.lm_loss_weight > 0 else None)
             cls_loss = F.cross_entropy(logits, b['labels'], reduction='sum') / n_ex
-            lm_loss = lm_sum / max(n_tok, 1.0) if cfg['lm_loss_weight'] > 0 else None
-            loss = cls_loss + cfg['lm_loss_weight'] * lm_loss if lm_loss is not None else cls_loss
+            lm_loss = lm_sum / max(n_tok, 1.0) if cfg.lm_loss_weight > 0 else None
+            loss = cls_loss + cfg.lm_loss_weight * lm_loss if lm_loss is not None else cls_loss
             # DDP averages gradients over the W ranks; scale up so they add up instead
             run.scaler.scale(loss * run.dist_info.world_size).backward()
         step_cls += cls_loss.detach()
         if lm_loss is not None:
             step_lm += lm_loss.detach()
-    grad_norm = opt.optimizer_step(run.model, run.optimizer, run.scaler, cfg['grad_clip'])
+    grad_norm = opt.optimizer_step(run.model, run.optimizer, run.scaler, cfg.grad_clip)
     state.iter_num += 1
     state.step_in_epoch += 1
     return lr, (step_cls, step_lm), grad_norm
@@ -435,7 +466,7 @@ def log_step(run, state, lr, step_losses, grad_norm):
     The step's losses summed over ranks (one sync, at log time only): a line and a metrics record.
     """
     step_cls, step_lm = all_reduce_sum([t.item() for t in step_losses], run.dist_info)
-    state.last_loss = step_cls + run.cfg['lm_loss_weight'] * step_lm
+    state.last_loss = step_cls + run.cfg.lm_loss_weight * step_lm
     if not math.isfinite(step_cls + step_lm):
         raise UserError(
             f"the loss is {step_cls + step_lm} at step {state.iter_num}; lower the learning rate "
@@ -495,7 +526,7 @@ def evaluate_epoch(run, state):
     if run.data.val_encoded is None:
         return record
     correct, seen, loss_sum = finetuning.evaluate_val(
-        run.raw_model, run.data, run.special, run.cfg['eval_batch_size'] or run.cfg['batch_size'],
+        run.raw_model, run.data, run.special, run.cfg.eval_batch_size or run.cfg.batch_size,
         run.ctx, run.dist_info)
     record.update(val_acc=correct / seen, val_loss=loss_sum / seen)
     if run.dist_info.master:
@@ -532,15 +563,15 @@ def finish(run, state):
     """
     cfg = run.cfg
     result = {'task': run.task, 'val_acc': state.best_val_acc, 'best_epoch': state.best_epoch,
-              'epochs': state.epoch, 'steps': state.iter_num, 'learning_rate': cfg['learning_rate'],
-              'out_dir': cfg['out_dir'], 'interrupted': state.interrupted}
-    if cfg['predict_file'] and not state.interrupted and run.dist_info.master:
-        best = load_checkpoint(os.path.join(cfg['out_dir'], BEST_CKPT))
+              'epochs': state.epoch, 'steps': state.iter_num, 'learning_rate': cfg.learning_rate,
+              'out_dir': cfg.out_dir, 'interrupted': state.interrupted}
+    if cfg.predict_file and not state.interrupted and run.dist_info.master:
+        best = load_checkpoint(os.path.join(cfg.out_dir, BEST_CKPT))
         best_model = finetuning.model_from_finetune_checkpoint(best).to(run.dist_info.device)
         finetuning.write_predictions(
             best_model, best, run.special, run.tokenizer, device=run.dist_info.device, ctx=run.ctx,
-            path=cfg['predict_file'], batch_size=cfg['eval_batch_size'] or cfg['batch_size'],
-            out_path=finetuning.predictions_path(cfg['predict_out'], cfg['out_dir']))
+            path=cfg.predict_file, batch_size=cfg.eval_batch_size or cfg.batch_size,
+            out_path=finetuning.predictions_path(cfg.predict_out, cfg.out_dir))
     if run.dist_info.master:
         print(json.dumps(result))
     return result

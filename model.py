@@ -282,6 +282,9 @@ MODERN_CHOICES = {
     'norm': ('layernorm', 'rmsnorm'),
     'mlp_act': ('gelu', 'relu2')
 }
+# the attention implementations GPT.set_attention selects: scaled_dot_product_attention or the
+# explicit softmax(QK^T)V
+ATTENTIONS = ('flash', 'manual')
 
 
 class GPT(nn.Module):
@@ -390,8 +393,8 @@ class GPT(nn.Module):
         """
         Select the attention implementation: 'flash' (scaled_dot_product_attention) or 'manual'.
         """
-        if path not in ('flash', 'manual'):
-            raise ValueError(f"attention path must be 'flash' or 'manual', got {path!r}")
+        if path not in ATTENTIONS:
+            raise ValueError(f"attention path must be one of {ATTENTIONS}, got {path!r}")
         for block in self.transformer.h:
             block.attn.flash = path == 'flash'
 

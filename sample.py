@@ -37,10 +37,10 @@ import time
 
 import torch
 
-from configurator import Group, Schema, Setting
+from configurator import Group, Schema, Setting, read_settings
 from nanogpt_plus import settings
-from nanogpt_plus.distributed import every_rank, start
-from nanogpt_plus.engine import check_sampling_args, generate_stream
+from nanogpt_plus.distributed import GROUP_SETTINGS, every_rank, start
+from nanogpt_plus.engine import MODES, check_sampling_args, generate_stream
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.init_from import describe_source, init_model
 from nanogpt_plus.machine import PTDTYPE, apply_cpu_threads, device_type_of, precision, resolve_compile
@@ -48,7 +48,7 @@ from nanogpt_plus.progress import Progress
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.settings import flag, non_negative, positive
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
-from nanogpt_plus.weight_formats import can_pack, set_weights
+from nanogpt_plus.weight_formats import WEIGHTS, can_pack, set_weights
 
 SEPARATOR = '---------------'
 
@@ -74,19 +74,25 @@ SAMPLING = Group(
     top_p=Setting(1.0, "nucleus sampling: keep the most likely tokens up to this probability mass "
                        "(1.0: off)", none_ok=True),
     mode=Setting('exact', "'exact' (nanoGPT's results) or 'fast' (a KV cache in the model's dtype, "
-                          "see sample.py)", choices=settings.MODES),
+                          "see sample.py)", choices=MODES),
     stop_at_eot=flag(False, "BPE models (gpt2, bpe): end a sample at <|endoftext|>"),
-    weights=settings.WEIGHTS_SETTING,  # shared with eval.py and finetune.py
+    weights=settings.weights('float32', choices=WEIGHTS),  # shared with eval.py and finetune.py
 )
-DEFAULTS = Schema(
-    IO, SAMPLING,
-    # shared with the other entry points: nanogpt_plus/settings.py
-    settings.subset(settings.MODEL, 'attention'),
-    settings.subset(settings.SYSTEM, 'device', 'dtype', 'compile', 'num_threads', 'seed'),
-    compile=False,
+MODEL = Group(
+    'model',
+    attention=settings.attention('flash'),
+)
+SYSTEM = Group(
+    'system',
+    device=settings.device('auto'),
+    dtype=settings.dtype('auto'),
+    compile=settings.compile(False),
     # sample.py's own num_threads: 0 keeps torch's count (train.py's 0 times the candidates on a
     # batch)
-    num_threads=non_negative(0, "CPU threads for torch; 0 = torch's default (one per core)"))
+    num_threads=non_negative(0, "CPU threads for torch; 0 = torch's default (one per core)"),
+    seed=settings.seed(1337),
+)
+DEFAULTS = Schema(IO, SAMPLING, MODEL, SYSTEM)
 # -----------------------------------------------------------------------------
 
 
@@ -204,7 +210,7 @@ def check_settings(config):
     DEFAULTS.check(config)
     # temperature >= 0 (0 = greedy), top_k >= 1 or None, 0 < top_p <= 1: the engine's own rules
     try:
-        check_sampling_args(config['temperature'], config['top_k'], config['top_p'])
+        check_sampling_args(config.temperature, config.top_k, config.top_p)
     except (ValueError, TypeError) as e:
         raise UserError(str(e)) from None
 
@@ -214,11 +220,11 @@ def load_inputs(config):
     (model, tokenizer, the prompt's ids) of this rank: what it reads of its node's disk (the
     checkpoint, a FILE: prompt), checked.
     """
-    model, tokenizer_meta, _ = init_model(config['init_from'], config['out_dir'])
+    model, tokenizer_meta, _ = init_model(config.init_from, config.out_dir)
     tok = load_tokenizer(tokenizer_meta)
     check_tokenizer_fits(model.config, tokenizer_meta,
-                         describe_source(config['init_from'], config['out_dir']))
-    start_ids = encode_prompt(tok, read_start(config['start']), model.config.block_size,
+                         describe_source(config.init_from, config.out_dir))
+    start_ids = encode_prompt(tok, read_start(config.start), model.config.block_size,
                               model.config.vocab_size)
     return model, tok, start_ids
 
@@ -226,30 +232,31 @@ def load_inputs(config):
 def main():
     # under torchrun every rank samples on its own device, after one verdict on its settings and on
     # what it reads: a node that lacks the checkpoint or the prompt file stops every rank at once
-    config, dist_info = start(DEFAULTS, sys.argv[1:], check_settings, doc=__doc__)
-    top_p = config['top_p']
+    config, failure, group = read_settings(DEFAULTS, sys.argv[1:], check_settings, __doc__, GROUP_SETTINGS)
+    dist_info = start(failure, **group)
+    top_p = config.top_p
 
     device = dist_info.device
-    apply_cpu_threads(config['num_threads'])
-    dtype, ctx = precision(device, config['dtype'])
+    apply_cpu_threads(config.num_threads)
+    dtype, ctx = precision(device, config.dtype)
     # None = auto: on CUDA
-    compile_model = resolve_compile(config['compile'], device_type_of(device))
-    torch.manual_seed(config['seed'])
+    compile_model = resolve_compile(config.compile, device_type_of(device))
+    torch.manual_seed(config.seed)
     if 'cuda' in device:
-        torch.cuda.manual_seed(config['seed'])
+        torch.cuda.manual_seed(config.seed)
 
     model, tok, start_ids = every_rank(dist_info, lambda: load_inputs(config))
     model.to(device)
     model.eval()
-    model.set_attention(config['attention'])
-    source = describe_source(config['init_from'], config['out_dir'])
+    model.set_attention(config.attention)
+    source = describe_source(config.init_from, config.out_dir)
     # the head scores only the tokenizer's ids: a padded vocabulary's extra rows are never sampled.
     # float32 on a CPU is packed for oneDNN, unless torch.compile is to choose the kernels (it packs
     # weights its own way)
     pack = can_pack(device, PTDTYPE[dtype]) and not compile_model
-    set_weights(model, config['weights'], pack=pack, vocab_size=tok.vocab_size)
+    set_weights(model, config.weights, pack=pack, vocab_size=tok.vocab_size)
     stop_token = None
-    if config['stop_at_eot']:
+    if config.stop_at_eot:
         if tok.eot_token is None:
             print(
                 "warning: stop_at_eot does nothing for a character-level model (it has no end-of-text "
@@ -258,31 +265,31 @@ def main():
         else:
             stop_token = tok.eot_token
     print(f"sampling {source} on {device} ({dtype}, "
-          f"{config['weights']} weights), mode={config['mode']}", file=sys.stderr)
+          f"{config.weights} weights), mode={config.mode}", file=sys.stderr)
     if compile_model:
         model = torch.compile(model, dynamic=True)  # the cache makes shapes change every step
 
     # the prompt's ids, one copy per sample: x is (num_samples, T)
-    num_samples = config['num_samples']
-    stream = config['num_samples'] == 1
+    num_samples = config.num_samples
+    stream = config.num_samples == 1
     x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...].repeat(num_samples, 1)
     # one generator for the whole batch: the same seed gives the same samples
-    generator = torch.Generator(device=device).manual_seed(config['seed'])
+    generator = torch.Generator(device=device).manual_seed(config.seed)
 
     # one sample is streamed as its tokens arrive; several are printed as they finish: all at
     # once at the end unless a stop token ends some earlier. A long wait for them (a minute for
     # nanoGPT's 10 x 500 tokens on a busy CPU) is reported on stderr instead
     decoder = StreamDecoder(tok)
     printer = BatchPrinter(tok, start_ids, num_samples, stop_token)
-    meter = Progress(config['max_new_tokens'], f"sampling {num_samples} samples in one batch",
+    meter = Progress(config.max_new_tokens, f"sampling {num_samples} samples in one batch",
                      "tokens each", show=not stream, file=sys.stderr)
     if stream:
         sys.stdout.write(tok.decode(start_ids))
         sys.stdout.flush()
     t0 = time.perf_counter()
-    tokens_per_step = generate_stream(model, x, config['max_new_tokens'],
-                                      temperature=config['temperature'], top_k=config['top_k'],
-                                      top_p=top_p, generator=generator, mode=config['mode'],
+    tokens_per_step = generate_stream(model, x, config.max_new_tokens,
+                                      temperature=config.temperature, top_k=config.top_k,
+                                      top_p=top_p, generator=generator, mode=config.mode,
                                       stop_token=stop_token, vocab_size=tok.vocab_size, ctx=ctx)
     for tokens in meter.over(tokens_per_step):
         printer.add(tokens, show=not stream)

@@ -30,37 +30,35 @@ from dataclasses import dataclass
 
 import torch
 
-from configurator import Group, Schema, Setting
+from configurator import Group, Schema, Setting, read_settings
 from model import GPT
 from nanogpt_plus import distributed, progress, settings
 from nanogpt_plus import optimizer as opt
 from nanogpt_plus.checkpoint import Checkpointer, CheckpointPolicy, restore_training_state
 from nanogpt_plus.dataloader import DataSpec, TokenWindowLoader, training_data
-from nanogpt_plus.dataset import padded_tokenizer_size
 from nanogpt_plus.distributed import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.errors import Interrupted, UserError, non_finite_loss, out_of_memory_error
 from nanogpt_plus.init_from import (
     FIXED_BY_SOURCE,
-    SAME_START,
     ModelSource,
     ModelSpec,
     ResumeSpec,
     init_training_model,
+    padded_tokenizer_size,
     resume_refusal,
-    same_start,
     source_settings,
 )
 from nanogpt_plus.machine import choose_threads, compute_setup, device_type_of
 from nanogpt_plus.metrics import MetricsLogger, WandbSpec
-from nanogpt_plus.out_dir import OutDirSpec, claim_out_dir, prepare_out_dir
-from nanogpt_plus.runtime import provenance, run_main
+from nanogpt_plus.outputs import OutDirSpec, claim_out_dir, prepare_out_dir
+from nanogpt_plus.runtime import SAME_START, provenance, run_main, same_start
 from nanogpt_plus.settings import flag, non_negative, positive
 from nanogpt_plus.tokenizer import load_tokenizer, split_bytes_per_token
 
 # -----------------------------------------------------------------------------
 # The settings and their defaults: nanoGPT's (GPT-2 124M on OpenWebText) in its order, then ours;
 # `python train.py --help` prints them with their help. A shared setting's type, range and help are
-# in nanogpt_plus/settings.py, its default here; the model and system groups are shared whole.
+# in nanogpt_plus/settings.py, its default here.
 # I/O
 IO = Group(
     'I/O',
@@ -82,14 +80,15 @@ IO = Group(
                             "or name (ckpt_2000.pt); '' = ckpt.pt"),
     auto_resume=settings.auto_resume(False),
 )
-# in-loop evaluation (nanogpt_plus/periodic.py)
+# in-loop evaluation (nanogpt_plus/evaluation/periodic.py; hellaswag_file's default is evaluation.HELLASWAG_FILE,
+# written out here: the evaluation code loads only when a run scores HellaSwag)
 INLOOP = Group(
     'zero-shot HellaSwag and samples while training',
     hellaswag_interval=non_negative(0, "score HellaSwag (eval.py's scoring) every N "
                                        "iterations; 0 = off"),
     hellaswag_examples=non_negative(0, "the first N validation examples only; 0 = all 10,042"),
-    hellaswag_file=Setting(settings.HELLASWAG_FILE, "this default is downloaded once (as eval.py "
-                                                    "does), or a JSONL file of yours"),
+    hellaswag_file=Setting('data/hellaswag/hellaswag_val.jsonl', "this default is downloaded once (as "
+                                                                 "eval.py does), or a JSONL file of yours"),
     sample_interval=non_negative(0, "every N iterations print sample_tokens greedy tokens after "
                                     "sample_prompt; 0 = off"),
     sample_tokens=positive(32, "tokens in each in-loop sample"),
@@ -111,6 +110,24 @@ DATA = Group(
     gradient_accumulation_steps=settings.gradient_accumulation_steps(5 * 8),
     batch_size=settings.batch_size(12),
     block_size=settings.block_size(1024),
+)
+# model
+MODEL = Group(
+    'model',
+    n_layer=settings.n_layer(12),
+    n_head=settings.n_head(12),
+    n_embd=settings.n_embd(768),
+    dropout=settings.dropout(0.0),
+    bias=settings.bias(False),
+    gelu=settings.gelu('none'),
+    attention=settings.attention('flash'),
+    # the modern options (config/train_*_fast.py, *_speedrun.py); the defaults are GPT-2's
+    pos=settings.pos('learned'),
+    norm=settings.norm('layernorm'),
+    qk_norm=settings.qk_norm(False),
+    mlp_act=settings.mlp_act('gelu'),
+    logit_softcap=settings.logit_softcap(0.0),
+    tie_embeddings=settings.tie_embeddings(True),
 )
 # adamw optimizer (and Muon)
 ADAMW = Group(
@@ -139,7 +156,7 @@ LR_DECAY = Group(
     decay_lr=settings.decay_lr(True),
     lr_schedule=Setting('cosine', "'cosine' (nanoGPT) or 'wsd': warmup, constant, then a linear "
                                   "cooldown to min_lr over the last cooldown_frac of "
-                                  "lr_decay_iters", choices=settings.LR_SCHEDULES),
+                                  "lr_decay_iters", choices=opt.LR_SCHEDULES),
     cooldown_frac=Setting(0.2, "lr_schedule='wsd': the fraction of lr_decay_iters spent cooling "
                                "down", low=0.0, high=1.0),
     warmup_iters=non_negative(2000, "iterations of the linear warmup"),
@@ -148,14 +165,22 @@ LR_DECAY = Group(
     min_lr=settings.min_lr(6e-5),
 )
 
-DEFAULTS = Schema(
-    IO, INLOOP, WANDB, DATA,
-    # shared whole (nanogpt_plus/settings.py): n_layer, n_head, n_embd, dropout, bias, ...
-    settings.MODEL,
-    ADAMW, SPIKE_GUARD, LR_DECAY,
-    # shared whole (nanogpt_plus/settings.py): backend, device, dtype, compile, seed, ...
-    settings.SYSTEM,
+# system
+SYSTEM = Group(
+    'system',
+    backend=settings.backend('auto'),
+    dist_timeout=settings.dist_timeout(0),
+    parallelism=Setting('ddp', "under torchrun: 'ddp' (a full model copy per rank) or 'fsdp' (shard the "
+                               "model, FSDP2)", choices=('ddp', 'fsdp')),
+    device=settings.device('auto'),
+    dtype=settings.dtype('auto'),
+    compile=settings.compile(None),
+    activation_checkpointing=settings.activation_checkpointing(False),
+    num_threads=settings.num_threads(0),
+    seed=settings.seed(1337),
 )
+
+DEFAULTS = Schema(IO, INLOOP, WANDB, DATA, MODEL, ADAMW, SPIKE_GUARD, LR_DECAY, SYSTEM)
 # -----------------------------------------------------------------------------
 
 
@@ -219,23 +244,29 @@ def main(argv=None):
     try:
         # the settings, read and checked by every rank, then one verdict on them: a config file one
         # node lacks stops every rank in one line, after the process group is formed
-        cfg, dist_info = distributed.start(DEFAULTS, argv, check_settings, doc=__doc__)
+        user_cfg, failure, group = read_settings(DEFAULTS, argv, check_settings, __doc__,
+                                                 distributed.GROUP_SETTINGS)
+        dist_info = distributed.start(failure, **group)
         # the model's source fixes its architecture (a resume: its optimizer too; auto_resume:
         # init_from), and a finished run is refused, with one verdict: a node lacking the file stops
         # every rank in one line
-        chosen = cfg.chosen(FIXED_BY_SOURCE)  # the user's own values of those: each must agree
+        chosen = user_cfg.chosen(FIXED_BY_SOURCE)  # the user's own values of those: each must agree
         imposed, resumed = distributed.every_rank(dist_info, lambda: source_settings(
-            cfg.select(ModelSource), chosen, resume=cfg.select(ResumeSpec)))
-        cfg.update(imposed)
+            user_cfg.select(ModelSource), chosen, resume=user_cfg.select(ResumeSpec)))
+        # the run's settings: the user's as read, with what the source imposes in place of theirs,
+        # built once as a new frozen Settings (user_cfg stays as given). One object rather than
+        # `imposed` handed to each part: every part of the run, and each checkpoint's 'config',
+        # must see the same values (a resume's n_layer in the model, the memory check, the record)
+        cfg = user_cfg.replaced(imposed)
         # every rank starts from the same settings, commit and checkpoint, else all stop in one line
         distributed.same_everywhere(dist_info, lambda: same_start(dict(cfg), resumed), SAME_START)
         # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run
         # ends); a new run over an earlier one is refused, suggesting a resume only where these
         # settings would resume it
-        why_not_resume = functools.partial(resume_refusal, cfg['out_dir'], chosen, cfg['max_iters'])
+        why_not_resume = functools.partial(resume_refusal, cfg.out_dir, chosen, cfg.max_iters)
         prepare = functools.partial(prepare_out_dir, cfg.select(OutDirSpec), 'train.py', argv,
                                     why_not_resume)
-        with claim_out_dir(cfg['out_dir'], dist_info, prepare=prepare):
+        with claim_out_dir(cfg.out_dir, dist_info, prepare=prepare):
             finished = train(cfg, dist_info, exit_request)
     finally:
         exit_request.uninstall()
@@ -413,17 +444,17 @@ def setup(cfg, dist_info):
     """ Everything before the first iteration: data, model, optimizer, resumed state, logger. """
     master = dist_info.master
     device_type = device_type_of(dist_info.device)
-    fsdp = dist_info.under_torchrun and cfg['parallelism'] == 'fsdp'
+    fsdp = dist_info.under_torchrun and cfg.parallelism == 'fsdp'
     # the global batch is gradient_accumulation_steps micro-batches: each of the world_size
     # processes runs its share
-    grad_accum = distributed.accumulation_per_rank(cfg['gradient_accumulation_steps'], dist_info)
-    tokens_per_iter = grad_accum * dist_info.world_size * cfg['batch_size'] * cfg['block_size']
+    grad_accum = distributed.accumulation_per_rank(cfg.gradient_accumulation_steps, dist_info)
+    tokens_per_iter = grad_accum * dist_info.world_size * cfg.batch_size * cfg.block_size
     if master:
         print(f"tokens per iteration will be: {tokens_per_iter:,}")
-    torch.manual_seed(cfg['seed'] + dist_info.rank)  # dropout differs per rank, the data does not
+    torch.manual_seed(cfg.seed + dist_info.rank)  # dropout differs per rank, the data does not
     # only rank 0 reports MFU, so only it measures the device's peak
-    dtype, ctx, compile_model, peak_flops = compute_setup(dist_info.device, cfg['dtype'],
-                                                          cfg['compile'], cfg['num_threads'],
+    dtype, ctx, compile_model, peak_flops = compute_setup(dist_info.device, cfg.dtype,
+                                                          cfg.compile, cfg.num_threads,
                                                           peak=master)
     # the dataset, worked out once, and its loaders: one verdict for all ranks
     data, train_loader, eval_loaders = training_data(cfg.select(DataSpec), dist_info)
@@ -441,28 +472,28 @@ def setup(cfg, dist_info):
             for loader in (train_loader, *eval_loaders.values())
         ])
     tasks = None
-    if cfg['hellaswag_interval'] or cfg['sample_interval']:
+    if cfg.hellaswag_interval or cfg.sample_interval:
         # now, not at the first interval: a missing file (offline) or a bad prompt stops the run
-        # here
-        from nanogpt_plus.periodic import InLoopSpec, PeriodicTasks  # only these runs import it
+        # here; only these runs import the in-loop tasks
+        from nanogpt_plus.evaluation.periodic import InLoopSpec, PeriodicTasks
         tasks = PeriodicTasks(cfg.select(InLoopSpec), dist_info, tokenizer_meta=tokenizer_meta,
                               block_size=raw_model.config.block_size, ctx=ctx,
                               compiled=compile_model, fsdp=fsdp)
-    raw_model.set_attention(cfg['attention'])
-    raw_model.set_activation_checkpointing(cfg['activation_checkpointing'])  # before wrapping
+    raw_model.set_attention(cfg.attention)
+    raw_model.set_activation_checkpointing(cfg.activation_checkpointing)  # before wrapping
     if not fsdp:
         raw_model.to(dist_info.device)  # FSDP moves the model itself, one shard at a time
     thread_retuner = None
-    if device_type == 'cpu' and cfg['num_threads'] == 0:
+    if device_type == 'cpu' and cfg.num_threads == 0:
         thread_retuner = choose_threads(raw_model, eval_loaders['train'], ctx, dist_info, fsdp=fsdp)
     # the optimizer must see the parameters the training model has: under FSDP, the sharded ones;
     # raw_model stays the plain module (sharded in place under FSDP) that checkpoints are taken from
-    model = wrap_model(raw_model, dist_info, compile_model, cfg['parallelism'], dtype)
+    model = wrap_model(raw_model, dist_info, compile_model, cfg.parallelism, dtype)
     if fsdp and master:
         print(f"fsdp: this rank holds {local_param_count(raw_model):,} of "
               f"{raw_model.get_num_params(non_embedding=False):,} parameters")
     adamw = cfg.select(opt.AdamWSpec)
-    muon = cfg.select(opt.MuonSpec) if cfg['optimizer'] == 'muon' else None  # Muon + AdamW
+    muon = cfg.select(opt.MuonSpec) if cfg.optimizer == 'muon' else None  # Muon + AdamW
     optimizer = opt.make_optimizer(raw_model, adamw, device_type, muon=muon)
     scaler = opt.make_grad_scaler(device_type, dtype)
 
@@ -470,23 +501,23 @@ def setup(cfg, dist_info):
                           world_size=dist_info.world_size)
     if master:
         print("provenance: " + json.dumps(run_provenance))
-    checkpointer = Checkpointer(cfg['out_dir'], dist_info, raw_model, optimizer,
+    checkpointer = Checkpointer(cfg.out_dir, dist_info, raw_model, optimizer,
                                 policy=cfg.select(CheckpointPolicy),
-                                replaces_a_run=cfg['overwrite'] and cfg['init_from'] != 'resume')
+                                replaces_a_run=cfg.overwrite and cfg.init_from != 'resume')
     state = TrainState()
-    if cfg['skip_loss_z'] or cfg['skip_grad_z']:
+    if cfg.skip_loss_z or cfg.skip_grad_z:
         from nanogpt_plus.spike_guard import SpikeGuard  # only runs with the guard on import it
-        state.spike_guard = SpikeGuard(cfg['skip_loss_z'], cfg['skip_grad_z'])
-    if cfg['init_from'] == 'resume':  # continue where the checkpoint stopped, exactly
+        state.spike_guard = SpikeGuard(cfg.skip_loss_z, cfg.skip_grad_z)
+    if cfg.init_from == 'resume':  # continue where the checkpoint stopped, exactly
         state.iter_num = int(ckpt['iter_num'])
         checkpointer.best_val_loss = float(ckpt['best_val_loss'])
         restore_training_state(ckpt, optimizer, scaler, dist_info, train_loader, state.spike_guard)
         opt.apply_settings(optimizer, adamw, muon, master)  # a --beta2 given now applies
     # a resume continues its checkpoint's wandb run; a new run (or one started over) gets a new one
-    resumed = ckpt if cfg['init_from'] == 'resume' else None
-    logger = MetricsLogger.for_run(cfg['out_dir'], cfg.select(WandbSpec), config_record=dict(cfg),
+    resumed = ckpt if cfg.init_from == 'resume' else None
+    logger = MetricsLogger.for_run(cfg.out_dir, cfg.select(WandbSpec), config_record=dict(cfg),
                                    enabled=master, resumed=resumed)
-    logger.start(state.iter_num, cfg['init_from'])
+    logger.start(state.iter_num, cfg.init_from)
     bytes_per_token = measure_bytes_per_token(eval_loaders, data.meta or tokenizer_meta, logger,
                                               state.iter_num) if master else {}
     state.loader_state = train_loader.state_dict()

@@ -38,8 +38,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model import GPTConfig
-from nanogpt_plus.dataset import read_dataset_meta
 from nanogpt_plus.distributed import (
     all_reduce_sum,
     fail_everywhere,
@@ -48,7 +46,7 @@ from nanogpt_plus.distributed import (
     local_parameters,
     master_decides,
 )
-from nanogpt_plus.errors import UserError, error_line
+from nanogpt_plus.errors import UserError, error_line, load_error
 from nanogpt_plus.files import atomic_write
 
 # train.py's checkpoint: the training state to resume from (the best model without
@@ -163,32 +161,6 @@ def load_checkpoint(path, map_location='cpu'):
     return ckpt
 
 
-def load_error(path, error):
-    """
-    The one line for a file torch.load refused (a ckpt.pt, a Hugging Face pytorch_model.bin): a
-    pickled Python object (unsafe), else corrupt. Never torch's own text around it, which advises
-    loading with
-    weights_only=False, i.e. running the file's code.
-    """
-    text = str(error)
-    # torch names the global it refused: 'Unsupported global: GLOBAL x.y' or 'unsupported GLOBAL x.y
-    # whose ...'
-    found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", text, re.IGNORECASE)
-    if found:
-        return UserError(
-            f"checkpoint {path} holds a pickled Python object ({found.group(1)}) that loading could "
-            f"run as code; this project loads only tensors and plain values. Use a checkpoint written "
-            f"by this project, or re-save the file's tensors with torch.save in a trusted session")
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and 'weights_only' not in ln]
-    detail = next(
-        (ln for ln in lines if not ln.startswith(('Please file', 'Check the documentation'))), '')
-    # its first sentence: what failed, not torch's guesses why
-    detail = detail.split('. ')[0].rstrip('.')[:200]
-    return UserError(
-        f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail}); "
-        f"use another checkpoint")
-
-
 def saved_iter(path):
     """
     The iter_num of a checkpoint file, read from the file itself (memory-mapped: its tensors aren't
@@ -208,61 +180,6 @@ def saved_count(ckpt, path, key='iter_num'):
         raise UserError(f"checkpoint {path} holds {key}={value!r}, not a count of steps: it was "
                         f"edited or written by other code; use another checkpoint")
     return value
-
-
-def clean_state_dict(state_dict):
-    """
-    Strip the '_orig_mod.' prefix nanoGPT's compiled checkpoints have and drop non-weight buffers.
-    """
-    out = {}
-    for k, v in state_dict.items():
-        for prefix in ('_orig_mod.', 'module.'):
-            while k.startswith(prefix):
-                k = k[len(prefix):]
-        if k.endswith('.attn.bias') and v.dim() == 4:
-            # the causal-mask buffer nanoGPT's manual path saved; we rebuild it from block_size
-            continue
-        out[k] = v
-    return out
-
-
-def model_config_from_checkpoint(ckpt, dropout=None):
-    args = dict(ckpt['model_args'])
-    args.update(ckpt.get('model_extra_args') or {})
-    if dropout is not None:
-        args['dropout'] = dropout
-    try:
-        return GPTConfig(**args)
-    except TypeError as e:
-        raise UserError(f"the checkpoint's model_args don't describe a GPT ({e})") from None
-
-
-def checkpoint_tokenizer_meta(ckpt, data_root='data'):
-    """
-    The tokenizer description for a checkpoint: our 'tokenizer' key; for nanoGPT's checkpoints, the
-    meta of the dataset they were trained on (data/<dataset>/meta.pkl, as nanoGPT's sample.py
-    looks), else GPT-2.
-    """
-    if ckpt.get('tokenizer'):
-        return ckpt['tokenizer']
-    dataset = (ckpt.get('config') or {}).get('dataset')
-    if dataset:
-        meta = read_dataset_meta(os.path.join(data_root, dataset))
-        if meta is not None:
-            return meta
-    return {'kind': 'gpt2'}
-
-
-def tokenizer_known(ckpt, data_root='data'):
-    """
-    Whether checkpoint_tokenizer_meta(ckpt) describes the tokenizer the model was trained with,
-    rather than guessing GPT-2's (a nanoGPT checkpoint whose dataset has no meta file here). None
-    (gpt2*, a Hugging Face directory): known.
-    """
-    if ckpt is None or ckpt.get('tokenizer'):
-        return True
-    dataset = (ckpt.get('config') or {}).get('dataset')
-    return bool(dataset) and read_dataset_meta(os.path.join(data_root, dataset)) is not None
 
 
 # -----------------------------------------------------------------------------
@@ -560,6 +477,11 @@ def is_checkpoint_name(name):
         SNAPSHOT.match(name) or SNAPSHOT.match(os.path.splitext(name)[0] + '.pt'))
 
 
+def snapshot_name(iter_num):
+    """ The file name of the snapshot of iteration iter_num: ckpt_<iter_num>.pt. """
+    return f'ckpt_{iter_num}.pt'
+
+
 def snapshots(out_dir):
     """ {iteration: file name} of the ckpt_<iter>.pt snapshots in out_dir. """
     return {int(m.group(1)): m.group(0) for m in map(SNAPSHOT.match, os.listdir(out_dir)) if m}
@@ -591,18 +513,18 @@ def snapshot_checkpoint(out_dir, iter_num, keep):
     delete the snapshots other than the `keep` newest. (Those of another line of the run never
     count: branch_off moved them away before this line's first save.) Returns the deleted names.
     """
-    copy_checkpoint(os.path.join(out_dir, CHECKPOINT), os.path.join(out_dir, f'ckpt_{iter_num}.pt'))
+    copy_checkpoint(os.path.join(out_dir, CHECKPOINT), os.path.join(out_dir, snapshot_name(iter_num)))
     iters = sorted(snapshots(out_dir))
     deleted = []
     for i in iters[:-keep]:
-        deleted += remove_checkpoint(out_dir, f'ckpt_{i}.pt')
+        deleted += remove_checkpoint(out_dir, snapshot_name(i))
     # a run killed between a snapshot and its sidecar's removal (before the order below) left the
     # sidecar alone: it would describe a checkpoint that isn't there
     held = snapshots(out_dir)
     for name in os.listdir(out_dir):
         found = re.match(r'^ckpt_(\d+)\.json$', name)
         if found and int(found.group(1)) not in held:
-            deleted += remove_checkpoint(out_dir, f'ckpt_{found.group(1)}.pt')
+            deleted += remove_checkpoint(out_dir, snapshot_name(found.group(1)))
     return deleted
 
 
@@ -628,7 +550,7 @@ def resume_point(out_dir, resume_from=''):
     """
     if not resume_from:
         return os.path.join(out_dir, CHECKPOINT)
-    name = f'ckpt_{resume_from}.pt' if resume_from.isdigit() else resume_from
+    name = snapshot_name(resume_from) if resume_from.isdigit() else resume_from
     if not SNAPSHOT.match(name):
         raise UserError(
             f"--resume_from={resume_from!r} is not a snapshot: give its iteration (2000) or its name "

@@ -4,7 +4,7 @@ resume exactly and DDP ranks stride one shared stream.
 
 A split's tokens are a TokenSource: nanoGPT's one raw file (train.bin: uint16, or uint32 when its
 directory's meta.json says "dtype": "uint32", for vocabularies past 65,536), or a list of llm.c
-token shards (nanogpt_plus.shards: ours, llm.c's, build-nanogpt's, modded-nanogpt's). The windows
+token shards (nanogpt_plus.dataset.shards: ours, llm.c's, build-nanogpt's, modded-nanogpt's). The windows
 come in one of two orders (data_order):
   'random'      nanoGPT's get_batch: each micro-batch is B windows of T+1 tokens drawn uniformly from every
                 window of every file (so a file is drawn in proportion to its number of windows, and a window
@@ -19,7 +19,7 @@ Either way every process computes the same sequence of micro-batches, and micro-
 rank k % world_size (each call to next_batch consumes world_size micro-batches). So the global batch
 of an optimizer step is the same for any world size: 2 ranks x 2 accumulation steps see exactly the
 micro-batches 1 rank x 4 steps sees; and any rank's state_dict resumes all of them. training_data
-opens train.py's dataset (dataset.py says what its files are) and loaders, on every rank with one
+opens train.py's dataset (nanogpt_plus.dataset says what its files are) and loaders, on every rank with one
 verdict.
 
 Usage:
@@ -37,11 +37,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanogpt_plus.dataset import SAME_DATA, data_digests, find_dataset, raw_token_dtype, tokenizer_digest
+from nanogpt_plus.dataset import SAME_DATA, data_digests, find_dataset, has_header, raw_token_dtype, tokenizer_digest
 from nanogpt_plus.distributed import every_rank
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.settings import ORDERS
-from nanogpt_plus.shards import has_header, open_shard
+
+# the data_order setting's choices: nanoGPT's random windows, or llm.c's pass over every token
+# (training_loader acts on them)
+ORDERS = ('random', 'sequential')
 
 # -----------------------------------------------------------------------------
 # opening a split's token files
@@ -77,7 +79,11 @@ def open_token_file(path, dataset=None, dtype=None):
     if os.path.isdir(path):  # (else an IsADirectoryError from deep in numpy)
         raise UserError(f"{path} is a directory, not a token file; move it away and re-run the "
                         f"dataset's prepare.py, or pass another --dataset")
-    return open_shard(path) if has_header(path) else open_tokens(path, dataset, dtype)
+    if not has_header(path):
+        return open_tokens(path, dataset, dtype)
+    # only a dataset of llm.c shards loads their reader: a run on train.bin/val.bin never does
+    from nanogpt_plus.dataset.shards import open_shard
+    return open_shard(path)
 
 
 # a split up to this many tokens (128 MB) is scanned whole when opened, in well under a second; a

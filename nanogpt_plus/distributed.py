@@ -1,30 +1,32 @@
 """
-The processes of a run: joining torchrun's process group; the agreements between ranks that keep
-them from waiting on each other forever (one verdict for every rank, rank 0 decides and all learn
-the outcome, sums over ranks); and spreading the model over them (DDP or FSDP2, the gradient sync of
-accumulation, the full state dicts a checkpoint stores and their re-sharding on resume). A run of
-one process forms no group and wraps nothing. Signals, which must be caught before torch is
-imported, live in signals.py.
+The processes of a run, as a script sees them: one process, or torchrun's ranks (DistInfo, start);
+the agreements between ranks that keep them from waiting on each other forever (one verdict for every
+rank, rank 0 decides and all learn the outcome, sums over ranks); and the model over them (wrap_model:
+DDP or FSDP2, then torch.compile; the gradient sync of accumulation, the full state dicts a checkpoint
+stores and their re-sharding on resume). For one process each of these is what it would be without
+the others (fn(), the values themselves, the plain model); the process group, its collectives and the
+DDP/FSDP code are process_group.py's, imported only where there are ranks. Signals, which must be
+caught before torch is imported, live in signals.py.
 
 Usage:
     from nanogpt_plus.distributed import master_decides, start, wrap_model
-    # the settings (one verdict for every rank) and torchrun's ranks, or a single process
-    cfg, dist_info = start(DEFAULTS, sys.argv[1:], check_settings, doc=__doc__)
+    # the settings, read by every rank (a failure held), then torchrun's ranks (or a single process)
+    # and one verdict on the settings
+    cfg, failure, group = read_settings(DEFAULTS, sys.argv[1:], check_settings, __doc__, GROUP_SETTINGS)
+    dist_info = start(failure, **group)
     master_decides(dist_info, lambda: write_the_file())           # rank 0 acts; every rank ends alike
     model = wrap_model(raw_model, dist_info, compile_model, parallelism='fsdp')
 """
 
-import datetime
 import functools
 import os
-import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from nanogpt_plus.errors import EXIT_USER_ERROR, PeerFailed, UserError, error_line, exit_code
-from nanogpt_plus.machine import PTDTYPE, device_type_of, resolve_device
+from nanogpt_plus.errors import UserError
+from nanogpt_plus.machine import device_type_of, resolve_device
 
 
 @dataclass
@@ -43,66 +45,44 @@ class DistInfo:
 
 def init_distributed(device='auto', backend='auto', timeout=0):
     """
-    Under torchrun (RANK in the environment) join the process group: nccl for CUDA, gloo for CPU,
-    each CUDA rank on cuda:LOCAL_RANK. Otherwise a single process on the resolved device. timeout:
-    the seconds a collective may wait for the other ranks (the dist_timeout setting; 0 = PyTorch's
-    default).
+    Under torchrun (RANK in the environment) join the process group (process_group.join: nccl for
+    CUDA, gloo for CPU, each CUDA rank on cuda:LOCAL_RANK). Otherwise a single process on the
+    resolved device. timeout: the seconds a collective may wait for the other ranks (the
+    dist_timeout setting; 0 = PyTorch's default).
     """
-    import torch.distributed as dist
     device = resolve_device(device)
     if int(os.environ.get('RANK', -1)) == -1:
         return DistInfo(False, 0, 0, 1, device)
-    rank = int(os.environ['RANK'])
-    local_rank = int(os.environ['LOCAL_RANK'])
-    world_size = int(os.environ['WORLD_SIZE'])
-    device_type = device_type_of(device)
-    if device_type == 'cuda':
-        device = f'cuda:{local_rank}'
-        torch.cuda.set_device(device)
-    elif device_type == 'mps':
-        raise UserError(
-            "distributed training on MPS is not supported; use --device=cpu or a CUDA machine")
-    if backend == 'auto':
-        backend = 'nccl' if device_type == 'cuda' else 'gloo'
-    if not dist.is_initialized():
-        kwargs = dict(device_id=torch.device(device)) if backend == 'nccl' else {}
-        if timeout:
-            kwargs['timeout'] = datetime.timedelta(seconds=timeout)
-        dist.init_process_group(backend=backend, **kwargs)
+    from nanogpt_plus import process_group  # a run of several processes only
+    rank, local_rank, world_size, device = process_group.join(device, device_type_of(device), backend,
+                                                              timeout)
     return DistInfo(True, rank, local_rank, world_size, device)
 
 
-# the settings a process group is formed with (DistInfo's device, the backend, the collectives'
-# timeout), which a node that could not read its settings takes from its command line alone
+# the settings a process group is formed with (start's keywords: DistInfo's device, the backend,
+# the collectives' timeout), which a node that could not read its settings takes from its command
+# line alone (configurator.read_settings)
 GROUP_SETTINGS = ('device', 'backend', 'dist_timeout')
+# the backend setting's choices: 'auto' = nccl for CUDA, gloo for CPU (init_distributed)
+BACKENDS = ('auto', 'nccl', 'gloo')
 
 
-def start(defaults, argv, check, doc=None):
+def start(failure=None, device='auto', backend='auto', dist_timeout=0):
     """
-    A script's settings and its process group, with one verdict on the settings: (settings,
-    DistInfo). The settings of argv (configure(): config files, then --key=value), then check(cfg),
-    may fail on one node only: a config file only node 0 has, a value one machine refuses. Under
-    torchrun the group is formed all the same, where they failed from GROUP_SETTINGS as the
-    command line gives them (else their defaults: the other nodes' too, unless a config file sets
-    them), and every rank learns whether every rank read its settings (every_rank): a failure on
-    any rank ends every rank at once with its exit code and its line on every node, instead of the
-    ranks that read theirs waiting for it in their first collective until the group's timeout (30
-    minutes for gloo).
+    A script's process group, with one verdict on its settings: DistInfo. Reading them
+    (configurator.read_settings) may fail on one node only: a config file only node 0 has, a value
+    one machine refuses; that failure is held and given here. Under torchrun the group is formed
+    all the same (where the settings failed, with GROUP_SETTINGS as the command line gives them:
+    else their defaults, the other nodes' too unless a config file sets them), and every rank
+    learns whether every rank read its settings (every_rank): a failure on any rank ends every rank
+    at once with its exit code and its line on every node, instead of the ranks that read theirs
+    waiting for it in their first collective until the group's timeout (30 minutes for gloo).
     """
-    from configurator import command_line_values, configure
-    failure = cfg = None
-    try:
-        cfg = configure(defaults, argv, doc=doc)
-        check(cfg)
-    except Exception as e:  # a bug too: the other ranks must hear of it
-        failure = e
     if failure is not None and int(os.environ.get('RANK', -1)) == -1:
         raise failure  # a single process: no one waits for it
-    group = cfg if failure is None else command_line_values(defaults, argv, GROUP_SETTINGS)
-    dist_info = init_distributed(group.get('device', 'auto'), group.get('backend', 'auto'),
-                                 group.get('dist_timeout', 0))
+    dist_info = init_distributed(device, backend, dist_timeout)
     every_rank(dist_info, functools.partial(_raise, failure))
-    return cfg, dist_info
+    return dist_info
 
 
 def _raise(error):
@@ -150,22 +130,8 @@ def master_decides(dist_info, fn):
     if not dist_info.under_torchrun:  # one process: nobody to tell
         fn()
         return
-    error = None
-    if dist_info.master:
-        try:
-            fn()
-        # every kind, a second Ctrl-C too: the other ranks must hear of it first
-        except BaseException as e:
-            error = e
-    import torch.distributed as dist
-    box = [None if error is None else (exit_code(error), _line_for_the_others(error))]
-    dist.broadcast_object_list(box, src=0)
-    outcome = box[0]
-    if error is not None:
-        raise error
-    if outcome is not None:
-        code, line = outcome
-        raise PeerFailed("rank 0 failed", code, say=_said_on_this_node(line, source_node='0'))
+    from nanogpt_plus import process_group
+    process_group.master_decides(dist_info, fn)
 
 
 def fail_everywhere(error, dist_info):
@@ -175,40 +141,16 @@ def fail_everywhere(error, dist_info):
     """
     if dist_info.master:
         raise error
-    raise PeerFailed(str(error), exit_code(error), say=_said_on_this_node(str(error), '0'))
-
-
-def _line_for_the_others(error):
-    """
-    What the other nodes say of an error rank 0 met alone: its line (a user's error, or the one of
-    a run that has nothing to do), a crash in short; None for a signal (every node got its own).
-    """
-    code = exit_code(error)
-    if code in (0, EXIT_USER_ERROR):
-        return str(error)
-    if isinstance(error, Exception):
-        return f"rank 0 failed ({error_line(error)}); its log has the traceback"
-    return None
-
-
-def _said_on_this_node(line, source_node):
-    """
-    line, where this process is the first of its node (local rank 0) and another node's than the
-    failed rank's (whose log has the line already): run_main prints it (PeerFailed's say). None
-    elsewhere, so a node with several processes says it once.
-    """
-    first = os.environ.get('LOCAL_RANK', '0') == '0'
-    return line if first and os.environ.get('GROUP_RANK', '0') != source_node else None
+    from nanogpt_plus import process_group
+    raise process_group.peer_failed(error)
 
 
 def all_reduce_sum(values, dist_info):
     """ Sum over ranks of a list of floats (returns them unchanged in a single process). """
     if not dist_info.under_torchrun:
         return list(values)
-    import torch.distributed as dist
-    t = torch.tensor(values, dtype=torch.float64, device=dist_info.device)
-    dist.all_reduce(t)
-    return t.tolist()
+    from nanogpt_plus import process_group
+    return process_group.all_reduce_sum(values, dist_info.device)
 
 
 def all_reduce_mean(values, dist_info):
@@ -251,65 +193,8 @@ def every_rank(dist_info, fn, agree=None):
     """
     if not dist_info.under_torchrun:
         return fn()  # one process: its own verdict, nothing to agree on
-    error = None
-    result = None
-    try:
-        result = fn()
-    except Exception as e:  # every kind: the other ranks must hear of it before anyone raises
-        error = e
-    import torch.distributed as dist
-    shown = {k: result[k] for k in agree} if agree and error is None else None
-    outcomes = [None] * dist_info.world_size
-    dist.all_gather_object(outcomes, _outcome(error, shown))
-    failed = [r for r, outcome in enumerate(outcomes) if outcome[0] is not None]
-    if failed:
-        first = failed[0]
-        message = outcomes[first][3]
-        # a file one node has, another lacks
-        if len(failed) < dist_info.world_size and outcomes[first][0] == EXIT_USER_ERROR:
-            fine = sorted({o[1] for o in outcomes if o[0] is None})
-            message = (
-                f"{message} [rank {first} on {outcomes[first][1]}; ranks on {', '.join(fine)} "
-                f"found what they needed: every node must have the same files at the same paths "
-                f"(a shared file system, or the same copy on each node), see "
-                f"docs/training.md#many-machines]")
-        if dist_info.rank == first and message == str(error):
-            raise error
-        if dist_info.rank == first:
-            raise type(error)(message) from None
-        stop_with(dist_info, outcomes, first, message, outcomes[first][0])
-    if agree:
-        difference = _first_difference(outcomes, agree)
-        if difference:
-            stop_with(dist_info, outcomes, 0, difference, EXIT_USER_ERROR,
-                      error=UserError(difference))
-    return result
-
-
-def _outcome(error, shown=None):
-    """
-    What a rank tells the others in a verdict: (its exit code, None when it is fine; its host; its
-    node, torchrun's node rank; its error's line; shown: the values that must agree).
-    """
-    code = None if error is None else exit_code(error)
-    node = os.environ.get('GROUP_RANK', '0')
-    return (code, socket.gethostname(), node, str(error) if error else '', shown)
-
-
-def end_together(dist_info, failure, group=None):
-    """
-    Once an agreement (signals.py's, every step) has shown that some rank met a failure mid-run (a
-    bad token id in its next batch): every rank ends, the lowest such rank raising its failure, the
-    others stopping with its exit code, and the first process of every other node saying its line
-    (stop_with). Every rank calls this at the same point: one all_gather_object over group.
-    """
-    import torch.distributed as dist
-    outcomes = [None] * dist_info.world_size
-    dist.all_gather_object(outcomes, _outcome(failure), group=group)
-    first = next(r for r, outcome in enumerate(outcomes) if outcome[0] is not None)
-    if dist_info.rank == first:
-        raise failure
-    stop_with(dist_info, outcomes, first, outcomes[first][3], outcomes[first][0])
+    from nanogpt_plus import process_group
+    return process_group.every_rank(dist_info, fn, agree)
 
 
 def same_everywhere(dist_info, describe, agree):
@@ -323,63 +208,14 @@ def same_everywhere(dist_info, describe, agree):
         every_rank(dist_info, describe, agree=agree)
 
 
-def stop_with(dist_info, outcomes, source, message, code, error=None):
-    """
-    End this rank after rank `source` failed with message (or, given error, every rank alike): the
-    lowest rank raises it, the others stop with its exit code, and the first process of every node
-    that is not the raiser's says it too (PeerFailed's `say`, printed by run_main).
-    """
-    nodes = [o[2] for o in outcomes]
-    if error is not None and dist_info.rank == 0:
-        raise error
-    here_first = nodes.index(nodes[dist_info.rank]) == dist_info.rank
-    say = message if here_first and nodes[dist_info.rank] != nodes[source] else None
-    raise PeerFailed(f"rank {source} failed", code, say=say)
-
-
-def _first_difference(outcomes, agree):
-    """
-    The line for the first entry of agree that is not the same on every rank as on rank 0, or None.
-    An entry whose remedy is a function writes its own line from every rank's value and place
-    ((host, node rank) per rank), or returns None to leave the difference to a later entry (a
-    checkpoint read from another path: the settings say why).
-    """
-    where = [f"rank {r} on {o[1]}" for r, o in enumerate(outcomes)]
-    left = None  # an entry that left its difference to a later one, said if none differs
-    for name, remedy in agree.items():
-        values = [o[4][name] for o in outcomes]
-        if callable(remedy) and any(value != values[0] for value in values):
-            line = remedy(values, [(o[1], o[2]) for o in outcomes])
-            if line:
-                return line
-            left = left or name
-            continue
-        for r, value in enumerate(values):
-            if value == values[0]:
-                continue
-            if isinstance(value, dict) and isinstance(values[0], dict):
-                keys = sorted(k for k in value.keys() | values[0].keys()
-                              if value.get(k) != values[0].get(k))
-                shown = ', '.join(
-                    f"{k}={values[0].get(k)!r} on {where[0]} but {value.get(k)!r} on {where[r]}"
-                    for k in keys[:3])
-                return f"the ranks differ in {name}: {shown}; {remedy}"
-            return f"the ranks differ in {name}: {values[0]!r} on {where[0]} but {value!r} on {where[r]}; {remedy}"
-    if left:
-        return f"the ranks differ in {left}; every node must start from the same files and settings"
-    return None
-
-
 def broadcast_object(obj, dist_info, src=0):
     """
     rank src's obj on every rank (pickled over the process group); obj itself in a single process.
     """
     if not dist_info.under_torchrun:
         return obj
-    import torch.distributed as dist
-    box = [obj if dist_info.rank == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    from nanogpt_plus import process_group
+    return process_group.broadcast_object(obj, dist_info, src)
 
 
 # -----------------------------------------------------------------------------
@@ -388,25 +224,16 @@ def broadcast_object(obj, dist_info, src=0):
 
 def wrap_model(model, dist_info, compile_model=False, parallelism='ddp', dtype='float32'):
     """
-    DistributedDataParallel or FSDP2 around a plain model, then torch.compile; returns the model to
-    train. parallelism='fsdp' (under torchrun) shards the model in place with FSDP2 instead of DDP,
-    so create the optimizer after this call: its parameters are the sharded ones. dtype (the run's
-    'float32', 'bfloat16' or 'float16') sets FSDP's mixed precision. The caller keeps `model` itself
-    for checkpoints: it never gets the '_orig_mod.'/'module.' prefixes of the wrappers.
+    DistributedDataParallel or FSDP2 around a plain model (process_group.spread_model), then
+    torch.compile; returns the model to train. parallelism='fsdp' (under torchrun) shards the model
+    in place with FSDP2 instead of DDP, so create the optimizer after this call: its parameters are
+    the sharded ones. dtype (the run's 'float32', 'bfloat16' or 'float16') sets FSDP's mixed
+    precision. The caller keeps `model` itself for checkpoints: it never gets the
+    '_orig_mod.'/'module.' prefixes of the wrappers.
     """
-    distributed = dist_info is not None and dist_info.under_torchrun
-    fsdp = distributed and parallelism == 'fsdp'
-    if fsdp:
-        # in place: the compiled module below is the sharded one
-        shard_model(model, dist_info, dtype)
-    elif distributed:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        device_ids = [dist_info.local_rank] if 'cuda' in dist_info.device else None
-        # forward_sync_buffers=False (formerly broadcast_buffers): the model's only buffers are the
-        # causal masks (non-persistent, built the same on every rank, read only by the manual
-        # attention path), so broadcasting them before every synced forward would send n_layer x
-        # block_size^2 bytes that change nothing; DDP still syncs them once, at construction
-        model = DDP(model, device_ids=device_ids, forward_sync_buffers=False)
+    if dist_info is not None and dist_info.under_torchrun:
+        from nanogpt_plus import process_group
+        model = process_group.spread_model(model, dist_info, parallelism, dtype)
     if compile_model:
         print("compiling the model... (takes a ~minute)")
         # compile last: dynamo's DDPOptimizer splits the graph at DDP's gradient buckets, so each
@@ -417,69 +244,22 @@ def wrap_model(model, dist_info, compile_model=False, parallelism='ddp', dtype='
     return model
 
 
-def mixed_precision_policy(dtype):
+def in_process_group():
     """
-    FSDP2's MixedPrecisionPolicy for the run's dtype. bfloat16/float16: every Block's weights are
-    all-gathered in that dtype (half the bytes of float32) and used as they are, so autocast has no
-    float32 weights to cast and caches no half-precision copy of the whole model; gradients are
-    reduce-scattered in float32, so the sum over ranks loses nothing. The sharded weights, their
-    gradients and AdamW's state stay float32. float32: no casting (the default policy).
+    Whether this process has joined a process group (under torchrun it has, even a group of one):
+    without one, no model or optimizer state is sharded.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    if dtype == 'float32':
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=PTDTYPE[dtype], reduce_dtype=torch.float32)
-
-
-def shard_model(model, dist_info, dtype='float32'):
-    """
-    FSDP2: shard every Block, then the root (which keeps wte/lm_head, one tied parameter, plus wpe
-    and ln_f), over all ranks. Each rank then holds 1/world_size of every parameter, gradient and
-    AdamW state; a Block's full weights are all-gathered just for its forward and backward. FSDP
-    also moves the model to the device, one Block at a time, so the full model never has to fit
-    there. Only rank 0 needs real weights: the other ranks may pass the model built on the meta
-    device, and every rank ends with its shards of rank 0's weights (and causal masks built for the
-    device).
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    # Rank 0 has the real weights (resumed, pretrained, or its own seeded init); the other ranks
-    # built the model on the meta device (train.py's build_model), or hold pretrained weights of
-    # their own. Take rank 0's full state dict before sharding replaces its parameters:
-    # set_model_state_dict sends each tensor from it to every rank, which keeps its own shard, so
-    # rank 0's weights are the ones everywhere (as DDP's are)
-    full_state = model.state_dict() if dist_info.rank == 0 else {}
-    mesh = init_device_mesh(torch.device(dist_info.device).type, (dist_info.world_size,))
-    mp_policy = mixed_precision_policy(dtype)
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    if any(t.device.type == 'meta' for t in model.parameters()):
-        # storage for this rank's shards (and the masks), uninitialised; the tied wte/lm_head weight
-        # is one parameter, so it gets one shard and stays tied
-        model.to_empty(device=dist_info.device)
-    set_model_state_dict(model, full_state,
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full_state
-    # the causal masks are no state-dict entries: after to_empty they hold garbage, so build them
-    # again (on every rank, so all of them run the same code)
-    model.init_buffers(torch.device(dist_info.device))
-    return model
-
-
-def is_fsdp(model):
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(getattr(model, '_orig_mod', model), FSDPModule)
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def local_parameters(model):
     """
     The parameter values this rank stores: its shards under FSDP, the whole tensors otherwise.
     """
-    from torch.distributed.tensor import DTensor
-    return [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    if not in_process_group():
+        return list(model.parameters())
+    from nanogpt_plus import process_group
+    return process_group.local_parameters(model)
 
 
 def local_param_count(model):
@@ -496,36 +276,10 @@ def full_state_dicts(model, optimizer):
     all-gathered, so every rank must call this at the same point, but only rank 0 (the one that
     saves) keeps the full tensors, in host RAM; the other ranks get (None, None).
     """
-    if not is_fsdp(model):
+    if not in_process_group():
         return model.state_dict(), optimizer.state_dict()
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-    keep = dist.get_rank() == 0
-    gathered = {}  # id(DTensor) -> full CPU tensor, so the tied wte/lm_head weight stays one tensor
-
-    # One tensor at a time, in the same order on every rank (full_tensor is a collective): a rank
-    # holds at most one full tensor on its device while it is gathered, and only rank 0 copies it
-    # into host RAM, where it keeps 12 bytes per parameter (weights + AdamW's two moments) instead
-    # of every rank doing so. PyTorch's
-    # get_model_state_dict/get_optimizer_state_dict(full_state_dict=True, cpu_offload=True) do the
-    # same gather, but they would gather the tied weight twice into two tensors and key the
-    # optimizer state by parameter name, which ckpt.pt's AdamW format would then need converting
-    # back from.
-    def full(t):
-        if not isinstance(t, DTensor):
-            return (t.detach() if torch.is_tensor(t) else t) if keep else None
-        if id(t) not in gathered:
-            whole = t.full_tensor()
-            gathered[id(t)] = whole.detach().cpu() if keep else None
-            del whole  # before the next one is gathered
-        return gathered[id(t)]
-    model_state = {k: full(v) for k, v in model.state_dict(keep_vars=True).items()}
-    # AdamW's own format: state keyed by parameter index, values sharded
-    opt = optimizer.state_dict()
-    opt_state = {i: {k: full(v) for k, v in s.items()} for i, s in sorted(opt['state'].items())}
-    if not keep:
-        return None, None
-    return model_state, {'state': opt_state, 'param_groups': opt['param_groups']}
+    from nanogpt_plus import process_group
+    return process_group.full_state_dicts(model, optimizer)
 
 
 def load_optimizer_state(optimizer, state_dict):
@@ -534,7 +288,6 @@ def load_optimizer_state(optimizer, state_dict):
     rank 0's values are scattered, so the other ranks never read theirs (with a memory-mapped
     checkpoint, their copies of the optimizer state are never paged in from disk).
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
     # an optimizer made of several (MuonWithAdamW): each its own state
     parts = getattr(optimizer, 'parts', None)
     if parts is not None and set(state_dict) == set(parts):
@@ -545,28 +298,9 @@ def load_optimizer_state(optimizer, state_dict):
         raise UserError(
             "the checkpoint's optimizer state is not of this run's optimizer setting (adamw vs muon); "
             "resume with the optimizer it was trained with")
-    params = [p for group in optimizer.param_groups for p in group['params']]
-    if any(isinstance(p, DTensor) for p in params):
-        import torch.distributed as dist
-        source = dist.get_rank() == 0
-
-        def shard(v, p):
-            # distribute_tensor scatters from rank 0 (src_data_rank=0); the others only give the
-            # shape
-            full = v.to(p.device) if source else torch.empty(
-                v.shape, dtype=v.dtype, device=p.device)
-            return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0)
-        state = {}
-        # the same order on every rank: collectives
-        for i, s in sorted(state_dict['state'].items()):
-            p = params[int(i)]
-            state[i] = {
-                k:
-                shard(v, p)
-                if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.shape else v
-                for k, v in s.items()
-            }
-        state_dict = dict(state_dict, state=state)
+    if in_process_group():  # FSDP's parameters are sharded: so is their state
+        from nanogpt_plus import process_group
+        state_dict = process_group.sharded_optimizer_state(optimizer, state_dict)
     optimizer.load_state_dict(state_dict)
     # AdamW keeps a loaded tensor as it is when it already has its parameter's device and dtype (a
     # CPU run), so with a memory-mapped checkpoint its state would stay pages of that file, whose

@@ -28,7 +28,9 @@ from contextlib import nullcontext
 import torch
 from torch.nn import functional as F
 
-from nanogpt_plus.settings import MODES
+# sample.py's mode setting: 'exact' (nanoGPT's results: no cache, float32 where asked) or 'fast' (a
+# KV cache in the model's dtype); generate_stream acts on it
+MODES = ('exact', 'fast')
 
 
 class KVCache:

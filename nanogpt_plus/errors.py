@@ -8,6 +8,8 @@ so every other module (and configurator.py) may import it without a cycle.
   Interrupted    a signal stopped the run after it saved: exit 75, "resume me"
   PeerFailed     another rank failed at something all ranks depend on and said why: exit with its code
   NothingToDo    the work was done before (a requeued job whose run is complete): one line, exit 0
+and the lines some failures end with: a training step out of memory or with a non-finite loss, a weights
+file that torch.load refused (load_error: a ckpt.pt, a Hugging Face pytorch_model.bin).
 
 Usage:
     from nanogpt_plus.errors import UserError
@@ -15,6 +17,7 @@ Usage:
 """
 
 import os
+import re
 
 # the exit code of a run stopped cleanly by SIGTERM/SIGINT after saving its checkpoint: sysexits.h's
 # EX_TEMPFAIL ("temporary failure, retry"), so a scheduler can tell "interrupted, resume me" from
@@ -131,3 +134,28 @@ def non_finite_loss(value, iter_num, checkpoint_path):
     return UserError(
         f"loss is {value} at iter {iter_num}; stopping without saving, {kept}. Lower the learning "
         f"rate (or use --dtype=bfloat16/float32) and {then}")
+
+
+def load_error(path, error):
+    """
+    The one line for a file torch.load refused (a ckpt.pt, a Hugging Face pytorch_model.bin): a
+    pickled Python object (unsafe), else corrupt. Never torch's own text around it, which advises
+    loading with weights_only=False, i.e. running the file's code.
+    """
+    text = str(error)
+    # torch names the global it refused: 'Unsupported global: GLOBAL x.y' or 'unsupported GLOBAL x.y
+    # whose ...'
+    found = re.search(r"unsupported (?:global: )?GLOBAL (\S+)", text, re.IGNORECASE)
+    if found:
+        return UserError(
+            f"checkpoint {path} holds a pickled Python object ({found.group(1)}) that loading could "
+            f"run as code; this project loads only tensors and plain values. Use a checkpoint written "
+            f"by this project, or re-save the file's tensors with torch.save in a trusted session")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and 'weights_only' not in ln]
+    detail = next(
+        (ln for ln in lines if not ln.startswith(('Please file', 'Check the documentation'))), '')
+    # its first sentence: what failed, not torch's guesses why
+    detail = detail.split('. ')[0].rstrip('.')[:200]
+    return UserError(
+        f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail}); "
+        f"use another checkpoint")

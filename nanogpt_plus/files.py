@@ -222,7 +222,7 @@ def _pid_alive(pid):
 def flock_held(path):
     """
     Whether another open file (another process, live, on this machine) holds an flock on the file at
-    path: a run's lock (out_dir.OutDirLock) while the run lives. False when there is no such file.
+    path: a run's lock (outputs.OutDirLock) while the run lives. False when there is no such file.
     """
     try:
         fd = os.open(path, os.O_RDONLY)

@@ -32,8 +32,7 @@ import torch
 
 from model import GPT2_NAMES, HF_ACTIVATIONS, GPTConfig, hf_key_map
 from nanogpt_plus.bpe import read_named_tokenizer
-from nanogpt_plus.checkpoint import load_error
-from nanogpt_plus.errors import UserError, error_line
+from nanogpt_plus.errors import UserError, error_line, load_error
 
 HF_TOKENIZER_META = 'nanogpt_tokenizer.json'  # export_hf.py writes it for char and bpe models
 # export_hf.py's custom form (nanogpt_plus/hf_modeling.py): its model_type, the options config.json
@@ -269,8 +268,7 @@ def read_tensors(path):
                              mmap=zipfile.is_zipfile(path))
     except Exception as e:  # truncated, not a weights file, a pickled object
         # the ckpt.pt reader's words for what torch.load refused (never torch's advice to load the
-        # file with weights_only=False, i.e. to run its code); imported here, as checkpoint.py
-        # imports this module
+        # file with weights_only=False, i.e. to run its code)
         raise load_error(path, e) from None
     if not isinstance(tensors, dict) or not all(
             isinstance(t, torch.Tensor) for t in tensors.values()):

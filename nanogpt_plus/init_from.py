@@ -22,22 +22,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from model import GPT, GPT2_NAMES, MODERN, GPTConfig
-from nanogpt_plus.checkpoint import (
-    CHECKPOINT,
-    checkpoint_path,
-    checkpoint_tokenizer_meta,
-    clean_state_dict,
-    load_checkpoint,
-    model_config_from_checkpoint,
-    resume_point,
-    saved_count,
-    tokenizer_known,
-)
-from nanogpt_plus.dataset import SAME_DATA, check_dataset_tokenizer, data_digests, find_dataset, tokenizer_digest
+from nanogpt_plus.checkpoint import CHECKPOINT, checkpoint_path, load_checkpoint, resume_point, saved_count
+from nanogpt_plus.dataset import check_dataset_tokenizer, find_dataset, read_dataset_meta, tokenizer_size
 from nanogpt_plus.errors import NothingToDo, UserError
-from nanogpt_plus.files import file_digest
-from nanogpt_plus.machine import available_host_memory
-from nanogpt_plus.runtime import code_digest, git_commit
+from nanogpt_plus.machine import check_model_memory
 
 # The settings a new GPT is built from: GPTConfig's fields but vocab_size, which the dataset gives
 # (a frozen dataclass, so that a script hands them over with cfg.select(ModelSpec)). A loaded model
@@ -155,57 +143,6 @@ def check_new_model_fits(spec, dataset, batch_size, attention, on_cpu):
     check_model_memory(config, batch_size, attention, on_cpu)
 
 
-def check_model_memory(config, batch_size, attention, on_cpu):
-    """
-    Refuse, before anything is built, a new model (config, a GPTConfig) whose first step can't fit
-    this machine's free memory (machine.available_host_memory) with a margin (MEMORY_MARGIN of it
-    kept free, for the rest of the process and the machine), instead of being killed by the kernel
-    a minute later (exit 137, no word) or swapping a step that can't honour a signal. Counted: each
-    Block's causal mask (block_size^2 bytes, so a long context costs quadratically), the weights
-    with their gradients and AdamW's two moments (16 bytes per parameter), and, when the CPU
-    computes (on_cpu), the first step's activations, as measured on a CPU (float32, batch_size 1-4,
-    block_size 2048-32768, 1-2 layers): per token about 16 n_embd values per Block kept for the
-    backward pass and 4 copies of the logits (they, their log-softmax and both gradients); the
-    (T, T) scores of every head where they are materialised: attention='manual', or dropout > 0
-    (the CPU's fused attention has no dropout: PyTorch falls back to the written-out one), about 2
-    transient copies plus 1 kept per Block (2 with dropout); and ~100 MiB of the first step's own
-    (kernels, allocator), counted as FIRST_STEP. Passing says "not hopeless", not "fits".
-    """
-    available = available_host_memory()
-    if available is None:
-        return
-    n_layer, n_embd, block_size = config.n_layer, config.n_embd, config.block_size
-    vocab_size = config.vocab_size
-    masks = n_layer * block_size ** 2
-    params = 12 * n_layer * n_embd ** 2 + (vocab_size + block_size) * n_embd
-    activations = 0
-    if on_cpu:
-        per_token = n_layer * 16 * n_embd + 4 * vocab_size
-        activations = 4 * batch_size * block_size * per_token + FIRST_STEP
-        if attention == 'manual' or config.dropout > 0:
-            copies = 2 + n_layer * (2 if config.dropout > 0 else 1)
-            activations += copies * 4 * batch_size * config.n_head * block_size ** 2
-    need = masks + 16 * params + activations
-    usable = available * (1 - MEMORY_MARGIN)
-    if need > usable:
-        parts = [f"{masks / 2**30:,.1f} GiB of causal masks: n_layer x block_size^2 bytes",
-                 f"{16 * params / 2**30:,.1f} GiB of weights, gradients and AdamW state"]
-        if activations:
-            parts.append(f"{activations / 2**30:,.1f} GiB of activations for "
-                         f"batch_size={batch_size}")
-        raise UserError(f"this model needs at least {need / 2**30:,.1f} GiB of memory "
-                        f"({'; '.join(parts)}), and this machine has {available / 2**30:,.1f} GiB "
-                        f"free; use a smaller --block_size, --batch_size or model (a step may use "
-                        f"{100 * (1 - MEMORY_MARGIN):.0f}% of the free memory)")
-
-
-# the share of the free memory a new model's first step must leave (check_model_memory): the
-# estimate is a lower bound, and a machine that swaps can't stop a step when asked
-MEMORY_MARGIN = 0.1
-# what a CPU's first training step holds beyond its tensors (measured: 90-110 MiB)
-FIRST_STEP = 128 * 2**20
-
-
 def is_hf_dir(path):
     return os.path.isdir(path) and os.path.exists(os.path.join(path, 'config.json'))
 
@@ -215,6 +152,66 @@ def describe_source(init_from, out_dir='out', resume_file=CHECKPOINT):
     What init_model(init_from, out_dir) reads, for messages: the checkpoint's path, else init_from.
     """
     return checkpoint_path(init_from, out_dir, resume_file) or init_from
+
+
+# -----------------------------------------------------------------------------
+# what a checkpoint says of its model: its architecture, its weights without the wrappers' prefixes, its
+# tokenizer
+
+def clean_state_dict(state_dict):
+    """
+    Strip the '_orig_mod.' prefix nanoGPT's compiled checkpoints have and drop non-weight buffers.
+    """
+    out = {}
+    for k, v in state_dict.items():
+        for prefix in ('_orig_mod.', 'module.'):
+            while k.startswith(prefix):
+                k = k[len(prefix):]
+        if k.endswith('.attn.bias') and v.dim() == 4:
+            # the causal-mask buffer nanoGPT's manual path saved; we rebuild it from block_size
+            continue
+        out[k] = v
+    return out
+
+
+def model_config_from_checkpoint(ckpt, dropout=None):
+    """ The GPTConfig of a checkpoint's model_args and model_extra_args; dropout replaces the saved one. """
+    args = dict(ckpt['model_args'])
+    args.update(ckpt.get('model_extra_args') or {})
+    if dropout is not None:
+        args['dropout'] = dropout
+    try:
+        return GPTConfig(**args)
+    except TypeError as e:
+        raise UserError(f"the checkpoint's model_args don't describe a GPT ({e})") from None
+
+
+def checkpoint_tokenizer_meta(ckpt, data_root='data'):
+    """
+    The tokenizer description for a checkpoint: our 'tokenizer' key; for nanoGPT's checkpoints, the
+    meta of the dataset they were trained on (data/<dataset>/meta.pkl, as nanoGPT's sample.py
+    looks), else GPT-2.
+    """
+    if ckpt.get('tokenizer'):
+        return ckpt['tokenizer']
+    dataset = (ckpt.get('config') or {}).get('dataset')
+    if dataset:
+        meta = read_dataset_meta(os.path.join(data_root, dataset))
+        if meta is not None:
+            return meta
+    return {'kind': 'gpt2'}
+
+
+def tokenizer_known(ckpt, data_root='data'):
+    """
+    Whether checkpoint_tokenizer_meta(ckpt) describes the tokenizer the model was trained with,
+    rather than guessing GPT-2's (a nanoGPT checkpoint whose dataset has no meta file here). None
+    (gpt2*, a Hugging Face directory): known.
+    """
+    if ckpt is None or ckpt.get('tokenizer'):
+        return True
+    dataset = (ckpt.get('config') or {}).get('dataset')
+    return bool(dataset) and read_dataset_meta(os.path.join(data_root, dataset)) is not None
 
 
 # -----------------------------------------------------------------------------
@@ -232,8 +229,9 @@ def scratch_model(spec, data_meta, data_dir, on_meta=False):
         raise UserError(f"{e}; change the model settings") from None
 
 
-# a byte-level vocabulary (of the PADDED_KINDS of tokenizer) is padded up to a multiple of
-# PAD_MULTIPLE: matmul kernels like the shape
+# vocabulary padding, in one place: a byte-level vocabulary (of the PADDED_KINDS of tokenizer) is padded
+# up to a multiple of PAD_MULTIPLE, as matmul kernels like the shape (model_vocab_size); the ids past the
+# tokenizer's are padding (padded_tokenizer_size)
 PAD_MULTIPLE = 64
 PADDED_KINDS = ('gpt2', 'bpe')
 
@@ -260,6 +258,16 @@ def model_vocab_size(data_meta, data_dir):
             f"padded vocab_size to {padded:,} (a multiple of {PAD_MULTIPLE}, for speed; ids from {vocab_size:,} "
             f"up are never sampled)")
     return padded
+
+
+def padded_tokenizer_size(model_vocab, tokenizer_meta):
+    """
+    The tokenizer's vocabulary size where it is below the model's vocab_size (a byte-level
+    vocabulary padded to a multiple of PAD_MULTIPLE), else None: a dataset holding ids in the padding
+    was made with another tokenizer.
+    """
+    size = tokenizer_size(tokenizer_meta or {'kind': 'gpt2'})
+    return int(size) if size and int(size) < model_vocab else None
 
 
 class _ShapesOnly(TorchFunctionMode):
@@ -475,8 +483,9 @@ class ResumeSpec:
 def source_settings(source, chosen, keep_zero=(), resume=None, resume_file=None):
     """
     Before any work: the settings the model that source names imposes on the run, {name: value}, and
-    the checkpoint it resumes (a path, or None). The script applies them (cfg.update) and decides
-    nothing else from them. chosen: {name: value} of the FIXED_BY_SOURCE settings the user gave.
+    the checkpoint it resumes (a path, or None). The script builds its run's settings from the
+    user's and these (Settings.replaced) and decides nothing else from them. chosen: {name: value}
+    of the FIXED_BY_SOURCE settings the user gave.
     train.py passes resume (a ResumeSpec); finetune.py passes its resume_file and
     keep_zero=('block_size',) (0: the model's own). auto_resume: init_from becomes 'resume' when
     out_dir holds the run's checkpoint (a requeued job), so one command starts a run and continues
@@ -549,109 +558,6 @@ def requeued_run(init_from, out_dir, path):
                 f"has {key}={now!r}, {describe_source(init_from, out_dir)} {key}={was!r}; pass "
                 f"another --out_dir for a new run from {init_from}, or --init_from=resume to "
                 f"continue the run in {out_dir}")
-
-
-def same_start(settings_record, resumed=None, data=None, data_meta=None,
-               resume_file=CHECKPOINT):
-    """
-    What every rank must start from alike (SAME_START, compared by distributed.every_rank's agree):
-      commit, code   its copy of this project: its commit, its uncommitted changes (or .py files)
-      checkpoint     the checkpoint it resumes (resumed: source_settings's path), or the one
-                     auto_resume looked for and did not find (out_dir/resume_file)
-      weights        the checkpoint (or Hugging Face directory) init_from names to start from
-      settings       settings_record: all of them, once the source's are applied
-      data           a digest of each file it reads (data: {name: path}; train.py compares its
-                     dataset's in dataloader.training_data)
-      tokenizer      its data's tokenizer description (data_meta: a dataset's meta, or None)
-    """
-    init_from, out_dir = settings_record['init_from'], settings_record['out_dir']
-    looked_for = None
-    if resumed is None and settings_record.get('auto_resume') and init_from != 'resume':
-        looked_for = os.path.join(out_dir, resume_file)  # absent: else it would be resumed
-    weights = None
-    if init_from not in ('resume', 'scratch'):
-        hf_dir = init_from if is_hf_dir(init_from) else None
-        weights = checkpoint_path(init_from, out_dir) or hf_dir
-    if init_from == 'resume' and resumed is None:  # eval.py: the checkpoint it evaluates
-        resumed = checkpoint_path(init_from, out_dir)
-    return {'commit': git_commit(), 'code': code_digest(),
-            'checkpoint': checkpoint_state(resumed or looked_for),
-            'weights': checkpoint_state(weights),
-            'settings': settings_record,
-            'data': data_digests(data or {}),
-            'tokenizer': tokenizer_digest(data_meta)}
-
-
-def checkpoint_state(path):
-    """
-    What a rank tells the others of a checkpoint it reads (None: it reads none): its path, its
-    iter_num (None for weights without one) and digest (files.file_digest), both None when the file
-    is not on this node. A Hugging Face directory's digest covers each of its files.
-    """
-    if path is None:
-        return None
-    state = {'path': path, 'iter_num': None, 'digest': None}
-    if os.path.isdir(path):
-        names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n)))
-        state['digest'] = ' '.join(f"{n}={file_digest(os.path.join(path, n))}" for n in names)
-    elif os.path.isfile(path):
-        state['digest'] = file_digest(path)
-        iter_num = load_checkpoint(path).get('iter_num')  # memory-mapped: no tensor is read
-        state['iter_num'] = iter_num if isinstance(iter_num, int) else None
-    return state
-
-
-def checkpoint_difference(states, places):
-    """
-    The line for checkpoints (checkpoint_state's, one per rank) that are not the same on every
-    node, naming each node's iteration and which is newer (places: (host, node rank) per rank), or
-    None when the ranks read different paths (their settings differ, which that entry says).
-    """
-    nodes = {}  # node -> (where, state): the ranks of a node read the same file
-    for (host, node), state in zip(places, states):
-        nodes.setdefault(node, (f"node {node} ({host})", state))
-    paths = {state['path'] if state else None for _, state in nodes.values()}
-    if len(paths) > 1:
-        return None
-    path = paths.pop()
-    have = [(where, s) for where, s in nodes.values() if s['digest'] is not None]
-    lack = [where for where, s in nodes.values() if s['digest'] is None]
-    share = "or keep it on a shared file system"
-    if lack:
-        where, state = max(have, key=lambda h: h[1]['iter_num'] or 0)
-        return (f"the ranks differ in checkpoint: {path} is on {where}{_at(state)} but not on "
-                f"{', '.join(lack)}, so they would not start from the same point; copy it from "
-                f"{where} to {path} on {', '.join(lack)} ({share}), then start again")
-    iters = [s['iter_num'] for _, s in have]
-    newest, kept = max(have, key=lambda h: h[1]['iter_num'] or 0)
-    # one newest copy (a tie of two others at the top: which to keep is the user's call)
-    if None not in iters and len({s['digest'] for _, s in have if s['iter_num'] == max(iters)}) == 1:
-        others = [where for where, s in have if s['digest'] != kept['digest']]
-        shown = ', '.join(f"iter {s['iter_num']} on {where}" for where, s in have)
-        return (f"the ranks differ in checkpoint: {path} is at {shown}; {newest} has the newer "
-                f"one: copy it over {path} on {', '.join(others)} ({share}), then start again")
-    shown = ', '.join(f"{s['digest']}{_at(s)} on {where}" for where, s in have)
-    return (f"the ranks differ in checkpoint: the copies of {path} differ ({shown}): they are of "
-            f"different runs or partly copied; copy the one to start from to every node ({share})")
-
-
-def _at(state):
-    return f" (iter {state['iter_num']})" if state['iter_num'] is not None else ""
-
-
-# what must be the same in every rank's same_start (distributed.every_rank's agree), in the order
-# they are compared, and what to do: a line, or a function that writes the whole line
-SAME_START = {
-    'commit': "check out the same commit of this repository on every node",
-    'code':
-    "the nodes' copies of this repository hold different code at one commit (uncommitted changes; "
-    "outside a git checkout, their .py files): commit or undo the changes and check out the same "
-    "commit on every node, or copy one node's copy to the others",
-    'checkpoint': checkpoint_difference,
-    'weights': checkpoint_difference,
-    'settings': "start every node with the same command line and config files",
-    **SAME_DATA,
-}
 
 
 def kept_architecture(chosen, saved, source, rule, keep_zero=(), smaller=(),

@@ -1,7 +1,8 @@
 """
 The machine a script computes on: the device ('auto' resolved), the dtype and its autocast context,
-TF32 on CUDA, whether to torch.compile, the memory free for a new model, the peak FLOP/s MFU is
-measured against, and the CPU thread count (chosen by timing, re-checked as the load changes).
+TF32 on CUDA, whether to torch.compile, the free memory and whether a new model's first step fits in
+it, the peak FLOP/s MFU is measured against, and the CPU thread count (chosen by timing, re-checked as
+the load changes).
 
 Usage:
     from nanogpt_plus.machine import precision, resolve_device
@@ -26,6 +27,8 @@ from nanogpt_plus.errors import UserError
 # the device, its precision and compile choice, its free memory
 
 PTDTYPE = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+# the dtype setting's choices: 'auto' (resolve_dtype picks for the device) or one of PTDTYPE
+DTYPES = ('auto', *PTDTYPE)
 
 
 def resolve_device(device='auto'):
@@ -179,7 +182,7 @@ def available_host_memory():
     None (not Linux: no check). NANOGPT_FREE_MEMORY_GIB overrides it: what a container's memory
     limit really leaves, or a fixed figure so that a test's outcome does not depend on what else the
     machine runs. A new
-    model's memory is counted against it where models are built (init_from.check_model_memory).
+    model's memory is counted against it before the model is built (check_model_memory).
     """
     override = os.environ.get('NANOGPT_FREE_MEMORY_GIB')
     if override:
@@ -200,6 +203,57 @@ def available_host_memory():
     except (OSError, ValueError, IndexError):
         pass
     return None  # not Linux: no check
+
+
+def check_model_memory(config, batch_size, attention, on_cpu):
+    """
+    Refuse, before anything is built, a new model (config, a GPTConfig) whose first step can't fit
+    this machine's free memory (available_host_memory) with a margin (MEMORY_MARGIN of it
+    kept free, for the rest of the process and the machine), instead of being killed by the kernel
+    a minute later (exit 137, no word) or swapping a step that can't honour a signal. Counted: each
+    Block's causal mask (block_size^2 bytes, so a long context costs quadratically), the weights
+    with their gradients and AdamW's two moments (16 bytes per parameter), and, when the CPU
+    computes (on_cpu), the first step's activations, as measured on a CPU (float32, batch_size 1-4,
+    block_size 2048-32768, 1-2 layers): per token about 16 n_embd values per Block kept for the
+    backward pass and 4 copies of the logits (they, their log-softmax and both gradients); the
+    (T, T) scores of every head where they are materialised: attention='manual', or dropout > 0
+    (the CPU's fused attention has no dropout: PyTorch falls back to the written-out one), about 2
+    transient copies plus 1 kept per Block (2 with dropout); and ~100 MiB of the first step's own
+    (kernels, allocator), counted as FIRST_STEP. Passing says "not hopeless", not "fits".
+    """
+    available = available_host_memory()
+    if available is None:
+        return
+    n_layer, n_embd, block_size = config.n_layer, config.n_embd, config.block_size
+    vocab_size = config.vocab_size
+    masks = n_layer * block_size ** 2
+    params = 12 * n_layer * n_embd ** 2 + (vocab_size + block_size) * n_embd
+    activations = 0
+    if on_cpu:
+        per_token = n_layer * 16 * n_embd + 4 * vocab_size
+        activations = 4 * batch_size * block_size * per_token + FIRST_STEP
+        if attention == 'manual' or config.dropout > 0:
+            copies = 2 + n_layer * (2 if config.dropout > 0 else 1)
+            activations += copies * 4 * batch_size * config.n_head * block_size ** 2
+    need = masks + 16 * params + activations
+    usable = available * (1 - MEMORY_MARGIN)
+    if need > usable:
+        parts = [f"{masks / 2**30:,.1f} GiB of causal masks: n_layer x block_size^2 bytes",
+                 f"{16 * params / 2**30:,.1f} GiB of weights, gradients and AdamW state"]
+        if activations:
+            parts.append(f"{activations / 2**30:,.1f} GiB of activations for "
+                         f"batch_size={batch_size}")
+        raise UserError(f"this model needs at least {need / 2**30:,.1f} GiB of memory "
+                        f"({'; '.join(parts)}), and this machine has {available / 2**30:,.1f} GiB "
+                        f"free; use a smaller --block_size, --batch_size or model (a step may use "
+                        f"{100 * (1 - MEMORY_MARGIN):.0f}% of the free memory)")
+
+
+# the share of the free memory a new model's first step must leave (check_model_memory): the
+# estimate is a lower bound, and a machine that swaps can't stop a step when asked
+MEMORY_MARGIN = 0.1
+# what a CPU's first training step holds beyond its tensors (measured: 90-110 MiB)
+FIRST_STEP = 128 * 2**20
 
 
 # -----------------------------------------------------------------------------

@@ -22,6 +22,12 @@ import torch
 
 from nanogpt_plus.distributed import all_reduce_mean
 
+# the optimizer setting's choices (make_optimizer): AdamW for every parameter, or Muon for the
+# Blocks' matrices and AdamW for the rest
+OPTIMIZERS = ('adamw', 'muon')
+# the lr_schedule setting's choices (LRSchedule.rate)
+LR_SCHEDULES = ('cosine', 'wsd')
+
 
 @dataclass(frozen=True)
 class LRSchedule:

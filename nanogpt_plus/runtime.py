@@ -2,7 +2,8 @@
 How a script runs from start to end: run_main around its main() (errors the user can fix as one line
 and exit code 2, a clean stop after a signal as 75, the process group torn down once, at the end of
 a run that finished), and the provenance a run prints at start-up and keeps in its checkpoints
-(its commit; code_digest tells two copies at one commit apart).
+(its commit), with what every rank of a run must start from alike (same_start: its code, where
+code_digest tells two copies at one commit apart, the checkpoint, weights, settings and data).
 
 Usage:
     from nanogpt_plus.runtime import run_main
@@ -18,9 +19,12 @@ import traceback
 
 import torch
 
+from nanogpt_plus.checkpoint import CHECKPOINT, checkpoint_path, load_checkpoint
+from nanogpt_plus.dataset import SAME_DATA, data_digests, tokenizer_digest
 from nanogpt_plus.distributed import destroy_distributed, lost_peer, several_processes
 from nanogpt_plus.errors import EXIT_USER_ERROR, Interrupted, PeerFailed, error_line, exit_code
 from nanogpt_plus.files import file_digest
+from nanogpt_plus.init_from import is_hf_dir
 from nanogpt_plus.machine import device_type_of
 from nanogpt_plus.signals import EXIT_STOPPED, Stopped, work_ended, work_started
 
@@ -202,3 +206,109 @@ def provenance(device):
     if device_type_of(device) == 'cuda':
         info['gpu'] = torch.cuda.get_device_name(torch.device(device))
     return info
+
+
+# -----------------------------------------------------------------------------
+# what every rank of a run must start from alike: its code, checkpoint, weights, settings and data
+
+def same_start(settings_record, resumed=None, data=None, data_meta=None,
+               resume_file=CHECKPOINT):
+    """
+    What every rank must start from alike (SAME_START, compared by distributed.every_rank's agree):
+      commit, code   its copy of this project: its commit, its uncommitted changes (or .py files)
+      checkpoint     the checkpoint it resumes (resumed: source_settings's path), or the one
+                     auto_resume looked for and did not find (out_dir/resume_file)
+      weights        the checkpoint (or Hugging Face directory) init_from names to start from
+      settings       settings_record: all of them, once the source's are applied
+      data           a digest of each file it reads (data: {name: path}; train.py compares its
+                     dataset's in dataloader.training_data)
+      tokenizer      its data's tokenizer description (data_meta: a dataset's meta, or None)
+    """
+    init_from, out_dir = settings_record['init_from'], settings_record['out_dir']
+    looked_for = None
+    if resumed is None and settings_record.get('auto_resume') and init_from != 'resume':
+        looked_for = os.path.join(out_dir, resume_file)  # absent: else it would be resumed
+    weights = None
+    if init_from not in ('resume', 'scratch'):
+        hf_dir = init_from if is_hf_dir(init_from) else None
+        weights = checkpoint_path(init_from, out_dir) or hf_dir
+    if init_from == 'resume' and resumed is None:  # eval.py: the checkpoint it evaluates
+        resumed = checkpoint_path(init_from, out_dir)
+    return {'commit': git_commit(), 'code': code_digest(),
+            'checkpoint': checkpoint_state(resumed or looked_for),
+            'weights': checkpoint_state(weights),
+            'settings': settings_record,
+            'data': data_digests(data or {}),
+            'tokenizer': tokenizer_digest(data_meta)}
+
+
+def checkpoint_state(path):
+    """
+    What a rank tells the others of a checkpoint it reads (None: it reads none): its path, its
+    iter_num (None for weights without one) and digest (files.file_digest), both None when the file
+    is not on this node. A Hugging Face directory's digest covers each of its files.
+    """
+    if path is None:
+        return None
+    state = {'path': path, 'iter_num': None, 'digest': None}
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n)))
+        state['digest'] = ' '.join(f"{n}={file_digest(os.path.join(path, n))}" for n in names)
+    elif os.path.isfile(path):
+        state['digest'] = file_digest(path)
+        iter_num = load_checkpoint(path).get('iter_num')  # memory-mapped: no tensor is read
+        state['iter_num'] = iter_num if isinstance(iter_num, int) else None
+    return state
+
+
+def checkpoint_difference(states, places):
+    """
+    The line for checkpoints (checkpoint_state's, one per rank) that are not the same on every
+    node, naming each node's iteration and which is newer (places: (host, node rank) per rank), or
+    None when the ranks read different paths (their settings differ, which that entry says).
+    """
+    nodes = {}  # node -> (where, state): the ranks of a node read the same file
+    for (host, node), state in zip(places, states):
+        nodes.setdefault(node, (f"node {node} ({host})", state))
+    paths = {state['path'] if state else None for _, state in nodes.values()}
+    if len(paths) > 1:
+        return None
+    path = paths.pop()
+    have = [(where, s) for where, s in nodes.values() if s['digest'] is not None]
+    lack = [where for where, s in nodes.values() if s['digest'] is None]
+    share = "or keep it on a shared file system"
+    if lack:
+        where, state = max(have, key=lambda h: h[1]['iter_num'] or 0)
+        return (f"the ranks differ in checkpoint: {path} is on {where}{_at(state)} but not on "
+                f"{', '.join(lack)}, so they would not start from the same point; copy it from "
+                f"{where} to {path} on {', '.join(lack)} ({share}), then start again")
+    iters = [s['iter_num'] for _, s in have]
+    newest, kept = max(have, key=lambda h: h[1]['iter_num'] or 0)
+    # one newest copy (a tie of two others at the top: which to keep is the user's call)
+    if None not in iters and len({s['digest'] for _, s in have if s['iter_num'] == max(iters)}) == 1:
+        others = [where for where, s in have if s['digest'] != kept['digest']]
+        shown = ', '.join(f"iter {s['iter_num']} on {where}" for where, s in have)
+        return (f"the ranks differ in checkpoint: {path} is at {shown}; {newest} has the newer "
+                f"one: copy it over {path} on {', '.join(others)} ({share}), then start again")
+    shown = ', '.join(f"{s['digest']}{_at(s)} on {where}" for where, s in have)
+    return (f"the ranks differ in checkpoint: the copies of {path} differ ({shown}): they are of "
+            f"different runs or partly copied; copy the one to start from to every node ({share})")
+
+
+def _at(state):
+    return f" (iter {state['iter_num']})" if state['iter_num'] is not None else ""
+
+
+# what must be the same in every rank's same_start (distributed.every_rank's agree), in the order
+# they are compared, and what to do: a line, or a function that writes the whole line
+SAME_START = {
+    'commit': "check out the same commit of this repository on every node",
+    'code':
+    "the nodes' copies of this repository hold different code at one commit (uncommitted changes; "
+    "outside a git checkout, their .py files): commit or undo the changes and check out the same "
+    "commit on every node, or copy one node's copy to the others",
+    'checkpoint': checkpoint_difference,
+    'weights': checkpoint_difference,
+    'settings': "start every node with the same command line and config files",
+    **SAME_DATA,
+}

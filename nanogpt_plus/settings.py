@@ -1,45 +1,35 @@
 """
-What the entry points' settings share: each script declares its own settings at its top (train.py:
-nanoGPT's, in nanoGPT's order) with configurator.py's Group and Setting; what several scripts use is
-declared here once, in one of two forms:
-- a shared group (MODEL, SYSTEM) with the same defaults everywhere, named in the script's Schema
-  (a script passes its own default where it differs: finetune.py's dropout=0.1);
-- a Shared setting (out_dir, batch_size, learning_rate, ...): its type, range and help are here, its
-  default is in each script that declares it: batch_size=settings.batch_size(12).
-Also here: the lists of choices, and train.py's checks between settings (check_training: n_embd
-divisible by n_head, min_lr not above learning_rate, ...); Schema.check checks each value alone.
+What the entry points' settings share. Each script declares every setting it reads at its top, name
+and default on one line (train.py: nanoGPT's, in nanoGPT's order), with configurator.py's Group and
+Setting; what several scripts use has its type, range and help declared here once, as a Shared
+setting whose default each script writes: batch_size=settings.batch_size(12), n_layer=
+settings.n_layer(12). The data/*/prepare.py scripts' shared settings are here too (num_proc,
+cache_dir, ...). Also here: train.py's checks between settings (check_training: n_embd divisible
+by n_head, min_lr not above learning_rate, ...); Schema.check checks each value alone.
+
+The lists of choices live beside the code that acts on them (dataloader.ORDERS, machine.DTYPES,
+...); this table imports them, and only the scripts import this table. A choice list of code that
+nanoGPT's laptop command does not load (weight_formats.WEIGHTS, engine.MODES) is imported by the
+scripts that declare that setting, not here.
 
 Usage (a script's top):
     from nanogpt_plus import settings
     DATA = Group('data', batch_size=settings.batch_size(12), block_size=positive(1024, "tokens"))
-    DEFAULTS = Schema(DATA, settings.MODEL, settings.SYSTEM)
+    MODEL = Group('model', n_layer=settings.n_layer(12), n_head=settings.n_head(12))
+    DEFAULTS = Schema(DATA, MODEL)
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     DEFAULTS.check(cfg)
 """
 
 import os
 
-from configurator import Group, Schema, Setting  # noqa: F401  (Schema: what the scripts compose)
-from model import MODERN_CHOICES
+from configurator import Setting
+from model import ATTENTIONS, MODERN_CHOICES
+from nanogpt_plus.dataloader import ORDERS
+from nanogpt_plus.distributed import BACKENDS
 from nanogpt_plus.errors import UserError
-
-# The values a choice setting may take live here, with the settings, so that reading this table
-# imports no part of the code that acts on them (the sampling engine, the weight formats, the
-# evaluation tasks); those modules take their lists from here.
-DTYPES = ('auto', 'float32', 'bfloat16', 'float16')
-BACKENDS = ('auto', 'nccl', 'gloo')
-ATTENTIONS = ('flash', 'manual')
-GELUS = MODERN_CHOICES['gelu']
-OPTIMIZERS = ('adamw', 'muon')
-LR_SCHEDULES = ('cosine', 'wsd')
-# data_order: nanoGPT's random windows, or llm.c's pass over every token
-# (nanogpt_plus/dataloader.py)
-ORDERS = ('random', 'sequential')
-MODES = ('exact', 'fast')  # sample.py's mode (nanogpt_plus/engine.py)
-# weight formats for inference (nanogpt_plus/weight_formats.py)
-WEIGHTS = ('float32', 'bfloat16', 'int8')
-# where the in-loop HellaSwag and eval.py keep their download, relative to the repository
-HELLASWAG_FILE = 'data/hellaswag/hellaswag_val.jsonl'
+from nanogpt_plus.machine import DTYPES
+from nanogpt_plus.optimizer import OPTIMIZERS
 
 
 def positive(default, help):
@@ -71,8 +61,10 @@ class Shared:
         self.help = help
         self.accepts = accepts
 
-    def __call__(self, default):
-        return Setting(default, self.help, kind=self.kind, **self.accepts)
+    def __call__(self, default, **accepts):
+        """ The Setting with this default; accepts: what the script adds (the choices of a list this
+        table doesn't import: weights=settings.weights('float32', choices=WEIGHTS)). """
+        return Setting(default, self.help, kind=self.kind, **self.accepts, **accepts)
 
 
 # I/O: train.py, finetune.py, sample.py, eval.py, export_hf.py
@@ -124,88 +116,84 @@ decay_lr = Shared(bool, "linear warmup, then the lr_schedule's decay to min_lr; 
 min_lr = Shared(float, "the rate after lr_decay_iters; Chinchilla suggests about "
                        "learning_rate/10", low=0)
 
-# how sample.py, eval.py and finetune.py's predictions store and read the weights
-# (weight_formats.py)
-WEIGHTS_SETTING = Setting('float32', "how the weights are stored and read: 'float32' (exact), "
-                                     "'bfloat16' or 'int8' (weight-only, per row)", choices=WEIGHTS)
+# how sample.py, eval.py and finetune.py's predictions store and read the weights; its choices are
+# weight_formats.WEIGHTS, which each of them passes (this table does not load the weight formats)
+weights = Shared(str, "how the weights are stored and read: 'float32' (exact), 'bfloat16' or 'int8' "
+                      "(weight-only, per row)")
 
-# the architecture, the same defaults everywhere (GPT-2 124M): train.py, finetune.py, bench.py
+# the architecture (GPT-2 124M's defaults in every script): train.py, finetune.py, bench.py
 # (sample.py: attention)
-MODEL = Group(
-    'model',
-    n_layer=positive(12, "Transformer blocks"),
-    n_head=positive(12, "attention heads per block"),
-    n_embd=positive(768, "the width: embedding and residual-stream size"),
-    dropout=Setting(0.0,
-                    "0.0 suits pretraining; fine-tuning usually wants 0.1 or more",
-                    low=0.0,
-                    high=1.0,
-                    high_open=True),
-    bias=flag(
-        False,
-        "biases in the Linear and LayerNorm layers (GPT-2 has them; without is a bit faster)"),
-    gelu=Setting('none',
-                 "'none' = exact GELU (nanoGPT), 'tanh' = GPT-2's approximation (new models)",
-                 choices=GELUS),
-    attention=Setting('flash',
-                      "'flash' (scaled_dot_product_attention) or 'manual'",
-                      choices=ATTENTIONS),
-    # the modern options (config/train_*_fast.py, *_speedrun.py); the defaults are GPT-2's
-    pos=Setting('learned',
-                "positions: 'learned' (GPT-2's wpe table) or 'rope' (rotary, on queries and keys)",
-                choices=MODERN_CHOICES['pos']),
-    norm=Setting('layernorm', "'layernorm' (GPT-2) or 'rmsnorm'", choices=MODERN_CHOICES['norm']),
-    qk_norm=flag(False,
-                 "True: RMS-normalise each head's queries and keys before the attention scores"),
-    mlp_act=Setting('gelu',
-                    "the MLP's activation: 'gelu' (see gelu) or 'relu2' (relu(x)^2)",
-                    choices=MODERN_CHOICES['mlp_act']),
-    logit_softcap=Setting(0.0, "C > 0: the logits become C*tanh(logits/C); 0.0 = off", low=0.0),
-    tie_embeddings=flag(
-        True, "True: the output head is the token embedding (GPT-2); False: a matrix of its own"),
-)
+n_layer = Shared(int, "Transformer blocks", low=1)
+n_head = Shared(int, "attention heads per block", low=1)
+n_embd = Shared(int, "the width: embedding and residual-stream size", low=1)
+dropout = Shared(float, "0.0 suits pretraining; fine-tuning usually wants 0.1 or more", low=0.0,
+                 high=1.0, high_open=True)
+bias = Shared(bool, "biases in the Linear and LayerNorm layers (GPT-2 has them; without is a bit "
+                    "faster)")
+gelu = Shared(str, "'none' = exact GELU (nanoGPT), 'tanh' = GPT-2's approximation (new models)",
+              choices=MODERN_CHOICES['gelu'])
+attention = Shared(str, "'flash' (scaled_dot_product_attention) or 'manual'", choices=ATTENTIONS)
+# the modern options (config/train_*_fast.py, *_speedrun.py); the defaults are GPT-2's
+pos = Shared(str, "positions: 'learned' (GPT-2's wpe table) or 'rope' (rotary, on queries and "
+                  "keys)", choices=MODERN_CHOICES['pos'])
+norm = Shared(str, "'layernorm' (GPT-2) or 'rmsnorm'", choices=MODERN_CHOICES['norm'])
+qk_norm = Shared(bool, "True: RMS-normalise each head's queries and keys before the attention "
+                       "scores")
+mlp_act = Shared(str, "the MLP's activation: 'gelu' (see gelu) or 'relu2' (relu(x)^2)",
+                 choices=MODERN_CHOICES['mlp_act'])
+logit_softcap = Shared(float, "C > 0: the logits become C*tanh(logits/C); 0.0 = off", low=0.0)
+tie_embeddings = Shared(bool, "True: the output head is the token embedding (GPT-2); False: a "
+                              "matrix of its own")
 
-# the machine and the process, the same defaults everywhere but compile (False in sample.py,
-# eval.py, finetune.py)
-SYSTEM = Group(
-    'system',
-    backend=Setting('auto',
-                    "'auto' = nccl for CUDA, gloo for CPU; or 'nccl', 'gloo'",
-                    choices=BACKENDS),
-    # at most a week: a rank waiting longer is gone, and a bigger timeout overflows the C++
-    # side's milliseconds (OverflowError, or a process group that fails to start)
-    dist_timeout=Setting(
-        0, "under torchrun: seconds a rank waits in a collective before the run fails (the "
-        "process group's timeout); 0 = PyTorch's (10 minutes for nccl, 30 for gloo). "
-        "Raise it where a first compile or rank 0's evaluation takes longer", low=0,
-        high=7 * 24 * 3600),
-    parallelism=Setting(
-        'ddp', "under torchrun: 'ddp' (a full model copy per rank) or 'fsdp' (shard the model, "
-        "FSDP2)",
-        choices=('ddp', 'fsdp')),
-    device=Setting('auto',
-                   "'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:N', 'mps'",
-                   not_empty=True),
-    dtype=Setting('auto',
-                  "'auto' (bfloat16 if the GPU has it, else float16; float32 on CPU), 'float32', "
-                  "'bfloat16', 'float16'",
-                  choices=DTYPES),
-    compile=Setting(None,
-                    "torch.compile the model: None = auto (on for CUDA, where it pays for itself), "
-                    "True/False to force",
-                    kind=bool,
-                    choices=(None, True, False)),
-    activation_checkpointing=flag(
-        False, "True: recompute each Block in the backward pass (less memory, more "
-        "compute)"),
-    num_threads=non_negative(
-        0, "CPU threads for torch; 0 = auto (time all cores, half, ..., 1; keep the "
-        "fastest; re-checked while training)"),
-    seed=Setting(1337,
-                 "the seed of the model's initialisation, the data order, dropout and sampling",
-                 low=0,
-                 high=2**32 - 1),
-)
+# the machine and the process: train.py, finetune.py, sample.py, eval.py, bench.py (each its subset)
+backend = Shared(str, "'auto' = nccl for CUDA, gloo for CPU; or 'nccl', 'gloo'", choices=BACKENDS)
+# at most a week: a rank waiting longer is gone, and a bigger timeout overflows the C++ side's
+# milliseconds (OverflowError, or a process group that fails to start)
+dist_timeout = Shared(int, "under torchrun: seconds a rank waits in a collective before the run "
+                           "fails (the process group's timeout); 0 = PyTorch's (10 minutes for "
+                           "nccl, 30 for gloo). Raise it where a first compile or rank 0's "
+                           "evaluation takes longer", low=0, high=7 * 24 * 3600)
+device = Shared(str, "'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:N', 'mps'",
+                not_empty=True)
+dtype = Shared(str, "'auto' (bfloat16 if the GPU has it, else float16; float32 on CPU), "
+                    "'float32', 'bfloat16', 'float16'", choices=DTYPES)
+# None is a value of its own (auto) whatever a script's default
+compile = Shared(bool, "torch.compile the model: None = auto (on for CUDA, where it pays for "
+                       "itself), True/False to force", choices=(None, True, False), none_ok=True)
+activation_checkpointing = Shared(bool, "True: recompute each Block in the backward pass (less "
+                                        "memory, more compute)")
+num_threads = Shared(int, "CPU threads for torch; 0 = auto (time all cores, half, ..., 1; keep the "
+                          "fastest; re-checked while training)", low=0)
+seed = Shared(int, "the seed of the model's initialisation, the data order, dropout and sampling",
+              low=0, high=2**32 - 1)
+
+# -----------------------------------------------------------------------------
+# the settings the data/<name>/prepare.py scripts share (their write rules: outputs.py)
+
+def default_num_proc():
+    """ Half the CPU threads, 1 to 8: cpu_count() counts hyperthreads, and BPE encoding gains little from a
+    core's second. """
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def dataset_out_dir(default, outputs):
+    """ A prepare script's out_dir: its own default, and the files it writes there (the help). """
+    return Setting(default, f"where {outputs} go", not_empty=True)
+
+
+num_proc = Shared(int, "tokenizer worker processes (default: half the CPU threads, 1 to 8)", low=1)
+text_column = Shared(str, "the column holding the documents (.jsonl / .json / .parquet / Hub "
+                          "datasets)", not_empty=True)
+cache_dir = Shared(str, "Hugging Face datasets cache ('' = its default, "
+                        "~/.cache/huggingface/datasets)")
+shuffle_seed = Shared(int, "the shuffle that picks the val documents (nanoGPT's seed)", low=0)
+dataset_overwrite = Shared(bool, "True: write even where out_dir holds another dataset (which is "
+                                 "replaced) or a training run's files (never a live run's)")
+# data/shakespeare and data/shakespeare_char
+shakespeare_input = Shared(str, "a UTF-8 text file to use instead of tiny Shakespeare")
+shakespeare_url = Shared(str, "where to download tiny Shakespeare from ('' = never download)")
+download_timeout = Shared(float, "seconds to wait for the download before using the offline "
+                                 "substitute", low=0, low_open=True)
 
 
 def check_model_shape(n_embd, n_head, pos):
@@ -239,31 +227,31 @@ def check_training(cfg):
     (Schema.check): the one place that reads them all. Each check below is handed the values of its
     topic; the last one refuses a new model whose first step can't fit in this machine's memory.
     """
-    check_model_shape(cfg['n_embd'], cfg['n_head'], cfg['pos'])
-    check_auto_resume(cfg['auto_resume'], cfg['overwrite'])
-    if cfg['decay_lr'] and cfg['min_lr'] > cfg['learning_rate']:  # the "decay" would raise the rate
+    check_model_shape(cfg.n_embd, cfg.n_head, cfg.pos)
+    check_auto_resume(cfg.auto_resume, cfg.overwrite)
+    if cfg.decay_lr and cfg.min_lr > cfg.learning_rate:  # the "decay" would raise the rate
         raise UserError(
-            f"min_lr ({cfg['min_lr']}) is above learning_rate ({cfg['learning_rate']}), so the decay "
+            f"min_lr ({cfg.min_lr}) is above learning_rate ({cfg.learning_rate}), so the decay "
             f"would raise the learning rate; set --min_lr to at most learning_rate (about 1/10 of it)"
         )
-    if cfg['decay_lr']:
-        check_schedule(cfg['learning_rate'], cfg['warmup_iters'], cfg['lr_decay_iters'],
-                       cfg['max_iters'])
-    if cfg['optimizer'] == 'muon' and cfg['parallelism'] == 'fsdp':
+    if cfg.decay_lr:
+        check_schedule(cfg.learning_rate, cfg.warmup_iters, cfg.lr_decay_iters,
+                       cfg.max_iters)
+    if cfg.optimizer == 'muon' and cfg.parallelism == 'fsdp':
         raise UserError(
             "optimizer='muon' orthogonalises whole matrices, which FSDP splits over the ranks; use "
             "--parallelism=ddp with Muon, or --optimizer=adamw with FSDP")
-    if cfg['resume_from'] and cfg['init_from'] != 'resume':
+    if cfg.resume_from and cfg.init_from != 'resume':
         raise UserError(
-            f"--resume_from={cfg['resume_from']} goes back to a snapshot of the run in out_dir: it "
+            f"--resume_from={cfg.resume_from} goes back to a snapshot of the run in out_dir: it "
             f"needs --init_from=resume")
-    if cfg['init_from'] == 'scratch':  # weights that trained before have a size that fitted
-        # imported here: this table of settings loads none of the code that acts on them
+    if cfg.init_from == 'scratch':  # weights that trained before have a size that fitted
+        # imported here: only this check of this table needs init_from.py
         from nanogpt_plus.init_from import ModelSpec, check_new_model_fits
         from nanogpt_plus.machine import resolve_device
-        on_cpu = resolve_device(cfg['device']) == 'cpu'
-        check_new_model_fits(cfg.select(ModelSpec), dataset=cfg['dataset'],
-                             batch_size=cfg['batch_size'], attention=cfg['attention'],
+        on_cpu = resolve_device(cfg.device) == 'cpu'
+        check_new_model_fits(cfg.select(ModelSpec), dataset=cfg.dataset,
+                             batch_size=cfg.batch_size, attention=cfg.attention,
                              on_cpu=on_cpu)
 
 
@@ -285,8 +273,3 @@ def check_schedule(learning_rate, warmup_iters, lr_decay_iters, max_iters):
         print(f"note: warmup_iters ({warmup_iters}) is past max_iters ({max_iters}): the learning "
               f"rate rises to {peak:.3g} at the last iteration and never reaches learning_rate "
               f"({learning_rate:g})")
-
-
-def subset(group, *names):
-    """ The settings `names` of a group (a script that uses some of them), in the group's order. """
-    return Group(group.title, **{k: v for k, v in group.items() if k in names})

@@ -143,7 +143,7 @@ class GracefulExit:
         models) to seconds. Rank 0 then says why the run stops. An error this rank met where it
         could still go on with the others (fail() recorded it) is heard of here by every rank: the
         lowest rank that met one raises it, the others stop with its exit code, and the first
-        process of every other node prints its line too (distributed.end_together).
+        process of every other node prints its line too (process_group.end_together).
         """
         failure = self.failure
         if not dist_info.under_torchrun:
@@ -161,7 +161,7 @@ class GracefulExit:
         signum, failed = flag.tolist()
         if failed:
             # the lowest failed rank's line, said on every node (one more gather, at the end)
-            from nanogpt_plus.distributed import end_together
+            from nanogpt_plus.process_group import end_together
             end_together(dist_info, failure, group=self._cpu_group())
         if signum and not self.agreed and dist_info.master:
             print(

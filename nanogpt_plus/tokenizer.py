@@ -25,7 +25,6 @@ import os
 
 import numpy as np
 
-from nanogpt_plus.bpe import EOT_TEXT, described_bpe
 from nanogpt_plus.dataset import tokenizer_kind, tokenizer_size
 from nanogpt_plus.errors import TokenizerError, UserError
 
@@ -78,9 +77,10 @@ def _encoding_from_files(vocab_bpe, encoder_json):
     """
     Build tiktoken's GPT-2 encoding from local copies of OpenAI's files, refusing altered files.
     """
+    # the end-of-text token and the regex of tiktoken's own 'gpt2'
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-    from tiktoken_ext.openai_public import r50k_pat_str  # the regex tiktoken's 'gpt2' uses
+    from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
     for path, expected in ((vocab_bpe, GPT2_VOCAB_BPE_SHA256), (encoder_json,
                                                                 GPT2_ENCODER_JSON_SHA256)):
         if _sha256(path) != expected:
@@ -95,7 +95,7 @@ def _encoding_from_files(vocab_bpe, encoder_json):
         hashes = {}
     ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json, **hashes)
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={EOT_TEXT: 50256}, explicit_n_vocab=50257)
+                             special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,8 +128,9 @@ class GPT2Tokenizer:
         self.eot_token = self.enc.eot_token  # 50256
 
     def encode(self, text):
-        # like nanoGPT's sample.py: the end-of-text marker in a prompt is the special token
-        return self.enc.encode(text, allowed_special={EOT_TEXT})
+        # like nanoGPT's sample.py: the end-of-text marker in a prompt is the special token (GPT-2's
+        # only one)
+        return self.enc.encode(text, allowed_special=self.enc.special_tokens_set)
 
     def encode_ordinary(self, text):
         return self.enc.encode_ordinary(text)
@@ -211,6 +212,9 @@ def load_tokenizer(meta):
             raise TokenizerError(
                 "the bpe tokenizer description holds no tokenizer.json; re-run the dataset's "
                 "prepare.py")
+        # imported here: only a bpe tokenizer needs the tokenizers library's code (a character
+        # run's bytes per token don't)
+        from nanogpt_plus.bpe import described_bpe
         return described_bpe(meta)
     if kind != "char":
         raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected 'gpt2', 'char' or 'bpe'")

@@ -31,7 +31,9 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from nanogpt_plus.settings import WEIGHTS
+# the weights setting's choices (sample.py, eval.py, finetune.py's predictions): how the matrices
+# are stored and read; set_weights acts on them
+WEIGHTS = ('float32', 'bfloat16', 'int8')
 
 # On a CPU without AVX-512, PyTorch's bfloat16 and int8 matmuls are fast for a few rows only (a
 # decoding step of a few samples) and get slower per row than float32 as rows are added; above these

@@ -64,18 +64,18 @@ def fastest(work, corpus, num_proc, shard_size, repeats):
 def main():
     config = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(config)
-    num_procs = parse_num_procs(config['num_procs'])
-    with work_directory(config['work_dir'], "bench_fineweb_") as work:
+    num_procs = parse_num_procs(config.num_procs)
+    with work_directory(config.work_dir, "bench_fineweb_") as work:
         corpus = os.path.join(work, "corpus.parquet")
         t0 = time.time()
-        size, n_docs = generate_parquet(corpus, config['size_mb'], config['seed'])
+        size, n_docs = generate_parquet(corpus, config.size_mb, config.seed)
         print(f"generated a {size / 1e6:.1f} MB parquet corpus of {n_docs:,} documents in {time.time() - t0:.1f} s")
         print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
         # build the tokenizer once, outside the timings (forked workers inherit it)
         get_gpt2_encoding()
         # warm-up: datasets' Arrow cache of the corpus
-        run_one(work, corpus, 1, config['shard_size'])
-        results = [(p, *fastest(work, corpus, p, config['shard_size'], config['repeats'])) for p in num_procs]
+        run_one(work, corpus, 1, config.shard_size)
+        results = [(p, *fastest(work, corpus, p, config.shard_size, config.repeats)) for p in num_procs]
         print_table(results, size)
         print(f"load average now: {os.getloadavg()[0]:.1f} (figures are only comparable on an otherwise idle machine)")
         print("identical shards for every num_proc:", len({tuple(s.items()) for _, _, s in results}) == 1)

@@ -22,8 +22,8 @@ from benchtools import cpu_model, work_directory
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.dataset import split_files
+from nanogpt_plus.dataset.shards import write_shard
 from nanogpt_plus.runtime import run_main
-from nanogpt_plus.shards import write_shard
 
 DEFAULTS = Schema(Group(
     'benchmark',
@@ -66,22 +66,22 @@ def time_loader(loader, batches):
 def main():
     config = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(config)
-    B = config['batch_size']
-    T = config['block_size']
-    with work_directory(config['work_dir'], 'bench_loader_') as work:
-        raw, shards = write_files(work, config['tokens'], config['shard_tokens'], config['seed'])
+    B = config.batch_size
+    T = config.block_size
+    with work_directory(config.work_dir, 'bench_loader_') as work:
+        raw, shards = write_files(work, config.tokens, config.shard_tokens, config.seed)
         print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-        print(f"{config['tokens']:,} tokens: one train.bin, and {len(split_files(shards, 'train'))} shards; "
-              f"B={B}, T={T}, {config['batches']} batches each\n")
+        print(f"{config.tokens:,} tokens: one train.bin, and {len(split_files(shards, 'train'))} shards; "
+              f"B={B}, T={T}, {config.batches} batches each\n")
         print(f"{'files':>10} {'order':>10} {'min ms':>7} {'median ms':>10} {'mean ms':>8} {'tokens/s (mean)':>16}")
         for name, data_dir in (('train.bin', raw), ('shards', shards)):
             for order in ('random', 'sequential'):
-                loader = TokenWindowLoader(split_files(data_dir, 'train'), B, T, seed=config['seed'], order=order)
-                fastest, median, mean = time_loader(loader, config['batches'])
+                loader = TokenWindowLoader(split_files(data_dir, 'train'), B, T, seed=config.seed, order=order)
+                fastest, median, mean = time_loader(loader, config.batches)
                 print(f"{name:>10} {order:>10} {fastest:>7.2f} {median:>10.2f} {mean:>8.2f} "
                       f"{B * T / mean * 1000:>16,.0f}")
         same = [TokenWindowLoader(split_files(d, 'train'), B, T, order='sequential') for d in (raw, shards)]
-        n = min(20, (config['shard_tokens'] - 1) // (B * T))  # the micro-batches of the first shard
+        n = min(20, (config.shard_tokens - 1) // (B * T))  # the micro-batches of the first shard
         print(f"\nthe first {n} sequential batches of train.bin and of the shards agree:",
               all((same[0].next_batch()[0] == same[1].next_batch()[0]).all().item() for _ in range(n)))
 

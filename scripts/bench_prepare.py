@@ -31,11 +31,11 @@ DEFAULTS = Schema(Group(
 def main():
     config = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(config)
-    num_procs = parse_num_procs(config['num_procs'])
-    with work_directory(config['work_dir'], "bench_prepare_") as work:
+    num_procs = parse_num_procs(config.num_procs)
+    with work_directory(config.work_dir, "bench_prepare_") as work:
         corpus = os.path.join(work, "corpus.jsonl")
         t0 = time.time()
-        size = write_jsonl_corpus(corpus, benchmark_documents(config['size_mb'], config['seed']))
+        size = write_jsonl_corpus(corpus, benchmark_documents(config.size_mb, config.seed))
         print(f"generated {size / 1e6:.1f} MB corpus in {time.time() - t0:.1f} s; cpu cores: {os.cpu_count()}, "
               f"load average: {os.getloadavg()[0]:.1f}")
         # build the tokenizer once, outside the timings (forked workers inherit it)

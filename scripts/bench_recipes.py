@@ -55,7 +55,7 @@ import time
 # scripts/ is on sys.path
 from benchtools import cpu_model, run_checked, work_directory, write_jsonl_corpus
 from configurator import Group, Schema, Setting, configure
-from nanogpt_plus.checkpoint import snapshots
+from nanogpt_plus.checkpoint import CHECKPOINT, sidecar_of, snapshots
 from nanogpt_plus.metrics import read_metrics
 from nanogpt_plus.runtime import run_main
 
@@ -173,12 +173,12 @@ def compare(work, cfg, recipes, config_of):
     """ Alternate the recipes for `rounds` rounds; per round the target is the baseline's final loss. """
     ratios = []
     finals = {name: [] for name in recipes}
-    for r in range(cfg['rounds']):
+    for r in range(cfg.rounds):
         results = {}
         for name, args in recipes.items():
-            every = cfg['snapshot_every'] if name == 'nanogpt' else max(1, cfg['snapshot_every'] // 2)
-            out_dir = train(work, f"{name}_{r}", config_of(name), args, every, cfg['num_threads'])
-            results[name] = curve(out_dir, cfg['num_threads'])
+            every = cfg.snapshot_every if name == 'nanogpt' else max(1, cfg.snapshot_every // 2)
+            out_dir = train(work, f"{name}_{r}", config_of(name), args, every, cfg.num_threads)
+            results[name] = curve(out_dir, cfg.num_threads)
         base_points, _ = results['nanogpt']
         target = base_points[-1][2]
         base_time = base_points[-1][1]
@@ -207,9 +207,10 @@ def whole_run(work, name, config, args, num_threads):
     run_checked(cmd, f"train.py for {name}", cwd=REPO, env=env)
     seconds = time.perf_counter() - start
     # the final checkpoint's iter_num (its .json beside it) is the number of optimizer steps taken
-    with open(os.path.join(out_dir, 'ckpt.json')) as f:
+    final = os.path.join(out_dir, CHECKPOINT)
+    with open(sidecar_of(final)) as f:
         steps = json.load(f)['iter_num']
-    return full_val_loss(os.path.join(out_dir, 'ckpt.pt'), num_threads), seconds, steps
+    return full_val_loss(final, num_threads), seconds, steps
 
 
 def compare_whole(work, cfg, recipes):
@@ -218,9 +219,9 @@ def compare_whole(work, cfg, recipes):
     alternating for `rounds` rounds; medians of the final losses, wall times and steps, and their ratios.
     """
     rows = {name: [] for name in recipes}
-    for r in range(cfg['rounds']):
+    for r in range(cfg.rounds):
         for name, (config, args) in recipes.items():
-            rows[name].append(whole_run(work, f"{name}_{r}", config, args, cfg['num_threads']))
+            rows[name].append(whole_run(work, f"{name}_{r}", config, args, cfg.num_threads))
             loss, seconds, steps = rows[name][-1]
             print(f"round {r} {name}: final val loss {loss:.4f}, {seconds:.1f} s, {steps} steps", flush=True)
     med = {name: [statistics.median(v[i] for v in values) for i in range(3)] for name, values in rows.items()}
@@ -241,12 +242,12 @@ def compare_whole(work, cfg, recipes):
 def ablation(work, cfg):
     """ The baseline, then the baseline with each option alone (per round, in that order). """
     rows = {name: [] for name in ['baseline', *OPTIONS]}
-    for r in range(cfg['rounds']):
+    for r in range(cfg.rounds):
         base = None
         for name in rows:
-            out_dir = train(work, f"{name}_{r}", BASELINE, OPTIONS.get(name, []), cfg['snapshot_every'],
-                            cfg['num_threads'])
-            points, median = curve(out_dir, cfg['num_threads'])
+            out_dir = train(work, f"{name}_{r}", BASELINE, OPTIONS.get(name, []), cfg.snapshot_every,
+                            cfg.num_threads)
+            points, median = curve(out_dir, cfg.num_threads)
             base = base or points
             reached = first_reaching(points, base[-1][2])
             rows[name].append((points[-1][2], median, reached / base[-1][1] if reached else float('nan')))
@@ -275,7 +276,7 @@ def muon_profile(cfg):
     from model import GPT, GPTConfig
     from nanogpt_plus import muon as muon_code
     from nanogpt_plus import optimizer as opt
-    torch.set_num_threads(cfg['num_threads'])
+    torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(0)
     size = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, dropout=0.0)
     x, y = torch.randint(0, 65, (2, 12, 64))
@@ -290,7 +291,7 @@ def muon_profile(cfg):
                         ('  with qk_norm=True', {'qk_norm': True}),
                         ('  with both (the fast recipe)', {'pos': 'rope', 'qk_norm': True})):
         model = GPT(GPTConfig(**size, **extra))
-        print(f"{name:52s} {median_ms(lambda: forward_backward(model), cfg['profile_steps']):7.1f}", flush=True)
+        print(f"{name:52s} {median_ms(lambda: forward_backward(model), cfg.profile_steps):7.1f}", flush=True)
     model = GPT(GPTConfig(**size))
     forward_backward(model)
     grads = [p.grad.clone() for p in model.parameters()]
@@ -317,7 +318,7 @@ def muon_profile(cfg):
              lambda: [muon_code.newton_schulz_float32(g, (3.4445, -4.7750, 2.0315), 5, 1e-7) for g in hidden])]
     for name, fn in rows:
         timed = (lambda: step(fn)) if name.endswith(('step', '(before)')) else fn
-        print(f"{name:52s} {median_ms(timed, cfg['profile_steps']):7.1f}", flush=True)
+        print(f"{name:52s} {median_ms(timed, cfg.profile_steps):7.1f}", flush=True)
 
 
 def fineweb_corpus(work):
@@ -346,16 +347,16 @@ def speedrun(work, cfg, data):
     of them (the CPU proxies' ratio; each schedule shortened to its run): the claim that
     config/train_gpt2_speedrun.py makes, at a size a GPU runs in minutes.
     """
-    steps = cfg['speedrun_iters']
+    steps = cfg.speedrun_iters
     print(f"{'recipe':10s} {'steps':>6s} {'ms/iter':>8s} {'MFU':>6s} {'wall s':>7s} {'final val loss':>15s}")
     finals = {}
     for name, config, n in (('gpt2', 'config/train_gpt2_fineweb.py', steps),
                             ('speedrun', 'config/train_gpt2_speedrun.py', max(2, steps // 3))):
-        args = [f'--dataset={data}', f'--device={cfg["device"]}', f'--max_iters={n}', f'--lr_decay_iters={n}',
+        args = [f'--dataset={data}', f'--device={cfg.device}', f'--max_iters={n}', f'--lr_decay_iters={n}',
                 f'--warmup_iters={max(1, n // 18)}', '--batch_size=16', '--gradient_accumulation_steps=1',
                 f'--eval_interval={n}', '--eval_iters=20', '--hellaswag_interval=0', '--keep_checkpoints=0',
                 '--log_interval=1']
-        finals[name], seconds, taken = whole_run(work, name, config, args, cfg['num_threads'])
+        finals[name], seconds, taken = whole_run(work, name, config, args, cfg.num_threads)
         records = read_metrics(os.path.join(work, name, 'metrics.jsonl'))
         # the steps after compiling
         iters = [r for r in records if r['type'] == 'iter' and r['iter'] >= min(10, n // 2)]
@@ -370,18 +371,18 @@ def speedrun(work, cfg, data):
 def main(argv=None):
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     DEFAULTS.check(cfg)
-    print(f"cpu: {cpu_model()}, {cfg['num_threads']} threads")
-    if cfg['mode'] == 'muon':
+    print(f"cpu: {cpu_model()}, {cfg.num_threads} threads")
+    if cfg.mode == 'muon':
         return muon_profile(cfg)
-    with work_directory(cfg['out_dir'], 'bench_recipes_') as work:
-        if cfg['mode'] == 'compare':
+    with work_directory(cfg.out_dir, 'bench_recipes_') as work:
+        if cfg.mode == 'compare':
             compare(work, cfg, {'nanogpt': [], 'fast': []}, {'nanogpt': BASELINE, 'fast': FAST}.get)
-        elif cfg['mode'] == 'ablation':
+        elif cfg.mode == 'ablation':
             ablation(work, cfg)
-        elif cfg['mode'] == 'bpe':
+        elif cfg.mode == 'bpe':
             compare_whole(work, cfg, BPE_RECIPES)
-        elif cfg['mode'] == 'speedrun':
-            speedrun(work, cfg, cfg['dataset'] or fineweb_corpus(work))
+        elif cfg.mode == 'speedrun':
+            speedrun(work, cfg, cfg.dataset or fineweb_corpus(work))
         else:
             data = fineweb_corpus(work)
             compare_whole(work, cfg, {name: ('config/train_gpt2_fineweb.py', [f'--dataset={data}', *FINEWEB_MODEL,

@@ -66,9 +66,9 @@ def report(rows):
 
 
 def bench_model(which, cfg):
-    N = cfg['max_new_tokens']
-    S = cfg['num_samples']
-    torch.manual_seed(cfg['seed'])
+    N = cfg.max_new_tokens
+    S = cfg.num_samples
+    torch.manual_seed(cfg.seed)
     model = GPT(MODELS[which]).eval()
     block_size = model.config.block_size
     if which == 'gpt2':
@@ -98,7 +98,7 @@ def bench_model(which, cfg):
     # num_samples in one batch, with sample.py's default sampling settings
     batch = idx.repeat(S, 1)
     for mode in ('exact', 'fast'):
-        g = torch.Generator().manual_seed(cfg['seed'])
+        g = torch.Generator().manual_seed(cfg.seed)
         _, times = timed(lambda: generate(model, batch, N, temperature=0.8, top_k=200, generator=g, mode=mode),
                       warmup=lambda: generate(model, batch, 4, temperature=0.8, top_k=200, mode=mode))
         rows.append((f"KV cache, mode={mode}, batch of {S} samples", S * N, times, "-"))
@@ -106,7 +106,7 @@ def bench_model(which, cfg):
 
     if which == 'char':
         # nanoGPT's sample.py: for k in range(num_samples): model.generate(x, ...) with x of batch size 1
-        k = max(1, min(cfg['nanogpt_samples'], S))
+        k = max(1, min(cfg.nanogpt_samples, S))
 
         def nanogpt():
             with torch.no_grad():
@@ -127,11 +127,11 @@ def bench_model(which, cfg):
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(cfg)
-    if cfg['threads'] > 0:
-        torch.set_num_threads(cfg['threads'])
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads, float32, "
           f"attention=flash (scaled_dot_product_attention)")
-    for which in (('gpt2', 'char') if cfg['which'] == 'both' else (cfg['which'],)):
+    for which in (('gpt2', 'char') if cfg.which == 'both' else (cfg.which,)):
         bench_model(which, cfg)
 
 

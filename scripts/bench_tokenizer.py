@@ -21,6 +21,7 @@ import numpy as np
 from benchtools import cpu_model, parse_ints, run_checked, work_directory, write_jsonl_corpus
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.bpe import train_bpe
+from nanogpt_plus.checkpoint import CHECKPOINT, sidecar_of
 from nanogpt_plus.prepare.plays import benchmark_documents
 from nanogpt_plus.prepare.shakespeare import shakespeare_text
 from nanogpt_plus.runtime import run_main
@@ -118,7 +119,7 @@ def bits_per_byte_of(work, spec, text_path, max_iters):
                              "--device=cpu"], f"eval {spec}").strip().splitlines()[-1])
     with open(os.path.join(data, "meta.json"), encoding="utf-8") as f:
         meta = json.load(f)
-    with open(os.path.join(out, "ckpt.json"), encoding="utf-8") as f:
+    with open(sidecar_of(os.path.join(out, CHECKPOINT)), encoding="utf-8") as f:
         model_vocab = json.load(f)["model_args"]["vocab_size"]
     # the dtype prepare.py wrote
     vocab_size = meta["vocab_size"]
@@ -138,12 +139,12 @@ def main():
     config = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(config)
     print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-    with work_directory(config['work_dir'], "bench_tokenizer_") as work:
-        if config['part'] in ('train', 'all'):
-            vocab_sizes = parse_ints(str(config['vocab_sizes']), 'vocab_sizes')
-            bench_training(work, config['size_mb'], vocab_sizes, config['seed'])
-        if config['part'] in ('bpb', 'all'):
-            bench_bits_per_byte(work, config['tokenizers'].split(","), config['max_iters'])
+    with work_directory(config.work_dir, "bench_tokenizer_") as work:
+        if config.part in ('train', 'all'):
+            vocab_sizes = parse_ints(str(config.vocab_sizes), 'vocab_sizes')
+            bench_training(work, config.size_mb, vocab_sizes, config.seed)
+        if config.part in ('bpb', 'all'):
+            bench_bits_per_byte(work, config.tokenizers.split(","), config.max_iters)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from configurator import Group, Schema, Setting, configure
+from nanogpt_plus.checkpoint import CHECKPOINT
 from nanogpt_plus.runtime import run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,7 +148,7 @@ def nanogpt_loop(max_iters, out_dir, threads, dataset='shakespeare_char'):
                     state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
                                  model_args=model.config.model_args(), iter_num=it, best_val_loss=best_val, config=c)
                     print(f"saving checkpoint to {out_dir}")
-                    torch.save(state, os.path.join(out_dir, 'ckpt.pt'))
+                    torch.save(state, os.path.join(out_dir, CHECKPOINT))
         for _ in range(accum):
             _, loss = model(X, Y)
             loss = loss / accum
@@ -288,25 +289,25 @@ def run(cmd):
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(cfg)
-    out_dir = cfg['out_dir'] or tempfile.mkdtemp(prefix='bench_train_cpu_')
+    out_dir = cfg.out_dir or tempfile.mkdtemp(prefix='bench_train_cpu_')
     os.makedirs(out_dir, exist_ok=True)
-    if cfg['mode'] == 'floor':
-        matmul_floor(threads=cfg['baseline_threads'], dataset=cfg['dataset'])
+    if cfg.mode == 'floor':
+        matmul_floor(threads=cfg.baseline_threads, dataset=cfg.dataset)
         return
-    if cfg['mode'] == 'nanogpt':
-        nanogpt_loop(cfg['max_iters'], out_dir, cfg['baseline_threads'], cfg['dataset'])
+    if cfg.mode == 'nanogpt':
+        nanogpt_loop(cfg.max_iters, out_dir, cfg.baseline_threads, cfg.dataset)
         return
-    base_cmd = [sys.executable, os.path.abspath(__file__), '--mode=nanogpt', f"--max_iters={cfg['max_iters']}",
-                f"--baseline_threads={cfg['baseline_threads']}", f"--out_dir={os.path.join(out_dir, 'nanogpt')}",
-                f"--dataset={cfg['dataset']}"]
-    ours_cmd = [sys.executable, 'train.py', 'config/train_shakespeare_char_cpu.py', f"--max_iters={cfg['max_iters']}",
-                f"--out_dir={os.path.join(out_dir, 'ours')}", f"--dataset={cfg['dataset']}"]
-    ours_cmd += cfg['ours_args'].split()
-    if cfg['mode'] == 'ours':
+    base_cmd = [sys.executable, os.path.abspath(__file__), '--mode=nanogpt', f"--max_iters={cfg.max_iters}",
+                f"--baseline_threads={cfg.baseline_threads}", f"--out_dir={os.path.join(out_dir, 'nanogpt')}",
+                f"--dataset={cfg.dataset}"]
+    ours_cmd = [sys.executable, 'train.py', 'config/train_shakespeare_char_cpu.py', f"--max_iters={cfg.max_iters}",
+                f"--out_dir={os.path.join(out_dir, 'ours')}", f"--dataset={cfg.dataset}"]
+    ours_cmd += cfg.ours_args.split()
+    if cfg.mode == 'ours':
         os.execv(sys.executable, ours_cmd)
     print(f"load average before: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
     results = {'nanogpt': [], 'ours': []}
-    for r in range(cfg['rounds']):
+    for r in range(cfg.rounds):
         for name, cmd in (('nanogpt', base_cmd), ('ours', ours_cmd)):
             ms, mean, val, wall, threads = run(cmd)
             results[name].append(ms)

@@ -101,11 +101,11 @@ def tokens_per_second(model, batch, tokens):
 
 
 def bench_speed(cfg):
-    torch.manual_seed(cfg['seed'])
+    torch.manual_seed(cfg.seed)
     base = GPT(GPTConfig()).eval()  # GPT-2 124M's shape, vocabulary padded to 50304
     models = {fmt: convert(base, fmt, vocab_size=50257) for fmt in FORMATS}
     default_threads = torch.get_num_threads()
-    for threads in parse_ints(cfg['threads'], 'threads'):
+    for threads in parse_ints(cfg.threads, 'threads'):
         torch.set_num_threads(threads or default_threads)
         speed_table(models, cfg)
 
@@ -113,15 +113,15 @@ def bench_speed(cfg):
 def speed_table(models, cfg):
     """ tokens/s of each format and batch size (median of the repeats) against the bandwidth bound. """
     bandwidth = read_bandwidth(matrix_bytes(models['float32']))
-    print(f"\n== speed: GPT-2 124M shape, greedy, {cfg['tokens']} new tokens after an 8-token prompt, "
+    print(f"\n== speed: GPT-2 124M shape, greedy, {cfg.tokens} new tokens after an 8-token prompt, "
           f"{torch.get_num_threads()} threads ==")
     print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s (a read of a float32 tensor as large as the weights)")
     results = {}
-    batches = parse_ints(cfg['batch_sizes'], 'batch_sizes')
+    batches = parse_ints(cfg.batch_sizes, 'batch_sizes')
     for batch in batches:
-        for _ in range(cfg['repeats']):
+        for _ in range(cfg.repeats):
             for fmt in FORMATS:  # interleaved, so that a noisy moment hits every format alike
-                results.setdefault((fmt, batch), []).append(tokens_per_second(models[fmt], batch, cfg['tokens']))
+                results.setdefault((fmt, batch), []).append(tokens_per_second(models[fmt], batch, cfg.tokens))
     print(f"  {'weights':<15} {'MB/token':>8} {'bound tok/s':>11}" + "".join(
         f" {'batch ' + str(b):>10} {'of bound':>8} {'vs plain':>8}" for b in batches))
     for fmt in FORMATS:
@@ -140,16 +140,16 @@ def speed_table(models, cfg):
 
 def write_124m_sources(work):
     """ A 124M ckpt.pt (out_dir) and a Hugging Face directory of the same random weights, once per work_dir. """
-    from nanogpt_plus.checkpoint import build_checkpoint, save_checkpoint
+    from nanogpt_plus.checkpoint import CHECKPOINT, build_checkpoint, save_checkpoint
     from nanogpt_plus.hf_export import export
     out_dir = os.path.join(work, 'out-124m')
     hf_dir = os.path.join(work, 'hf-124m')
-    if not os.path.exists(os.path.join(out_dir, 'ckpt.pt')):
+    if not os.path.exists(os.path.join(out_dir, CHECKPOINT)):
         torch.manual_seed(0)
         model = GPT(GPTConfig())
         os.makedirs(out_dir, exist_ok=True)
         ckpt = build_checkpoint(model, 0, 0.0, {'dataset': 'none'}, {'kind': 'gpt2'}, {})
-        save_checkpoint(ckpt, os.path.join(out_dir, 'ckpt.pt'))
+        save_checkpoint(ckpt, os.path.join(out_dir, CHECKPOINT))
         export(model, {'kind': 'gpt2'}, hf_dir)
     return out_dir, hf_dir
 
@@ -189,13 +189,13 @@ def sample_cmd(source, *args):
 
 def bench_startup(cfg, work):
     out_dir, hf_dir = write_124m_sources(work)
-    print(f"\n== start-up: whole process until the first token of GPT-2 124M (median of {cfg['repeats']}, warm "
+    print(f"\n== start-up: whole process until the first token of GPT-2 124M (median of {cfg.repeats}, warm "
           f"page cache) ==")
-    floor = median_seconds([sys.executable, '-c', 'import torch'], cfg['repeats'])
+    floor = median_seconds([sys.executable, '-c', 'import torch'], cfg.repeats)
     print(f"  python -c 'import torch'{'':<28} {floor:6.2f} s")
     for name, source in (('our ckpt.pt', out_dir), ('Hugging Face directory', hf_dir)):
         for weights in ('float32', 'int8'):
-            s = median_seconds(sample_cmd(source, '--max_new_tokens=1', f'--weights={weights}'), cfg['repeats'])
+            s = median_seconds(sample_cmd(source, '--max_new_tokens=1', f'--weights={weights}'), cfg.repeats)
             print(f"  sample.py, {name}, --weights={weights:<8} {s:6.2f} s")
     sys.stdout.flush()
 
@@ -206,15 +206,15 @@ def bench_process(cfg, work):
     ours = {}
     for weights in ('float32', 'bfloat16', 'int8'):
         ours[weights] = median_seconds(sample_cmd(out_dir, '--max_new_tokens=300', f'--weights={weights}'),
-                                       cfg['repeats'])
+                                       cfg.repeats)
         print(f"  sample.py --weights={weights:<9} {ours[weights]:6.1f} s")
-    if cfg['nanogpt_dir']:
-        cmd = [sys.executable, os.path.join(cfg['nanogpt_dir'], 'sample.py'), f'--out_dir={out_dir}',
+    if cfg.nanogpt_dir:
+        cmd = [sys.executable, os.path.join(cfg.nanogpt_dir, 'sample.py'), f'--out_dir={out_dir}',
                '--device=cpu', '--dtype=float32', '--compile=False', '--num_samples=1', '--max_new_tokens=300',
                '--top_k=1', '--start=Hello']
         env = dict(os.environ, TIKTOKEN_CACHE_DIR=offline_tiktoken_cache(work))
         # once: slow; it reads its configurator.py
-        nano = process_seconds(cmd, cwd=cfg['nanogpt_dir'], env=env)
+        nano = process_seconds(cmd, cwd=cfg.nanogpt_dir, env=env)
         print(f"  nanoGPT's sample.py (top_k=1)  {nano:6.1f} s: ours is " +
               ", ".join(f"{nano / s:.1f}x faster with {w}" for w, s in ours.items()))
     sys.stdout.flush()
@@ -299,18 +299,18 @@ def choice_accuracy(model, tokenizer_meta, tokens):
 
 def bench_quality(cfg):
     from nanogpt_plus.init_from import init_model
-    model, tokenizer_meta, ckpt = init_model(cfg['quality_ckpt'])
+    model, tokenizer_meta, ckpt = init_model(cfg.quality_ckpt)
     model.eval()
     tokens = held_out_tokens(ckpt)
-    n = cfg['quality_tokens']
+    n = cfg.quality_tokens
     block = model.config.block_size
-    print(f"\n== quality: {cfg['quality_ckpt']} ({model.get_num_params() / 1e6:.2f}M parameters, trained), greedy "
+    print(f"\n== quality: {cfg.quality_ckpt} ({model.get_num_params() / 1e6:.2f}M parameters, trained), greedy "
           f"{n} tokens after 10 held-out prompts, the held-out text: {len(tokens):,} tokens ==")
     quality_table(model, tokens[:10 * block].view(10, block)[:, :8], tokens, n)
     choice_accuracy(model, tokenizer_meta, tokens)
     # GPT-2 124M's shape with random weights (no trained 124M weights offline): the formats' numerics at full size
     # (logits error, loss); a random model's greedy text and argmax say little about a trained one's
-    torch.manual_seed(cfg['seed'])
+    torch.manual_seed(cfg.seed)
     big = GPT(GPTConfig()).eval()
     from nanogpt_plus.tokenizer import GPT2Tokenizer
     text = open(os.path.join(REPO, 'data', 'shakespeare_char', 'input.txt'), encoding='utf-8').read()[-20000:]
@@ -323,12 +323,12 @@ def bench_quality(cfg):
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(cfg)
-    if cfg['nanogpt_dir'] and not os.path.isfile(os.path.join(cfg['nanogpt_dir'], 'sample.py')):
-        raise UserError(f"--nanogpt_dir={cfg['nanogpt_dir']} holds no sample.py; pass a checkout of nanoGPT")
-    parts = PARTS if cfg['part'] == 'all' else (cfg['part'],)
+    if cfg.nanogpt_dir and not os.path.isfile(os.path.join(cfg.nanogpt_dir, 'sample.py')):
+        raise UserError(f"--nanogpt_dir={cfg.nanogpt_dir} holds no sample.py; pass a checkout of nanoGPT")
+    parts = PARTS if cfg.part == 'all' else (cfg.part,)
     print(f"torch {torch.__version__}, CPU: {cpu_model()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    with work_directory(cfg['work_dir'], 'bench_weights_') as work:
+    with work_directory(cfg.work_dir, 'bench_weights_') as work:
         for part in parts:
             if part == 'speed':
                 bench_speed(cfg)

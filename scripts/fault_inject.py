@@ -15,7 +15,6 @@ $ python scripts/fault_inject.py                    # 20 kills, in a temp direct
 $ python scripts/fault_inject.py --kills=50 --seed=1 --max_delay=3.0
 """
 
-import glob
 import hashlib
 import json
 import os
@@ -30,7 +29,7 @@ import time
 import numpy as np
 
 from configurator import configure
-from nanogpt_plus.checkpoint import load_checkpoint
+from nanogpt_plus.checkpoint import CHECKPOINT, load_checkpoint, snapshots
 from nanogpt_plus.runtime import run_main
 
 # max_delay: the longest wait (s) after the first iter line
@@ -91,7 +90,7 @@ def temp_files(out_dir):
 
 def checkpoint_iter(out_dir):
     """ iter_num of out_dir/ckpt.pt, loaded the only safe way (None when there is none yet). """
-    path = os.path.join(out_dir, 'ckpt.pt')
+    path = os.path.join(out_dir, CHECKPOINT)
     if not os.path.exists(path):
         return None
     # train.py's own loader: torch.load(weights_only=True)
@@ -99,18 +98,17 @@ def checkpoint_iter(out_dir):
 
 
 def snapshot_iters(out_dir):
-    return sorted(int(os.path.basename(p)[5:-3]) for p in glob.glob(os.path.join(out_dir, 'ckpt_*.pt'))
-                  if os.path.basename(p)[5:-3].isdigit())
+    return sorted(snapshots(out_dir))
 
 
 def check_snapshots(out_dir):
     """ The snapshots in out_dir that do not load, as failures. """
     failures = []
-    for i in snapshot_iters(out_dir):
+    for _, name in sorted(snapshots(out_dir).items()):
         try:
-            load_checkpoint(os.path.join(out_dir, f'ckpt_{i}.pt'))
+            load_checkpoint(os.path.join(out_dir, name))
         except Exception as e:  # what a torn snapshot would raise
-            failures.append(f"snapshot ckpt_{i}.pt does not load: {type(e).__name__}: {e}")
+            failures.append(f"snapshot {name} does not load: {type(e).__name__}: {e}")
     return failures
 
 
@@ -140,7 +138,7 @@ def check_start(run, out_dir, expected_iter, left_lock, left_temps):
 
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
-    rng = random.Random(cfg['seed'])
+    rng = random.Random(cfg.seed)
     work = tempfile.mkdtemp(prefix='fault_inject_')
     data_dir = os.path.join(work, 'data')
     out_dir = os.path.join(work, 'out')
@@ -154,10 +152,10 @@ def main():
     # the line left by going back, its hashes
     abandoned = os.path.join(out_dir, 'abandoned_1')
     left_line = None
-    for k in range(cfg['kills']):
+    for k in range(cfg.kills):
         saved_iter = checkpoint_iter(out_dir) if os.path.isdir(out_dir) else None
         # halfway: go back to the oldest snapshot, as a user would after a loss spike
-        back = k == cfg['kills'] // 2 and saved_iter is not None and len(snapshot_iters(out_dir)) > 1
+        back = k == cfg.kills // 2 and saved_iter is not None and len(snapshot_iters(out_dir)) > 1
         resume_from = str(snapshot_iters(out_dir)[0]) if back else ''
         run = Training(data_dir, out_dir, resume=saved_iter is not None, resume_from=resume_from)
         run.started.wait(timeout=120)
@@ -165,7 +163,7 @@ def main():
         if back:
             left_line = fingerprints(abandoned)
             print(f"went back to iter {resume_from}: {', '.join(left_line)} kept in {abandoned}", flush=True)
-        time.sleep(rng.uniform(0, cfg['max_delay']))
+        time.sleep(rng.uniform(0, cfg.max_delay))
         run.kill()
         left = [n for n in temp_files(out_dir) if n.endswith(f'.tmp.{run.proc.pid}')]
         mid_save += bool(left)
@@ -184,7 +182,7 @@ def main():
               f"{'; FAILED: ' + '; '.join(problems) if problems else ''}", flush=True)
         failures += problems
     failures += finish(data_dir, out_dir, iters[-1], left_lock, left_temps)
-    print(f"\nkills: {cfg['kills']}, mid-save: {mid_save} (their temp files: {temp_bytes / 2**20:.0f} MB, "
+    print(f"\nkills: {cfg.kills}, mid-save: {mid_save} (their temp files: {temp_bytes / 2**20:.0f} MB, "
           f"removed by the next start), ckpt.pt and every snapshot loaded with weights_only=True after every kill; "
           f"the line left by going back {'unchanged' if left_line else 'not made'}; "
           f"iter_num {iters[0]} -> {iters[-1]} over the kills; failures: {len(failures)}")

@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from configurator import Group, Schema, Setting, configure
-from nanogpt_plus.checkpoint import load_checkpoint
+from nanogpt_plus.checkpoint import CHECKPOINT, load_checkpoint
 from nanogpt_plus.dataset import dataset_dir, read_dataset_meta
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.finetuning import scaled_learning_rate
@@ -186,11 +186,11 @@ def run(args, show=True, threads=None):
 
 def pretrain(cfg, pretrained):
     """ The char model of config/train_shakespeare_char_cpu.py, pretrained into `pretrained` unless it is there. """
-    if os.path.exists(os.path.join(pretrained, 'ckpt.pt')):
+    if os.path.exists(os.path.join(pretrained, CHECKPOINT)):
         print(f"using the pretrained model already in {pretrained}")
         return
-    iters = cfg['pretrain_iters']
-    run([sys.executable, 'train.py', 'config/train_shakespeare_char_cpu.py', f'--dataset={cfg["dataset"]}',
+    iters = cfg.pretrain_iters
+    run([sys.executable, 'train.py', 'config/train_shakespeare_char_cpu.py', f'--dataset={cfg.dataset}',
          f'--out_dir={pretrained}', f'--max_iters={iters}', f'--lr_decay_iters={iters}', f'--eval_interval={iters}',
          '--log_interval=100', '--always_save_checkpoint=True'])
 
@@ -200,7 +200,7 @@ def sweep(cfg, common, pretrained, seeds, factors, default_lr):
     print('fine-tunes: $ ' + ' '.join(common) + ' --init_from=... --seed=... [--learning_rate=...] --out_dir=...')
 
     def one(init, seed, factor):
-        out_dir = os.path.join(cfg['out_dir'], f'ft_{init}_seed{seed}_x{factor:g}')
+        out_dir = os.path.join(cfg.out_dir, f'ft_{init}_seed{seed}_x{factor:g}')
         lr_arg = [] if factor == 1 else [f'--learning_rate={factor * default_lr:.6g}']
         t0 = time.time()
         stdout = run(common + [f'--init_from={pretrained if init == "pretrained" else "scratch"}', f'--seed={seed}',
@@ -214,7 +214,7 @@ def sweep(cfg, common, pretrained, seeds, factors, default_lr):
         return res['val_acc']
 
     runs = [(init, seed, factor) for init in INITS for seed in seeds for factor in factors]
-    with ThreadPoolExecutor(cfg['jobs']) as pool:  # threads that wait for processes
+    with ThreadPoolExecutor(cfg.jobs) as pool:  # threads that wait for processes
         accs = list(pool.map(lambda key: one(*key), runs))
     return dict(zip(runs, accs))
 
@@ -250,35 +250,35 @@ def main():
     t_start = time.time()
     cfg = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(cfg)
-    seeds = number_list('seeds', cfg['seeds'], int, -1, 'integers >= 0')
-    factors = number_list('lr_factors', cfg['lr_factors'], float, 0, 'numbers > 0')
-    out = cfg['out_dir']
-    data_dir = dataset_dir(cfg['dataset'])
+    seeds = number_list('seeds', cfg.seeds, int, -1, 'integers >= 0')
+    factors = number_list('lr_factors', cfg.lr_factors, float, 0, 'numbers > 0')
+    out = cfg.out_dir
+    data_dir = dataset_dir(cfg.dataset)
     meta = read_dataset_meta(data_dir)
     if meta is None or meta.get('kind', 'char') != 'char':
         raise UserError(f"{data_dir} is not a prepared char dataset; run python data/shakespeare_char/prepare.py")
-    plays = [p for p in cfg['plays'].split(',') if p] or list(
-        PLAYS if cfg['task'] == 'plays' else TWO_CLASS_PLAYS)
-    train_file, val_file = build_task(out, plays, cfg['per_play'], cfg['min_chars'], cfg['seed'], set(meta['stoi']),
-                                      cfg['task'])
+    plays = [p for p in cfg.plays.split(',') if p] or list(
+        PLAYS if cfg.task == 'plays' else TWO_CLASS_PLAYS)
+    train_file, val_file = build_task(out, plays, cfg.per_play, cfg.min_chars, cfg.seed, set(meta['stoi']),
+                                      cfg.task)
     pretrained = os.path.join(out, 'pretrain')
     pretrain(cfg, pretrained)
-    n_embd = load_checkpoint(os.path.join(pretrained, 'ckpt.pt'))['model_args']['n_embd']
+    n_embd = load_checkpoint(os.path.join(pretrained, CHECKPOINT))['model_args']['n_embd']
     # what learning_rate=0 gives this width (scratch has the same)
     default_lr = scaled_learning_rate(n_embd)
     print(f"finetune.py's default learning rate for n_embd={n_embd}: {default_lr:.3g}; tried x "
           + ', '.join(f'{f:g}' for f in factors), flush=True)
-    common = [sys.executable, 'finetune.py', 'config/finetune_shakespeare_plays.py', f'--dataset={cfg["dataset"]}',
-              f'--train_file={train_file}', f'--val_file={val_file}', '--overwrite=True'] + cfg['extra'].split()
+    common = [sys.executable, 'finetune.py', 'config/finetune_shakespeare_plays.py', f'--dataset={cfg.dataset}',
+              f'--train_file={train_file}', f'--val_file={val_file}', '--overwrite=True'] + cfg.extra.split()
     results = sweep(cfg, common, pretrained, seeds, factors, default_lr)
 
     def at(init, factor):
         return factor * default_lr, stats([results[init, seed, factor] for seed in seeds])
 
-    n_classes = len(plays) if cfg['task'] == 'plays' else 2
+    n_classes = len(plays) if cfg.task == 'plays' else 2
     print(f"\nval accuracy over seeds {', '.join(map(str, seeds))} (chance {1 / n_classes:.2f}; pretrained "
-          f"{cfg['pretrain_iters']} iterations)")
-    summary = {'task': cfg['task'], 'chance': 1 / n_classes, 'pretrain_iters': cfg['pretrain_iters'], 'seeds': seeds,
+          f"{cfg.pretrain_iters} iterations)")
+    summary = {'task': cfg.task, 'chance': 1 / n_classes, 'pretrain_iters': cfg.pretrain_iters, 'seeds': seeds,
                'default_lr': default_lr,
                'val_acc': {f'{i} x{f:g}': at(i, f)[1]['accs'] for i in INITS for f in factors}}
     if 1 in factors:

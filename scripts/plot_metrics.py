@@ -115,12 +115,12 @@ def plot(metrics_path, png_path, bpb=False, others=()):
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(cfg)
-    png = cfg['output'] or os.path.join(cfg['out_dir'], 'metrics.png')
-    others = [os.path.join(d, 'metrics.jsonl') for d in cfg['compare'].split(',') if d]
-    n_iter, n_eval, n_hellaswag = plot(os.path.join(cfg['out_dir'], 'metrics.jsonl'), png, cfg['bpb'], others)
+    png = cfg.output or os.path.join(cfg.out_dir, 'metrics.png')
+    others = [os.path.join(d, 'metrics.jsonl') for d in cfg.compare.split(',') if d]
+    n_iter, n_eval, n_hellaswag = plot(os.path.join(cfg.out_dir, 'metrics.jsonl'), png, cfg.bpb, others)
     scores = f" (and {n_hellaswag} HellaSwag scores)" if n_hellaswag else ""
     compared = f", with {len(others)} other run(s)," if others else ""
-    unit = " in bits per byte" if cfg['bpb'] else ""
+    unit = " in bits per byte" if cfg.bpb else ""
     print(f"plotted {n_iter} iterations and {n_eval} evaluations{scores}{compared}{unit} to {png}")
 
 

@@ -201,8 +201,8 @@ def write_bpe_dataset(directory, tokenizer, text, val_fraction=0.1):
     tokenizer.json and meta.json naming it with its sha256, the eot id and the dtype. The text is split by
     characters like nanoGPT's Shakespeare (first 90% train); returns the directory. """
     from nanogpt_plus.bpe import TOKENIZER_FILE
+    from nanogpt_plus.dataset import token_dtype
     from nanogpt_plus.prepare.token_files import bpe_meta
-    from nanogpt_plus.shards import token_dtype
     os.makedirs(directory, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
     cut = int(len(text) * (1 - val_fraction))

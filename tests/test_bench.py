@@ -1,6 +1,6 @@
 """
-bench.py: the timing and profiler modes on the CPU, real and synthetic data, honest MFU (against the CPU's peak), the
-peak memory line, the model train.py builds, and its settings' one-line refusals.
+bench.py: the timing and profiler modes on the CPU, real and synthetic data, honest MFU (against the CPU's peak),
+the peak memory line, the model train.py builds, and its settings' one-line refusals.
 """
 import ast
 import glob

@@ -1,11 +1,13 @@
 """
-scripts/bench_recipes.py: the Muon step profiled part by part, and the whole-run ratios taken from each round's pair.
+scripts/bench_recipes.py: the Muon step profiled part by part, and the whole-run ratios taken from each round's
+pair.
 """
 import os
 import re
 
 import pytest
 
+from configurator import Settings
 from helpers import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -37,7 +39,7 @@ def test_bench_recipes_whole_runs_give_the_ratio_of_each_rounds_pair(monkeypatch
         calls.append(name)
         return next(runs)
     monkeypatch.setattr(bench_recipes, 'whole_run', whole_run)
-    bench_recipes.compare_whole('work', {'rounds': 3, 'num_threads': 1},
+    bench_recipes.compare_whole('work', Settings({'rounds': 3, 'num_threads': 1}),
                                 {'nanogpt': ('a.py', []), 'fast': ('b.py', [])})
     out = capsys.readouterr().out
     assert calls == ['nanogpt_0', 'fast_0', 'nanogpt_1', 'fast_1', 'nanogpt_2', 'fast_2']

@@ -1,5 +1,6 @@
 """
-scripts/bench_train_cpu.py: the matmul floor replays every matmul of a training step, and nanoGPT's baseline loop runs.
+scripts/bench_train_cpu.py: the matmul floor replays every matmul of a training step, and nanoGPT's baseline loop
+runs.
 """
 import os
 import re

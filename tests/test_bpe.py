@@ -35,7 +35,7 @@ from helpers import (
     write_bpe_dataset,
 )
 from model import GPT, GPTConfig
-from nanogpt_plus import bpe, periodic
+from nanogpt_plus import bpe
 from nanogpt_plus.bpe import (
     EOT_TEXT,
     MIN_BPE_VOCAB,
@@ -48,12 +48,12 @@ from nanogpt_plus.bpe import (
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.dataloader import TokenSource, open_token_file
 from nanogpt_plus.dataset import read_dataset_meta, split_files
+from nanogpt_plus.dataset.shards import read_header, write_shard
 from nanogpt_plus.engine import generate
 from nanogpt_plus.errors import TokenizerError, UserError
-from nanogpt_plus.evaluation import evaluate, task_examples
+from nanogpt_plus.evaluation import evaluate, periodic, task_examples
 from nanogpt_plus.init_from import model_vocab_size
 from nanogpt_plus.runtime import run_main
-from nanogpt_plus.shards import read_header, write_shard
 from nanogpt_plus.tokenizer import load_tokenizer
 
 MIXED = "Héllo, naïve façade! 世界 データ 🎉🚀 Ελλάδα Москва\n\tend\r\n\x00\x7f tail "

@@ -1,9 +1,9 @@
 """
-nanogpt_plus/checkpoint.py, the checkpoint file: nanoGPT's keys and weights-only loading, atomic saves that survive a
-crash or a full disk, corrupt, unsafe and edited checkpoints refused in one line, memory-mapped loading, nanoGPT's
-own checkpoints resumed, snapshots (copies, going back to one keeps the line it leaves), the cadence and retention of
-saves (checkpoint_interval, keep_checkpoints, the final save, only an evaluated model as the best), a new run never
-taking an earlier run's checkpoints, and a checkpoint name taken by a directory refused before any step.
+nanogpt_plus/checkpoint.py, the checkpoint file: nanoGPT's keys and weights-only loading, atomic saves that survive
+a crash or a full disk, corrupt, unsafe and edited checkpoints refused in one line, memory-mapped loading, nanoGPT's
+own checkpoints resumed, snapshots (copies, going back to one keeps the line it leaves), the cadence and retention
+of saves (checkpoint_interval, keep_checkpoints, the final save, only an evaluated model as the best), a new run
+never taking an earlier run's checkpoints, and a checkpoint name taken by a directory refused before any step.
 """
 import json
 import os

@@ -1,6 +1,6 @@
 """
-configurator.py: nanoGPT's UX (config file, then --key=value), but strict and with clear errors: unknown keys,
-wrong types, a config file that raises or exits, and the shipped config files.
+configurator.py: nanoGPT's UX (config file, then --key=value), but strict and with clear errors: unknown keys, wrong
+types, a config file that raises or exits, and the shipped config files.
 """
 import os
 import runpy
@@ -9,7 +9,7 @@ import types
 import pytest
 
 import train
-from configurator import ConfigError, parse_config
+from configurator import ConfigError, Settings, parse_config
 from helpers import REPO, run_python
 
 DEFAULTS = dict(batch_size=12, learning_rate=6e-4, out_dir='out', compile=None, decay_lr=True, betas=(0.9, 0.95))
@@ -190,6 +190,57 @@ def test_command_line_values_read_what_they_can_without_the_config_files(tmp_pat
     # a script without some of them (sample.py has no backend): those it has
     plain = dict(device='auto', seed=1)
     assert command_line_values(plain, ['--device=cuda:1'], GROUP_SETTINGS) == dict(device='cuda:1')
+
+
+def test_read_settings_holds_a_failure_for_the_one_verdict(tmp_path, monkeypatch):
+    # a node that can't read its settings still says how to form the process group; the failure is
+    # given by distributed.start: at once in a single process
+    import train
+    from configurator import read_settings
+    from nanogpt_plus.distributed import GROUP_SETTINGS, start
+    missing = str(tmp_path / 'missing.py')
+    cfg, failure, group = read_settings(train.DEFAULTS, [missing, '--device=cpu'], train.check_settings,
+                                        keep=GROUP_SETTINGS)
+    assert cfg is None and isinstance(failure, ConfigError) and 'missing.py not found' in str(failure)
+    assert group == dict(device='cpu', backend='auto', dist_timeout=0)
+    monkeypatch.delenv('RANK', raising=False)
+    with pytest.raises(ConfigError, match='missing.py not found'):
+        start(failure, **group)
+    cfg, failure, group = read_settings(train.DEFAULTS, ['--device=cpu', '--n_layer=2'], train.check_settings,
+                                        keep=GROUP_SETTINGS)
+    assert failure is None and cfg.n_layer == 2 and cfg.given == {'device', 'n_layer'}
+    assert group == dict(device='cpu', backend='auto', dist_timeout=0)
+    assert start(None, **group).device == 'cpu'
+
+
+def test_settings_are_read_as_attributes_and_frozen():
+    cfg = parse_config(DEFAULTS, ["--batch_size=32"])
+    assert cfg.batch_size == cfg["batch_size"] == 32 and cfg.given == {"batch_size"}
+    with pytest.raises(AttributeError, match="no setting 'batch_sise'"):
+        cfg.batch_sise
+    # nothing writes to it once read: each way of writing to a dict is refused, in one clear line
+    writes = [lambda: cfg.__setitem__("batch_size", 1), lambda: setattr(cfg, "batch_size", 1),
+              lambda: cfg.update(batch_size=1), lambda: cfg.pop("batch_size"), lambda: cfg.popitem(),
+              lambda: cfg.setdefault("x", 1), lambda: cfg.clear(), lambda: cfg.__delitem__("batch_size"),
+              lambda: delattr(cfg, "given"), lambda: cfg.__ior__({"batch_size": 1})]
+    for write in writes:
+        with pytest.raises(TypeError, match="the settings are frozen once read"):
+            write()
+    assert cfg.batch_size == 32 and len(cfg) == len(DEFAULTS)
+    # a value derived from them makes new settings; these stay as read
+    run = cfg.replaced({"learning_rate": 1e-3})
+    assert run.learning_rate == 1e-3 and cfg.learning_rate == 6e-4 and run.given == cfg.given
+    with pytest.raises(KeyError, match="no setting 'lr'"):
+        cfg.replaced({"lr": 1.0})
+    # a plain dict (what a checkpoint's 'config' stores), copies and pickles are the same settings
+    import copy
+    import pickle
+    assert type(dict(cfg)) is dict and dict(cfg) == cfg
+    for other in (copy.copy(cfg), copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
+        assert other == cfg and other.given == cfg.given and other.batch_size == 32
+    # a setting can't be named like a method: cfg.items must be the dict's
+    with pytest.raises(ValueError, match="setting items has the name of a method"):
+        Settings(dict(items=1))
 
 
 @pytest.mark.usefixtures('one_thread')

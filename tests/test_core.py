@@ -1,7 +1,7 @@
 """
-nanogpt_plus/core_eval.py (the CORE tasks, eval.py --task=core): the three task types on a small bundle written here,
-against a direct loop over model(...) per prompt; centring and CORE by hand; bad bundles refused in one line; the
-download path; eval.py under torchrun with 2 gloo ranks equal to one process (slow).
+nanogpt_plus/evaluation/core.py (the CORE tasks, eval.py --task=core): the three task types on a small bundle
+written here, against a direct loop over model(...) per prompt; centring and CORE by hand; bad bundles refused in
+one line; the download path; eval.py under torchrun with 2 gloo ranks equal to one process (slow).
 """
 import json
 import os
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from helpers import run_eval, save_test_checkpoint
 from model import GPT, GPTConfig
-from nanogpt_plus import core_eval
 from nanogpt_plus.errors import UserError
+from nanogpt_plus.evaluation import core as core_eval
 from nanogpt_plus.evaluation import score_examples
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 

@@ -247,8 +247,9 @@ def test_errors_are_one_line_and_exit_code_2(case, tmp_path, monkeypatch, capsys
 
 
 def test_fineweb_shards_of_a_vocabulary_past_65536_are_llm_c_uint32(big_tokenizer, bpe_runs, tmp_path, capsys):
+    from nanogpt_plus.dataset import find_shards
+    from nanogpt_plus.dataset.shards import open_shard, read_header
     from nanogpt_plus.prepare.fineweb import prepare_fineweb
-    from nanogpt_plus.shards import find_shards, open_shard, read_header
     with open(tmp_path / "docs.jsonl", "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in uint32_texts())
     out = tmp_path / "shards"

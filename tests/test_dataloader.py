@@ -1,8 +1,8 @@
 """
-nanogpt_plus/dataloader.py: token files (nanoGPT's uint16, or the dtype meta.json names) and llm.c shards read in two
-orders (random windows that never cross a shard, drawn in proportion; sequential windows covering every
-micro-batch once per epoch), exact resume of both, DDP == 1 process on shards, the CUDA branch's pinned windows,
-and the files that would train silently wrong refused in one line: ids beyond the vocabulary (a padded one too), an
+nanogpt_plus/dataloader.py: token files (nanoGPT's uint16, or the dtype meta.json names) and llm.c shards read in
+two orders (random windows that never cross a shard, drawn in proportion; sequential windows covering every
+micro-batch once per epoch), exact resume of both, DDP == 1 process on shards, the CUDA branch's pinned windows, and
+the files that would train silently wrong refused in one line: ids beyond the vocabulary (a padded one too), an
 empty file, a directory, a file replaced or removed while it is read, a dataset not prepared.
 """
 import functools
@@ -35,8 +35,8 @@ from nanogpt_plus import dataloader
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.dataloader import TokenSource, TokenWindowLoader, open_token_file, open_tokens
 from nanogpt_plus.dataset import split_files
+from nanogpt_plus.dataset.shards import write_shard
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.shards import write_shard
 
 # -----------------------------------------------------------------------------
 # the token-window loader

@@ -1,6 +1,7 @@
 """
-nanogpt_plus/dataset.py, what a prepared dataset is: its meta files checked where they are read (entries of the wrong
-type, a bpe meta.json its tokenizer.json contradicts), and the digest that tells two tokenizers apart.
+nanogpt_plus/dataset/ (its __init__.py), what a prepared dataset is: its meta files checked where they are read
+(entries of the wrong type, a bpe meta.json its tokenizer.json contradicts), and the digest that tells two
+tokenizers apart.
 """
 import json
 import pickle

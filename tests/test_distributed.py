@@ -1,11 +1,12 @@
 """
-nanogpt_plus/distributed.py: train.py under torchrun with 2 gloo processes: DDP equal to one process with double
-accumulation; FSDP (FSDP2) with the same losses as DDP, half the parameters per rank, checkpoints that resume under
-FSDP and in one process, the full state dicts held by rank 0, bf16 mixed precision, ranks other than 0 built on the
-meta device and sent rank 0's shards, optimizer state resumed without keeping the checkpoint mapped, DDP with
-torch.compile; and when the ranks' work is uneven or something goes wrong (evaluation with eval_iters not a
-multiple of the ranks, a checkpoint rank 0 cannot write, a rank that dies, SIGTERM to torchrun), the process group's
-timeout, and a single process comparing nothing. Every launch has a timeout, so a hang fails instead of stalling.
+nanogpt_plus/distributed.py (and process_group.py behind it): train.py under torchrun with 2 gloo processes: DDP
+equal to one process with double accumulation; FSDP (FSDP2) with the same losses as DDP, half the parameters per
+rank, checkpoints that resume under FSDP and in one process, the full state dicts held by rank 0, bf16 mixed
+precision, ranks other than 0 built on the meta device and sent rank 0's shards, optimizer state resumed without
+keeping the checkpoint mapped, DDP with torch.compile; and when the ranks' work is uneven or something goes wrong
+(evaluation with eval_iters not a multiple of the ranks, a checkpoint rank 0 cannot write, a rank that dies, SIGTERM
+to torchrun), the process group's timeout, and a single process comparing nothing. Every launch has a timeout, so a
+hang fails instead of stalling.
 """
 import functools
 import gc
@@ -36,14 +37,9 @@ from helpers import (
 from model import GPT, GPTConfig
 from nanogpt_plus import hf_import
 from nanogpt_plus.checkpoint import load_checkpoint, save_checkpoint
-from nanogpt_plus.distributed import (
-    DistInfo,
-    full_state_dicts,
-    load_optimizer_state,
-    mixed_precision_policy,
-    wrap_model,
-)
+from nanogpt_plus.distributed import DistInfo, full_state_dicts, load_optimizer_state, wrap_model
 from nanogpt_plus.init_from import model_from_checkpoint
+from nanogpt_plus.process_group import mixed_precision_policy
 
 TORCHRUN_2 = TORCHRUN + ["--standalone", "--nproc_per_node=2"]
 
@@ -483,8 +479,8 @@ def test_a_pretrained_model_on_meta_reads_only_its_config(tmp_path, monkeypatch)
 def meta_worker(rank, init_file, out_dir, source):
     import torch.distributed as dist
 
-    from nanogpt_plus.distributed import shard_model
     from nanogpt_plus.init_from import ModelSpec, fit_block_size, init_model, scratch_model
+    from nanogpt_plus.process_group import shard_model
     torch.set_num_threads(1)
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
     try:

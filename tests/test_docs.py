@@ -1,7 +1,7 @@
 """
-What the docs show, checked (a topic across rooms: the commands and code names README.md and docs/*.md give a reader).
-The commands README.md, docs/*.md and the entry points' usage lines show: each one runs here, on the CPU, or is
-skipped for the reason SKIP gives, so that none can drift unseen (fast: each is in RUN or SKIP, and a skipped
+What the docs show, checked (a topic across rooms: the commands and code names README.md and docs/*.md give a
+reader). The commands README.md, docs/*.md and the entry points' usage lines show: each one runs here, on the CPU,
+or is skipped for the reason SKIP gives, so that none can drift unseen (fast: each is in RUN or SKIP, and a skipped
 command's script takes its settings; slow: test_the_commands_run runs RUN in a copy of the repository, with
 SHORTEN's, SMALLER's and AGAIN's settings). And every code name the docs give (`nanogpt_plus.module.name`, `from
 nanogpt_plus.x import a, b`, a short `module.name`) imports. No process is started for the names.
@@ -90,7 +90,6 @@ SKIP = {
     'python -m venv .venv': INSTALL,
     'pip install torch==2.13.0': INSTALL,
     'pip install -e ".[dev]"': INSTALL,
-    'pip install -e .': INSTALL,
     'python -m pytest': SUITE,
     'python -m pytest --runslow': SUITE,
     'ruff check .': SUITE,
@@ -504,9 +503,20 @@ def test_the_commands_run(tmp_path):
 PACKAGE = 'nanogpt_plus'
 
 
-MODULES = sorted(os.path.splitext(os.path.basename(p))[0]
-                 for p in glob.glob(os.path.join(REPO, PACKAGE, '*.py'))
-                 if not p.endswith('__init__.py'))
+def package_modules():
+    """ The package's modules as a doc names them short: 'checkpoint', a subpackage 'dataset' and its
+    modules 'dataset.shards' (longest first, so that the scan takes the whole dotted module). """
+    names = set()
+    for path in glob.glob(os.path.join(REPO, PACKAGE, '**', '*.py'), recursive=True):
+        parts = os.path.relpath(path, os.path.join(REPO, PACKAGE))[:-len('.py')].split(os.sep)
+        if parts[-1] == '__init__':
+            parts = parts[:-1]
+        if parts:
+            names.add('.'.join(parts))
+    return sorted(names, key=lambda n: (-len(n), n))
+
+
+MODULES = package_modules()
 
 
 # not inside a file name: a temp file's mark (`.ckpt.pt.nanogpt_plus.tmp.<pid>`) is no code
@@ -516,7 +526,7 @@ DOTTED = re.compile(rf'(?<![.\w]){PACKAGE}(?:\.\w+)+')
 FROM_IMPORT = re.compile(rf'\bfrom ({PACKAGE}(?:\.\w+)*) import ([\w, ]+)')
 
 
-SHORT = re.compile(rf"`((?:{'|'.join(MODULES)})\.\w+)")
+SHORT = re.compile(rf"`((?:{'|'.join(map(re.escape, MODULES))})\.\w+)")
 
 
 # a short form that is a file name (`metrics.jsonl`, `tokenizer.json`), not a module's attribute
@@ -568,8 +578,10 @@ def test_every_package_name_in_the_docs_exists():
 
 def test_the_scan_finds_each_form():
     line = ("`nanogpt_plus.training.optimizer_step`, `checkpoint.init_model`, `metrics.jsonl`, "
-            "from nanogpt_plus.shards import find_shards, open_token_file")
-    assert named(line) == ['nanogpt_plus.training.optimizer_step', 'nanogpt_plus.shards',
-                           'nanogpt_plus.shards.find_shards', 'nanogpt_plus.shards.open_token_file',
-                           'nanogpt_plus.checkpoint.init_model']
-    assert [exists(n) for n in named(line)] == [False, True, True, False, False]
+            "from nanogpt_plus.dataset import find_shards, open_token_file; `dataset.shards.open_shard`, "
+            "`dataset.shards.open_token_file`")
+    assert named(line) == ['nanogpt_plus.training.optimizer_step', 'nanogpt_plus.dataset',
+                           'nanogpt_plus.dataset.find_shards', 'nanogpt_plus.dataset.open_token_file',
+                           'nanogpt_plus.checkpoint.init_model', 'nanogpt_plus.dataset.shards.open_shard',
+                           'nanogpt_plus.dataset.shards.open_token_file']
+    assert [exists(n) for n in named(line)] == [False, True, True, False, False, True, False]

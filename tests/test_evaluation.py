@@ -1,8 +1,8 @@
 """
-nanogpt_plus/evaluation.py (eval.py's tasks): each task against an independent computation (transformers' GPT-2 on
-the same weights for HellaSwag; per-token hand loops for loss, bits per byte and LAMBADA), the loss over several val
-shards as their token-weighted mean, as many forwards on every rank, eval.py under torchrun equal to one process,
-and clear errors (unknown task, missing or malformed files).
+nanogpt_plus/evaluation/ (its __init__.py: eval.py's tasks): each task against an independent computation
+(transformers' GPT-2 on the same weights for HellaSwag; per-token hand loops for loss, bits per byte and LAMBADA),
+the loss over several val shards as their token-weighted mean, as many forwards on every rank, eval.py under
+torchrun equal to one process, and clear errors (unknown task, missing or malformed files).
 """
 import json
 import math
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from helpers import TINY_VOCAB, run_eval, save_test_checkpoint, write_meta
 from model import GPT, GPTConfig
 from nanogpt_plus.dataset import split_files
+from nanogpt_plus.dataset.shards import write_shard
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import (
     evaluate,
@@ -25,7 +26,6 @@ from nanogpt_plus.evaluation import (
     read_task_records,
     score_examples,
 )
-from nanogpt_plus.shards import write_shard
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
 CHARS = "abcdefgh é\n"

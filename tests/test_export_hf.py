@@ -1,6 +1,6 @@
 """
-export_hf.py: a checkpoint -> export_hf.py -> AutoTokenizer + pipeline('text-generation'), offline; and a config that
-is not ours refused.
+export_hf.py: a checkpoint -> export_hf.py -> AutoTokenizer + pipeline('text-generation'), offline; and a config
+that is not ours refused.
 """
 import json
 import os

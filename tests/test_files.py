@@ -1,7 +1,7 @@
 """
 nanogpt_plus/files.py: atomic writes (a temp name, renamed when complete) for a checkpoint and a dataset alike, the
-sweep of killed runs' temp files (only the names this project gave them), a full disk or a failed write as one
-line, JSONL that is not UTF-8, and the file digest that tells contents of one size apart.
+sweep of killed runs' temp files (only the names this project gave them), a full disk or a failed write as one line,
+JSONL that is not UTF-8, and the file digest that tells contents of one size apart.
 """
 import os
 import shutil

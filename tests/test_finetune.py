@@ -49,7 +49,7 @@ from nanogpt_plus.errors import EXIT_INTERRUPTED, UserError
 from nanogpt_plus.finetuning import global_batch_counts, n_lm_targets, step_batches
 from nanogpt_plus.hf_export import export
 from nanogpt_plus.init_from import init_model, model_from_checkpoint
-from nanogpt_plus.out_dir import LOCK_NAME
+from nanogpt_plus.outputs import LOCK_NAME
 from nanogpt_plus.signals import GracefulExit
 from nanogpt_plus.tokenizer import CharTokenizer, load_tokenizer
 

@@ -15,10 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import EOT, REPO
+from nanogpt_plus.dataset import find_shards
+from nanogpt_plus.dataset.shards import open_shard, read_header
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare import fineweb
 from nanogpt_plus.prepare.fineweb import ShardWriter, prepare_fineweb
-from nanogpt_plus.shards import find_shards, open_shard, read_header
 from nanogpt_plus.tokenizer import get_gpt2_encoding
 
 SHARD = 3000  # tokens per shard in these tests: the corpus below makes ~10 shards

@@ -1,12 +1,12 @@
 """
-The CUDA paths (a topic across rooms: what needs a GPU), run by scripts/gpu_check.sh on a machine with a GPU (skipped
-without one, see conftest.py), in the configuration users run: train.py's defaults on CUDA (dtype=auto, compile on)
-with bf16 and fp16 + GradScaler, fused AdamW, nccl DDP and FSDP (+ compile, and fp16 under FSDP) with 1 process, a
-resume on CUDA, KV-cache sampling in fp32 and under bf16 autocast, bench.py's MFU against the GPU's own peak,
-activation checkpointing's lower peak, and a real out-of-memory as one line.
+The CUDA paths (a topic across rooms: what needs a GPU), run by scripts/gpu_check.sh on a machine with a GPU
+(skipped without one, see conftest.py), in the configuration users run: train.py's defaults on CUDA (dtype=auto,
+compile on) with bf16 and fp16 + GradScaler, fused AdamW, nccl DDP and FSDP (+ compile, and fp16 under FSDP) with 1
+process, a resume on CUDA, KV-cache sampling in fp32 and under bf16 autocast, bench.py's MFU against the GPU's own
+peak, activation checkpointing's lower peak, and a real out-of-memory as one line.
 
-With 2+ GPUs, the multi-rank paths on K = min(GPUs, 4) nccl ranks (the *_on_k_ranks tests; each skips with "needs
-2 CUDA GPUs" on fewer): DDP and FSDP with bf16 and compile against one rank, FSDP == DDP in fp32, a resume across
+With 2+ GPUs, the multi-rank paths on K = min(GPUs, 4) nccl ranks (the *_on_k_ranks tests; each skips with "needs 2
+CUDA GPUs" on fewer): DDP and FSDP with bf16 and compile against one rank, FSDP == DDP in fp32, a resume across
 ranks, the spike guard, in-loop HellaSwag under compile, and SIGTERM to torchrun.
 """
 import contextlib

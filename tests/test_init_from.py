@@ -289,7 +289,7 @@ def test_non_finite_weights_are_refused_at_load(tmp_path, name, dtype):
 
 def test_a_pickled_object_in_pytorch_model_bin_is_refused_in_our_words(tmp_path):
     # torch.load(weights_only=True) refuses it with advice to load it with weights_only=False, i.e. to run the
-    # file's code; the line the user sees is ours (checkpoint._load_error's, as for a ckpt.pt)
+    # file's code; the line the user sees is ours (errors.load_error's, as for a ckpt.pt)
     d = tiny_hf_dir(tmp_path / 'hf')
     os.remove(os.path.join(d, 'model.safetensors'))
     torch.save({'transformer.wte.weight': torch.zeros(2), 'payload': os.system}, os.path.join(d, 'pytorch_model.bin'))

@@ -1,8 +1,8 @@
 """
 The shape of the code (a topic across rooms): the package has no import cycle (function-level imports included),
-errors.py is a leaf, no entry point imports another, a script declares its settings at its top, few long lines,
-the laptop command imports only the modules it uses, tests share helpers through tests/helpers.py, not conftest,
-and every test file is named for a module, a script or one of a few topics.
+errors.py is a leaf, no entry point imports another, a script declares its settings at its top, few long lines, the
+laptop command imports only the modules it uses, tests share helpers through tests/helpers.py, not conftest, and
+every test file is named for a module, a script or one of a few topics.
 """
 import ast
 import glob
@@ -166,11 +166,11 @@ def test_no_long_line_ends_in_a_comment():
 
 
 # the package modules nanoGPT's laptop command runs on (README's map shows them in bold): nothing it does not use
-DEFAULT_PATH = {'errors', 'settings', 'runtime', 'signals', 'distributed', 'machine', 'files', 'shards',
-                'dataset', 'dataloader', 'checkpoint', 'init_from', 'out_dir', 'optimizer', 'metrics',
+DEFAULT_PATH = {'errors', 'settings', 'runtime', 'signals', 'distributed', 'machine', 'files',
+                'dataset', 'dataloader', 'checkpoint', 'init_from', 'outputs', 'optimizer', 'metrics',
                 'progress',
-                # each split's bytes per token, for the evaluation's bits per byte
-                'tokenizer', 'bpe'}
+                # each split's bytes per token, for the evaluation's bits per byte (a character vocabulary's: no BPE)
+                'tokenizer'}
 
 
 def test_the_laptop_command_imports_only_the_modules_it_uses(tiny_dataset, tmp_path):

@@ -1,8 +1,8 @@
 """
 nanogpt_plus/machine.py: the choices that depend on the device, checked on the CPU by standing in for torch.cuda
 (auto dtype, compile without triton, float16 where it can't train), the peak FLOPs tables and probe, the CPU thread
-tuner and retuner, and the memory check of a new model (causal masks and activations against the free memory,
-which the tests pin).
+tuner and retuner, and the memory check of a new model (causal masks and activations against the free memory, which
+the tests pin).
 """
 import os
 from dataclasses import replace
@@ -17,9 +17,9 @@ from helpers import run_python, train_args
 from model import GPT, GPTConfig
 from nanogpt_plus import machine
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.init_from import check_model_memory
 from nanogpt_plus.machine import (
     ThreadRetuner,
+    check_model_memory,
     cpu_peak_flops,
     device_peak_flops,
     gpu_peak_flops,

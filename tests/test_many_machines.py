@@ -2,8 +2,8 @@
 Many machines (a topic across rooms: the many-node verdicts): two torchrun agents as two nodes, each running in its
 own copy of the repository (no shared disk), and 2 gloo ranks on one node where one rank meets something the other
 doesn't. Every run ends on every node within a minute, finished or with one clear line; none hangs. What fails on
-one node before the process group forms (a config file, a refused setting, an output path), a failure rank 0 (or
-any one rank) meets alone mid-run, and what every node must start from alike (the data's tokens and tokenizer, the
+one node before the process group forms (a config file, a refused setting, an output path), a failure rank 0 (or any
+one rank) meets alone mid-run, and what every node must start from alike (the data's tokens and tokenizer, the
 code's uncommitted changes, eval.py's and finetune.py's checkpoint and files, a checkpoint one node lacks or has
 older), compared content included.
 """
@@ -34,9 +34,6 @@ from helpers import (
     write_hellaswag,
 )
 from nanogpt_plus.checkpoint import load_checkpoint
-from nanogpt_plus.distributed import _first_difference
-from nanogpt_plus.files import file_digest
-from nanogpt_plus.init_from import SAME_START, checkpoint_difference, same_start
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
@@ -688,68 +685,3 @@ def test_a_stale_checkpoint_on_node_0_says_node_1s_is_the_newer(tiny_dataset, tm
                        "iter 6 on node 1 (", "node 1 (", "has the newer one: copy it over out/ckpt.pt on node 0")
     assert "rank 0's" not in line
     assert load_checkpoint(str(nodes[1] / 'out' / 'ckpt.pt'))['iter_num'] == 6
-
-
-def state(iter_num, digest='9:ab', path='out/ckpt.pt'):
-    return {'path': path, 'iter_num': iter_num, 'digest': digest}
-
-
-# 2 ranks on each of 2 nodes
-PLACES = [('host-a', '0'), ('host-a', '0'), ('host-b', '1'), ('host-b', '1')]
-
-
-def test_checkpoint_difference_names_each_nodes_iteration_and_the_newer():
-    line = checkpoint_difference([state(3), state(3), state(6, '9:cd'), state(6, '9:cd')], PLACES)
-    assert line == ("the ranks differ in checkpoint: out/ckpt.pt is at iter 3 on node 0 (host-a), iter 6 on "
-                    "node 1 (host-b); node 1 (host-b) has the newer one: copy it over out/ckpt.pt on node 0 "
-                    "(host-a) (or keep it on a shared file system), then start again")
-    # three nodes: the copies that are not the newest are named; two other newest ones are the user's call
-    three = [('a', '0'), ('b', '1'), ('c', '2')]
-    line = checkpoint_difference([state(3), state(6, '9:cd'), state(6, '9:cd')], three)
-    assert line.endswith("node 1 (b) has the newer one: copy it over out/ckpt.pt on node 0 (a) (or keep it on a "
-                         "shared file system), then start again")
-    assert "the copies of out/ckpt.pt differ" in checkpoint_difference(
-        [state(3), state(6, '9:cd'), state(6, '9:ef')], three)
-    lacking = checkpoint_difference([state(4), state(4), state(None, None), state(None, None)], PLACES)
-    assert "out/ckpt.pt is on node 0 (host-a) (iter 4) but not on node 1 (host-b)" in lacking
-    assert "copy it from node 0 (host-a) to out/ckpt.pt on node 1 (host-b)" in lacking
-    same_iter = checkpoint_difference([state(4), state(4), state(4, '9:cd'), state(4, '9:cd')], PLACES)
-    assert "the copies of out/ckpt.pt differ (9:ab (iter 4) on node 0 (host-a), 9:cd (iter 4) on node 1" \
-        in same_iter
-    # read from other paths (another --out_dir): the settings say why
-    assert checkpoint_difference([state(4), state(4), state(4, path='o2/ckpt.pt'), state(4, path='o2/ckpt.pt')],
-                                 PLACES) is None
-
-
-def test_a_checkpoint_read_from_other_paths_is_left_to_the_settings():
-    def outcome(host, node, checkpoint, out_dir):
-        start = dict.fromkeys(SAME_START, 'same')
-        return (None, host, node, '', dict(start, checkpoint=checkpoint, settings={'out_dir': out_dir}))
-    outcomes = [outcome('host-a', '0', state(3), 'out'), outcome('host-b', '1', None, 'o2')]
-    line = _first_difference(outcomes, SAME_START)
-    assert line.startswith("the ranks differ in settings: out_dir='out' on rank 0 on host-a but 'o2' on rank 1")
-    # nothing later differs: still one line, never a silent pass
-    outcomes[1][4]['settings'] = {'out_dir': 'out'}
-    assert _first_difference(outcomes, SAME_START).startswith("the ranks differ in checkpoint; ")
-
-
-def test_same_start_reads_what_each_script_starts_from(tiny_dataset, tmp_path, monkeypatch):
-    from helpers import save_test_checkpoint
-    from model import GPT, GPTConfig
-    monkeypatch.chdir(tmp_path)
-    run = {'init_from': 'scratch', 'out_dir': 'out', 'auto_resume': True}
-    # auto_resume looked for out/ckpt.pt and did not find it
-    assert same_start(run)['checkpoint'] == {'path': 'out/ckpt.pt', 'iter_num': None, 'digest': None}
-    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=TINY_VOCAB))
-    (tmp_path / 'out').mkdir()
-    path = save_test_checkpoint(model, None, tmp_path / 'out' / 'ckpt.pt')
-    # eval.py's init_from=resume: the checkpoint it scores, with its iteration
-    start = same_start({'init_from': 'resume', 'out_dir': 'out'},
-                       data={'val.bin': os.path.join(tiny_dataset, 'val.bin')},
-                       data_meta={'kind': 'char', 'vocab_size': 2, 'stoi': {'a': 0, 'b': 1}})
-    assert start['checkpoint'] == {'path': 'out/ckpt.pt', 'iter_num': 0, 'digest': file_digest(path)}
-    assert start['weights'] is None and list(start['data']) == ['val.bin']
-    assert start['data']['val.bin'].startswith('12000:')
-    assert start['tokenizer'].startswith('char (2 tokens) ')
-    # weights to start from (finetune.py's --init_from=<out_dir>)
-    assert same_start({'init_from': 'out', 'out_dir': 'ft'})['weights']['digest'] == file_digest(path)

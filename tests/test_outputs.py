@@ -1,10 +1,10 @@
 """
-Where a script may write (nanogpt_plus/outputs.py, out_dir.py and prepare/settings.py's write rules): eval.py
---output_file, finetune.py --predict_out and export_hf.py --hf_dir never replace a checkpoint, a dataset's files, a
-directory holding them or a file the run reads, unless --overwrite=True; a file output replaces only an earlier
-output of its kind; a run's out_dir (a new run refused over an earlier one, the lock against a second run, stale
-locks, things in the way, an unwritable or full disk) and a live run's out_dir taking no other output; no prepare
-script writes where another kind of dataset, another dataset or a training run lies, unless --overwrite=True.
+nanogpt_plus/outputs.py, every rule on where a script may write: eval.py --output_file, finetune.py --predict_out
+and export_hf.py --hf_dir never replace a checkpoint, a dataset's files, a directory holding them or a file the run
+reads, unless --overwrite=True; a file output replaces only an earlier output of its kind; a run's out_dir (a new
+run refused over an earlier one, the lock against a second run, stale locks, things in the way, an unwritable or
+full disk) and a live run's out_dir taking no other output; no prepare script writes where another kind of dataset,
+another dataset or a training run lies, unless --overwrite=True.
 """
 import fcntl
 import json
@@ -48,13 +48,21 @@ from helpers import (
 )
 from model import GPT, GPTConfig
 from nanogpt_plus.dataloader import TokenWindowLoader
-from nanogpt_plus.dataset import split_files
+from nanogpt_plus.dataset import find_shards, split_files
+from nanogpt_plus.dataset.shards import write_shard
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.hf_export import export
-from nanogpt_plus.out_dir import LOCK_NAME, OutDirLock, OutDirSpec, prepare_out_dir
-from nanogpt_plus.outputs import check_output
-from nanogpt_plus.prepare.settings import RAW, RUN_FILES, SHARDS, check_out_dir
-from nanogpt_plus.shards import find_shards, write_shard
+from nanogpt_plus.outputs import (
+    LOCK_NAME,
+    RAW,
+    RUN_FILES,
+    SHARDS,
+    OutDirLock,
+    OutDirSpec,
+    check_out_dir,
+    check_output,
+    prepare_out_dir,
+)
 from nanogpt_plus.tokenizer import CharTokenizer
 
 CHARS = "abcdefghijklmnopqrstuvwxyz ."
@@ -481,11 +489,11 @@ def test_a_lock_replaced_under_a_live_run_is_not_taken_over(tmp_path):
 def test_a_full_disk_while_writing_the_lock_is_one_line(tmp_path, monkeypatch):
     import errno
 
-    from nanogpt_plus import out_dir
+    from nanogpt_plus import outputs
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(out_dir.os, "write", full)
+    monkeypatch.setattr(outputs.os, "write", full)
     with pytest.raises(UserError, match=r"^could not write the lock .*run.lock \(No space left on device\); make "
                                         r"room on the disk"):
         OutDirLock(str(tmp_path)).acquire()
@@ -678,7 +686,7 @@ def test_check_output_refuses_a_live_runs_out_dir_but_not_our_own(tmp_path):
 
 
 LOCK_HOLDER = ("import sys, time\n"
-               "from nanogpt_plus.out_dir import OutDirLock\n"
+               "from nanogpt_plus.outputs import OutDirLock\n"
                "OutDirLock(sys.argv[1]).acquire()\n"
                "print('held', flush=True)\n"
                "time.sleep(300)\n")
@@ -735,12 +743,15 @@ def contents_of(path):
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
 
-def test_run_files_are_the_training_scripts_names():
-    from nanogpt_plus.checkpoint import BEST, CHECKPOINT
-    from nanogpt_plus.out_dir import LOCK_NAME
+def test_run_files_are_the_training_scripts_names(tmp_path):
+    """ What makes a directory a run's is what the training scripts write: checkpoint.py's names, the lock. """
+    from nanogpt_plus.checkpoint import BEST, CHECKPOINT, LAST
+    from nanogpt_plus.outputs import LOCK_NAME, run_files
     assert LOCK_NAME in RUN_FILES and "metrics.jsonl" in RUN_FILES
-    for name in (CHECKPOINT, BEST, "ckpt_2000.pt"):  # what check_out_dir's ckpt*.pt must match
-        assert re.fullmatch(r"ckpt.*\.pt", name)
+    names = [CHECKPOINT, BEST, LAST, "ckpt_2000.pt", *RUN_FILES]
+    for name in names + ["ckpt.txt", "input.txt"]:
+        (tmp_path / name).write_bytes(b"x")
+    assert run_files(str(tmp_path)) == sorted(names)
 
 
 @pytest.mark.parametrize("writes, make, holds", [(RAW, shard_dir, "a dataset of llm.c token shards"),

@@ -1,7 +1,7 @@
 """
-nanogpt_plus/periodic.py, train.py's in-loop HellaSwag and samples: the figure at iteration N is eval.py
---task=hellaswag's on the checkpoint written at N, the printed line and the metrics record, DDP equal to one process,
-a missing file stopping the run at start-up, the sample line, and none of it changing the training itself.
+nanogpt_plus/evaluation/periodic.py, train.py's in-loop HellaSwag and samples: the figure at iteration N is eval.py
+--task=hellaswag's on the checkpoint written at N, the printed line and the metrics record, DDP equal to one
+process, a missing file stopping the run at start-up, the sample line, and none of it changing the training itself.
 """
 import json
 import os

@@ -1,14 +1,18 @@
 """
-nanogpt_plus/runtime.py: run_main's endings (exit codes, the process group torn down once) and the code digest that
-tells uncommitted changes apart.
+nanogpt_plus/runtime.py: run_main's endings (exit codes, the process group torn down once), the code digest that
+tells uncommitted changes apart, and same_start: what each script starts from, and a checkpoint's difference between
+the nodes named by each node's iteration.
 """
+import os
 import shutil
 
 import pytest
 
-from helpers import git
+from helpers import TINY_VOCAB, git
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.runtime import code_digest, run_main
+from nanogpt_plus.files import file_digest
+from nanogpt_plus.process_group import _first_difference
+from nanogpt_plus.runtime import SAME_START, checkpoint_difference, code_digest, run_main, same_start
 
 
 def test_run_main_tears_the_process_group_down_after_main(tmp_path, capsys):
@@ -56,3 +60,68 @@ def test_code_digest_tells_uncommitted_changes_apart(tmp_path, monkeypatch):
     # no git at all: the .py files again, not an error
     monkeypatch.setenv('PATH', str(tmp_path / 'nowhere'))
     assert digest(str(first)).startswith('no git checkout: .py files ')
+
+
+def state(iter_num, digest='9:ab', path='out/ckpt.pt'):
+    return {'path': path, 'iter_num': iter_num, 'digest': digest}
+
+
+# 2 ranks on each of 2 nodes
+PLACES = [('host-a', '0'), ('host-a', '0'), ('host-b', '1'), ('host-b', '1')]
+
+
+def test_checkpoint_difference_names_each_nodes_iteration_and_the_newer():
+    line = checkpoint_difference([state(3), state(3), state(6, '9:cd'), state(6, '9:cd')], PLACES)
+    assert line == ("the ranks differ in checkpoint: out/ckpt.pt is at iter 3 on node 0 (host-a), iter 6 on "
+                    "node 1 (host-b); node 1 (host-b) has the newer one: copy it over out/ckpt.pt on node 0 "
+                    "(host-a) (or keep it on a shared file system), then start again")
+    # three nodes: the copies that are not the newest are named; two other newest ones are the user's call
+    three = [('a', '0'), ('b', '1'), ('c', '2')]
+    line = checkpoint_difference([state(3), state(6, '9:cd'), state(6, '9:cd')], three)
+    assert line.endswith("node 1 (b) has the newer one: copy it over out/ckpt.pt on node 0 (a) (or keep it on a "
+                         "shared file system), then start again")
+    assert "the copies of out/ckpt.pt differ" in checkpoint_difference(
+        [state(3), state(6, '9:cd'), state(6, '9:ef')], three)
+    lacking = checkpoint_difference([state(4), state(4), state(None, None), state(None, None)], PLACES)
+    assert "out/ckpt.pt is on node 0 (host-a) (iter 4) but not on node 1 (host-b)" in lacking
+    assert "copy it from node 0 (host-a) to out/ckpt.pt on node 1 (host-b)" in lacking
+    same_iter = checkpoint_difference([state(4), state(4), state(4, '9:cd'), state(4, '9:cd')], PLACES)
+    assert "the copies of out/ckpt.pt differ (9:ab (iter 4) on node 0 (host-a), 9:cd (iter 4) on node 1" \
+        in same_iter
+    # read from other paths (another --out_dir): the settings say why
+    assert checkpoint_difference([state(4), state(4), state(4, path='o2/ckpt.pt'), state(4, path='o2/ckpt.pt')],
+                                 PLACES) is None
+
+
+def test_a_checkpoint_read_from_other_paths_is_left_to_the_settings():
+    def outcome(host, node, checkpoint, out_dir):
+        start = dict.fromkeys(SAME_START, 'same')
+        return (None, host, node, '', dict(start, checkpoint=checkpoint, settings={'out_dir': out_dir}))
+    outcomes = [outcome('host-a', '0', state(3), 'out'), outcome('host-b', '1', None, 'o2')]
+    line = _first_difference(outcomes, SAME_START)
+    assert line.startswith("the ranks differ in settings: out_dir='out' on rank 0 on host-a but 'o2' on rank 1")
+    # nothing later differs: still one line, never a silent pass
+    outcomes[1][4]['settings'] = {'out_dir': 'out'}
+    assert _first_difference(outcomes, SAME_START).startswith("the ranks differ in checkpoint; ")
+
+
+def test_same_start_reads_what_each_script_starts_from(tiny_dataset, tmp_path, monkeypatch):
+    from helpers import save_test_checkpoint
+    from model import GPT, GPTConfig
+    monkeypatch.chdir(tmp_path)
+    run = {'init_from': 'scratch', 'out_dir': 'out', 'auto_resume': True}
+    # auto_resume looked for out/ckpt.pt and did not find it
+    assert same_start(run)['checkpoint'] == {'path': 'out/ckpt.pt', 'iter_num': None, 'digest': None}
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=TINY_VOCAB))
+    (tmp_path / 'out').mkdir()
+    path = save_test_checkpoint(model, None, tmp_path / 'out' / 'ckpt.pt')
+    # eval.py's init_from=resume: the checkpoint it scores, with its iteration
+    start = same_start({'init_from': 'resume', 'out_dir': 'out'},
+                       data={'val.bin': os.path.join(tiny_dataset, 'val.bin')},
+                       data_meta={'kind': 'char', 'vocab_size': 2, 'stoi': {'a': 0, 'b': 1}})
+    assert start['checkpoint'] == {'path': 'out/ckpt.pt', 'iter_num': 0, 'digest': file_digest(path)}
+    assert start['weights'] is None and list(start['data']) == ['val.bin']
+    assert start['data']['val.bin'].startswith('12000:')
+    assert start['tokenizer'].startswith('char (2 tokens) ')
+    # weights to start from (finetune.py's --init_from=<out_dir>)
+    assert same_start({'init_from': 'out', 'out_dir': 'ft'})['weights']['digest'] == file_digest(path)

@@ -1,6 +1,7 @@
 """
 sample.py end to end: tiny checkpoints trained here (a character model and a GPT-2 BPE one), run through the CLI,
-plus nanoGPT-format checkpoints, streaming (a character split over tokens printed once whole), and the error messages.
+plus nanoGPT-format checkpoints, streaming (a character split over tokens printed once whole), and the error
+messages.
 """
 import os
 import pickle

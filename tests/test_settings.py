@@ -4,6 +4,8 @@ scripts/*.py declares its settings at its top with their defaults, types and hel
 checked before any work (ranges, finite numbers, the schedule, auto_resume against overwrite), and a value of the
 wrong type, None included, is one line and exit code 2.
 """
+import ast
+import glob
 import json
 import os
 import runpy
@@ -21,9 +23,9 @@ from configurator import ConfigError, Group, Schema, Setting, Settings, parse_co
 from helpers import REPO, assert_one_line_error, run, run_python, run_train, train_args
 from nanogpt_plus import settings
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.prepare.settings import default_num_proc
 from nanogpt_plus.prepare.shakespeare import TINY_SHAKESPEARE_URL
 from nanogpt_plus.runtime import run_main
+from nanogpt_plus.settings import default_num_proc
 
 SCRIPTS = {'train': train, 'finetune': finetune, 'sample': sample, 'eval': eval_script, 'bench': bench,
            'export_hf': export_hf}
@@ -131,16 +133,62 @@ def test_wrong_type_on_the_command_line_is_one_line_exit_2(arg, tmp_path):
 
 def test_schema_composition_rules():
     a = Group('a', x=Setting(1, "x", low=0), y=Setting('s', "y"))
-    schema = Schema(a, x=5)
-    # another default, same setting
-    assert dict(schema) == {'x': 5, 'y': 's'} and schema.specs['x'].help == "x"
+    schema = Schema(a)
+    assert dict(schema) == {'x': 1, 'y': 's'} and schema.specs['x'].help == "x"
     with pytest.raises(ValueError, match="declared twice"):
         Schema(a, Group('b', x=Setting(2, "again")))
-    with pytest.raises(ValueError, match="not in any group"):
-        Schema(a, z=3)
+    with pytest.raises(TypeError):  # a script's default is written in its group, never given apart
+        Schema(a, x=5)
     with pytest.raises(TypeError):
         Setting(None, "a None default needs its kind")
-    assert settings.subset(a, 'y') == {'y': a['y']}
+    # a shared declaration: each script's own default, one type, range and help
+    small, big = settings.batch_size(12), settings.batch_size(32)
+    assert (small.default, big.default) == (12, 32) and small.help == big.help and small.low == big.low == 1
+    # compile's None (auto) stays a value whatever a script's default
+    assert settings.compile(False).problem('compile', None) is None
+
+
+PREPARE_SCRIPTS = sorted(glob.glob(os.path.join(REPO, 'data', '*', 'prepare.py')))
+
+
+@pytest.mark.parametrize("path", [os.path.join(REPO, f"{name}.py") for name in SCRIPTS] + PREPARE_SCRIPTS)
+def test_every_script_writes_every_setting_it_reads_with_its_default(path):
+    """ As nanoGPT's train.py: each name and its default on one line of the script's groups (the
+    type, range and help of a shared one may be nanogpt_plus/settings.py's), no group shared whole
+    and no default given apart. """
+    script = runpy.run_path(path, run_name='not_main')
+    with open(path, encoding='utf-8') as f:
+        tree = ast.parse(f.read())
+    written = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'Group':
+            # name=Setting(default, ...) / name=settings.name(default)
+            for keyword in node.keywords:
+                default = keyword.value.args[0]
+                assert default.lineno == keyword.value.lineno, keyword.arg  # on the name's line
+                written[keyword.arg] = eval(compile(ast.Expression(default), path, 'eval'), script)
+    assert written == dict(script['DEFAULTS'])
+
+
+def test_no_package_module_imports_the_settings_table():
+    """ settings.py is the scripts' (and imports the lists of choices from beside the code that acts
+    on them): no module of the package reaches up to it. """
+    found = []
+    for path in glob.glob(os.path.join(REPO, 'nanogpt_plus', '**', '*.py'), recursive=True):
+        tree = ast.parse(open(path, encoding='utf-8').read())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            module = getattr(node, 'module', None)
+            if module == 'nanogpt_plus.settings' or 'nanogpt_plus.settings' in names or \
+                    (module == 'nanogpt_plus' and 'settings' in names):
+                found.append(os.path.relpath(path, REPO))
+    assert not found, found
+
+
+def test_the_hellaswag_default_is_the_evaluations_file():
+    # written out in train.py (the laptop path loads no evaluation code), the same path eval.py downloads to
+    from nanogpt_plus.evaluation import HELLASWAG_FILE
+    assert train.DEFAULTS['hellaswag_file'] == HELLASWAG_FILE
 
 
 def train_settings(*args):
@@ -225,7 +273,7 @@ def test_defaults_pass_and_settings_know_what_was_given(tmp_path):
 ])
 def test_other_scripts_check_their_settings(check, settings, message):
     with pytest.raises(UserError, match=message):
-        check(settings)
+        check(Settings(settings))  # as read_settings hands them: read as attributes
 
 
 @pytest.mark.usefixtures('one_thread')

@@ -1,6 +1,6 @@
 """
-nanogpt_plus/shards.py, llm.c's token shards: a shard of llm.c's own writer read back and ours the same bytes, bad
-shards in one line naming the file, ids that don't fit refused, and the naming rule that finds them.
+nanogpt_plus/dataset/shards.py, llm.c's token shards: a shard of llm.c's own writer read back and ours the same
+bytes, bad shards in one line naming the file, ids that don't fit refused, and the naming rule that finds them.
 """
 import os
 
@@ -9,8 +9,9 @@ import pytest
 
 from helpers import EOT
 from nanogpt_plus.dataloader import open_token_file
+from nanogpt_plus.dataset import as_token_array, find_shards
+from nanogpt_plus.dataset.shards import open_shard, read_header, write_shard
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.shards import as_token_array, find_shards, open_shard, read_header, write_shard
 
 # -----------------------------------------------------------------------------
 # the format

@@ -237,7 +237,7 @@ def train_signalled_at(line, sig, dataset, out_dir, **settings):
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP])
 def test_train_saves_and_exits_75_at_sigterm_and_sighup(sig, dataset, tmp_path):
     from nanogpt_plus.checkpoint import CHECKPOINT, load_checkpoint
-    from nanogpt_plus.out_dir import LOCK_NAME
+    from nanogpt_plus.outputs import LOCK_NAME
     code, out, err = train_signalled_at(r"^iter 3:", sig, dataset, tmp_path, max_iters=200,
                                         eval_interval=100)
     assert code == 75, (code, out + err)
@@ -250,7 +250,7 @@ def test_train_saves_and_exits_75_at_sigterm_and_sighup(sig, dataset, tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith('linux'), reason='reads /proc/<pid>/status')
 def test_train_at_the_earliest_moment_stops_before_its_first_step(dataset, tmp_path):
-    from nanogpt_plus.out_dir import LOCK_NAME
+    from nanogpt_plus.outputs import LOCK_NAME
     proc = start(['train.py', *train_args(dataset, tmp_path)])
     proc.wait_for_handler()
     proc.proc.send_signal(signal.SIGTERM)
@@ -264,7 +264,7 @@ def test_train_at_the_earliest_moment_stops_before_its_first_step(dataset, tmp_p
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP])
 def test_train_after_its_final_save_exits_0(sig, dataset, tmp_path):
     from nanogpt_plus.checkpoint import CHECKPOINT, load_checkpoint
-    from nanogpt_plus.out_dir import LOCK_NAME
+    from nanogpt_plus.outputs import LOCK_NAME
     code, out, err = train_signalled_at(r"\(final, iter 5\)", sig, dataset, tmp_path, max_iters=4,
                                         eval_interval=4)
     # the final save goes on (a signal during it is said as a stop, which it then is): exit 0,
@@ -290,7 +290,7 @@ def finetune_args(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith('linux'), reason='reads /proc/<pid>/status')
 def test_finetune_at_the_earliest_moment_stops_resumable(finetune_args, tmp_path):
-    from nanogpt_plus.out_dir import LOCK_NAME
+    from nanogpt_plus.outputs import LOCK_NAME
     proc = start(finetune_args + ['--epochs=50'])
     proc.wait_for_handler()
     proc.proc.send_signal(signal.SIGTERM)
@@ -302,7 +302,7 @@ def test_finetune_at_the_earliest_moment_stops_resumable(finetune_args, tmp_path
 
 @pytest.mark.skipif(not sys.platform.startswith('linux'), reason='reads /proc/<pid>/status')
 def test_finetune_after_its_result_exits_0(finetune_args, tmp_path):
-    from nanogpt_plus.out_dir import LOCK_NAME
+    from nanogpt_plus.outputs import LOCK_NAME
     proc = start(finetune_args + ['--epochs=1'])
     proc.wait_for(r'^\{"task"')
     proc.proc.send_signal(signal.SIGTERM)

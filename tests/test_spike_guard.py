@@ -1,6 +1,6 @@
 """
-nanogpt_plus/spike_guard.py (skip_loss_z / skip_grad_z): the running statistics, a spike skipped, printed, logged and
-counted, an exact resume with the guard, and the non-finite check that reads the loss where the guard needs it.
+nanogpt_plus/spike_guard.py (skip_loss_z / skip_grad_z): the running statistics, a spike skipped, printed, logged
+and counted, an exact resume with the guard, and the non-finite check that reads the loss where the guard needs it.
 """
 import functools
 import json

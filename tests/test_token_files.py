@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from helpers import tokens
+from nanogpt_plus.dataset import as_token_array
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import WriteFailed, atomic_outputs
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_token_batches, write_tokens
-from nanogpt_plus.shards import as_token_array
 
 
 def test_token_dtype_guard(tmp_path):

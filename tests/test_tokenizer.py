@@ -1,7 +1,7 @@
 """
 nanogpt_plus/tokenizer.py: the offline GPT-2 BPE (identical to tiktoken's 'gpt2', works with the network blocked,
-refuses altered files), the character tokenizer, every kind behind one interface, safe reading of dataset meta files,
-and a split's bytes per token (whole, or an even sample of a large split).
+refuses altered files), the character tokenizer, every kind behind one interface, safe reading of dataset meta
+files, and a split's bytes per token (whole, or an even sample of a large split).
 """
 import hashlib
 import json
@@ -16,8 +16,8 @@ import pytest
 from nanogpt_plus import tokenizer
 from nanogpt_plus.dataloader import TokenSource
 from nanogpt_plus.dataset import read_dataset_meta
+from nanogpt_plus.dataset.shards import write_shard
 from nanogpt_plus.errors import TokenizerError
-from nanogpt_plus.shards import write_shard
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, get_gpt2_encoding, load_tokenizer
 
 MIXED_TEXT = ("Hello world! Ünïcödé àccents, naïve café.\n"

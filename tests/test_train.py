@@ -1,7 +1,7 @@
 """
-train.py: learning and nanoGPT's lines, an exact resume, bits per byte beside the losses,
-activation checkpointing, compile, threads retuned only in auto mode, a NaN or an out-of-memory stopping without
-overwriting the checkpoint, and its one-line errors.
+train.py: learning and nanoGPT's lines, an exact resume, bits per byte beside the losses, activation checkpointing,
+compile, threads retuned only in auto mode, a NaN or an out-of-memory stopping without overwriting the checkpoint,
+and its one-line errors.
 """
 import json
 import math

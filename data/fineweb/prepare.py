@@ -18,7 +18,7 @@ Usage:
 
 Killed or stopped by max_tokens? Run the same command again (a larger --max_tokens, or 0, to go further): the
 complete shards are kept and tokenizing goes on after the last one. Memory holds one shard (200 MB at the
-default size) plus the documents in flight, never the corpus. Read a shard with nanogpt_plus.shards.open_shard.
+default size) plus the documents in flight, never the corpus. Read a shard with nanogpt_plus.dataset.shards.open_shard.
 """
 # first, before torch is imported (seconds): from here on a signal stops the work in one line and
 # exit code 130 (it can't resume; no output is left half-written), or is only said once it is done
@@ -29,8 +29,8 @@ early_exit_request(__name__, resumable=False)
 import os
 
 from configurator import Group, Schema, Setting, configure
+from nanogpt_plus import settings
 from nanogpt_plus.prepare.fineweb import prepare_fineweb
-from nanogpt_plus.prepare.settings import NUM_PROC, OVERWRITE, out_dir_setting
 from nanogpt_plus.runtime import run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,7 +45,7 @@ DEFAULTS = Schema(
                               not_empty=True),
           streaming=Setting(False, "stream the dataset instead of downloading it first: disk holds only the shards")),
     Group('the shards',
-          num_proc=NUM_PROC,
+          num_proc=settings.num_proc(settings.default_num_proc()),
           # llm.c's header counts a shard's tokens in an int32
           shard_size=Setting(10 ** 8, "tokens per shard (llm.c's 100M: 200 MB files); the last shard holds the rest",
                              low=1, high=2 ** 31 - 1),
@@ -53,8 +53,8 @@ DEFAULTS = Schema(
                                 "short run", low=0),
           prefix=Setting('edufineweb', "shard names: <prefix>_val_000000.bin, <prefix>_train_000001.bin, ..."),
           tokenizer=Setting('gpt2', "'gpt2', or the path of a byte-level BPE tokenizer.json (data/text/prepare.py's)"),
-          out_dir=out_dir_setting(HERE, "the shards and meta.json"),
-          overwrite=OVERWRITE),
+          out_dir=settings.dataset_out_dir(HERE, "the shards and meta.json"),
+          overwrite=settings.dataset_overwrite(False)),
 )
 
 

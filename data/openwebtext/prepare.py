@@ -24,8 +24,8 @@ early_exit_request(__name__, resumable=False)
 import os
 
 from configurator import Group, Schema, Setting, configure
-from nanogpt_plus.prepare.corpus import prepare_corpus
-from nanogpt_plus.prepare.settings import CACHE_DIR, NUM_PROC, OVERWRITE, SAMPLE_BY, SEED, TEXT_COLUMN, out_dir_setting
+from nanogpt_plus import settings
+from nanogpt_plus.prepare.corpus import SAMPLE_BY, prepare_corpus
 from nanogpt_plus.runtime import run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,19 +35,19 @@ DEFAULTS = Schema(
           dataset=Setting('openwebtext', "Hugging Face dataset name (used when files is '')"),
           name=Setting('', "the dataset's config name, e.g. 'sample-10BT' of HuggingFaceFW/fineweb ('' = none)"),
           files=Setting('', "local files instead: comma-separated paths or globs (.txt, .jsonl, .json, .parquet)"),
-          text_column=TEXT_COLUMN,
+          text_column=settings.text_column('text'),
           sample_by=Setting('paragraph', ".txt files: one document per 'line', 'paragraph' (blank-line separated) "
                                          "or 'document'", choices=SAMPLE_BY)),
     Group('the split',
           test_size=Setting(0.0005, "fraction of documents for val (nanoGPT: 0.0005, ~4,000 of owt's 8M documents)",
                             low=0.0, high=1.0, low_open=True, high_open=True),
-          seed=SEED),
+          seed=settings.shuffle_seed(2357)),
     Group('the run',
-          num_proc=NUM_PROC,
+          num_proc=settings.num_proc(settings.default_num_proc()),
           total_batches=Setting(1024, "the splits are written in this many batches (memory: one batch)", low=1),
-          out_dir=out_dir_setting(HERE, "train.bin, val.bin and meta.json"),
-          overwrite=OVERWRITE,
-          cache_dir=CACHE_DIR),
+          out_dir=settings.dataset_out_dir(HERE, "train.bin, val.bin and meta.json"),
+          overwrite=settings.dataset_overwrite(False),
+          cache_dir=settings.cache_dir('')),
 )
 
 

@@ -21,12 +21,23 @@ early_exit_request(__name__, resumable=False)
 
 import os
 
-from nanogpt_plus.prepare.shakespeare import prepare_char, shakespeare_main, shakespeare_settings
+from configurator import Group, Schema
+from nanogpt_plus import settings
+from nanogpt_plus.prepare.shakespeare import TINY_SHAKESPEARE_URL, prepare_char, shakespeare_main
 from nanogpt_plus.runtime import run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# --input, --url, --timeout, --out_dir, --overwrite (see --help)
-DEFAULTS = shakespeare_settings(HERE)
+
+# the settings and their defaults (`--help` prints them with their help, from nanogpt_plus/settings.py)
+DEFAULTS = Schema(
+    Group('the text',
+          input=settings.shakespeare_input(''),
+          url=settings.shakespeare_url(TINY_SHAKESPEARE_URL),
+          timeout=settings.download_timeout(10.0)),
+    Group('output',
+          out_dir=settings.dataset_out_dir(HERE, "train.bin, val.bin, meta (and a fetched input.txt)"),
+          overwrite=settings.dataset_overwrite(False)),
+)
 
 
 def main():

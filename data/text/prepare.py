@@ -27,10 +27,10 @@ early_exit_request(__name__, resumable=False)
 import os
 
 from configurator import Group, Schema, Setting, configure
+from nanogpt_plus import settings
 from nanogpt_plus.bpe import MIN_BPE_VOCAB
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.prepare.corpus import prepare_corpus
-from nanogpt_plus.prepare.settings import CACHE_DIR, NUM_PROC, OVERWRITE, SAMPLE_BY, SEED, TEXT_COLUMN, out_dir_setting
+from nanogpt_plus.prepare.corpus import SAMPLE_BY, prepare_corpus
 from nanogpt_plus.runtime import run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -40,7 +40,7 @@ DEFAULTS = Schema(
           input=Setting('', "comma-separated paths or globs of .txt / .jsonl / .json / .parquet files"),
           dataset=Setting('', "a Hugging Face dataset name instead (used when input is '')"),
           name=Setting('', "the dataset's config name ('' = its default)"),
-          text_column=TEXT_COLUMN,
+          text_column=settings.text_column('text'),
           sample_by=Setting('document', ".txt files: one document per 'document' (file), 'paragraph' or 'line'",
                             choices=SAMPLE_BY)),
     Group('the tokenizer',
@@ -51,27 +51,27 @@ DEFAULTS = Schema(
     Group('the split',
           val_fraction=Setting(0.1, "the share held out for val: of the characters (one document) or the documents",
                                low=0.0, high=1.0, low_open=True, high_open=True),
-          seed=SEED),
+          seed=settings.shuffle_seed(2357)),
     Group('the run',
-          num_proc=NUM_PROC,
-          out_dir=out_dir_setting(HERE, "train.bin, val.bin, meta.json (and tokenizer.json)"),
-          overwrite=OVERWRITE,
-          cache_dir=CACHE_DIR),
+          num_proc=settings.num_proc(settings.default_num_proc()),
+          out_dir=settings.dataset_out_dir(HERE, "train.bin, val.bin, meta.json (and tokenizer.json)"),
+          overwrite=settings.dataset_overwrite(False),
+          cache_dir=settings.cache_dir('')),
 )
 
 
 def main(argv=None):
     config = configure(DEFAULTS, argv, doc=__doc__)
     DEFAULTS.check(config)
-    if not config['input'] and not config['dataset']:
+    if not config.input and not config.dataset:
         raise UserError("no text given; pass --input=FILES (paths or globs) or --dataset=NAME")
     # vocab_size is the trained BPE's: asked for with another tokenizer it is an error (prepare_corpus says so)
-    asked = 'vocab_size' in config.given or config['tokenizer'] == 'bpe'
-    vocab_size = config['vocab_size'] if asked else None
-    prepare_corpus(config['out_dir'], dataset=config['dataset'], files=config['input'], name=config['name'],
-                   text_column=config['text_column'], sample_by=config['sample_by'], tokenizer=config['tokenizer'],
-                   vocab_size=vocab_size, test_size=config['val_fraction'], seed=config['seed'],
-                   num_proc=config['num_proc'], cache_dir=config['cache_dir'], overwrite=config['overwrite'])
+    asked = 'vocab_size' in config.given or config.tokenizer == 'bpe'
+    vocab_size = config.vocab_size if asked else None
+    prepare_corpus(config.out_dir, dataset=config.dataset, files=config.input, name=config.name,
+                   text_column=config.text_column, sample_by=config.sample_by, tokenizer=config.tokenizer,
+                   vocab_size=vocab_size, test_size=config.val_fraction, seed=config.seed,
+                   num_proc=config.num_proc, cache_dir=config.cache_dir, overwrite=config.overwrite)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,14 @@ What is where (import from the submodule itself; this file re-exports nothing):
                      files (meta.json with the dtype, meta.pkl, a bpe dataset's tokenizer.json)
     corpus.py        any corpus (openwebtext, data/text: local .txt/.jsonl/.parquet) with any tokenizer (gpt2,
                      char, a byte-level BPE trained on it, a tokenizer.json): split, tokenized in parallel
-    fineweb.py       FineWeb(-Edu) or local files into llm.c's token shards, resumable (nanogpt_plus/shards.py)
-    settings.py      the settings the prepare scripts share (with their help), check_out_dir
-                     and check_same_dataset: no script writes where another kind of dataset,
-                     another dataset (corpus, tokenizer, vocabulary) or a training run lies,
-                     unless --overwrite=True, nor into a live run's out_dir
+    fineweb.py       FineWeb(-Edu) or local files into llm.c's token shards, resumable (nanogpt_plus/dataset/shards.py)
+The settings the prepare scripts share are declared in nanogpt_plus/settings.py with the entry points'. Where a
+prepare script may write is nanogpt_plus/outputs.py's (check_out_dir, check_same_dataset): no script writes where
+another kind of dataset, another dataset (corpus, tokenizer, vocabulary) or a training run lies, unless
+--overwrite=True, nor into a live run's out_dir.
 
 Usage (from a prepare script):
-    from nanogpt_plus.prepare.shakespeare import prepare_char, shakespeare_main, shakespeare_settings
-    DEFAULTS = shakespeare_settings(HERE)               # the script's settings, for --help and the checks
+    from nanogpt_plus.prepare.shakespeare import prepare_char, shakespeare_main
+    DEFAULTS = Schema(Group('the text', input=settings.shakespeare_input(''), ...), ...)   # its settings
     shakespeare_main(DEFAULTS, __doc__, prepare_char)   # settings, text, train.bin/val.bin/meta in HERE
 """

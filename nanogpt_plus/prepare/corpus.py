@@ -28,7 +28,7 @@ import numpy as np
 from nanogpt_plus.bpe import BPETokenizer, check_bpe_vocab_size, read_tokenizer_file, train_bpe
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_outputs
-from nanogpt_plus.prepare.settings import RAW, SAMPLE_BY, check_out_dir, check_same_dataset
+from nanogpt_plus.outputs import RAW, check_out_dir, check_same_dataset
 from nanogpt_plus.prepare.shakespeare import encode_chars
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_token_batches
@@ -36,6 +36,8 @@ from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
 
 # the Hugging Face datasets builder that reads each kind of local file
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# the sample_by setting's choices: how the text builder cuts a .txt file into documents
+SAMPLE_BY = ("line", "paragraph", "document")
 # what --tokenizer names; anything else is the path of a tokenizer.json
 TOKENIZERS = ("bpe", "gpt2", "char")
 DEFAULT_BPE_VOCAB = 8192
@@ -53,7 +55,7 @@ def prepare_corpus(out_dir, dataset="openwebtext", files="", text_column="text",
     meta.pkl for char, tokenizer.json for bpe). tokenizer: 'gpt2', 'char', 'bpe' (trained on the
     train split, of vocab_size tokens, None = 8,192) or the path of a tokenizer.json; test_size: the
     share held out for val. An out_dir holding token shards, a training run or another dataset (of
-    another corpus, tokenizer or vocabulary) is refused unless overwrite (settings.check_out_dir,
+    another corpus, tokenizer or vocabulary) is refused unless overwrite (outputs.check_out_dir,
     check_same_dataset).
     """
     check_options(num_proc, test_size)
@@ -400,7 +402,7 @@ def given_tokenizer(choice, vocab_size):
 
 def corpus_record(dataset, files, name):
     """
-    What a dataset's preparation records of its corpus (settings.check_same_dataset): each local
+    What a dataset's preparation records of its corpus (outputs.check_same_dataset): each local
     file's real path and size, or the Hugging Face dataset's name and config.
     """
     if files:

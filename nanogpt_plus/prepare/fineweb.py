@@ -6,7 +6,7 @@ local .txt / .jsonl / .json / .parquet files; every document encoded by num_proc
 GPT-2) BEFORE it, as llm.c does (nanoGPT's openwebtext puts it after); the token stream cut into
 shards of shard_size tokens (a document may run on into the next shard, as in llm.c). The first
 shard is val (<prefix>_val_000000.bin), the rest train (<prefix>_train_000001.bin, ...); the format
-is in nanogpt_plus/shards.py: uint16 tokens, or llm.c's uint32 shards (magic 20240801, version 7)
+is in nanogpt_plus/dataset/shards.py: uint16 tokens, or llm.c's uint32 shards (magic 20240801, version 7)
 for a vocabulary past 65,536. A tokenizer.json is copied beside the shards and named in meta.json,
 so the directory describes its own tokenizer (tokenizer.read_dataset_meta).
 
@@ -37,13 +37,14 @@ import numpy as np
 from tqdm import tqdm
 
 from nanogpt_plus.bpe import TOKENIZER_FILE, BPETokenizer, read_tokenizer_file, tokenizer_fingerprint
+from nanogpt_plus.dataset import as_token_array, token_dtype
+from nanogpt_plus.dataset.shards import read_header, shard_header, write_shard
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_write
+from nanogpt_plus.outputs import SHARDS, check_out_dir
 from nanogpt_plus.prepare.corpus import LOCAL_BUILDERS, expand_files
-from nanogpt_plus.prepare.settings import SHARDS, check_out_dir
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import bpe_meta
-from nanogpt_plus.shards import as_token_array, read_header, shard_header, token_dtype, write_shard
 from nanogpt_plus.tokenizer import get_gpt2_encoding
 
 FORMAT_VERSION = 1  # of meta.json's layout
@@ -59,7 +60,7 @@ def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-1
     Shards <prefix>_{val,train}_NNNNNN.bin and meta.json in out_dir (resuming a run left there); a
     summary. tokenizer: 'gpt2' or the path of a byte-level BPE tokenizer.json (or of a directory
     holding one). An out_dir holding train.bin/val.bin or a training run is refused unless overwrite
-    (settings.check_out_dir).
+    (outputs.check_out_dir).
     """
     check_options(num_proc, shard_size, max_tokens, prefix)
     tok = chosen_tokenizer(tokenizer)

@@ -17,11 +17,11 @@ import os
 
 import numpy as np
 
-from configurator import Group, Schema, Setting, configure
+from configurator import configure
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_outputs
+from nanogpt_plus.outputs import RAW, check_out_dir, check_same_dataset
 from nanogpt_plus.prepare.plays import shakespeare_substitute
-from nanogpt_plus.prepare.settings import OVERWRITE, RAW, check_out_dir, check_same_dataset, out_dir_setting
 from nanogpt_plus.prepare.text import download_text, read_text_file
 from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_tokens
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -30,29 +30,7 @@ TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/mast
 
 
 # -----------------------------------------------------------------------------
-# the scripts: settings and where the text comes from
-
-def shakespeare_settings(script_dir):
-    """
-    The settings of both Shakespeare prepare.py scripts (each script's DEFAULTS); outputs go beside
-    it.
-    """
-    return Schema(
-        Group('the text',
-              input=Setting('', "a UTF-8 text file to use instead of tiny Shakespeare"),
-              url=Setting(TINY_SHAKESPEARE_URL,
-                          "where to download tiny Shakespeare from ('' = never download)"),
-              timeout=Setting(
-                  10.0,
-                  "seconds to wait for the download before using the offline substitute",
-                  low=0,
-                  low_open=True)),
-        Group('output',
-              out_dir=out_dir_setting(script_dir,
-                                      "train.bin, val.bin, meta (and a fetched input.txt)"),
-              overwrite=OVERWRITE),
-    )
-
+# the scripts: their main() and where the text comes from
 
 def shakespeare_main(defaults, doc, prepare):
     """
@@ -62,18 +40,18 @@ def shakespeare_main(defaults, doc, prepare):
     config = configure(defaults, doc=doc)
     defaults.check(config)
     # before the text: a fetched input.txt is saved in out_dir too
-    check_out_dir(config['out_dir'], RAW, config['overwrite'])
+    check_out_dir(config.out_dir, RAW, config.overwrite)
     # a dataset of another tokenizer there is refused before the text is fetched; one of another
     # text once it is read (prepare, which also says what --overwrite=True replaces)
-    if not config['overwrite']:
-        check_same_dataset(config['out_dir'], None, TOKENIZER_OF[prepare])
-    prepare(shakespeare_text_for(config), config['out_dir'], overwrite=config['overwrite'])
+    if not config.overwrite:
+        check_same_dataset(config.out_dir, None, TOKENIZER_OF[prepare])
+    prepare(shakespeare_text_for(config), config.out_dir, overwrite=config.overwrite)
 
 
 def shakespeare_text_for(config):
     """ shakespeare_text for a prepare.py's settings, printing which source was used. """
-    text, source = shakespeare_text(config['out_dir'], config['input'], config['url'],
-                                    config['timeout'])
+    text, source = shakespeare_text(config.out_dir, config.input, config.url,
+                                    config.timeout)
     print(f"using {source}")
     return text
 
@@ -165,7 +143,7 @@ def split_text(text, train_fraction=0.9):
 def split_encode_write(text, out_dir, encode, tok, overwrite=False):
     """
     The end of both pipelines: 90/10 split, encode each half, write train.bin/val.bin/meta
-    atomically, unless out_dir holds another dataset (settings.check_same_dataset) and not
+    atomically, unless out_dir holds another dataset (outputs.check_same_dataset) and not
     overwrite.
     """
     # the text's digest: the same whether it was downloaded, read from input.txt or given

@@ -22,8 +22,8 @@ import numpy as np
 from tqdm import tqdm
 
 from nanogpt_plus.bpe import TOKENIZER_FILE
+from nanogpt_plus.dataset import as_token_array, token_dtype
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.shards import as_token_array, token_dtype
 
 UINT32_LIMIT = 2 ** 32  # the largest token files hold uint32 ids
 
@@ -93,7 +93,7 @@ def write_dataset_meta(out, tokenizer, dtype, preparation=None):
     The meta files of a dataset in tokenizer's ids stored as dtype: meta.json (the tokenizer's
     description and the dtype), plus nanoGPT's meta.pkl for a character vocabulary, or
     tokenizer.json for a bpe one (meta.json names it with its sha256 instead of holding it).
-    preparation (settings.check_same_dataset's record: corpus, tokenizer, vocabulary) goes into
+    preparation (outputs.check_same_dataset's record: corpus, tokenizer, vocabulary) goes into
     meta.json too, so that the next preparation there can tell a re-run from another dataset.
     """
     dtype = np.dtype(dtype).name

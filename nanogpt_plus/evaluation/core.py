@@ -30,13 +30,13 @@ tokens (the last one is only a target). docs/evaluation.md says where the figure
 nanochat's and where they can't.
 
 Usage:
-    from nanogpt_plus import core_eval
-    directory = core_eval.bundle_dir('')          # data/core/eval_bundle, downloaded once
-    tasks = core_eval.read_bundle(directory)      # [CoreTask], every file checked
-    result = core_eval.evaluate_core(model, tokenizer, tasks, batch_size=16, device='cuda')
+    from nanogpt_plus.evaluation import core
+    directory = core.bundle_dir('')               # data/core/eval_bundle, downloaded once
+    tasks = core.read_bundle(directory)           # [CoreTask], every file checked
+    result = core.evaluate_core(model, tokenizer, tasks, batch_size=16, device='cuda')
     result['core'], result['tasks']['hellaswag_zeroshot']['centered']
     # eval.py's whole task (the bundle found, the split's bits per byte with a dataset)
-    core_eval.evaluate_bundle(model, tokenizer_meta, '', dataset='fineweb', device='cuda')
+    core.evaluate_bundle(model, tokenizer_meta, '', dataset='fineweb', device='cuda')
 """
 
 import csv

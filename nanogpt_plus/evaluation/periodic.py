@@ -4,6 +4,7 @@ with the training model (hellaswag_interval, eval.py's scoring) and a greedy sam
 (sample_interval), each printed as one line and logged to metrics.jsonl.
 
 Usage:
+    from nanogpt_plus.evaluation.periodic import InLoopSpec, PeriodicTasks
     # at set-up: the HellaSwag file, the prompt
     tasks = PeriodicTasks(cfg.select(InLoopSpec), dist_info, tokenizer_meta=meta, block_size=1024,
                           ctx=ctx, compiled=True)
@@ -18,8 +19,7 @@ import torch
 from nanogpt_plus.distributed import broadcast_object, master_decides
 from nanogpt_plus.engine import generate
 from nanogpt_plus.errors import TokenizerError, UserError
-from nanogpt_plus.evaluation import score_hellaswag, task_data_file, task_examples
-from nanogpt_plus.settings import HELLASWAG_FILE
+from nanogpt_plus.evaluation import HELLASWAG_FILE, score_hellaswag, task_data_file, task_examples
 from nanogpt_plus.tokenizer import load_tokenizer
 
 

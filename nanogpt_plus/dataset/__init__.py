@@ -5,7 +5,8 @@ files of each split (nanoGPT's train.bin/val.bin or llm.c's shards), the dtype o
 the tokenizer description its meta file gives (and so the vocabulary size), read and checked here:
 meta.json (ours, plain JSON) or nanoGPT's meta.pkl (read with an unpickler that builds plain data
 only). Whether a dataset's tokens mean to a model what they meant to the tokenizer that made them is
-checked here too (check_dataset_tokenizer).
+checked here too (check_dataset_tokenizer). Which files are whose is told by their names (find_shards);
+llm.c's shard format itself is dataset/shards.py's, loaded only where a directory holds shards.
 
 Usage:
     from nanogpt_plus.dataset import find_dataset
@@ -22,10 +23,93 @@ import numpy as np
 
 from nanogpt_plus.errors import TokenizerError, UserError, error_line
 from nanogpt_plus.files import file_digest
-from nanogpt_plus.shards import find_shards, is_shard_name, token_dtype
 
-# the checkout above this package: data/<name> is looked up here too, wherever a script runs
-REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the checkout above the package nanogpt_plus: data/<name> is looked up here too, wherever a script runs
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# -----------------------------------------------------------------------------
+# token files: nanoGPT's train.bin/val.bin (raw tokens) or llm.c's shards (a header, then the tokens;
+# dataset/shards.py), told apart by their names
+
+RAW_NAMES = ("train.bin", "val.bin")  # nanoGPT's header-less token files
+
+
+def has_header(path):
+    """
+    Whether a token file is an llm.c shard; train.bin and val.bin (exactly) are nanoGPT's raw files.
+    """
+    return os.path.basename(path) not in RAW_NAMES
+
+
+def token_dtype(vocab_size):
+    """
+    The shard dtype for a vocabulary: uint16 while every id fits (GPT-2's 50,257), else uint32.
+    """
+    return np.dtype(np.uint16) if vocab_size <= 2 ** 16 else np.dtype(np.uint32)
+
+
+def as_token_array(ids, dtype):
+    """
+    ids as a dtype array, refusing (instead of silently wrapping, as numpy would) an id that doesn't
+    fit.
+    """
+    arr = np.asarray(ids)
+    dtype = np.dtype(dtype)
+    if arr.dtype == dtype:
+        return arr
+    limit = np.iinfo(dtype).max
+    if arr.size and (arr.min() < 0 or arr.max() > limit):
+        bad = int(arr.max()) if arr.max() > limit else int(arr.min())
+        raise UserError(
+            f"token id {bad} does not fit in {dtype} (0..{limit:,}); the tokenizer's vocabulary is "
+            f"too large for {dtype} token files")
+    return arr.astype(dtype)
+
+
+def is_shard_name(name):
+    """
+    Whether a file name is a shard's by find_shards' rule: a *train*.bin or *val*.bin other than
+    nanoGPT's.
+    """
+    if not name.endswith(".bin") or name.startswith(".") or name in RAW_NAMES:
+        return False
+    return "train" in name or "val" in name
+
+
+def find_shards(data_dir):
+    """
+    (train files, val files) of a dataset directory, by name: files called exactly train.bin /
+    val.bin are nanoGPT's raw uint16 files; otherwise every *train*.bin (sorted by name) is a
+    training shard and every
+    *val*.bin a validation shard, with llm.c's header. Either list may be empty (one split, say); a directory
+    with no token files at all, or with both kinds, is a UserError. Names only: opening validates
+    (dataloader.open_token_file, shards.open_shard).
+    """
+    if not os.path.isdir(data_dir):
+        raise UserError(f"no dataset directory at {data_dir}; prepare the dataset first")
+    names = sorted(n for n in os.listdir(data_dir) if n.endswith(".bin") and not n.startswith("."))
+    raw = [n for n in RAW_NAMES if n in names]
+    shards = [n for n in names if is_shard_name(n)]
+    train = [n for n in shards if "train" in n]
+    val = [n for n in shards if "val" in n]
+    both = sorted(set(train) & set(val))
+    if both:
+        raise UserError(
+            f"{os.path.join(data_dir, both[0])} names both train and val, so its split is unclear; "
+            f"rename it to *train*.bin or *val*.bin")
+    if raw and (train or val):
+        raise UserError(
+            f"{data_dir} holds both nanoGPT's {'/'.join(raw)} and llm.c shards ({(train + val)[0]}, "
+            f"...); keep one kind of token file per directory")
+    if raw:
+        train = [n for n in raw if n == "train.bin"]
+        val = [n for n in raw if n == "val.bin"]
+    if not (train or val):
+        raise UserError(
+            f"{data_dir} has no token files (train.bin/val.bin, or *train*.bin / *val*.bin shards); "
+            f"prepare the dataset first")
+    return [os.path.join(data_dir, n) for n in train], [os.path.join(data_dir, n) for n in val]
 
 
 # -----------------------------------------------------------------------------
@@ -183,7 +267,7 @@ def read_dataset_meta(data_dir):
             raise TokenizerError(f"{json_path} is unreadable ({error_line(e)}); re-run the dataset's prepare.py") \
                 from None
         if isinstance(meta, dict):
-            # how the dataset was made (prepare/settings.py), not its tokenizer's description
+            # how the dataset was made (outputs.check_same_dataset), not its tokenizer's description
             meta.pop("preparation", None)
         return _checked_meta(meta, json_path, data_dir)
     if os.path.exists(pkl_path):
@@ -304,16 +388,6 @@ def tokenizer_size(meta):
     kind = tokenizer_kind(meta)
     size = meta.get('vocab_size') or (len(meta.get('stoi') or {}) if kind == 'char' else None)
     return GPT2_TOKENS if size is None and kind == 'gpt2' else size
-
-
-def padded_tokenizer_size(model_vocab, tokenizer_meta):
-    """
-    The tokenizer's vocabulary size where it is below the model's vocab_size (a byte-level
-    vocabulary padded to a multiple of 64), else None: a dataset holding ids in the padding was made
-    with another tokenizer.
-    """
-    size = tokenizer_size(tokenizer_meta or {'kind': 'gpt2'})
-    return int(size) if size and int(size) < model_vocab else None
 
 
 # -----------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 Zero-shot evaluation scoring: loss / perplexity / bits per byte over a token file, HellaSwag and
 LAMBADA. eval.py is the command line for it; anything else that scores a model on a task (a training
 loop's periodic HellaSwag, say) calls the same functions, so there is one implementation of each
-metric.
+metric. This package is the evaluation room: these tasks here, DCLM's CORE score in evaluation/core.py
+(eval.py --task=core), and train.py's in-loop HellaSwag and samples in evaluation/periodic.py.
 
 Every task is turned into rows, a row being (tokens, n_target): the model reads tokens[:-1],
 predicts tokens[1:], and only the last n_target predictions count. An example owns a few consecutive
@@ -47,6 +48,9 @@ DATA_URLS = {
     'lambada': 'https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl',
 }
 DOWNLOAD_TIMEOUT_S = 10
+# where the in-loop HellaSwag (train.py's hellaswag_file, whose default it is) and eval.py keep the
+# download, relative to the repository
+HELLASWAG_FILE = 'data/hellaswag/hellaswag_val.jsonl'
 
 
 # -----------------------------------------------------------------------------
