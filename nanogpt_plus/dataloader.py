@@ -424,13 +424,13 @@ def training_data(spec, dist_info):
     def open_all():
         data = find_dataset(spec.dataset)
         loaders = training_loaders(data, spec, dist_info)
-        sizes = {
-            split: [int(n) for n in loader.source.sizes]
-            for split, loader in loaders[1].items()
-        }
-        files = {os.path.basename(p): p for split in ('train', 'val') for p in data.files(split)}
-        return {'data': data, 'loaders': loaders, 'tokenizer': tokenizer_digest(data.meta),
-                'dataset': sizes, 'tokens': data_digests(files)}
+        opened = {'data': data, 'loaders': loaders}
+        if dist_info.under_torchrun:  # what the ranks compare; one process has no one to differ from
+            files = {os.path.basename(p): p for split in ('train', 'val') for p in data.files(split)}
+            opened.update(tokenizer=tokenizer_digest(data.meta), tokens=data_digests(files),
+                          dataset={split: [int(n) for n in loader.source.sizes]
+                                   for split, loader in loaders[1].items()})
+        return opened
 
     # the tokenizer first (a dataset prepared again with another vocabulary), then the numbers of
     # tokens (a file cut short), then each file's content (the same size, other tokens)
