@@ -1,7 +1,7 @@
 """
 Shared test set-up: no network for any library, no process group left behind by a test (like litgpt's conftest),
-GPU tests skipped without a GPU, the two tiers (fast by default, --runslow for all), and the fixtures. Helpers
-that tests import live in helpers.py.
+GPU tests skipped without a GPU, the two tiers (fast by default, --runslow for all), and the fixtures the tests of
+several files use (datasets, finished runs). Helpers that tests import live in helpers.py.
 """
 import atexit
 import json
@@ -16,7 +16,20 @@ import numpy as np
 import pytest
 
 import helpers
-from helpers import TINY_VOCAB, bpe_corpus_text, write_bpe_dataset
+import train
+from helpers import (
+    BPE_TEXT,
+    CHAR_TEXT,
+    SHORT,
+    TINY_VOCAB,
+    bpe_corpus_text,
+    synthetic_bpe_json,
+    train_args,
+    write_bpe_dataset,
+    write_split_files,
+)
+from nanogpt_plus.bpe import BPETokenizer
+from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
 # hermetic: Hugging Face libraries and wandb must never reach for the network inside the test suite
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -179,3 +192,58 @@ def current_test(request, monkeypatch):
         monkeypatch.setattr(subprocess.Popen, '__init__', popen_init)
     yield
     helpers.CURRENT_TEST = None
+
+
+# -----------------------------------------------------------------------------
+# a finished tiny run, and copies of it
+
+@pytest.fixture(scope='module')
+def finished(tiny_dataset, tmp_path_factory):
+    """The out_dir of a complete 2-layer run (max_iters=3: its checkpoint is at iter 4)."""
+    out_dir = tmp_path_factory.mktemp('finished')
+    train.main(train_args(tiny_dataset, out_dir, **SHORT))
+    return out_dir
+
+
+# -----------------------------------------------------------------------------
+# a finished tiny run to resume, copied datasets, a disk that fills up
+
+@pytest.fixture(scope="module")
+def trained(dataset, tmp_path_factory):
+    """ out_dir of a finished tiny run: its final checkpoint is at iter 7 (max_iters=6 + 1: the steps done). """
+    out = tmp_path_factory.mktemp("trained")
+    train.main(train_args(dataset, out, max_iters=6, eval_interval=3, num_threads=1))
+    return out
+
+
+@pytest.fixture
+def run_dir(trained, tmp_path):
+    """ A copy of the trained run, for a test to resume (or fail to resume) in. """
+    return shutil.copytree(trained, tmp_path / "run")
+
+
+# -----------------------------------------------------------------------------
+# datasets of multi-byte text, in a character vocabulary and in GPT-2's BPE
+
+@pytest.fixture(scope='module')
+def two_datasets(tmp_path_factory):
+    """ {'char': (dataset, tokenizer), 'char_pkl': ..., 'gpt2': ...}: text with multi-byte characters in a
+    character vocabulary (its meta.json, or nanoGPT's meta.pkl) and in GPT-2's BPE (no meta). """
+    root = tmp_path_factory.mktemp('bpb')
+    char = CharTokenizer.from_text(CHAR_TEXT)
+    gpt2 = GPT2Tokenizer()
+    ids = char.encode(CHAR_TEXT)
+    return {'char': (write_split_files(root / 'char', ids, char.meta()), char),
+            'char_pkl': (write_split_files(root / 'char_pkl', ids, char.meta(), pickled=True), char),
+            'gpt2': (write_split_files(root / 'gpt2', gpt2.encode_ordinary(BPE_TEXT)), gpt2)}
+
+
+# -----------------------------------------------------------------------------
+# a small synthetic bpe tokenizer and its dataset
+
+@pytest.fixture(scope="module")
+def small_bpe(tmp_path_factory):
+    """ (a 300-token synthetic BPE, whose vocabulary pads to 320; a dataset of 20,000 characters in it). Its few
+    merges join a zero byte with another, so every character beyond ASCII takes several tokens. """
+    tok = BPETokenizer(synthetic_bpe_json(300))
+    return tok, write_bpe_dataset(tmp_path_factory.mktemp("bpe300"), tok, bpe_corpus_text()[:20000])

@@ -1,16 +1,38 @@
 """
 Shared test helpers, imported by the test modules (`from helpers import ...`; pytest puts tests/ on sys.path):
 the repository path, the tiny training run and its argument builder, loss parsing and comparison, checkpoint
-saving, an in-process entry-point runner, byte-level BPE corpora, tokenizers and datasets, and the launchers of
-the slow tier (run_python, start_python, COMPILE). Fixtures and hooks stay in conftest.py.
+saving, an in-process entry-point runner, byte-level BPE corpora, tokenizers and datasets, the launchers of the
+slow tier (run_python, start_python, COMPILE), and below them what the tests of several rooms share: tiny train.py
+runs in this process, fine-tuning sources and tasks, finished runs to copy, GPT's modern options, tiny models and
+datasets. Fixtures and hooks stay in conftest.py.
 """
+import functools
 import json
+import math
 import os
+import pickle
+import random
 import re
+import runpy
+import shutil
+import signal
 import subprocess
 import sys
 
 import numpy as np
+import torch
+
+import finetune
+import train
+from configurator import Settings
+from model import GPT, GPTConfig
+from nanogpt_plus import finetuning
+from nanogpt_plus.distributed import DistInfo
+from nanogpt_plus.engine import generate
+from nanogpt_plus.files import temp_path
+from nanogpt_plus.muon import MuonWithAdamW
+from nanogpt_plus.optimizer import AdamWSpec, MuonSpec, make_optimizer
+from nanogpt_plus.tokenizer import CharTokenizer, load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -189,7 +211,7 @@ def write_bpe_dataset(directory, tokenizer, text, val_fraction=0.1):
     with open(os.path.join(directory, TOKENIZER_FILE), "w", encoding="utf-8") as f:
         f.write(tokenizer.json)
     with open(os.path.join(directory, "meta.json"), "w", encoding="utf-8") as f:
-        # prepare.py's entries (test_prepare_text pins them)
+        # prepare.py's entries (test_corpus pins them)
         json.dump(bpe_meta(tokenizer, dtype), f, indent=1)
     return str(directory)
 
@@ -269,3 +291,397 @@ def start_program(argv, cwd=REPO, env=None, **kwargs):
     in_slow_tier("starts a process")
     return subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             **kwargs)
+
+
+# -----------------------------------------------------------------------------
+# tiny train.py runs in this process
+
+tiny_args = functools.partial(train_args, dropout=0.1, num_threads=1)  # fixed threads: bitwise runs
+
+
+def train_out(capsys, args):
+    train.main(args)
+    out = capsys.readouterr().out
+    return out
+
+
+def eval_losses(out):
+    return [(int(m.group(1)), float(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"^step (\d+): train loss (\S+), val loss (\S+)$", out, re.M)]
+
+
+def run_train(capsys, args):
+    train.main(args)
+    return capsys.readouterr()
+
+
+def train_here(dataset, out_dir, capsys=None, **settings):
+    """ train.py in this process; its stdout when capsys is given. """
+    train.main(train_args(dataset, out_dir, num_threads=1, **settings))
+    return capsys.readouterr().out if capsys else None
+
+
+def one_line(args, timeout=120, **kwargs):
+    r = run_python(['train.py'] + args, timeout=timeout, **kwargs)
+    assert r.returncode == 2 and r.stderr.startswith('error: ') and r.stderr.strip().count('\n') == 0, r.stderr[-2000:]
+    return r.stderr
+
+
+# -----------------------------------------------------------------------------
+# fine-tuning sources and tasks (finetune.py's tests and the other rooms' that fine-tune)
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz ."
+
+
+LETTERS = "abcdef"
+
+
+SINGLE = DistInfo(False, 0, 0, 1, 'cpu')
+
+
+def make_source(path, n_embd=32, block_size=64, seed=0):
+    """ A tiny random-init char GPT saved as a train.py-style checkpoint (the fine-tune's source). """
+    tok = CharTokenizer.from_text(ALPHABET)
+    torch.manual_seed(seed)
+    m = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=n_embd, block_size=block_size, vocab_size=tok.vocab_size,
+                      bias=False))
+    save_test_checkpoint(m, tok.meta(), os.path.join(path, 'ckpt.pt'))
+    return str(path)
+
+
+def _word(r):
+    return ''.join(r.choice('abcdefghijklmnop') for _ in range(r.randint(2, 4)))
+
+
+def gen_classification(r):
+    # which of two marker words the text contains
+    words = [_word(r) for _ in range(r.randint(2, 5))]
+    label = r.randint(0, 1)
+    words.insert(r.randint(0, len(words)), ['xyz', 'wvu'][label])
+    return {'text': ' '.join(words), 'label': ['pos', 'neg'][label]}
+
+
+def gen_entailment(r):
+    # whether the hypothesis repeats a word of the premise
+    a, b = r.sample('abcd', 2)
+    label = r.randint(0, 1)
+    hyp = r.choice([a, b]) if label else r.choice([c for c in 'abcd' if c not in (a, b)])
+    return {'premise': f"{a * 3} {b * 3}", 'hypothesis': hyp * 3, 'label': ['neutral', 'entailment'][label]}
+
+
+def gen_similarity(r):
+    # whether the two texts share their first word
+    label = r.randint(0, 1)
+    a = r.choice('xz')
+    b = a if label else ('z' if a == 'x' else 'x')
+    rest1 = ' '.join(r.sample(LETTERS, 2))
+    rest2 = ' '.join(r.sample(LETTERS, 2))
+    return {'text1': f"{a * 3} {rest1}", 'text2': f"{b * 3} {rest2}", 'label': label}
+
+
+def gen_multiple_choice(r):
+    # which choice continues the context's pattern (2 to 5 choices)
+    n = r.randint(2, 5)
+    choices = r.sample(LETTERS, n)
+    label = r.randrange(n)
+    return {'context': ' '.join([choices[label]] * 4), 'choices': choices, 'label': label}
+
+
+GENERATORS = {'classification': gen_classification, 'entailment': gen_entailment, 'similarity': gen_similarity,
+              'multiple_choice': gen_multiple_choice}
+
+
+def write_jsonl(path, records):
+    with open(path, 'w', encoding='utf-8') as f:
+        for rec in records:
+            f.write(json.dumps(rec) + '\n')
+    return str(path)
+
+
+def make_task(tmp_path, task, n_train=512, n_val=100, seed=0):
+    r = random.Random(seed)
+    train = write_jsonl(tmp_path / f'{task}_train.jsonl', [GENERATORS[task](r) for _ in range(n_train)])
+    val = write_jsonl(tmp_path / f'{task}_val.jsonl', [GENERATORS[task](r) for _ in range(n_val)])
+    return train, val
+
+
+def config(**overrides):
+    cfg = dict(finetune.DEFAULTS, device='cpu', dropout=0.0, batch_size=16, learning_rate=3e-3, warmup_frac=0.1,
+               log_interval=1000)
+    cfg.update(overrides)
+    return Settings(cfg)
+
+
+SPECIAL = {'start': 100, 'delim': 101, 'extract': 102}
+
+
+def val_accuracy(ckpt, path, task):
+    """ The accuracy on path of the model saved in a fine-tune's checkpoint, recomputed from the file. """
+    model = finetuning.model_from_finetune_checkpoint(ckpt)
+    examples = finetuning.read_jsonl(path, task)
+    encoded = finetuning.encode_examples(examples, task, load_tokenizer(ckpt['tokenizer']), ckpt['special_tokens'],
+                                         model.gpt.config.block_size, path)
+    labels = finetuning.label_ids(examples, task, ckpt['label_map'], path)
+    correct, seen, _, _ = finetuning.evaluate(model, encoded, labels, ckpt['special_tokens'], 8, 'cpu',
+                                              torch.autocast('cpu', enabled=False))
+    assert seen == len(examples)
+    return correct / seen
+
+
+# -----------------------------------------------------------------------------
+# a finished tiny run, and copies of it
+
+SHORT = dict(max_iters=3, eval_interval=3, lr_decay_iters=3, warmup_iters=1)
+
+
+def copy_run(run_dir, to):
+    shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns('run.lock'))
+    return str(to)
+
+
+# -----------------------------------------------------------------------------
+# a finished tiny run to resume, copied datasets, a disk that fills up
+
+def copy_dataset(src, dst, meta=None, train_tokens=None):
+    """ The dataset src copied to dst, with another meta.json and/or train.bin. """
+    shutil.copytree(src, dst)
+    if meta is not None:
+        (dst / "meta.json").write_text(json.dumps(meta))
+    if train_tokens is not None:
+        np.asarray(train_tokens, dtype=np.uint16).tofile(dst / "train.bin")
+    return str(dst)
+
+
+def resume_args(dataset, run_dir, **settings):
+    return train_args(dataset, run_dir, init_from="resume", num_threads=1, **settings)
+
+
+def run_with_file_size_limit(args, limit_bytes):
+    """ python args in a process whose files can't grow past limit_bytes (SIGXFSZ ignored: an EFBIG error). """
+    def limit():
+        import resource
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    return run_python([*args], timeout=120,
+                          preexec_fn=limit, env=env)
+
+
+# -----------------------------------------------------------------------------
+# a killed run's temp file, a one-line error
+
+def dead_runs_temp(final, pid):
+    """ The temp file a run of ours with this pid, killed while writing final, left behind. """
+    ours = os.path.basename(temp_path(str(final)))  # this process's: the pid last
+    return final.parent / f"{ours.rsplit('.', 1)[0]}.{pid}"
+
+
+def one_error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+# -----------------------------------------------------------------------------
+# a script run as __main__ in this process, and its one-line error
+
+def run(script, monkeypatch, capsys, *args):
+    """ `python SCRIPT ARGS` in this process: (exit code, stdout, stderr). """
+    # scripts/*.py import benchtools beside them
+    monkeypatch.syspath_prepend(os.path.join(REPO, "scripts"))
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    code = 0
+    try:
+        runpy.run_path(os.path.join(REPO, script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, message):
+    assert code == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+
+
+# -----------------------------------------------------------------------------
+# GPT's modern options: configs and models with every parameter random
+
+# every option away from GPT-2's at once, for the models the tests build
+ALL_OPTIONS = dict(pos='rope', norm='rmsnorm', qk_norm=True, mlp_act='relu2', logit_softcap=1.5,
+                   tie_embeddings=False)
+
+
+def modern_config(**options):
+    args = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50, dropout=0.0, bias=True)
+    args.update(options)
+    return GPTConfig(**args)
+
+
+@torch.no_grad()
+def randomized(model, seed=0):
+    """
+    The model with every parameter drawn afresh so that each option shows in the logits: O(1) activations and
+    attention scores (GPT-2's N(0, 0.02) init makes every attention nearly uniform, which would hide a wrong
+    rotation), gains away from 1 and biases away from 0 (a dropped one would change nothing otherwise).
+    """
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith('.bias'):
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        elif p.dim() == 1:  # the norms' gains
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.size(1)))
+    return model.eval()
+
+
+def modern_model(seed=0, **options):
+    torch.manual_seed(seed)
+    return randomized(GPT(modern_config(**options)), seed)
+
+
+def muon_optimizer(model, learning_rate=1e-3, muon_lr=0.02):
+    """ What train.py builds for optimizer='muon' on the CPU (make_optimizer). """
+    adamw = AdamWSpec(learning_rate=learning_rate, weight_decay=0.1, beta1=0.9, beta2=0.95)
+    muon = MuonSpec(muon_lr=muon_lr, muon_momentum=0.95, muon_weight_decay=0.0)
+    opt = make_optimizer(model, adamw, 'cpu', muon=muon)
+    assert isinstance(opt, MuonWithAdamW) and opt.float32_ns
+    return opt
+
+
+# -----------------------------------------------------------------------------
+# a tiny GPT with random weights
+
+def tiny_gpt(seed=0, **kw):
+    torch.manual_seed(seed)
+    args = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50304, bias=True, gelu='tanh')
+    args.update(kw)
+    model = GPT(GPTConfig(**args))
+    with torch.no_grad():  # random LayerNorm parameters too, so a dropped or misplaced one shows
+        for name, p in model.named_parameters():
+            if '.ln_' in name or 'ln_f' in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith('.bias'):
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+# -----------------------------------------------------------------------------
+# a tiny model of a padded bpe vocabulary, and its greedy text
+
+# the bpe512 tokenizer's 512 tokens and 64 rows of padding, as a vocab padded for speed has
+PADDED_VOCAB = 576
+
+
+PROMPT = "Kalo mi té"
+
+
+def bpe_gpt(scale, seed=0, vocab_size=PADDED_VOCAB):
+    """
+    A tiny GPT with PADDED_VOCAB rows. scale: the std of its weight matrices; at 1.0 (against GPT-2's 0.02) a
+    random model's greedy text is varied (no token repeated over and over) and its top two logits stay well
+    apart (>= 0.05 here, against ~1e-6 between our kernels and transformers'), so equal greedy tokens mean
+    equal models, not luck.
+    """
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=vocab_size, bias=True))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, scale)
+            elif name.endswith('.bias'):
+                p.normal_(0.0, 0.1)
+            else:  # LayerNorm weights: random too, so a dropped or misplaced one shows
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def greedy_ids(model, prompt_ids, n, vocab_size):
+    """ Our greedy continuation (the engine, temperature=0, only the tokenizer's ids) of prompt_ids. """
+    with torch.no_grad():
+        return generate(model, torch.tensor([prompt_ids]), n, temperature=0, vocab_size=vocab_size)[0].tolist()
+
+
+# -----------------------------------------------------------------------------
+# datasets of multi-byte text, in a character vocabulary and in GPT-2's BPE
+
+# 1-, 2- and 3-byte characters: a character's token is not a byte
+CHAR_TEXT = "the café sells crème brûlée for 5 € a slice.\n" * 60
+
+
+BPE_TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, naïve "
+            "and wise alike — €3 a loaf.\n") * 40
+
+
+def write_split_files(directory, ids, meta=None, pickled=False):
+    """ train.bin (the first 80%) and val.bin of token ids, and meta.json (or nanoGPT's meta.pkl) when
+    given. """
+    os.makedirs(directory, exist_ok=True)
+    ids = np.asarray(ids, dtype=np.uint16)
+    cut = len(ids) * 4 // 5
+    ids[:cut].tofile(os.path.join(directory, 'train.bin'))
+    ids[cut:].tofile(os.path.join(directory, 'val.bin'))
+    if meta is not None and pickled:
+        with open(os.path.join(directory, 'meta.pkl'), 'wb') as f:
+            pickle.dump({k: meta[k] for k in ('vocab_size', 'itos', 'stoi')}, f)
+    elif meta is not None:
+        with open(os.path.join(directory, 'meta.json'), 'w', encoding='utf-8') as f:
+            json.dump(meta, f)
+    return str(directory)
+
+
+# -----------------------------------------------------------------------------
+# Shakespeare-like text, token files, the prepare scripts as processes
+
+TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n" * 40
+        + "First Citizen:\nYou are all resolved rather to die than to famish?\n")
+
+
+def run_offline(script, *args):
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    return run_python([script, *args], env=env,
+                          timeout=120)
+
+
+def tokens(path):
+    return np.fromfile(path, dtype=np.uint16)
+
+
+# -----------------------------------------------------------------------------
+# a character dataset's meta.json
+
+def write_meta(d, vocab_size=TINY_VOCAB):
+    stoi = {chr(97 + i): i for i in range(vocab_size)}
+    (d / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": vocab_size, "stoi": stoi,
+                                             "itos": {i: c for c, i in stoi.items()}}))
+
+
+# -----------------------------------------------------------------------------
+# eval.py as a process (under torchrun or not)
+
+def run_eval(args, torchrun=False):
+    launcher = TORCHRUN + ['--standalone', '--nproc_per_node=2'] if torchrun else []
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    return run_python(launcher + ['eval.py', '--device=cpu'] + args, timeout=300, env=env)
+
+
+# -----------------------------------------------------------------------------
+# GPT-2's end-of-text token
+
+EOT = 50256
+
+
+# -----------------------------------------------------------------------------
+# a tiny GPTConfig
+
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=20, bias=True, dropout=0.0)
+
+
+# -----------------------------------------------------------------------------
+# git in a copy of the repository
+
+def git(cwd, *args):
+    return subprocess.run(['git', '-c', 'user.name=t', '-c', 'user.email=t@example.com', *args], cwd=cwd,
+                          check=True, capture_output=True, text=True).stdout

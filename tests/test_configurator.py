@@ -1,11 +1,15 @@
-"""configurator.py: nanoGPT's UX (config file, then --key=value), but strict and with clear errors."""
+"""
+configurator.py: nanoGPT's UX (config file, then --key=value), but strict and with clear errors: unknown keys, wrong
+types, a config file that raises or exits, and the shipped config files.
+"""
 import os
 import runpy
 import types
 
 import pytest
 
-from configurator import ConfigError, parse_config
+import train
+from configurator import ConfigError, Settings, parse_config
 from helpers import REPO, run_python
 
 DEFAULTS = dict(batch_size=12, learning_rate=6e-4, out_dir='out', compile=None, decay_lr=True, betas=(0.9, 0.95))
@@ -235,6 +239,35 @@ def test_settings_are_read_as_attributes_and_frozen():
     for other in (copy.copy(cfg), copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
         assert other == cfg and other.given == cfg.given and other.batch_size == 32
     # a setting can't be named like a method: cfg.items must be the dict's
-    from configurator import Settings
     with pytest.raises(ValueError, match="setting items has the name of a method"):
         Settings(dict(items=1))
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_a_config_file_that_exits_is_refused(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("batch_size = 4\nimport sys\nsys.exit(0)\n")
+    with pytest.raises(ConfigError, match=f"config file {path} calls exit\\(\\) on line 3"):
+        parse_config(train.DEFAULTS, [str(path)])
+    # os._exit would end the process with exit 0 and no word: it is refused the same way, and os._exit is back
+    path.write_text("batch_size = 4\nimport os\nos._exit(0)\n")
+    with pytest.raises(ConfigError, match=f"config file {path} calls exit\\(\\) on line 3"):
+        parse_config(train.DEFAULTS, [str(path)])
+    assert os._exit.__module__ == 'posix'
+    path.write_bytes("out_dir = 'caf\u00e9'\n".encode('latin-1'))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        parse_config(train.DEFAULTS, [str(path)])
+
+
+@pytest.mark.usefixtures('one_thread')
+@pytest.mark.parametrize("body, error", [
+    ("batch_size = 1 / 0\n", "ZeroDivisionError"),
+    ("import not_a_module_anywhere\n", "ModuleNotFoundError"),
+    ("batch_size = 4\nout_dir = undefined_name\n", "NameError"),
+])
+def test_config_file_that_raises_names_file_line_and_error(tmp_path, body, error):
+    path = tmp_path / "bad_config.py"
+    path.write_text(body)
+    line = body.count("\n")  # the failing statement is the last line of each body
+    with pytest.raises(ConfigError, match=rf"config file {path} failed on line {line} \({error}: .*\); fix that"):
+        parse_config(train.DEFAULTS, [str(path)])

@@ -1,6 +1,6 @@
 """
-eval.py --task=core (nanogpt_plus/evaluation/core.py): the three task types on a small bundle written here,
-against a direct loop over model(...) per prompt; centring and CORE by hand; bad bundles refused in
+nanogpt_plus/evaluation/core.py (the CORE tasks, eval.py --task=core): the three task types on a small bundle
+written here, against a direct loop over model(...) per prompt; centring and CORE by hand; bad bundles refused in
 one line; the download path; eval.py under torchrun with 2 gloo ranks equal to one process (slow).
 """
 import json
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import TORCHRUN, run_python, save_test_checkpoint
+from helpers import run_eval, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import core as core_eval
@@ -28,6 +28,8 @@ MC = [
     {'query': 'Colour of the sky?', 'choices': ['the blue one', 'the green one'], 'gold': 0},
     {'query': 'Where do fish live?', 'choices': ['the sea', 'the desert', 'the sky'], 'gold': 0},
 ]
+
+
 # every option ends with " said": the shared suffix reaches into the options
 SCHEMA = [
     {'context_options': ['The man said', 'The woman said'], 'continuation': 'hello to her', 'gold': 0},
@@ -35,6 +37,8 @@ SCHEMA = [
     {'context_options': ['Paul said', 'Mary said'], 'continuation': 'she is tired', 'gold': 1},
     {'context_options': ['He said', 'They said'], 'continuation': 'we are late', 'gold': 1},
 ]
+
+
 # contexts with trailing spaces (and a tab): dropped before the delimiter
 LM = [
     {'context': 'The capital of France is  ', 'continuation': 'Paris'},
@@ -43,6 +47,8 @@ LM = [
     {'context': 'A B C', 'continuation': 'D E'},
     {'context': 'Monday, Tuesday,  ', 'continuation': 'Wednesday'},
 ]
+
+
 # label, type, few-shot examples, delimiter, examples, random baseline (%)
 TASKS = [
     ('mc_two_shot', 'multiple_choice', 2, ' ', MC, 25.0),
@@ -344,15 +350,6 @@ def test_missing_core_dir_and_offline_download(tmp_path, monkeypatch):
     assert sorted(os.listdir(target.parent)) == ['eval_bundle']  # nothing left half-unpacked
     monkeypatch.setattr(core_eval, 'default_bundle_dir', lambda: str(target))
     assert core_eval.bundle_dir('') == str(target)  # there: not downloaded again
-
-
-# -----------------------------------------------------------------------------
-# eval.py end to end: one process and 2 gloo ranks give the same result
-
-def run_eval(args, torchrun=False):
-    launcher = TORCHRUN + ['--standalone', '--nproc_per_node=2'] if torchrun else []
-    env = dict(os.environ, OMP_NUM_THREADS='1')
-    return run_python(launcher + ['eval.py', '--device=cpu'] + args, timeout=300, env=env)
 
 
 def test_cli_core_ddp_equals_single_process(tmp_path):

@@ -1,5 +1,5 @@
 """
-engine.py: the KV-cached, batched sampler against nanoGPT's naive GPT.generate (the reference), against
+nanogpt_plus/engine.py: the KV-cached, batched sampler against nanoGPT's naive GPT.generate (the reference), against
 transformers' greedy generate, and the sampling distributions (temperature, top_k, top_p) exactly.
 """
 import pytest

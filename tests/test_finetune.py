@@ -1,11 +1,8 @@
 """
-Tests for finetune.py and nanogpt_plus/finetuning.py (GPT-1-style supervised fine-tuning): each task
-format learns a small synthetic task from a tiny checkpoint made here, GPT-1's input transformations, the
-auxiliary LM loss over real tokens only, symmetric similarity, 2..5 choices, reload + predict, resume,
-DDP == 1 process, the fine-tuning config files, and bad input.
-
-Usage:
-    python -m pytest tests/test_finetune.py -q
+finetune.py (GPT-1-style supervised fine-tuning): each task format learns a small synthetic task from a tiny
+checkpoint made here, reload + predict, resume (exact, also after a signal mid-epoch), DDP == 1 process with the
+optimizer steps' counts taken from the sampler, the rate used printed and saved, the fine-tuning config files, bpe
+models fine-tuned and sampled, and bad input in one line.
 """
 import json
 import math
@@ -14,130 +11,58 @@ import random
 import runpy
 import sys
 import types
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
 
 import finetune
 import helpers
-from configurator import ConfigError, Settings, parse_config
-from helpers import REPO, TORCHRUN, run_python, save_test_checkpoint
-from model import GPT, GPTConfig
+import sample
+import train
+from configurator import ConfigError, parse_config
+from helpers import (
+    ALPHABET,
+    PADDED_VOCAB,
+    PROMPT,
+    REPO,
+    SINGLE,
+    TORCHRUN,
+    bpe_gpt,
+    config,
+    exit_code,
+    greedy_ids,
+    make_source,
+    make_task,
+    run_python,
+    run_script,
+    save_test_checkpoint,
+    val_accuracy,
+    write_jsonl,
+)
 from nanogpt_plus import finetuning
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.distributed import DistInfo
-from nanogpt_plus.errors import UserError
-from nanogpt_plus.init_from import init_model
+from nanogpt_plus.errors import EXIT_INTERRUPTED, UserError
+from nanogpt_plus.finetuning import global_batch_counts, n_lm_targets, step_batches
+from nanogpt_plus.hf_export import export
+from nanogpt_plus.init_from import init_model, model_from_checkpoint
+from nanogpt_plus.outputs import LOCK_NAME
 from nanogpt_plus.signals import GracefulExit
 from nanogpt_plus.tokenizer import CharTokenizer, load_tokenizer
-
-ALPHABET = "abcdefghijklmnopqrstuvwxyz ."
-LETTERS = "abcdef"
-SINGLE = DistInfo(False, 0, 0, 1, 'cpu')
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-# -----------------------------------------------------------------------------
-# helpers: a tiny "pretrained" char checkpoint on disk, synthetic JSONL tasks
-
-def make_source(path, n_embd=32, block_size=64, seed=0):
-    """ A tiny random-init char GPT saved as a train.py-style checkpoint (the fine-tune's source). """
-    tok = CharTokenizer.from_text(ALPHABET)
-    torch.manual_seed(seed)
-    m = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=n_embd, block_size=block_size, vocab_size=tok.vocab_size,
-                      bias=False))
-    save_test_checkpoint(m, tok.meta(), os.path.join(path, 'ckpt.pt'))
-    return str(path)
-
-
-def _word(r):
-    return ''.join(r.choice('abcdefghijklmnop') for _ in range(r.randint(2, 4)))
-
-
-def gen_classification(r):
-    # which of two marker words the text contains
-    words = [_word(r) for _ in range(r.randint(2, 5))]
-    label = r.randint(0, 1)
-    words.insert(r.randint(0, len(words)), ['xyz', 'wvu'][label])
-    return {'text': ' '.join(words), 'label': ['pos', 'neg'][label]}
-
-
-def gen_entailment(r):
-    # whether the hypothesis repeats a word of the premise
-    a, b = r.sample('abcd', 2)
-    label = r.randint(0, 1)
-    hyp = r.choice([a, b]) if label else r.choice([c for c in 'abcd' if c not in (a, b)])
-    return {'premise': f"{a * 3} {b * 3}", 'hypothesis': hyp * 3, 'label': ['neutral', 'entailment'][label]}
-
-
-def gen_similarity(r):
-    # whether the two texts share their first word
-    label = r.randint(0, 1)
-    a = r.choice('xz')
-    b = a if label else ('z' if a == 'x' else 'x')
-    rest1 = ' '.join(r.sample(LETTERS, 2))
-    rest2 = ' '.join(r.sample(LETTERS, 2))
-    return {'text1': f"{a * 3} {rest1}", 'text2': f"{b * 3} {rest2}", 'label': label}
-
-
-def gen_multiple_choice(r):
-    # which choice continues the context's pattern (2 to 5 choices)
-    n = r.randint(2, 5)
-    choices = r.sample(LETTERS, n)
-    label = r.randrange(n)
-    return {'context': ' '.join([choices[label]] * 4), 'choices': choices, 'label': label}
-
-
-GENERATORS = {'classification': gen_classification, 'entailment': gen_entailment, 'similarity': gen_similarity,
-              'multiple_choice': gen_multiple_choice}
-
-
-def write_jsonl(path, records):
-    with open(path, 'w', encoding='utf-8') as f:
-        for rec in records:
-            f.write(json.dumps(rec) + '\n')
-    return str(path)
-
-
-def make_task(tmp_path, task, n_train=512, n_val=100, seed=0):
-    r = random.Random(seed)
-    train = write_jsonl(tmp_path / f'{task}_train.jsonl', [GENERATORS[task](r) for _ in range(n_train)])
-    val = write_jsonl(tmp_path / f'{task}_val.jsonl', [GENERATORS[task](r) for _ in range(n_val)])
-    return train, val
-
-
-def config(**overrides):
-    cfg = dict(finetune.DEFAULTS, device='cpu', dropout=0.0, batch_size=16, learning_rate=3e-3, warmup_frac=0.1,
-               log_interval=1000)
-    cfg.update(overrides)
-    return Settings(cfg)
-
-
-def run_script(args, env_extra=None, timeout=120):
+def run_finetune(args, env_extra=None, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS='1', **(env_extra or {}))
     return run_python(['finetune.py'] + args, timeout=timeout, env=env)
 
 
 def last_json(stdout):
     return json.loads(stdout.strip().splitlines()[-1])
-
-
-SPECIAL = {'start': 100, 'delim': 101, 'extract': 102}
-
-
-def val_accuracy(ckpt, path, task):
-    """ The accuracy on path of the model saved in a fine-tune's checkpoint, recomputed from the file. """
-    model = finetuning.model_from_finetune_checkpoint(ckpt)
-    examples = finetuning.read_jsonl(path, task)
-    encoded = finetuning.encode_examples(examples, task, load_tokenizer(ckpt['tokenizer']), ckpt['special_tokens'],
-                                         model.gpt.config.block_size, path)
-    labels = finetuning.label_ids(examples, task, ckpt['label_map'], path)
-    correct, seen, _, _ = finetuning.evaluate(model, encoded, labels, ckpt['special_tokens'], 8, 'cpu',
-                                              torch.autocast('cpu', enabled=False))
-    assert seen == len(examples)
-    return correct / seen
 
 
 # -----------------------------------------------------------------------------
@@ -174,139 +99,6 @@ def test_task_reaches_90_percent(tmp_path, task, n_train, epochs, lr):
 
 
 # -----------------------------------------------------------------------------
-# input transformations, batching and the losses
-
-def test_input_transformations():
-    enc = lambda s: [ord(c) - ord('a') for c in s]  # noqa: E731
-    S = 100
-    D = 101
-    E = 102
-    assert finetuning.encode_example(['ab'], 'classification', enc, SPECIAL, 16) == [[S, 0, 1, E]]
-    assert finetuning.encode_example(['ab', 'c'], 'entailment', enc, SPECIAL, 16) == [[S, 0, 1, D, 2, E]]
-    assert finetuning.encode_example(['ab', 'c'], 'similarity', enc, SPECIAL, 16) == \
-        [[S, 0, 1, D, 2, E], [S, 2, D, 0, 1, E]]
-    assert finetuning.encode_example(['ab', 'c', 'd'], 'multiple_choice', enc, SPECIAL, 16) == \
-        [[S, 0, 1, D, 2, E], [S, 0, 1, D, 3, E]]
-
-
-def test_truncation_keeps_special_tokens_and_trims_the_longer_text():
-    enc = lambda s: [ord(c) - ord('a') for c in s]  # noqa: E731
-    (seq,) = finetuning.encode_example(['abcdefghij', 'xyz'], 'entailment', enc, SPECIAL, 10)
-    assert len(seq) == 10
-    assert seq[0] == 100 and seq[-1] == 102 and seq.count(101) == 1
-    assert seq[1:seq.index(101)] == enc('abcd')  # the long premise lost its end...
-    assert seq[seq.index(101) + 1:-1] == enc('xyz')  # ...the short hypothesis kept everything
-    a, b = finetuning.truncate_pair(list(range(8)), list(range(8)), 6)
-    assert (len(a), len(b)) == (3, 3)
-    # a multiple-choice context keeps its end (what the choices continue)
-    (seq, _) = finetuning.encode_example(['abcdefghij', 'x', 'y'], 'multiple_choice', enc, SPECIAL, 8)
-    assert seq == [100] + enc('ghij') + [101, enc('x')[0], 102]
-    (seq,) = finetuning.encode_example(['abcdefghij'], 'classification', enc, SPECIAL, 5)
-    assert seq == [100] + enc('abc') + [102]
-
-
-def test_special_tokens_grow_the_tied_embedding():
-    torch.manual_seed(0)
-    gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=10))
-    old = gpt.transformer.wte.weight.detach().clone()
-    special = finetuning.add_special_tokens(gpt, None)
-    assert special == {'start': 10, 'delim': 11, 'extract': 12}
-    w = gpt.transformer.wte.weight
-    assert w.shape == (13, 16) and w is gpt.lm_head.weight
-    assert torch.equal(w[:10].detach(), old)
-    assert 0.0 < w[10:].detach().std() < 0.1  # N(0, 0.02) like the other rows
-
-
-def test_lm_loss_counts_only_real_tokens():
-    torch.manual_seed(0)
-    gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=10))
-    special = finetuning.add_special_tokens(gpt, None)
-    model = finetuning.FinetuneModel(gpt, finetuning.TaskHead(16, 2), 'classification').eval()
-    seqs = [[[special['start'], 1, 2, 3, special['extract']]], [[special['start'], 4, special['extract']]]]
-    batch = finetuning.make_batch(seqs, [0, 1], special, 'cpu')
-    # targets: the next text token; never padding, never a special token
-    assert batch['lm_targets'].tolist() == [[1, 2, 3, -1, -1], [4, -1, -1, -1, -1]]
-    assert batch['extract_pos'].tolist() == [4, 2]
-    logits, lm_sum = model(batch['idx'], batch['extract_pos'], batch['choice_mask'], batch['lm_targets'])
-    # the same sum computed row by row on the unpadded sequences
-    expected = 0.0
-    with torch.no_grad():
-        for row in seqs:
-            x = torch.tensor([row[0]])
-            lm_logits = gpt.lm_head(gpt.hidden_states(x))[0]
-            for t in range(len(row[0]) - 1):
-                if row[0][t + 1] < special['start']:
-                    expected += float(torch.nn.functional.cross_entropy(lm_logits[t:t + 1], x[0, t + 1:t + 2]))
-    assert lm_sum.item() == pytest.approx(expected, rel=1e-5)
-    # whatever sits in the padding changes neither the task logits nor the LM loss
-    idx2 = batch['idx'].clone()
-    idx2[1, 3:] = 7
-    logits2, lm_sum2 = model(idx2, batch['extract_pos'], batch['choice_mask'], batch['lm_targets'])
-    torch.testing.assert_close(logits2, logits)
-    torch.testing.assert_close(lm_sum2, lm_sum)
-
-
-def test_head_reads_the_extract_token():
-    """ The task logits are the head applied to each row's Extract hidden state, whatever the padding. """
-    torch.manual_seed(0)
-    gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=10))
-    special = finetuning.add_special_tokens(gpt, None)
-    head = finetuning.TaskHead(16, 3)
-    model = finetuning.FinetuneModel(gpt, head, 'classification').eval()
-    seqs = [[[special['start'], 1, 2, 3, special['extract']]], [[special['start'], 4, special['extract']]]]
-    batch = finetuning.make_batch(seqs, [0, 1], special, 'cpu')
-    logits, _ = model(batch['idx'], batch['extract_pos'], batch['choice_mask'])
-    with torch.no_grad():  # each sequence alone, unpadded: its Extract token is its last
-        expected = torch.cat([head(gpt.hidden_states(torch.tensor(row))[:, -1]) for row in seqs])
-    torch.testing.assert_close(logits, expected)
-
-
-def test_similarity_is_symmetric():
-    torch.manual_seed(0)
-    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=32, vocab_size=10))
-    special = finetuning.add_special_tokens(gpt, None)
-    model = finetuning.FinetuneModel(gpt, finetuning.TaskHead(16, 2), 'similarity').eval()
-    enc = lambda s: [int(c) for c in s]  # noqa: E731
-    ab = finetuning.encode_example(['1234', '56'], 'similarity', enc, special, 32)
-    ba = finetuning.encode_example(['56', '1234'], 'similarity', enc, special, 32)
-    b1 = finetuning.make_batch([ab], None, special, 'cpu')
-    b2 = finetuning.make_batch([ba], None, special, 'cpu')
-    l1, _ = model(b1['idx'], b1['extract_pos'], b1['choice_mask'])
-    l2, _ = model(b2['idx'], b2['extract_pos'], b2['choice_mask'])
-    torch.testing.assert_close(l1, l2)
-    # ...while one order alone is not symmetric: the sum is what makes it so
-    h1 = gpt.hidden_states(b1['idx'][:1])[0, -1]
-    h2 = gpt.hidden_states(b2['idx'][:1])[0, -1]
-    assert not torch.allclose(h1, h2)
-
-
-def test_multiple_choice_with_2_to_5_choices():
-    torch.manual_seed(0)
-    gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=10))
-    special = finetuning.add_special_tokens(gpt, None)
-    model = finetuning.FinetuneModel(gpt, finetuning.TaskHead(16, 1, bias=False), 'multiple_choice').eval()
-    enc = lambda s: [int(c) for c in s]  # noqa: E731
-    examples = [finetuning.encode_example(['123'] + [str(i) for i in range(n)], 'multiple_choice', enc, special, 32)
-                for n in (2, 3, 4, 5)]
-    batch = finetuning.make_batch(examples, [0, 1, 2, 3], special, 'cpu')
-    logits, _ = model(batch['idx'], batch['extract_pos'], batch['choice_mask'])
-    assert logits.shape == (4, 5)
-    assert torch.isinf(logits).tolist() == [[n >= k for n in range(5)] for k in (2, 3, 4, 5)]
-    probs = torch.softmax(logits, -1)
-    torch.testing.assert_close(probs.sum(-1), torch.ones(4))
-    # a choice's score doesn't depend on the other examples or choices in the batch
-    alone = finetuning.make_batch([examples[3][:2]], [0], special, 'cpu')
-    l_alone, _ = model(alone['idx'], alone['extract_pos'], alone['choice_mask'])
-    torch.testing.assert_close(l_alone[0], logits[3, :2])
-    # the loss is the cross-entropy over each example's real choices only (the -inf slots add nothing)
-    loss = torch.nn.functional.cross_entropy(logits, batch['labels'])
-    expected = sum(torch.nn.functional.cross_entropy(logits[i:i + 1, :n], batch['labels'][i:i + 1])
-                   for i, n in enumerate((2, 3, 4, 5))) / 4
-    assert torch.isfinite(loss)
-    torch.testing.assert_close(loss, expected)
-
-
-# -----------------------------------------------------------------------------
 # checkpoint: reload, predict, resume
 
 def test_checkpoint_reloads_and_predicts_the_same(tmp_path, monkeypatch):
@@ -336,7 +128,7 @@ def test_checkpoint_reloads_and_predicts_the_same(tmp_path, monkeypatch):
 
     # predict-only mode from the command line gives the same predictions
     unlabeled = write_jsonl(tmp_path / 'unlabeled.jsonl', [{'text': json.loads(line)['text']} for line in open(val)])
-    p = run_script([f'--init_from={out}', f'--predict_file={unlabeled}', f'--predict_out={tmp_path / "p.jsonl"}',
+    p = run_finetune([f'--init_from={out}', f'--predict_file={unlabeled}', f'--predict_out={tmp_path / "p.jsonl"}',
                     '--device=cpu'])
     assert p.returncode == 0, p.stderr
     assert [json.loads(line)['prediction'] for line in open(tmp_path / 'p.jsonl')] == [w['prediction'] for w in written]
@@ -484,35 +276,6 @@ def test_gpt2_bpe_model_from_a_local_hf_directory(tmp_path):
     assert res['val_acc'] == pytest.approx(val_accuracy(ckpt, val, 'entailment'))
 
 
-# -----------------------------------------------------------------------------
-# the default learning rate (learning_rate=0): GPT-1's at GPT-1's width, larger for narrower models
-
-def resolved_rate(n_embd, resumed=None, **settings):
-    recipe = Settings(dict(finetune.DEFAULTS, **settings)).select(finetuning.Recipe)
-    return finetuning.resolve_learning_rate(recipe, n_embd, resumed)[0]
-
-
-def test_default_learning_rate_follows_the_width():
-    assert finetune.DEFAULTS['learning_rate'] == 0.0 and "0 = scaled from the model's width" in \
-        finetune.DEFAULTS.specs['learning_rate'].help  # --help says what 0 means
-    # GPT-1's rate for GPT-1's (and GPT-2 small's) width, exactly
-    assert resolved_rate(768) == 6.25e-5
-    # narrower: 6.25e-5 x (768 / n_embd) ** 1.5 (the quick-start model is 128 wide), the wider GPT-2s below it
-    assert resolved_rate(128) == pytest.approx(6.25e-5 * 6 ** 1.5, rel=1e-12) == pytest.approx(9.186e-4, rel=1e-3)
-    assert resolved_rate(1600) < resolved_rate(1024) < 6.25e-5 < resolved_rate(384) < resolved_rate(128)
-    # GPT-1's recipe file on GPT-2 small (gpt2 is 768 wide) keeps GPT-1's rate
-    cfg = parse_config(finetune.DEFAULTS, [os.path.join(REPO, 'config', 'finetune_classification.py')])
-    assert finetuning.resolve_learning_rate(cfg.select(finetuning.Recipe), 768)[0] == 6.25e-5
-    # an explicit rate wins, whatever the width; a resume with 0 keeps the rate its run used
-    assert resolved_rate(128, learning_rate=2e-3) == 2e-3 and resolved_rate(768, learning_rate=1e-4) == 1e-4
-    assert resolved_rate(128, resumed={'config': {'learning_rate': 7e-4}}) == 7e-4
-    assert resolved_rate(128, resumed={'config': {'learning_rate': 7e-4}}, learning_rate=1e-3) == 1e-3
-    # min_lr above the rate would make the "decay" a rise: refused in one line, unless there is no decay
-    with pytest.raises(UserError, match=r"min_lr \(0.001\) is above the learning rate \(6.25e-05"):
-        resolved_rate(768, min_lr=1e-3)
-    assert resolved_rate(768, min_lr=1e-3, decay_lr=False) == 6.25e-5
-
-
 def test_the_rate_used_is_printed_and_saved(tmp_path, capsys):
     src = make_source(tmp_path / 'src', n_embd=32)
     train, val = make_task(tmp_path, 'classification', n_train=16, n_val=8)
@@ -538,21 +301,6 @@ def test_the_rate_used_is_printed_and_saved(tmp_path, capsys):
     assert load_checkpoint(str(tmp_path / 'b' / finetune.LAST_CKPT))['config']['learning_rate'] == 2e-3
 
 
-def test_demo_spelling_task_changes_only_the_spelling():
-    """ scripts/finetune_demo.py's 'scrambled' class: the same letters in each word, only their inside order moved. """
-    demo = runpy.run_path(os.path.join(REPO, 'scripts', 'finetune_demo.py'))
-    line = "Hereafter, the rest is silence; Antonio's wit"
-    out = demo['scrambled'](line, random.Random(0))
-    assert out != line and len(out) == len(line)
-    for a, b in zip(line.split(' '), out.split(' ')):
-        # case and punctuation stay put
-        assert sorted(a) == sorted(b) and (a[0], a[-1]) == (b[0], b[-1])
-        if sum(c.isalpha() for c in a) < 4:
-            assert a == b  # "the", "is": nothing to shuffle
-    # no other order: the caller skips it
-    assert demo['scrambled']("seen a bee", random.Random(0)) == "seen a bee"
-
-
 # -----------------------------------------------------------------------------
 # the shipped fine-tuning configs: every setting they assign is one their script knows
 
@@ -561,7 +309,6 @@ def test_demo_spelling_task_changes_only_the_spelling():
                                          # nanoGPT's: a train.py config
                                          ('finetune_shakespeare.py', 'train')])
 def test_finetune_config_files_parse(name, script, tmp_path):
-    import train
     defaults = finetune.DEFAULTS if script == 'finetune' else train.DEFAULTS
     path = os.path.join(REPO, 'config', name)
     assigned = {k: v for k, v in runpy.run_path(path).items() if not k.startswith('_') and
@@ -577,47 +324,17 @@ def test_finetune_config_files_parse(name, script, tmp_path):
         parse_config(defaults, [str(typo)])
 
 
-# -----------------------------------------------------------------------------
-# bad input: one clear line naming the problem
-
-def test_missing_field_names_field_and_line(tmp_path):
-    path = write_jsonl(tmp_path / 'bad.jsonl', [{'premise': 'a', 'hypothesis': 'b', 'label': 0},
-                                               {'premise': 'a', 'label': 1}])
-    with pytest.raises(UserError, match=r"line 2 has no 'hypothesis' field"):
-        finetuning.read_jsonl(path, 'entailment')
-    path = write_jsonl(tmp_path / 'bad2.jsonl', [{'text': 'a'}])
-    with pytest.raises(UserError, match=r"line 1 has no 'label' field"):
-        finetuning.read_jsonl(path, 'classification')
-    finetuning.read_jsonl(path, 'classification', labeled=False)  # fine for predictions
-
-
-def test_unknown_val_label_and_empty_file(tmp_path):
-    src = make_source(tmp_path / 'src')
-    train = write_jsonl(tmp_path / 't.jsonl', [{'text': 'ab', 'label': 'x'}, {'text': 'cd', 'label': 'y'}])
-    val = write_jsonl(tmp_path / 'v.jsonl', [{'text': 'ab', 'label': 'x'}, {'text': 'cd', 'label': 'z'}])
-    with pytest.raises(UserError, match=r'v.jsonl line 2: unknown label "z"'):
-        finetune.finetune(config(task='classification', init_from=src, out_dir=str(tmp_path / 'o'),
-                                 train_file=train, val_file=val), SINGLE)
-    empty = tmp_path / 'empty.jsonl'
-    empty.write_text('\n')
-    with pytest.raises(UserError, match='has no examples'):
-        finetuning.read_jsonl(str(empty), 'classification')
-    mc = write_jsonl(tmp_path / 'mc.jsonl', [{'context': 'a', 'choices': ['b', 'c'], 'label': 2}])
-    with pytest.raises(UserError, match='not a choice index'):
-        finetuning.label_ids(finetuning.read_jsonl(mc, 'multiple_choice'), 'multiple_choice', None, mc)
-
-
 def test_cli_errors_are_one_line(tmp_path):
     src = make_source(tmp_path / 'src')
     train = write_jsonl(tmp_path / 't.jsonl', [{'text': 'ab', 'label': 0}, {'txt': 'cd', 'label': 1}])
-    p = run_script(['--task=classification', f'--init_from={src}', f'--out_dir={tmp_path / "o"}',
+    p = run_finetune(['--task=classification', f'--init_from={src}', f'--out_dir={tmp_path / "o"}',
                     f'--train_file={train}', '--device=cpu'])
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == \
         f"error: {train} line 2 has no 'text' field, which the classification task needs (fields: text, label)"
     # a character the char model doesn't know names the line too
     bad = write_jsonl(tmp_path / 'u.jsonl', [{'text': 'ab', 'label': 0}, {'text': 'AB', 'label': 1}])
-    p = run_script(['--task=classification', f'--init_from={src}', f'--out_dir={tmp_path / "o"}',
+    p = run_finetune(['--task=classification', f'--init_from={src}', f'--out_dir={tmp_path / "o"}',
                     f'--train_file={bad}', '--device=cpu'])
     assert p.returncode == 2 and 'u.jsonl line 2:' in p.stderr and 'not in this model' in p.stderr
 
@@ -633,7 +350,7 @@ def test_ddp_two_processes_match_one(tmp_path):
     common = ['--task=multiple_choice', f'--init_from={src}', f'--train_file={train}', f'--val_file={val}',
               '--device=cpu', '--dropout=0.0', '--epochs=2', '--learning_rate=3e-3', '--batch_size=8']
     # global batch 16 both ways: 1 process x 8 examples x 2 accumulation steps; 2 processes x 8 x 1
-    one = run_script(common + [f'--out_dir={tmp_path / "one"}', '--gradient_accumulation_steps=2'])
+    one = run_finetune(common + [f'--out_dir={tmp_path / "one"}', '--gradient_accumulation_steps=2'])
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
     two = run_python(TORCHRUN + ['--standalone', '--nproc_per_node=2', 'finetune.py'] + common
                      + [f'--out_dir={tmp_path / "two"}', '--gradient_accumulation_steps=2'],
@@ -653,3 +370,158 @@ def test_ddp_two_processes_match_one(tmp_path):
     torch.testing.assert_close(a['head'], b['head'], rtol=1e-3, atol=1e-4)
     assert [h['train_loss'] for h in a['history']] == pytest.approx([h['train_loss'] for h in b['history']],
                                                                      rel=1e-4)
+
+
+SPECIAL = {'start': 50, 'delim': 51, 'extract': 52}
+
+
+def random_examples(n, seed):
+    """ Encoded examples of 1 to 3 rows of different lengths (like similarity / multiple choice), with labels. """
+    r = random.Random(seed)
+    s = SPECIAL['start']
+    d = SPECIAL['delim']
+    e = SPECIAL['extract']
+    encoded = [[[s] + [r.randrange(50) for _ in range(r.randrange(0, 6))] + [d]
+                + [r.randrange(50) for _ in range(r.randrange(1, 6))] + [e] for _ in range(r.randrange(1, 4))]
+               for _ in range(n)]
+    return encoded, [r.randrange(3) for _ in range(n)]
+
+
+def rank_run(encoded, labels, rank, world_size, batch_size, accum, seed=3):
+    """ What train_step reads of a FinetuneRun, for one rank. """
+    sampler = DistributedSampler(range(len(encoded)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                 drop_last=False)
+    recipe = finetuning.Recipe(epochs=3, batch_size=batch_size, learning_rate=1e-3, min_lr=1e-4, decay_lr=True,
+                               warmup_frac=0.1, weight_decay=0.01, beta1=0.9, beta2=0.999)
+    return SimpleNamespace(sampler=sampler, schedule=finetuning.Schedule.for_run(len(sampler), recipe, accum),
+                           data=SimpleNamespace(train_encoded=encoded, train_labels=labels,
+                                                train_lm_targets=[n_lm_targets(e, SPECIAL) for e in encoded]),
+                           special=SPECIAL,
+                           dist_info=DistInfo(world_size > 1, rank, rank, world_size, 'cpu'))
+
+
+# 23 examples: the ranks' shares are padded with repeated examples, and the last step of an epoch is partial
+@pytest.mark.parametrize("world_size, batch_size, accum", [(1, 4, 2), (2, 3, 1), (2, 2, 3), (3, 2, 2), (4, 1, 1)])
+def test_host_counts_equal_the_all_reduced_counts(world_size, batch_size, accum):
+    encoded, labels = random_examples(23, seed=world_size)
+    runs = [rank_run(encoded, labels, r, world_size, batch_size, accum) for r in range(world_size)]
+    steps = runs[0].schedule.steps_per_epoch
+    assert steps >= 2
+    for epoch in range(3):
+        for run in runs:
+            run.sampler.set_epoch(epoch)
+        orders = [list(run.sampler) for run in runs]
+        for step in range(steps):
+            state = finetune.FinetuneState(epoch=epoch, step_in_epoch=step)
+            # what the all-reduce summed: every rank's micro-batches, counted by make_batch
+            batches = [b for run, order in zip(runs, orders)
+                       for b in step_batches(run.data, run.special, run.schedule, state.step_in_epoch, order, 'cpu')]
+            reduced = (float(sum(b['labels'].numel() for b in batches)), float(sum(b['n_lm_targets'] for b in batches)))
+            assert reduced[0] > 0
+            for run in runs:  # each rank computes the same, alone
+                assert global_batch_counts(run.data, run.sampler, run.schedule, state.step_in_epoch) == reduced
+
+
+def test_train_steps_run_no_collective(tmp_path, monkeypatch):
+    """ A DDP fine-tune (gloo, 1 rank): no all-reduce inside train_step, and the same result as without DDP. """
+    src = make_source(tmp_path / 'src')
+    train, val = make_task(tmp_path, 'similarity', n_train=40, n_val=10)
+    common = dict(task='similarity', init_from=src, train_file=train, val_file=val, batch_size=4,
+                  gradient_accumulation_steps=2, epochs=1)
+    single = finetune.finetune(config(out_dir=str(tmp_path / 'single'), **common), SINGLE)
+
+    dist.init_process_group('gloo', init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    in_step = []
+    collectives = []
+    real_train_step = finetune.train_step
+    real_all_reduce = dist.all_reduce
+
+    def train_step(*args):
+        in_step.append(True)
+        try:
+            return real_train_step(*args)
+        finally:
+            in_step.pop()
+
+    def all_reduce(*args, **kwargs):
+        collectives.append(bool(in_step))
+        return real_all_reduce(*args, **kwargs)
+
+    monkeypatch.setattr(finetune, 'train_step', train_step)
+    monkeypatch.setattr(dist, 'all_reduce', all_reduce)
+    ddp = finetune.finetune(config(out_dir=str(tmp_path / 'ddp'), **common), DistInfo(True, 0, 0, 1, 'cpu'))
+    # the log and evaluation syncs only, all outside the steps
+    assert collectives and not any(collectives)
+    assert ddp == dict(single, out_dir=str(tmp_path / 'ddp'))
+
+
+# -----------------------------------------------------------------------------
+# fine-tuning a bpe model
+
+@pytest.mark.parametrize('source', ['checkpoint', 'exported'])
+def test_finetune_a_bpe_model_then_sample_it(bpe512, tmp_path, monkeypatch, capsys, source):
+    tok = bpe512[0]
+    model = bpe_gpt(scale=0.02)
+    init_from = save_test_checkpoint(model, tok.meta(), tmp_path / 'src' / 'ckpt.pt')
+    if source == 'exported':
+        init_from = export(model, tok.meta(), str(tmp_path / 'hf'))
+    train, val = make_task(tmp_path, 'classification', n_train=32, n_val=8)
+    res = finetune.finetune(config(task='classification', init_from=init_from, out_dir=str(tmp_path / 'ft'),
+                                   train_file=train, val_file=val, epochs=1), SINGLE)
+    capsys.readouterr()
+    ckpt = load_checkpoint(str(tmp_path / 'ft' / 'ckpt.pt'))
+    assert load_tokenizer(ckpt['tokenizer']).json == tok.json
+    # the special tokens come after the padded rows: no id the tokenizer has, none of the padding
+    assert ckpt['special_tokens'] == {'start': PADDED_VOCAB, 'delim': PADDED_VOCAB + 1, 'extract': PADDED_VOCAB + 2}
+    assert ckpt['model_args']['vocab_size'] == PADDED_VOCAB + 3
+    assert res['steps'] == 2 and res['val_acc'] == pytest.approx(val_accuracy(ckpt, val, 'classification'))
+    # the fine-tuned GPT samples the tokenizer's ids only (not the padding, not Start/Delim/Extract)
+    run_script(sample, monkeypatch, f"--init_from={tmp_path / 'ft' / 'ckpt.pt'}", f'--start={PROMPT}',
+               '--temperature=0', '--num_samples=2', '--max_new_tokens=20', '--device=cpu')
+    out = capsys.readouterr().out
+    ours = greedy_ids(model_from_checkpoint(ckpt).eval(), tok.encode(PROMPT), 20, tok.vocab_size)
+    assert out.endswith("\n" + f"{tok.decode(ours)}\n{sample.SEPARATOR}\n" * 2)
+
+
+def test_finetune_from_scratch_uses_the_bpe_dataset(bpe512, tmp_path):
+    tok, data = bpe512
+    train, val = make_task(tmp_path, 'classification', n_train=32, n_val=8)
+    finetune.finetune(config(task='classification', init_from='scratch', dataset=data, n_layer=1, n_head=2,
+                             n_embd=16, block_size=32, out_dir=str(tmp_path / 'ft'), train_file=train, val_file=val,
+                             epochs=1), SINGLE)
+    ckpt = load_checkpoint(str(tmp_path / 'ft' / 'ckpt.pt'))
+    assert ckpt['tokenizer']['kind'] == 'bpe' and ckpt['tokenizer']['tokenizer_json'] == tok.json
+    # the dataset's vocabulary, padded (scratch_model)
+    model_vocab = ckpt['model_args']['vocab_size'] - 3
+    assert model_vocab >= tok.vocab_size and model_vocab % 64 == 0
+    assert ckpt['special_tokens'] == {'start': model_vocab, 'delim': model_vocab + 1, 'extract': model_vocab + 2}
+
+
+def test_a_tokenizer_larger_than_its_model_is_refused(bpe512, tmp_path):
+    """ A description of 512 tokens with a 320-row model: its ids would index past the embedding table. """
+    tok = bpe512[0]
+    model = bpe_gpt(scale=0.02, vocab_size=320)
+    with pytest.raises(UserError, match="tokenizer of .* has 512 tokens but its model only 320"):
+        export(model, tok.meta(), str(tmp_path / 'hf'))
+    init_from = save_test_checkpoint(model, tok.meta(), tmp_path / 'src' / 'ckpt.pt')
+    train, _ = make_task(tmp_path, 'classification', n_train=8, n_val=0)
+    with pytest.raises(UserError, match="has 512 tokens but its model only 320"):
+        finetune.finetune(config(task='classification', init_from=init_from, out_dir=str(tmp_path / 'ft'),
+                                 train_file=train), SINGLE)
+
+
+def test_interrupted_fine_tune_exits_75_and_a_new_one_is_refused(tmp_path, monkeypatch, capsys):
+    from helpers import make_source, make_task
+    src = make_source(tmp_path / "src")
+    train_file, _ = make_task(tmp_path, "classification", n_train=32, n_val=4)
+    argv = ["--task=classification", f"--init_from={src}", f"--train_file={train_file}",
+            f"--out_dir={tmp_path / 'ft'}", "--device=cpu", "--batch_size=8", "--epochs=1"]
+    monkeypatch.setattr(sys, "argv", ["finetune.py"] + argv)
+    # a signal in the first step
+    monkeypatch.setattr(GracefulExit, "should_stop", lambda self, dist_info: True)
+    assert exit_code(finetune.main) == EXIT_INTERRUPTED == 75
+    assert "stopped cleanly" in capsys.readouterr().out
+    assert exit_code(finetune.main) == 2  # the same command again would start over the saved state
+    err = capsys.readouterr().err
+    assert "already holds the checkpoint ckpt_last.pt" in err and "--init_from=resume`" in err
+    assert "--overwrite=True`" in err and not (tmp_path / "ft" / LOCK_NAME).exists()

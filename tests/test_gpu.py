@@ -1,11 +1,12 @@
 """
-The CUDA paths, run by scripts/gpu_check.sh on a machine with a GPU (skipped without one, see conftest.py), in the
-configuration users run: train.py's defaults on CUDA (dtype=auto, compile on) with bf16 and fp16 + GradScaler,
-fused AdamW, nccl DDP and FSDP (+ compile, and fp16 under FSDP) with 1 process, a resume on CUDA, KV-cache sampling
-in fp32 and under bf16 autocast, and bench.py's MFU against the GPU's own peak.
+The CUDA paths (a topic across rooms: what needs a GPU), run by scripts/gpu_check.sh on a machine with a GPU
+(skipped without one, see conftest.py), in the configuration users run: train.py's defaults on CUDA (dtype=auto,
+compile on) with bf16 and fp16 + GradScaler, fused AdamW, nccl DDP and FSDP (+ compile, and fp16 under FSDP) with 1
+process, a resume on CUDA, KV-cache sampling in fp32 and under bf16 autocast, bench.py's MFU against the GPU's own
+peak, activation checkpointing's lower peak, and a real out-of-memory as one line.
 
-With 2+ GPUs, the multi-rank paths on K = min(GPUs, 4) nccl ranks (the *_on_k_ranks tests; each skips with "needs
-2 CUDA GPUs" on fewer): DDP and FSDP with bf16 and compile against one rank, FSDP == DDP in fp32, a resume across
+With 2+ GPUs, the multi-rank paths on K = min(GPUs, 4) nccl ranks (the *_on_k_ranks tests; each skips with "needs 2
+CUDA GPUs" on fewer): DDP and FSDP with bf16 and compile against one rank, FSDP == DDP in fp32, a resume across
 ranks, the spike guard, in-loop HellaSwag under compile, and SIGTERM to torchrun.
 """
 import contextlib
@@ -39,10 +40,7 @@ from nanogpt_plus.engine import KVCache, generate
 from nanogpt_plus.machine import gpu_peak_flops
 from nanogpt_plus.metrics import read_metrics
 from test_distributed import start, stop, wait_for_line, workers_of
-from test_inloop_eval import HELLASWAG_LINE, SYMBOLS, hellaswag_lines, run_eval_script
-
-pytestmark = pytest.mark.gpu
-
+from test_periodic import HELLASWAG_LINE, SYMBOLS, hellaswag_lines, run_eval_script
 
 # compile=None and dtype=auto: train.py's own defaults, which on CUDA compile (tests/helpers.py's TINY_RUN
 # turns compile off for the CPU suite); a test that needs eager says so
@@ -66,6 +64,7 @@ def torchrun(nproc, cmd_args, timeout=300):
     return r.stdout
 
 
+@pytest.mark.gpu
 def test_default_configuration_compiles_and_picks_the_dtype(dataset, tmp_path, capsys):
     """ What `python train.py --device=cuda` does: dtype=auto (bf16 where native, else fp16), compiled. """
     train.main(args(dataset, tmp_path))
@@ -78,6 +77,7 @@ def test_default_configuration_compiles_and_picks_the_dtype(dataset, tmp_path, c
     assert not any(k.startswith("_orig_mod.") for k in ck["model"])
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_mixed_precision_training_learns(dataset, tmp_path, capsys, dtype):
     if dtype == "bfloat16" and not native_bf16():
@@ -96,6 +96,7 @@ def test_mixed_precision_training_learns(dataset, tmp_path, capsys, dtype):
     assert all(v.dtype == torch.float32 for v in ck["model"].values())  # master weights stay fp32
 
 
+@pytest.mark.gpu
 def test_fused_adamw_matches_foreach_on_cuda():
     torch.manual_seed(0)
     a = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=VOCAB)).cuda()
@@ -115,6 +116,7 @@ def test_fused_adamw_matches_foreach_on_cuda():
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=k)
 
 
+@pytest.mark.gpu
 def test_compile_trains(dataset, tmp_path, capsys):
     train.main(args(dataset, tmp_path, **COMPILE, dtype='bfloat16' if native_bf16() else 'float16'))
     out = capsys.readouterr().out
@@ -127,6 +129,7 @@ def test_compile_trains(dataset, tmp_path, capsys):
 
 # with 1 process nccl, DDP/FSDP wrapping, compile of the wrapped model and the sharded checkpoints still run; more
 # ranks need more GPUs (the *_on_k_ranks tests below)
+@pytest.mark.gpu
 @pytest.mark.parametrize("parallelism, dtype", [("ddp", "auto"), ("fsdp", "auto"), ("fsdp", "float16")])
 def test_nccl_one_process(dataset, tmp_path, parallelism, dtype):
     out = torchrun(1, args(dataset, tmp_path, backend='nccl', parallelism=parallelism, dtype=dtype, max_iters=10,
@@ -139,6 +142,7 @@ def test_nccl_one_process(dataset, tmp_path, parallelism, dtype):
     assert all(type(v) is torch.Tensor for v in ck["model"].values())
 
 
+@pytest.mark.gpu
 def test_resume_on_cuda_continues_exactly(dataset, tmp_path, capsys, monkeypatch):
     """
     Stopped at its final checkpoint and resumed further on CUDA: the same iteration losses bitwise, with the CUDA RNG,
@@ -163,6 +167,7 @@ def test_resume_on_cuda_continues_exactly(dataset, tmp_path, capsys, monkeypatch
     assert {**part1, **part2} == full  # dropout 0.1: the CUDA RNG state is restored too
 
 
+@pytest.mark.gpu
 def test_resume_default_configuration_on_cuda(dataset, tmp_path, capsys):
     """ The same with the defaults (compiled, bf16 or fp16 + the GradScaler's saved scale): close, not bitwise. """
     train.main(args(dataset, tmp_path / "full"))
@@ -176,6 +181,7 @@ def test_resume_default_configuration_on_cuda(dataset, tmp_path, capsys):
     assert_losses_close(full, {**part1, **part2}, range(21), tol=2e-2)
 
 
+@pytest.mark.gpu
 def test_kv_cache_under_bf16_autocast_equals_full_forward():
     """ sample.py's default on CUDA: the KV cache holds bf16 keys/values, each step's logits as a full forward's. """
     if not native_bf16():
@@ -199,6 +205,7 @@ def test_kv_cache_under_bf16_autocast_equals_full_forward():
     assert out.shape == (3, 25) and out.device.type == 'cuda'
 
 
+@pytest.mark.gpu
 def test_kv_cache_sampling_on_cuda_equals_reference():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=VOCAB)).cuda().eval()
@@ -208,6 +215,7 @@ def test_kv_cache_sampling_on_cuda_equals_reference():
     assert fast.device.type == 'cuda' and torch.equal(fast, ref)
 
 
+@pytest.mark.gpu
 def test_bench_on_cuda_reports_mfu_against_the_gpu(capsys, monkeypatch):
     monkeypatch.delenv('NANOGPT_PEAK_FLOPS', raising=False)
     bench.main(['--device=cuda', '--real_data=False', '--n_layer=2', '--n_head=2', '--n_embd=64', '--block_size=64',
@@ -227,6 +235,8 @@ def test_bench_on_cuda_reports_mfu_against_the_gpu(capsys, monkeypatch):
 # 4 ranks at most: 3 and 4 already split the batches and HellaSwag's examples unevenly and shard tensors whose rows
 # don't divide by the ranks, while every further rank adds a process and its NCCL set-up to each run
 K = min(torch.cuda.device_count(), 4)
+
+
 multi_gpu = pytest.mark.skipif(K < 2, reason="needs 2 CUDA GPUs")
 
 
@@ -252,6 +262,7 @@ def grad_norms(out_dir):
     return {r["iter"]: r["grad_norm"] for r in read_metrics(str(out_dir / "metrics.jsonl")) if r["type"] == "iter"}
 
 
+@pytest.mark.gpu
 @multi_gpu
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_bf16_compiled_on_k_ranks_equals_one_rank(dataset, tmp_path, parallelism):
@@ -289,16 +300,18 @@ def test_bf16_compiled_on_k_ranks_equals_one_rank(dataset, tmp_path, parallelism
         assert 0.9 / K < local / total < 1.1 / K, (local, total)
 
 
+@pytest.mark.gpu
 @multi_gpu
 def test_fsdp_equals_ddp_fp32_on_k_ranks(dataset, tmp_path):
-    """ tests/test_fsdp.py's check on nccl: K ranks, 2 micro-steps each, the same losses (fp32 eager; TF32 matmuls). """
-    from test_fsdp import args as fsdp_args
+    """ test_distributed's check on nccl: K ranks, 2 micro-steps each, the same losses (fp32 eager; TF32 matmuls). """
+    from test_distributed import args as fsdp_args
     run = functools.partial(fsdp_args, dataset, device='cuda', dtype='float32', gradient_accumulation_steps=2 * K)
     ddp = torchrun(K, run(tmp_path / "ddp"))
     fsdp = torchrun(K, run(tmp_path / "fsdp", parallelism='fsdp'))
     assert_losses_close(iter_losses(ddp), iter_losses(fsdp), range(7), tol=2e-3)
 
 
+@pytest.mark.gpu
 @multi_gpu
 def test_stop_and_resume_on_k_ranks_continues_the_run(dataset, tmp_path):
     """
@@ -319,6 +332,8 @@ def test_stop_and_resume_on_k_ranks_continues_the_run(dataset, tmp_path):
 
 
 SPIKE_AT = 135  # the guard judges steps once its window holds SPIKE_WINDOW (128) of them
+
+
 # skipped for its loss (named first)
 SPIKE_SKIP_LINE = re.compile(r"^iter (\d+): skipped the update: loss ", re.M)
 
@@ -340,6 +355,7 @@ def spiked_dataset(directory, tokens_per_iter, spike_at, iters):
     return write_char_dataset(directory, tokens, tokens[:6000], [chr(97 + i) for i in range(TINY_VOCAB)])
 
 
+@pytest.mark.gpu
 @multi_gpu
 def test_spike_guard_on_k_ranks_skips_the_spiked_update(tmp_path):
     """
@@ -378,6 +394,7 @@ def hellaswag_jsonl(tmp_path_factory):
     return write_hellaswag(tmp_path_factory.mktemp("hellaswag") / "hellaswag.jsonl")
 
 
+@pytest.mark.gpu
 @multi_gpu
 def test_in_loop_hellaswag_compiled_on_k_ranks_is_eval_py(spaced_dataset, hellaswag_jsonl, tmp_path, monkeypatch,
                                                           capsys):
@@ -421,6 +438,7 @@ def stop_with_workers(proc):
     stop(proc)
 
 
+@pytest.mark.gpu
 @multi_gpu
 def test_sigterm_to_torchrun_under_nccl_on_k_ranks(dataset, tmp_path):
     """
@@ -457,3 +475,36 @@ def test_sigterm_to_torchrun_under_nccl_on_k_ranks(dataset, tmp_path):
     assert ck["iter_num"] == stopped_at > 1 and len(ck["rng"]) == K
     resumed = torchrun(K, endless + ["--log_interval=1", "--init_from=resume", f"--max_iters={stopped_at + 1}"])
     assert sorted(iter_losses(resumed)) == [stopped_at, stopped_at + 1]
+
+
+# -----------------------------------------------------------------------------
+# on a CUDA GPU (skipped without one): GPT-2 124M's shape
+
+GPT2_SHAPE = ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024']
+
+
+def bench_peak_mib(*settings):
+    """ bench.py's peak memory (MiB) in a process of its own, GPT-2 124M, random tokens, eager, on CUDA. """
+    r = run_python(['bench.py', '--device=cuda', '--real_data=False', '--compile=False',
+                        '--batch_size=8', '--burnin=1', '--steps=2', *GPT2_SHAPE, *settings], timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r"^peak memory: ([\d,]+) MiB \(peak CUDA memory allocated", r.stdout, re.M)
+    return int(m.group(1).replace(',', ''))
+
+
+@pytest.mark.gpu
+def test_activation_checkpointing_lowers_the_cuda_peak_of_gpt2():
+    plain = bench_peak_mib()
+    recomputed = bench_peak_mib('--activation_checkpointing=True')
+    # the Blocks' activations at 8 x 1024 tokens are ~2 GiB in bf16; the logits and AdamW state stay either way
+    assert recomputed < plain - 1024, (plain, recomputed)
+
+
+@pytest.mark.gpu
+def test_real_cuda_out_of_memory_is_one_message(dataset, tmp_path):
+    # 4096 sequences of 1024 tokens through GPT-2 124M's Blocks: hundreds of GiB of activations
+    args = train_args(dataset, tmp_path, device='cuda', batch_size=4096, gradient_accumulation_steps=1,
+                      max_iters=2, eval_interval=100, n_layer=12, n_head=12, n_embd=768, block_size=1024)
+    r = run_python(['train.py', *args], timeout=600)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("error: out of GPU memory at iter 0; no checkpoint had been")

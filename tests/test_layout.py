@@ -1,7 +1,8 @@
 """
-The shape of the code (DESIGN.md): train.py and finetune.py stay as short as nanoGPT's train.py, the package
-has no import cycle (function-level imports included), errors.py is a leaf, no entry point imports another,
-and tests share helpers through tests/helpers.py, not conftest.
+The shape of the code (a topic across rooms): the package has no import cycle (function-level imports included),
+errors.py is a leaf, no entry point imports another, a script declares its settings at its top, few long lines, the
+laptop command imports only the modules it uses, tests share helpers through tests/helpers.py, not conftest, and
+every test file is named for a module, a script or one of a few topics.
 """
 import ast
 import glob
@@ -12,6 +13,8 @@ import pytest
 from helpers import REPO, run_python
 
 ENTRY_POINTS = ['train', 'sample', 'bench', 'eval', 'finetune', 'export_hf']
+
+
 TOP_LEVEL = ['model', 'configurator']  # the front-door modules the package imports
 
 
@@ -183,3 +186,37 @@ def test_the_laptop_command_imports_only_the_modules_it_uses(tiny_dataset, tmp_p
     assert "saving checkpoint to" in r.stdout
     loaded = set(r.stdout.split('modules:')[1].split())
     assert loaded == DEFAULT_PATH, (sorted(loaded - DEFAULT_PATH), sorted(DEFAULT_PATH - loaded))
+
+
+# -----------------------------------------------------------------------------
+# test files by topic: each tests/test_<name>.py is named for the room whose code its tests exercise
+
+# the few topics that span rooms, each with its reason
+TEST_TOPICS = {
+    'many_machines': "the many-node verdicts: two torchrun agents as two nodes, whichever room fails on one",
+    'layout': "the code's shape: its imports, lines, settings' declarations and these names",
+    'docs': "the commands and code names README.md and docs/ show",
+    'gpu': "the CUDA paths of every room, run by scripts/gpu_check.sh on a GPU",
+}
+
+
+def rooms():
+    """ The names a test file may take: the package's modules and packages (and their modules), the top-level
+    modules and entry points, scripts/*, and 'prepare' for data/*/prepare.py. """
+    names = {os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(REPO, '*.py'))}
+    for path in glob.glob(os.path.join(REPO, 'nanogpt_plus', '**', '*.py'), recursive=True):
+        name = os.path.splitext(os.path.basename(path))[0]
+        names.add(os.path.basename(os.path.dirname(path)) if name == '__init__' else name)
+    names |= {os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(REPO, 'scripts', '*'))}
+    if glob.glob(os.path.join(REPO, 'data', '*', 'prepare.py')):
+        names.add('prepare')
+    return names - {'nanogpt_plus'}
+
+
+def test_each_test_file_is_named_for_a_module_a_script_or_a_topic():
+    named = {os.path.basename(p)[len('test_'):-len('.py')] for p in glob.glob(os.path.join(REPO, 'tests', 'test_*.py'))}
+    strays = named - rooms() - set(TEST_TOPICS)
+    assert not strays, (f"tests/test_<name>.py named for no module, script or topic: {sorted(strays)}; name each "
+                        f"for the room whose code its tests exercise (or add a topic, with its reason, to TEST_TOPICS)")
+    # a topic is a file's, and not a room's name
+    assert set(TEST_TOPICS) <= named and not set(TEST_TOPICS) & rooms(), TEST_TOPICS

@@ -1,10 +1,15 @@
 """
-Many machines (issue 25): two torchrun agents as two nodes, each running in its own copy of the repository
-(no shared disk), and 2 gloo ranks on one node where one rank meets something the other doesn't. Every run ends
-on every node within a minute, finished or with one clear line; none hangs.
+Many machines (a topic across rooms: the many-node verdicts): two torchrun agents as two nodes, each running in its
+own copy of the repository (no shared disk), and 2 gloo ranks on one node where one rank meets something the other
+doesn't. Every run ends on every node within a minute, finished or with one clear line; none hangs. What fails on
+one node before the process group forms (a config file, a refused setting, an output path), a failure rank 0 (or any
+one rank) meets alone mid-run, and what every node must start from alike (the data's tokens and tokenizer, the
+code's uncommitted changes, eval.py's and finetune.py's checkpoint and files, a checkpoint one node lacks or has
+older), compared content included.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -12,6 +17,7 @@ import subprocess
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from helpers import (
@@ -19,6 +25,7 @@ from helpers import (
     SPACED_SYMBOLS,
     TINY_VOCAB,
     TORCHRUN,
+    git,
     iter_losses,
     project_frames,
     run_python,
@@ -29,6 +36,8 @@ from helpers import (
 from nanogpt_plus.checkpoint import load_checkpoint
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
 # the tiny dataset's tokens as characters, a space among them (HellaSwag needs it)
 SYMBOLS = SPACED_SYMBOLS
 
@@ -154,7 +163,7 @@ def test_a_bad_token_id_met_by_one_rank_stops_every_rank_with_one_line(tiny_data
 
 
 def test_finetune_rank0_cannot_write_stops_every_rank_with_one_line(tmp_path):
-    from test_finetune import make_source, make_task
+    from helpers import make_source, make_task
     src = make_source(tmp_path / 'src')
     train_file, val_file = make_task(tmp_path, 'classification', n_train=32, n_val=8)
     # a directory where rank 0 must write the file
@@ -215,9 +224,6 @@ def test_resuming_on_more_ranks_gives_the_new_ranks_their_own_rng(dataset, tmp_p
     assert len(rng) == 2 and not torch.equal(rng[0]['torch'], rng[1]['torch'])
 
 
-# the SLURM script of docs/training.md (scripts/slurm_train.sh): tests/test_slurm_script.py
-
-
 # -----------------------------------------------------------------------------
 # every node runs the same run or none does (issue 33)
 
@@ -271,7 +277,7 @@ def test_a_bad_token_id_in_a_small_split_of_one_node_is_one_verdict(tiny_dataset
 
 
 def test_finetune_inputs_missing_on_one_node_are_one_verdict(tmp_path):
-    from test_finetune import make_source, make_task
+    from helpers import make_source, make_task
     nodes = [node_copy(tmp_path / f'node{i}', os.path.join(REPO, 'tests')) for i in range(2)]
     for node in nodes:
         make_source(node / 'src')
@@ -291,7 +297,7 @@ def test_finetune_inputs_missing_on_one_node_are_one_verdict(tmp_path):
 
 
 def test_finetune_predictions_under_torchrun_are_rank_0s(tmp_path):
-    from test_finetune import make_source, make_task
+    from helpers import make_source, make_task
     nodes = [node_copy(tmp_path / f'node{i}', os.path.join(REPO, 'tests')) for i in range(2)]
     for node in nodes:
         make_source(node / 'src')
@@ -327,3 +333,355 @@ def test_eval_inputs_on_one_node_only_are_one_verdict(tiny_dataset, tmp_path):
     write_hellaswag(nodes[0] / 'hs.jsonl')
     results = two_nodes(nodes, evaluate + ['--task=hellaswag', '--data_file=hs.jsonl'], script='eval.py')
     assert_one_line_on_each_node(results, "no data file at hs.jsonl", "[rank 1 on")
+
+
+# torchrun's report of a failed worker: "  exitcode  : 2 (pid: ...)"
+WORKER_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.M)
+
+
+def nodes_with_sample(tmp_path, dataset):
+    """ Two node copies (node_copy) that hold sample.py too. """
+    nodes = [node_copy(tmp_path / f'node{i}', dataset) for i in range(2)]
+    for node in nodes:
+        shutil.copy(f'{REPO}/sample.py', node / 'sample.py')
+    return nodes
+
+
+def ended_alike(nodes, args, *words, script='train.py', code=2, meanwhile=None):
+    """
+    script on both nodes: both end within a minute, each with one `error:` line holding words, and
+    every worker of both nodes with exit code `code` (torchrun's report of each failed worker).
+    Returns the results.
+    """
+    began = time.time()
+    results = two_nodes(nodes, args, script=script, meanwhile=meanwhile)
+    assert time.time() - began < 60, f"the nodes took {time.time() - began:.0f} s"
+    assert_one_line_on_each_node(results, *words)
+    codes = [WORKER_EXIT.findall(r.stderr) for r in results]
+    assert codes == [[str(code)], [str(code)]], (codes, *(r.stderr[-2000:] for r in results))
+    return results
+
+
+def trained(nodes, copy=True):
+    """ A tiny run's checkpoint in node 0's out/ (and node 1's, a copy, where copy). """
+    first = run_python(['train.py', *tiny('out', max_iters=2)], cwd=nodes[0], env=ENV,
+                       timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    if copy:
+        shutil.copytree(nodes[0] / 'out', nodes[1] / 'out')
+
+
+# -----------------------------------------------------------------------------
+# what fails before the process group forms: the group is formed all the same, then one verdict
+
+SCRIPT_ARGS = {
+    'train.py': tiny('out', max_iters=2),
+    'eval.py': ['--init_from=resume', '--out_dir=out', '--device=cpu'],
+    'sample.py': ['--init_from=resume', '--out_dir=out', '--device=cpu', '--max_new_tokens=4'],
+    'finetune.py': ['--task=classification', '--init_from=src', '--train_file=t.jsonl',
+                    '--device=cpu'],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('script', list(SCRIPT_ARGS))
+def test_a_config_file_on_one_node_only_is_one_verdict(tiny_dataset, tmp_path, script):
+    nodes = nodes_with_sample(tmp_path, tiny_dataset)
+    (nodes[0] / 'config').mkdir()
+    (nodes[0] / 'config' / 'x.py').write_text("seed = 1337\n")
+    # node 1 can't read its settings: its group is formed from the command line's device
+    ended_alike(nodes, ['config/x.py', *SCRIPT_ARGS[script]], "config file config/x.py not found",
+                "[rank 1 on", script=script)
+
+
+@pytest.mark.slow
+def test_a_config_file_every_rank_lacks_is_said_once_per_node(tmp_path):
+    # 2 processes on one node, which both fail the same check: one line, both exit 2
+    r = launch('train.py', [str(tmp_path / 'missing.py'), '--device=cpu'], timeout=60)
+    assert r.stderr.count("error: config file") == 1, r.stderr[-3000:]
+    assert WORKER_EXIT.findall(r.stderr) == ['2', '2'], r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_setting_one_node_refuses_is_one_verdict(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    # the same config file's name, another content on node 1
+    for node, beta2 in zip(nodes, (0.99, 1.5)):
+        (node / 'config').mkdir()
+        (node / 'config' / 'x.py').write_text(f"beta2 = {beta2}\n")
+    ended_alike(nodes, ['config/x.py', *tiny('out', max_iters=2)], "beta2 must be",
+                "[rank 1 on")
+    assert not (nodes[0] / 'out').exists()
+
+
+@pytest.mark.slow
+def test_eval_output_file_is_checked_by_rank_0_which_writes_it(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    trained(nodes)
+    evaluate = ['--init_from=resume', '--out_dir=out', '--device=cpu', '--max_examples=2',
+                '--output_file=res/eval.json']
+    # a file where rank 0's output directory would be: refused before the model is read, on both
+    (nodes[0] / 'res').write_text("not a directory\n")
+    ended_alike(nodes, evaluate, "--output_file=res/eval.json is inside", "which is a file",
+                script='eval.py')
+    # the same on node 1 only: rank 0 writes the file, node 1's disk is no matter
+    (nodes[0] / 'res').unlink()
+    (nodes[1] / 'res').write_text("not a directory\n")
+    results = two_nodes(nodes, evaluate, script='eval.py')
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    assert '"task": "loss"' in (nodes[0] / 'res' / 'eval.json').read_text()
+
+
+# -----------------------------------------------------------------------------
+# sample.py: one verdict on what each rank reads
+
+@pytest.mark.slow
+def test_sample_with_the_checkpoint_on_one_node_only_is_one_verdict(tiny_dataset, tmp_path):
+    nodes = nodes_with_sample(tmp_path, tiny_dataset)
+    trained(nodes, copy=False)
+    # the prompts in config files: torchrun takes a --start=... for its own --start_method
+    for node in nodes:
+        (node / 'config').mkdir()
+        (node / 'config' / 'abc.py').write_text("start = 'abc'\n")
+        (node / 'config' / 'file.py').write_text("start = 'FILE:prompt.txt'\n")
+    sample = ['config/abc.py', *SCRIPT_ARGS['sample.py']]
+    ended_alike(nodes, sample, "no checkpoint at out/ckpt.pt", "[rank 1 on", script='sample.py')
+    # a prompt file on node 0 only: the same
+    shutil.copytree(nodes[0] / 'out', nodes[1] / 'out')
+    (nodes[0] / 'prompt.txt').write_text("abc")
+    ended_alike(nodes, ['config/file.py', *SCRIPT_ARGS['sample.py']],
+                "start=FILE:prompt.txt: no such file", "[rank 1 on", script='sample.py')
+    # everything on both nodes: each samples
+    results = two_nodes(nodes, sample, script='sample.py')
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    # nanoGPT's 10 samples each (the same seed on every rank)
+    samples = [len(re.findall(r'^abc', r.stdout, re.M)) for r in results]
+    assert samples == [10, 10], [r.stdout for r in results]
+
+
+# -----------------------------------------------------------------------------
+# a failure one rank meets alone is said on every node
+
+@pytest.mark.slow
+def test_a_hellaswag_file_rank_0_lacks_is_said_on_both_nodes(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    write_hellaswag(nodes[1] / 'hs.jsonl')  # rank 0 reads it and sends it to the others
+    ended_alike(nodes, tiny('out', max_iters=4, hellaswag_interval=2, hellaswag_file='hs.jsonl'),
+                "hs.jsonl")
+
+
+@pytest.mark.slow
+def test_an_out_dir_rank_0_refuses_is_said_on_both_nodes(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    # an earlier run in node 0's out/, which a new run must not replace
+    trained(nodes, copy=False)
+    earlier = load_checkpoint(str(nodes[0] / 'out' / 'ckpt.pt'))['iter_num']
+    results = ended_alike(nodes, tiny('out', max_iters=4, seed=7),
+                          "out already holds the checkpoint ckpt.pt")
+    assert not iter_losses(results[0].stdout)
+    assert load_checkpoint(str(nodes[0] / 'out' / 'ckpt.pt'))['iter_num'] == earlier
+
+
+@pytest.mark.slow
+def test_a_checkpoint_rank_0_cannot_write_is_said_on_both_nodes(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+
+    def block_the_save(procs):
+        # a directory where rank 0 writes the checkpoint, put there once the run has started (one
+        # there before is refused when the out_dir is claimed): the save at the last iteration fails
+        for line in procs[0].stdout:
+            if line.startswith('iter 0:'):
+                break
+        (nodes[0] / 'out' / 'ckpt.pt').mkdir()
+    ended_alike(nodes, tiny('out', max_iters=100, lr_decay_iters=100, eval_interval=100),
+                "could not write the checkpoint out/ckpt.pt", meanwhile=block_the_save)
+
+
+@pytest.mark.slow
+def test_a_bad_token_id_met_by_rank_1_mid_run_is_said_on_both_nodes(tiny_dataset, tmp_path,
+                                                                     monkeypatch):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    for node in nodes:  # the same file on both nodes
+        train_bin = node / 'data' / 'tiny' / 'train.bin'
+        tokens = np.fromfile(train_bin, dtype=np.uint16)
+        # sequential order, batch 4 x 16: micro-batch k reads tokens [64k, 64k + 65) and goes to
+        # rank k % 2
+        tokens[5 * 64 + 10] = TINY_VOCAB + 3
+        tokens.tofile(train_bin)
+    # the per-batch check (splits over 64M tokens) instead of the start-up scan of the whole file
+    monkeypatch.setitem(ENV, 'NANOGPT_PLUS_SCAN_TOKENS', '0')
+    results = ended_alike(nodes, tiny('out', data_order='sequential', eval_interval=100),
+                          f"holds token ids up to {TINY_VOCAB + 3}")
+    assert 'another process of this run is gone' not in results[0].stderr + results[1].stderr
+
+
+# -----------------------------------------------------------------------------
+# eval.py's result that rank 0 can't write at the end
+
+@pytest.mark.slow
+def test_eval_output_file_rank_0_cannot_write_is_one_verdict(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    trained(nodes)
+    # a write that fails only at the end (as on a full disk): a name longer than a file system takes
+    # passes the checks at start, and no file of it can be made
+    name = 'r' * 300 + '.json'
+    evaluate = ['--init_from=resume', '--out_dir=out', '--device=cpu', '--max_examples=2',
+                f'--output_file={name}']
+    results = ended_alike(nodes, evaluate, f"could not write --output_file={name}",
+                          '"task": "loss"', script='eval.py')
+    # the evaluation ran (its result is in the line); no one printed it as done
+    assert not any('"task": "loss"' in r.stdout for r in results)
+
+
+def nodes_of(tmp_path, dataset):
+    return [node_copy(tmp_path / f'node{i}', dataset) for i in range(2)]
+
+
+def one_verdict(nodes, args, *words, script='train.py'):
+    """
+    Run args on the two nodes: both must end within a minute, with the same exit code, each with the same one
+    `error:` line holding words. Returns that line.
+    """
+    began = time.time()
+    results = two_nodes(nodes, args, script=script)
+    assert time.time() - began < 60
+    assert results[0].returncode == results[1].returncode, [r.returncode for r in results]
+    assert_one_line_on_each_node(results, *words)
+    return next(line for line in results[0].stderr.splitlines() if line.startswith('error: '))
+
+
+def train_on(node, *settings, **more):
+    r = run_python(['train.py', *tiny('out', **dict(settings, **more))], cwd=node, env=ENV, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+# -----------------------------------------------------------------------------
+# the data's content and tokenizer, not only its numbers of tokens
+
+def test_token_files_of_the_same_size_but_other_content_are_refused_on_both(tiny_dataset, tmp_path):
+    nodes = nodes_of(tmp_path, tiny_dataset)
+    data = nodes[1] / 'data' / 'tiny'
+    # the same text encoded with another vocabulary (the symbols numbered backwards): every file keeps its size
+    for name in ('train.bin', 'val.bin'):
+        tokens = np.fromfile(data / name, dtype=np.uint16)
+        (TINY_VOCAB - 1 - tokens).astype(np.uint16).tofile(data / name)
+    stoi = {ch: TINY_VOCAB - 1 - i for i, ch in enumerate(SYMBOLS)}
+    meta = {"kind": "char", "vocab_size": TINY_VOCAB, "stoi": stoi, "itos": {i: c for c, i in stoi.items()}}
+    (data / 'meta.json').write_text(json.dumps(meta))
+    one_verdict(nodes, tiny('out', max_iters=2), "the ranks differ in tokenizer: 'char (20 tokens) ",
+                "rank 1 on", "give every node the same prepared dataset")
+    # the same tokenizer on both nodes, other tokens of the same size in train.bin (another preparation)
+    shutil.copy(nodes[0] / 'data' / 'tiny' / 'meta.json', data / 'meta.json')
+    shutil.copy(nodes[0] / 'data' / 'tiny' / 'val.bin', data / 'val.bin')
+    line = one_verdict(nodes, tiny('out', max_iters=2), "the ranks differ in tokens: train.bin='108000:",
+                       "rank 1 on", "give every node the same copy of each file")
+    assert 'val.bin' not in line
+    assert not (nodes[0] / 'out' / 'ckpt.pt').exists()
+
+
+def test_copies_at_one_commit_with_other_uncommitted_changes_are_refused_on_both(tiny_dataset, tmp_path):
+    nodes = nodes_of(tmp_path, tiny_dataset)
+    # outside a git checkout the .py files themselves are compared
+    with open(nodes[1] / 'model.py', 'a') as f:
+        f.write("\n# node 1's own change\n")
+    one_verdict(nodes, tiny('out', max_iters=2), "the ranks differ in code: 'no git checkout: .py files ",
+                "commit or undo the changes and check out the same commit")
+    # one commit, cloned to the other node; then each node its own change (both '+dirty')
+    shutil.rmtree(nodes[1])
+    git(nodes[0], 'init', '-q')
+    git(nodes[0], 'add', '--', '*.py')  # the sources, not the caches of the run above
+    git(nodes[0], 'commit', '-q', '-m', 'the run')
+    shutil.copytree(nodes[0], nodes[1])
+    with open(nodes[0] / 'train.py', 'a') as f:
+        f.write("\n# node 0's own change\n")
+    with open(nodes[1] / 'model.py', 'a') as f:
+        f.write("\n# node 1's own change\n")
+    one_verdict(nodes, tiny('out', max_iters=2), "the ranks differ in code: 'git: uncommitted changes ",
+                "check out the same commit on every node")
+    # the same change on both: one run
+    shutil.copy(nodes[0] / 'model.py', nodes[1] / 'model.py')
+    shutil.copy(nodes[0] / 'train.py', nodes[1] / 'train.py')
+    results = two_nodes(nodes, tiny('out', max_iters=2))
+    assert [r.returncode for r in results] == [0, 0], results[1].stderr[-2000:]
+
+
+# -----------------------------------------------------------------------------
+# eval.py and finetune.py compare what train.py does
+
+def test_eval_compares_the_checkpoint_and_the_token_files(tiny_dataset, tmp_path):
+    nodes = nodes_of(tmp_path, tiny_dataset)
+    train_on(nodes[0], max_iters=2)
+    shutil.copytree(nodes[0] / 'out', nodes[1] / 'out')
+    train_on(nodes[0], max_iters=4, init_from='resume')
+    evaluate = ['--init_from=resume', '--out_dir=out', '--device=cpu', '--max_examples=4']
+    # 5: a stale checkpoint on node 1 (it would score another model: a mixed loss)
+    one_verdict(nodes, evaluate, "the ranks differ in checkpoint: out/ckpt.pt is at iter 5 on node 0",
+                "iter 3 on node 1", "node 0 (", "has the newer one: copy it over out/ckpt.pt on node 1",
+                script='eval.py')
+    # 7: the same checkpoint, a shorter val.bin on node 1
+    shutil.copy(nodes[0] / 'out' / 'ckpt.pt', nodes[1] / 'out' / 'ckpt.pt')
+    val_bin = nodes[1] / 'data' / 'tiny' / 'val.bin'
+    np.fromfile(val_bin, dtype=np.uint16)[:4000].tofile(val_bin)
+    one_verdict(nodes, evaluate, "the ranks differ in data: val.bin='12000:", "but '8000:",
+                "give every node the same copy of each file", script='eval.py')
+    # a HellaSwag file with other examples on node 1
+    shutil.copy(nodes[0] / 'data' / 'tiny' / 'val.bin', val_bin)
+    write_hellaswag(nodes[0] / 'hs.jsonl', seed=1)
+    write_hellaswag(nodes[1] / 'hs.jsonl', seed=2)
+    one_verdict(nodes, evaluate + ['--task=hellaswag', '--data_file=hs.jsonl'], "the ranks differ in data: "
+                "data_file=", script='eval.py')
+    # everything alike: one score
+    shutil.copy(nodes[0] / 'hs.jsonl', nodes[1] / 'hs.jsonl')
+    results = two_nodes(nodes, evaluate, script='eval.py')
+    assert [r.returncode for r in results] == [0, 0], results[1].stderr[-2000:]
+    assert json.loads(results[0].stdout.strip().splitlines()[-1])['task'] == 'loss'
+
+
+def test_finetune_compares_the_source_weights_and_the_task_files(tmp_path):
+    from helpers import make_source, make_task
+    nodes = [node_copy(tmp_path / f'node{i}', os.path.join(REPO, 'tests')) for i in range(2)]
+    for i, node in enumerate(nodes):
+        make_source(node / 'src', seed=i)  # 5: other weights under the same name, both at iter 0
+    train_file, val_file = make_task(nodes[0], 'classification', n_train=16, n_val=8)
+    shutil.copy(val_file, nodes[1])
+    # 7: fewer rows on node 1
+    rows = open(train_file).read().splitlines(keepends=True)
+    (nodes[1] / os.path.basename(train_file)).write_text(''.join(rows[:12]))
+    common = ['--task=classification', '--init_from=src', '--train_file=classification_train.jsonl',
+              '--val_file=classification_val.jsonl', '--device=cpu', '--batch_size=8', '--epochs=1',
+              '--out_dir=ft']
+    one_verdict(nodes, common, "the ranks differ in checkpoint: the copies of src/ckpt.pt differ (",
+                "(iter 0) on node 0 (", "(iter 0) on node 1 (", "copy the one to start from to every node",
+                script='finetune.py')
+    shutil.copy(nodes[0] / 'src' / 'ckpt.pt', nodes[1] / 'src' / 'ckpt.pt')
+    line = one_verdict(nodes, common, "the ranks differ in data: train_file='", script='finetune.py')
+    assert 'val_file' not in line  # the same 8 validation rows on both
+    assert not (nodes[0] / 'ft' / 'ckpt.pt').exists()
+
+
+# -----------------------------------------------------------------------------
+# a checkpoint one node lacks, or has older, is said so, with the advice that keeps the newer one
+
+def test_auto_resume_with_the_checkpoint_on_one_node_names_the_node_that_lacks_it(tiny_dataset, tmp_path):
+    nodes = nodes_of(tmp_path, tiny_dataset)
+    train_on(nodes[0], max_iters=2)
+    line = one_verdict(nodes, tiny('out', max_iters=4, auto_resume=True),
+                       "the ranks differ in checkpoint: out/ckpt.pt is on node 0 (", "(iter 3) but not on node 1 (",
+                       "copy it from node 0 (")
+    assert 'same command line' not in line
+    # node 0's checkpoint untouched, node 1 still without one
+    assert load_checkpoint(str(nodes[0] / 'out' / 'ckpt.pt'))['iter_num'] == 3
+    assert not (nodes[1] / 'out' / 'ckpt.pt').exists()
+
+
+def test_a_stale_checkpoint_on_node_0_says_node_1s_is_the_newer(tiny_dataset, tmp_path):
+    nodes = nodes_of(tmp_path, tiny_dataset)
+    train_on(nodes[0], max_iters=2)
+    shutil.copytree(nodes[0] / 'out', nodes[1] / 'out')
+    # node 1 went on alone: rank 0's copy is the older
+    train_on(nodes[1], max_iters=5, init_from='resume')
+    line = one_verdict(nodes, tiny('out', max_iters=8, init_from='resume'),
+                       "the ranks differ in checkpoint: out/ckpt.pt is at iter 3 on node 0 (",
+                       "iter 6 on node 1 (", "node 1 (", "has the newer one: copy it over out/ckpt.pt on node 0")
+    assert "rank 0's" not in line
+    assert load_checkpoint(str(nodes[1] / 'out' / 'ckpt.pt'))['iter_num'] == 6

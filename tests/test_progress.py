@@ -1,5 +1,5 @@
 """
-No silent minutes (issue 41): long work says what it is doing and for how long, then how far it is;
+nanogpt_plus/progress.py, no silent minutes: long work says what it is doing and for how long, then how far it is;
 quick work prints nothing extra. In process, on a fake clock, so that "long" takes no time here.
 """
 import sys
@@ -16,6 +16,8 @@ from nanogpt_plus.machine import choose_threads
 from nanogpt_plus.tokenizer import CharTokenizer
 
 SEP = '---------------'
+
+
 SINGLE = DistInfo(under_torchrun=False, rank=0, local_rank=0, world_size=1, device='cpu')
 
 

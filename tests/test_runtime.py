@@ -1,61 +1,18 @@
 """
-nanogpt_plus.machine's choices that depend on the GPU, checked on the CPU by standing in for torch.cuda, and
-runtime.run_main's endings: exit codes, and the process group torn down once, by run_main.
+nanogpt_plus/runtime.py: run_main's endings (exit codes, the process group torn down once), the code digest that
+tells uncommitted changes apart, and same_start: what each script starts from, and a checkpoint's difference between
+the nodes named by each node's iteration.
 """
-from types import SimpleNamespace
+import os
+import shutil
 
 import pytest
-import torch
 
-from nanogpt_plus.errors import ConfigError, Interrupted, TokenizerError, UserError, exit_code
-from nanogpt_plus.machine import resolve_dtype
-from nanogpt_plus.runtime import run_main
-
-
-def fake_gpu(monkeypatch, major, emulates_bf16):
-    """ torch.cuda as is_bf16_supported sees it on a GPU of compute capability `major`. """
-    monkeypatch.setattr(torch.version, 'hip', None)
-    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
-    monkeypatch.setattr(torch.cuda, 'current_device', lambda: 0)
-    monkeypatch.setattr(torch.cuda, 'get_device_properties', lambda device: SimpleNamespace(major=major))
-    # where a bf16 tensor can be made although there are no bf16 tensor cores (V100, T4): emulation
-    monkeypatch.setattr(torch.cuda, '_check_bf16_tensor_supported', lambda device: emulates_bf16)
-
-
-@pytest.mark.parametrize("major, expected", [(7, 'float16'), (8, 'bfloat16'), (9, 'bfloat16')])
-def test_auto_dtype_takes_bf16_only_where_it_is_native(monkeypatch, major, expected):
-    """ V100/T4 (sm 7.x) emulate bf16, which torch counts as supported by default: they get fp16 + a GradScaler. """
-    fake_gpu(monkeypatch, major, emulates_bf16=True)
-    assert torch.cuda.is_bf16_supported()  # the default answer counts the emulation
-    assert resolve_dtype('auto', 'cuda') == expected
-    assert resolve_dtype('auto', 'cuda:1') == expected
-
-
-def test_auto_dtype_asks_for_native_bf16(monkeypatch):
-    calls = []
-
-    def is_bf16_supported(including_emulation=True):
-        calls.append(including_emulation)
-        return including_emulation  # a GPU that only emulates bf16
-
-    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', is_bf16_supported)
-    assert resolve_dtype('auto', 'cuda') == 'float16'
-    assert calls == [False]
-    assert resolve_dtype('auto', 'cpu') == 'float32' and calls == [False]  # the CPU never asks
-
-
-def test_explicit_dtypes_are_kept(monkeypatch):
-    fake_gpu(monkeypatch, 7, emulates_bf16=True)
-    # asked for: the user's choice, emulated or not
-    assert resolve_dtype('bfloat16', 'cuda') == 'bfloat16'
-    assert resolve_dtype('float16', 'cuda') == 'float16'
-    assert resolve_dtype('float32', 'cuda') == 'float32'
-
-
-def test_user_errors_share_one_exit_code():
-    for error in (UserError("x"), ConfigError("x"), TokenizerError("x")):
-        assert isinstance(error, UserError) and exit_code(error) == 2
-    assert exit_code(Interrupted()) == 75 and exit_code(RuntimeError()) == 1
+from helpers import TINY_VOCAB, git
+from nanogpt_plus.errors import UserError
+from nanogpt_plus.files import file_digest
+from nanogpt_plus.process_group import _first_difference
+from nanogpt_plus.runtime import SAME_START, checkpoint_difference, code_digest, run_main, same_start
 
 
 def test_run_main_tears_the_process_group_down_after_main(tmp_path, capsys):
@@ -76,45 +33,95 @@ def test_run_main_tears_the_process_group_down_after_main(tmp_path, capsys):
     assert e.value.code == 2 and capsys.readouterr().err == "error: a setting is wrong\n"
 
 
-# -----------------------------------------------------------------------------
-# machines without Triton (Windows with CUDA) and Apple's MPS, as those machines report themselves
+def test_code_digest_tells_uncommitted_changes_apart(tmp_path, monkeypatch):
+    # not cached: the same checkout is read again after each change
+    digest = code_digest.__wrapped__
+    first = tmp_path / 'one'
+    (first / 'nanogpt_plus').mkdir(parents=True)
+    (first / 'model.py').write_text("x = 1\n")
+    (first / 'nanogpt_plus' / 'a.py').write_text("y = 1\n")
+    # no checkout: the .py files
+    plain = digest(str(first))
+    assert plain.startswith('no git checkout: .py files ')
+    (first / 'nanogpt_plus' / 'a.py').write_text("y = 2\n")
+    assert digest(str(first)) != plain
+    git(first, 'init', '-q')
+    git(first, 'add', '.')
+    git(first, 'commit', '-q', '-m', 'one')
+    assert digest(str(first)) == 'git: no uncommitted changes'
+    second = tmp_path / 'two'
+    shutil.copytree(first, second)
+    (first / 'model.py').write_text("x = 2\n")
+    (second / 'model.py').write_text("x = 3\n")
+    changed = digest(str(first))
+    assert changed.startswith('git: uncommitted changes ') and changed != digest(str(second))
+    (second / 'model.py').write_text("x = 2\n")  # the same change: the same digest
+    assert digest(str(second)) == changed
+    # no git at all: the .py files again, not an error
+    monkeypatch.setenv('PATH', str(tmp_path / 'nowhere'))
+    assert digest(str(first)).startswith('no git checkout: .py files ')
 
-def no_triton(monkeypatch):
-    """ importlib as it answers where the triton package is not installed (torch on Windows). """
-    import importlib.util
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'triton' else find_spec(name, *a))
+
+def state(iter_num, digest='9:ab', path='out/ckpt.pt'):
+    return {'path': path, 'iter_num': iter_num, 'digest': digest}
 
 
-def test_compile_on_cuda_without_triton_runs_eager_or_is_refused(monkeypatch, capsys):
-    from nanogpt_plus.machine import resolve_compile, triton_installed
-    # auto compiles on CUDA where Triton is
-    assert resolve_compile(None, 'cuda', triton=True) is True
-    no_triton(monkeypatch)
-    assert not triton_installed()
-    # auto: eager, in one line that says why and what to do
-    assert resolve_compile(None, 'cuda') is False
-    out = capsys.readouterr().out
-    assert out.count('\n') == 1 and out.startswith("compile: torch.compile on CUDA needs Triton, which is not "
-                                                   "installed; running without compile (install it")
-    # asked for: refused before any work
-    with pytest.raises(UserError, match=r"^--compile=True on CUDA needs Triton, which is not installed; install it "
-                                        r"\(pip install triton; on Windows: pip install triton-windows\)"):
-        resolve_compile(True, 'cuda')
-    # the CPU's compile needs no Triton (C++ code), and compile=False asks for nothing
-    assert resolve_compile(True, 'cpu') is True and resolve_compile(False, 'cuda') is False
-    assert resolve_compile(None, 'cpu') is False and not capsys.readouterr().out
+# 2 ranks on each of 2 nodes
+PLACES = [('host-a', '0'), ('host-a', '0'), ('host-b', '1'), ('host-b', '1')]
 
 
-def test_float16_training_on_mps_is_refused_in_one_line(monkeypatch, tmp_path, capsys, tiny_dataset):
-    import train
-    from helpers import train_args
-    from nanogpt_plus.machine import compute_setup
-    with pytest.raises(UserError, match=r"^--dtype=float16 training on MPS is not supported"):
-        compute_setup('mps', 'float16', None, num_threads=1, peak=False)
-    # train.py on a Mac: MPS there, float16 asked for; refused before the model is built
-    monkeypatch.setattr(torch.backends.mps, 'is_available', lambda: True)
-    with pytest.raises(UserError, match=r"^--dtype=float16 training on MPS is not supported"):
-        train.main(train_args(tiny_dataset, tmp_path / 'out', device='mps', dtype='float16', max_iters=1))
-    assert "number of parameters" not in capsys.readouterr().out
-    assert not (tmp_path / 'out' / 'ckpt.pt').exists()
+def test_checkpoint_difference_names_each_nodes_iteration_and_the_newer():
+    line = checkpoint_difference([state(3), state(3), state(6, '9:cd'), state(6, '9:cd')], PLACES)
+    assert line == ("the ranks differ in checkpoint: out/ckpt.pt is at iter 3 on node 0 (host-a), iter 6 on "
+                    "node 1 (host-b); node 1 (host-b) has the newer one: copy it over out/ckpt.pt on node 0 "
+                    "(host-a) (or keep it on a shared file system), then start again")
+    # three nodes: the copies that are not the newest are named; two other newest ones are the user's call
+    three = [('a', '0'), ('b', '1'), ('c', '2')]
+    line = checkpoint_difference([state(3), state(6, '9:cd'), state(6, '9:cd')], three)
+    assert line.endswith("node 1 (b) has the newer one: copy it over out/ckpt.pt on node 0 (a) (or keep it on a "
+                         "shared file system), then start again")
+    assert "the copies of out/ckpt.pt differ" in checkpoint_difference(
+        [state(3), state(6, '9:cd'), state(6, '9:ef')], three)
+    lacking = checkpoint_difference([state(4), state(4), state(None, None), state(None, None)], PLACES)
+    assert "out/ckpt.pt is on node 0 (host-a) (iter 4) but not on node 1 (host-b)" in lacking
+    assert "copy it from node 0 (host-a) to out/ckpt.pt on node 1 (host-b)" in lacking
+    same_iter = checkpoint_difference([state(4), state(4), state(4, '9:cd'), state(4, '9:cd')], PLACES)
+    assert "the copies of out/ckpt.pt differ (9:ab (iter 4) on node 0 (host-a), 9:cd (iter 4) on node 1" \
+        in same_iter
+    # read from other paths (another --out_dir): the settings say why
+    assert checkpoint_difference([state(4), state(4), state(4, path='o2/ckpt.pt'), state(4, path='o2/ckpt.pt')],
+                                 PLACES) is None
+
+
+def test_a_checkpoint_read_from_other_paths_is_left_to_the_settings():
+    def outcome(host, node, checkpoint, out_dir):
+        start = dict.fromkeys(SAME_START, 'same')
+        return (None, host, node, '', dict(start, checkpoint=checkpoint, settings={'out_dir': out_dir}))
+    outcomes = [outcome('host-a', '0', state(3), 'out'), outcome('host-b', '1', None, 'o2')]
+    line = _first_difference(outcomes, SAME_START)
+    assert line.startswith("the ranks differ in settings: out_dir='out' on rank 0 on host-a but 'o2' on rank 1")
+    # nothing later differs: still one line, never a silent pass
+    outcomes[1][4]['settings'] = {'out_dir': 'out'}
+    assert _first_difference(outcomes, SAME_START).startswith("the ranks differ in checkpoint; ")
+
+
+def test_same_start_reads_what_each_script_starts_from(tiny_dataset, tmp_path, monkeypatch):
+    from helpers import save_test_checkpoint
+    from model import GPT, GPTConfig
+    monkeypatch.chdir(tmp_path)
+    run = {'init_from': 'scratch', 'out_dir': 'out', 'auto_resume': True}
+    # auto_resume looked for out/ckpt.pt and did not find it
+    assert same_start(run)['checkpoint'] == {'path': 'out/ckpt.pt', 'iter_num': None, 'digest': None}
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=TINY_VOCAB))
+    (tmp_path / 'out').mkdir()
+    path = save_test_checkpoint(model, None, tmp_path / 'out' / 'ckpt.pt')
+    # eval.py's init_from=resume: the checkpoint it scores, with its iteration
+    start = same_start({'init_from': 'resume', 'out_dir': 'out'},
+                       data={'val.bin': os.path.join(tiny_dataset, 'val.bin')},
+                       data_meta={'kind': 'char', 'vocab_size': 2, 'stoi': {'a': 0, 'b': 1}})
+    assert start['checkpoint'] == {'path': 'out/ckpt.pt', 'iter_num': 0, 'digest': file_digest(path)}
+    assert start['weights'] is None and list(start['data']) == ['val.bin']
+    assert start['data']['val.bin'].startswith('12000:')
+    assert start['tokenizer'].startswith('char (2 tokens) ')
+    # weights to start from (finetune.py's --init_from=<out_dir>)
+    assert same_start({'init_from': 'out', 'out_dir': 'ft'})['weights']['digest'] == file_digest(path)

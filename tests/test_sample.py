@@ -1,6 +1,7 @@
 """
-sample.py end to end: tiny checkpoints trained here (a character model and a GPT-2 BPE one), run through
-the CLI, plus nanoGPT-format checkpoints, streaming, and the error messages.
+sample.py end to end: tiny checkpoints trained here (a character model and a GPT-2 BPE one), run through the CLI,
+plus nanoGPT-format checkpoints, streaming (a character split over tokens printed once whole), and the error
+messages.
 """
 import os
 import pickle
@@ -10,17 +11,24 @@ import sys
 import pytest
 import torch
 
+import sample
 from helpers import REPO, run_python, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
-SAMPLE = os.path.join(REPO, 'sample.py')
-SEP = '---------------'
-CHAR_TEXT = "abcd\n" * 200
-BPE_TEXT = "Hello world!<|endoftext|>" * 60
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+SAMPLE = os.path.join(REPO, 'sample.py')
+
+
+SEP = '---------------'
+
+
+CHAR_TEXT = "abcd\n" * 200
+
+
+BPE_TEXT = "Hello world!<|endoftext|>" * 60
 
 
 def train_tiny(model, ids, max_steps, lr=1e-2, batch_size=16):
@@ -262,3 +270,14 @@ def test_bad_settings(char_model, monkeypatch, capsys):
         err = expect_error(monkeypatch, capsys, f"--out_dir={out_dir}", arg)
         # checked before loading
         assert err.startswith("error: ") and msg in err and err.count("\n") == 1
+
+
+def test_stream_decoder_prints_a_character_split_over_tokens_once_complete(small_bpe):
+    tok, _ = small_bpe
+    text = "é世🎉a"
+    ids = tok.encode(text)
+    assert len(ids) == 10  # 2 + 3 + 4 bytes + 'a': each character split into its bytes
+    decoder = sample.StreamDecoder(tok)
+    pieces = [decoder.feed(i) for i in ids] + [decoder.flush()]
+    assert "".join(pieces) == text and [p for p in pieces if p] == ["é", "世", "🎉", "a"]
+    assert tok.encode("<|endoftext|>a") == [tok.eot_token, tok.encode("a")[0]]

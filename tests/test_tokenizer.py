@@ -1,9 +1,7 @@
 """
-Tests of tokenizer.py: the offline GPT-2 BPE (identical to tiktoken's 'gpt2', works with the network
-blocked, refuses altered files), the character tokenizer, and safe reading of dataset meta files.
-
-Usage:
-    python -m pytest tests/test_tokenizer.py -q
+nanogpt_plus/tokenizer.py: the offline GPT-2 BPE (identical to tiktoken's 'gpt2', works with the network blocked,
+refuses altered files), the character tokenizer, every kind behind one interface, safe reading of dataset meta
+files, and a split's bytes per token (whole, or an even sample of a large split).
 """
 import hashlib
 import json
@@ -12,10 +10,13 @@ import pickle
 import shutil
 import socket
 
+import numpy as np
 import pytest
 
 from nanogpt_plus import tokenizer
+from nanogpt_plus.dataloader import TokenSource
 from nanogpt_plus.dataset import read_dataset_meta
+from nanogpt_plus.dataset.shards import write_shard
 from nanogpt_plus.errors import TokenizerError
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, get_gpt2_encoding, load_tokenizer
 
@@ -222,3 +223,37 @@ def test_meta_pkl_that_is_not_a_dict_is_refused(tmp_path):
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps([1, 2, 3]))
     with pytest.raises(TokenizerError, match="dict"):
         read_dataset_meta(str(tmp_path))
+
+
+def test_large_split_is_sampled_evenly(tmp_path):
+    """ Past sample_tokens, runs spread evenly over all the files; below it, every token of every file. """
+    tok = CharTokenizer.from_text('ab€')  # 'a', 'b': 1 byte; '€': 3 bytes
+    stoi = tok.stoi
+    # three files: all 'a', then all '€', then alternating: 1, 3 and 2 bytes per token
+    files = []
+    for k, text in enumerate(['a' * 3000, '€' * 3000, 'b€' * 1500]):
+        path = str(tmp_path / f'data_val_{k:06d}.bin')
+        write_shard(path, np.array([stoi[c] for c in text], dtype=np.uint16))  # llm.c shards
+        files.append(path)
+    source = TokenSource(files)
+    whole = tokenizer.split_bytes_per_token(source, tok)
+    assert whole == {'bytes_per_token': 2.0, 'tokens_counted': 9000, 'whole': True}
+    sample = tokenizer.split_bytes_per_token(source, tok, sample_tokens=9000 - 1)
+    assert not sample['whole'] and 0 < sample['tokens_counted'] <= 9000 - 1
+    assert sample['bytes_per_token'] == pytest.approx(2.0, abs=0.01)
+    # ids the tokenizer lacks (a padded vocabulary): no figure rather than a wrong one
+    np.array([0, 1, 7], dtype=np.uint16).tofile(tmp_path / 'val.bin')
+    assert tokenizer.split_bytes_per_token(TokenSource([str(tmp_path / 'val.bin')]), tok)['bytes_per_token'] is None
+
+
+def test_every_kind_has_the_same_interface(bpe512):
+    for tok in (GPT2Tokenizer(), CharTokenizer.from_text("abc \n"), bpe512[0]):
+        ids = tok.encode_ordinary("a b\nc")
+        assert tok.decode(ids) == "a b\nc" and tok.decode_bytes(ids) == b"a b\nc"
+        assert b"".join(tok.token_bytes(i) for i in ids) == b"a b\nc"
+        assert load_tokenizer(tok.meta()).encode("a b") == tok.encode("a b")
+
+
+def test_unknown_kind_is_refused():
+    with pytest.raises(TokenizerError, match="unknown tokenizer kind 'wordpiece'"):
+        load_tokenizer({"kind": "wordpiece"})

@@ -1,6 +1,6 @@
 """
-The spike guard (skip_loss_z / skip_grad_z), activation checkpointing, the out-of-memory message, and the
-non-finite check that runs every iteration.
+nanogpt_plus/spike_guard.py (skip_loss_z / skip_grad_z): the running statistics, a spike skipped, printed, logged
+and counted, an exact resume with the guard, and the non-finite check that reads the loss where the guard needs it.
 """
 import functools
 import json
@@ -10,28 +10,25 @@ import re
 import pytest
 import torch
 
-import bench
 import train
-from helpers import assert_losses_close, iter_losses, run_python, train_args
-from model import GPT, GPTConfig
+from helpers import iter_losses, tiny_args
+from model import GPT
 from nanogpt_plus import spike_guard
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.optimizer import skip_update, take_update, unscale_and_clip
-from nanogpt_plus.runtime import run_main
 from nanogpt_plus.spike_guard import SPIKE_WINDOW, SpikeGuard
 
-tiny_args = functools.partial(train_args, dropout=0.1, num_threads=1)  # fixed threads: bitwise runs
 PLAIN_FORWARD = GPT.forward  # what inject_spike wraps (never a wrapper a previous injection left)
+
+
 # the integration runs use a short window, so it fills in 16 iterations instead of 128
 SHORT_WINDOW = 16
+
+
 SKIP_LINE = re.compile(r"^iter (\d+): skipped the update: loss (\S+) is (\S+) standard deviations above its running "
                        r"mean (\S+) \(skip_loss_z=5\.0\); grad norm (\S+) is (\S+) standard deviations above its "
                        r"running mean (\S+) \(skip_grad_z=5\.0\)$", re.M)
 
-
-# -----------------------------------------------------------------------------
-# SpikeGuard on its own
 
 def test_spike_guard_z_window_and_state():
     guard = SpikeGuard(skip_loss_z=5.0)
@@ -61,36 +58,6 @@ def test_spike_guard_z_window_and_state():
     assert again.describe() == spike.describe() and restored.history == guard.history
     assert spike.record(7) == {'type': 'skip', 'iter': 7, 'loss': 100.0, 'grad_norm': None,
                                'loss_z': spike.stats['loss'][1], 'grad_z': None}
-
-
-def test_skip_update_leaves_weights_optimizer_and_scaler_as_they_were():
-    """ Also with an enabled GradScaler (float16's), whose next unscale_ must still work after a skip. """
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=12))
-    optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu')
-    scaler = torch.amp.GradScaler('cpu', enabled=True, init_scale=1024.0)
-    x = torch.randint(12, (2, 8))
-
-    def half_step():
-        scaler.scale(model(x, x)[1]).backward()
-        return unscale_and_clip(model, optimizer, scaler, grad_clip=0.0, measure=True)
-
-    half_step()
-    take_update(optimizer, scaler)  # AdamW state exists from here on
-    weights = [p.detach().clone() for p in model.parameters()]
-    moments = [optimizer.state[p]['exp_avg'].clone() for p in model.parameters()]
-    scale = scaler.get_scale()
-    growth = scaler._growth_tracker.item()
-    norm = half_step()
-    assert norm is not None and math.isfinite(float(norm)) and float(norm) > 0
-    skip_update(optimizer, scaler)
-    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
-    assert all(torch.equal(m, optimizer.state[p]['exp_avg']) for m, p in zip(moments, model.parameters()))
-    assert all(p.grad is None for p in model.parameters())
-    assert (scaler.get_scale(), scaler._growth_tracker.item()) == (scale, growth)
-    half_step()
-    take_update(optimizer, scaler)  # the next step unscales and steps as usual
-    assert not all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
 
 
 # -----------------------------------------------------------------------------
@@ -196,112 +163,3 @@ def test_nan_at_a_non_log_iteration_stops(dataset, tmp_path, monkeypatch):
     inject_spike(monkeypatch, 5, factor=float('nan'))  # counted again from this run's first forward
     with pytest.raises(UserError, match=r"loss is nan at iter 5; stopping without saving"):
         train.main(tiny_args(dataset, tmp_path / 'b', max_iters=12, log_interval=4, skip_loss_z=5.0))
-
-
-# -----------------------------------------------------------------------------
-# activation checkpointing
-
-def test_activation_checkpointing_gives_the_plain_gradients():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=20, dropout=0.2))
-    x = torch.randint(20, (4, 16))
-    y = torch.randint(20, (4, 16))
-
-    def loss_and_grads(enabled):
-        model.zero_grad(set_to_none=True)
-        model.set_activation_checkpointing(enabled)
-        torch.manual_seed(1)  # the same dropout masks for both runs
-        loss = model(x, y)[1]
-        loss.backward()
-        return loss, [p.grad for p in model.parameters()], torch.get_rng_state()
-
-    plain_loss, plain_grads, plain_rng = loss_and_grads(False)
-    loss, grads, rng = loss_and_grads(True)
-    torch.testing.assert_close(loss, plain_loss)
-    for a, b in zip(grads, plain_grads):
-        torch.testing.assert_close(a, b)
-    # the recomputation leaves the RNG where the plain run leaves it
-    assert torch.equal(rng, plain_rng)
-    model.eval()
-    with torch.no_grad():  # evaluation never recomputes (nothing to save memory on)
-        torch.testing.assert_close(model(x, y)[1], GPT.forward(model, x, y)[1])
-
-
-def test_train_with_activation_checkpointing(dataset, tmp_path, capsys):
-    train.main(tiny_args(dataset, tmp_path / 'plain', max_iters=6, eval_interval=6))
-    plain = iter_losses(capsys.readouterr().out)
-    train.main(tiny_args(dataset, tmp_path / 'ac', max_iters=6, eval_interval=6, activation_checkpointing=True))
-    recomputed = iter_losses(capsys.readouterr().out)
-    assert_losses_close(recomputed, plain, range(7))
-    assert 'activation_checkpointing' not in load_checkpoint(str(tmp_path / 'ac' / 'ckpt.pt'))['model_extra_args']
-
-
-def test_bench_prints_peak_memory(capsys):
-    bench.main(['--device=cpu', '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=4',
-                '--burnin=1', '--steps=2', '--num_threads=1', '--real_data=False', '--activation_checkpointing=True'])
-    m = re.search(r"^peak memory: ([\d,]+) MiB \(peak process RSS, activation_checkpointing=True\)$",
-                  capsys.readouterr().out, re.M)
-    assert m and int(m.group(1).replace(',', '')) > 50
-
-
-# -----------------------------------------------------------------------------
-# out of memory
-
-def test_out_of_memory_is_one_message_and_keeps_the_checkpoint(dataset, tmp_path, capsys, monkeypatch):
-    train.main(tiny_args(dataset, tmp_path, max_iters=3, eval_interval=3))
-    saved = (tmp_path / 'ckpt.pt').read_bytes()
-    calls = {'n': 0}
-    real_forward = GPT.forward
-
-    def forward(self, idx, targets=None, kv_cache=None):
-        calls['n'] += self.training
-        if calls['n'] > 3:  # the second micro-step of the second iteration after the resume
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
-        return real_forward(self, idx, targets, kv_cache)
-    monkeypatch.setattr(GPT, 'forward', forward)
-    capsys.readouterr()
-    args = tiny_args(dataset, tmp_path, max_iters=12, eval_interval=100, init_from='resume')
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(lambda: train.main(args))
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    # the resume starts at iter 4, the final checkpoint's (max_iters + 1); the failing forward is in iter 5
-    assert len(err) == 1 and err[0].startswith(f"error: out of GPU memory at iter 5; the last checkpoint, "
-                                               f"{tmp_path / 'ckpt.pt'}, is kept")
-    for fix in ('--batch_size', '--gradient_accumulation_steps', '--activation_checkpointing=True',
-                '--parallelism=fsdp', '--block_size', '--init_from=resume'):
-        assert fix in err[0]
-    assert (tmp_path / 'ckpt.pt').read_bytes() == saved
-
-
-# -----------------------------------------------------------------------------
-# on a CUDA GPU (skipped without one): GPT-2 124M's shape
-
-GPT2_SHAPE = ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024']
-
-
-def bench_peak_mib(*settings):
-    """ bench.py's peak memory (MiB) in a process of its own, GPT-2 124M, random tokens, eager, on CUDA. """
-    r = run_python(['bench.py', '--device=cuda', '--real_data=False', '--compile=False',
-                        '--batch_size=8', '--burnin=1', '--steps=2', *GPT2_SHAPE, *settings], timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    m = re.search(r"^peak memory: ([\d,]+) MiB \(peak CUDA memory allocated", r.stdout, re.M)
-    return int(m.group(1).replace(',', ''))
-
-
-@pytest.mark.gpu
-def test_activation_checkpointing_lowers_the_cuda_peak_of_gpt2():
-    plain = bench_peak_mib()
-    recomputed = bench_peak_mib('--activation_checkpointing=True')
-    # the Blocks' activations at 8 x 1024 tokens are ~2 GiB in bf16; the logits and AdamW state stay either way
-    assert recomputed < plain - 1024, (plain, recomputed)
-
-
-@pytest.mark.gpu
-def test_real_cuda_out_of_memory_is_one_message(dataset, tmp_path):
-    # 4096 sequences of 1024 tokens through GPT-2 124M's Blocks: hundreds of GiB of activations
-    args = train_args(dataset, tmp_path, device='cuda', batch_size=4096, gradient_accumulation_steps=1,
-                      max_iters=2, eval_interval=100, n_layer=12, n_head=12, n_embd=768, block_size=1024)
-    r = run_python(['train.py', *args], timeout=600)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines()[-1].startswith("error: out of GPU memory at iter 0; no checkpoint had been")

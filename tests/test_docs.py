@@ -1,19 +1,18 @@
 """
-The commands that README.md, docs/*.md and the entry points' usage lines show (issue 41): each one
-runs here, on the CPU, or is skipped for the reason SKIP gives, so that none can drift unseen.
-
-Commands are read from the Markdown files' shell code blocks and from the scripts' docstrings. Fast:
-test_every_command_is_run_or_skipped (each is in RUN or SKIP; neither table names a command no doc
-shows) and test_skipped_commands_name_real_settings (a skipped command's script takes its settings).
-Slow: test_the_commands_run runs RUN in a copy of the repository, each command as written plus
-SHORTEN's settings (iterations, tokens, the CPU), SMALLER's where its model is sized for a GPU and
-AGAIN's where an earlier command wrote its out_dir.
+What the docs show, checked (a topic across rooms: the commands and code names README.md and docs/*.md give a
+reader). The commands README.md, docs/*.md and the entry points' usage lines show: each one runs here, on the CPU,
+or is skipped for the reason SKIP gives, so that none can drift unseen (fast: each is in RUN or SKIP, and a skipped
+command's script takes its settings; slow: test_the_commands_run runs RUN in a copy of the repository, with
+SHORTEN's, SMALLER's and AGAIN's settings). And every code name the docs give (`nanogpt_plus.module.name`, `from
+nanogpt_plus.x import a, b`, a short `module.name`) imports. No process is started for the names.
 """
 import ast
 import glob
+import importlib
 import importlib.util
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -26,30 +25,66 @@ from configurator import parse_config
 from helpers import REPO, TORCHRUN, run_python
 
 ENTRY_POINTS = ('train.py', 'sample.py', 'eval.py', 'finetune.py', 'bench.py', 'export_hf.py')
+
+
 # a line is a command when its program (after `$ ` and VAR=value words) is one of these
 PROGRAMS = ('python', 'torchrun', 'pip', 'lm_eval', 'sbatch', 'srun', 'bash', 'sh', 'ruff')
+
+
 SHELL_FENCES = ('', 'sh', 'bash', 'shell', 'console')
+
 
 # -----------------------------------------------------------------------------
 # what is not run, and why (a command is its words, quotes and comment gone)
 
 GPUS = "needs GPUs (8; or 4 for FSDP of a model too large for one)"
+
+
 NODES = "needs two machines"
+
+
 SLURM = "needs a SLURM cluster"
-GPT2 = "downloads OpenAI's GPT-2 weights (tests/test_loading.py loads a local copy)"
+
+
+GPT2 = "downloads OpenAI's GPT-2 weights (tests/test_init_from.py loads a local copy)"
+
+
 HUB = "downloads a dataset from the Hugging Face Hub"
+
+
 OWT = "needs OpenWebText prepared (a ~54 GB download)"
+
+
 FINEWEB = "needs FineWeb-Edu's shards (a ~28 GB download)"
+
+
 FINEWEB_RUN = "needs the GPT-2 124M FineWeb-Edu run (8 GPUs)"
+
+
 LM_EVAL = "lm-evaluation-harness: not a dependency of this project; its tasks download their data"
+
+
 BENCH = "a benchmark: minutes of timing by design (tests/test_bench.py runs its parts)"
+
+
 COMPILE = "torch.compile: a minute of compiling on 2 cores (tests/test_gpu.py compiles on a GPU)"
+
+
 INSTALL = "installs packages or makes a virtual environment: the set-up these tests run in"
+
+
 SUITE = "the test suite and the linter themselves"
+
+
 CORE_BUNDLE = "needs DCLM's eval bundle (a download; tests/test_core.py writes a small one) and a FineWeb run"
-TWO_RUNS = "needs a character and a GPT-2 BPE training run (tests/test_bpb.py plots two on one axis)"
+
+
+TWO_RUNS = "needs a character and a GPT-2 BPE training run (tests/test_plot_metrics.py plots two on one axis)"
+
+
 NODE_RUN = ('torchrun --nnodes=2 --nproc_per_node=8 --node_rank={} --master_addr=10.0.0.1 '
             '--master_port=29500 train.py config/train_gpt2.py')
+
 
 SKIP = {
     'python -m venv .venv': INSTALL,
@@ -131,17 +166,27 @@ SKIP = {
     'python scripts/bench_fineweb_prepare.py': BENCH,
 }
 
+
 # -----------------------------------------------------------------------------
 # what runs: stages in order, each needing the ones before it; a stage's chains run side by side, a
 # chain's commands one after another (they share an out_dir, or one reads what the one before wrote)
 
 CPU_RUN = 'config/train_shakespeare_char_cpu.py'
+
+
 GPU_RUN = 'config/train_shakespeare_char.py'
+
+
 PIPELINE = "python -c \"from transformers import pipeline; print(pipeline('text-generation', " \
            "model='out/hf')('{}')[0])\""
+
+
 PREDICT = 'python finetune.py --init_from=out-ft --predict_file=test.jsonl'
+
+
 AUTO_MODEL = "python -c \"from transformers import AutoModelForCausalLM as M; " \
              "m = M.from_pretrained('fast-hf', trust_remote_code=True); print(type(m).__name__)\""
+
 
 RUN = (
     # 1. the datasets (from write_inputs' corpus/ and my_text.txt), and what needs no dataset
@@ -193,6 +238,7 @@ RUN = (
       'python sample.py --init_from=fast-hf']],
 )
 
+
 # after every command of a script: seconds instead of minutes, on the CPU whatever the machine has
 SHORTEN = {
     'train.py': '--max_iters=1 --eval_interval=1 --eval_iters=2 --log_interval=1 --device=cpu '
@@ -202,11 +248,17 @@ SHORTEN = {
     'eval.py': '--max_examples=20 --device=cpu',
     'finetune.py': '--epochs=1 --device=cpu',
 }
+
+
 # GPT-2 124M (the defaults) and nanoGPT's 10.7M GPU model take seconds to minutes a step here.
 # SMALL_GPT2 keeps GPT-2's 1,024 positions: export.md's pipeline generates 256 new tokens, which a
 # shorter block can't hold (transformers indexes wpe past its end)
 SMALL_GPT2 = '--n_layer=1 --n_head=2 --n_embd=32 --batch_size=2 --gradient_accumulation_steps=1'
+
+
 SMALL_GPU_RUN = '--n_layer=1 --n_embd=48 --block_size=32'
+
+
 SMALLER = {
     'python train.py --dataset=mytext': SMALL_GPT2,
     f'python train.py {GPU_RUN}': SMALL_GPU_RUN,
@@ -216,6 +268,8 @@ SMALLER = {
     'python finetune.py ... --init_from=scratch --dataset=shakespeare_char':
         '--n_layer=1 --n_head=2 --n_embd=32',
 }
+
+
 # a run into an out_dir an earlier command wrote replaces it; a resume goes past the run's end
 AGAIN = {
     f'torchrun --standalone --nproc_per_node=2 train.py {CPU_RUN} --device=cpu': '--overwrite=True',
@@ -226,15 +280,19 @@ AGAIN = {
     'python finetune.py ... --out_dir=out-ft --init_from=resume': '--epochs=2',
     'python finetune.py ... --init_from=scratch --dataset=shakespeare_char': '--overwrite=True',
 }
+
+
 # what `...` stands for in finetune.py's commands: the first fine-tune's task, model and files
 ELLIPSIS = ('--task=classification --init_from=out-shakespeare-char-cpu --train_file=train.jsonl '
             '--val_file=val.jsonl')
+
+
 # the commands the docs show failing: (exit code, what they print)
 FAILS = {'python train.py --grad_clip=-1': (2, 'error: grad_clip must be >= 0.0, got -1.0')}
 
+
 # -----------------------------------------------------------------------------
 # reading the commands
-
 
 def fenced_lines(text):
     """ The lines of a Markdown text's shell code blocks (```, ```sh, ```bash), stripped. """
@@ -440,3 +498,90 @@ def test_the_commands_run(tmp_path):
         if done.returncode != code or text not in output:
             failed.append(f"{command}\n-> exit {done.returncode}:\n{output[-1500:]}")
     assert not failed, '\n\n'.join(failed)
+
+
+PACKAGE = 'nanogpt_plus'
+
+
+def package_modules():
+    """ The package's modules as a doc names them short: 'checkpoint', a subpackage 'dataset' and its
+    modules 'dataset.shards' (longest first, so that the scan takes the whole dotted module). """
+    names = set()
+    for path in glob.glob(os.path.join(REPO, PACKAGE, '**', '*.py'), recursive=True):
+        parts = os.path.relpath(path, os.path.join(REPO, PACKAGE))[:-len('.py')].split(os.sep)
+        if parts[-1] == '__init__':
+            parts = parts[:-1]
+        if parts:
+            names.add('.'.join(parts))
+    return sorted(names, key=lambda n: (-len(n), n))
+
+
+MODULES = package_modules()
+
+
+# not inside a file name: a temp file's mark (`.ckpt.pt.nanogpt_plus.tmp.<pid>`) is no code
+DOTTED = re.compile(rf'(?<![.\w]){PACKAGE}(?:\.\w+)+')
+
+
+FROM_IMPORT = re.compile(rf'\bfrom ({PACKAGE}(?:\.\w+)*) import ([\w, ]+)')
+
+
+SHORT = re.compile(rf"`((?:{'|'.join(map(re.escape, MODULES))})\.\w+)")
+
+
+# a short form that is a file name (`metrics.jsonl`, `tokenizer.json`), not a module's attribute
+FILE_SUFFIXES = ('py', 'json', 'jsonl', 'png', 'pt', 'bin', 'pkl', 'txt', 'md')
+
+
+def doc_files():
+    return [os.path.join(REPO, 'README.md')] + sorted(glob.glob(os.path.join(REPO, 'docs', '*.md')))
+
+
+def named(line):
+    """ The dotted names nanogpt_plus.x[.y] a line of a doc mentions. """
+    names = [m.rstrip('.') for m in DOTTED.findall(line)]
+    for module, imported in FROM_IMPORT.findall(line):
+        names += [f'{module}.{n.strip()}' for n in imported.split(',') if n.strip()]
+    names += [f'{PACKAGE}.{m}' for m in SHORT.findall(line)
+              if m.rsplit('.', 1)[1] not in FILE_SUFFIXES]
+    return names
+
+
+def exists(dotted):
+    """ Whether dotted imports: its longest prefix that is a module, then attributes from it. """
+    parts = dotted.split('.')
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module('.'.join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_package_name_in_the_docs_exists():
+    mentions, missing = 0, []
+    for path in doc_files():
+        with open(path, encoding='utf-8') as f:
+            for number, line in enumerate(f, 1):
+                for name in named(line):
+                    mentions += 1
+                    if not exists(name):
+                        missing.append(f"{os.path.relpath(path, REPO)}:{number}: {name}")
+    assert mentions > 5  # the docs do name code: a regex that finds nothing would pass vacuously
+    assert not missing, "the docs name code that doesn't exist:\n" + "\n".join(missing)
+
+
+def test_the_scan_finds_each_form():
+    line = ("`nanogpt_plus.training.optimizer_step`, `checkpoint.init_model`, `metrics.jsonl`, "
+            "from nanogpt_plus.dataset import find_shards, open_token_file; `dataset.shards.open_shard`, "
+            "`dataset.shards.open_token_file`")
+    assert named(line) == ['nanogpt_plus.training.optimizer_step', 'nanogpt_plus.dataset',
+                           'nanogpt_plus.dataset.find_shards', 'nanogpt_plus.dataset.open_token_file',
+                           'nanogpt_plus.checkpoint.init_model', 'nanogpt_plus.dataset.shards.open_shard',
+                           'nanogpt_plus.dataset.shards.open_token_file']
+    assert [exists(n) for n in named(line)] == [False, True, True, False, False, True, False]

@@ -1,6 +1,8 @@
 """
-eval.py: each task against an independent computation (transformers' GPT-2 on the same weights for
-HellaSwag; per-token hand loops for loss and LAMBADA), DDP equal to one process, and clear errors.
+nanogpt_plus/evaluation/ (its __init__.py: eval.py's tasks): each task against an independent computation
+(transformers' GPT-2 on the same weights for HellaSwag; per-token hand loops for loss, bits per byte and LAMBADA),
+the loss over several val shards as their token-weighted mean, as many forwards on every rank, eval.py under
+torchrun equal to one process, and clear errors (unknown task, missing or malformed files).
 """
 import json
 import math
@@ -11,8 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import TORCHRUN, run_python, save_test_checkpoint
+from helpers import TINY_VOCAB, run_eval, save_test_checkpoint, write_meta
 from model import GPT, GPTConfig
+from nanogpt_plus.dataset import split_files
+from nanogpt_plus.dataset.shards import write_shard
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import (
     evaluate,
@@ -43,12 +47,6 @@ def write_jsonl(path, records):
         for r in records:
             f.write(json.dumps(r) + '\n')
     return str(path)
-
-
-def run_eval(args, torchrun=False):
-    launcher = TORCHRUN + ['--standalone', '--nproc_per_node=2'] if torchrun else []
-    env = dict(os.environ, OMP_NUM_THREADS='1')
-    return run_python(launcher + ['eval.py', '--device=cpu'] + args, timeout=300, env=env)
 
 
 # -----------------------------------------------------------------------------
@@ -342,3 +340,63 @@ def test_malformed_jsonl_names_the_line(tmp_path):
         run_task(model, 'lambada', tok, data_file=str(path))
     with pytest.raises(UserError, match='unknown task'):
         run_task(model, 'piqa', tok, data_file=str(path))
+
+
+def test_eval_loss_over_several_val_shards_is_their_token_weighted_mean(tmp_path):
+    from model import GPT, GPTConfig
+    from nanogpt_plus.evaluation import evaluate
+    d = tmp_path / "d"
+    d.mkdir()
+    rng = np.random.default_rng(1)
+    for i, n in enumerate((90, 57)):
+        write_shard(str(d / f"x_val_{i:06d}.bin"), rng.integers(0, TINY_VOCAB, n).astype(np.uint16))
+    write_shard(str(d / "x_train_000002.bin"), np.arange(40, dtype=np.uint16) % TINY_VOCAB)
+    write_meta(d)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=TINY_VOCAB)).eval()
+    meta = {"kind": "char", "vocab_size": TINY_VOCAB}
+    both = evaluate(model, 'loss', meta, dataset=str(d), batch_size=4)
+    parts = [evaluate(model, 'loss', meta, data_file=p, batch_size=4)['metrics'] for p in split_files(str(d), 'val')]
+    assert both['data_file'] == str(d) and both['metrics']['tokens'] == 89 + 56
+    expected = sum(m['loss'] * m['tokens'] for m in parts) / 145
+    assert both['metrics']['loss'] == pytest.approx(expected, rel=1e-9)
+    assert both['metrics']['bytes'] == sum(m['bytes'] for m in parts)
+    assert evaluate(model, 'loss', meta, data_file=str(d), split='train')['metrics']['tokens'] == 39
+
+
+class CountingModel(torch.nn.Module):
+    """ Logits of all-zero weights, and a count of its forward passes. """
+
+    def __init__(self):
+        super().__init__()
+        self.forwards = 0
+
+    def forward(self, idx, all_positions=False):
+        self.forwards += 1
+        return torch.zeros(*idx.shape, 5), None
+
+
+class FakeDist:
+    under_torchrun = True
+    device = 'cpu'
+
+    def __init__(self, rank, world_size):
+        self.rank = rank
+        self.world_size = world_size
+
+
+def test_score_examples_runs_as_many_forwards_on_every_rank(monkeypatch):
+    # 5 examples of one row over 2 ranks with batches of 2: rank 0 has 3 rows (2 batches), rank 1 has 2 (1)
+    import torch.distributed as dist
+    # one process plays each rank in turn
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None: None)
+    rows = [([1, 2, 3], 2)] * 5
+    counts = []
+    tables = []
+    for rank in range(2):
+        model = CountingModel()
+        tables.append(score_examples(model, rows, list(range(6)), 2, 'cpu', dist_info=FakeDist(rank, 2)))
+        counts.append(model.forwards)
+    assert counts == [2, 2]
+    # the padding forward is not in the results: rank 1's table holds its 2 rows only
+    assert tables[1][:, 1].tolist() == [0, 2, 0, 2, 0]

@@ -1,9 +1,10 @@
 """
-data/text/prepare.py (nanogpt_plus/prepare/corpus.py with a tokenizer of your choice): a byte-level BPE trained
-on the train split, deterministic and byte-exact on mixed Unicode; the end-of-text id meta.json names after
-each document; char and gpt2 byte-identical to the Shakespeare scripts on one file; a tokenizer.json reused;
-uint32 token files and llm.c's uint32 shards past 65,536 tokens; each bad setting one line, exit code 2.
-In-process and offline.
+nanogpt_plus/prepare/corpus.py (data/text/prepare.py and data/openwebtext/prepare.py): a corpus of .txt, JSONL or
+parquet files or a Hub dataset, in a tokenizer of your choice; a byte-level BPE trained on the train split,
+deterministic and byte-exact on mixed Unicode; the end-of-text id after each document; char and gpt2 byte-identical
+to the Shakespeare scripts on one file; a tokenizer.json reused; uint32 token files past 65,536 tokens (and
+data/fineweb's shards in such a vocabulary, from the BPE prepared here); num_proc=2 == 1; each bad setting or input
+one line, exit code 2. In-process and offline.
 """
 import hashlib
 import json
@@ -15,13 +16,16 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import REPO, bpe_corpus_text, synthetic_bpe_json
+from helpers import REPO, bpe_corpus_text, run_offline, synthetic_bpe_json, tokens
 from nanogpt_plus.dataset import read_dataset_meta
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare import corpus
-from nanogpt_plus.tokenizer import load_tokenizer
+from nanogpt_plus.prepare.corpus import expand_files, load_corpus, prepare_corpus
+from nanogpt_plus.tokenizer import get_gpt2_encoding, load_tokenizer
 
 SCRIPT = os.path.join(REPO, "data", "text", "prepare.py")
+
+
 BINS = ("train.bin", "val.bin")
 
 
@@ -279,3 +283,129 @@ def test_fineweb_workers_build_the_bpe_from_its_json(bpe_runs):
     texts = [f"document {i}: naïve 東京 🎉 " * (i % 5) for i in range(50)]
     in_pool = [a.tolist() for a in tokenize_stream(iter(texts), num_proc=2, window=8, tok=tok)]
     assert in_pool == [[tok.eot_token] + tok.encode_ordinary(t) for t in texts]
+
+
+# -----------------------------------------------------------------------------
+# the corpus path (openwebtext and local files)
+
+def write_jsonl(path, n_docs=40):
+    rng = np.random.default_rng(0)
+    words = "the quick brown fox jumps over the lazy dog naïve café 東京 \n\n".split(" ")
+    docs = [" ".join(rng.choice(words, size=int(rng.integers(0, 120)))) for _ in range(n_docs)]
+    with open(path, "w", encoding="utf-8") as f:
+        for i, d in enumerate(docs):
+            f.write(json.dumps({"id": i, "body": d}) + "\n")
+    return docs
+
+
+def split_docs(ids, eot):
+    """ The documents of a token file: it is a sequence of (tokens..., eot). """
+    assert len(ids) and ids[-1] == eot
+    cuts = np.flatnonzero(ids == eot)
+    return [ids[a + 1:b] for a, b in zip(np.concatenate([[-1], cuts[:-1]]), cuts)]
+
+
+def test_corpus_jsonl_num_proc_2_exact_tokens_and_same_as_num_proc_1(tmp_path):
+    docs = write_jsonl(tmp_path / "corpus.jsonl")
+    enc = get_gpt2_encoding()
+    outs = {}
+    for num_proc in (2, 1):
+        out = tmp_path / f"out{num_proc}"
+        counts = prepare_corpus(str(out), files=str(tmp_path / "corpus.jsonl"), text_column="body",
+                                num_proc=num_proc, test_size=0.1, cache_dir=str(tmp_path / "cache"),
+                                load_from_cache_file=False, total_batches=7, progress=False)
+        outs[num_proc] = {s: (out / f"{s}.bin").read_bytes() for s in ("train", "val")}
+        assert counts["train_tokens"] + counts["val_tokens"] == sum(len(enc.encode_ordinary(d)) + 1 for d in docs)
+        assert counts["val_tokens"] * 2 == len(outs[num_proc]["val"]) and counts["documents"] == len(docs)
+    assert outs[1] == outs[2]
+    # every document exactly once, each followed by the end-of-text token; 4 of 40 in val
+    train = split_docs(np.frombuffer(outs[2]["train"], dtype=np.uint16), enc.eot_token)
+    val = split_docs(np.frombuffer(outs[2]["val"], dtype=np.uint16), enc.eot_token)
+    assert len(val) == 4 and len(train) == 36
+    assert sorted(enc.decode(d.tolist()) for d in train + val) == sorted(docs)
+    assert read_dataset_meta(str(tmp_path / "out2"))["kind"] == "gpt2"
+
+
+def test_openwebtext_script_on_local_files(tmp_path):
+    docs = write_jsonl(tmp_path / "corpus.jsonl", n_docs=20)
+    r = run_offline("data/openwebtext/prepare.py", f"--files={tmp_path / 'corpus.jsonl'}", "--text_column=body",
+                   f"--out_dir={tmp_path / 'out'}", f"--cache_dir={tmp_path / 'cache'}", "--test_size=0.1",
+                   "--num_proc=2")
+    assert r.returncode == 0, r.stderr
+    n = sum(len(get_gpt2_encoding().encode_ordinary(d)) + 1 for d in docs)
+    assert f"wrote {n:,} tokens" in r.stdout and "tokens/s" in r.stdout
+    assert (len(tokens(tmp_path / "out" / "train.bin")) + len(tokens(tmp_path / "out" / "val.bin"))) == n
+
+
+def test_corpus_unknown_dataset_and_missing_column(tmp_path):
+    write_jsonl(tmp_path / "corpus.jsonl", n_docs=5)
+    with pytest.raises(UserError, match=r"has no column 'text' \(its columns: id, body\); pass --text_column"):
+        load_corpus(files=str(tmp_path / "corpus.jsonl"), cache_dir=str(tmp_path / "cache"))
+    # offline (conftest) an unknown name and a real one fail the same way: one sentence, no traceback
+    with pytest.raises(UserError, match="could not load the Hugging Face dataset 'surely_not_a_dataset'"):
+        load_corpus(dataset="surely_not_a_dataset", cache_dir=str(tmp_path / "cache"))
+
+
+def test_corpus_hub_config_name_reaches_load_dataset(tmp_path, monkeypatch):
+    import datasets
+    calls = []
+
+    def fake_load_dataset(path, name=None, **kwargs):
+        calls.append((path, name))
+        return {"train": datasets.Dataset.from_dict({"text": ["one document", "another one"]})}
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    load_corpus(dataset="HuggingFaceFW/fineweb", name="sample-10BT", cache_dir=str(tmp_path / "cache"))
+    load_corpus(dataset="openwebtext", cache_dir=str(tmp_path / "cache"))
+    # '' = no config
+    assert calls == [("HuggingFaceFW/fineweb", "sample-10BT"), ("openwebtext", None)]
+    monkeypatch.undo()
+    with pytest.raises(UserError, match=r"could not load the Hugging Face dataset 'nope' \(config 'cfg'\).*--name"):
+        load_corpus(dataset="nope", name="cfg", cache_dir=str(tmp_path / "cache"))
+
+
+def test_corpus_txt_files_and_file_errors(tmp_path):
+    with pytest.raises(UserError, match="no files match"):
+        expand_files(str(tmp_path / "*.txt"))
+    (tmp_path / "a.csv").write_text("x")
+    with pytest.raises(UserError, match="can't read .csv"):
+        expand_files(str(tmp_path / "a.csv"))
+    (tmp_path / "e.txt").write_text("")
+    with pytest.raises(UserError, match="empty"):
+        expand_files(str(tmp_path / "e.txt"))
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine text\n\nmore \xff text\n")
+    with pytest.raises(UserError, match=r"bad\.txt is not UTF-8 text \(invalid byte at byte offset 16\)"):
+        load_corpus(files=str(bad), cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_a_jsonl_text_that_is_not_a_string_is_one_line(tmp_path):
+    cases = {'{"text": 5}': "line 2: its 'text' field is a number (5), not text; make it a string",
+             '["a", "list"]': "line 2 is a list, not an object with a 'text' field",
+             '{"text": ["x"]}': "line 2: its 'text' field is a list"}
+    for i, (bad, words) in enumerate(cases.items()):
+        path = tmp_path / f'c{i}.jsonl'
+        path.write_text('{"text": "a first document"}\n' + bad + '\n')
+        with pytest.raises(UserError, match=rf"^{path} {re.escape(words)}"):
+            prepare_corpus(str(tmp_path / f'out{i}'), files=str(path), tokenizer='char', progress=False)
+        assert not os.path.exists(tmp_path / f'out{i}' / 'train.bin')
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_a_directory_as_input_says_so(tmp_path):
+    with pytest.raises(UserError, match=rf"^input {tmp_path} is a directory; pass its files"):
+        expand_files(str(tmp_path))
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_files_an_earlier_preparation_left_are_removed(tmp_path):
+    corpus = tmp_path / 'c.jsonl'
+    corpus.write_text(''.join(json.dumps({'text': f'document number {i} of the corpus'}) + '\n' for i in range(40)))
+    out = tmp_path / 'data'
+    prepare_corpus(str(out), files=str(corpus), tokenizer='bpe', vocab_size=300, progress=False)
+    assert (out / 'tokenizer.json').exists()
+    prepare_corpus(str(out), files=str(corpus), tokenizer='char', progress=False, overwrite=True)
+    # --tokenizer=<dir> finds none
+    assert not (out / 'tokenizer.json').exists() and (out / 'meta.pkl').exists()
+    prepare_corpus(str(out), files=str(corpus), tokenizer='gpt2', progress=False, overwrite=True)
+    assert not (out / 'meta.pkl').exists() and json.load(open(out / 'meta.json'))['kind'] == 'gpt2'

@@ -1,8 +1,7 @@
 """
-scripts/slurm_train.sh (docs/training.md, "Many machines") as sbatch runs it, on 2 nodes of this
-machine: stand-ins for srun and scontrol first on PATH, the rest real (torchrun, train.py). A
-signal goes to every process of a task's process group, as SLURM's --signal reaches every process
-of the job's step.
+scripts/slurm_train.sh (docs/training.md, "Many machines") as sbatch runs it, on 2 nodes of this machine: stand-ins
+for srun and scontrol first on PATH, the rest real (torchrun, train.py). A signal goes to every process of a task's
+process group, as SLURM's --signal reaches every process of the job's step.
 """
 import os
 import re
@@ -19,6 +18,7 @@ from nanogpt_plus.checkpoint import load_checkpoint
 from test_many_machines import ENV, free_port
 
 SCRIPT = os.path.join(REPO, 'scripts', 'slurm_train.sh')
+
 
 FAKE_SRUN = """#!/bin/bash
 # srun's stand-in: one task per node, each with its own SLURM_NODEID, all on this machine. Its
@@ -46,16 +46,22 @@ for ((k = 0; k < ${SRUN_TRAILER_KB:-0} * 16; k++)); do
 done
 exit $code
 """
+
+
 FAKE_SCONTROL = """#!/bin/bash
 case "$1 $2" in
     "show hostnames") echo 127.0.0.1; echo 127.0.0.2 ;;
     requeue*) echo "$2" >> "$REQUEUED" ;;
 esac
 """
+
+
 # torchrun's stand-in, for the tests where it must not start: it only says that it ran
 FAKE_TORCHRUN = """#!/bin/bash
 echo "$*" >> "$TORCHRUN_RAN"
 """
+
+
 PORT_LINE = re.compile(r"^job (\d+): 2 nodes, rank 0 on 127\.0\.0\.1 \(port (\d+)\)", re.M)
 
 

@@ -1,10 +1,9 @@
 """
-gpt2* names without a network (nanogpt_plus/hf_import.py): the local hub cache is read first, so a
-cached model loads offline; with HF_HUB_OFFLINE set nothing reaches for the network; without it, a
-hub that can't be reached is refused in one line at once instead of after huggingface_hub's ~25 s
-of retries; a reachable hub still downloads. The network is never touched: the probe is patched or
-points at a closed port of this machine (and huggingface_hub, imported under conftest's
-HF_HUB_OFFLINE=1, would refuse a real request anyway).
+nanogpt_plus/hf_import.py, gpt2* names without a network: the local hub cache is read first, so a cached model loads
+offline; with HF_HUB_OFFLINE set nothing reaches for the network; without it, a hub that can't be reached is refused
+in one line at once instead of after huggingface_hub's ~25 s of retries; a reachable hub still downloads. The
+network is never touched: the probe is patched or points at a closed port of this machine (and huggingface_hub,
+imported under conftest's HF_HUB_OFFLINE=1, would refuse a real request anyway).
 """
 import json
 import os
@@ -20,6 +19,8 @@ from nanogpt_plus.errors import UserError
 from nanogpt_plus.init_from import init_model
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50, bias=True, gelu='tanh')
+
+
 SNAPSHOT = 'a' * 40  # the commit a hub cache's refs/main names
 
 

@@ -1,7 +1,7 @@
 """
-train.py's in-loop HellaSwag and samples: the figure at iteration N is eval.py --task=hellaswag's on the
-checkpoint written at N, the printed line and the metrics record, DDP equal to one process, a missing file
-stopping the run at start-up, the sample line, and none of it changing the training itself.
+nanogpt_plus/evaluation/periodic.py, train.py's in-loop HellaSwag and samples: the figure at iteration N is eval.py
+--task=hellaswag's on the checkpoint written at N, the printed line and the metrics record, DDP equal to one
+process, a missing file stopping the run at start-up, the sample line, and none of it changing the training itself.
 """
 import json
 import os
@@ -31,7 +31,11 @@ from nanogpt_plus.runtime import run_main
 
 # the tiny dataset's pattern as 19 letters and a space (HellaSwag scores after a space)
 SYMBOLS = SPACED_SYMBOLS
+
+
 HELLASWAG_LINE = re.compile(r"^hellaswag (\d+): acc_norm (\d\.\d{4}) \((\d+)/(\d+)\)$", re.M)
+
+
 SAMPLE_LINE = re.compile(r"^sample (\d+): (.*)$", re.M)
 
 

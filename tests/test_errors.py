@@ -1,0 +1,21 @@
+"""
+nanogpt_plus/errors.py: every error a user can cause ends with one exit code, and the words of a NaN loss say
+whether a checkpoint was kept.
+"""
+import pytest
+import torch
+
+from nanogpt_plus.errors import ConfigError, Interrupted, TokenizerError, UserError, exit_code, non_finite_loss
+
+
+def test_user_errors_share_one_exit_code():
+    for error in (UserError("x"), ConfigError("x"), TokenizerError("x")):
+        assert isinstance(error, UserError) and exit_code(error) == 2
+    assert exit_code(Interrupted()) == 75 and exit_code(RuntimeError()) == 1
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_a_nan_before_any_save_does_not_speak_of_a_kept_checkpoint(tmp_path):
+    assert "no checkpoint had been saved to" in str(non_finite_loss(float('nan'), 0, str(tmp_path / 'ckpt.pt')))
+    torch.save({}, tmp_path / 'ckpt.pt')
+    assert "the last good checkpoint in" in str(non_finite_loss(float('nan'), 5, str(tmp_path / 'ckpt.pt')))
