@@ -1,8 +1,9 @@
 """
-The shape of the code (a topic across rooms): the package has no import cycle (function-level imports included),
-errors.py is a leaf, no entry point imports another, a script declares its settings at its top, few long lines, the
-laptop command imports only the modules it uses, tests share helpers through tests/helpers.py, not conftest, and
-every test file is named for a module, a script or one of a few topics.
+The shape of the code (a topic across rooms): the package has no import cycle (function-level imports included) and no
+chain of imports more than 11 modules deep, errors.py is a leaf, no entry point imports another, a script declares its
+settings at its top, checkpoint file names are written in checkpoint.py alone, few long lines, the laptop command
+imports only the modules it uses, tests share helpers through tests/helpers.py, not conftest, and every test file is
+named for a module, a script or one of a few topics.
 """
 import ast
 import glob
@@ -59,6 +60,69 @@ def test_no_import_cycle_anywhere_in_the_package():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+def script_files():
+    """ The scripts: the entry points, the prepare scripts and scripts/*.py (nothing imports them). """
+    return ([os.path.join(REPO, f"{name}.py") for name in ENTRY_POINTS]
+            + sorted(glob.glob(os.path.join(REPO, 'data', '*', 'prepare.py')))
+            + sorted(glob.glob(os.path.join(REPO, 'scripts', '*.py'))))
+
+
+def longest_chain(module, graph, memo):
+    """ The longest chain of our imports from module down to a module that imports nothing of ours. """
+    if module not in memo:
+        memo[module] = [module] + max((longest_chain(m, graph, memo) for m in sorted(graph[module])), key=len,
+                                      default=[])
+    return memo[module]
+
+
+# the house's height: nanochat's package stands 5 modules deep; ours was 15 before its rooms were set by topic
+MAX_IMPORT_DEPTH = 11
+
+
+def test_no_chain_of_imports_is_more_than_11_modules_deep():
+    """ From any script down to a module that imports nothing of ours (function-level imports included). """
+    modules = our_modules()
+    graph = {m: imports_of(p, modules) - {m} for m, p in modules.items()}
+    memo = {}
+    for path in script_files():
+        below = [longest_chain(m, graph, memo) for m in sorted(imports_of(path, modules))]
+        chain = [os.path.relpath(path, REPO)] + max(below, key=len, default=[])
+        assert len(chain) <= MAX_IMPORT_DEPTH, " -> ".join(chain)
+
+
+def test_checkpoint_file_names_are_written_only_in_checkpoint_py():
+    """
+    ckpt.pt, ckpt_best.pt, ckpt_last.pt, the ckpt_<iter>.pt snapshots and their sidecars are named in
+    nanogpt_plus/checkpoint.py alone: no other code (scripts/ included) builds one from a string. Help texts,
+    docstrings and messages may still say them.
+    """
+    import re
+    name = re.compile(r'^ckpt[\w*{}-]*\.(pt|json)$')
+    found = []
+    for path in python_files():
+        rel = os.path.relpath(path, REPO)
+        if rel == os.path.join('nanogpt_plus', 'checkpoint.py') or rel.startswith('tests' + os.sep):
+            continue
+        tree = ast.parse(open(path, encoding='utf-8').read())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and node.body
+                      and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                    and name.match(node.value):
+                found.append(f"{rel}:{node.lineno}: {node.value!r}")
+            # an f-string that builds one: f'ckpt_{i}.pt'
+            if isinstance(node, ast.JoinedStr) and isinstance(node.values[0], ast.Constant) \
+                    and str(node.values[0].value).startswith('ckpt') \
+                    and str(getattr(node.values[-1], 'value', '')).endswith(('.pt', '.json')):
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    for path in glob.glob(os.path.join(REPO, 'scripts', '*.sh')):
+        for number, line in enumerate(open(path, encoding='utf-8'), 1):
+            if re.search(r'ckpt[\w*-]*\.pt', line) and not line.lstrip().startswith('#'):
+                found.append(f"{os.path.relpath(path, REPO)}:{number}: {line.strip()}")
+    assert not found, found
 
 
 def test_errors_is_a_leaf():
