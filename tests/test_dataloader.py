@@ -21,6 +21,7 @@ import eval as eval_script
 import sample
 import train
 from helpers import (
+    SINGLE,
     TINY_VOCAB,
     copy_dataset,
     iter_losses,
@@ -367,3 +368,17 @@ def test_ddp_two_processes_equals_one_on_shards_in_sequential_order(shard_datase
     states = [load_checkpoint(str(tmp_path / run / "ckpt.pt"))["loader"] for run in ("one", "two")]
     # 7 steps x 4 micro-batches: past one epoch
     assert states[0] == states[1] and states[0]["epoch"] == 1
+
+
+def test_a_single_process_computes_none_of_the_digests_the_ranks_compare(tiny_dataset, monkeypatch):
+    """ training_data's comparisons (the tokenizer's digest, each file's, the token counts) are for ranks to agree
+    on: one process opens its data and loaders without reading a file for a digest. """
+    def refused(*args):
+        raise AssertionError("a digest computed with no rank to compare it with")
+    monkeypatch.setattr(dataloader, 'data_digests', refused)
+    monkeypatch.setattr(dataloader, 'tokenizer_digest', refused)
+    spec = dataloader.DataSpec(dataset=tiny_dataset, data_order='random', batch_size=2, block_size=8, seed=1)
+    data, train_loader, eval_loaders = dataloader.training_data(spec, SINGLE)
+    assert data.directory and set(eval_loaders) == {'train', 'val'}
+    X, Y = train_loader.next_batch()
+    assert X.shape == (2, 8) and torch.equal(X[:, 1:], Y[:, :-1])
