@@ -53,7 +53,6 @@ from nanogpt_plus.metrics import MetricsLogger, WandbSpec
 from nanogpt_plus.outputs import OutDirSpec, claim_out_dir, prepare_out_dir
 from nanogpt_plus.runtime import SAME_START, provenance, run_main, same_start
 from nanogpt_plus.settings import flag, non_negative, positive
-from nanogpt_plus.tokenizer import load_tokenizer, split_bytes_per_token
 
 # -----------------------------------------------------------------------------
 # The settings and their defaults: nanoGPT's (GPT-2 124M on OpenWebText) in its order, then ours;
@@ -518,8 +517,8 @@ def setup(cfg, dist_info):
     logger = MetricsLogger.for_run(cfg.out_dir, cfg.select(WandbSpec), config_record=dict(cfg),
                                    enabled=master, resumed=resumed)
     logger.start(state.iter_num, cfg.init_from)
-    bytes_per_token = measure_bytes_per_token(eval_loaders, data.meta or tokenizer_meta, logger,
-                                              state.iter_num) if master else {}
+    bytes_per_token = measure_bytes_per_token(eval_loaders, data, data.meta or tokenizer_meta,
+                                              logger, state.iter_num) if master else {}
     state.loader_state = train_loader.state_dict()
     state.batch = train_loader.next_batch()
     state.lap_start = time.time()
@@ -533,16 +532,25 @@ def setup(cfg, dist_info):
     return run, state
 
 
-def measure_bytes_per_token(eval_loaders, tokenizer_meta, logger, iter_num):
+def measure_bytes_per_token(eval_loaders, data, tokenizer_meta, logger, iter_num):
     """
-    {split: UTF-8 bytes per token} of the splits evaluated on, measured once (a large split by an
-    even sample: tokenizer.split_bytes_per_token) and logged as a 'bytes_per_token' record; None
-    for a split with ids the tokenizer lacks. Each evaluation's loss / ln 2 / this is its bits per
-    byte, which compares across tokenizers (a char model's and a GPT-2 BPE model's).
+    {split: UTF-8 bytes per token} of the splits evaluated on, once, logged as a 'bytes_per_token'
+    record: as the dataset's preparation counted them over the whole split (data.recorded_bytes),
+    else measured with the tokenizer (a large split by an even sample:
+    tokenizer.split_bytes_per_token); None for a split with ids the tokenizer lacks. Each
+    evaluation's loss / ln 2 / this is its bits per byte, which compares across tokenizers (a char
+    model's and a GPT-2 BPE model's).
     """
-    tokenizer = load_tokenizer(tokenizer_meta)
-    counts = {split: split_bytes_per_token(loader.source, tokenizer)
+    counts = {split: data.recorded_bytes(split, int(loader.source.sizes.sum()))
               for split, loader in eval_loaders.items()}
+    unrecorded = [split for split, count in counts.items() if count is None]
+    if unrecorded:
+        # a dataset prepared before its bytes were recorded, or nanoGPT's: only these runs load the
+        # tokenizer
+        from nanogpt_plus.tokenizer import load_tokenizer, split_bytes_per_token
+        tokenizer = load_tokenizer(tokenizer_meta)
+        counts.update({split: split_bytes_per_token(eval_loaders[split].source, tokenizer)
+                       for split in unrecorded})
     record = {'type': 'bytes_per_token', 'iter': iter_num}
     for split, count in counts.items():
         record.update({split: count['bytes_per_token'], f'{split}_tokens_counted':

@@ -255,8 +255,23 @@ def token_byte_lengths(tokenizer):
         for i, ch in tokenizer.itos.items():
             lengths[i] = len(ch.encode('utf-8'))
         return lengths
-    return np.array([len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)],
-                    dtype=np.int64)
+    if tokenizer.kind == 'gpt2':
+        return _gpt2_byte_lengths()
+    return _byte_lengths_of(tokenizer)
+
+
+def _byte_lengths_of(tokenizer):
+    # fromiter: no list of 50,000 lengths beside the array (a fineweb preparation's memory stays flat)
+    return np.fromiter((len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)),
+                       dtype=np.int64, count=tokenizer.vocab_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt2_byte_lengths():
+    """ GPT-2's, the same every time: worked out once per process, read-only. """
+    lengths = _byte_lengths_of(GPT2Tokenizer())
+    lengths.flags.writeable = False
+    return lengths
 
 
 # a split up to this many tokens is counted whole for its bytes per token; a larger one

@@ -83,6 +83,7 @@ def test_bpe_is_deterministic_and_round_trips_every_document_byte_exact(corpus_d
     assert files_of(first) == files_of(second) and len(files_of(first)) == 4
     meta = json.loads((first / "meta.json").read_text())
     assert meta.pop("preparation")["tokenizer"] == "bpe of 512 tokens trained on the corpus"
+    split_bytes = meta.pop("split_bytes")  # each split's tokens and bytes: checked below
     tokenizer_json = (first / "tokenizer.json").read_text(encoding="utf-8")
     assert meta == {"kind": "bpe", "vocab_size": 512, "eot_token": 0, "dtype": "uint16",
                     "tokenizer_file": "tokenizer.json",
@@ -93,6 +94,9 @@ def test_bpe_is_deterministic_and_round_trips_every_document_byte_exact(corpus_d
     split = {s: documents_of(np.fromfile(first / s, dtype=np.uint16), tok.eot_token) for s in BINS}
     assert len(split["val.bin"]) == 1 and len(split["train.bin"]) == 7
     decoded = sorted(tok.decode_bytes(d.tolist()) for d in split["train.bin"] + split["val.bin"])
+    for s in ("train", "val"):
+        ids = np.fromfile(first / f"{s}.bin", dtype=np.uint16)
+        assert split_bytes[s] == {"tokens": len(ids), "bytes": len(tok.decode_bytes(ids.tolist()))}
     assert decoded == sorted(p.read_bytes() for p in corpus_dir.glob("*.txt"))
     assert any("東京".encode() in d and "🎉".encode() in d and "façade".encode() in d for d in decoded)
 

@@ -230,21 +230,30 @@ def test_no_long_line_ends_in_a_comment():
 
 
 # the package modules nanoGPT's laptop command runs on (README's map shows them in bold): nothing it does not use
+# (no tokenizer: each split's bytes per token, for the bits per byte, are the ones its prepare.py recorded)
 DEFAULT_PATH = {'errors', 'settings', 'runtime', 'signals', 'distributed', 'machine', 'files',
                 'dataset', 'dataloader', 'checkpoint', 'init_from', 'outputs', 'optimizer', 'metrics',
-                'progress',
-                # each split's bytes per token, for the evaluation's bits per byte (a character vocabulary's: no BPE)
-                'tokenizer'}
+                'progress'}
 
 
-def test_the_laptop_command_imports_only_the_modules_it_uses(tiny_dataset, tmp_path):
+@pytest.fixture(scope='module')
+def prepared_char_dataset(tmp_path_factory):
+    """ A character dataset as data/shakespeare_char/prepare.py makes one (its meta.json records each split's
+    bytes). """
+    from nanogpt_plus.prepare.shakespeare import prepare_char
+    directory = str(tmp_path_factory.mktemp('laptop_char'))
+    prepare_char("First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 100, directory)
+    return directory
+
+
+def test_the_laptop_command_imports_only_the_modules_it_uses(prepared_char_dataset, tmp_path):
     """ `python train.py config/train_shakespeare_char.py` on the CPU, a save included: these modules and no others. """
     code = ("import sys; import train; from nanogpt_plus.runtime import run_main\n"
             "sys.argv = ['train.py', *sys.argv[1:]]; run_main(train.main)\n"
             "print('modules:', ' '.join(sorted(m[13:] for m in sys.modules if m.startswith('nanogpt_plus.'))))")
-    args = ['config/train_shakespeare_char.py', f'--dataset={tiny_dataset}', f'--out_dir={tmp_path}', '--device=cpu',
-            '--compile=False', '--max_iters=2', '--eval_interval=2', '--eval_iters=1', '--n_layer=1', '--n_head=2',
-            '--n_embd=16', '--block_size=16', '--batch_size=2', '--num_threads=0']
+    args = ['config/train_shakespeare_char.py', f'--dataset={prepared_char_dataset}', f'--out_dir={tmp_path}',
+            '--device=cpu', '--compile=False', '--max_iters=2', '--eval_interval=2', '--eval_iters=1', '--n_layer=1',
+            '--n_head=2', '--n_embd=16', '--block_size=16', '--batch_size=2', '--num_threads=0']
     r = run_python(['-c', code, *args], timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "saving checkpoint to" in r.stdout

@@ -4,9 +4,11 @@ What a prepared dataset is, worked out once at set-up and then handed to everyth
 files of each split (nanoGPT's train.bin/val.bin or llm.c's shards), the dtype of the raw files, and
 the tokenizer description its meta file gives (and so the vocabulary size), read and checked here:
 meta.json (ours, plain JSON) or nanoGPT's meta.pkl (read with an unpickler that builds plain data
-only). Whether a dataset's tokens mean to a model what they meant to the tokenizer that made them is
-checked here too (check_dataset_tokenizer). Which files are whose is told by their names (find_shards);
-llm.c's shard format itself is dataset/shards.py's, loaded only where a directory holds shards.
+only), and each split's tokens and UTF-8 bytes as its preparation counted them (meta.json's
+"split_bytes": train.py's bits per byte without a tokenizer). Whether a dataset's tokens mean to a
+model what they meant to the tokenizer that made them is checked here too (check_dataset_tokenizer).
+Which files are whose is told by their names (find_shards); llm.c's shard format itself is
+dataset/shards.py's, loaded only where a directory holds shards.
 
 Usage:
     from nanogpt_plus.dataset import find_dataset
@@ -208,9 +210,24 @@ class Dataset:
     raw_dtype: object
     # the tokenizer description of its meta.json / meta.pkl; None: no meta (GPT-2 BPE assumed)
     meta: dict
+    # {split: {'tokens': N, 'bytes': B}} meta.json's "split_bytes" records; None: not recorded
+    split_bytes: dict = None
 
     def files(self, split):
         return self.split_files[split]
+
+    def recorded_bytes(self, split, tokens):
+        """
+        {'bytes_per_token', 'tokens_counted', 'whole': True} of a split of `tokens` tokens, as its
+        preparation counted them over every token (meta.json's "split_bytes"); None when they were
+        not counted (a dataset prepared before they were, or nanoGPT's) or were counted for token
+        files of another length (ones copied in from another preparation): then they are measured.
+        """
+        count = (self.split_bytes or {}).get(split)
+        if count is None or count['tokens'] != tokens or not tokens:
+            return None
+        return {'bytes_per_token': count['bytes'] / count['tokens'], 'tokens_counted': count['tokens'],
+                'whole': True}
 
     @property
     def vocab_size(self):
@@ -232,7 +249,8 @@ def find_dataset(name, splits=('train', 'val')):
     # the raw files' dtype from meta.json, once (shards carry theirs in their headers); none asked
     # for: no files
     raw_dtype = raw_token_dtype(files[splits[0]][0]) if splits and not shards else None
-    return Dataset(name, directory, files, shards, raw_dtype, read_dataset_meta(directory))
+    meta, split_bytes = _read_meta(directory)
+    return Dataset(name, directory, files, shards, raw_dtype, meta, split_bytes)
 
 
 # -----------------------------------------------------------------------------
@@ -257,6 +275,14 @@ def read_dataset_meta(data_dir):
     a tokenizer.json that contradicts it is refused here, when the dataset is read, in one line
     naming the file.
     """
+    return _read_meta(data_dir)[0]
+
+
+def _read_meta(data_dir):
+    """
+    (read_dataset_meta's tokenizer description, the "split_bytes" its meta.json records, checked:
+    see _checked_split_bytes; None for none or for a meta.pkl).
+    """
     json_path = os.path.join(data_dir, "meta.json")
     pkl_path = os.path.join(data_dir, "meta.pkl")
     if os.path.exists(json_path):
@@ -266,10 +292,14 @@ def read_dataset_meta(data_dir):
         except (OSError, ValueError, RecursionError) as e:
             raise TokenizerError(f"{json_path} is unreadable ({error_line(e)}); re-run the dataset's prepare.py") \
                 from None
+        split_bytes = None
         if isinstance(meta, dict):
-            # how the dataset was made (outputs.check_same_dataset), not its tokenizer's description
+            # how the dataset was made (outputs.check_same_dataset) and what it holds, not its
+            # tokenizer's description
             meta.pop("preparation", None)
-        return _checked_meta(meta, json_path, data_dir)
+            split_bytes = meta.pop("split_bytes", None)
+        meta = _checked_meta(meta, json_path, data_dir)
+        return meta, _checked_split_bytes(split_bytes, json_path)
     if os.path.exists(pkl_path):
         try:
             with open(pkl_path, "rb") as f:
@@ -283,8 +313,8 @@ def read_dataset_meta(data_dir):
                 f"{pkl_path} does not hold a dict; re-run the dataset's prepare.py")
         meta = _checked_meta(dict(meta), pkl_path, data_dir)
         meta["kind"] = tokenizer_kind(meta)
-        return meta
-    return None
+        return meta, None
+    return None, None
 
 
 KINDS = ("gpt2", "char", "bpe")
@@ -367,6 +397,44 @@ def _ids_to_text(itos, refuse):
             refuse("has an 'itos' that is not an {id: character} mapping")
         out[i] = ch
     return out
+
+
+# -----------------------------------------------------------------------------
+# each split's UTF-8 bytes, counted by its preparation: meta.json's
+#     "split_bytes": {"version": 1, "train": {"tokens": N, "bytes": B}, "val": {...}}
+# every token of the split and the UTF-8 bytes they decode to (tokenizer.token_byte_lengths, the
+# lengths split_bytes_per_token sums), so train.py's bits per byte need no tokenizer to measure them
+
+SPLIT_BYTES_VERSION = 1
+SPLITS = ("train", "val")
+
+
+def split_bytes_record(counts):
+    """ meta.json's "split_bytes" for {split: (tokens, bytes)}. """
+    return {"version": SPLIT_BYTES_VERSION,
+            **{split: {"tokens": int(tokens), "bytes": int(num_bytes)}
+               for split, (tokens, num_bytes) in counts.items()}}
+
+
+def _checked_split_bytes(record, path):
+    """
+    {split: {'tokens': N, 'bytes': B}} of a meta.json's "split_bytes" (None: none), refusing in one
+    line one that is not split_bytes_record's: a file edited by hand, or another program's.
+    """
+    if record is None:
+        return None
+    if not (isinstance(record, dict) and record.get("version") == SPLIT_BYTES_VERSION):
+        raise TokenizerError(
+            f"{path} has a 'split_bytes' that is not a {{\"version\": {SPLIT_BYTES_VERSION}, ...}} "
+            f"record; re-run the dataset's prepare.py")
+    counts = {split: count for split, count in record.items() if split != "version"}
+    for split, count in counts.items():
+        if split not in SPLITS or not (isinstance(count, dict) and sorted(count) == ["bytes", "tokens"]
+                                       and all(_is_id(n) for n in count.values())):
+            raise TokenizerError(
+                f"{path} has a 'split_bytes' entry {split!r}: {json.dumps(count)[:60]} that is not a "
+                f"split's {{\"tokens\": N, \"bytes\": B}}; re-run the dataset's prepare.py")
+    return counts
 
 
 def tokenizer_kind(meta):

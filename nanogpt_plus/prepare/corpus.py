@@ -31,8 +31,8 @@ from nanogpt_plus.files import atomic_outputs
 from nanogpt_plus.outputs import RAW, check_out_dir, check_same_dataset
 from nanogpt_plus.prepare.shakespeare import encode_chars
 from nanogpt_plus.prepare.text import find_invalid_utf8
-from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_token_batches
-from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
+from nanogpt_plus.prepare.token_files import ByteCounter, check_vocab_fits, write_dataset_meta, write_token_batches
+from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer, token_byte_lengths
 
 # the Hugging Face datasets builder that reads each kind of local file
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -52,7 +52,8 @@ def prepare_corpus(out_dir, dataset="openwebtext", files="", text_column="text",
                    tokenizer="gpt2", vocab_size=None, overwrite=False):
     """
     nanoGPT's openwebtext/prepare.py for any corpus: train.bin, val.bin and meta.json in out_dir (+
-    meta.pkl for char, tokenizer.json for bpe). tokenizer: 'gpt2', 'char', 'bpe' (trained on the
+    meta.pkl for char, tokenizer.json for bpe; meta.json records each split's tokens and UTF-8
+    bytes, counted as they are written, for train.py's bits per byte). tokenizer: 'gpt2', 'char', 'bpe' (trained on the
     train split, of vocab_size tokens, None = 8,192) or the path of a tokenizer.json; test_size: the
     share held out for val. An out_dir holding token shards, a training run or another dataset (of
     another corpus, tokenizer or vocabulary) is refused unless overwrite (outputs.check_out_dir,
@@ -82,9 +83,10 @@ def prepare_corpus(out_dir, dataset="openwebtext", files="", text_column="text",
                                 load_from_cache_file)
     t_tok = time.time() - t0
     t0 = time.time()
+    counter = ByteCounter(token_byte_lengths(tok))  # each split's UTF-8 bytes, for the bits per byte
     with atomic_outputs(out_dir) as out:
-        counts = write_splits(tokenized, out, dtype, total_batches, progress)
-        write_dataset_meta(out, tok, dtype, preparation)
+        counts = write_splits(tokenized, out, dtype, total_batches, progress, counter)
+        write_dataset_meta(out, tok, dtype, preparation, counter.record())
     t_write = time.time() - t0
     return report(out_dir, counts, tokenized if by_documents else None, len(ds), num_proc, t_tok,
                   t_write)
@@ -508,18 +510,22 @@ def batch_encoder(description):
 # -----------------------------------------------------------------------------
 # writing the splits
 
-def write_splits(tokenized, out, dtype, total_batches=1024, progress=True):
+def write_splits(tokenized, out, dtype, total_batches=1024, progress=True, counter=None):
     """
     Each split concatenated into out.path('<split>.bin') as dtype, batch by batch; {split: tokens}.
+    counter (a token_files.ByteCounter) counts each batch's UTF-8 bytes on the way.
     """
     counts = {}
     for split, dset in tokenized.items():
         # the total length, summed batch by batch (one int per document, never the ids themselves)
         total = sum(int(lens.sum(dtype=np.int64)) for lens in _len_batches(dset))
         num_batches = max(1, min(total_batches, len(dset)))
+        batches = _arrow_batches(dset, "ids", num_batches)
+        if counter is not None:
+            batches = (counter.add(split, batch) for batch in batches)
         write_token_batches(out.path(f"{split}.bin"),
                             total,
-                            _arrow_batches(dset, "ids", num_batches),
+                            batches,
                             dtype,
                             desc=f"writing {split}.bin" if progress else None,
                             num_batches=num_batches)

@@ -12,7 +12,8 @@ so the directory describes its own tokenizer (tokenizer.read_dataset_meta).
 
 Memory holds one shard buffer plus two windows of documents in flight, never the corpus. Each shard
 is renamed into place when complete and then meta.json is rewritten (atomically) with what it
-consumed: its first and last document, its token count and sha256. A re-run with the same settings
+consumed: its first and last document, its token count, UTF-8 bytes and sha256 (and each split's
+tokens and bytes, "split_bytes", for train.py's bits per byte). A re-run with the same settings
 keeps the shards meta.json vouches for and goes on after the last one; only the one document it
 split is tokenized again.
 
@@ -37,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from nanogpt_plus.bpe import TOKENIZER_FILE, BPETokenizer, read_tokenizer_file, tokenizer_fingerprint
-from nanogpt_plus.dataset import as_token_array, token_dtype
+from nanogpt_plus.dataset import as_token_array, split_bytes_record, token_dtype
 from nanogpt_plus.dataset.shards import read_header, shard_header, write_shard
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_write
@@ -45,11 +46,14 @@ from nanogpt_plus.outputs import SHARDS, check_out_dir
 from nanogpt_plus.prepare.corpus import LOCAL_BUILDERS, expand_files
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import bpe_meta
-from nanogpt_plus.tokenizer import get_gpt2_encoding
+from nanogpt_plus.tokenizer import GPT2Tokenizer, get_gpt2_encoding, token_byte_lengths
 
 FORMAT_VERSION = 1  # of meta.json's layout
 CHUNKSIZE = 16  # documents per task sent to a worker (llm.c's imap chunksize)
 READ_BATCH = 256  # documents read from the dataset at a time
+# a shard's UTF-8 bytes are summed this many tokens at a time (8 kB of lengths): a whole shard's at
+# once would take 800 MB for 10**8 tokens
+BYTES_RUN = 1 << 10
 
 
 def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", files="",
@@ -86,7 +90,7 @@ def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-1
     with tqdm(total=max_tokens or None, initial=done, unit="tok", unit_scale=True,
               disable=not progress, desc="tokenizing") as bar:
         writer = ShardWriter(out_dir, spec, tokenizer_meta(tok, dtype), dtype, records=records,
-                             bar=bar)
+                             bar=bar, byte_lengths=token_byte_lengths(tok or GPT2Tokenizer()))
         end_of_corpus = fill_shards(writer, ds, column, num_proc, max_tokens, tok)
         writer.finish(end_of_corpus)
     result = summary(writer.records, writer.total - done, time.time() - t0)
@@ -417,12 +421,14 @@ class ShardWriter:
     ends.
     """
 
-    def __init__(self, out_dir, spec, tokenizer, dtype, records, bar):
+    def __init__(self, out_dir, spec, tokenizer, dtype, records, bar, byte_lengths):
         self.out_dir = out_dir
         self.spec = spec  # a ShardSpec
         self.records = list(records)
         self.bar = bar
         self.tokenizer = tokenizer  # meta.json's description of the tokenizer (tokenizer_meta)
+        # the UTF-8 bytes of each token id (tokenizer.token_byte_lengths): each shard's bytes
+        self.byte_lengths = byte_lengths
         self.buffer = np.empty(spec.shard_size, dtype=dtype)
         self.filled = 0
         self.documents = 0  # documents whose first token (the end-of-text) is in the buffer
@@ -459,6 +465,7 @@ class ShardWriter:
             "file": name,
             "split": "val" if not self.records else "train",
             "tokens": int(self.filled),
+            "bytes": self.utf8_bytes(tokens),
             "documents": self.documents,
             "start": self.start,
             "end": list(self.position),
@@ -471,6 +478,11 @@ class ShardWriter:
         self.filled = 0
         self.documents = 0
         self.start = list(self.position)
+
+    def utf8_bytes(self, tokens):
+        """ The UTF-8 bytes tokens decode to, summed BYTES_RUN tokens at a time. """
+        return sum(int(self.byte_lengths[tokens[i:i + BYTES_RUN]].sum())
+                   for i in range(0, len(tokens), BYTES_RUN))
 
     def finish(self, end_of_corpus):
         """
@@ -512,6 +524,14 @@ def save_meta(out_dir, spec, tokenizer, records, end_of_corpus):
         "end_of_corpus": end_of_corpus,
         "shards": records,
     }
+    # each split's tokens and UTF-8 bytes (dataset.split_bytes_record), when every shard's bytes are
+    # known: a resume keeps the shards of an earlier version's run, which didn't count them
+    if all("bytes" in r for r in records):
+        counts = {}
+        for r in records:
+            tokens, num_bytes = counts.get(r["split"], (0, 0))
+            counts[r["split"]] = (tokens + r["tokens"], num_bytes + r["bytes"])
+        meta["split_bytes"] = split_bytes_record(counts)
     atomic_write(os.path.join(out_dir, "meta.json"),
                  lambda f: f.write(meta_json(meta)),
                  binary=False)

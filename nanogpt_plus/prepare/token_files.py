@@ -1,16 +1,17 @@
 """
 Token files and meta: nanoGPT's format, a flat array of token ids per split (train.bin, val.bin),
 uint16 while the vocabulary fits (nanoGPT's) and uint32 past 65,536 tokens, plus the tokenizer's
-description (meta.json, recording the dtype; nanoGPT's meta.pkl for character vocabularies;
-tokenizer.json for bpe). Every id is checked before it is stored, since numpy would silently wrap
-65536 to 0 in a uint16 file.
+description (meta.json, recording the dtype and each split's tokens and UTF-8 bytes; nanoGPT's
+meta.pkl for character vocabularies; tokenizer.json for bpe). Every id is checked before it is
+stored, since numpy would silently wrap 65536 to 0 in a uint16 file.
 
 Usage (inside nanogpt_plus.files.atomic_outputs, so the files appear only when all are complete):
-    from nanogpt_plus.prepare.token_files import check_vocab_fits, write_dataset_meta, write_tokens
+    from nanogpt_plus.prepare.token_files import ByteCounter, check_vocab_fits, write_dataset_meta, write_tokens
     dtype = check_vocab_fits(tok.vocab_size)                          # uint16 or uint32
-    write_tokens(out.path('train.bin'), ids, dtype)                   # a small split at once
+    counter = ByteCounter(token_byte_lengths(tok))                    # each split's bytes, for bits per byte
+    write_tokens(out.path('train.bin'), counter.add('train', ids), dtype)   # a small split at once
     write_token_batches(out.path('train.bin'), total, batches, dtype) # a large one, batch by batch
-    write_dataset_meta(out, tok, dtype)                               # meta.json (+ meta.pkl / tokenizer.json)
+    write_dataset_meta(out, tok, dtype, split_bytes=counter.record()) # meta.json (+ meta.pkl / tokenizer.json)
 """
 
 import errno
@@ -22,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from nanogpt_plus.bpe import TOKENIZER_FILE
-from nanogpt_plus.dataset import as_token_array, token_dtype
+from nanogpt_plus.dataset import as_token_array, split_bytes_record, token_dtype
 from nanogpt_plus.errors import UserError
 
 UINT32_LIMIT = 2 ** 32  # the largest token files hold uint32 ids
@@ -88,13 +89,38 @@ def reserve_disk_space(path, nbytes):
             f.truncate(nbytes)  # sparse: the space is found while writing
 
 
-def write_dataset_meta(out, tokenizer, dtype, preparation=None):
+class ByteCounter:
+    """
+    Each split's tokens and the UTF-8 bytes they decode to, counted as the split is written, with
+    the byte length of every id that tokenizer.token_byte_lengths gives (lengths: so exactly what
+    tokenizer.split_bytes_per_token would count over the whole split): meta.json's "split_bytes",
+    from which train.py's bits per byte come without loading a tokenizer.
+    """
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+        self.counts = {}
+
+    def add(self, split, ids):
+        """ Count ids (a split's tokens, or the next batch of them) in; returns ids. """
+        tokens, num_bytes = self.counts.get(split, (0, 0))
+        # int64: a uint16 id array indexes alike, a list of ids becomes an index array
+        self.counts[split] = (tokens + len(ids),
+                              num_bytes + int(self.lengths[np.asarray(ids, dtype=np.int64)].sum()))
+        return ids
+
+    def record(self):
+        return split_bytes_record(self.counts)
+
+
+def write_dataset_meta(out, tokenizer, dtype, preparation=None, split_bytes=None):
     """
     The meta files of a dataset in tokenizer's ids stored as dtype: meta.json (the tokenizer's
     description and the dtype), plus nanoGPT's meta.pkl for a character vocabulary, or
     tokenizer.json for a bpe one (meta.json names it with its sha256 instead of holding it).
     preparation (outputs.check_same_dataset's record: corpus, tokenizer, vocabulary) goes into
-    meta.json too, so that the next preparation there can tell a re-run from another dataset.
+    meta.json too, so that the next preparation there can tell a re-run from another dataset, and so
+    does split_bytes (ByteCounter.record: each split's tokens and UTF-8 bytes, for bits per byte).
     """
     dtype = np.dtype(dtype).name
     if tokenizer.kind == "bpe":
@@ -107,6 +133,8 @@ def write_dataset_meta(out, tokenizer, dtype, preparation=None):
         meta = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "dtype": dtype}
     if preparation is not None:
         meta = dict(meta, preparation=preparation)
+    if split_bytes is not None:
+        meta = dict(meta, split_bytes=split_bytes)
     write_meta(out, meta, pickle_too=tokenizer.kind == "char")
     # an earlier preparation of this directory with another tokenizer left files this one has not
     if tokenizer.kind != "bpe":
