@@ -83,7 +83,8 @@ def prepare_corpus(out_dir, dataset="openwebtext", files="", text_column="text",
                                 load_from_cache_file)
     t_tok = time.time() - t0
     t0 = time.time()
-    counter = ByteCounter(token_byte_lengths(tok))  # each split's UTF-8 bytes, for the bits per byte
+    # each split's UTF-8 bytes, recorded for the bits per byte
+    counter = ByteCounter(token_byte_lengths(tok))
     with atomic_outputs(out_dir) as out:
         counts = write_splits(tokenized, out, dtype, total_batches, progress, counter)
         write_dataset_meta(out, tok, dtype, preparation, counter.record())

@@ -158,7 +158,8 @@ def split_encode_write(text, out_dir, encode, tok, overwrite=False):
     val_ids = encode(val_data)
     print(f"train has {len(train_ids):,} tokens")
     print(f"val has {len(val_ids):,} tokens")
-    counter = ByteCounter(token_byte_lengths(tok))  # each split's UTF-8 bytes, for the bits per byte
+    # each split's UTF-8 bytes, recorded for the bits per byte
+    counter = ByteCounter(token_byte_lengths(tok))
     with atomic_outputs(out_dir) as out:
         write_tokens(out.path("train.bin"), counter.add("train", train_ids), dtype)
         write_tokens(out.path("val.bin"), counter.add("val", val_ids), dtype)
