@@ -22,7 +22,7 @@ except ImportError:
 def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
     """
     torch.optim.Muon's orthogonalisation (the same quintic Newton-Schulz iteration, the same
-    coefficients and steps) computed in float32 instead of bfloat16. tests/test_modern.py checks it
+    coefficients and steps) computed in float32 instead of bfloat16. tests/test_muon.py checks it
     against PyTorch's own.
     """
     a, b, c = ns_coefficients
