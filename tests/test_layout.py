@@ -246,6 +246,14 @@ def prepared_char_dataset(tmp_path_factory):
     return directory
 
 
+def test_the_map_in_docs_bolds_the_modules_the_laptop_command_imports():
+    """ docs/layout.md's package table shows the laptop path's modules in bold: the same set as DEFAULT_PATH. """
+    import re
+    with open(os.path.join(REPO, 'docs', 'layout.md'), encoding='utf-8') as f:
+        bold = {name.split('.')[0].rstrip('/') for name in re.findall(r'^\| \*\*`([\w/.]+)`\*\*', f.read(), re.M)}
+    assert bold == DEFAULT_PATH, (sorted(bold - DEFAULT_PATH), sorted(DEFAULT_PATH - bold))
+
+
 def test_the_laptop_command_imports_only_the_modules_it_uses(prepared_char_dataset, tmp_path):
     """ `python train.py config/train_shakespeare_char.py` on the CPU, a save included: these modules and no others. """
     code = ("import sys; import train; from nanogpt_plus.runtime import run_main\n"
