@@ -229,7 +229,7 @@ def test_no_long_line_ends_in_a_comment():
     assert not found, found
 
 
-# the package modules nanoGPT's laptop command runs on (README's map shows them in bold): nothing it does not use
+# the package modules nanoGPT's laptop command runs on (docs/layout.md shows them in bold): nothing it does not use
 # (no tokenizer: each split's bytes per token, for the bits per byte, are the ones its prepare.py recorded)
 DEFAULT_PATH = {'errors', 'settings', 'runtime', 'signals', 'distributed', 'machine', 'files',
                 'dataset', 'dataloader', 'checkpoint', 'init_from', 'outputs', 'optimizer', 'metrics',
