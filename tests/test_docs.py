@@ -233,6 +233,8 @@ RUN = (
      ['python sample.py --out_dir=out --start=FILE:prompt.txt --num_samples=1',
       'python eval.py --init_from=resume --out_dir=out --task=loss',
       'python sample.py --out_dir=out-mytext'],
+     ['python scripts/plot_metrics.py --out_dir=out-shakespeare-char-cpu --compare=out-shakespeare-char-fast '
+      '--x=time'],
      ['python export_hf.py --out_dir=out-shakespeare-char-fast --hf_dir=fast-hf',
       AUTO_MODEL,
       'python sample.py --init_from=fast-hf']],
