@@ -146,13 +146,15 @@ def test_generating_past_the_context(tmp_path, options):
         ours = model.generate(prompt, 60, top_k=1)  # top_k=1: the argmax
         if options:
             assert type(hf).__name__ == 'NanoGPTForCausalLM'
-            assert 'max_length' not in generation_config  # no bound: it only makes transformers warn
+            # no bound: it would only make transformers warn
+            assert 'max_length' not in generation_config
             assert "- context: 32 tokens. generate() runs past them" in readme
             assert torch.equal(hf.generate(prompt, max_new_tokens=60, do_sample=False), ours)
             return
         assert type(hf).__name__ == 'GPT2LMHeadModel' and generation_config['max_length'] == 32
         assert "- context: 32 tokens, prompt included" in readme and "IndexError" in readme
-        with pytest.raises(IndexError):  # transformers takes max_new_tokens over generation_config
+        # transformers takes max_new_tokens over generation_config's max_length
+        with pytest.raises(IndexError):
             hf.generate(prompt, max_new_tokens=60, do_sample=False)
         by_default = hf.generate(prompt, do_sample=False)
         # the README's bound: at most 32 - prompt length new tokens
