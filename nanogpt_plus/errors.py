@@ -57,12 +57,14 @@ class PeerFailed(Exception):
     a second time.
     """
 
-    def __init__(self, message, code, say=None):
+    def __init__(self, message, code, say=None, line=None):
         super().__init__(message)
         self.code = code
         # a line run_main prints on this rank too: the first process of another node than the failed
         # rank's
         self.say = say
+        # the failed rank's own line, on every rank: what run_main leaves for torchrun's summary
+        self.line = line
 
 
 class NothingToDo(Exception):

@@ -109,9 +109,13 @@ def write_generation_config(hf_dir, hf_cfg, n_tokens):
     # built directly rather than from_model_config: one marked as derived from the model config may
     # be re-derived from it by generate(), which would drop suppress_tokens
     padded = list(range(n_tokens, hf_cfg.vocab_size))
-    # a sample ends at the model's context (pipeline's default of 256 new tokens would run a small
-    # model's position table out of range); a longer one needs a sliding window, sample.py's
-    context = getattr(hf_cfg, 'n_positions', None) or getattr(hf_cfg, 'block_size', None)
+    # GPT-2's form: a sample ends at the model's context by default (pipeline's default of 256 new
+    # tokens would run a small model's position table out of range). It is only a default:
+    # generate() takes a caller's max_new_tokens over it, and GPT2LMHeadModel has no window, so
+    # the README says the limit. Our own code crops to the last n_positions tokens (hf_modeling's
+    # prepare_inputs_for_generation) and needs no bound, which would only make transformers warn
+    # "both max_new_tokens and max_length set" at every call that asks for a length.
+    context = hf_cfg.n_positions if hf_cfg.model_type == 'gpt2' else None
     GenerationConfig(bos_token_id=hf_cfg.bos_token_id, eos_token_id=hf_cfg.eos_token_id,
                      suppress_tokens=padded or None, max_length=context).save_pretrained(hf_dir)
 
@@ -279,8 +283,9 @@ TOKENIZER_NOTES = {
     "GPT-2 BPE (OpenAI's vocabulary): `AutoTokenizer.from_pretrained(this_dir)` works offline.",
     'char':
     ("character level: each character is one token. This is a custom tokenizer.json, not one of "
-     "transformers' GPT-2 tokenizers; it has no end-of-text token, so pass `max_new_tokens` when "
-     "generating. Characters outside the training vocabulary are not representable."),
+     "transformers' GPT-2 tokenizers; it has no end-of-text token, so a sample runs to the length "
+     "asked for (`max_new_tokens`, within the context above). Characters outside the training "
+     "vocabulary are not representable."),
     'bpe':
     ("a byte-level BPE of {n} tokens trained on the model's own corpus (tokenizer.json, Hugging Face "
      "`tokenizers` format; `<|endoftext|>` = id {eot} is bos/eos). Not GPT-2's vocabulary: load it "
@@ -315,6 +320,30 @@ def tokenizer_note(tok, vocab_size):
     return note
 
 
+def context_note(config):
+    """
+    The README's words on the model's context, block_size tokens, prompt included: what generate()
+    does at its end in this export's form.
+    """
+    n = config.block_size
+    if gpt2_form(config):
+        return (
+            f"{n} tokens, prompt included. transformers' GPT2LMHeadModel has no sliding window and "
+            f"a position table of {n} rows: generate() stops at {n} tokens by default "
+            f"(generation_config.json's max_length, also pipeline('text-generation')'s), but a "
+            f"`max_new_tokens` that takes prompt + new tokens past {n} ends in `IndexError: index "
+            f"out of range in self` (the model directory can't bound a length the caller asks "
+            f"for). Ask for at most {n} - prompt length: "
+            f"`max_new_tokens=min(n, {n} - input_ids.shape[1])`, or pass `max_length={n}`. "
+            f"`sample.py --init_from=this_dir` samples any length (it keeps the last {n} tokens "
+            f"as context).")
+    return (
+        f"{n} tokens. generate() runs past them: each new token sees the last {n} tokens (a "
+        f"sliding window, as this project's sample.py), so `max_new_tokens` may be any length; "
+        f"transformers' note that the call \"has exceeded the model's predefined maximum length\" "
+        f"is expected then.")
+
+
 def write_readme(hf_dir, source, config, tok_note):
     """
     README.md: where the model came from, its shape, how it loads, and how its tokenizer loads.
@@ -332,7 +361,8 @@ def write_readme(hf_dir, source, config, tok_note):
         f"# GPT-2 style model exported by export_hf.py\n\nsource: `{source}`\n\n"
         f"- n_layer={config.n_layer}, n_head={config.n_head}, n_embd={config.n_embd}, "
         f"block_size={config.block_size}, vocab_size={config.vocab_size}, bias={config.bias}, "
-        f"activation={hf_activation(config)}{options}\n- loads with {loads}\n- tokenizer: {tok_note}\n"
+        f"activation={hf_activation(config)}{options}\n- loads with {loads}\n"
+        f"- context: {context_note(config)}\n- tokenizer: {tok_note}\n"
     )
     atomic_write(os.path.join(hf_dir, 'README.md'), lambda f: f.write(text), binary=False)
 

@@ -4,7 +4,8 @@ positions, RMSNorm, QK-norm, a logit soft cap). export_hf.py copies this file in
 modeling_nanogpt.py, beside an unchanged copy of the project's model.py, and names its two classes
 in config.json's auto_map: then AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
 builds our GPT itself, the code the model was trained with, so its logits are ours. generate()
-works; there is no KV cache (each new token runs the whole context again) and no padding (a batch of
+works, past the context too (each new token sees the last n_positions tokens, as our sampler does);
+there is no KV cache (each new token runs the whole context again) and no padding (a batch of
 prompts of one length, or one prompt at a time, as lm-eval runs).
 
 The tensors keep our names under the prefix 'gpt.' (gpt.transformer.h.0.attn.c_attn.weight, ...); a
@@ -130,7 +131,14 @@ class NanoGPTForCausalLM(PreTrainedModel, GenerationMixin):
         self.gpt.lm_head = value
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-        # no cache: every step sees the whole sequence so far
+        # no cache: every step sees the whole sequence so far, or its last n_positions tokens once
+        # it is longer (a sliding window, as GPT.generate and sample.py crop), so generate() may
+        # run past the context instead of failing there
+        block = self.config.n_positions
+        if input_ids.size(1) > block:
+            input_ids = input_ids[:, -block:]
+            if attention_mask is not None:
+                attention_mask = attention_mask[:, -block:]
         return {'input_ids': input_ids, 'attention_mask': attention_mask}
 
     def forward(self, input_ids, attention_mask=None, labels=None, return_dict=None, **kwargs):

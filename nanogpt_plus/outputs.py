@@ -402,7 +402,7 @@ def refuse_overwrite(out_dir, checkpoint, script, argv, resumable=True):
             iter_note = f" (iter {json.load(f)['iter_num']})"
     except (OSError, ValueError, KeyError, TypeError):
         pass  # the sidecar only adds the iteration to the message
-    elsewhere = command_line(script, argv, out_dir=f"{out_dir.rstrip(os.sep)}-2")
+    elsewhere = command_line(script, argv, out_dir=free_sibling(out_dir))
     start_over = command_line(script, argv, overwrite=True)
     if resumable:
         choices = (
@@ -413,6 +413,19 @@ def refuse_overwrite(out_dir, checkpoint, script, argv, resumable=True):
     return UserError(
         f"{out_dir} already holds the checkpoint {checkpoint}{iter_note} of an earlier run, which this "
         f"run would overwrite; {choices}")
+
+
+def free_sibling(out_dir):
+    """
+    The out_dir a refusal suggests instead: the first of <out_dir>-2, -3, ... that nothing is at yet
+    (not even a file), so that the suggested command is not refused in its turn when an earlier
+    suggestion was taken.
+    """
+    base = out_dir.rstrip(os.sep) or out_dir
+    n = 2
+    while os.path.lexists(f"{base}-{n}"):
+        n += 1
+    return f"{base}-{n}"
 
 
 def command_line(script, argv, **replace):

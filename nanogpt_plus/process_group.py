@@ -65,7 +65,8 @@ def master_decides(dist_info, fn):
         raise error
     if outcome is not None:
         code, line = outcome
-        raise PeerFailed("rank 0 failed", code, say=_said_on_this_node(line, source_node='0'))
+        raise PeerFailed("rank 0 failed", code, say=_said_on_this_node(line, source_node='0'),
+                         line=line)
 
 
 def peer_failed(error):
@@ -73,7 +74,8 @@ def peer_failed(error):
     What a rank other than 0 raises for an error every rank decided on alike (distributed.fail_everywhere):
     rank 0's exit code, and its line where this is the first process of another node.
     """
-    return PeerFailed(str(error), exit_code(error), say=_said_on_this_node(str(error), '0'))
+    return PeerFailed(str(error), exit_code(error), say=_said_on_this_node(str(error), '0'),
+                      line=str(error))
 
 
 def _line_for_the_others(error):
@@ -178,7 +180,7 @@ def stop_with(dist_info, outcomes, source, message, code, error=None):
         raise error
     here_first = nodes.index(nodes[dist_info.rank]) == dist_info.rank
     say = message if here_first and nodes[dist_info.rank] != nodes[source] else None
-    raise PeerFailed(f"rank {source} failed", code, say=say)
+    raise PeerFailed(f"rank {source} failed", code, say=say, line=message)
 
 
 def _first_difference(outcomes, agree):

@@ -12,9 +12,11 @@ Usage:
 """
 
 import functools
+import json
 import os
 import subprocess
 import sys
+import time
 import traceback
 
 import torch
@@ -65,6 +67,10 @@ def _run(main):
             print(e.say)
         elif e.say:
             print(f"error: {e.say}", file=sys.stderr)
+        if e.code == EXIT_USER_ERROR and e.line:
+            # the same line as the failed rank's: torchrun's summary names it whichever rank it
+            # takes for the first to fail
+            record_for_torchrun(f"error: {e.line}")
         return exit_code(e)
     except Stopped as e:
         return _stopped(e)
@@ -85,6 +91,7 @@ def _run(main):
         # UserError, ConfigError, TokenizerError: the user's to fix
         if exit_code(e) == EXIT_USER_ERROR:
             print(f"error: {e}", file=sys.stderr)
+            record_for_torchrun(f"error: {e}")
             return EXIT_USER_ERROR
         if not several_processes():
             traceback.print_exc()  # a bug of ours: the whole story
@@ -99,6 +106,27 @@ def _run(main):
         return 1
     destroy_distributed()
     return 0
+
+
+def record_for_torchrun(line):
+    """
+    Under torchrun, leave line in this worker's error file (TORCHELASTIC_ERROR_FILE, which the
+    elastic agent sets for each worker and reads when the worker fails): its failure summary then
+    shows the line as the worker's 'traceback' instead of "To enable traceback see: ...". The
+    format is torch's ErrorHandler's ({"message": {"message", "extraInfo"}}) without the Python
+    call stack, which the summary would show instead: a user's error has none worth reading.
+    Nothing happens outside torchrun; a file that can't be written only leaves the summary as it
+    was (the line is printed already).
+    """
+    path = os.environ.get('TORCHELASTIC_ERROR_FILE')
+    if not path:
+        return
+    record = {'message': {'message': line, 'extraInfo': {'timestamp': str(int(time.time()))}}}
+    try:
+        with open(path, 'w', encoding='utf-8') as f:
+            json.dump(record, f)
+    except OSError:
+        pass
 
 
 def _stopped(stop):

@@ -124,6 +124,44 @@ def test_pipeline_defaults_stop_at_the_models_context(tmp_path):
     assert text.startswith("hello") and len(text) == 32  # one character a token
 
 
+@pytest.mark.parametrize('options', [{}, {'norm': 'rmsnorm'}, {'pos': 'rope'}], ids=['gpt2', 'learned', 'rope'])
+def test_generating_past_the_context(tmp_path, options):
+    """
+    A character model of 32 positions asked for 60 new tokens after a 7-token prompt: our own code
+    (the custom form) crops to the last 32 tokens, as our sampler does, and gives our greedy
+    tokens; GPT2LMHeadModel can't (its IndexError is the limit the README states), stops at 32 by
+    default, and the README's bound gives our tokens up to the context.
+    """
+    from transformers import AutoModelForCausalLM
+    tok = CharTokenizer.from_text("hello world\nthe quick brown fox!")
+    model = tiny_gpt(vocab_size=tok.vocab_size, block_size=32, **options)
+    hf_dir = str(tmp_path / 'hf')
+    export(model, tok.meta(), hf_dir)
+    readme = open(os.path.join(hf_dir, 'README.md')).read()
+    with open(os.path.join(hf_dir, 'generation_config.json')) as f:
+        generation_config = json.load(f)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True).eval()
+    prompt = torch.tensor([tok.encode("hello w")])
+    with torch.no_grad():
+        ours = model.generate(prompt, 60, top_k=1)  # top_k=1: the argmax
+        if options:
+            assert type(hf).__name__ == 'NanoGPTForCausalLM'
+            # no bound: it would only make transformers warn
+            assert 'max_length' not in generation_config
+            assert "- context: 32 tokens. generate() runs past them" in readme
+            assert torch.equal(hf.generate(prompt, max_new_tokens=60, do_sample=False), ours)
+            return
+        assert type(hf).__name__ == 'GPT2LMHeadModel' and generation_config['max_length'] == 32
+        assert "- context: 32 tokens, prompt included" in readme and "IndexError" in readme
+        # transformers takes max_new_tokens over generation_config's max_length
+        with pytest.raises(IndexError):
+            hf.generate(prompt, max_new_tokens=60, do_sample=False)
+        by_default = hf.generate(prompt, do_sample=False)
+        # the README's bound: at most 32 - prompt length new tokens
+        bounded = hf.generate(prompt, max_new_tokens=min(60, 32 - prompt.shape[1]), do_sample=False)
+    assert torch.equal(by_default, ours[:, :32]) and torch.equal(bounded, ours[:, :32])
+
+
 def test_char_model_export_with_char_tokenizer(tmp_path):
     from transformers import AutoTokenizer
     tok = CharTokenizer.from_text("hello world\nthe quick brown fox é!")

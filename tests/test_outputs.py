@@ -62,6 +62,7 @@ from nanogpt_plus.outputs import (
     check_out_dir,
     check_output,
     prepare_out_dir,
+    refuse_overwrite,
 )
 from nanogpt_plus.tokenizer import CharTokenizer
 
@@ -374,6 +375,27 @@ def test_the_refusal_over_another_architecture_suggests_what_works(dataset, tmp_
     suggested = re.search(r"write this run elsewhere with `python train\.py (.*?)`", err).group(1)
     run_train(capsys, shlex.split(suggested))
     assert torch.load(tmp_path / "out-2" / "ckpt.pt", weights_only=True)["model_args"]["n_layer"] == 3
+    # the same command again: out-2 is taken now, so the refusal names the next free name
+    assert exit_code(lambda: train.main(bigger)) == 2
+    suggested = re.search(r"write this run elsewhere with `python train\.py (.*?)`", capsys.readouterr().err).group(1)
+    assert f"--out_dir={tmp_path / 'out-3'}" in shlex.split(suggested)
+
+
+def test_the_suggested_out_dir_is_the_first_free_one(tmp_path):
+    """ -2, -3, ...: the first name nothing is at (a file or a dangling link takes a name too). """
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ckpt.pt").write_bytes(b"an earlier run's")
+
+    def suggested():
+        err = str(refuse_overwrite(str(out) + os.sep, "ckpt.pt", "train.py", [f"--out_dir={out}"], resumable=False))
+        return re.search(r"write this run elsewhere with `python train\.py --out_dir=(\S*)`", err).group(1)
+
+    assert suggested() == f"{out}-2"
+    (tmp_path / "out-2").mkdir()
+    (tmp_path / "out-3").write_text("a file")
+    (tmp_path / "out-4").symlink_to(tmp_path / "nowhere")
+    assert suggested() == f"{out}-5"
 
 
 @pytest.mark.usefixtures('one_thread')

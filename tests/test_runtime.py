@@ -3,13 +3,15 @@ nanogpt_plus/runtime.py: run_main's endings (exit codes, the process group torn 
 tells uncommitted changes apart, and same_start: what each script starts from, and a checkpoint's difference between
 the nodes named by each node's iteration.
 """
+import json
 import os
+import re
 import shutil
 
 import pytest
 
-from helpers import TINY_VOCAB, git
-from nanogpt_plus.errors import UserError
+from helpers import TINY_VOCAB, TORCHRUN, git, project_frames, run_python, train_args, train_here
+from nanogpt_plus.errors import PeerFailed, UserError
 from nanogpt_plus.files import file_digest
 from nanogpt_plus.process_group import _first_difference
 from nanogpt_plus.runtime import SAME_START, checkpoint_difference, code_digest, run_main, same_start
@@ -31,6 +33,57 @@ def test_run_main_tears_the_process_group_down_after_main(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         run_main(failing)
     assert e.value.code == 2 and capsys.readouterr().err == "error: a setting is wrong\n"
+
+
+def test_a_users_error_is_left_in_torchruns_error_file(tmp_path, monkeypatch, capsys):
+    """ Under torchrun (TORCHELASTIC_ERROR_FILE set) the one line goes into the worker's error file too. """
+    def fails(error):
+        def main():
+            raise error
+        return main
+
+    monkeypatch.delenv('TORCHELASTIC_ERROR_FILE', raising=False)
+    with pytest.raises(SystemExit):
+        run_main(fails(UserError("a setting is wrong")))
+    assert os.listdir(tmp_path) == []  # not under torchrun: no file anywhere
+    path = tmp_path / 'error.json'
+    monkeypatch.setenv('TORCHELASTIC_ERROR_FILE', str(path))
+    for error, line in ((UserError("a setting is wrong"), "error: a setting is wrong"),
+                        # another rank's: the failed rank's line, exit code 2 alike
+                        (PeerFailed("rank 0 failed", 2, line="out is taken"), "error: out is taken")):
+        with pytest.raises(SystemExit) as e:
+            run_main(fails(error))
+        assert e.value.code == 2
+        # torch's ErrorHandler format, without a call stack (which the summary would show instead)
+        record = json.loads(path.read_text())['message']
+        assert record['message'] == line and set(record['extraInfo']) == {'timestamp'}
+        path.unlink()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # a bug's traceback is the worker's log's, not the file's
+        run_main(fails(RuntimeError("a bug")))
+    assert not path.exists()
+
+
+def test_torchruns_summary_names_the_refusal(dataset, tmp_path):
+    """
+    The docs' torchrun command into the quick start's out_dir, with another architecture: every rank stops with
+    exit code 2, and torchrun's failure summary names the refusal's line as the root cause (its own traceback
+    stays: docs/distributed.md), where it said "To enable traceback see ..."; no worker traceback.
+    """
+    out = tmp_path / "out"
+    train_here(dataset, out, max_iters=2, eval_interval=2)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = run_python(TORCHRUN + ["--standalone", "--nproc_per_node=2", "train.py",
+                               *train_args(dataset, out, max_iters=2, eval_interval=2, n_layer=3)],
+                   timeout=300, env=env)
+    assert r.returncode != 0
+    line = re.search(r"^error: (.*already holds the checkpoint.*)$", r.stderr, re.M).group(1)
+    assert f"--out_dir={tmp_path / 'out-2'}" in line
+    root_cause = r.stderr.split("Root Cause (first observed failure):")[1]
+    assert re.search(r"^  exitcode  : 2 ", root_cause, re.M), r.stderr[-3000:]
+    assert f"  traceback : error: {line}\n" in root_cause, r.stderr[-3000:]
+    assert "To enable traceback" not in r.stderr
+    assert not project_frames(r.stderr), r.stderr[-3000:]
 
 
 def test_code_digest_tells_uncommitted_changes_apart(tmp_path, monkeypatch):
