@@ -242,6 +242,21 @@ def test_centring_and_core_by_hand(tmp_path):
     assert result['num_examples'] == sum(len(t[4]) for t in TASKS) and result['data_file'] == str(tmp_path / 'b')
 
 
+def test_dataset_uri_relative_to_eval_data_or_starting_with_it(tmp_path):
+    # DCLM writes 'sets/x.jsonl' (under eval_data/); a task of one's own written as 'eval_data/sets/x.jsonl' reads
+    # the same file, not eval_data/eval_data/sets/x.jsonl
+    bundle = write_bundle(tmp_path / 'b')
+    as_dclm = core_eval.read_bundle(bundle)
+    rewrite(tmp_path / 'b' / 'core.yaml', 'dataset_uri: sets/mc_two_shot.jsonl',
+            'dataset_uri: eval_data/sets/mc_two_shot.jsonl')
+    rewrite(tmp_path / 'b' / 'core.yaml', 'dataset_uri: sets/lm_two_shot.jsonl',
+            'dataset_uri: ./eval_data/sets/lm_two_shot.jsonl')
+    prefixed = core_eval.read_bundle(bundle)
+    assert [os.path.samefile(a.path, b.path) for a, b in zip(as_dclm, prefixed)] == [True] * len(TASKS)
+    assert core_eval.task_file('B', 'eval_data/sets/x.jsonl') == os.path.join('B', 'eval_data/sets/x.jsonl')
+    assert core_eval.task_file('B', 'sets/x.jsonl') == os.path.join('B', 'eval_data', 'sets/x.jsonl')
+
+
 def test_max_examples_keeps_the_first_of_a_fixed_shuffle(tmp_path):
     task = core_eval.read_bundle(write_bundle(tmp_path / 'b'))[2]
     whole = core_eval.task_items(task)
