@@ -461,8 +461,11 @@ def setup(cfg, dist_info):
     # the model: under FSDP only rank 0 holds the full one, the others build it on the meta device
     # (no memory)
     on_meta = fsdp and dist_info.rank != 0
-    raw_model, tokenizer_meta, ckpt = distributed.every_rank(dist_info, lambda: init_training_model(
-        cfg.select(ModelSource), cfg.select(ModelSpec), data, on_meta))
+    # its lines (the vocab_size found, the parameter count) are rank 0's: every rank's would repeat
+    with distributed.said_once(dist_info):
+        raw_model, tokenizer_meta, ckpt = distributed.every_rank(
+            dist_info, lambda: init_training_model(cfg.select(ModelSource), cfg.select(ModelSpec),
+                                                   data, on_meta))
     tokenizer_ids = padded_tokenizer_size(raw_model.config.vocab_size, tokenizer_meta)
     # ids the model can't read: one verdict for every rank
     distributed.every_rank(
@@ -493,7 +496,8 @@ def setup(cfg, dist_info):
               f"{raw_model.get_num_params(non_embedding=False):,} parameters")
     adamw = cfg.select(opt.AdamWSpec)
     muon = cfg.select(opt.MuonSpec) if cfg.optimizer == 'muon' else None  # Muon + AdamW
-    optimizer = opt.make_optimizer(raw_model, adamw, device_type, muon=muon)
+    with distributed.said_once(dist_info):  # nanoGPT's parameter-group lines, rank 0's only
+        optimizer = opt.make_optimizer(raw_model, adamw, device_type, muon=muon)
     scaler = opt.make_grad_scaler(device_type, dtype)
 
     run_provenance = dict(provenance(dist_info.device), dtype=dtype, compile=compile_model,
