@@ -497,8 +497,10 @@ def evaluate_bundle(model, tokenizer_meta, data_file='', dataset='', split='val'
     metrics = evaluate_core(model, load_tokenizer(tokenizer_meta), read_bundle(bundle), batch_size,
                             max_examples, progress=progress, **run)
     if dataset:
+        # minutes on a CPU, after the tasks' lines: said as it starts, then how far it is (rank 0)
+        said = progress and f"bits per byte of {dataset}'s {split} split"
         loss, _, _ = loss_task(model, tokenizer_meta, loss_files('', dataset, split), dataset, 0,
-                               batch_size, max_examples, dict(run, progress=False))
+                               batch_size, max_examples, dict(run, progress=said))
         metrics[f'{split}_bpb'] = loss.get('bits_per_byte')
     num_examples = sum(s['num_examples'] for s in metrics['tasks'].values())
     return {'task': 'core', 'metrics': metrics, 'num_examples': num_examples, 'data_file': bundle}
