@@ -279,14 +279,16 @@ def test_bits_per_byte_pass_after_core_is_said_and_shows_progress(tmp_path, monk
     os.makedirs(tmp_path / 'ds')
     with open(tmp_path / 'ds' / 'meta.json', 'w') as f:
         json.dump(tok.meta(), f)
-    tokens = np.random.default_rng(0).integers(0, tok.vocab_size, 24 * 40 + 1)  # 40 windows of block_size 24
+    # 40 windows of block_size 24
+    tokens = np.random.default_rng(0).integers(0, tok.vocab_size, 24 * 40 + 1)
     tokens.astype(np.uint16).tofile(tmp_path / 'ds' / 'val.bin')
     model = SlowGPT(tiny_gpt(tok.vocab_size, 24), clock)
     capsys.readouterr()  # GPT's own line
     result = core_eval.evaluate_bundle(model, tok.meta(), data_file=write_bundle(tmp_path / 'b'),
                                        dataset=str(tmp_path / 'ds'), batch_size=2, progress=True)
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines[:len(TASKS)]] == [t[0] for t in TASKS]  # the tasks' own lines
+    # the tasks' own lines, then the pass's
+    assert [line.split()[0] for line in lines[:len(TASKS)]] == [t[0] for t in TASKS]
     said = f"bits per byte of {tmp_path / 'ds'}'s val split"
     assert lines[len(TASKS):] == [f"{said}: 20 batches, starting",
                                   f"{said}: 20 batches, about 20 s",

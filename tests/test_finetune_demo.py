@@ -45,7 +45,8 @@ def test_task_only_writes_a_task_finetune_reads_and_stops(tmp_path, monkeypatch,
                                       f'--dataset={data}', '--per_play=10'])
     demo = runpy.run_path(os.path.join(REPO, 'scripts', 'finetune_demo.py'))
     demo['main']()
-    assert sorted(os.listdir(out)) == ['spelling_train.jsonl', 'spelling_val.jsonl']  # no pretraining, no fine-tune
+    # no pretraining, no fine-tune
+    assert sorted(os.listdir(out)) == ['spelling_train.jsonl', 'spelling_val.jsonl']
     train = read_jsonl(str(out / 'spelling_train.jsonl'), 'classification')
     val = read_jsonl(str(out / 'spelling_val.jsonl'), 'classification')
     assert (len(train), len(val)) == (48, 12)  # 10 from each of 6 plays, a fifth val
