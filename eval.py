@@ -42,7 +42,7 @@ import torch
 from configurator import Group, Schema, Setting, read_settings
 from nanogpt_plus import settings
 from nanogpt_plus.dataset import check_dataset_tokenizer, read_dataset_meta
-from nanogpt_plus.distributed import GROUP_SETTINGS, every_rank, master_decides, same_everywhere, start
+from nanogpt_plus.distributed import GROUP_SETTINGS, every_rank, master_decides, said_once, same_everywhere, start
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import TASKS, core, evaluate, loss_files, task_data_file
 from nanogpt_plus.files import atomic_write
@@ -210,9 +210,10 @@ def main():
     if dist_info.master:
         print(f"provenance: {json.dumps(provenance(device))}")
     # what each rank reads (the model, the data), with one verdict: a node that lacks a file stops
-    # every rank
-    model, tokenizer_meta, ckpt, dataset, data_file = every_rank(dist_info,
-                                                                 lambda: load_inputs(cfg))
+    # every rank. Rank 0 alone prints the model's set-up lines (every rank's would repeat)
+    with said_once(dist_info):
+        model, tokenizer_meta, ckpt, dataset, data_file = every_rank(dist_info,
+                                                                     lambda: load_inputs(cfg))
     # and all of them the same: settings, code, checkpoint and data (else all stop in one line)
     scored = functools.partial(scored_files, cfg, dataset, data_file)
     same_everywhere(dist_info, lambda: same_start(dict(cfg), **scored()), SAME_START)

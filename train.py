@@ -461,8 +461,11 @@ def setup(cfg, dist_info):
     # the model: under FSDP only rank 0 holds the full one, the others build it on the meta device
     # (no memory)
     on_meta = fsdp and dist_info.rank != 0
-    raw_model, tokenizer_meta, ckpt = distributed.every_rank(dist_info, lambda: init_training_model(
-        cfg.select(ModelSource), cfg.select(ModelSpec), data, on_meta))
+    # its lines (the vocab_size found, the parameter count) are rank 0's: every rank's would repeat
+    with distributed.said_once(dist_info):
+        raw_model, tokenizer_meta, ckpt = distributed.every_rank(
+            dist_info, lambda: init_training_model(cfg.select(ModelSource), cfg.select(ModelSpec),
+                                                   data, on_meta))
     tokenizer_ids = padded_tokenizer_size(raw_model.config.vocab_size, tokenizer_meta)
     # ids the model can't read: one verdict for every rank
     distributed.every_rank(
@@ -493,7 +496,8 @@ def setup(cfg, dist_info):
               f"{raw_model.get_num_params(non_embedding=False):,} parameters")
     adamw = cfg.select(opt.AdamWSpec)
     muon = cfg.select(opt.MuonSpec) if cfg.optimizer == 'muon' else None  # Muon + AdamW
-    optimizer = opt.make_optimizer(raw_model, adamw, device_type, muon=muon)
+    with distributed.said_once(dist_info):  # nanoGPT's parameter-group lines, rank 0's only
+        optimizer = opt.make_optimizer(raw_model, adamw, device_type, muon=muon)
     scaler = opt.make_grad_scaler(device_type, dtype)
 
     run_provenance = dict(provenance(dist_info.device), dtype=dtype, compile=compile_model,
@@ -573,8 +577,11 @@ def evaluate(run, state, lr, poll=None):
     Both splits' losses, printed and logged (rank 0); the val loss, or None when a signal ended the
     estimate.
     """
+    # this process's first evaluation is said before it starts: its first batch pays for the warm-up
+    # (on a busy CPU, half a minute of silence otherwise)
+    first = f" (the train and val loss at iter {state.iter_num})" if state.local_iter_num == 0 else None
     losses = estimate_loss(run.model, run.eval_loaders, eval_iters=run.loop.eval_iters, ctx=run.ctx,
-                           dist_info=run.dist_info, poll=poll)
+                           dist_info=run.dist_info, poll=poll, announce=first)
     if losses is None:
         return None
     if run.dist_info.master:
@@ -591,16 +598,19 @@ def evaluate(run, state, lr, poll=None):
 
 
 @torch.no_grad()
-def estimate_loss(model, loaders, eval_iters, ctx, dist_info, poll=None):
+def estimate_loss(model, loaders, eval_iters, ctx, dist_info, poll=None, announce=None):
     """ {split: the mean loss over eval_iters batches} of {split: loader}, the ranks sharing the
     batches (rank r takes r, r + world_size, ...). poll: asked after every batch; when it says stop,
-    the estimate ends: None. A long one (the char model on a CPU) shows its progress (rank 0). """
+    the estimate ends: None. A long one (the char model on a CPU) shows its progress (rank 0);
+    announce (a string, Progress.begin's detail): say it before the first batch too. """
     model.eval()
     losses = {}
     # every rank runs the same number of forwards (under FSDP each one all-gathers weights): a rank
     # whose share ends early runs on past eval_iters and leaves those losses out of the sum
     forwards = math.ceil(eval_iters / dist_info.world_size)
     meter = progress.Progress(forwards * len(loaders), "evaluating", "batches", dist_info.master)
+    if announce is not None:
+        meter.begin(announce)
     for split, loader in loaders.items():
         loader.reset()  # the same batches at every evaluation, so the numbers are comparable
         total = torch.zeros((), dtype=torch.float64, device=dist_info.device)

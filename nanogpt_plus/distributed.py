@@ -20,7 +20,7 @@ Usage:
 
 import functools
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 
 import torch
@@ -195,6 +195,22 @@ def every_rank(dist_info, fn, agree=None):
         return fn()  # one process: its own verdict, nothing to agree on
     from nanogpt_plus import process_group
     return process_group.every_rank(dist_info, fn, agree)
+
+
+@contextmanager
+def said_once(dist_info):
+    """
+    Inside, the lines printed to stdout are rank 0's only; the other ranks' are dropped. For the
+    set-up lines every rank would print alike (the model's parameter count, the optimizer's groups):
+    under torchrun the ranks share one stdout, whose lines then repeat and can run into each other
+    ("...802,816 parametersnum decayed..."). Errors go to stderr and are untouched; one process prints
+    as it always did.
+    """
+    if dist_info.master:
+        yield
+        return
+    with open(os.devnull, 'w') as sink, redirect_stdout(sink):
+        yield
 
 
 def same_everywhere(dist_info, describe, agree):

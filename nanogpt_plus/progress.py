@@ -8,6 +8,8 @@ Usage:
     progress = Progress(400, "evaluating", "batches", show=master)
     for X, Y in progress.over(batches):
         ...
+    # work whose very first step may be long: say what starts before it starts
+    progress = Progress(400, "evaluating", "batches", show=master).begin()
 """
 
 import sys
@@ -51,6 +53,17 @@ class Progress:
         self.first = None  # (seconds, steps) at the first count: the warm-up
         self.announced = False
         self.last = (self.start, 0)  # (time, steps done) at the latest line
+
+    def begin(self, detail=''):
+        """
+        Say now, before the first step, what is starting: for work whose first step alone may take
+        long (the first evaluation of a run on a busy CPU, whose first batch pays for the warm-up),
+        where waiting for the estimate would leave the person looking at a silent screen. detail
+        follows the count: "evaluating: 40 batches<detail>, starting". Returns the Progress.
+        """
+        if self.show:
+            self._print(f"{self.what}: {self.total} {self.unit}{detail}, starting")
+        return self
 
     def advance(self, steps=1):
         """ Count finished steps; print the announcement or a progress line when one is due. """

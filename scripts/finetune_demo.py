@@ -21,6 +21,7 @@ Usage (from the repo root; data/shakespeare_char must be prepared):
     python scripts/finetune_demo.py                   # 2 inits x 3 seeds x 4 rates: ~14 minutes on 2 CPU cores
     python scripts/finetune_demo.py --seeds=1,2,3,4,5 --lr_factors=1        # the default rate only
     python scripts/finetune_demo.py --task=plays --plays=tragedies/macbeth,comedies/a-midsummer-night-s-dream
+    python scripts/finetune_demo.py --task_only=True --out_dir=ft-task      # step 1 alone: the task's JSONL files
 """
 import json
 import os
@@ -83,6 +84,8 @@ DEFAULTS = Schema(Group(
                                     "(1 = learning_rate=0 itself)", not_empty=True),
     extra=Setting('', "more --key=value settings for every fine-tune, space separated"),
     jobs=Setting(2, "fine-tunes run at once, each on one CPU thread (a small model runs no faster on more)", low=1),
+    task_only=Setting(False, "build the task's JSONL files in out_dir and stop there (no pretraining, no "
+                             "fine-tunes), printing the finetune.py command that trains on them"),
 ))
 
 
@@ -261,6 +264,11 @@ def main():
         PLAYS if cfg.task == 'plays' else TWO_CLASS_PLAYS)
     train_file, val_file = build_task(out, plays, cfg.per_play, cfg.min_chars, cfg.seed, set(meta['stoi']),
                                       cfg.task)
+    if cfg.task_only:  # a task file for one's own fine-tune, without writing one by hand
+        print("fine-tune on it, from the quick start's model:\n"
+              f"python finetune.py --task=classification --init_from=out-shakespeare-char-cpu --out_dir=out-ft "
+              f"--train_file={train_file} --val_file={val_file}")
+        return
     pretrained = os.path.join(out, 'pretrain')
     pretrain(cfg, pretrained)
     n_embd = load_checkpoint(os.path.join(pretrained, CHECKPOINT))['model_args']['n_embd']

@@ -242,6 +242,64 @@ def test_centring_and_core_by_hand(tmp_path):
     assert result['num_examples'] == sum(len(t[4]) for t in TASKS) and result['data_file'] == str(tmp_path / 'b')
 
 
+def test_dataset_uri_relative_to_eval_data_or_starting_with_it(tmp_path):
+    # DCLM writes 'sets/x.jsonl' (under eval_data/); a task of one's own written as 'eval_data/sets/x.jsonl' reads
+    # the same file, not eval_data/eval_data/sets/x.jsonl
+    bundle = write_bundle(tmp_path / 'b')
+    as_dclm = core_eval.read_bundle(bundle)
+    rewrite(tmp_path / 'b' / 'core.yaml', 'dataset_uri: sets/mc_two_shot.jsonl',
+            'dataset_uri: eval_data/sets/mc_two_shot.jsonl')
+    rewrite(tmp_path / 'b' / 'core.yaml', 'dataset_uri: sets/lm_two_shot.jsonl',
+            'dataset_uri: ./eval_data/sets/lm_two_shot.jsonl')
+    prefixed = core_eval.read_bundle(bundle)
+    assert [os.path.samefile(a.path, b.path) for a, b in zip(as_dclm, prefixed)] == [True] * len(TASKS)
+    assert core_eval.task_file('B', 'eval_data/sets/x.jsonl') == os.path.join('B', 'eval_data/sets/x.jsonl')
+    assert core_eval.task_file('B', 'sets/x.jsonl') == os.path.join('B', 'eval_data', 'sets/x.jsonl')
+
+
+class SlowGPT(torch.nn.Module):
+    """ A GPT whose every forward takes a second on the fake clock of nanogpt_plus/progress.py. """
+
+    def __init__(self, gpt, clock):
+        super().__init__()
+        self.gpt, self.config, self.clock = gpt, gpt.config, clock
+
+    def forward(self, *args, **kwargs):
+        self.clock.now += 1.0
+        return self.gpt(*args, **kwargs)
+
+
+def test_bits_per_byte_pass_after_core_is_said_and_shows_progress(tmp_path, monkeypatch, capsys):
+    # eval.py --task=core --dataset=...: after the tasks' lines, the split's bits per byte is said before its first
+    # batch, then how far it is (20 batches of a fake second each), rather than minutes of silence
+    from nanogpt_plus import progress
+    clock = type('Clock', (), {'now': 0.0, 'perf_counter': lambda self: self.now})()
+    monkeypatch.setattr(progress, 'time', clock)
+    tok = CharTokenizer.from_text('abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ,?:\n\t')
+    os.makedirs(tmp_path / 'ds')
+    with open(tmp_path / 'ds' / 'meta.json', 'w') as f:
+        json.dump(tok.meta(), f)
+    # 40 windows of block_size 24
+    tokens = np.random.default_rng(0).integers(0, tok.vocab_size, 24 * 40 + 1)
+    tokens.astype(np.uint16).tofile(tmp_path / 'ds' / 'val.bin')
+    model = SlowGPT(tiny_gpt(tok.vocab_size, 24), clock)
+    capsys.readouterr()  # GPT's own line
+    result = core_eval.evaluate_bundle(model, tok.meta(), data_file=write_bundle(tmp_path / 'b'),
+                                       dataset=str(tmp_path / 'ds'), batch_size=2, progress=True)
+    lines = capsys.readouterr().out.splitlines()
+    # the tasks' own lines, then the pass's
+    assert [line.split()[0] for line in lines[:len(TASKS)]] == [t[0] for t in TASKS]
+    said = f"bits per byte of {tmp_path / 'ds'}'s val split"
+    assert lines[len(TASKS):] == [f"{said}: 20 batches, starting",
+                                  f"{said}: 20 batches, about 20 s",
+                                  f"{said}: 17/20 batches, 17 s so far, about 3 s left"]
+    assert result['metrics']['val_bpb'] > 0
+    # without progress (the other ranks) nothing is said
+    core_eval.evaluate_bundle(model, tok.meta(), data_file=str(tmp_path / 'b'), dataset=str(tmp_path / 'ds'),
+                              batch_size=2)
+    assert capsys.readouterr().out == ''
+
+
 def test_max_examples_keeps_the_first_of_a_fixed_shuffle(tmp_path):
     task = core_eval.read_bundle(write_bundle(tmp_path / 'b'))[2]
     whole = core_eval.task_items(task)

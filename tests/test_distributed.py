@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import asdict
 
@@ -37,7 +38,7 @@ from helpers import (
 from model import GPT, GPTConfig
 from nanogpt_plus import hf_import
 from nanogpt_plus.checkpoint import load_checkpoint, save_checkpoint
-from nanogpt_plus.distributed import DistInfo, full_state_dicts, load_optimizer_state, wrap_model
+from nanogpt_plus.distributed import DistInfo, full_state_dicts, load_optimizer_state, said_once, wrap_model
 from nanogpt_plus.init_from import model_from_checkpoint
 from nanogpt_plus.process_group import mixed_precision_policy
 
@@ -219,6 +220,26 @@ def test_dist_timeout_reaches_the_process_group(dataset, tmp_path, monkeypatch, 
     train.main(train_args(dataset, tmp_path / 'b', max_iters=1, eval_interval=1, num_threads=1))
     assert made[1] == {'backend': 'gloo'}  # 0: the default, not a timeout of 0 s
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("under_torchrun,rank,shown", [(False, 0, True), (True, 0, True), (True, 1, False)])
+def test_set_up_lines_said_once_by_rank_0(under_torchrun, rank, shown, capsys):
+    # a fake rank: inside said_once only rank 0's stdout lines come out (the model's and AdamW's set-up lines), and
+    # stdout is the test's own again after it
+    info = DistInfo(under_torchrun, rank, rank, 2 if under_torchrun else 1, 'cpu')
+    with said_once(info):
+        model = GPT(GPTConfig(**TINY))
+        model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+        print("said inside", file=sys.stderr)
+    print("after")
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    if shown:
+        assert lines[0].startswith("number of parameters: ") and lines[1].startswith("num decayed parameter tensors")
+        assert len(lines) == 5
+    else:
+        assert lines == ["after"]
+    assert err == "said inside\n"  # errors and warnings are every rank's
 
 
 def test_a_single_process_describes_nothing_to_compare(tiny_dataset, tmp_path, monkeypatch):
@@ -548,6 +569,12 @@ def test_ddp_two_processes_equals_one_with_double_accumulation(dataset, tmp_path
     common = tiny_args(dataset, tmp_path, gradient_accumulation_steps=4, max_iters=6, eval_interval=6, dropout=0.0)
     one, two = train_one_and_two_ranks(common, tmp_path, steps=7)
     assert "tokens per iteration will be: 256" in two.stdout
+    # the model's and the optimizer's set-up lines once, each on its own line (rank 0's), as one process prints them
+    for start in ("number of parameters: ", "num decayed parameter tensors: ", "num non-decayed parameter tensors: ",
+                  "using fused AdamW: "):
+        assert [line.startswith(start) for line in one.stdout.splitlines()].count(True) == 1
+        assert [line.startswith(start) for line in two.stdout.splitlines()].count(True) == 1, start
+        assert two.stdout.count(start) == 1, start
     sd1 = load_checkpoint(str(tmp_path / "one" / "ckpt.pt"))["model"]
     sd2 = load_checkpoint(str(tmp_path / "two" / "ckpt.pt"))["model"]
     for k in sd1:

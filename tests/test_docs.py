@@ -90,8 +90,8 @@ SKIP = {
     'python -m venv .venv': INSTALL,
     'pip install torch==2.13.0': INSTALL,
     'pip install -e ".[dev]"': INSTALL,
-    'python -m pytest': SUITE,
-    'python -m pytest --runslow': SUITE,
+    'python -m pytest -v': SUITE,
+    'python -m pytest -v --runslow': SUITE,
     'ruff check .': SUITE,
     'torchrun --nproc_per_node=8 train.py config/train_gpt2.py': GPUS,
     'torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py': GPUS,
@@ -224,6 +224,9 @@ RUN = (
       'python finetune.py ... --out_dir=out-ft --init_from=resume',
       f'{PREDICT} --predict_out=preds.jsonl',
       f'{PREDICT} --predict_out=predictions.jsonl'],
+     ['python scripts/finetune_demo.py --task_only=True --out_dir=ft-task',
+      'python finetune.py --task=classification --init_from=out-shakespeare-char-cpu --out_dir=out-ft-spelling '
+      '--train_file=ft-task/spelling_train.jsonl --val_file=ft-task/spelling_val.jsonl'],
      ['torchrun --standalone --nproc_per_node=2 finetune.py ... --device=cpu',
       'python finetune.py ... --init_from=scratch --dataset=shakespeare_char'],
      ['python export_hf.py --out_dir=out --hf_dir=out/hf',
@@ -269,6 +272,7 @@ SMALLER = {
     f'python train.py {GPU_RUN} --dataset=my_char': SMALL_GPU_RUN,
     'python finetune.py ... --init_from=scratch --dataset=shakespeare_char':
         '--n_layer=1 --n_head=2 --n_embd=32',
+    'python scripts/finetune_demo.py --task_only=True --out_dir=ft-task': '--per_play=10',
 }
 
 

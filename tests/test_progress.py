@@ -127,6 +127,35 @@ def test_a_long_loss_estimate_shows_its_progress(clock, capsys):
     assert len(lines) == 14
 
 
+def test_a_runs_first_loss_estimate_is_said_before_its_first_batch(clock, capsys):
+    # train.py's first evaluation of a process: its first batch (the warm-up, half a minute on a busy CPU) comes
+    # after a line saying what starts; nanoGPT's `step N:` line and the estimate's numbers are unchanged
+    said_before = []
+
+    class FirstBatchLooks(SlowModel):
+        def forward(self, X, Y):
+            if not said_before:
+                said_before.append(capsys.readouterr().out)
+            return super().forward(X, Y)
+
+    loaders = {'train': CountingLoader(), 'val': CountingLoader()}
+    losses = train.estimate_loss(FirstBatchLooks(clock, 0.01), loaders, 200, torch.autocast('cpu', enabled=False),
+                                 SINGLE, announce=" (the train and val loss at iter 0)")
+    assert losses == {'train': 99.5, 'val': 99.5}
+    assert said_before == ["evaluating: 400 batches (the train and val loss at iter 0), starting\n"]
+    assert capsys.readouterr().out == ""  # quick: nothing more
+    rank1 = DistInfo(under_torchrun=False, rank=1, local_rank=1, world_size=1, device='cpu')
+    train.estimate_loss(SlowModel(clock, 0.5), loaders, 200, torch.autocast('cpu', enabled=False), rank1,
+                        announce=" (the train and val loss at iter 0)")
+    assert capsys.readouterr().out == ""
+
+
+def test_begin_says_what_starts_on_the_rank_that_shows(capsys):
+    assert progress.Progress(40, "evaluating", "batches").begin(" of x").total == 40
+    progress.Progress(40, "evaluating", "batches", show=False).begin()
+    assert capsys.readouterr().out == "evaluating: 40 batches of x, starting\n"
+
+
 def test_a_quick_loss_estimate_and_other_ranks_stay_silent(clock, capsys):
     estimate(clock, 0.01)
     rank1 = DistInfo(under_torchrun=False, rank=1, local_rank=1, world_size=1, device='cpu')

@@ -35,6 +35,7 @@ from nanogpt_plus.dataloader import check_token_ids, open_token_file
 from nanogpt_plus.dataset import REPO_DIR, read_dataset_meta, split_files
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_write, read_jsonl
+from nanogpt_plus.progress import Progress
 from nanogpt_plus.tokenizer import load_tokenizer, token_byte_lengths
 
 TASKS = ('loss', 'hellaswag', 'lambada')
@@ -118,7 +119,9 @@ def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcon
     written into a zeroed table that is then summed across ranks: adding zeros is exact, so every
     rank ends with the table one process would have computed (up to how the rows were grouped into
     batches). poll: called after every batch on every rank (train.py's stop agreement); when it
-    returns True the pass ends there and returns None.
+    returns True the pass ends there and returns None. progress: True for a tqdm bar (eval.py's
+    tasks); a string names the work for the project's progress lines instead (Progress, said
+    before the first batch: "<progress>: 28 batches, starting", then how far it is when long).
     """
     rank, world_size = (dist_info.rank,
                         dist_info.world_size) if dist_info and dist_info.under_torchrun else (0, 1)
@@ -132,7 +135,9 @@ def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcon
     # the weights in each) are collectives. The extra ones score a single row and are thrown away.
     batches = max(math.ceil(len(rows_of(r)) / batch_size) for r in range(world_size))
     steps = range(batches)
-    if progress:
+    if isinstance(progress, str):
+        steps = Progress(batches, progress, 'batches').begin().over(steps)
+    elif progress:
         from tqdm import tqdm
         steps = tqdm(steps, desc='eval', unit='batch')
     for b in steps:

@@ -7,7 +7,8 @@ the centred accuracies. eval.py --task=core is the command line for it.
 The eval bundle is DCLM's as nanochat packages it (eval_bundle.zip, unzipped):
     core.yaml            icl_tasks: a list of {label, dataset_uri, num_fewshot: [k],
                          icl_task_type, continuation_delimiter (default ' ')}
-    eval_data/...        the JSONL file of each task (dataset_uri, relative to eval_data/)
+    eval_data/...        the JSONL file of each task (dataset_uri, relative to eval_data/; one
+                         that starts with eval_data/ is relative to the bundle: task_file)
     eval_meta_data.csv   a row per task: its 'Eval Task' label and 'Random baseline' (percent)
 
 An example of each task type, and how it is scored (the few-shot examples, drawn from the same
@@ -183,6 +184,18 @@ def fewshot_count(value):
     return value if ok else None
 
 
+def task_file(directory, uri):
+    """
+    The JSONL file of a dataset_uri: relative to the bundle's eval_data/ (DCLM's 'sets/x.jsonl'),
+    or, when it already starts with eval_data/ (as a person writing their own task tends to put
+    it), relative to the bundle itself rather than to eval_data/eval_data/.
+    """
+    parts = os.path.normpath(uri).split(os.sep)
+    if parts[0] == 'eval_data' and len(parts) > 1:
+        return os.path.join(directory, uri)
+    return os.path.join(directory, 'eval_data', uri)
+
+
 def core_task(entry, number, directory, baselines):
     """ The CoreTask of core.yaml's icl_tasks entry `number` (from 1), checked. """
     where = f"{os.path.join(directory, 'core.yaml')}: icl_tasks entry {number}"
@@ -201,7 +214,7 @@ def core_task(entry, number, directory, baselines):
     if task_type not in TASK_TYPES:
         raise UserError(f"{where} ({label}) has icl_task_type {task_type!r}; this scorer knows "
                         f"{', '.join(TASK_TYPES)}")
-    path = os.path.join(directory, 'eval_data', uri)
+    path = task_file(directory, uri)
     if not os.path.isfile(path):
         raise UserError(f"no data file at {path} (task {label}); {BUNDLE_HINT}")
     meta_path = os.path.join(directory, 'eval_meta_data.csv')
@@ -484,8 +497,10 @@ def evaluate_bundle(model, tokenizer_meta, data_file='', dataset='', split='val'
     metrics = evaluate_core(model, load_tokenizer(tokenizer_meta), read_bundle(bundle), batch_size,
                             max_examples, progress=progress, **run)
     if dataset:
+        # minutes on a CPU, after the tasks' lines: said as it starts, then how far it is (rank 0)
+        said = progress and f"bits per byte of {dataset}'s {split} split"
         loss, _, _ = loss_task(model, tokenizer_meta, loss_files('', dataset, split), dataset, 0,
-                               batch_size, max_examples, dict(run, progress=False))
+                               batch_size, max_examples, dict(run, progress=said))
         metrics[f'{split}_bpb'] = loss.get('bits_per_byte')
     num_examples = sum(s['num_examples'] for s in metrics['tasks'].values())
     return {'task': 'core', 'metrics': metrics, 'num_examples': num_examples, 'data_file': bundle}
