@@ -52,8 +52,9 @@ from nanogpt_plus.weight_formats import WEIGHTS, can_pack, set_weights
 
 SEPARATOR = '---------------'
 # num_threads=0: the thread count is re-checked every `interval` tokens, each other candidate timed
-# on `probe` of them (machine.ThreadRetuner); 200 tokens take 1-3 s on a laptop's CPU
-THREAD_RETUNING = dict(interval=100, probe=8, window=50)
+# on `probe` of them (machine.ThreadRetuner). train.py's 250: a round costs a few steps on a count
+# that may be 20x slower under load, so it must be rare; a 500-token sample gets one
+THREAD_RETUNING = dict(interval=250, probe=8, window=50)
 
 # -----------------------------------------------------------------------------
 # the settings and their defaults (`python sample.py --help` prints them with their help); a
@@ -244,7 +245,7 @@ def main():
 
     device = dist_info.device
     # num_threads=0 on a CPU: the count is timed on a sampling step once the model is ready, and
-    # re-checked every 100 tokens (THREAD_RETUNING)
+    # re-checked every 250 tokens (THREAD_RETUNING)
     threads = auto_threads(device, config.num_threads, 'sampling step', say=say, **THREAD_RETUNING)
     dtype, ctx = precision(device, config.dtype)
     # None = auto: on CUDA
