@@ -303,7 +303,8 @@ def main():
                                       top_p=top_p, generator=generator, mode=config.mode,
                                       stop_token=stop_token, vocab_size=tok.vocab_size, ctx=ctx)
     if threads is not None:
-        tokens_per_step = threads.over(tokens_per_step)  # each step's time: the count follows the load
+        # each step's time is fed to the retuner: the count follows the load
+        tokens_per_step = threads.over(tokens_per_step)
     for tokens in meter.over(tokens_per_step):
         printer.add(tokens, show=not stream)
         if stream and (token := tokens[0].item()) != stop_token:
