@@ -330,3 +330,24 @@ def test_float16_on_a_cpu_is_said_for_every_script():
         r"float32$",
     ):
         resolve_dtype('float16', 'cpu')
+
+
+def test_auto_threads_only_on_a_cpu_with_num_threads_0():
+    """ The other scripts' choice: a GPU keeps torch's count, N > 0 fixes it, 0 on a CPU times it (AutoThreads). """
+    from nanogpt_plus.machine import AutoThreads, auto_threads
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert auto_threads('cuda', 0, 'batch') is None and auto_threads('mps', 0, 'batch') is None
+        assert torch.get_num_threads() == 2
+        assert auto_threads('cpu', 1, 'batch') is None and torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        lines = []
+        threads = auto_threads('cpu', 0, 'batch', say=lines.append, interval=3)
+        assert isinstance(threads, AutoThreads)
+        threads.choose(lambda: torch.randn(4), flops=1e12)  # too big to time: every core stays, nothing said
+        assert threads.retuner is None and torch.get_num_threads() == 2 and lines == []
+        with pytest.raises(UserError, match="num_threads must be 0"):
+            auto_threads('cpu', -1, 'batch')
+    finally:
+        torch.set_num_threads(before)
