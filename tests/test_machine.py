@@ -345,7 +345,8 @@ def test_auto_threads_only_on_a_cpu_with_num_threads_0():
         lines = []
         threads = auto_threads('cpu', 0, 'batch', say=lines.append, interval=3)
         assert isinstance(threads, AutoThreads)
-        threads.choose(lambda: torch.randn(4), flops=1e12)  # too big to time: every core stays, nothing said
+        # too big to time: every core stays, nothing said
+        threads.choose(lambda: torch.randn(4), flops=1e12)
         assert threads.retuner is None and torch.get_num_threads() == 2 and lines == []
         with pytest.raises(UserError, match="num_threads must be 0"):
             auto_threads('cpu', -1, 'batch')
