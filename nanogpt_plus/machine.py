@@ -432,19 +432,20 @@ def thread_candidates():
     return candidates
 
 
-def time_thread_counts(work, candidates, repeats=3):
+def time_thread_counts(work, candidates, repeats=3, min_seconds=0.0, max_repeats=500):
     """
     Time work() (one unit of a run's real work) with each candidate CPU thread count: a warm-up
-    call (allocator, thread pool), then the mean of `repeats` calls (the mean: on shared cores the
-    cost is in occasional stalls). The fastest count is set. Returns (threads, {threads: mean
-    seconds}).
+    call (allocator, thread pool), then the mean of `repeats` calls, or of as many as fill
+    min_seconds (at most max_repeats): the mean, because on shared cores the cost is in occasional
+    stalls, which a few millisecond-long calls can miss. The fastest count is set. Returns
+    (threads, {threads: mean seconds}).
     """
     timings = {}
     for n in candidates:
         torch.set_num_threads(n)
         work()
         ts = []
-        for _ in range(repeats):
+        while len(ts) < repeats or (sum(ts) < min_seconds and len(ts) < max_repeats):
             t0 = time.perf_counter()
             work()
             ts.append(time.perf_counter() - t0)
@@ -607,11 +608,15 @@ class AutoThreads:
     """
 
     def __init__(self, unit, say=print, interval=100, probe=8, window=50, repeats=3,
-                 max_flops=2e10):
+                 min_seconds=0.05, max_flops=2e10):
         self.unit = unit  # what one timed unit is, in the printed line: 'decode step', 'batch'
         self.say = say
         self.retuner_settings = dict(interval=interval, probe=probe, window=window)
         self.repeats = repeats
+        # a sampling step of a small model takes ~1 ms: 3 of them can miss the stalls that make a
+        # second thread slow on a busy machine (1 run in 6 chose 2 threads and ran 5x slower), so
+        # each count is timed for at least this long
+        self.min_seconds = min_seconds
         self.max_flops = max_flops
         self.chosen = False
         self.retuner = None  # a ThreadRetuner once a choice was timed
@@ -626,7 +631,7 @@ class AutoThreads:
             return
         # the same random stream whatever was timed (work() may sample or drop out)
         rng = torch.get_rng_state()
-        threads, timings = time_thread_counts(work, candidates, self.repeats)
+        threads, timings = time_thread_counts(work, candidates, self.repeats, self.min_seconds)
         torch.set_rng_state(rng)
         self.say(describe_thread_choice(threads, timings, self.unit))
         self.retuner = ThreadRetuner(list(timings), **self.retuner_settings)

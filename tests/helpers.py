@@ -702,7 +702,7 @@ class FakeThreadTiming:
         self.timed = []  # the candidates of each timing, and what work() did
         self.seen = []  # (seconds, thread count) of every unit the retuner was fed
 
-    def time_thread_counts(self, work, candidates, repeats=3):
+    def time_thread_counts(self, work, candidates, repeats=3, min_seconds=0.0):
         for n in candidates:
             torch.set_num_threads(n)
             work()

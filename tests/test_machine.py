@@ -352,3 +352,24 @@ def test_auto_threads_only_on_a_cpu_with_num_threads_0():
             auto_threads('cpu', -1, 'batch')
     finally:
         torch.set_num_threads(before)
+
+
+def test_short_work_is_timed_for_at_least_min_seconds(monkeypatch):
+    """ A ~1 ms sampling step is repeated until min_seconds are filled: 3 calls can miss the stalls of a busy core. """
+    from nanogpt_plus import machine
+    clock = [0.0]
+    monkeypatch.setattr(machine.time, 'perf_counter', lambda: clock[0])
+    calls = []
+
+    def work():  # a fake 1/256 s of work, whatever the count
+        calls.append(torch.get_num_threads())
+        clock[0] += 1 / 256
+    before = torch.get_num_threads()
+    try:
+        machine.time_thread_counts(work, [2, 1], repeats=3, min_seconds=10 / 256)
+        assert calls == [2] * 11 + [1] * 11  # a warm-up, then 10 timed calls each
+        calls.clear()
+        machine.time_thread_counts(work, [2, 1], repeats=3)  # tune_cpu_threads': the repeats only
+        assert calls == [2] * 4 + [1] * 4
+    finally:
+        torch.set_num_threads(before)
