@@ -47,11 +47,16 @@ from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import TASKS, core, evaluate, loss_files, task_data_file
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.init_from import describe_source, init_model, tokenizer_known
-from nanogpt_plus.machine import device_type_of, precision, resolve_compile
+from nanogpt_plus.machine import auto_threads, device_type_of, precision, resolve_compile
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.runtime import SAME_START, provenance, run_main, same_start
 from nanogpt_plus.settings import non_negative
 from nanogpt_plus.weight_formats import WEIGHTS, set_weights
+
+# num_threads=0: the thread count is re-checked every `interval` batches, each other candidate timed
+# on `probe` of them (machine.ThreadRetuner); a round costs a few batches on a count that may be
+# 5x slower under load, so rarely (the loss of Shakespeare's val split is ~110 batches)
+THREAD_RETUNING = dict(interval=100, probe=4, window=50)
 
 # the scoring is nanogpt_plus/evaluation's (one implementation, which other code calls in-process
 # too); this script reads the settings, loads the model, and prints or writes the result
@@ -93,6 +98,7 @@ SYSTEM = Group(
     device=settings.device('auto'),
     dtype=settings.dtype('auto'),
     compile=settings.compile(False),
+    num_threads=settings.num_threads(0),
     seed=settings.seed(1337),
 )
 DEFAULTS = Schema(IO, EVALUATION, DATA, SYSTEM)
@@ -207,6 +213,9 @@ def main():
     device = dist_info.device
     _, ctx = precision(device, cfg.dtype)
     compile_model = resolve_compile(cfg.compile, device_type_of(device))  # None = auto: on CUDA
+    # num_threads=0 on a CPU: timed on the first batch, then re-checked (each rank its own count)
+    threads = auto_threads(device, cfg.num_threads, 'batch',
+                           say=print if dist_info.master else lambda line: None, **THREAD_RETUNING)
     if dist_info.master:
         print(f"provenance: {json.dumps(provenance(device))}")
     # what each rank reads (the model, the data), with one verdict: a node that lacks a file stops
@@ -227,7 +236,8 @@ def main():
         model = torch.compile(model)
     common = dict(data_file=data_file, dataset=dataset, split=cfg.split,
                   batch_size=cfg.batch_size, max_examples=cfg.max_examples, device=device,
-                  ctx=ctx, dist_info=dist_info, pad_to=pad_to, progress=dist_info.master)
+                  ctx=ctx, dist_info=dist_info, pad_to=pad_to, progress=dist_info.master,
+                  threads=threads)
     if cfg.task == 'core':
         result = core.evaluate_bundle(model, tokenizer_meta, **common)
     else:

@@ -64,12 +64,16 @@ from nanogpt_plus.distributed import (
 )
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
 from nanogpt_plus.init_from import FIXED_BY_SOURCE, ModelSource, ModelSpec, init_model
-from nanogpt_plus.machine import compute_setup, device_type_of
+from nanogpt_plus.machine import auto_threads, compute_setup, device_type_of
 from nanogpt_plus.metrics import MetricsLogger, WandbSpec
 from nanogpt_plus.outputs import check_new_run, check_output, claim_out_dir
 from nanogpt_plus.runtime import SAME_START, provenance, run_main, same_start
 from nanogpt_plus.settings import non_negative, positive
 from nanogpt_plus.weight_formats import WEIGHTS
+
+# num_threads=0: the training steps' thread count is re-checked every `interval` steps, each other
+# candidate timed on `probe` of them (machine.ThreadRetuner), as train.py does
+THREAD_RETUNING = dict(interval=250, probe=8, window=50)
 
 # checkpoint.py's names, in a fine-tune's roles
 BEST_CKPT = CHECKPOINT  # the best model so far (by val accuracy), with its head
@@ -161,6 +165,7 @@ SYSTEM = Group(
     dtype=settings.dtype('auto'),
     compile=settings.compile(False),
     activation_checkpointing=settings.activation_checkpointing(False),
+    num_threads=settings.num_threads(0),
     seed=settings.seed(1337),
 )
 DEFAULTS = Schema(FINETUNING, IO, DATA, MODEL, ADAMW, LR_DECAY, WANDB, SYSTEM)
@@ -193,6 +198,10 @@ class FinetuneRun:
     logger: MetricsLogger
     exit_request: GracefulExit
     t0: float  # when training started, for the elapsed time in the log lines
+    # num_threads=0 on a CPU (machine.AutoThreads), else None: the training steps' thread count and
+    # that of the val passes, each timed on its first batch and re-checked as the load changes
+    threads: object = None
+    eval_threads: object = None
 
 
 @dataclass
@@ -316,7 +325,11 @@ def setup(cfg, dist_info):
     device = dist_info.device
     resume = cfg.init_from == 'resume'
     dtype, ctx, compile_model, _ = compute_setup(device, cfg.dtype, cfg.compile,
-                                                 num_threads=0, peak=False)
+                                                 num_threads=cfg.num_threads, peak=False)
+    say = print if dist_info.master else lambda line: None
+    threads = auto_threads(device, cfg.num_threads, 'training step', say=say, **THREAD_RETUNING)
+    eval_threads = auto_threads(device, cfg.num_threads, 'val batch', say=say,
+                                **finetuning.PREDICTION_RETUNING)
     # kept in the checkpoints
     run_provenance = dict(provenance(device), dtype=dtype, world_size=dist_info.world_size)
     if dist_info.master:
@@ -381,7 +394,7 @@ def setup(cfg, dist_info):
     return FinetuneRun(cfg, dist_info, task, raw_model, model, optimizer, scaler, ctx, data,
                        special, tokenizer, tokenizer_meta, source_name, run_provenance, sampler,
                        schedule, checkpointer, logger, EXIT_REQUEST or GracefulExit().install(),
-                       time.time()), state
+                       time.time(), threads, eval_threads), state
 
 
 def load_source(cfg):
@@ -414,14 +427,38 @@ def run_epoch(run, state):
     """
     run.sampler.set_epoch(state.epoch)
     order = list(run.sampler)  # this rank's examples for the epoch, in order
+    if run.threads is not None and state.step_in_epoch < run.schedule.steps_per_epoch:
+        run.threads.choose(*timing_pass(run, state, order))  # the first epoch's first step only
     while state.step_in_epoch < run.schedule.steps_per_epoch:
+        t0 = time.perf_counter()
         lr, step_losses, grad_norm = train_step(run, state, order)
         last_of_epoch = state.step_in_epoch == run.schedule.steps_per_epoch
         if state.iter_num % run.cfg.log_interval == 0 or last_of_epoch:
             log_step(run, state, lr, step_losses, grad_norm)
+        if run.threads is not None:
+            run.threads.observe(time.perf_counter() - t0)
         if run.exit_request.should_stop(run.dist_info):  # every step: torchrun kills soon after
             state.interrupted = True
             return
+
+
+def timing_pass(run, state, order):
+    """
+    (work, flops) for choosing the CPU thread count: a forward/backward of the plain model on the
+    step's first micro-batch, as train_step runs it, leaving no gradients (AutoThreads restores the
+    RNG that dropout draws from).
+    """
+    b = finetuning.step_batches(run.data, run.special, run.schedule, state.step_in_epoch, order,
+                                run.dist_info.device)[0]
+    lm_targets = b['lm_targets'] if run.cfg.lm_loss_weight > 0 else None
+
+    def fwd_bwd():
+        with run.ctx:
+            logits, lm_sum = run.raw_model(b['idx'], b['extract_pos'], b['choice_mask'], lm_targets)
+        loss = F.cross_entropy(logits, b['labels'], reduction='sum')
+        (loss + lm_sum if lm_targets is not None else loss).backward()
+        run.raw_model.zero_grad(set_to_none=True)
+    return fwd_bwd, 6 * run.raw_model.gpt.get_num_params() * b['idx'].numel()
 
 
 def train_step(run, state, order):
@@ -527,7 +564,7 @@ def evaluate_epoch(run, state):
         return record
     correct, seen, loss_sum = finetuning.evaluate_val(
         run.raw_model, run.data, run.special, run.cfg.eval_batch_size or run.cfg.batch_size,
-        run.ctx, run.dist_info)
+        run.ctx, run.dist_info, threads=run.eval_threads)
     record.update(val_acc=correct / seen, val_loss=loss_sum / seen)
     if run.dist_info.master:
         print(
@@ -571,7 +608,8 @@ def finish(run, state):
         finetuning.write_predictions(
             best_model, best, run.special, run.tokenizer, device=run.dist_info.device, ctx=run.ctx,
             path=cfg.predict_file, batch_size=cfg.eval_batch_size or cfg.batch_size,
-            out_path=finetuning.predictions_path(cfg.predict_out, cfg.out_dir))
+            out_path=finetuning.predictions_path(cfg.predict_out, cfg.out_dir),
+            threads=run.eval_threads)
     if run.dist_info.master:
         print(json.dumps(result))
     return result

@@ -13,7 +13,7 @@ GPT-2 directory (nanoGPT's checkpoints load too); the text is decoded with the c
 tokenizer. Each sample is printed followed by a line of '---------------': with num_samples=1 as it
 is generated, else once it and those before it are done (a batch that takes more than a few seconds
 reports its progress on stderr); the speed (tokens/s) goes to stderr at the end. A prompt longer
-than block_size keeps its last block_size tokens. num_threads: CPU threads (0: torch's default).
+than block_size keeps its last block_size tokens. num_threads: CPU threads (0: timed, train.py's choice).
 
 mode: what happens past the model's block_size (within it both are exact and use the KV cache):
   exact (default)  each new token is predicted from the last block_size tokens, as nanoGPT does
@@ -40,10 +40,10 @@ import torch
 from configurator import Group, Schema, Setting, read_settings
 from nanogpt_plus import settings
 from nanogpt_plus.distributed import GROUP_SETTINGS, every_rank, start
-from nanogpt_plus.engine import MODES, check_sampling_args, generate_stream
+from nanogpt_plus.engine import MODES, check_sampling_args, generate_stream, typical_step
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.init_from import describe_source, init_model
-from nanogpt_plus.machine import PTDTYPE, apply_cpu_threads, device_type_of, precision, resolve_compile
+from nanogpt_plus.machine import PTDTYPE, auto_threads, device_type_of, precision, resolve_compile
 from nanogpt_plus.progress import Progress
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.settings import flag, non_negative, positive
@@ -51,6 +51,10 @@ from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
 from nanogpt_plus.weight_formats import WEIGHTS, can_pack, set_weights
 
 SEPARATOR = '---------------'
+# num_threads=0: the thread count is re-checked every `interval` tokens, each other candidate timed
+# on `probe` of them (machine.ThreadRetuner). train.py's 250: a round costs a few steps on a count
+# that may be 20x slower under load, so it must be rare; a 500-token sample gets one
+THREAD_RETUNING = dict(interval=250, probe=8, window=50)
 
 # -----------------------------------------------------------------------------
 # the settings and their defaults (`python sample.py --help` prints them with their help); a
@@ -87,13 +91,16 @@ SYSTEM = Group(
     device=settings.device('auto'),
     dtype=settings.dtype('auto'),
     compile=settings.compile(False),
-    # sample.py's own num_threads: 0 keeps torch's count (train.py's 0 times the candidates on a
-    # batch)
-    num_threads=non_negative(0, "CPU threads for torch; 0 = torch's default (one per core)"),
+    num_threads=settings.num_threads(0),
     seed=settings.seed(1337),
 )
 DEFAULTS = Schema(IO, SAMPLING, MODEL, SYSTEM)
 # -----------------------------------------------------------------------------
+
+
+def say(line):
+    """ A line about the run (not a sample): stderr, which keeps stdout the samples' alone. """
+    print(line, file=sys.stderr, flush=True)
 
 
 def read_start(start):
@@ -237,7 +244,9 @@ def main():
     top_p = config.top_p
 
     device = dist_info.device
-    apply_cpu_threads(config.num_threads)
+    # num_threads=0 on a CPU: the count is timed on a sampling step once the model is ready, and
+    # re-checked every 250 tokens (THREAD_RETUNING)
+    threads = auto_threads(device, config.num_threads, 'sampling step', say=say, **THREAD_RETUNING)
     dtype, ctx = precision(device, config.dtype)
     # None = auto: on CUDA
     compile_model = resolve_compile(config.compile, device_type_of(device))
@@ -286,11 +295,16 @@ def main():
     if stream:
         sys.stdout.write(tok.decode(start_ids))
         sys.stdout.flush()
+    if threads is not None:
+        threads.choose(*typical_step(model, x, config.max_new_tokens, config.mode, ctx))
     t0 = time.perf_counter()
     tokens_per_step = generate_stream(model, x, config.max_new_tokens,
                                       temperature=config.temperature, top_k=config.top_k,
                                       top_p=top_p, generator=generator, mode=config.mode,
                                       stop_token=stop_token, vocab_size=tok.vocab_size, ctx=ctx)
+    if threads is not None:
+        # each step's time is fed to the retuner: the count follows the load
+        tokens_per_step = threads.over(tokens_per_step)
     for tokens in meter.over(tokens_per_step):
         printer.add(tokens, show=not stream)
         if stream and (token := tokens[0].item()) != stop_token:

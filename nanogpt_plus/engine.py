@@ -232,6 +232,43 @@ def generate_stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
                 logits = last_position_logits(model, seq)
 
 
+def typical_step(model, idx, max_new_tokens, mode='exact', ctx=None):
+    """
+    (work, flops): a callable that runs, once per call, the step generate_stream(model, idx,
+    max_new_tokens, mode=mode) spends most of its steps on, and that step's forward FLOPs; for
+    timing CPU thread counts (machine.AutoThreads) on what sampling really does. The step is a
+    decoding step with the KV cache (B tokens against the prompt's cached keys and values), or, in
+    the exact mode when most new tokens come past block_size, a forward of the whole window's
+    block_size tokens (last_position_logits). It leaves no trace: its cache is its own, and the
+    model draws no random numbers.
+    """
+    ctx = ctx if ctx is not None else nullcontext()
+    block_size = model.config.block_size
+    seq = idx[:, -block_size:]
+    B, T = seq.shape
+    cached = max(0, min(max_new_tokens, block_size - T))  # the steps before the window slides
+    forward_flops = 2 * sum(p.numel() for p in model.parameters())  # per token, roughly
+    if mode == 'exact' and max_new_tokens - cached > cached:
+        window = torch.zeros(B, block_size, dtype=torch.long, device=idx.device)
+
+        @torch.inference_mode()
+        def window_forward():
+            with ctx:
+                last_position_logits(model, window)
+        return window_forward, forward_flops * B * block_size
+    cache = KVCache(model.config.n_layer, T)
+    with torch.inference_mode(), ctx:
+        if T > 1:
+            model(seq[:, :-1], kv_cache=cache)  # the prompt but its last token, cached once
+
+    @torch.inference_mode()
+    def decode_step():
+        cache.pos = T - 1  # the same slot every time: the last prompt token against the rest
+        with ctx:
+            model(seq[:, -1:], kv_cache=cache)
+    return decode_step, forward_flops * B
+
+
 def generate(model, idx, max_new_tokens, **kwargs):
     """
     Like GPT.generate, but cached and batched: returns (B, T + n) with the prompts idx (B, T)

@@ -32,7 +32,7 @@ from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.files import atomic_write
 from nanogpt_plus.files import read_jsonl as read_jsonl_records
 from nanogpt_plus.init_from import fit_block_size, model_from_checkpoint
-from nanogpt_plus.machine import precision
+from nanogpt_plus.machine import auto_threads, precision
 from nanogpt_plus.optimizer import LRSchedule
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
@@ -92,7 +92,8 @@ class PredictSpec:
     """
     finetune.py's predictions with a fine-tuned checkpoint (init_from: its out_dir or ckpt.pt): of
     predict_file, into predict_out ('' = predictions.jsonl beside the checkpoint), in batches of
-    eval_batch_size (0 = batch_size), with the weights stored as `weights` and computed in dtype.
+    eval_batch_size (0 = batch_size), with the weights stored as `weights` and computed in dtype, on
+    num_threads CPU threads (0: timed, train.py's choice).
     """
     init_from: str
     out_dir: str
@@ -104,6 +105,7 @@ class PredictSpec:
     batch_size: int
     weights: str
     dtype: str
+    num_threads: int
 
 
 # -----------------------------------------------------------------------------
@@ -687,13 +689,20 @@ def model_from_finetune_checkpoint(ckpt, dropout=0.0):
 # -----------------------------------------------------------------------------
 # evaluation and prediction
 
+# num_threads=0: the thread count of the forward-only passes (val accuracy, predictions) is
+# re-checked every `interval` batches (machine.ThreadRetuner), rarely: a round costs a few batches
+# on a count that may be 5x slower under load
+PREDICTION_RETUNING = dict(interval=100, probe=4, window=50)
+
 @torch.no_grad()
-def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=None, num_batches=0):
+def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=None, num_batches=0,
+             threads=None):
     """
     Accuracy pieces over examples (this rank's indices): (n_correct, n_seen, summed task loss,
     predictions as (index, class id, probabilities)). num_batches > the batches of indices adds
     forwards of one example, left out of the results, so that every rank can run the same number
-    (for models whose forwards are collectives).
+    (for models whose forwards are collectives). threads: a machine.AutoThreads (num_threads=0 on
+    a CPU), timed on the first batch and re-checked over the batches.
     """
     was_training = model.training
     model.eval()
@@ -701,7 +710,16 @@ def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=N
     correct = 0
     loss_sum = 0.0
     preds = []
-    for i in range(0, len(indices), batch_size):
+    starts = range(0, len(indices), batch_size)
+    if threads is not None and indices:
+        first = make_batch([encoded[j] for j in indices[:batch_size]], None, special, device)
+
+        def forward():
+            with ctx:
+                model(first['idx'], first['extract_pos'], first['choice_mask'])
+        threads.choose(forward, flops=2 * model.gpt.get_num_params() * first['idx'].numel())
+        starts = threads.over(starts)
+    for i in starts:
         chunk = indices[i:i + batch_size]
         batch = make_batch([encoded[j] for j in chunk],
                            None if labels is None else [labels[j] for j in chunk], special, device)
@@ -721,7 +739,7 @@ def evaluate(model, encoded, labels, special, batch_size, device, ctx, indices=N
     return correct, len(indices), loss_sum, preds
 
 
-def evaluate_val(model, data, special, batch_size, ctx, dist_info):
+def evaluate_val(model, data, special, batch_size, ctx, dist_info, threads=None):
     """
     (correct, seen, summed task loss) over data's validation examples, summed over the ranks, each
     of which scores a strided share with the plain model (its forwards are no collectives; still,
@@ -735,7 +753,7 @@ def evaluate_val(model, data, special, batch_size, ctx, dist_info):
     correct, seen, loss_sum, _ = evaluate(model, data.val_encoded, data.val_labels, special,
                                           batch_size, dist_info.device, ctx,
                                           range(dist_info.rank, n_val, world),
-                                          num_batches=most_batches)
+                                          num_batches=most_batches, threads=threads)
     return tuple(all_reduce_sum([correct, seen, loss_sum], dist_info))
 
 
@@ -751,15 +769,16 @@ def _rounded_probs(logits, choice_mask, task):
 
 
 def write_predictions(model, ckpt_info, special, tokenizer, device, ctx, path, out_path,
-                      batch_size):
+                      batch_size, threads=None):
     """
     Predictions of model for every example of path, one JSON line each (the input plus prediction),
-    computed batch_size examples at a time.
+    computed batch_size examples at a time (threads: evaluate's).
     """
     task = ckpt_info['task']
     examples = read_jsonl(path, task, labeled=False)
     encoded = encode_examples(examples, task, tokenizer, special, model.gpt.config.block_size, path)
-    _, _, _, preds = evaluate(model, encoded, None, special, batch_size, device, ctx)
+    _, _, _, preds = evaluate(model, encoded, None, special, batch_size, device, ctx,
+                              threads=threads)
     id_to_label = {i: label for label, i in (ckpt_info['label_map'] or {}).items()}
     lines = []
     for (j, p, probs) in preds:
@@ -801,9 +820,11 @@ def _predict(spec, dist_info):
     model.eval()
     set_weights(model.gpt, spec.weights)  # the task head stays float32: it is one small matrix
     _, ctx = precision(dist_info.device, spec.dtype)
+    threads = auto_threads(dist_info.device, spec.num_threads, 'prediction batch',
+                           **PREDICTION_RETUNING)
     write_predictions(model, ckpt, ckpt['special_tokens'], load_tokenizer(ckpt['tokenizer']),
                       device=dist_info.device, ctx=ctx, path=spec.predict_file, out_path=out_path,
-                      batch_size=spec.eval_batch_size or spec.batch_size)
+                      batch_size=spec.eval_batch_size or spec.batch_size, threads=threads)
 
 
 def predictions_path(predict_out, directory):

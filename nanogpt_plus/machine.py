@@ -407,8 +407,9 @@ def _cpu_info():
 
 
 # -----------------------------------------------------------------------------
-# the CPU thread count: timed at start-up over a few training passes at each candidate count and
-# re-checked while training as the load changes (num_threads=0), or fixed by the user
+# the CPU thread count: timed at start-up over a few units of the run's work (training passes,
+# sampling steps, evaluation batches) at each candidate count and re-checked while running as the
+# load changes (num_threads=0), or fixed by the user; docs/cpu-speed.md says how
 
 def apply_cpu_threads(num_threads):
     """ num_threads > 0 fixes torch's CPU thread count; 0 keeps it (see tune_cpu_threads). """
@@ -429,6 +430,29 @@ def thread_candidates():
         candidates.append(n)
         n = n // 2 if n > 1 else 0
     return candidates
+
+
+def time_thread_counts(work, candidates, repeats=3, min_seconds=0.0, max_repeats=500):
+    """
+    Time work() (one unit of a run's real work) with each candidate CPU thread count: a warm-up
+    call (allocator, thread pool), then the mean of `repeats` calls, or of as many as fill
+    min_seconds (at most max_repeats): the mean, because on shared cores the cost is in occasional
+    stalls, which a few millisecond-long calls can miss. The fastest count is set. Returns
+    (threads, {threads: mean seconds}).
+    """
+    timings = {}
+    for n in candidates:
+        torch.set_num_threads(n)
+        work()
+        ts = []
+        while len(ts) < repeats or (sum(ts) < min_seconds and len(ts) < max_repeats):
+            t0 = time.perf_counter()
+            work()
+            ts.append(time.perf_counter() - t0)
+        timings[n] = sum(ts) / len(ts)
+    best = min(timings, key=timings.get)
+    torch.set_num_threads(best)
+    return best, timings
 
 
 def tune_cpu_threads(model, X, Y, ctx, repeats=3, max_flops=2e10, announce=None):
@@ -457,29 +481,18 @@ def tune_cpu_threads(model, X, Y, ctx, repeats=3, max_flops=2e10, announce=None)
             _, loss = model(X, Y)
         loss.backward()
 
-    timings = {}
-    for n in candidates:
-        torch.set_num_threads(n)
-        fwd_bwd()  # warm-up (allocator, thread pool)
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fwd_bwd()
-            ts.append(time.perf_counter() - t0)
-        timings[n] = sum(ts) / len(ts)  # the mean: on shared cores the cost is in occasional stalls
+    best, timings = time_thread_counts(fwd_bwd, candidates, repeats)
     model.zero_grad(set_to_none=True)
     torch.set_rng_state(rng)
-    best = min(timings, key=timings.get)
-    torch.set_num_threads(best)
     return best, timings
 
 
-def describe_thread_choice(threads, timings):
+def describe_thread_choice(threads, timings, unit='fwd+bwd'):
     """
     The line train.py and bench.py print after tune_cpu_threads (scripts/bench_train_cpu.py reads
-    it).
+    it); the other scripts name their own unit of work.
     """
-    return (f"using {threads} CPU threads (fwd+bwd ms: "
+    return (f"using {threads} CPU threads ({unit} ms: "
             + ", ".join(f"{n} threads {t * 1000:.1f}" for n, t in timings.items()) + ")")
 
 
@@ -579,3 +592,79 @@ def _time_threads(model, loader, ctx, master):
     if master:
         print(describe_thread_choice(threads, timings))
     return ThreadRetuner(list(timings))  # the thread counts it timed
+
+
+class AutoThreads:
+    """
+    train.py's thread choice for a script whose work is a loop of like units (sample.py's tokens,
+    eval.py's batches, finetune.py's training steps and prediction batches), with num_threads=0 on
+    a CPU. choose(work, flops) times one unit of the real work (work(), leaving no trace) at each
+    candidate count (thread_candidates) before the loop and keeps the fastest; work over max_flops
+    keeps every core untimed, as tune_cpu_threads does. over(steps) then feeds a ThreadRetuner the
+    time of every unit of the loop, so the count follows the machine's load while the work is long;
+    interval, probe and window are the retuner's, in units of the loop. Only the first choose()
+    times: a script may call it at the start of every pass (an epoch's evaluation, CORE's tasks).
+    say: where the choice and its changes are reported (print, stderr, or nothing on ranks > 0).
+    """
+
+    def __init__(self, unit, say=print, interval=100, probe=8, window=50, repeats=3,
+                 min_seconds=0.05, max_flops=2e10):
+        self.unit = unit  # what one timed unit is, in the printed line: 'decode step', 'batch'
+        self.say = say
+        self.retuner_settings = dict(interval=interval, probe=probe, window=window)
+        self.repeats = repeats
+        # a sampling step of a small model takes ~1 ms: 3 of them can miss the stalls that make a
+        # second thread slow on a busy machine (1 run in 6 chose 2 threads and ran 5x slower), so
+        # each count is timed for at least this long
+        self.min_seconds = min_seconds
+        self.max_flops = max_flops
+        self.chosen = False
+        self.retuner = None  # a ThreadRetuner once a choice was timed
+
+    def choose(self, work, flops=0):
+        """ Time work() at each candidate count and keep the fastest (once; later calls: no-op). """
+        if self.chosen:
+            return
+        self.chosen = True
+        candidates = thread_candidates()
+        if len(candidates) == 1 or flops > self.max_flops:
+            return
+        # the same random stream whatever was timed (work() may sample or drop out)
+        rng = torch.get_rng_state()
+        threads, timings = time_thread_counts(work, candidates, self.repeats, self.min_seconds)
+        torch.set_rng_state(rng)
+        self.say(describe_thread_choice(threads, timings, self.unit))
+        self.retuner = ThreadRetuner(list(timings), **self.retuner_settings)
+
+    def observe(self, dt):
+        """ One unit of the loop took dt seconds: re-check the count every `interval` units. """
+        if self.retuner is not None:
+            message = self.retuner.observe(dt)
+            if message:
+                self.say(message)
+
+    def over(self, steps):
+        """
+        Yield steps' items, observing the time from one item to the next: the work of making the
+        next (a generator's) and of the loop body that used this one (a loop over a range).
+        Whatever runs before the first item (a prefill, the timing) is not counted.
+        """
+        last = None
+        for item in steps:
+            now = time.perf_counter()
+            if last is not None:
+                self.observe(now - last)
+            last = now
+            yield item
+
+
+def auto_threads(device, num_threads, unit, say=print, **retuner):
+    """
+    The CPU thread count of a script other than train.py and bench.py: num_threads > 0 fixes it
+    (apply_cpu_threads), 0 on a CPU returns an AutoThreads to choose it by timing and re-check it
+    as the load changes; None otherwise (a fixed count, or a GPU, where nothing changes).
+    """
+    apply_cpu_threads(num_threads)
+    if num_threads != 0 or device_type_of(device) != 'cpu':
+        return None
+    return AutoThreads(unit, say=say, **retuner)

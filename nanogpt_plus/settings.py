@@ -163,7 +163,7 @@ compile = Shared(bool, "torch.compile the model: None = auto (on for CUDA, where
 activation_checkpointing = Shared(bool, "True: recompute each Block in the backward pass (less "
                                         "memory, more compute)")
 num_threads = Shared(int, "CPU threads for torch; 0 = auto (time all cores, half, ..., 1; keep the "
-                          "fastest; re-checked while training)", low=0)
+                          "fastest; re-checked while running as the load changes)", low=0)
 seed = Shared(int, "the seed of the model's initialisation, the data order, dropout and sampling",
               low=0, high=2**32 - 1)
 

@@ -685,3 +685,43 @@ TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=20, bias=T
 def git(cwd, *args):
     return subprocess.run(['git', '-c', 'user.name=t', '-c', 'user.email=t@example.com', *args], cwd=cwd,
                           check=True, capture_output=True, text=True).stdout
+
+
+class FakeThreadTiming:
+    """
+    Stands in for machine.time_thread_counts and machine.ThreadRetuner (monkeypatch both with
+    install()): the thread choice of a script with num_threads=0 runs its real timing work once per
+    candidate, is told that `fastest` is fastest ({candidate: seconds}, a fake timing, never this
+    machine's), and its retuner records the thread count every unit of the loop ran with. The tests
+    of sample.py, eval.py and finetune.py use it to see that the choice is made and honoured.
+    """
+
+    def __init__(self, fastest, **retuning):
+        self.fastest = fastest
+        self.retuning = retuning  # the retuner's interval, probe, window in these tests
+        self.timed = []  # the candidates of each timing, and what work() did
+        self.seen = []  # (seconds, thread count) of every unit the retuner was fed
+
+    def time_thread_counts(self, work, candidates, repeats=3, min_seconds=0.0):
+        for n in candidates:
+            torch.set_num_threads(n)
+            work()
+        self.timed.append(list(candidates))
+        best = min(self.fastest, key=self.fastest.get)
+        torch.set_num_threads(best)
+        return best, dict(self.fastest)
+
+    def install(self, monkeypatch, machine):
+        fake = self
+
+        class Recording(machine.ThreadRetuner):
+            def __init__(self, candidates, **settings):
+                super().__init__(candidates, **dict(settings, **fake.retuning))
+
+            def observe(self, dt):
+                fake.seen.append((dt, torch.get_num_threads()))
+                return super().observe(dt)
+
+        monkeypatch.setattr(machine, 'time_thread_counts', self.time_thread_counts)
+        monkeypatch.setattr(machine, 'ThreadRetuner', Recording)
+        return self

@@ -300,6 +300,27 @@ def test_bits_per_byte_pass_after_core_is_said_and_shows_progress(tmp_path, monk
     assert capsys.readouterr().out == ''
 
 
+def test_core_times_the_threads_once_and_retunes_over_every_task(tmp_path, monkeypatch):
+    """ eval.py --task=core with num_threads=0: the first task's first batch is timed, the batches of all the
+    tasks re-check the count, and the scores are the same as without it. """
+    from helpers import FakeThreadTiming
+    from nanogpt_plus import machine
+    tok = GPT2Tokenizer()
+    model = tiny_gpt(tok.vocab_size, 32)
+    bundle = write_bundle(tmp_path / 'b')
+    plain = core_eval.evaluate_bundle(model, tok.meta(), data_file=bundle, batch_size=2)
+    fake = FakeThreadTiming({2: 0.03, 1: 0.01}, interval=4, probe=1, window=4).install(monkeypatch, machine)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        threads = machine.auto_threads('cpu', 0, 'batch', say=lambda line: None)
+        timed = core_eval.evaluate_bundle(model, tok.meta(), data_file=bundle, batch_size=2, threads=threads)
+        assert fake.timed == [[2, 1]] and {n for _, n in fake.seen} == {1, 2}
+        assert timed['metrics']['core'] == pytest.approx(plain['metrics']['core'])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_max_examples_keeps_the_first_of_a_fixed_shuffle(tmp_path):
     task = core_eval.read_bundle(write_bundle(tmp_path / 'b'))[2]
     whole = core_eval.task_items(task)

@@ -14,6 +14,7 @@ from nanogpt_plus.engine import (
     last_position_logits,
     next_token_probs,
     sample_next_token,
+    typical_step,
 )
 from nanogpt_plus.weight_formats import can_pack, set_weights
 
@@ -320,3 +321,22 @@ def test_bad_sampling_arguments_are_rejected():
         next_token_probs(logits, top_p=1.5)
     with pytest.raises(ValueError, match="mode must be one of"):
         list(generate_stream(peaky_model(), torch.zeros((1, 1), dtype=torch.long), 3, mode='fastest'))
+
+
+def test_the_thread_timing_step_is_what_sampling_does_most():
+    """ typical_step, what sample.py times CPU thread counts on: a cached decoding step of the batch, or the
+    whole window's forward where the exact mode spends most steps past block_size; it leaves the RNG alone. """
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=11)).eval()
+    shapes = []
+    model.transformer.wte.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
+    prompts = torch.randint(11, (3, 5))
+    rng = torch.get_rng_state()
+    for mode, new_tokens, step in (('exact', 8, (3, 1)), ('fast', 100, (3, 1)), ('exact', 100, (3, 16))):
+        work, flops = typical_step(model, prompts, new_tokens, mode)
+        shapes.clear()
+        work()
+        work()
+        assert shapes == [step, step], mode
+        assert flops == 2 * sum(p.numel() for p in model.parameters()) * step[0] * step[1]
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -400,3 +400,45 @@ def test_score_examples_runs_as_many_forwards_on_every_rank(monkeypatch):
     assert counts == [2, 2]
     # the padding forward is not in the results: rank 1's table holds its 2 rows only
     assert tables[1][:, 1].tolist() == [0, 2, 0, 2, 0]
+
+
+# -----------------------------------------------------------------------------
+# the CPU thread count: train.py's choice (num_threads=0: timed on a batch, re-checked over the batches)
+
+@pytest.mark.parametrize('task', ['loss', 'hellaswag'])
+def test_eval_times_its_threads_on_its_batches_and_retunes(tmp_path, monkeypatch, capsys, task):
+    import eval as eval_script
+    from helpers import FakeThreadTiming, run_script
+    from nanogpt_plus import machine
+    tok = CharTokenizer.from_text(CHARS)
+    out_dir = str(tmp_path / 'out')
+    save_test_checkpoint(tiny_gpt(tok.vocab_size), tok.meta(), os.path.join(out_dir, 'ckpt.pt'),
+                         dataset=str(tmp_path / 'ds'))
+    os.makedirs(tmp_path / 'ds')
+    np.random.default_rng(0).integers(0, tok.vocab_size, 200).astype(np.uint16).tofile(tmp_path / 'ds' / 'val.bin')
+    np.zeros(20, dtype=np.uint16).tofile(tmp_path / 'ds' / 'train.bin')
+    hs = write_jsonl(tmp_path / 'hs.jsonl', [{'ctx': 'abc de', 'endings': ['fg', 'a'], 'label': i % 2}
+                                             for i in range(12)])
+    args = [f'--out_dir={out_dir}', f'--task={task}', '--device=cpu', '--batch_size=2', f'--data_file={hs}'
+            if task == 'hellaswag' else '--stride=0']
+    fake = FakeThreadTiming({2: 0.04, 1: 0.02}, interval=3, probe=1, window=3).install(monkeypatch, machine)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # torch's default on 2 cores
+        run_script(eval_script, monkeypatch, *args)
+        reference = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        # 13 loss windows (199 targets, 16 a window) or 24 HellaSwag rows, 2 a batch: the first timed at each
+        # count, then every batch after the first fed to the retuner, which re-checked the other count
+        assert fake.timed == [[2, 1]]
+        assert len(fake.seen) == {'loss': 6, 'hellaswag': 11}[task]
+        assert fake.seen[0][1] == 1 and {n for _, n in fake.seen} == {1, 2}
+        fake.timed.clear()
+        torch.set_num_threads(1)
+        run_script(eval_script, monkeypatch, *args, '--num_threads=2')
+        out = capsys.readouterr().out
+        assert fake.timed == [] and torch.get_num_threads() == 2  # a fixed count: set, never timed
+        # the thread count changes no figure beyond float rounding
+        metrics = json.loads(out.strip().splitlines()[-1])['metrics']
+        assert metrics == pytest.approx(reference['metrics'], rel=1e-5)
+    finally:
+        torch.set_num_threads(before)

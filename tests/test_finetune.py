@@ -525,3 +525,47 @@ def test_interrupted_fine_tune_exits_75_and_a_new_one_is_refused(tmp_path, monke
     err = capsys.readouterr().err
     assert "already holds the checkpoint ckpt_last.pt" in err and "--init_from=resume`" in err
     assert "--overwrite=True`" in err and not (tmp_path / "ft" / LOCK_NAME).exists()
+
+
+# -----------------------------------------------------------------------------
+# the CPU thread count: train.py's choice (num_threads=0: timed, re-checked while fine-tuning and predicting)
+
+def test_finetune_times_its_threads_for_training_and_predictions(tmp_path, monkeypatch, capsys):
+    from nanogpt_plus import machine
+    src = make_source(tmp_path / 'src')
+    train, val = make_task(tmp_path, 'classification', n_train=64, n_val=40)
+    out = tmp_path / 'out'
+    args = [f'--init_from={src}', f'--out_dir={out}', f'--train_file={train}', f'--val_file={val}',
+            '--task=classification', '--device=cpu', '--batch_size=8', '--epochs=2', '--dropout=0.1',
+            f'--predict_file={val}']
+    fake = helpers.FakeThreadTiming({2: 0.05, 1: 0.01}, interval=3, probe=1, window=3).install(monkeypatch, machine)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # torch's default on 2 cores
+        helpers.run_script(finetune, monkeypatch, *args)
+        printed = capsys.readouterr().out
+        # timed twice: a training step (forward and backward) and a forward-only val batch, each once per run
+        assert fake.timed == [[2, 1], [2, 1]]
+        assert "using 1 CPU threads (training step ms: 2 threads 50.0, 1 threads 10.0)" in printed
+        assert "using 1 CPU threads (val batch ms: 2 threads 50.0, 1 threads 10.0)" in printed
+        # 2 epochs of 8 steps, 5 val batches twice and the predictions' 5: every step and batch but the first of
+        # a pass fed to a retuner, which tried the other count
+        assert len(fake.seen) == 16 + 3 * 4 and {n for _, n in fake.seen} == {1, 2}
+        reference = (out / 'predictions.jsonl').read_text()
+        # predictions alone: timed on a prediction batch; the timing changed no prediction
+        fake.timed.clear()
+        torch.set_num_threads(2)
+        helpers.run_script(finetune, monkeypatch, f'--init_from={out}', f'--predict_file={val}',
+                           f'--predict_out={tmp_path / "p.jsonl"}', '--device=cpu', '--batch_size=8')
+        assert fake.timed == [[2, 1]]
+        assert "(prediction batch ms: " in capsys.readouterr().out
+        assert [json.loads(line)['prediction'] for line in open(tmp_path / 'p.jsonl')] == \
+            [json.loads(line)['prediction'] for line in reference.splitlines()]
+        # a fixed count: set, never timed
+        fake.timed.clear()
+        torch.set_num_threads(1)
+        helpers.run_script(finetune, monkeypatch, *args[:-1], f'--out_dir={tmp_path / "fixed"}', '--epochs=1',
+                           '--num_threads=2')
+        assert fake.timed == [] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -330,3 +330,46 @@ def test_float16_on_a_cpu_is_said_for_every_script():
         r"float32$",
     ):
         resolve_dtype('float16', 'cpu')
+
+
+def test_auto_threads_only_on_a_cpu_with_num_threads_0():
+    """ The other scripts' choice: a GPU keeps torch's count, N > 0 fixes it, 0 on a CPU times it (AutoThreads). """
+    from nanogpt_plus.machine import AutoThreads, auto_threads
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert auto_threads('cuda', 0, 'batch') is None and auto_threads('mps', 0, 'batch') is None
+        assert torch.get_num_threads() == 2
+        assert auto_threads('cpu', 1, 'batch') is None and torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        lines = []
+        threads = auto_threads('cpu', 0, 'batch', say=lines.append, interval=3)
+        assert isinstance(threads, AutoThreads)
+        # too big to time: every core stays, nothing said
+        threads.choose(lambda: torch.randn(4), flops=1e12)
+        assert threads.retuner is None and torch.get_num_threads() == 2 and lines == []
+        with pytest.raises(UserError, match="num_threads must be 0"):
+            auto_threads('cpu', -1, 'batch')
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_short_work_is_timed_for_at_least_min_seconds(monkeypatch):
+    """ A ~1 ms sampling step is repeated until min_seconds are filled: 3 calls can miss the stalls of a busy core. """
+    from nanogpt_plus import machine
+    clock = [0.0]
+    monkeypatch.setattr(machine.time, 'perf_counter', lambda: clock[0])
+    calls = []
+
+    def work():  # a fake 1/256 s of work, whatever the count
+        calls.append(torch.get_num_threads())
+        clock[0] += 1 / 256
+    before = torch.get_num_threads()
+    try:
+        machine.time_thread_counts(work, [2, 1], repeats=3, min_seconds=10 / 256)
+        assert calls == [2] * 11 + [1] * 11  # a warm-up, then 10 timed calls each
+        calls.clear()
+        machine.time_thread_counts(work, [2, 1], repeats=3)  # tune_cpu_threads': the repeats only
+        assert calls == [2] * 4 + [1] * 4
+    finally:
+        torch.set_num_threads(before)

@@ -281,3 +281,33 @@ def test_stream_decoder_prints_a_character_split_over_tokens_once_complete(small
     pieces = [decoder.feed(i) for i in ids] + [decoder.flush()]
     assert "".join(pieces) == text and [p for p in pieces if p] == ["é", "世", "🎉", "a"]
     assert tok.encode("<|endoftext|>a") == [tok.eot_token, tok.encode("a")[0]]
+
+
+# -----------------------------------------------------------------------------
+# the CPU thread count: train.py's choice (num_threads=0: timed, re-checked while sampling)
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_sampling_times_its_threads_on_a_sampling_step_and_retunes(char_model, monkeypatch, capsys, mode):
+    from helpers import FakeThreadTiming
+    from nanogpt_plus import machine
+    _, _, out_dir = char_model
+    fake = FakeThreadTiming({2: 0.05, 1: 0.01}, interval=5, probe=2).install(monkeypatch, machine)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # torch's default on 2 cores
+        out = run_in_process(monkeypatch, f"--out_dir={out_dir}", "--device=cpu", "--num_samples=1",
+                             "--max_new_tokens=30", "--temperature=0", "--start=ab", f"--mode={mode}")
+        # the timing left no trace: the same greedy continuation, past the 16-token block
+        assert out.text().endswith("ab" + "cd\nab" * 6 + "\n" + SEP + "\n")
+        assert fake.timed == [[2, 1]]
+        err = capsys.readouterr().err
+        assert "using 1 CPU threads (sampling step ms: 2 threads 50.0, 1 threads 10.0)" in err
+        # every step after the first was timed, started on the chosen count, and re-checked with the other
+        assert len(fake.seen) == 29 and fake.seen[0][1] == 1 and {n for _, n in fake.seen} == {1, 2}
+        fake.timed.clear()
+        torch.set_num_threads(1)
+        out = run_in_process(monkeypatch, f"--out_dir={out_dir}", "--device=cpu", "--num_samples=1",
+                             "--max_new_tokens=5", "--start=ab", "--num_threads=2", f"--mode={mode}")
+        assert fake.timed == [] and torch.get_num_threads() == 2  # a fixed count: set, never timed
+    finally:
+        torch.set_num_threads(before)

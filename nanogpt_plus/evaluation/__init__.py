@@ -112,7 +112,7 @@ def score_rows(model, rows, indices, batch_size, device, ctx=nullcontext(), pad_
 
 
 def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcontext(),
-                   dist_info=None, pad_to=None, progress=False, poll=None):
+                   dist_info=None, pad_to=None, progress=False, poll=None, threads=None):
     """
     Score every row of every example; returns score_rows' table for all rows, (num_rows, 3). Under
     DDP (dist_info.under_torchrun) example k goes to rank k % world_size, whose rows' results are
@@ -122,6 +122,8 @@ def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcon
     returns True the pass ends there and returns None. progress: True for a tqdm bar (eval.py's
     tasks); a string names the work for the project's progress lines instead (Progress, said
     before the first batch: "<progress>: 28 batches, starting", then how far it is when long).
+    threads: a machine.AutoThreads (num_threads=0 on a CPU), which times the thread counts on this
+    rank's first batch and follows the load over the batches.
     """
     rank, world_size = (dist_info.rank,
                         dist_info.world_size) if dist_info and dist_info.under_torchrun else (0, 1)
@@ -135,6 +137,13 @@ def score_examples(model, rows, example_offsets, batch_size, device, ctx=nullcon
     # the weights in each) are collectives. The extra ones score a single row and are thrown away.
     batches = max(math.ceil(len(rows_of(r)) / batch_size) for r in range(world_size))
     steps = range(batches)
+    if threads is not None and mine:
+        first = mine[:batch_size]
+        n_params = sum(p.numel() for p in model.parameters())
+        tokens = len(first) * (pad_to or max(len(rows[i][0]) for i in first))
+        threads.choose(lambda: score_rows(model, rows, first, batch_size, device, ctx, pad_to),
+                       flops=2 * n_params * tokens)
+        steps = threads.over(steps)
     if isinstance(progress, str):
         steps = Progress(batches, progress, 'batches').begin().over(steps)
     elif progress:
@@ -215,7 +224,7 @@ def loss_metrics(table, num_bytes):
 
 
 def evaluate_loss(model, parts, tokenizer, batch_size, device, ctx=nullcontext(), dist_info=None,
-                  pad_to=None, progress=False):
+                  pad_to=None, progress=False, threads=None):
     """
     The loss metrics of model over [(tokens, windows)] parts: a token array or memmap per file (a
     split's shards: no window spans two) and loss_windows' windows over it. tokenizer is the one the
@@ -223,7 +232,7 @@ def evaluate_loss(model, parts, tokenizer, batch_size, device, ctx=nullcontext()
     """
     rows = TokenWindows(parts)
     table = score_examples(model, rows, list(range(len(rows) + 1)), batch_size, device, ctx,
-                           dist_info, pad_to, progress)
+                           dist_info, pad_to, progress, threads=threads)
     return loss_metrics(table, scored_bytes(parts, token_byte_lengths(tokenizer)))
 
 
@@ -303,7 +312,7 @@ def hellaswag_metrics(counts):
 
 
 def score_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None,
-                    pad_to=None, progress=False, poll=None):
+                    pad_to=None, progress=False, poll=None, threads=None):
     """
     hellaswag_counts of model on examples, hellaswag_examples' (rows, offsets, labels), the same on
     every rank (score_examples splits the examples across them). The one scoring of HellaSwag:
@@ -312,15 +321,15 @@ def score_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist
     """
     rows, offsets, labels = examples
     table = score_examples(model, rows, offsets, batch_size, device, ctx, dist_info, pad_to,
-                           progress, poll)
+                           progress, poll, threads)
     return None if table is None else hellaswag_counts(table, offsets, labels)
 
 
 def evaluate_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None,
-                       pad_to=None, progress=False):
+                       pad_to=None, progress=False, threads=None):
     """ {'acc', 'acc_norm'} of model on examples, hellaswag_examples' (rows, offsets, labels). """
-    return hellaswag_metrics(
-        score_hellaswag(model, examples, batch_size, device, ctx, dist_info, pad_to, progress))
+    return hellaswag_metrics(score_hellaswag(model, examples, batch_size, device, ctx, dist_info,
+                                             pad_to, progress, threads=threads))
 
 
 def lambada_examples(records, tokenizer, block_size, path='data'):
@@ -347,11 +356,11 @@ def lambada_metrics(table):
 
 
 def evaluate_lambada(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None,
-                     pad_to=None, progress=False):
+                     pad_to=None, progress=False, threads=None):
     """ {'acc', 'ppl'} of model on examples, lambada_examples' (rows, offsets). """
     rows, offsets = examples
-    return lambada_metrics(
-        score_examples(model, rows, offsets, batch_size, device, ctx, dist_info, pad_to, progress))
+    return lambada_metrics(score_examples(model, rows, offsets, batch_size, device, ctx, dist_info,
+                                          pad_to, progress, threads=threads))
 
 
 # -----------------------------------------------------------------------------
@@ -465,18 +474,20 @@ def loss_task(model, tokenizer_meta, paths, dataset, stride, batch_size, max_exa
 
 def evaluate(model, task, tokenizer_meta, data_file='', dataset='', split='val', stride=0,
              batch_size=16, max_examples=0, device='cpu', ctx=nullcontext(), dist_info=None,
-             pad_to=None, progress=False):
+             pad_to=None, progress=False, threads=None):
     """
     Run one task (see TASKS) on model, whose tokenizer tokenizer_meta describes. data_file is the
     token file (loss: or a directory of shards) or the JSONL file; '' means the dataset's
     <split>.bin or <split> shards for the loss, and the public file otherwise.
     stride is loss_windows'. max_examples > 0 keeps the first examples (loss: windows) only.
+    threads: score_examples'.
     Returns {'task', 'metrics', 'num_examples', 'data_file'}.
     """
     if batch_size < 1 or max_examples < 0:
         raise UserError("batch_size must be at least 1 and max_examples at least 0 (0 = all)")
     block_size = model.config.block_size
-    run = dict(device=device, ctx=ctx, dist_info=dist_info, pad_to=pad_to, progress=progress)
+    run = dict(device=device, ctx=ctx, dist_info=dist_info, pad_to=pad_to, progress=progress,
+               threads=threads)
     if task == 'loss':
         metrics, num_examples, path = loss_task(model, tokenizer_meta,
                                                 loss_files(data_file, dataset, split), dataset,
