@@ -406,10 +406,9 @@ def make_task(tmp_path, task, n_train=512, n_val=100, seed=0):
 
 
 def config(**overrides):
-    cfg = dict(finetune.DEFAULTS, device='cpu', dropout=0.0, batch_size=16, learning_rate=3e-3, warmup_frac=0.1,
-               log_interval=1000)
-    cfg.update(overrides)
-    return Settings(cfg)
+    base = dict(finetune.DEFAULTS, device='cpu', dropout=0.0, batch_size=16, learning_rate=3e-3, warmup_frac=0.1,
+                log_interval=1000)
+    return Settings({**base, **overrides})
 
 
 SPECIAL = {'start': 100, 'delim': 101, 'extract': 102}
