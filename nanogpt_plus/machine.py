@@ -599,7 +599,7 @@ class AutoThreads:
     train.py's thread choice for a script whose work is a loop of like units (sample.py's tokens,
     eval.py's batches, finetune.py's training steps and prediction batches), with num_threads=0 on
     a CPU. choose(work, flops) times one unit of the real work (work(), leaving no trace) at each
-    candidate count (thread_candidates) before the loop and keeps the fastest; work over max_flops
+    candidate count (thread_candidates, read when it is made) before the loop and keeps the fastest; work over max_flops
     keeps every core untimed, as tune_cpu_threads does. over(steps) then feeds a ThreadRetuner the
     time of every unit of the loop, so the count follows the machine's load while the work is long;
     interval, probe and window are the retuner's, in units of the loop. Only the first choose()
@@ -620,18 +620,20 @@ class AutoThreads:
         self.max_flops = max_flops
         self.chosen = False
         self.retuner = None  # a ThreadRetuner once a choice was timed
+        # the counts worth trying, read now, at set-up: by the time a later pass chooses (finetune.py's
+        # val batches), another loop's retuner may have set 1 thread, which would leave nothing to try
+        self.candidates = thread_candidates()
 
     def choose(self, work, flops=0):
         """ Time work() at each candidate count and keep the fastest (once; later calls: no-op). """
         if self.chosen:
             return
         self.chosen = True
-        candidates = thread_candidates()
-        if len(candidates) == 1 or flops > self.max_flops:
+        if len(self.candidates) == 1 or flops > self.max_flops:
             return
         # the same random stream whatever was timed (work() may sample or drop out)
         rng = torch.get_rng_state()
-        threads, timings = time_thread_counts(work, candidates, self.repeats, self.min_seconds)
+        threads, timings = time_thread_counts(work, self.candidates, self.repeats, self.min_seconds)
         torch.set_rng_state(rng)
         self.say(describe_thread_choice(threads, timings, self.unit))
         self.retuner = ThreadRetuner(list(timings), **self.retuner_settings)

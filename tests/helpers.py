@@ -691,8 +691,11 @@ class FakeThreadTiming:
     Stands in for machine.time_thread_counts and machine.ThreadRetuner (monkeypatch both with
     install()): the thread choice of a script with num_threads=0 runs its real timing work once per
     candidate, is told that `fastest` is fastest ({candidate: seconds}, a fake timing, never this
-    machine's), and its retuner records the thread count every unit of the loop ran with. The tests
-    of sample.py, eval.py and finetune.py use it to see that the choice is made and honoured.
+    machine's), and its retuner records the thread count every unit of the loop ran with. The
+    retuner is fed the same fake seconds, not the unit's real time: a re-check that this machine's
+    load decided would leave another count set when a later pass is timed (finetune.py's val
+    batches), and a test's outcome would hang on the load. The tests of sample.py, eval.py and
+    finetune.py use it to see that the choice is made and honoured.
     """
 
     def __init__(self, fastest, **retuning):
@@ -718,6 +721,8 @@ class FakeThreadTiming:
                 super().__init__(candidates, **dict(settings, **fake.retuning))
 
             def observe(self, dt):
+                # the fake timing's, whatever the unit took
+                dt = fake.fastest[torch.get_num_threads()]
                 fake.seen.append((dt, torch.get_num_threads()))
                 return super().observe(dt)
 

@@ -354,6 +354,24 @@ def test_auto_threads_only_on_a_cpu_with_num_threads_0():
         torch.set_num_threads(before)
 
 
+def test_a_later_pass_still_times_every_count_after_another_loop_set_one_thread(monkeypatch):
+    """ finetune.py makes its val pass's AutoThreads at set-up and chooses only at the first val pass, after the
+    training retuner may have set 1 thread: the counts it tries are the ones there were at set-up, not [1]. """
+    from nanogpt_plus.machine import AutoThreads
+    tried = []
+    monkeypatch.setattr(machine, 'time_thread_counts',
+                        lambda work, candidates, *args: (tried.append(list(candidates)) or (1, {2: 0.2, 1: 0.1})))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        later = AutoThreads('batch', say=lambda line: None)
+        torch.set_num_threads(1)  # what the training loop's retuner did meanwhile
+        later.choose(lambda: None)
+        assert tried == [[2, 1]] and later.retuner is not None
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_short_work_is_timed_for_at_least_min_seconds(monkeypatch):
     """ A ~1 ms sampling step is repeated until min_seconds are filled: 3 calls can miss the stalls of a busy core. """
     from nanogpt_plus import machine
