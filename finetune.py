@@ -427,8 +427,10 @@ def run_epoch(run, state):
     """
     run.sampler.set_epoch(state.epoch)
     order = list(run.sampler)  # this rank's examples for the epoch, in order
-    if run.threads is not None and state.step_in_epoch < run.schedule.steps_per_epoch:
-        run.threads.choose(*timing_pass(run, state, order))  # the first epoch's first step only
+    # the first epoch's first step only: later epochs build no timing batch
+    if run.threads is not None and not run.threads.chosen and \
+            state.step_in_epoch < run.schedule.steps_per_epoch:
+        run.threads.choose(*timing_pass(run, state, order))
     while state.step_in_epoch < run.schedule.steps_per_epoch:
         t0 = time.perf_counter()
         lr, step_losses, grad_norm = train_step(run, state, order)

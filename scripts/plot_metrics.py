@@ -45,10 +45,15 @@ STYLES = {
 }
 
 
-def iterations_and_evaluations(path):
+# the records plotted: iterations, evaluations, in-loop HellaSwag scores
+KINDS = ('iter', 'eval', 'hellaswag')
+
+
+def iterations_and_evaluations(path, records=None):
     """ (iteration records, eval records, hellaswag records) of the run's true trajectory (a resume's replace
-    what it repeats). """
-    return tuple([r for r in run_records(path) if r.get('type') == kind] for kind in ('iter', 'eval', 'hellaswag'))
+    what it repeats); records: the file's, where the caller has read them. """
+    records = run_records(path) if records is None else records
+    return tuple([r for r in records if r.get('type') == kind] for kind in KINDS)
 
 
 def run_records(path):
@@ -98,9 +103,6 @@ def run_names(paths):
     return names
 
 
-KINDS = ('iter', 'eval', 'hellaswag')
-
-
 def placed_records(path, axis):
     """
     The run's (iteration, evaluation, HellaSwag) records as iterations_and_evaluations gives them, each
@@ -108,7 +110,7 @@ def placed_records(path, axis):
     iteration (tokens_before); 'time': the seconds of training when it was written (seconds_written).
     """
     records = run_records(path)
-    groups = [[r for r in records if r.get('type') == kind] for kind in KINDS]
+    groups = iterations_and_evaluations(path, records)
     if axis == 'iter':
         return [[dict(r, x=r['iter']) for r in group] for group in groups]
     needed = ('time_ms', 'wall_time') if axis == 'time' else ('time_ms', 'tokens_per_sec')
