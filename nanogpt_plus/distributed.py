@@ -9,7 +9,8 @@ DDP/FSDP code are process_group.py's, imported only where there are ranks. Signa
 caught before torch is imported, live in signals.py.
 
 Usage:
-    from nanogpt_plus.distributed import master_decides, start, wrap_model
+    from configurator import read_settings
+    from nanogpt_plus.distributed import GROUP_SETTINGS, master_decides, start, wrap_model
     # the settings, read by every rank (a failure held), then torchrun's ranks (or a single process)
     # and one verdict on the settings
     cfg, failure, group = read_settings(DEFAULTS, sys.argv[1:], check_settings, __doc__, GROUP_SETTINGS)
@@ -188,8 +189,8 @@ def every_rank(dist_info, fn, agree=None):
     agree: {name: what to do} for entries of fn's result (a dict of plain values: the resolved
     settings, the commit, the checkpoint resumed from, the dataset's sizes) that must be the same on
     every rank; one that differs from rank 0's ends every rank the same way, in one line naming what
-    differs, where, and agree[name] (or the line a function there writes: _first_difference). One
-    all_gather_object with several processes.
+    differs, where, and agree[name] (or the line a function there writes:
+    process_group._first_difference). One all_gather_object with several processes.
     """
     if not dist_info.under_torchrun:
         return fn()  # one process: its own verdict, nothing to agree on

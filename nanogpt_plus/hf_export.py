@@ -15,7 +15,7 @@ Either way nanogpt_plus/hf_import.py reads the directory back (init_from=hf_dir)
 
 GPT-2 BPE models get GPT-2's own tokenizer files; a character-level model gets a character
 tokenizer.json; a bpe model its own tokenizer.json, unchanged. Character and bpe models also get our
-tokenizer description (checkpoint.HF_TOKENIZER_META) so that init_model(hf_dir) decodes with the
+tokenizer description (hf_import.HF_TOKENIZER_META) so that init_model(hf_dir) decodes with the
 same vocabulary. The ids a model has beyond its tokenizer's (vocab_size padded to a multiple of 64,
 fine-tuning's special tokens) are suppress_tokens in generation_config.json, so transformers never
 generates them either.
@@ -273,7 +273,7 @@ def write_tokenizer(hf_dir, tok, block_size):
     else:
         write_bpe_tokenizer(hf_dir, tok, block_size)
     # our own description too, so sample.py / eval.py / finetune.py --init_from=<hf_dir> use this
-    # tokenizer instead of assuming GPT-2 BPE (checkpoint.pretrained_tokenizer_meta reads it)
+    # tokenizer instead of assuming GPT-2 BPE (hf_import.pretrained_tokenizer_meta reads it)
     text = json.dumps(tokenizer_description(tok), ensure_ascii=False, indent=1)
     atomic_write(meta_path, lambda f: f.write(text), binary=False)
 

@@ -651,7 +651,7 @@ def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(),
 
 
 # -----------------------------------------------------------------------------
-# 3. a dataset's directory: one kind of dataset, and the same one again
+# 3. a dataset's directory: one kind of dataset, not the other
 #
 # A directory holds one kind of token files (dataset.find_shards refuses a mix): nanoGPT's train.bin/val.bin,
 # written by data/text, openwebtext, shakespeare and shakespeare_char, or llm.c's token shards

@@ -142,7 +142,7 @@ def dataset_dir(dataset):
 def split_files(dataset, split):
     """
     The token files of a dataset's split ('train' or 'val'), in order: its llm.c shards (by
-    shards.find_shards' naming rule), else nanoGPT's data_dir/<split>.bin (whose absence
+    find_shards' naming rule), else nanoGPT's data_dir/<split>.bin (whose absence
     open_token_file reports, with the prepare.py to run). dataset is a name under data/ or a
     directory.
     """

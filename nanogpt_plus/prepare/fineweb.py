@@ -8,7 +8,7 @@ shards of shard_size tokens (a document may run on into the next shard, as in ll
 shard is val (<prefix>_val_000000.bin), the rest train (<prefix>_train_000001.bin, ...); the format
 is in nanogpt_plus/dataset/shards.py: uint16 tokens, or llm.c's uint32 shards (magic 20240801, version 7)
 for a vocabulary past 65,536. A tokenizer.json is copied beside the shards and named in meta.json,
-so the directory describes its own tokenizer (tokenizer.read_dataset_meta).
+so the directory describes its own tokenizer (dataset.read_dataset_meta).
 
 Memory holds one shard buffer plus two windows of documents in flight, never the corpus. Each shard
 is renamed into place when complete and then meta.json is rewritten (atomically) with what it

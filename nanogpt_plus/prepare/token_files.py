@@ -146,7 +146,7 @@ def write_dataset_meta(out, tokenizer, dtype, preparation=None, split_bytes=None
 
 def bpe_meta(tokenizer, dtype):
     """
-    A bpe dataset's meta.json entries for its tokenizer (read back by tokenizer.read_dataset_meta).
+    A bpe dataset's meta.json entries for its tokenizer (read back by dataset.read_dataset_meta).
     """
     return dict(tokenizer.file_meta(), dtype=np.dtype(dtype).name)
 
