@@ -21,6 +21,8 @@ task, come first, each followed by a blank line):
                        prompts end with (the continuation) picks the option
     language_modeling  {context, continuation}: right when the continuation is the model's
                        greedy continuation of the context (its trailing spaces dropped)
+A choice the model can't tell from another (the same tokens) or with no tokens of its own is no
+answer: wrong, whatever gold is (correct_examples).
 
 These follow nanochat's nanochat/core_eval.py and scripts/base_eval.py: every prompt starts with
 the tokenizer's end-of-text token as nanochat's starts with its BOS (a character vocabulary has
