@@ -3,8 +3,6 @@ nanogpt_plus/evaluation/core.py (the CORE tasks, eval.py --task=core): the three
 written here, against a direct loop over model(...) per prompt; centring and CORE by hand; bad bundles refused in
 one line; the download path; eval.py under torchrun with 2 gloo ranks equal to one process (slow).
 """
-import builtins
-import errno
 import json
 import os
 import random
@@ -18,7 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_one_line_error, run, run_eval, run_with_file_size_limit, save_test_checkpoint
+from helpers import (
+    assert_one_line_error,
+    refuse_to_open,
+    run,
+    run_eval,
+    run_with_file_size_limit,
+    save_test_checkpoint,
+)
 from model import GPT, GPTConfig
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import core as core_eval
@@ -554,17 +559,6 @@ def test_a_csv_with_a_byte_order_mark_reads(tmp_path):
     csv_path = tmp_path / 'b' / 'eval_meta_data.csv'
     csv_path.write_bytes(b'\xef\xbb\xbf' + csv_path.read_bytes())  # as a spreadsheet saves "CSV UTF-8"
     assert [t.baseline for t in core_eval.read_bundle(bundle)] == [t[5] for t in TASKS]
-
-
-def refuse_to_open(monkeypatch, path):
-    """ open(path) fails as for a file this user may not read (root reads a chmod 000 file anyway). """
-    real_open = builtins.open
-
-    def guarded(file, *args, **kwargs):
-        if os.fspath(file) == os.fspath(path):
-            raise PermissionError(errno.EACCES, 'Permission denied', os.fspath(path))
-        return real_open(file, *args, **kwargs)
-    monkeypatch.setattr(builtins, 'open', guarded)
 
 
 @pytest.mark.parametrize('name', ['core.yaml', 'eval_meta_data.csv'])
