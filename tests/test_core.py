@@ -16,14 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (
-    assert_one_line_error,
-    refuse_to_open,
-    run,
-    run_eval,
-    run_with_file_size_limit,
-    save_test_checkpoint,
-)
+from helpers import assert_one_line_error, refuse_to_open, run, run_eval, run_with_file_size_limit, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import core as core_eval
