@@ -16,7 +16,15 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import REPO, assert_one_line_error, bpe_corpus_text, refuse_to_open, run_offline, synthetic_bpe_json, tokens
+from helpers import (
+    REPO,
+    assert_one_line_error,
+    bpe_corpus_text,
+    refuse_to_open,
+    run_offline,
+    synthetic_bpe_json,
+    tokens,
+)
 from nanogpt_plus.dataset import read_dataset_meta
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare import corpus
