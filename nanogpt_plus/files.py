@@ -22,6 +22,7 @@ import fcntl
 import glob
 import json
 import os
+import shutil
 from contextlib import contextmanager
 
 from nanogpt_plus.errors import UserError
@@ -202,11 +203,22 @@ def _remove_stale(temps):
         # a live pid may be another run writing the same output right now: leave its file alone
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             try:
-                os.remove(tmp)
+                _remove_temp(tmp)
             except FileNotFoundError:
                 continue  # another process removed it first
             removed.append(os.path.basename(tmp))
     return removed
+
+
+def _remove_temp(tmp):
+    """
+    A dead process's temp: a file (or a link: the link alone goes), or a directory it was building
+    under our mark (an export made beside its final name), removed with all it holds.
+    """
+    if os.path.isdir(tmp) and not os.path.islink(tmp):
+        shutil.rmtree(tmp)
+    else:
+        os.remove(tmp)
 
 
 def _pid_alive(pid):
