@@ -550,7 +550,8 @@ def test_bundle_refused_from_the_command_line(tmp_path, monkeypatch, capsys, dam
 def test_a_csv_with_a_byte_order_mark_reads(tmp_path):
     bundle = write_bundle(tmp_path / 'b')
     csv_path = tmp_path / 'b' / 'eval_meta_data.csv'
-    csv_path.write_bytes(b'\xef\xbb\xbf' + csv_path.read_bytes())  # as a spreadsheet saves "CSV UTF-8"
+    # as a spreadsheet saves "CSV UTF-8"
+    csv_path.write_bytes(b'\xef\xbb\xbf' + csv_path.read_bytes())
     assert [t.baseline for t in core_eval.read_bundle(bundle)] == [t[5] for t in TASKS]
 
 
@@ -599,15 +600,18 @@ def test_a_label_is_printed_with_its_control_characters_escaped(tmp_path, monkey
     # a label that would clear the screen and colour what follows, and a newline that would forge a line
     label = 'mc\x1b[2J\x1b[31m\nCORE 1.000000'
     bundle = write_bundle(tmp_path / 'b', [('mc_x', 'multiple_choice', 0, ' ', MC, 25.0), TASKS[2]])
-    rewrite(tmp_path / 'b' / 'core.yaml', 'label: mc_x', f'label: {json.dumps(label)}')  # YAML reads JSON's escapes
+    # YAML reads JSON's escapes
+    rewrite(tmp_path / 'b' / 'core.yaml', 'label: mc_x', f'label: {json.dumps(label)}')
     rewrite(tmp_path / 'b' / 'eval_meta_data.csv', 'mc_x,', f'"{label}",')
     assert core_eval.read_bundle(bundle)[0].label == label
     code, out, err = run_eval_here(monkeypatch, capsys, f'--out_dir={char_run}', '--task=core', f'--core_dir={bundle}')
     assert code == 0, err
-    assert '\x1b' not in out + err and sum(p.startswith('CORE ') for p in out.splitlines()) == 1  # no forged line
+    # no escape reaches the terminal, and no line is forged
+    assert '\x1b' not in out + err and sum(p.startswith('CORE ') for p in out.splitlines()) == 1
     shown = r'mc\x1b[2J\x1b[31m\nCORE 1.000000'
     assert sum(p.startswith(shown + ' ') and 'accuracy' in p for p in out.splitlines()) == 1
-    assert label in json.loads(out.strip().splitlines()[-1])['metrics']['tasks']  # JSON escapes it itself
+    # JSON escapes it itself
+    assert label in json.loads(out.strip().splitlines()[-1])['metrics']['tasks']
     # and in a refusal
     rewrite(tmp_path / 'b' / 'eval_meta_data.csv', '"mc', '"other')
     code, _, err = run_eval_here(monkeypatch, capsys, '--init_from=gpt2', '--task=core', f'--core_dir={bundle}')
@@ -620,8 +624,8 @@ def test_a_label_is_printed_with_its_control_characters_escaped(tmp_path, monkey
 def test_choices_it_cant_tell_apart_count_as_wrong(tmp_path):
     tok = GPT2Tokenizer()
     model = tiny_gpt(tok.vocab_size, 64)
-    mc = [{'query': 'Same?', 'choices': ['the cat', 'the cat', 'the cat'], 'gold': 0},   # all alike
-          {'query': 'Empty?', 'choices': ['', '', ''], 'gold': 0},                     # no tokens of their own
+    mc = [{'query': 'Same?', 'choices': ['the cat', 'the cat', 'the cat'], 'gold': 0},  # all alike
+          {'query': 'Empty?', 'choices': ['', '', ''], 'gold': 0},  # no tokens of their own
           {'query': 'Either?', 'choices': ['yes', 'no'], 'gold': 0}]
     schema = [{'context_options': ['He said', 'He said'], 'continuation': 'hello', 'gold': 0},
               {'context_options': ['She said', 'She said', 'She said'], 'continuation': 'bye', 'gold': 2},

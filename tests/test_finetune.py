@@ -352,7 +352,8 @@ def test_a_train_file_that_cant_be_read_is_one_line(tmp_path, monkeypatch, capsy
                           ('[' * 200_000 if damage == 'nested' else json.dumps({'text': 'cd', 'label': 1})) + '\n')
     before = train_file.read_bytes()
     if damage == 'unreadable':
-        helpers.refuse_to_open(monkeypatch, train_file)  # as chmod 000 does for a user other than root
+        # as chmod 000 does for a user other than root
+        helpers.refuse_to_open(monkeypatch, train_file)
     code, _, err = helpers.run('finetune.py', monkeypatch, capsys, '--task=classification', f'--init_from={src}',
                                f'--out_dir={tmp_path / "o"}', f'--train_file={train_file}', '--device=cpu')
     helpers.assert_one_line_error(code, err, '')

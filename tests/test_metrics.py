@@ -70,7 +70,8 @@ class FillingDisk:
 
     def write(self, text):
         self.room -= 1
-        return self.f.write(text if self.room >= 0 else text[:len(text) // 2])  # half a record reaches the file
+        # past its room, half a record reaches the file
+        return self.f.write(text if self.room >= 0 else text[:len(text) // 2])
 
     def flush(self):
         self.f.flush()
