@@ -8,7 +8,6 @@ import os
 import random
 import re
 import stat
-import sys
 import zipfile
 
 import numpy as np
@@ -709,7 +708,7 @@ def test_a_file_size_limit_while_unpacking_is_one_line(tmp_path):
     target = tmp_path / 'data' / 'core' / 'eval_bundle'
     script = ("from nanogpt_plus.evaluation import core; from nanogpt_plus.runtime import run_main; "
               f"run_main(lambda: core.download_bundle({archive.as_uri()!r}, {str(target)!r}))")
-    r = run_with_file_size_limit([sys.executable, '-c', script], 100_000)
+    r = run_with_file_size_limit(['-c', script], 100_000)
     assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr[-2000:]
     assert r.stderr.count('\n') == 1 and r.stderr.startswith(
         f'error: could not unpack {archive.as_uri()} into {target.parent} (File too large); nothing was kept'), r.stderr
