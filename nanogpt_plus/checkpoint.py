@@ -368,7 +368,7 @@ def restore_training_state(ckpt, optimizer, scaler, dist_info, loader=None, spik
         scaler.load_state_dict(ckpt['scaler'])
     rng = ckpt.get('rng')
     # the first such rank says
-    if rng and restore_rng_states(rng, dist_info.rank) and dist_info.rank == len(rng):
+    if rng and restore_checked_rng_states(rng, dist_info.rank) and dist_info.rank == len(rng):
         print(
             f"note: the checkpoint holds the RNG states of {len(rng)} rank(s); ranks {len(rng)} and up got "
             f"their own, drawn from rank 0's (their dropout differs from a run on {len(rng)} rank(s))"
@@ -432,6 +432,23 @@ def gather_rng_states(dist_info):
     states = [None] * dist_info.world_size
     dist.all_gather_object(states, state)
     return states
+
+
+def restore_checked_rng_states(states, rank):
+    """
+    restore_rng_states of a checkpoint's 'rng' entry, or one line when it is not the list of
+    per-rank states this project saves (a string, a state of the wrong shape: a file edited, or
+    saved by other code).
+    """
+    bad = UserError("the checkpoint's RNG states ('rng') are not the per-rank states this project "
+                    "saves; resume from another checkpoint, or start a new run in another --out_dir")
+    if not (isinstance(states, list) and all(isinstance(s, dict) and 'torch' in s for s in states)):
+        raise bad
+    try:
+        return restore_rng_states(states, rank)
+    # torch's, random's and numpy's own checks of a state: a wrong type, size or value
+    except (TypeError, ValueError, RuntimeError, IndexError, KeyError):
+        raise bad from None
 
 
 def restore_rng_states(states, rank):

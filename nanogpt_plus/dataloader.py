@@ -79,11 +79,15 @@ def open_token_file(path, dataset=None, dtype=None):
     if os.path.isdir(path):  # (else an IsADirectoryError from deep in numpy)
         raise UserError(f"{path} is a directory, not a token file; move it away and re-run the "
                         f"dataset's prepare.py, or pass another --dataset")
-    if not has_header(path):
-        return open_tokens(path, dataset, dtype)
-    # only a dataset of llm.c shards loads their reader: a run on train.bin/val.bin never does
-    from nanogpt_plus.dataset.shards import open_shard
-    return open_shard(path)
+    try:
+        if not has_header(path):
+            return open_tokens(path, dataset, dtype)
+        # only a dataset of llm.c shards loads their reader: a run on train.bin/val.bin never does
+        from nanogpt_plus.dataset.shards import open_shard
+        return open_shard(path)
+    except OSError as e:  # no permission to read it, an I/O error
+        raise UserError(f"could not read {path} ({e.strerror or e}); make it readable by this "
+                        f"user, or pass another --dataset") from None
 
 
 # a split up to this many tokens (128 MB) is scanned whole when opened, in well under a second; a

@@ -22,6 +22,7 @@ import fcntl
 import glob
 import json
 import os
+import shutil
 from contextlib import contextmanager
 
 from nanogpt_plus.errors import UserError
@@ -202,11 +203,22 @@ def _remove_stale(temps):
         # a live pid may be another run writing the same output right now: leave its file alone
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             try:
-                os.remove(tmp)
+                _remove_temp(tmp)
             except FileNotFoundError:
                 continue  # another process removed it first
             removed.append(os.path.basename(tmp))
     return removed
+
+
+def _remove_temp(tmp):
+    """
+    A dead process's temp: a file (or a link: the link alone goes), or a directory it was building
+    under our mark (an export made beside its final name), removed with all it holds.
+    """
+    if os.path.isdir(tmp) and not os.path.islink(tmp):
+        shutil.rmtree(tmp)
+    else:
+        os.remove(tmp)
 
 
 def _pid_alive(pid):
@@ -280,7 +292,12 @@ def read_jsonl(path, required_keys=(), missing_hint="pass an existing JSONL file
     if not path or not os.path.isfile(path):
         raise UserError(f"no data file at {path or '(none given)'}; {missing_hint}")
     records = []
-    with open(path, 'rb') as f:  # bytes: a line that is not UTF-8 is reported with its number
+    try:
+        f = open(path, 'rb')  # bytes: a line that is not UTF-8 is reported with its number
+    except OSError as e:  # no permission to read it, an I/O error
+        raise UserError(f"could not read {path} ({e.strerror or e}); make it readable by this "
+                        f"user, or pass another file") from None
+    with f:
         for lineno, raw in enumerate(f, 1):
             line = _utf8_line(raw, path, lineno)
             if not line.strip():
@@ -291,6 +308,9 @@ def read_jsonl(path, required_keys=(), missing_hint="pass an existing JSONL file
                 raise UserError(
                     f"{path} line {lineno} is not valid JSON ({e}); fix or remove that line"
                 ) from None
+            except RecursionError:  # thousands of nested [ or {: the decoder recurses
+                raise UserError(f"{path} line {lineno} is nested too deeply to read as JSON; fix "
+                                f"or remove that line") from None
             if not isinstance(record, dict):
                 raise UserError(
                     f"{path} line {lineno} is not a JSON object; write one object per line")

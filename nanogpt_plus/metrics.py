@@ -113,8 +113,12 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = dict(record, run=self.run, wall_time=round(time.time() - self.t_start, 3))
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        if self.file is not None:
+            try:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+            except OSError as e:  # a full disk, a quota
+                self._stop_writing(e, record)
         if self.wandb is not None and record.get('type') != 'start':
             numbers = {
                 k: v
@@ -123,10 +127,27 @@ class MetricsLogger:
             }
             self.wandb.log(numbers, step=record.get('iter'))
 
+    def _stop_writing(self, error, record):
+        """
+        Give up on metrics.jsonl for the rest of the run, said once: training goes on (the hours of
+        work since the last checkpoint are worth more than the log), and each checkpoint is saved,
+        or refused whole keeping the last one, as on any full disk. A later start of the run writes
+        its records on a line of their own after the half one left here.
+        """
+        print(f"warning: could not write {self.path} ({error.strerror or error}); the run goes on "
+              f"without it from iter {record.get('iter')} (make room on the disk: checkpoints need "
+              f"it too)", file=sys.stderr)
+        file, self.file = self.file, None
+        try:
+            file.close()  # its buffer still holds the record that did not fit: dropped with it
+        except OSError:
+            pass
+
     def close(self):
         if not self.enabled:
             return
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
 

@@ -264,7 +264,7 @@ def read_holder(fd):
     try:
         os.lseek(fd, 0, os.SEEK_SET)
         record = json.loads(os.read(fd, 65536).decode() or '{}')
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (thousands of nested [: not a record of ours)
         return {}
     return record if isinstance(record, dict) else {}
 

@@ -6,6 +6,8 @@ slow tier (run_python, start_python, COMPILE), and below them what the tests of 
 runs in this process, fine-tuning sources and tasks, finished runs to copy, GPT's modern options, tiny models and
 datasets. Fixtures and hooks stay in conftest.py.
 """
+import builtins
+import errno
 import functools
 import json
 import math
@@ -473,6 +475,18 @@ def dead_runs_temp(final, pid):
     """ The temp file a run of ours with this pid, killed while writing final, left behind. """
     ours = os.path.basename(temp_path(str(final)))  # this process's: the pid last
     return final.parent / f"{ours.rsplit('.', 1)[0]}.{pid}"
+
+
+def refuse_to_open(monkeypatch, path):
+    """ open(path) fails as for a file this user may not read (root, who runs the tests here, reads a chmod 000
+    file anyway). Every other path opens as usual. """
+    real_open = builtins.open
+
+    def guarded(file, *args, **kwargs):
+        if not isinstance(file, int) and os.path.abspath(os.fspath(file)) == os.path.abspath(os.fspath(path)):
+            raise PermissionError(errno.EACCES, 'Permission denied', os.fspath(file))
+        return real_open(file, *args, **kwargs)
+    monkeypatch.setattr(builtins, 'open', guarded)
 
 
 def one_error_line(capsys):

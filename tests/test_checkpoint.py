@@ -8,6 +8,7 @@ never taking an earlier run's checkpoints, and a checkpoint name taken by a dire
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -397,6 +398,19 @@ def test_a_checkpoint_whose_optimizer_has_other_groups_is_one_line(
         r"groups\); resume from another checkpoint",
     ):
         train.main(train_args(dataset, out_dir, **dict(SHORT, max_iters=8), init_from='resume'))
+
+
+@pytest.mark.usefixtures('one_thread')
+@pytest.mark.parametrize('rng', ['abc', [{'torch': 'abc'}], [{'torch': torch.zeros(3, dtype=torch.uint8)}]])
+def test_a_checkpoint_whose_rng_state_is_not_ours_is_one_line(dataset, finished, tmp_path, capsys, rng):
+    out_dir = Path(edited_copy(finished, tmp_path / 'run', lambda ckpt: ckpt.update(rng=rng)))
+    before = {p.name: p.read_bytes() for p in out_dir.iterdir()}
+    args = train_args(dataset, out_dir, **dict(SHORT, max_iters=8), init_from='resume')
+    assert exit_code(lambda: train.main(args)) == 2
+    assert one_error_line(capsys) == ("error: the checkpoint's RNG states ('rng') are not the per-rank states this "
+                                      "project saves; resume from another checkpoint, or start a new run in another "
+                                      "--out_dir")
+    assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == before  # the checkpoint as it was
 
 
 @pytest.mark.usefixtures('one_thread')

@@ -6,6 +6,8 @@ one line; the download path; eval.py under torchrun with 2 gloo ranks equal to o
 import json
 import os
 import random
+import re
+import stat
 import zipfile
 
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import run_eval, save_test_checkpoint
+from helpers import assert_one_line_error, refuse_to_open, run, run_eval, run_with_file_size_limit, save_test_checkpoint
 from model import GPT, GPTConfig
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.evaluation import core as core_eval
@@ -166,7 +168,7 @@ def test_three_task_types_match_a_direct_loop(tmp_path):
         assert table[:, 1].tolist() == [r[1] for r in expected_rows]
         assert table[:, 2].tolist() == [float(r[2]) for r in expected_rows]
         golds = [item.get('gold') for _, item in core_eval.task_items(task)]
-        correct = core_eval.correct_examples(task.task_type, table, offsets, golds)
+        correct = core_eval.correct_examples(task.task_type, table, offsets, golds, rows)
         assert sum(correct) / len(correct) == expected_acc and len(correct) == len(spec[4])
     assert cropped > 0
     # what is scored, decoded: after the answers' shared "the"; the options' shared " said" and the
@@ -220,7 +222,7 @@ def test_language_modelling_is_the_greedy_match():
     task = core_eval.CoreTask('lm', 'language_modeling', 0, '', 'x', 0.0)
     rows, offsets = core_eval.task_rows(task, list(enumerate(items, 1)), tok, 16)
     table = score_examples(model, rows, offsets, batch_size=3, device='cpu')
-    correct = core_eval.correct_examples('language_modeling', table, offsets, [None] * len(items))
+    correct = core_eval.correct_examples('language_modeling', table, offsets, [None] * len(items), rows)
     expected = [reference_rows(model, tok, it['context'].strip(), it['continuation'], 16)[2] for it in items]
     assert correct == [float(e) for e in expected] == [1.0, 0.0, 1.0, 0.0]
 
@@ -471,3 +473,243 @@ def test_cli_core_refusals(tmp_path):
     assert r.returncode == 2 and r.stderr.count('\n') == 1 and r.stderr.startswith('error: no eval bundle directory')
     r = run_eval(['--task=core', '--data_file=x.jsonl'])
     assert r.returncode == 2 and 'reads its bundle from --core_dir' in r.stderr and 'Traceback' not in r.stderr
+
+
+# -----------------------------------------------------------------------------
+# bundles that must not be taken as they stand: one line, exit 2, nothing changed
+
+def tree(directory):
+    """ {path under directory: its bytes, or where its link points} of everything below directory. """
+    found = {}
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            key = os.path.relpath(path, directory)
+            if os.path.islink(path):
+                found[key] = 'link to ' + os.readlink(path)
+            elif os.path.isfile(path):
+                with open(path, 'rb') as f:
+                    found[key] = f.read()
+    return found
+
+
+def outside_file(d):
+    """ A task file beside the bundle (d's parent), the same as one of its own. """
+    with open(d.parent / 'x.jsonl', 'w', encoding='utf-8') as f:
+        f.writelines(json.dumps(item) + '\n' for item in MC)
+    return d.parent / 'x.jsonl'
+
+
+def link_out(d):
+    os.symlink(outside_file(d), d / 'eval_data' / 'sets' / 'linked.jsonl')
+    rewrite(d / 'core.yaml', 'dataset_uri: sets/mc_two_shot.jsonl', 'dataset_uri: sets/linked.jsonl')
+
+
+REFUSED_BUNDLES = [
+    # a file outside the bundle, however it is reached
+    (lambda d: rewrite(d / 'core.yaml', 'dataset_uri: sets/mc_two_shot.jsonl', f'dataset_uri: {outside_file(d)}'),
+     r"icl_tasks entry 1 \(mc_two_shot\) has dataset_uri '/.*x\.jsonl', which leads outside the bundle"),
+    (lambda d: rewrite(d / 'core.yaml', 'dataset_uri: sets/mc_two_shot.jsonl',
+                       f'dataset_uri: ../../{outside_file(d).name}'),
+     r"has dataset_uri '\.\./\.\./x\.jsonl', which leads outside the bundle .*put the file under its eval_data/"),
+    (link_out, r"has dataset_uri 'sets/linked\.jsonl', which leads outside the bundle"),
+    # a task's second row (the last would win) and a key given twice (the last would win)
+    (lambda d: rewrite(d / 'eval_meta_data.csv', 'mc_answer,test,30.0,a test task\n',
+                       'mc_answer,test,30.0,a test task\nmc_two_shot,test,99,again\n'),
+     r"eval_meta_data\.csv has a second row for task mc_two_shot \(line 6\); keep one row per task"),
+    (lambda d: rewrite(d / 'core.yaml', '  icl_task_type: schema\n',
+                       '  icl_task_type: schema\n  icl_task_type: multiple_choice\n'),
+     r"core\.yaml gives the key 'icl_task_type' twice in one mapping \(line 11\); keep one"),
+    # what the readers can't take
+    (lambda d: (d / 'eval_meta_data.csv').write_bytes(b'Eval Task,Random baseline\nmc_two_shot,25\nsch\xe9ma,50\n'),
+     r"eval_meta_data\.csv is not UTF-8 text \(byte 0xe9\); save it as UTF-8"),
+    (lambda d: rewrite(d / 'eval_meta_data.csv', 'a test task\n', 'a ' + 'very ' * 30000 + 'long task\n'),
+     r"eval_meta_data\.csv line 2 can't be read as CSV \(field larger than field limit \(131072\)\)"),
+    (lambda d: (d / 'core.yaml').write_text('icl_tasks: ' + '[' * 50000),
+     r"core\.yaml is nested too deeply to read; fix it or unzip the bundle again"),
+]
+
+
+def run_eval_here(monkeypatch, capsys, *args):
+    """ eval.py in this process on the CPU: (exit code, stdout, stderr). """
+    return run('eval.py', monkeypatch, capsys, '--device=cpu', *args)
+
+
+@pytest.mark.parametrize('damage,message', REFUSED_BUNDLES)
+def test_bundle_refused_from_the_command_line(tmp_path, monkeypatch, capsys, damage, message):
+    bundle = write_bundle(tmp_path / 'b')
+    damage(tmp_path / 'b')
+    before = tree(tmp_path)
+    code, _, err = run_eval_here(monkeypatch, capsys, '--init_from=gpt2', '--task=core', f'--core_dir={bundle}')
+    assert_one_line_error(code, err, '')
+    assert re.search(message, err), err
+    assert tree(tmp_path) == before
+
+
+def test_a_csv_with_a_byte_order_mark_reads(tmp_path):
+    bundle = write_bundle(tmp_path / 'b')
+    csv_path = tmp_path / 'b' / 'eval_meta_data.csv'
+    # as a spreadsheet saves "CSV UTF-8"
+    csv_path.write_bytes(b'\xef\xbb\xbf' + csv_path.read_bytes())
+    assert [t.baseline for t in core_eval.read_bundle(bundle)] == [t[5] for t in TASKS]
+
+
+@pytest.mark.parametrize('name', ['core.yaml', 'eval_meta_data.csv'])
+def test_an_unreadable_bundle_file_is_one_line(tmp_path, monkeypatch, capsys, name):
+    bundle = write_bundle(tmp_path / 'b')
+    before = tree(tmp_path)
+    refuse_to_open(monkeypatch, os.path.join(bundle, name))
+    code, _, err = run_eval_here(monkeypatch, capsys, '--init_from=gpt2', '--task=core', f'--core_dir={bundle}')
+    assert_one_line_error(code, err, f"could not read {os.path.join(bundle, name)} (Permission denied); make it "
+                                     f"readable by this user")
+    monkeypatch.undo()
+    assert tree(tmp_path) == before
+
+
+@pytest.fixture
+def char_run(tmp_path):
+    """ The out_dir of a tiny character model that can read TASKS' texts. """
+    tok = CharTokenizer.from_text('abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ,?:\n\t')
+    out_dir = tmp_path / 'out'
+    save_test_checkpoint(tiny_gpt(tok.vocab_size, 24, seed=2), tok.meta(), str(out_dir / 'ckpt.pt'))
+    return out_dir
+
+
+@pytest.mark.parametrize('line,message', [
+    ('[' * 200000, r"mc_two_shot\.jsonl line 6 is nested too deeply to read as JSON; fix or remove that line"),
+    (None, r"could not read .*mc_two_shot\.jsonl \(Permission denied\); make it readable by this user"),
+])
+def test_a_task_file_that_cant_be_read_is_one_line(tmp_path, monkeypatch, capsys, char_run, line, message):
+    bundle = write_bundle(tmp_path / 'b')
+    task_file = tmp_path / 'b' / 'eval_data' / 'sets' / 'mc_two_shot.jsonl'
+    if line is not None:
+        with open(task_file, 'a', encoding='utf-8') as f:
+            f.write(line + '\n')
+    before = tree(tmp_path)
+    if line is None:
+        refuse_to_open(monkeypatch, task_file)
+    code, _, err = run_eval_here(monkeypatch, capsys, f'--out_dir={char_run}', '--task=core', f'--core_dir={bundle}')
+    assert_one_line_error(code, err, '')
+    assert re.search(message, err), err
+    monkeypatch.undo()
+    assert tree(tmp_path) == before
+
+
+def test_a_label_is_printed_with_its_control_characters_escaped(tmp_path, monkeypatch, capsys, char_run):
+    # a label that would clear the screen and colour what follows, and a newline that would forge a line
+    label = 'mc\x1b[2J\x1b[31m\nCORE 1.000000'
+    bundle = write_bundle(tmp_path / 'b', [('mc_x', 'multiple_choice', 0, ' ', MC, 25.0), TASKS[2]])
+    # YAML reads JSON's escapes
+    rewrite(tmp_path / 'b' / 'core.yaml', 'label: mc_x', f'label: {json.dumps(label)}')
+    rewrite(tmp_path / 'b' / 'eval_meta_data.csv', 'mc_x,', f'"{label}",')
+    assert core_eval.read_bundle(bundle)[0].label == label
+    code, out, err = run_eval_here(monkeypatch, capsys, f'--out_dir={char_run}', '--task=core', f'--core_dir={bundle}')
+    assert code == 0, err
+    # no escape reaches the terminal, and no line is forged
+    assert '\x1b' not in out + err and sum(p.startswith('CORE ') for p in out.splitlines()) == 1
+    shown = r'mc\x1b[2J\x1b[31m\nCORE 1.000000'
+    assert sum(p.startswith(shown + ' ') and 'accuracy' in p for p in out.splitlines()) == 1
+    # JSON escapes it itself
+    assert label in json.loads(out.strip().splitlines()[-1])['metrics']['tasks']
+    # and in a refusal
+    rewrite(tmp_path / 'b' / 'eval_meta_data.csv', '"mc', '"other')
+    code, _, err = run_eval_here(monkeypatch, capsys, '--init_from=gpt2', '--task=core', f'--core_dir={bundle}')
+    assert_one_line_error(code, err, f"has no row for task {shown}; add its 'Random baseline'")
+
+
+# -----------------------------------------------------------------------------
+# choices the model can't tell apart: no answer, never right
+
+def test_choices_it_cant_tell_apart_count_as_wrong(tmp_path):
+    tok = GPT2Tokenizer()
+    model = tiny_gpt(tok.vocab_size, 64)
+    mc = [{'query': 'Same?', 'choices': ['the cat', 'the cat', 'the cat'], 'gold': 0},  # all alike
+          {'query': 'Empty?', 'choices': ['', '', ''], 'gold': 0},  # no tokens of their own
+          {'query': 'Either?', 'choices': ['yes', 'no'], 'gold': 0}]
+    schema = [{'context_options': ['He said', 'He said'], 'continuation': 'hello', 'gold': 0},
+              {'context_options': ['She said', 'She said', 'She said'], 'continuation': 'bye', 'gold': 2},
+              {'context_options': ['A said', 'B said'], 'continuation': 'so', 'gold': 0}]
+    bundle = write_bundle(tmp_path / 'b', [('mc', 'multiple_choice', 0, ' ', mc, 25.0),
+                                           ('schema', 'schema', 0, ' ', schema, 50.0)])
+    for task in core_eval.read_bundle(bundle):
+        records = core_eval.task_items(task)
+        rows, offsets = core_eval.task_rows(task, records, tok, 64)
+        table = score_examples(model, rows, offsets, batch_size=4, device='cpu')
+        golds = [item['gold'] for _, item in records]
+        correct = dict(zip([item[task.task_type == 'schema' and 'context_options' or 'choices'][0]
+                            for _, item in records], core_eval.correct_examples(task.task_type, table, offsets,
+                                                                               golds, rows)))
+        # the alike ones are wrong whatever gold is; the one with a real choice is the model's lowest mean loss
+        alike = [k for k, v in correct.items() if k in ('the cat', '', 'He said', 'She said')]
+        assert [correct[k] for k in alike] == [0.0, 0.0] and len(alike) == 2
+    # by hand: the lowest mean loss is a choice another choice repeats -> wrong, even with gold among them
+    rows = [([1, 2], 1), ([1, 2], 1), ([1, 3], 1)]
+    table = torch.tensor([[0.1, 1, 0], [0.1, 1, 0], [0.5, 1, 0]], dtype=torch.float64)
+    assert core_eval.correct_examples('multiple_choice', table, [0, 3], [0], rows) == [0.0]
+    table[2, 0] = 0.05  # now the distinct one is lowest: right when it is gold
+    assert core_eval.correct_examples('multiple_choice', table, [0, 3], [2], rows) == [1.0]
+    # a choice with no tokens of its own is never the answer, even alone at the lowest
+    rows = [([1, 2], 0), ([1, 3], 1)]
+    table = torch.tensor([[0.0, 0, 0], [2.0, 1, 0]], dtype=torch.float64)
+    assert core_eval.correct_examples('multiple_choice', table, [0, 2], [1], rows) == [1.0]
+
+
+# -----------------------------------------------------------------------------
+# the download: what it unpacks into, and what it can't
+
+def bundle_zip(tmp_path, extra=None):
+    """ A zip shaped like nanochat's eval_bundle.zip (extra(zipfile) may add entries); its path. """
+    bundle = write_bundle(tmp_path / 'src' / 'eval_bundle')
+    archive = tmp_path / 'eval_bundle.zip'
+    with zipfile.ZipFile(archive, 'w', zipfile.ZIP_DEFLATED) as z:
+        for root, _, files in os.walk(bundle):
+            for name in files:
+                path = os.path.join(root, name)
+                z.write(path, os.path.relpath(path, tmp_path / 'src'))
+        if extra:
+            extra(z)
+    return archive
+
+
+def add_link(z):
+    info = zipfile.ZipInfo('eval_bundle/eval_data/sets/passwd.jsonl')
+    info.external_attr = (stat.S_IFLNK | 0o777) << 16  # how zip -y stores a symbolic link
+    z.writestr(info, '/etc/passwd')
+
+
+def test_a_zip_with_a_symbolic_link_is_refused(tmp_path, monkeypatch, capsys):
+    archive = bundle_zip(tmp_path, add_link)
+    target = tmp_path / 'data' / 'core' / 'eval_bundle'
+    monkeypatch.setattr(core_eval, 'default_bundle_dir', lambda: str(target))
+    monkeypatch.setattr(core_eval, 'BUNDLE_URL', archive.as_uri())
+    code, _, err = run_eval_here(monkeypatch, capsys, '--init_from=gpt2', '--task=core')
+    assert_one_line_error(code, err, 'eval_bundle.zip holds a symbolic link (eval_bundle/eval_data/sets/passwd.jsonl)')
+    assert os.listdir(target.parent) == []  # nothing unpacked, nothing left half-made
+
+
+@pytest.mark.parametrize('which', ['core', 'eval_bundle'])
+def test_a_file_where_the_bundle_goes_is_kept(tmp_path, monkeypatch, capsys, which):
+    archive = bundle_zip(tmp_path)
+    target = tmp_path / 'data' / 'core' / 'eval_bundle'
+    in_the_way = target if which == 'eval_bundle' else target.parent
+    in_the_way.parent.mkdir(parents=True, exist_ok=True)
+    in_the_way.write_text('my notes')
+    monkeypatch.setattr(core_eval, 'default_bundle_dir', lambda: str(target))
+    monkeypatch.setattr(core_eval, 'BUNDLE_URL', archive.as_uri())  # a download would succeed
+    before = tree(tmp_path / 'data')
+    code, out, err = run_eval_here(monkeypatch, capsys, '--init_from=gpt2', '--task=core')
+    assert_one_line_error(code, err, f'{in_the_way} is a file, not the directory the eval bundle is kept in; move '
+                                     f'it away, or pass --core_dir=DIR')
+    assert 'downloading' not in out and tree(tmp_path / 'data') == before
+
+
+def test_a_file_size_limit_while_unpacking_is_one_line(tmp_path):
+    archive = bundle_zip(tmp_path, lambda z: z.writestr('eval_bundle/eval_data/sets/big.jsonl', 'x' * 300_000))
+    target = tmp_path / 'data' / 'core' / 'eval_bundle'
+    script = ("from nanogpt_plus.evaluation import core; from nanogpt_plus.runtime import run_main; "
+              f"run_main(lambda: core.download_bundle({archive.as_uri()!r}, {str(target)!r}))")
+    r = run_with_file_size_limit(['-c', script], 100_000)
+    assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count('\n') == 1 and r.stderr.startswith(
+        f'error: could not unpack {archive.as_uri()} into {target.parent} (File too large); nothing was kept'), r.stderr
+    assert os.listdir(target.parent) == []

@@ -16,7 +16,15 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import REPO, bpe_corpus_text, run_offline, synthetic_bpe_json, tokens
+from helpers import (
+    REPO,
+    assert_one_line_error,
+    bpe_corpus_text,
+    refuse_to_open,
+    run_offline,
+    synthetic_bpe_json,
+    tokens,
+)
 from nanogpt_plus.dataset import read_dataset_meta
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.prepare import corpus
@@ -396,6 +404,20 @@ def test_a_jsonl_text_that_is_not_a_string_is_one_line(tmp_path):
 
 
 @pytest.mark.usefixtures('one_thread')
+def test_an_unreadable_input_is_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "a.txt").write_text("some text to read\n" * 20, encoding="utf-8")
+    (tmp_path / "b.txt").write_text("more text, not readable\n" * 20, encoding="utf-8")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    refuse_to_open(monkeypatch, tmp_path / "b.txt")  # as chmod 000 does for a user other than root
+    with pytest.raises(SystemExit) as e:
+        prepare(monkeypatch, f"--input={tmp_path}/*.txt", f"--out_dir={tmp_path / 'out'}", "--tokenizer=char",
+                f"--cache_dir={tmp_path / 'cache'}")
+    assert_one_line_error(e.value.code, capsys.readouterr().err,
+                          f"could not read input file {tmp_path}/b.txt (Permission denied); make it readable")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no out_dir, no cache
+
+
 def test_a_directory_as_input_says_so(tmp_path):
     with pytest.raises(UserError, match=rf"^input {tmp_path} is a directory; pass its files"):
         expand_files(str(tmp_path))

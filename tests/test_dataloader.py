@@ -24,7 +24,10 @@ from helpers import (
     SINGLE,
     TINY_VOCAB,
     copy_dataset,
+    exit_code,
     iter_losses,
+    one_error_line,
+    refuse_to_open,
     tiny_args,
     train_args,
     train_here,
@@ -187,6 +190,19 @@ def test_a_train_bin_that_is_a_directory_is_one_line(tiny_dataset, tmp_path):
         UserError, match=rf"^{data}/train.bin is a directory, not a token file; move it away"
     ):
         train.main(train_args(str(data), tmp_path / 'out'))
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_an_unreadable_train_bin_is_one_line(tiny_dataset, tmp_path, monkeypatch, capsys):
+    data = tmp_path / 'data'
+    shutil.copytree(tiny_dataset, data)
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    refuse_to_open(monkeypatch, data / 'train.bin')  # as chmod 000 does for a user other than root
+    assert exit_code(lambda: train.main(train_args(str(data), tmp_path / 'out'))) == 2
+    assert one_error_line(capsys) == (f"error: could not read {data}/train.bin (Permission denied); make it readable "
+                                      f"by this user, or pass another --dataset")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before
 
 
 @pytest.mark.usefixtures('one_thread')

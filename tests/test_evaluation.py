@@ -7,13 +7,14 @@ torchrun equal to one process, and clear errors (unknown task, missing or malfor
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import TINY_VOCAB, run_eval, save_test_checkpoint, write_meta
+from helpers import TINY_VOCAB, assert_one_line_error, refuse_to_open, run, run_eval, save_test_checkpoint, write_meta
 from model import GPT, GPTConfig
 from nanogpt_plus.dataset import split_files
 from nanogpt_plus.dataset.shards import write_shard
@@ -340,6 +341,40 @@ def test_malformed_jsonl_names_the_line(tmp_path):
         run_task(model, 'lambada', tok, data_file=str(path))
     with pytest.raises(UserError, match='unknown task'):
         run_task(model, 'piqa', tok, data_file=str(path))
+
+
+@pytest.mark.parametrize('task,damage,message', [
+    ('hellaswag', 'nested', r"hs\.jsonl line 2 is nested too deeply to read as JSON; fix or remove that line"),
+    ('lambada', 'nested', r"lb\.jsonl line 2 is nested too deeply to read as JSON; fix or remove that line"),
+    ('hellaswag', 'unreadable', r"could not read .*hs\.jsonl \(Permission denied\); make it readable by this user"),
+    ('loss', 'unreadable', r"could not read .*val\.bin \(Permission denied\); make it readable by this user"),
+])
+def test_a_data_file_that_cant_be_read_is_one_line(tmp_path, monkeypatch, capsys, task, damage, message):
+    tok = CharTokenizer.from_text(CHARS)
+    out_dir = tmp_path / 'out'
+    save_test_checkpoint(tiny_gpt(tok.vocab_size), tok.meta(), str(out_dir / 'ckpt.pt'))
+    data = tmp_path / 'data'
+    data.mkdir()
+    files = {'hellaswag': ('hs.jsonl', json.dumps({'ctx': 'ab', 'endings': ['c', 'd'], 'label': 0})),
+             'lambada': ('lb.jsonl', json.dumps({'text': 'ab cd'}))}
+    if task == 'loss':
+        path = data / 'val.bin'
+        (np.arange(40) % tok.vocab_size).astype(np.uint16).tofile(path)
+        (data / 'meta.json').write_text(json.dumps(tok.meta()))
+    else:
+        name, good = files[task]
+        path = data / name
+        # 200,000 [ on a line: more than the JSON decoder's recursion allows
+        path.write_text(good + '\n' + ('[' * 200_000 if damage == 'nested' else good) + '\n')
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    if damage == 'unreadable':
+        refuse_to_open(monkeypatch, path)
+    code, _, err = run('eval.py', monkeypatch, capsys, '--device=cpu', f'--out_dir={out_dir}', f'--task={task}',
+                       f'--data_file={path}')
+    assert_one_line_error(code, err, '')
+    assert re.search(message, err), err
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before
 
 
 def test_eval_loss_over_several_val_shards_is_their_token_weighted_mean(tmp_path):

@@ -65,6 +65,29 @@ def test_the_sweep_removes_only_files_this_project_named(tmp_path):
 
 
 @pytest.mark.usefixtures('one_thread')
+def test_a_marked_temp_directory_of_a_dead_run_is_swept_whole(dataset, tmp_path, capsys):
+    """ A directory under our mark (an output built beside its name, say) goes with what it holds; a live run's,
+    a link's target and unmarked directories stay. """
+    pid = dead_pid()
+    ours = tmp_path / f".hf.nanogpt_plus.tmp.{pid}"
+    (ours / "sub").mkdir(parents=True)
+    (ours / "sub" / "model.safetensors").write_bytes(b"half an export")
+    live = tmp_path / f".hf2.nanogpt_plus.tmp.{os.getppid()}"
+    live.mkdir()
+    users = tmp_path.parent / f"{tmp_path.name}-users"
+    (users / "keep").mkdir(parents=True)
+    (users / "keep" / "notes.txt").write_text("mine")
+    link = tmp_path / f".link.nanogpt_plus.tmp.{pid}"
+    os.symlink(users / "keep", link)  # the link is the temp: removed, never what it points to
+    plain = tmp_path / f".thesis.tmp.{pid}"
+    plain.mkdir()
+    out = run_train(capsys, train_args(dataset, tmp_path, max_iters=1)).out
+    assert f"removed 2 temp file(s) that killed runs left in {tmp_path}: " in out
+    assert not ours.exists() and not os.path.lexists(link)
+    assert live.is_dir() and plain.is_dir() and (users / "keep" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.usefixtures('one_thread')
 def test_jsonl_that_is_not_utf8_names_file_and_line(tmp_path):
     path = tmp_path / "train.jsonl"
     # latin-1, not UTF-8

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import re
 import runpy
 import sys
 import types
@@ -337,6 +338,28 @@ def test_cli_errors_are_one_line(tmp_path):
     p = run_finetune(['--task=classification', f'--init_from={src}', f'--out_dir={tmp_path / "o"}',
                     f'--train_file={bad}', '--device=cpu'])
     assert p.returncode == 2 and 'u.jsonl line 2:' in p.stderr and 'not in this model' in p.stderr
+
+
+@pytest.mark.parametrize('damage,message', [
+    ('nested', r"t\.jsonl line 2 is nested too deeply to read as JSON; fix or remove that line"),
+    ('unreadable', r"could not read .*t\.jsonl \(Permission denied\); make it readable by this user"),
+])
+def test_a_train_file_that_cant_be_read_is_one_line(tmp_path, monkeypatch, capsys, damage, message):
+    src = make_source(tmp_path / 'src')
+    train_file = tmp_path / 'data' / 't.jsonl'
+    train_file.parent.mkdir()
+    train_file.write_text(json.dumps({'text': 'ab', 'label': 0}) + '\n' +
+                          ('[' * 200_000 if damage == 'nested' else json.dumps({'text': 'cd', 'label': 1})) + '\n')
+    before = train_file.read_bytes()
+    if damage == 'unreadable':
+        # as chmod 000 does for a user other than root
+        helpers.refuse_to_open(monkeypatch, train_file)
+    code, _, err = helpers.run('finetune.py', monkeypatch, capsys, '--task=classification', f'--init_from={src}',
+                               f'--out_dir={tmp_path / "o"}', f'--train_file={train_file}', '--device=cpu')
+    helpers.assert_one_line_error(code, err, '')
+    assert re.search(message, err), err
+    monkeypatch.undo()
+    assert train_file.read_bytes() == before and os.listdir(tmp_path / 'data') == ['t.jsonl']
 
 
 # -----------------------------------------------------------------------------

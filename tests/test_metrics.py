@@ -2,12 +2,14 @@
 nanogpt_plus/metrics.py: metrics.jsonl read past records of another kind, one trajectory after a resume, and wandb
 (offline, a resumed run continuing its wandb run, a missing wandb said in one line).
 """
+import errno
 import json
 import os
 
 import pytest
 
 from helpers import iter_losses, run_train, tiny_args, train_args, train_here, train_out
+from nanogpt_plus import metrics
 from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.metrics import MetricsLogger, read_metrics
 
@@ -58,6 +60,47 @@ def test_metrics_after_a_resume_are_one_trajectory(dataset, tmp_path, capsys):
     assert iters == [(i, 1) for i in range(4)] + [(i, 2) for i in range(4, 7)]  # no iteration twice
     evals = [(r["iter"], r["run"]) for r in records if r["type"] == "eval"]
     assert evals == [(0, 1), (3, 1), (6, 2)]
+
+
+class FillingDisk:
+    """ A file whose disk is full after `room` writes: every later flush fails with ENOSPC, as the OS's would. """
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def write(self, text):
+        self.room -= 1
+        # past its room, half a record reaches the file
+        return self.f.write(text if self.room >= 0 else text[:len(text) // 2])
+
+    def flush(self):
+        self.f.flush()
+        if self.room < 0:
+            raise OSError(errno.ENOSPC, 'No space left on device')
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_a_full_disk_stops_the_metrics_not_the_run(dataset, tmp_path, capsys, monkeypatch):
+    real_open = open
+    monkeypatch.setattr(metrics, 'open', lambda path, mode='r', **kw: FillingDisk(real_open(path, mode, **kw), 3)
+                        if 'a' in mode else real_open(path, mode, **kw), raising=False)
+    out = run_train(capsys, train_args(dataset, tmp_path, max_iters=4, eval_interval=2))
+    warnings = [line for line in out.err.splitlines() if line.startswith('warning: could not write')]
+    assert warnings == [f"warning: could not write {tmp_path / 'metrics.jsonl'} (No space left on device); the run "
+                        f"goes on without it from iter 0 (make room on the disk: checkpoints need it too)"]
+    assert iter_losses(out.out).keys() == set(range(5))  # every step trained
+    assert load_checkpoint(str(tmp_path / 'ckpt.pt'))['iter_num'] == 5  # and saved at the end
+    monkeypatch.undo()
+    lines = (tmp_path / 'metrics.jsonl').read_text().splitlines()
+    # three whole records, then half of iter 0's: nothing after it
+    assert [json.loads(line)['type'] for line in lines[:3]] == ['start', 'bytes_per_token', 'eval'] and len(lines) == 4
+    assert lines[3].startswith('{"type": "iter", "iter": 0,')
+    # the next start writes on a line of its own after the half record, and the file reads as before
+    run_train(capsys, train_args(dataset, tmp_path, max_iters=6, eval_interval=2, init_from='resume'))
+    assert [r['iter'] for r in read_metrics(str(tmp_path / 'metrics.jsonl')) if r['type'] == 'iter'] == [5, 6]
 
 
 @pytest.mark.usefixtures('one_thread')

@@ -508,6 +508,17 @@ def test_a_lock_replaced_under_a_live_run_is_not_taken_over(tmp_path):
 
 
 @pytest.mark.usefixtures('one_thread')
+def test_a_lock_nested_too_deeply_to_read_is_not_ours(dataset, tmp_path, capsys):
+    """ 40,000 [ in run.lock: more than the JSON decoder's recursion allows. Not a lock of ours: refused, kept. """
+    (tmp_path / LOCK_NAME).write_text('[' * 40000)
+    assert exit_code(lambda: train.main(train_args(dataset, tmp_path, max_iters=1))) == 2
+    assert one_error_line(capsys) == (f"error: {tmp_path / LOCK_NAME} is not a lock this project wrote (it holds no "
+                                      f"run's pid); if no run uses {tmp_path}, delete {tmp_path / LOCK_NAME} and "
+                                      f"start again")
+    assert os.listdir(tmp_path) == [LOCK_NAME] and (tmp_path / LOCK_NAME).read_text() == '[' * 40000
+
+
+@pytest.mark.usefixtures('one_thread')
 def test_a_full_disk_while_writing_the_lock_is_one_line(tmp_path, monkeypatch):
     import errno
 

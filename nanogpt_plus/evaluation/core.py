@@ -21,6 +21,8 @@ task, come first, each followed by a blank line):
                        prompts end with (the continuation) picks the option
     language_modeling  {context, continuation}: right when the continuation is the model's
                        greedy continuation of the context (its trailing spaces dropped)
+A choice the model can't tell from another (the same tokens) or with no tokens of its own is no
+answer: wrong, whatever gold is (correct_examples).
 
 These follow nanochat's nanochat/core_eval.py and scripts/base_eval.py: every prompt starts with
 the tokenizer's end-of-text token as nanochat's starts with its BOS (a character vocabulary has
@@ -46,6 +48,7 @@ import math
 import os
 import random
 import shutil
+import stat
 import zipfile
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -74,6 +77,8 @@ SHUFFLE_SEED = 1337  # the order --max_examples takes the first examples of
 FEWSHOT_SEED = 1234  # example i draws its few-shot examples with seed FEWSHOT_SEED + i
 # the tasks of the full bundle: a CORE of fewer doesn't compare with the references
 DCLM_CORE_TASKS = 22
+# YAML's merge key (<<: *base), whose keys an entry may give again on purpose
+MERGE_TAG = 'tag:yaml.org,2002:merge'
 BUNDLE_HINT = ("pass --core_dir=DIR, DCLM's eval bundle as nanochat ships it (eval_bundle.zip "
                "unzipped: core.yaml, eval_data/, eval_meta_data.csv)")
 
@@ -103,6 +108,15 @@ class CoreTask:
 # -----------------------------------------------------------------------------
 # the bundle: where it is, and reading it with one-line refusals
 
+def printable(text):
+    """
+    text as a line may show it: a control character (a terminal's escape sequence, a newline) is
+    written as its escape, \\x1b, \\n, so that a label can't rewrite what a terminal shows.
+    """
+    return ''.join(c if c.isprintable() else c.encode('unicode_escape').decode('ascii')
+                   for c in text)
+
+
 def default_bundle_dir():
     """ Where the downloaded bundle is kept: data/core/eval_bundle in this repo. """
     return os.path.join(REPO_DIR, 'data', 'core', 'eval_bundle')
@@ -116,8 +130,19 @@ def bundle_dir(core_dir=''):
         return core_dir
     target = default_bundle_dir()
     if not os.path.isdir(target):
+        # a file where the bundle or its folder goes is the user's: said before any download
+        for path in (os.path.dirname(target), target):
+            if os.path.lexists(path) and not os.path.isdir(path):
+                raise UserError(f"{path} is a file, not the directory the eval bundle is kept in; "
+                                f"move it away, or {BUNDLE_HINT}")
         download_bundle(BUNDLE_URL, target)
     return target
+
+
+def links_in(archive):
+    """ The names of an archive's entries that are symbolic links (their mode, in the top bits). """
+    return [info.filename for info in archive.infolist()
+            if stat.S_ISLNK(info.external_attr >> 16)]
 
 
 def download_bundle(url, target):
@@ -129,15 +154,24 @@ def download_bundle(url, target):
     content = download(url, target, "offline, download and unzip it elsewhere and pass "
                        "--core_dir=PATH/eval_bundle", timeout=DOWNLOAD_TIMEOUT_S)
     parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
     scratch = os.path.join(parent, f'.unpack.{os.getpid()}')
     try:
         try:
+            os.makedirs(parent, exist_ok=True)
             with zipfile.ZipFile(io.BytesIO(content)) as archive:
+                # zipfile writes a link's target as a file's text: a bundle has only plain files
+                links = links_in(archive)
+                if links:
+                    raise UserError(f"{url} holds a symbolic link ({printable(links[0])}), which an "
+                                    f"eval bundle has not; {BUNDLE_HINT}")
                 archive.extractall(scratch)  # zipfile drops absolute paths and '..' from names
         except zipfile.BadZipFile:
             raise UserError(f"{url} did not give a zip file; download it by hand and pass "
                             f"--core_dir=PATH/eval_bundle") from None
+        except OSError as e:  # a full disk, a file-size limit (EFBIG), a folder we can't write
+            raise UserError(f"could not unpack {url} into {parent} ({e.strerror or e}); nothing "
+                            f"was kept. Make room (or fix the folder's permissions), or "
+                            f"{BUNDLE_HINT}") from None
         unpacked = os.path.join(scratch, 'eval_bundle')
         if not os.path.isdir(unpacked):
             raise UserError(f"{url} holds no eval_bundle/ directory; {BUNDLE_HINT}")
@@ -147,6 +181,37 @@ def download_bundle(url, target):
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+class DuplicateKey(Exception):
+    """ A key given twice in one YAML mapping, at a line (from 1). """
+
+
+def strict_yaml_loader():
+    """
+    yaml.SafeLoader (plain values only, no tags that make objects) that also refuses a key given
+    twice in one mapping, where PyYAML would keep the last one silently.
+    """
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != MERGE_TAG:
+                    key = (key_node.tag, key_node.value)
+                    if key in seen:
+                        raise DuplicateKey(key_node.value, key_node.start_mark.line + 1)
+                    seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return StrictLoader
+
+
+def unreadable(path, error):
+    """ The one line for a bundle file the OS won't let us read (permissions, an I/O error). """
+    return UserError(f"could not read {path} ({error.strerror or error}); make it readable by "
+                     f"this user, or unzip the bundle again")
+
+
 def read_yaml(path):
     """ The parsed core.yaml, or one line saying why it can't be read. """
     import yaml
@@ -154,7 +219,16 @@ def read_yaml(path):
         raise UserError(f"no core.yaml in {os.path.dirname(path) or '.'}; {BUNDLE_HINT}")
     try:
         with open(path, encoding='utf-8') as f:
-            return yaml.safe_load(f)
+            return yaml.load(f, Loader=strict_yaml_loader())
+    except OSError as e:
+        raise unreadable(path, e) from None
+    except DuplicateKey as e:
+        key, line = e.args
+        raise UserError(f"{path} gives the key {key!r} twice in one mapping (line {line}); keep "
+                        f"one") from None
+    except RecursionError:  # thousands of nested [ or {: PyYAML builds them recursively
+        raise UserError(f"{path} is nested too deeply to read; fix it or unzip the bundle "
+                        f"again") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         where = getattr(e, 'problem_mark', None)
         line = f" at line {where.line + 1}" if where is not None else ""
@@ -163,17 +237,38 @@ def read_yaml(path):
 
 
 def read_baselines(path):
-    """ {task label: its 'Random baseline' cell} of eval_meta_data.csv (checked when used). """
+    """
+    {task label: its 'Random baseline' cell} of eval_meta_data.csv (checked when used); a task's
+    second row is refused, not taken in place of the first.
+    """
     if not os.path.isfile(path):
         raise UserError(f"no eval_meta_data.csv in {os.path.dirname(path) or '.'}; {BUNDLE_HINT}")
-    with open(path, encoding='utf-8', newline='') as f:
-        reader = csv.DictReader(f)
-        columns = reader.fieldnames or ()
-        missing = [c for c in ('Eval Task', 'Random baseline') if c not in columns]
-        if missing:
-            raise UserError(f"{path} has no {' or '.join(repr(c) for c in missing)} column; "
-                            f"unzip the bundle again")
-        return {row['Eval Task']: row['Random baseline'] for row in reader}
+    baselines = {}
+    try:
+        # utf-8-sig: a spreadsheet's byte-order mark is not part of the first column's name
+        with open(path, encoding='utf-8-sig', newline='') as f:
+            reader = csv.DictReader(f)
+            columns = reader.fieldnames or ()
+            missing = [c for c in ('Eval Task', 'Random baseline') if c not in columns]
+            if missing:
+                raise UserError(f"{path} has no {' or '.join(repr(c) for c in missing)} column; "
+                                f"unzip the bundle again")
+            for row in reader:
+                label = row['Eval Task']
+                if label in baselines:
+                    raise UserError(f"{path} has a second row for task {printable(label)} (line "
+                                    f"{reader.line_num}); keep one row per task")
+                baselines[label] = row['Random baseline']
+    except OSError as e:
+        raise unreadable(path, e) from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x}); save it as "
+                        f"UTF-8") from None
+    except csv.Error as e:  # a cell over csv.field_size_limit(), a NUL byte, ...
+        # (the csv reader's own count: DictReader's stops at the last row it returned)
+        raise UserError(f"{path} line {reader.reader.line_num} can't be read as CSV ({e}); fix "
+                        f"that line or unzip the bundle again") from None
+    return baselines
 
 
 def fewshot_count(value):
@@ -196,6 +291,12 @@ def task_file(directory, uri):
     return os.path.join(directory, 'eval_data', uri)
 
 
+def inside(path, directory):
+    """ Whether path, its symbolic links followed, lies in directory (followed too). """
+    real, home = os.path.realpath(path), os.path.realpath(directory)
+    return os.path.commonpath([real, home]) == home
+
+
 def core_task(entry, number, directory, baselines):
     """ The CoreTask of core.yaml's icl_tasks entry `number` (from 1), checked. """
     where = f"{os.path.join(directory, 'core.yaml')}: icl_tasks entry {number}"
@@ -211,21 +312,27 @@ def core_task(entry, number, directory, baselines):
         raise UserError(f"{where} needs a 'label', a 'dataset_uri', a 'num_fewshot' (a count, or "
                         f"a list of them) and a string 'continuation_delimiter' if any; fix "
                         f"core.yaml")
+    shown = printable(label)
     if task_type not in TASK_TYPES:
-        raise UserError(f"{where} ({label}) has icl_task_type {task_type!r}; this scorer knows "
+        raise UserError(f"{where} ({shown}) has icl_task_type {task_type!r}; this scorer knows "
                         f"{', '.join(TASK_TYPES)}")
     path = task_file(directory, uri)
+    # a bundle scores its own files: not one an absolute path, '..' or a link leads elsewhere to
+    if os.path.isabs(uri) or not inside(path, directory):
+        raise UserError(f"{where} ({shown}) has dataset_uri {uri!r}, which leads outside the "
+                        f"bundle {directory}; put the file under its eval_data/ and give its path "
+                        f"from there")
     if not os.path.isfile(path):
-        raise UserError(f"no data file at {path} (task {label}); {BUNDLE_HINT}")
+        raise UserError(f"no data file at {printable(path)} (task {shown}); {BUNDLE_HINT}")
     meta_path = os.path.join(directory, 'eval_meta_data.csv')
     if label not in baselines:
-        raise UserError(f"{meta_path} has no row for task {label}; add its 'Random baseline'")
+        raise UserError(f"{meta_path} has no row for task {shown}; add its 'Random baseline'")
     try:
         baseline = float(baselines[label])
     except (TypeError, ValueError):
         baseline = math.nan
     if not 0 <= baseline < 100:  # a percentage; 100 would leave nothing to centre on
-        raise UserError(f"{meta_path}: the 'Random baseline' of {label} is {baselines[label]!r}, "
+        raise UserError(f"{meta_path}: the 'Random baseline' of {shown} is {baselines[label]!r}, "
                         f"not a percentage from 0 to under 100; fix that row")
     return CoreTask(label, task_type, shots, delimiter, path, baseline)
 
@@ -242,7 +349,8 @@ def read_bundle(directory):
     labels = [t.label for t in tasks]
     twice = sorted({x for x in labels if labels.count(x) > 1})
     if twice:
-        raise UserError(f"{config_path} lists task {twice[0]} twice; keep one entry per label")
+        raise UserError(f"{config_path} lists task {printable(twice[0])} twice; keep one entry per "
+                        f"label")
     return tasks
 
 
@@ -301,7 +409,7 @@ def task_items(task, max_examples=0):
         records = records[:max_examples]
     if task.num_fewshot > len(records) - 1:
         kept = " kept by --max_examples" if max_examples else ""
-        raise UserError(f"task {task.label} is {task.num_fewshot}-shot but has {len(records)} "
+        raise UserError(f"task {printable(task.label)} is {task.num_fewshot}-shot but has {len(records)} "
                         f"examples{kept}; it needs at least {task.num_fewshot + 1}"
                         + (": raise --max_examples" if max_examples else ""))
     return records
@@ -394,21 +502,26 @@ def task_rows(task, records, tokenizer, block_size):
 # -----------------------------------------------------------------------------
 # scoring
 
-def correct_examples(task_type, table, offsets, golds):
+def correct_examples(task_type, table, offsets, golds, rows):
     """
     Per example, 1.0 when the model is right: the greedy match of an LM item; otherwise gold has the
-    lowest mean loss (the first of equal ones; a choice left with no tokens of its own is never
-    picked).
+    lowest mean loss. A choice left with no tokens of its own is never picked, and when the lowest
+    belongs to a row that another choice of the example shares (the same tokens: identical choices
+    or options, or ones cropping made alike) the model has told nothing apart: both count as no
+    answer, wrong whatever gold is. Distinct choices whose losses tie to the last bit: the first.
     """
     correct = []
     for k in range(len(offsets) - 1):
-        rows = table[offsets[k]:offsets[k + 1]]
+        scores = table[offsets[k]:offsets[k + 1]]
         if task_type == 'language_modeling':
-            correct.append(float(rows[0, 2].item()))
+            correct.append(float(scores[0, 2].item()))
             continue
-        has_tokens = rows[:, 1] > 0
-        mean = torch.where(has_tokens, rows[:, 0] / rows[:, 1].clamp(min=1), math.inf)
-        correct.append(float(int(mean.argmin().item()) == golds[k]))
+        has_tokens = scores[:, 1] > 0
+        mean = torch.where(has_tokens, scores[:, 0] / scores[:, 1].clamp(min=1), math.inf)
+        pick = int(mean.argmin().item())
+        own = rows[offsets[k]:offsets[k + 1]]
+        answered = bool(has_tokens[pick]) and own.count(own[pick]) == 1
+        correct.append(float(answered and pick == golds[k]))
     return correct
 
 
@@ -429,7 +542,7 @@ def score_task(model, task, tokenizer, block_size, batch_size, max_examples=0, r
     rows, offsets = task_rows(task, records, tokenizer, block_size)
     table = score_examples(model, rows, offsets, batch_size, **(run or {'device': 'cpu'}))
     golds = [item.get('gold') for _, item in records]
-    correct = correct_examples(task.task_type, table, offsets, golds)
+    correct = correct_examples(task.task_type, table, offsets, golds, rows)
     accuracy = sum(correct) / len(correct)
     return {'accuracy': accuracy, 'centered': centered(accuracy, task.baseline),
             'num_examples': len(correct), 'num_fewshot': task.num_fewshot, 'type': task.task_type}
@@ -437,7 +550,7 @@ def score_task(model, task, tokenizer, block_size, batch_size, max_examples=0, r
 
 def task_line(label, scores):
     """ The line printed for one task. """
-    return (f"{label:<32} accuracy {scores['accuracy']:.4f}  centered {scores['centered']:+.4f}  "
+    return (f"{printable(label):<32} accuracy {scores['accuracy']:.4f}  centered {scores['centered']:+.4f}  "
             f"({scores['num_examples']} examples, {scores['num_fewshot']}-shot {scores['type']})")
 
 

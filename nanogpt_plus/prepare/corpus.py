@@ -148,6 +148,12 @@ def expand_files(files):
                 raise UserError(
                     f"input file {path} does not exist; pass existing .txt, .jsonl or .parquet files"
                 )
+            try:  # now: datasets would say it deep in its own words, after minutes on the others
+                with open(path, "rb"):
+                    pass
+            except OSError as e:
+                raise UserError(f"could not read input file {path} ({e.strerror or e}); make it "
+                                f"readable by this user") from None
         if not matches:
             raise UserError(
                 f"no files match {pattern}; pass existing .txt, .jsonl or .parquet files")
