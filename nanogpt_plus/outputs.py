@@ -45,7 +45,7 @@ from nanogpt_plus.checkpoint import CHECKPOINT, branch_off, checkpoint_files, is
 from nanogpt_plus.dataset import RAW_NAMES, is_shard_name, tokenizer_identity
 from nanogpt_plus.distributed import master_decides
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.files import flock_held, remove_stale_temps_in, temp_path
+from nanogpt_plus.files import check_not_special, flock_held, remove_stale_temps_in, temp_path
 
 LOCK_NAME = 'run.lock'
 # the files beside its checkpoints that make a directory a training run's out_dir: its lock and its metrics log
@@ -599,12 +599,25 @@ def _conflict(path, kind, inputs, earlier, output_kind=None):
         if earlier and not all(os.path.isfile(os.path.join(path, n)) for n in earlier) and \
                 any(not n.startswith('.') for n in os.listdir(path)):
             return (
-                f"would write into {path}, which holds files and no earlier output of this script "
-                f"({' and '.join(earlier)})")
+                f"would write into {path}, which holds files and not the mark of an earlier output "
+                f"of this script ({' and '.join(earlier)}), so they are not this project's")
     for name, source in (inputs or {}).items():
         if source and _same(source, path):
             return f"would {'replace' if kind == 'file' else 'write into'} the --{name} this run reads, {source}"
     return None
+
+
+def check_not_link(path, setting):
+    """
+    Refuse an output file path that is a symbolic link: the atomic rename would replace the link
+    itself (the user's, lost), and writing through it instead would put the output where its name
+    doesn't say, past the checks made on that name (a .pt name, a dataset's file). Passing the
+    link's target is one word away and says what is meant.
+    """
+    if os.path.islink(os.path.normpath(path)):
+        raise UserError(
+            f"--{setting}={path} is a symbolic link (to {os.path.realpath(path)}), which an output "
+            f"would replace; pass the path it points to, or another --{setting}")
 
 
 def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(), output_kind=None):
@@ -624,6 +637,9 @@ def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(),
         raise UserError(
             f"--{setting}={path} is a run's lock ({LOCK_NAME}), which no output may replace (a second "
             f"run could then start beside a live one); pass another --{setting}")
+    check_not_special(path, setting)
+    if kind == 'file':
+        check_not_link(path, setting)
     directory = path if kind == 'directory' else os.path.dirname(os.path.abspath(path))
     holder = live_holder(directory) if os.path.isdir(directory) else None
     if holder is not None:

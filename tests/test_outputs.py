@@ -16,6 +16,7 @@ import runpy
 import shlex
 import shutil
 import socket
+import stat
 import sys
 import time
 
@@ -174,9 +175,12 @@ def test_export_that_fails_midway_is_one_line(tmp_path):
     tok = CharTokenizer.from_text(CHARS)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=tok.vocab_size))
     (tmp_path / 'hf' / 'config.json').mkdir(parents=True)
-    with pytest.raises(UserError, match=r"^could not write the Hugging Face directory .*hf \(.*config.json: Is a "
-                                        r"directory\); fix its permissions .*export again$"):
+    with pytest.raises(UserError, match=r"^could not write the Hugging Face directory .*hf \(config.json: not a "
+                                        r"regular file\); the earlier files in .*hf are unchanged. Fix its "
+                                        r"permissions .*export again$"):
         export(model, tok.meta(), str(tmp_path / 'hf'))
+    # none of the export's files went in beside the directory in the way, and no temp is left
+    assert os.listdir(tmp_path / 'hf') == ['config.json'] and os.listdir(tmp_path) == ['hf']
 
 
 # -----------------------------------------------------------------------------
@@ -875,3 +879,56 @@ def test_preparing_again_works_and_overwrite_replaces_shards(tmp_path, monkeypat
     assert find_shards(str(shards)) == ([str(shards / "train.bin")], [str(shards / "val.bin")])
     x, _ = TokenWindowLoader(split_files(str(shards), "train"), 2, 8, seed=0).next_batch()
     assert x.shape == (2, 8)
+
+
+def fifo_and_link_to_it(directory):
+    """ A named pipe in directory and a symbolic link to it: outputs that would hang or lose the node. """
+    fifo, link = os.path.join(directory, 'pipe'), os.path.join(directory, 'pipe-link')
+    os.mkfifo(fifo)
+    os.symlink(fifo, link)
+    return fifo, link
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_an_output_that_is_not_a_regular_file_is_refused_in_every_script(char_run, tmp_path, monkeypatch, capsys):
+    out, data = char_run
+    fifo, link = fifo_and_link_to_it(str(tmp_path))
+    train_file, _ = make_task(tmp_path, 'classification', n_train=8, n_val=4)
+    model = ['--init_from=resume', f'--out_dir={out}', '--device=cpu']
+    runs = {  # script: its settings, the output last
+        'eval.py': [*model, f'--dataset={data}', '--task=loss', '--max_examples=3', '--output_file='],
+        'eval.py core': [*model, '--task=core', f'--core_dir={tmp_path}/no-bundle', '--output_file='],
+        'finetune.py': ['--task=classification', f'--init_from={out}', f'--out_dir={tmp_path}/ft', '--device=cpu',
+                        f'--train_file={train_file}', f'--predict_file={train_file}', '--predict_out='],
+        'finetune.py predict': [f'--init_from={out}', f'--predict_file={train_file}', '--predict_out='],
+        'export_hf.py': ['--init_from=resume', f'--out_dir={out}', '--hf_dir='],
+        'bench.py': ['--device=cpu', '--profile=True', '--profile_dir='],
+        'scripts/plot_metrics.py': [f'--out_dir={out}', '--output='],
+    }
+    before = sorted(os.listdir(tmp_path))
+    for name, args in runs.items():
+        for target in (fifo, link, '/dev/null'):
+            code, stdout, err = run(name.split()[0], monkeypatch, capsys, *args[:-1], args[-1] + target)
+            what = 'a character device' if target == '/dev/null' else 'a named pipe (FIFO)'
+            if target == link:
+                what = 'a symbolic link to ' + what
+            assert_one_line_error(code, err, f"{args[-1]}{target} is {what}, not a regular file")
+            assert stdout == '' or 'step' not in stdout  # refused before any work
+    # the pipe is still a pipe, the link still a link to it, and nothing else was made
+    assert os.path.islink(link) and os.readlink(link) == fifo and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_an_output_file_at_a_symbolic_link_is_refused_and_the_link_kept(char_run, tmp_path, monkeypatch, capsys):
+    out, data = char_run
+    target = tmp_path / 'results' / 'run1.json'
+    target.parent.mkdir()
+    target.write_text('{"task": "loss", "metrics": {"loss": 2.0}, "source": "x"}\n')
+    link = tmp_path / 'latest.json'
+    link.symlink_to(target)
+    before = target.read_bytes()
+    code, _, err = run('eval.py', monkeypatch, capsys, '--init_from=resume', f'--out_dir={out}', f'--dataset={data}',
+                       '--device=cpu', '--max_examples=2', f'--output_file={link}')
+    assert_one_line_error(code, err, f"--output_file={link} is a symbolic link (to {target}), which an output would "
+                                     f"replace; pass the path it points to")
+    assert os.path.islink(link) and target.read_bytes() == before
