@@ -714,10 +714,85 @@ def check_out_dir(out_dir, writes, overwrite=False):
         raise UserError(
             f"{out_dir} holds a training run's files ({listed(a_run)}), not a dataset; pass "
             f"another --out_dir, or --overwrite=True to write the dataset beside them")
+    check_descriptions(out_dir, names)
     if other:
         raise UserError(
             f"{out_dir} holds {DATASET_KINDS[other_kind(writes)]} ({listed(other)}) and this script writes "
             f"{DATASET_KINDS[writes]}; pass --overwrite=True to replace it, or another --out_dir")
+
+
+@contextmanager
+def preparing(out_dir):
+    """
+    with preparing(out_dir): a prepare script's work on out_dir, from its first check to its last
+    rename, one at a time. Two prepares into one directory would both find it free, both compute,
+    and the second's rename would replace the first's dataset without a word: this holds an flock on
+    the directory itself (no lock file to leave behind; the kernel drops it when the process dies,
+    as run.lock's), and a second prepare meanwhile is refused in one line. A directory this call had
+    to make is removed again if the work fails (when it is still empty), so a refused prepare
+    leaves nothing.
+    """
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out_dir={out_dir} is a file, not a directory; pass another --out_dir")
+    made = not os.path.lexists(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise UserError(f"could not create --out_dir={out_dir} ({e.strerror or e}); pass an --out_dir "
+                        f"this user can write to") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(
+                f"another process is preparing a dataset in {out_dir} right now; wait for it to end, "
+                f"or pass another --out_dir") from None
+        except OSError:
+            pass  # a file system without locks: one prepare at a time is then the user's to keep
+        try:
+            yield
+        except BaseException:
+            if made:
+                try:
+                    os.rmdir(out_dir)  # only when empty: nothing of ours or anyone's is lost
+                except OSError:
+                    pass
+            raise
+    finally:
+        os.close(fd)  # and with it the flock
+
+
+def check_descriptions(out_dir, names):
+    """
+    A dataset's description files (meta.json, meta.pkl, tokenizer.json) in out_dir without token
+    files beside them are the user's until shown otherwise: a prepare replaces them only when
+    meta.json is one a prepare of ours wrote (it records the preparation, or llm.c shards' settings),
+    its token files since removed.
+    """
+    if any(n.endswith(TOKEN_SUFFIX) for n in names):
+        return  # a dataset: check_same_dataset and the kinds' rule decide
+    held = [n for n in DATASET_DESCRIPTIONS if n in names]
+    if not held or ours_meta(out_dir):
+        return
+    raise UserError(
+        f"{out_dir} holds {listed(held)} but no token files: files no prepare of this project wrote "
+        f"(a meta.json of ours records its preparation), which this one would replace; pass another "
+        f"--out_dir, or --overwrite=True to replace them")
+
+
+def ours_meta(out_dir):
+    """ Whether out_dir's meta.json was written by a prepare script of this project. """
+    if recorded_preparation(out_dir) is not None:
+        return True
+    try:
+        with open(os.path.join(out_dir, "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return False
+    # fineweb's: the settings its shards were made with, and their records
+    return isinstance(meta, dict) and isinstance(meta.get("settings"), dict) and \
+        isinstance(meta.get("shards"), list)
 
 
 def other_dataset(names, writes):

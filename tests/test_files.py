@@ -147,3 +147,15 @@ def test_an_output_that_is_a_device_fifo_or_socket_is_refused_even_for_root(tmp_
     for path in ('f', '.', 'new', 'to-f', 'dangling'):
         check_not_special(str(tmp_path / path), 'x')
     assert special_file('/dev/null') == 'a character device' and special_file(str(tmp_path / 'f')) is None
+
+
+def test_the_sweep_removes_a_killed_exports_temp_directory(tmp_path):
+    # what atomic_directory leaves when its process is killed mid-export: a marked directory beside hf/
+    pid = dead_pid()
+    for name in (f'.hf.nanogpt_plus.tmp.{pid}', f'.hf.old.nanogpt_plus.tmp.{pid}'):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'model.safetensors').write_bytes(b'half')
+    (tmp_path / 'hf').mkdir()
+    assert sorted(remove_stale_temps_in(str(tmp_path))) == [f'.hf.nanogpt_plus.tmp.{pid}',
+                                                             f'.hf.old.nanogpt_plus.tmp.{pid}']
+    assert os.listdir(tmp_path) == ['hf']

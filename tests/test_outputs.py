@@ -63,6 +63,7 @@ from nanogpt_plus.outputs import (
     check_out_dir,
     check_output,
     prepare_out_dir,
+    preparing,
     refuse_overwrite,
 )
 from nanogpt_plus.tokenizer import CharTokenizer
@@ -932,3 +933,51 @@ def test_an_output_file_at_a_symbolic_link_is_refused_and_the_link_kept(char_run
     assert_one_line_error(code, err, f"--output_file={link} is a symbolic link (to {target}), which an output would "
                                      f"replace; pass the path it points to")
     assert os.path.islink(link) and target.read_bytes() == before
+
+
+PREPARE_CHAR = 'data/shakespeare_char/prepare.py'
+
+
+@pytest.fixture
+def play(tmp_path):
+    text = tmp_path / 'play.txt'
+    text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50)
+    return str(text)
+
+
+def test_a_prepare_keeps_a_users_meta_files_where_there_are_no_token_files(tmp_path, play, monkeypatch, capsys):
+    for name, content in (('meta.json', b'{"my": "settings"}'), ('meta.pkl', pickle.dumps({'mine': 1})),
+                          ('tokenizer.json', b'{"my": "tokenizer"}')):
+        u1 = tmp_path / f'u-{name}'
+        u1.mkdir()
+        (u1 / name).write_bytes(content)
+        code, _, err = run(PREPARE_CHAR, monkeypatch, capsys, f'--input={play}', f'--out_dir={u1}')
+        assert_one_line_error(code, err, f"{u1} holds {name} but no token files: files no prepare of this project "
+                                         f"wrote (a meta.json of ours records its preparation), which this one would "
+                                         f"replace; pass another --out_dir, or --overwrite=True to replace them")
+        assert os.listdir(u1) == [name] and (u1 / name).read_bytes() == content
+    # --overwrite=True: the user's say
+    code, _, err = run(PREPARE_CHAR, monkeypatch, capsys, f'--input={play}', f'--out_dir={u1}', '--overwrite=True')
+    assert code == 0, err
+    assert {'train.bin', 'val.bin', 'meta.json'} <= set(os.listdir(u1))
+    # a meta.json of ours whose token files were deleted is ours to replace
+    for name in ('train.bin', 'val.bin'):
+        os.remove(u1 / name)
+    code, _, err = run(PREPARE_CHAR, monkeypatch, capsys, f'--input={play}', f'--out_dir={u1}')
+    assert code == 0 and (u1 / 'train.bin').exists(), err
+
+
+def test_two_prepares_in_one_directory_never_both_write(tmp_path, play, monkeypatch, capsys):
+    out = tmp_path / 'd'
+    # another prepare holds the directory (its checks done, its text being tokenized)
+    with preparing(str(out)):
+        code, _, err = run(PREPARE_CHAR, monkeypatch, capsys, f'--input={play}', f'--out_dir={out}')
+        assert_one_line_error(code, err, f"another process is preparing a dataset in {out} right now; wait for it "
+                                         f"to end, or pass another --out_dir")
+        assert os.listdir(out) == []
+    # once the first has ended, the next one may write
+    code, _, err = run(PREPARE_CHAR, monkeypatch, capsys, f'--input={play}', f'--out_dir={out}')
+    assert code == 0 and (out / 'train.bin').exists(), err
+    # a refused prepare into a new directory leaves nothing either
+    code, _, err = run(PREPARE_CHAR, monkeypatch, capsys, f'--input={tmp_path}/nothing.txt', f'--out_dir={tmp_path}/e')
+    assert code == 2 and not (tmp_path / 'e').exists(), err
