@@ -203,7 +203,8 @@ def atomic_directory(final, whole=True, outdated=()):
     try:
         os.mkdir(tmp)
         yield tmp
-        for name in os.listdir(tmp):  # save_pretrained writes without fsync: all of it on disk first
+        # save_pretrained writes without fsync: all of it on disk first
+        for name in os.listdir(tmp):
             with open(os.path.join(tmp, name), "rb+") as f:
                 os.fsync(f.fileno())
         _fsync_dir(tmp)
@@ -225,7 +226,8 @@ def atomic_directory(final, whole=True, outdated=()):
                         os.remove(os.path.join(final, name))
         _fsync_dir(os.path.dirname(final))
         if os.path.lexists(aside):
-            shutil.rmtree(aside)  # the earlier output, no longer named: its removal may fail harmlessly
+            # the earlier output, no longer named
+            shutil.rmtree(aside, ignore_errors=True)
     finally:
         if os.path.lexists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)

@@ -40,7 +40,8 @@ def shakespeare_main(defaults, doc, prepare):
     """
     config = configure(defaults, doc=doc)
     defaults.check(config)
-    with preparing(config.out_dir):  # one prepare at a time in out_dir, from its checks to its renames
+    # one prepare at a time in out_dir, from its checks to its renames
+    with preparing(config.out_dir):
         # before the text: a fetched input.txt is saved in out_dir too
         check_out_dir(config.out_dir, RAW, config.overwrite)
         # a dataset of another tokenizer there is refused before the text is fetched; one of another
