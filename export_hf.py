@@ -15,8 +15,10 @@ Usage:
     python -c "from transformers import pipeline; print(pipeline('text-generation', model='out/hf')('Hello')[0])"
     lm_eval --model hf --model_args pretrained=out/hf,trust_remote_code=True --tasks lambada_openai   # docs/export.md
 
-hf_dir may be new, empty or an earlier export (whose files are replaced); a directory holding a
-checkpoint, a dataset's files or other files, or the model's own directory, is refused unless
+hf_dir may be new, empty or an earlier export (it holds nanogpt_plus_export.json, the mark every export
+leaves), which is replaced whole: the new export is built beside it and swapped in, so a failure or a
+signal leaves the earlier one exactly as it was. A directory holding a checkpoint, a dataset's files
+or other files (a Hugging Face folder of your own), or the model's own directory, is refused unless
 --overwrite=True.
 
 weights=bfloat16 stores the weights rounded to bfloat16 (half the file; config.json says so, and
@@ -37,7 +39,7 @@ import os
 
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus import settings
-from nanogpt_plus.hf_export import check_export_weights, export
+from nanogpt_plus.hf_export import EXPORT_MARK, check_export_weights, export
 from nanogpt_plus.init_from import describe_source, init_model
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.runtime import run_main
@@ -69,12 +71,11 @@ def main():
     DEFAULTS.check(cfg)
     check_export_weights(cfg.weights)  # before the model is loaded
     hf_dir = cfg.hf_dir or os.path.join(cfg.out_dir, 'hf')
-    # before the model is loaded: into a new or empty directory or an earlier export, not a
-    # checkpoint's or a dataset's directory, nor the model's own, nor one of other files (its
-    # README.md would be replaced)
+    # before the model is loaded: into a new or empty directory or an earlier export of ours (its
+    # mark), not a checkpoint's or a dataset's directory, nor the model's own, nor one of other files
+    # (a Hugging Face folder of the user's: its README.md, its weights would be replaced)
     check_output(hf_dir, 'hf_dir', cfg.overwrite, kind='directory',
-                 inputs={'init_from': cfg.init_from},
-                 earlier=('config.json', 'model.safetensors'))
+                 inputs={'init_from': cfg.init_from}, earlier=(EXPORT_MARK,))
     model, tokenizer_meta, _ = init_model(cfg.init_from, cfg.out_dir)
     source = describe_source(cfg.init_from, cfg.out_dir)
     export(model, tokenizer_meta, hf_dir, source=source, weights=cfg.weights)

@@ -9,7 +9,8 @@ so every other module (and configurator.py) may import it without a cycle.
   PeerFailed     another rank failed at something all ranks depend on and said why: exit with its code
   NothingToDo    the work was done before (a requeued job whose run is complete): one line, exit 0
 and the lines some failures end with: a training step out of memory or with a non-finite loss, a weights
-file that torch.load refused (load_error: a ckpt.pt, a Hugging Face pytorch_model.bin).
+file that torch.load refused (load_error: a ckpt.pt, a Hugging Face pytorch_model.bin); printable writes
+every error line's control characters escaped.
 
 Usage:
     from nanogpt_plus.errors import UserError
@@ -87,6 +88,17 @@ def exit_code(error):
     if isinstance(error, UserError):
         return EXIT_USER_ERROR
     return 130 if isinstance(error, KeyboardInterrupt) else 1
+
+
+def printable(text):
+    """
+    text as one line a terminal shows as it is: every character that is not printable (a newline,
+    a tab, a terminal's escape sequence, a zero-width one) written as Python writes it in a string
+    literal (\\n, \\x1b, \\u200b). The one place every error line goes through (runtime.run_main),
+    so that a value a user gave can't break the line in two, forge a line of its own (one a script
+    such as scripts/slurm_train.sh might read) or drive the terminal.
+    """
+    return ''.join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def error_line(error, limit=200):

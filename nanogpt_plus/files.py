@@ -18,11 +18,13 @@ Usage:
     records = read_jsonl('val.jsonl', required_keys=('text',))        # [(line number, dict)]
 """
 
+import errno
 import fcntl
 import glob
 import json
 import os
 import shutil
+import stat
 from contextlib import contextmanager
 
 from nanogpt_plus.errors import UserError
@@ -177,6 +179,107 @@ def atomic_write(path, write_fn, binary=True):
             write_fn(f)
 
 
+@contextmanager
+def atomic_directory(final, whole=True, outdated=()):
+    """
+    with atomic_directory('out/hf') as tmp: write a directory's files into tmp, a marked temp
+    directory beside final (.hf.nanogpt_plus.tmp.<pid>: the sweep of dead processes' temps removes
+    one a kill leaves). At a clean exit tmp becomes final:
+      - whole: final is replaced whole. An earlier final is renamed aside, tmp renamed in, the old one
+        removed; if the second rename fails, the old one is put back. The two renames can't be cut
+        by a signal (held), so a reader finds the old directory or the new one, never a mix.
+      - whole=False (a directory holding files of others, which stay): tmp's files are moved in one
+        by one, and the names in outdated that the new output has not are removed.
+    An error or a signal before that leaves final exactly as it was, and nothing beside it: no temp,
+    and no directory on the way to final that this call made. A symbolic link to a directory stays:
+    the directory it points to is the one replaced.
+    """
+    final = os.path.realpath(final) if os.path.isdir(final) else os.path.abspath(final)
+    tmp, aside = temp_path(final), temp_path(final + ".old")
+    _restore_aside(final, aside)
+    remove_stale_temps(final)
+    remove_stale_temps(final + ".old")  # a killed process's earlier output, already replaced
+    made = _make_parents(os.path.dirname(final))
+    try:
+        os.mkdir(tmp)
+        yield tmp
+        # save_pretrained writes without fsync: all of it on disk first
+        for name in os.listdir(tmp):
+            with open(os.path.join(tmp, name), "rb+") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        with held():
+            if whole or not os.path.isdir(final):
+                _swap_in(tmp, final, aside)
+            else:
+                names = os.listdir(tmp)
+                for name in names:  # each name must take a file: none moved in, or all of them
+                    if os.path.lexists(os.path.join(final, name)) and \
+                            not os.path.isfile(os.path.join(final, name)):
+                        raise IsADirectoryError(errno.EISDIR, "not a regular file",
+                                                os.path.join(final, name))
+                for name in names:
+                    os.replace(os.path.join(tmp, name), os.path.join(final, name))
+                for name in outdated:
+                    if not os.path.lexists(os.path.join(tmp, name)) and \
+                            os.path.isfile(os.path.join(final, name)):
+                        os.remove(os.path.join(final, name))
+        _fsync_dir(os.path.dirname(final))
+        if os.path.lexists(aside):
+            # the earlier output, no longer named
+            shutil.rmtree(aside, ignore_errors=True)
+    finally:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.lexists(final):
+            for directory in reversed(made):  # a failed output into a new place leaves nothing
+                try:
+                    os.rmdir(directory)
+                except OSError:
+                    break
+
+
+def _swap_in(tmp, final, aside):
+    """ Rename the complete directory tmp to final, an earlier final aside first (put back on failure). """
+    moved = os.path.isdir(final) and bool(os.listdir(final))
+    if moved:
+        os.rename(final, aside)
+    elif os.path.isdir(final):
+        os.rmdir(final)  # an empty directory: nothing to keep
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if moved:
+            os.rename(aside, final)
+        raise
+
+
+def _restore_aside(final, aside_of_this_process):
+    """
+    An earlier output a process killed between _swap_in's two renames left aside (its final name
+    missing) is put back, so that no sweep removes it as a temp.
+    """
+    if os.path.lexists(final):
+        return
+    pattern = glob.escape(os.path.basename(aside_of_this_process).rsplit(".", 1)[0]) + ".*"
+    for aside in sorted(glob.glob(os.path.join(glob.escape(os.path.dirname(final)), pattern))):
+        pid = aside.rsplit(".", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)) and os.path.isdir(aside):
+            os.rename(aside, final)
+            return
+
+
+def _make_parents(directory):
+    """ Create directory and its missing parents; returns those this call made, outermost first. """
+    missing = []
+    while directory and not os.path.lexists(directory):
+        missing.append(directory)
+        directory = os.path.dirname(directory)
+    for d in reversed(missing):
+        os.mkdir(d)
+    return list(reversed(missing))
+
+
 def remove_stale_temps(final):
     """
     Delete the temp files an earlier run killed mid-write left for final (their process no longer
@@ -261,6 +364,46 @@ def _fsync_dir(path):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -----------------------------------------------------------------------------
+# what an output may not be
+
+# what a path that is neither a regular file nor a directory is, by its stat mode
+SPECIAL_FILES = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+                 (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def special_file(path):
+    """
+    What the thing at path is when it exists and is neither a regular file nor a directory (a FIFO,
+    a socket, a device; through a symbolic link too): 'a named pipe (FIFO)', ...; else None.
+    """
+    try:
+        mode = os.stat(path).st_mode  # follows a symbolic link: what a write would reach
+    except (OSError, ValueError):
+        return None  # nothing there (or a dangling link): a new file
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return next((what for test, what in SPECIAL_FILES if test(mode)), "not a regular file")
+
+
+def check_not_special(path, setting):
+    """
+    Refuse, in one line and whatever --overwrite says, an output path that exists and is neither a
+    regular file nor a directory: a FIFO, a socket, a device such as /dev/null (writable even by
+    root, so the writability check lets it through), or a symbolic link to one. Writing there would
+    hang (a FIFO nobody reads), or replace the node with a regular file (the atomic rename), which
+    is not what the user who made it meant; and no script's output means anything streamed into
+    one.
+    """
+    what = special_file(path)
+    if what is not None:
+        if os.path.islink(os.path.normpath(path)):
+            what = f"a symbolic link to {what}"
+        raise UserError(
+            f"--{setting}={path} is {what}, not a regular file, which no output may replace or "
+            f"write into; pass the path of a regular file or a new one")
 
 
 # -----------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import torch
 from model import GPT2_HOLDS, hf_activation, hf_key_map
 from nanogpt_plus.bpe import EOT_TEXT
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.files import atomic_write
+from nanogpt_plus.files import atomic_directory, atomic_write
 from nanogpt_plus.hf_import import HF_TOKENIZER_META
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer, packaged_gpt2_files
 
@@ -42,6 +42,13 @@ EXPORT_WEIGHTS = ('float32', 'bfloat16')  # the dtypes model.safetensors may hol
 # the files of the custom form, beside config.json: our model code and its transformers classes
 MODEL_CODE = 'model.py'
 MODELING_FILE = 'modeling_nanogpt.py'
+# the files only some exports hold: one written into a directory of other files (--overwrite=True)
+# removes an earlier export's that it has not, so no code or tokenizer its config.json doesn't use stays
+OPTIONAL_FILES = (MODEL_CODE, MODELING_FILE, HF_TOKENIZER_META)
+# in every export: this project wrote the directory, so a later export may replace it whole; a
+# directory without it (a user's own Hugging Face folder) is replaced only with --overwrite=True
+EXPORT_MARK = 'nanogpt_plus_export.json'
+WRITTEN_BY = 'nanogpt_plus export_hf.py'
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -391,24 +398,43 @@ def export(model, tokenizer_meta, hf_dir, source='', weights='float32'):
     check_export_weights(weights)
     tok = load_tokenizer(tokenizer_meta)  # an unknown kind is refused here, in one line
     check_tokenizer_fits(model.config, tokenizer_meta, source or 'the checkpoint')
+    # built beside hf_dir, then put in place: an earlier export (ours: its mark) or a new directory is
+    # replaced whole, a directory of other files (--overwrite=True) gets the new files and keeps its own
+    whole = not os.path.isdir(hf_dir) or not os.listdir(hf_dir) or is_export(hf_dir)
+    earlier = os.path.isdir(hf_dir) and bool(os.listdir(hf_dir))
     try:
-        _write_export(model, tok, hf_dir, source, weights)
+        with atomic_directory(hf_dir, whole=whole, outdated=OPTIONAL_FILES) as tmp:
+            _write_export(model, tok, tmp, source, weights)
     except OSError as e:
-        if isinstance(e, UserError):
-            raise  # atomic_write's WriteFailed: already one line, naming the file
-        # transformers' save_pretrained and the tokenizer copies write directly: a permission, a
-        # full disk, ...
-        where = f"{e.filename}: " if e.filename else ""
+        # a full disk, a quota, a permission (transformers' save_pretrained writes directly; a
+        # WriteFailed of atomic_write would name the temp directory)
+        kept = f"the earlier files in {hf_dir} are unchanged" if earlier else "nothing was left"
+        where = f"{os.path.basename(e.filename)}: " if isinstance(e.filename, str) else ""
         raise UserError(
-            f"could not write the Hugging Face directory {hf_dir} ({where}{e.strerror or e}); fix its "
+            f"could not write the Hugging Face directory {hf_dir} ({where}{e.strerror or e}); {kept}. Fix its "
             f"permissions or make room (or pass another --hf_dir) and export again") from None
     return hf_dir
+
+
+def is_export(hf_dir):
+    """ Whether hf_dir holds an export this project wrote (its EXPORT_MARK, as export writes it). """
+    try:
+        with open(os.path.join(hf_dir, EXPORT_MARK), encoding='utf-8') as f:
+            mark = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(mark, dict) and mark.get('written_by') == WRITTEN_BY
+
+
+def write_export_mark(hf_dir, source):
+    """ The mark that says this project wrote hf_dir, and from what: a later export may replace it. """
+    text = json.dumps({'written_by': WRITTEN_BY, 'source': source}, ensure_ascii=False, indent=1)
+    atomic_write(os.path.join(hf_dir, EXPORT_MARK), lambda f: f.write(text + '\n'), binary=False)
 
 
 def _write_export(model, tok, hf_dir, source, weights):
     """ export's files: the configs, the weights, the tokenizer, the README. """
     config = model.config
-    os.makedirs(hf_dir, exist_ok=True)
     # GPT-2's end of text is 50256; a char vocabulary has none
     cfg = hf_config(config, tok.eot_token)
     # what transformers' from_pretrained(dtype='auto') loads them as (named torch_dtype before
@@ -424,6 +450,7 @@ def _write_export(model, tok, hf_dir, source, weights):
     write_model_code(hf_dir, config)
     write_tokenizer(hf_dir, tok, config.block_size)
     write_readme(hf_dir, source, config, tokenizer_note(tok, config.vocab_size))
+    write_export_mark(hf_dir, source)
 
 
 def _safetensors_bytes(tensors):

@@ -45,7 +45,7 @@ from nanogpt_plus.checkpoint import CHECKPOINT, branch_off, checkpoint_files, is
 from nanogpt_plus.dataset import RAW_NAMES, is_shard_name, tokenizer_identity
 from nanogpt_plus.distributed import master_decides
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.files import flock_held, remove_stale_temps_in, temp_path
+from nanogpt_plus.files import check_not_special, flock_held, remove_stale_temps_in, temp_path
 
 LOCK_NAME = 'run.lock'
 # the files beside its checkpoints that make a directory a training run's out_dir: its lock and its metrics log
@@ -599,12 +599,25 @@ def _conflict(path, kind, inputs, earlier, output_kind=None):
         if earlier and not all(os.path.isfile(os.path.join(path, n)) for n in earlier) and \
                 any(not n.startswith('.') for n in os.listdir(path)):
             return (
-                f"would write into {path}, which holds files and no earlier output of this script "
-                f"({' and '.join(earlier)})")
+                f"would write into {path}, which holds files and not the mark of an earlier output "
+                f"of this script ({' and '.join(earlier)}), so they are not this project's")
     for name, source in (inputs or {}).items():
         if source and _same(source, path):
             return f"would {'replace' if kind == 'file' else 'write into'} the --{name} this run reads, {source}"
     return None
+
+
+def check_not_link(path, setting):
+    """
+    Refuse an output file path that is a symbolic link: the atomic rename would replace the link
+    itself (the user's, lost), and writing through it instead would put the output where its name
+    doesn't say, past the checks made on that name (a .pt name, a dataset's file). Passing the
+    link's target is one word away and says what is meant.
+    """
+    if os.path.islink(os.path.normpath(path)):
+        raise UserError(
+            f"--{setting}={path} is a symbolic link (to {os.path.realpath(path)}), which an output "
+            f"would replace; pass the path it points to, or another --{setting}")
 
 
 def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(), output_kind=None):
@@ -624,6 +637,9 @@ def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(),
         raise UserError(
             f"--{setting}={path} is a run's lock ({LOCK_NAME}), which no output may replace (a second "
             f"run could then start beside a live one); pass another --{setting}")
+    check_not_special(path, setting)
+    if kind == 'file':
+        check_not_link(path, setting)
     directory = path if kind == 'directory' else os.path.dirname(os.path.abspath(path))
     holder = live_holder(directory) if os.path.isdir(directory) else None
     if holder is not None:
@@ -698,10 +714,85 @@ def check_out_dir(out_dir, writes, overwrite=False):
         raise UserError(
             f"{out_dir} holds a training run's files ({listed(a_run)}), not a dataset; pass "
             f"another --out_dir, or --overwrite=True to write the dataset beside them")
+    check_descriptions(out_dir, names)
     if other:
         raise UserError(
             f"{out_dir} holds {DATASET_KINDS[other_kind(writes)]} ({listed(other)}) and this script writes "
             f"{DATASET_KINDS[writes]}; pass --overwrite=True to replace it, or another --out_dir")
+
+
+@contextmanager
+def preparing(out_dir):
+    """
+    with preparing(out_dir): a prepare script's work on out_dir, from its first check to its last
+    rename, one at a time. Two prepares into one directory would both find it free, both compute,
+    and the second's rename would replace the first's dataset without a word: this holds an flock on
+    the directory itself (no lock file to leave behind; the kernel drops it when the process dies,
+    as run.lock's), and a second prepare meanwhile is refused in one line. A directory this call had
+    to make is removed again if the work fails (when it is still empty), so a refused prepare
+    leaves nothing.
+    """
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out_dir={out_dir} is a file, not a directory; pass another --out_dir")
+    made = not os.path.lexists(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise UserError(f"could not create --out_dir={out_dir} ({e.strerror or e}); pass an --out_dir "
+                        f"this user can write to") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(
+                f"another process is preparing a dataset in {out_dir} right now; wait for it to end, "
+                f"or pass another --out_dir") from None
+        except OSError:
+            pass  # a file system without locks: one prepare at a time is then the user's to keep
+        try:
+            yield
+        except BaseException:
+            if made:
+                try:
+                    os.rmdir(out_dir)  # only when empty: nothing of ours or anyone's is lost
+                except OSError:
+                    pass
+            raise
+    finally:
+        os.close(fd)  # and with it the flock
+
+
+def check_descriptions(out_dir, names):
+    """
+    A dataset's description files (meta.json, meta.pkl, tokenizer.json) in out_dir without token
+    files beside them are the user's until shown otherwise: a prepare replaces them only when
+    meta.json is one a prepare of ours wrote (it records the preparation, or llm.c shards' settings),
+    its token files since removed.
+    """
+    if any(n.endswith(TOKEN_SUFFIX) for n in names):
+        return  # a dataset: check_same_dataset and the kinds' rule decide
+    held = [n for n in DATASET_DESCRIPTIONS if n in names]
+    if not held or ours_meta(out_dir):
+        return
+    raise UserError(
+        f"{out_dir} holds {listed(held)} but no token files: files no prepare of this project wrote "
+        f"(a meta.json of ours records its preparation), which this one would replace; pass another "
+        f"--out_dir, or --overwrite=True to replace them")
+
+
+def ours_meta(out_dir):
+    """ Whether out_dir's meta.json was written by a prepare script of this project. """
+    if recorded_preparation(out_dir) is not None:
+        return True
+    try:
+        with open(os.path.join(out_dir, "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return False
+    # fineweb's: the settings its shards were made with, and their records
+    return isinstance(meta, dict) and isinstance(meta.get("settings"), dict) and \
+        isinstance(meta.get("shards"), list)
 
 
 def other_dataset(names, writes):

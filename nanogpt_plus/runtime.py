@@ -24,7 +24,7 @@ import torch
 from nanogpt_plus.checkpoint import CHECKPOINT, checkpoint_path, load_checkpoint
 from nanogpt_plus.dataset import SAME_DATA, data_digests, tokenizer_digest
 from nanogpt_plus.distributed import destroy_distributed, lost_peer, several_processes
-from nanogpt_plus.errors import EXIT_USER_ERROR, Interrupted, PeerFailed, error_line, exit_code
+from nanogpt_plus.errors import EXIT_USER_ERROR, Interrupted, PeerFailed, error_line, exit_code, printable
 from nanogpt_plus.files import file_digest
 from nanogpt_plus.init_from import is_hf_dir
 from nanogpt_plus.machine import device_type_of
@@ -50,7 +50,29 @@ def run_main(main):
     except Stopped as e:  # as main() ended, before work_ended: one line and 130, as any other
         code = _stopped(e)
         work_ended(code)
+    record_exit_code(code)
     _exit(code)
+
+
+# the directory scripts/slurm_train.sh names for a job: each rank writes its exit code there
+# (rank-<RANK>), so that the job requeues from what the run did (75: stopped, resumable), never from
+# lines in its log, which a value (an out_dir, a dataset name) echoed in an error could forge
+EXIT_CODES_DIR = 'NANOGPT_EXIT_CODES_DIR'
+
+
+def record_exit_code(code):
+    """ This rank's exit code, into the EXIT_CODES_DIR the environment names (if any); whole or not at all. """
+    directory = os.environ.get(EXIT_CODES_DIR)
+    if not directory:
+        return
+    path = os.path.join(directory, f"rank-{os.environ.get('RANK', '0')}")
+    try:
+        with open(f"{path}.{os.getpid()}", 'w', encoding='utf-8') as f:
+            f.write(f"{code}\n")
+        os.replace(f"{path}.{os.getpid()}", path)
+    except OSError as e:  # the job then ends as a failed one would: said, not requeued
+        print(f"warning: could not record the exit code in {printable(path)} ({e.strerror or e})",
+              file=sys.stderr)
 
 
 def _run(main):
@@ -66,11 +88,11 @@ def _run(main):
         if e.say and e.code == 0:  # NothingToDo: not an error
             print(e.say)
         elif e.say:
-            print(f"error: {e.say}", file=sys.stderr)
+            print(f"error: {printable(e.say)}", file=sys.stderr)
         if e.code == EXIT_USER_ERROR and e.line:
             # the same line as the failed rank's: torchrun's summary names it whichever rank it
             # takes for the first to fail
-            record_for_torchrun(f"error: {e.line}")
+            record_for_torchrun(f"error: {printable(e.line)}")
         return exit_code(e)
     except Stopped as e:
         return _stopped(e)
@@ -90,8 +112,8 @@ def _run(main):
             return 0
         # UserError, ConfigError, TokenizerError: the user's to fix
         if exit_code(e) == EXIT_USER_ERROR:
-            print(f"error: {e}", file=sys.stderr)
-            record_for_torchrun(f"error: {e}")
+            print(f"error: {printable(str(e))}", file=sys.stderr)
+            record_for_torchrun(f"error: {printable(str(e))}")
             return EXIT_USER_ERROR
         if not several_processes():
             traceback.print_exc()  # a bug of ours: the whole story

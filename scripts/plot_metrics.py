@@ -19,6 +19,7 @@ import os
 
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.errors import UserError
+from nanogpt_plus.files import check_not_special
 from nanogpt_plus.metrics import read_metrics
 from nanogpt_plus.runtime import run_main
 from nanogpt_plus.settings import flag
@@ -280,6 +281,7 @@ def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(cfg)
     png = cfg.output or os.path.join(cfg.out_dir, 'metrics.png')
+    check_not_special(png, 'output')  # a FIFO would hang the plot, a device swallow it
     others = [os.path.join(d, 'metrics.jsonl') for d in cfg.compare.split(',') if d]
     n_iter, n_eval, n_hellaswag = plot(os.path.join(cfg.out_dir, 'metrics.jsonl'), png, cfg.bpb, others, cfg.x)
     scores = f" (and {n_hellaswag} HellaSwag scores)" if n_hellaswag else ""

@@ -15,6 +15,8 @@
 #SBATCH --open-mode=append
 set -u -o pipefail
 
+# every value in a line is printed ${value@Q} (quoted, a newline or a terminal escape as $'\n'): a
+# value can't split a line or forge one
 fail() {
     echo "error: $*" >&2
     exit 2
@@ -28,7 +30,7 @@ for name in SLURM_JOB_ID SLURM_JOB_NODELIST SLURM_NNODES; do
     fi
 done
 if [[ ! $SLURM_JOB_ID =~ ^[0-9]+$ ]]; then
-    fail "SLURM_JOB_ID=$SLURM_JOB_ID is not a job number: submit this script with sbatch"
+    fail "SLURM_JOB_ID=${SLURM_JOB_ID@Q} is not a job number: submit this script with sbatch"
 fi
 
 CONFIG=${CONFIG:-config/train_gpt2.py}
@@ -38,11 +40,11 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-8}
 # Linux's ephemeral ports), so that two jobs sharing a node don't meet on one port
 MASTER_PORT=${MASTER_PORT:-$((10000 + 10#$SLURM_JOB_ID % 20000))}
 if [[ ! $MASTER_PORT =~ ^[0-9]{1,5}$ ]] || ((10#$MASTER_PORT < 1 || 10#$MASTER_PORT > 65535)); then
-    fail "MASTER_PORT=$MASTER_PORT is not a port: give one from 1 to 65535, or leave it unset"
+    fail "MASTER_PORT=${MASTER_PORT@Q} is not a port: give one from 1 to 65535, or leave it unset"
 fi
 # the job's first node: the batch shell runs there, and its SLURM_NODEID is 0 (node rank 0: rank 0)
 if ! hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST") || [ -z "$hosts" ]; then
-    fail "scontrol names no host in SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST: submit with sbatch"
+    fail "scontrol names no host in SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST@Q}: submit with sbatch"
 fi
 MASTER_ADDR=${hosts%%$'\n'*}
 LOG=${LOG:-$OUT_DIR.slurm-$SLURM_JOB_ID.log}
@@ -54,6 +56,13 @@ if [[ $(torchrun --help 2>&1) == *--shutdown[-_]timeout* ]]; then
     SHUTDOWN="--shutdown_timeout=${SHUTDOWN_TIMEOUT:-100}"
 fi
 mkdir -p "$(dirname "$LOG")"
+# where each rank of train.py (nanogpt_plus/runtime.py, record_exit_code) and each node's shell write
+# their exit codes: the requeue is decided from them, never from the log, whose lines a value echoed
+# in an error could forge. Emptied for each start of the job (a requeued one has the same id).
+EXIT_CODES=$(realpath -m -- "$LOG.exit-codes")
+rm -rf -- "$EXIT_CODES"
+mkdir -p -- "$EXIT_CODES" || fail "could not create ${EXIT_CODES@Q}: pass a LOG in a directory this user can write"
+NANOGPT_EXIT_CODES_DIR=$EXIT_CODES
 
 # What each node runs: a fixed text, so that no value is ever read as code. The values reach it as
 # exported variables, the settings after this script's name (for train.py) as its arguments. It
@@ -77,11 +86,12 @@ code=$?
 if [ "$code" -eq 143 ]; then
     echo "stopped before train.py started: SIGTERM reached torchrun on node $SLURM_NODEID" \
         "while it was starting; nothing to save (exit code 75)"
+    echo 75 >"$NANOGPT_EXIT_CODES_DIR/node-$SLURM_NODEID"
     exit 75
 fi
 exit "$code"
 '
-export CONFIG OUT_DIR NPROC_PER_NODE MASTER_ADDR MASTER_PORT SHUTDOWN
+export CONFIG OUT_DIR NPROC_PER_NODE MASTER_ADDR MASTER_PORT SHUTDOWN NANOGPT_EXIT_CODES_DIR
 # srun of SLURM 22.05 and later doesn't take --cpus-per-task from the job: each node's workers
 # would share one CPU
 srun_options=(--kill-on-bad-exit=1)
@@ -89,22 +99,22 @@ if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
     srun_options+=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
 fi
 
-START=$(stat -c %s "$LOG" 2>/dev/null || echo 0)
 echo "job $SLURM_JOB_ID: $SLURM_NNODES nodes, rank 0 on $MASTER_ADDR (port $MASTER_PORT)," \
-    "out_dir $OUT_DIR" | tee -a "$LOG"
+    "out_dir ${OUT_DIR@Q}" | tee -a "$LOG"
 srun "${srun_options[@]}" bash -c "$NODE_TASK" slurm_train_node "$@" 2>&1 | tee -a "$LOG"
 code=${PIPESTATUS[0]}
 
 # A stop that saved, or one before the first iteration (nothing to save), is resumable: every
-# worker exits 75 and rank 0 (or a node's shell) says so in this job's part of the log. The lines
-# decide: torchrun exits 1 whatever its workers' codes. Any other end (done, an error) is the job's
-# end. grep -c reads all of the log: grep -q would stop at the first match, and tail, still
-# writing, would die of SIGPIPE (with pipefail, a failed test).
-RESUMABLE='^stopped (cleanly; continue with --init_from=resume'
-RESUMABLE+='|before iter [0-9]+: a signal came during set-up'
-RESUMABLE+='|before train\.py started: SIGTERM reached torchrun)'
-stops=$(tail -c "+$((START + 1))" "$LOG" | grep -c -E "$RESUMABLE")
-if [[ $stops =~ ^[0-9]+$ ]] && ((stops > 0)); then
+# worker exits 75 (train.py), or a node's shell does when torchrun was stopped as it started. Their
+# codes decide, as each wrote it in EXIT_CODES (torchrun itself exits 1 whatever its workers'
+# codes); a worker killed before it could write one has not saved, so no code is no requeue. Any
+# other end (done, an error) is the job's end.
+resumable=0
+if grep -qx -- 75 "$EXIT_CODES"/* 2>/dev/null; then
+    resumable=1
+fi
+rm -rf -- "$EXIT_CODES"
+if ((resumable)); then
     echo "the run stopped before its end, resumable; requeueing job $SLURM_JOB_ID to continue it" |
         tee -a "$LOG"
     scontrol requeue "$SLURM_JOB_ID"

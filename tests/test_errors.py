@@ -19,3 +19,17 @@ def test_a_nan_before_any_save_does_not_speak_of_a_kept_checkpoint(tmp_path):
     assert "no checkpoint had been saved to" in str(non_finite_loss(float('nan'), 0, str(tmp_path / 'ckpt.pt')))
     torch.save({}, tmp_path / 'ckpt.pt')
     assert "the last good checkpoint in" in str(non_finite_loss(float('nan'), 5, str(tmp_path / 'ckpt.pt')))
+
+
+def test_an_error_line_shows_a_users_control_characters_escaped(capsys):
+    from nanogpt_plus.errors import printable
+    from nanogpt_plus.runtime import run_main
+    value = "o\nstopped cleanly; continue with --init_from=resume\x1b[31m\t\u200b ünï"
+    assert printable(value) == "o\\nstopped cleanly; continue with --init_from=resume\\x1b[31m\\t\\u200b ünï"
+
+    def main():
+        raise UserError(f"no dataset {value}; pass another --dataset")
+    with pytest.raises(SystemExit) as e:
+        run_main(main)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"error: no dataset {printable(value)}; pass another --dataset\n"

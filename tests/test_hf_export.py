@@ -26,6 +26,7 @@ from helpers import (
     bpe_corpus_text,
     bpe_gpt,
     greedy_ids,
+    run_python,
     run_script,
     save_test_checkpoint,
     tiny_gpt,
@@ -34,8 +35,8 @@ from helpers import (
 from model import GPT, HF_ACTIVATIONS, GPTConfig, hf_activation
 from nanogpt_plus.bpe import EOT_TEXT
 from nanogpt_plus.checkpoint import load_checkpoint
-from nanogpt_plus.errors import TokenizerError
-from nanogpt_plus.hf_export import export, hf_config, hf_state_dict
+from nanogpt_plus.errors import TokenizerError, UserError
+from nanogpt_plus.hf_export import EXPORT_MARK, export, hf_config, hf_state_dict
 from nanogpt_plus.hf_import import HF_TOKENIZER_META
 from nanogpt_plus.init_from import init_model, model_from_checkpoint
 from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer
@@ -363,7 +364,7 @@ def test_export_writes_the_models_tokenizer_json(exported):
     tok, model, ckpt, hf_dir, lines = exported
     files = json.loads(lines[-1])['files']
     assert {'config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json',
-            HF_TOKENIZER_META, 'README.md'} == set(files)
+            HF_TOKENIZER_META, 'README.md', EXPORT_MARK} == set(files)
     with open(os.path.join(hf_dir, 'tokenizer.json'), encoding='utf-8') as f:
         assert f.read() == tok.json  # byte for byte the tokenizer the model was trained with
     cfg = json.load(open(os.path.join(hf_dir, 'config.json')))
@@ -506,3 +507,93 @@ def test_prepare_train_sample_eval_export_chain(tmp_path, monkeypatch, capsys):
     assert hf_greedy(hf_model(hf_dir), tok.encode(PROMPT), 20) == ours
     text = (corpus / 'doc0.txt').read_text(encoding='utf-8')[:3000] + MIXED
     assert AutoTokenizer.from_pretrained(hf_dir).encode(text) == tok.encode_ordinary(text)
+
+
+# -----------------------------------------------------------------------------
+# a re-export replaces the directory whole or leaves it exactly as it was
+
+def two_models():
+    """ Two exports that share no file: a GPT-2 BPE model, and a character model of another shape. """
+    char = CharTokenizer.from_text("hello world\nthe quick brown fox!")
+    return ((tiny_gpt(vocab_size=50304, block_size=32), GPT2Tokenizer().meta()),
+            (tiny_gpt(seed=1, vocab_size=char.vocab_size, n_embd=16, block_size=16), char.meta()))
+
+
+def tree(directory):
+    """ {name: bytes} of every file in directory. """
+    return {n: open(os.path.join(directory, n), 'rb').read() for n in sorted(os.listdir(directory))}
+
+
+def full_disk_at_the_readme(monkeypatch):
+    """ The disk fills up once the configs and the weights are written, before the tokenizer's README. """
+    import errno
+
+    import nanogpt_plus.hf_export as hf_export
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(hf_export, 'write_readme', no_space)
+
+
+def test_a_failed_re_export_leaves_the_earlier_one_exactly_as_it_was(tmp_path, monkeypatch):
+    (gpt2_model, gpt2_meta), (char_model, char_meta) = two_models()
+    hf_dir = str(tmp_path / 'hf')
+    export(gpt2_model, gpt2_meta, hf_dir, source='first')
+    before = tree(hf_dir)
+    full_disk_at_the_readme(monkeypatch)
+    with pytest.raises(UserError) as e:
+        export(char_model, char_meta, hf_dir, source='second')
+    assert str(e.value) == (
+        f"could not write the Hugging Face directory {hf_dir} (No space left on device); the earlier files in "
+        f"{hf_dir} are unchanged. Fix its permissions or make room (or pass another --hf_dir) and export again")
+    # byte for byte the first export, which still loads; no temp directory beside it
+    assert tree(hf_dir) == before and os.listdir(tmp_path) == ['hf']
+    hf = load_hf(hf_dir)
+    torch.testing.assert_close(hf.transformer.wte.weight, gpt2_model.transformer.wte.weight)
+    monkeypatch.undo()
+    # and a re-export that works replaces it whole: no file of the first is left
+    export(char_model, char_meta, hf_dir, source='second')
+    assert not set(before) - {'config.json', 'generation_config.json', 'model.safetensors', 'README.md',
+                              'tokenizer.json', 'tokenizer_config.json', EXPORT_MARK} & set(os.listdir(hf_dir))
+    assert 'vocab.json' in before and 'vocab.json' not in os.listdir(hf_dir)
+    assert json.load(open(os.path.join(hf_dir, EXPORT_MARK)))['source'] == 'second'
+    assert os.listdir(tmp_path) == ['hf']
+
+
+def test_a_failed_export_into_a_new_directory_leaves_nothing(tmp_path, monkeypatch):
+    (model, meta), _ = two_models()
+    full_disk_at_the_readme(monkeypatch)
+    with pytest.raises(UserError, match=r"\(No space left on device\); nothing was left\. "):
+        export(model, meta, str(tmp_path / 'new' / 'deeper' / 'hf'))
+    assert os.listdir(tmp_path) == []
+
+
+SIGNAL_AT_THE_README = """
+import os, signal
+import nanogpt_plus.hf_export as hf_export
+write_readme = hf_export.write_readme
+
+def and_then_a_signal(*args, **kwargs):  # mid-export: the configs, weights and tokenizer are written
+    write_readme(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGHUP)
+hf_export.write_readme = and_then_a_signal
+"""
+
+
+def test_a_signal_mid_export_leaves_the_earlier_one_exactly_as_it_was(tmp_path):
+    (gpt2_model, gpt2_meta), (char_model, char_meta) = two_models()
+    hf_dir = str(tmp_path / 'hf')
+    export(gpt2_model, gpt2_meta, hf_dir, source='first')
+    before = tree(hf_dir)
+    save_test_checkpoint(char_model, char_meta, tmp_path / 'out' / 'ckpt.pt')
+    # the script itself (its signal handlers are installed only when it is the program), with a sitecustomize
+    # that makes the signal come while the new export is being written
+    (tmp_path / 'site').mkdir()
+    (tmp_path / 'site' / 'sitecustomize.py').write_text(SIGNAL_AT_THE_README)
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(tmp_path / 'site'), REPO])}
+    r = run_python(['export_hf.py', f'--out_dir={tmp_path / "out"}', f'--hf_dir={hf_dir}'], env=env, timeout=120)
+    assert r.returncode == 130 and r.stderr.strip() == (
+        "stopped by SIGHUP before the work was done; it can't be resumed, and no output was left half-written "
+        "(exit code 130)"), r.stderr
+    assert tree(hf_dir) == before and sorted(os.listdir(tmp_path)) == ['hf', 'out', 'site']
+    load_hf(hf_dir)

@@ -16,6 +16,7 @@ import runpy
 import shlex
 import shutil
 import socket
+import stat
 import sys
 import time
 
@@ -62,6 +63,7 @@ from nanogpt_plus.outputs import (
     check_out_dir,
     check_output,
     prepare_out_dir,
+    preparing,
     refuse_overwrite,
 )
 from nanogpt_plus.tokenizer import CharTokenizer
@@ -174,9 +176,12 @@ def test_export_that_fails_midway_is_one_line(tmp_path):
     tok = CharTokenizer.from_text(CHARS)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=tok.vocab_size))
     (tmp_path / 'hf' / 'config.json').mkdir(parents=True)
-    with pytest.raises(UserError, match=r"^could not write the Hugging Face directory .*hf \(.*config.json: Is a "
-                                        r"directory\); fix its permissions .*export again$"):
+    with pytest.raises(UserError, match=r"^could not write the Hugging Face directory .*hf \(config.json: not a "
+                                        r"regular file\); the earlier files in .*hf are unchanged. Fix its "
+                                        r"permissions .*export again$"):
         export(model, tok.meta(), str(tmp_path / 'hf'))
+    # none of the export's files went in beside the directory in the way, and no temp is left
+    assert os.listdir(tmp_path / 'hf') == ['config.json'] and os.listdir(tmp_path) == ['hf']
 
 
 # -----------------------------------------------------------------------------
@@ -886,3 +891,104 @@ def test_preparing_again_works_and_overwrite_replaces_shards(tmp_path, monkeypat
     assert find_shards(str(shards)) == ([str(shards / "train.bin")], [str(shards / "val.bin")])
     x, _ = TokenWindowLoader(split_files(str(shards), "train"), 2, 8, seed=0).next_batch()
     assert x.shape == (2, 8)
+
+
+def fifo_and_link_to_it(directory):
+    """ A named pipe in directory and a symbolic link to it: outputs that would hang or lose the node. """
+    fifo, link = os.path.join(directory, 'pipe'), os.path.join(directory, 'pipe-link')
+    os.mkfifo(fifo)
+    os.symlink(fifo, link)
+    return fifo, link
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_an_output_that_is_not_a_regular_file_is_refused_in_every_script(char_run, tmp_path, monkeypatch, capsys):
+    out, data = char_run
+    fifo, link = fifo_and_link_to_it(str(tmp_path))
+    train_file, _ = make_task(tmp_path, 'classification', n_train=8, n_val=4)
+    model = ['--init_from=resume', f'--out_dir={out}', '--device=cpu']
+    runs = {  # script: its settings, the output last
+        'eval.py': [*model, f'--dataset={data}', '--task=loss', '--max_examples=3', '--output_file='],
+        'eval.py core': [*model, '--task=core', f'--core_dir={tmp_path}/no-bundle', '--output_file='],
+        'finetune.py': ['--task=classification', f'--init_from={out}', f'--out_dir={tmp_path}/ft', '--device=cpu',
+                        f'--train_file={train_file}', f'--predict_file={train_file}', '--predict_out='],
+        'finetune.py predict': [f'--init_from={out}', f'--predict_file={train_file}', '--predict_out='],
+        'export_hf.py': ['--init_from=resume', f'--out_dir={out}', '--hf_dir='],
+        'bench.py': ['--device=cpu', '--profile=True', '--profile_dir='],
+        'scripts/plot_metrics.py': [f'--out_dir={out}', '--output='],
+    }
+    before = sorted(os.listdir(tmp_path))
+    for name, args in runs.items():
+        for target in (fifo, link, '/dev/null'):
+            code, stdout, err = run(name.split()[0], monkeypatch, capsys, *args[:-1], args[-1] + target)
+            what = 'a character device' if target == '/dev/null' else 'a named pipe (FIFO)'
+            if target == link:
+                what = 'a symbolic link to ' + what
+            assert_one_line_error(code, err, f"{args[-1]}{target} is {what}, not a regular file")
+            assert stdout == '' or 'step' not in stdout  # refused before any work
+    # the pipe is still a pipe, the link still a link to it, and nothing else was made
+    assert os.path.islink(link) and os.readlink(link) == fifo and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_an_output_file_at_a_symbolic_link_is_refused_and_the_link_kept(char_run, tmp_path, monkeypatch, capsys):
+    out, data = char_run
+    target = tmp_path / 'results' / 'run1.json'
+    target.parent.mkdir()
+    target.write_text('{"task": "loss", "metrics": {"loss": 2.0}, "source": "x"}\n')
+    link = tmp_path / 'latest.json'
+    link.symlink_to(target)
+    before = target.read_bytes()
+    code, _, err = run('eval.py', monkeypatch, capsys, '--init_from=resume', f'--out_dir={out}', f'--dataset={data}',
+                       '--device=cpu', '--max_examples=2', f'--output_file={link}')
+    assert_one_line_error(code, err, f"--output_file={link} is a symbolic link (to {target}), which an output would "
+                                     f"replace; pass the path it points to")
+    assert os.path.islink(link) and target.read_bytes() == before
+
+
+PREPARE_CHAR = 'data/shakespeare_char/prepare.py'
+
+
+@pytest.fixture
+def play(tmp_path):
+    text = tmp_path / 'play.txt'
+    text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50)
+    return str(text)
+
+
+def test_a_prepare_keeps_a_users_meta_files_where_there_are_no_token_files(tmp_path, play, monkeypatch, capsys):
+    for name, content in (('meta.json', b'{"my": "settings"}'), ('meta.pkl', pickle.dumps({'mine': 1})),
+                          ('tokenizer.json', b'{"my": "tokenizer"}')):
+        u1 = tmp_path / f'u-{name}'
+        u1.mkdir()
+        (u1 / name).write_bytes(content)
+        code, _, err = run(PREPARE_CHAR, monkeypatch, capsys, f'--input={play}', f'--out_dir={u1}')
+        assert_one_line_error(code, err, f"{u1} holds {name} but no token files: files no prepare of this project "
+                                         f"wrote (a meta.json of ours records its preparation), which this one would "
+                                         f"replace; pass another --out_dir, or --overwrite=True to replace them")
+        assert os.listdir(u1) == [name] and (u1 / name).read_bytes() == content
+    # --overwrite=True: the user's say
+    code, _, err = run(PREPARE_CHAR, monkeypatch, capsys, f'--input={play}', f'--out_dir={u1}', '--overwrite=True')
+    assert code == 0, err
+    assert {'train.bin', 'val.bin', 'meta.json'} <= set(os.listdir(u1))
+    # a meta.json of ours whose token files were deleted is ours to replace
+    for name in ('train.bin', 'val.bin'):
+        os.remove(u1 / name)
+    code, _, err = run(PREPARE_CHAR, monkeypatch, capsys, f'--input={play}', f'--out_dir={u1}')
+    assert code == 0 and (u1 / 'train.bin').exists(), err
+
+
+def test_two_prepares_in_one_directory_never_both_write(tmp_path, play, monkeypatch, capsys):
+    out = tmp_path / 'd'
+    # another prepare holds the directory (its checks done, its text being tokenized)
+    with preparing(str(out)):
+        code, _, err = run(PREPARE_CHAR, monkeypatch, capsys, f'--input={play}', f'--out_dir={out}')
+        assert_one_line_error(code, err, f"another process is preparing a dataset in {out} right now; wait for it "
+                                         f"to end, or pass another --out_dir")
+        assert os.listdir(out) == []
+    # once the first has ended, the next one may write
+    code, _, err = run(PREPARE_CHAR, monkeypatch, capsys, f'--input={play}', f'--out_dir={out}')
+    assert code == 0 and (out / 'train.bin').exists(), err
+    # a refused prepare into a new directory leaves nothing either
+    code, _, err = run(PREPARE_CHAR, monkeypatch, capsys, f'--input={tmp_path}/nothing.txt', f'--out_dir={tmp_path}/e')
+    assert code == 2 and not (tmp_path / 'e').exists(), err

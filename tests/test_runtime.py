@@ -178,3 +178,21 @@ def test_same_start_reads_what_each_script_starts_from(tiny_dataset, tmp_path, m
     assert start['tokenizer'].startswith('char (2 tokens) ')
     # weights to start from (finetune.py's --init_from=<out_dir>)
     assert same_start({'init_from': 'out', 'out_dir': 'ft'})['weights']['digest'] == file_digest(path)
+
+
+@pytest.mark.parametrize('raised,code', [(None, 0), (UserError('x'), 2), (RuntimeError('bug'), 1)])
+def test_each_rank_records_its_exit_code_where_the_job_asks(tmp_path, monkeypatch, capsys, raised, code):
+    """ scripts/slurm_train.sh requeues from these files (75: resumable), never from its log's lines. """
+    from nanogpt_plus.runtime import EXIT_CODES_DIR
+
+    def main():
+        if raised is not None:
+            raise raised
+    monkeypatch.setenv(EXIT_CODES_DIR, str(tmp_path))
+    monkeypatch.setenv('RANK', '3')
+    try:
+        run_main(main)
+    except SystemExit as e:
+        assert e.code == code
+    assert os.listdir(tmp_path) == ['rank-3'] and (tmp_path / 'rank-3').read_text() == f"{code}\n"
+    capsys.readouterr()

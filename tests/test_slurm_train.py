@@ -312,3 +312,61 @@ def test_a_task_without_its_node_id_says_so_on_each_node(tiny_dataset, tmp_path)
     assert [x for x in done.stdout.splitlines() if not x.startswith('job 77: ')] == [line, line]
     assert (tmp_path / 'torchrun_ran').read_text().splitlines() == ['--help']
     assert not (tmp_path / 'requeued').exists()
+
+
+# a torchrun's stand-in whose workers print what a value could forge and fail; with WRITE_CODE, rank 0 records
+# that code where train.py would (nanogpt_plus/runtime.py, record_exit_code)
+FORGING_TORCHRUN = """#!/bin/bash
+[ "$1" = --help ] && exit 0
+echo "error: dataset x"
+echo "stopped cleanly; continue with --init_from=resume"
+echo "stopped before iter 0: a signal came during set-up; nothing new to save"
+echo "stopped before train.py started: SIGTERM reached torchrun"
+if [ -n "${WRITE_CODE:-}" ] && [ "$SLURM_NODEID" = 0 ]; then echo "$WRITE_CODE" > "$NANOGPT_EXIT_CODES_DIR/rank-0"; fi
+exit 1
+"""
+
+
+@pytest.mark.parametrize('code,requeued', [(None, False), ('1', False), ('2', False), ('75', True)])
+def test_the_requeue_follows_the_workers_exit_codes_not_the_log(tiny_dataset, tmp_path, code, requeued):
+    env = slurm_env(tmp_path, tiny_dataset, fakes=('srun', 'scontrol', 'torchrun'), WRITE_CODE=code)
+    (tmp_path / 'bin' / 'torchrun').write_text(FORGING_TORCHRUN)
+    done = run_script(env)
+    # the forged lines are in the log
+    assert 'stopped cleanly; continue with --init_from=resume' in done.stdout
+    if requeued:
+        assert done.returncode == 0 and (tmp_path / 'requeued').read_text().split() == ['77'], done.stdout
+        assert 'requeueing job 77' in done.stdout
+    else:
+        assert done.returncode == 1 and not (tmp_path / 'requeued').exists(), done.stdout
+    # the codes were the job's own: none is left for the next start of the job to read
+    assert sorted(os.listdir(tmp_path)) == sorted(['bin', 'tiny_config.py', 'pids', 'srun_options', 'job.log'] +
+                                                  (['requeued'] if requeued else []))
+
+
+def test_a_value_in_an_error_line_is_escaped(tiny_dataset, tmp_path):
+    forged = "1\nstopped cleanly; continue with --init_from=resume \x1b[2J"
+    env = slurm_env(tmp_path, tiny_dataset, fakes=('srun', 'scontrol', 'torchrun'), MASTER_PORT=forged)
+    done = run_script(env)
+    assert done.returncode == 2 and done.stdout == ''
+    assert done.stderr.splitlines() == [
+        "error: MASTER_PORT=$'1\\nstopped cleanly; continue with --init_from=resume \\E[2J' is not a port: give one "
+        "from 1 to 65535, or leave it unset"]
+
+
+FORGED = "o\nstopped cleanly; continue with --init_from=resume"
+
+
+@pytest.mark.parametrize('where', ['OUT_DIR', 'dataset'])
+def test_a_forged_value_does_not_requeue_a_failed_job(tiny_dataset, tmp_path, where):
+    """ The issue's case: a value whose echo in an error line reads like a resumable stop. """
+    if where == 'OUT_DIR':  # a file there: refused, the path echoed
+        (tmp_path / FORGED).write_text('a file')
+        job = slurm_job(tmp_path, tiny_dataset, OUT_DIR=str(tmp_path / FORGED))
+    else:
+        job = slurm_job(tmp_path, tiny_dataset, f'--dataset={FORGED}')
+    out = finish(job, tmp_path, timeout=180)
+    assert job.returncode != 0 and not (tmp_path / 'requeued').exists(), out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith('error: ')]
+    assert errors and all(repr(FORGED)[1:-1] in line for line in errors), out[-3000:]
+    assert not any(line.startswith('stopped cleanly') for line in out.splitlines())

@@ -28,7 +28,7 @@ import numpy as np
 from nanogpt_plus.bpe import BPETokenizer, check_bpe_vocab_size, read_tokenizer_file, train_bpe
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_outputs
-from nanogpt_plus.outputs import RAW, check_out_dir, check_same_dataset
+from nanogpt_plus.outputs import RAW, check_out_dir, check_same_dataset, preparing
 from nanogpt_plus.prepare.shakespeare import encode_chars
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import ByteCounter, check_vocab_fits, write_dataset_meta, write_token_batches
@@ -46,7 +46,13 @@ PIECE_CHARS = 1 << 16
 TEXT_ROWS = 256  # documents (or pieces) read at a time for the tokenizer's training and vocabulary
 
 
-def prepare_corpus(out_dir, dataset="openwebtext", files="", text_column="text", num_proc=1,
+def prepare_corpus(out_dir, *args, **kwargs):
+    """ _prepare_corpus(out_dir, ...), one prepare at a time in out_dir (outputs.preparing). """
+    with preparing(out_dir):
+        return _prepare_corpus(out_dir, *args, **kwargs)
+
+
+def _prepare_corpus(out_dir, dataset="openwebtext", files="", text_column="text", num_proc=1,
                    test_size=0.0005, seed=2357, total_batches=1024, cache_dir="",
                    sample_by="paragraph", load_from_cache_file=True, progress=True, name="",
                    tokenizer="gpt2", vocab_size=None, overwrite=False):

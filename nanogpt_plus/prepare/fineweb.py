@@ -42,7 +42,7 @@ from nanogpt_plus.dataset import as_token_array, split_bytes_record, token_dtype
 from nanogpt_plus.dataset.shards import read_header, shard_header, write_shard
 from nanogpt_plus.errors import UserError, error_line
 from nanogpt_plus.files import atomic_write
-from nanogpt_plus.outputs import SHARDS, check_out_dir
+from nanogpt_plus.outputs import SHARDS, check_out_dir, preparing
 from nanogpt_plus.prepare.corpus import LOCAL_BUILDERS, expand_files
 from nanogpt_plus.prepare.text import find_invalid_utf8
 from nanogpt_plus.prepare.token_files import bpe_meta
@@ -56,7 +56,13 @@ READ_BATCH = 256  # documents read from the dataset at a time
 BYTES_RUN = 1 << 10
 
 
-def prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", files="",
+def prepare_fineweb(out_dir, *args, **kwargs):
+    """ _prepare_fineweb(out_dir, ...), one prepare at a time in out_dir (outputs.preparing). """
+    with preparing(out_dir):
+        return _prepare_fineweb(out_dir, *args, **kwargs)
+
+
+def _prepare_fineweb(out_dir, dataset="HuggingFaceFW/fineweb-edu", name="sample-10BT", files="",
                     text_column="text", streaming=False, num_proc=1, shard_size=10**8, max_tokens=0,
                     prefix="edufineweb", cache_dir="", progress=True, tokenizer="gpt2",
                     overwrite=False):

@@ -21,7 +21,7 @@ import numpy as np
 from configurator import configure
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import atomic_outputs
-from nanogpt_plus.outputs import RAW, check_out_dir, check_same_dataset
+from nanogpt_plus.outputs import RAW, check_out_dir, check_same_dataset, preparing
 from nanogpt_plus.prepare.plays import shakespeare_substitute
 from nanogpt_plus.prepare.text import download_text, read_text_file
 from nanogpt_plus.prepare.token_files import ByteCounter, check_vocab_fits, write_dataset_meta, write_tokens
@@ -40,13 +40,15 @@ def shakespeare_main(defaults, doc, prepare):
     """
     config = configure(defaults, doc=doc)
     defaults.check(config)
-    # before the text: a fetched input.txt is saved in out_dir too
-    check_out_dir(config.out_dir, RAW, config.overwrite)
-    # a dataset of another tokenizer there is refused before the text is fetched; one of another
-    # text once it is read (prepare, which also says what --overwrite=True replaces)
-    if not config.overwrite:
-        check_same_dataset(config.out_dir, None, TOKENIZER_OF[prepare])
-    prepare(shakespeare_text_for(config), config.out_dir, overwrite=config.overwrite)
+    # one prepare at a time in out_dir, from its checks to its renames
+    with preparing(config.out_dir):
+        # before the text: a fetched input.txt is saved in out_dir too
+        check_out_dir(config.out_dir, RAW, config.overwrite)
+        # a dataset of another tokenizer there is refused before the text is fetched; one of another
+        # text once it is read (prepare, which also says what --overwrite=True replaces)
+        if not config.overwrite:
+            check_same_dataset(config.out_dir, None, TOKENIZER_OF[prepare])
+        prepare(shakespeare_text_for(config), config.out_dir, overwrite=config.overwrite)
 
 
 def shakespeare_text_for(config):
