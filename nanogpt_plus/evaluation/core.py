@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from nanogpt_plus.dataset import REPO_DIR
-from nanogpt_plus.errors import TokenizerError, UserError
+from nanogpt_plus.errors import TokenizerError, UserError, printable
 from nanogpt_plus.evaluation import download, loss_files, loss_task, make_row, score_examples
 from nanogpt_plus.files import read_jsonl
 from nanogpt_plus.tokenizer import load_tokenizer
@@ -107,15 +107,6 @@ class CoreTask:
 
 # -----------------------------------------------------------------------------
 # the bundle: where it is, and reading it with one-line refusals
-
-def printable(text):
-    """
-    text as a line may show it: a control character (a terminal's escape sequence, a newline) is
-    written as its escape, \\x1b, \\n, so that a label can't rewrite what a terminal shows.
-    """
-    return ''.join(c if c.isprintable() else c.encode('unicode_escape').decode('ascii')
-                   for c in text)
-
 
 def default_bundle_dir():
     """ Where the downloaded bundle is kept: data/core/eval_bundle in this repo. """
