@@ -27,6 +27,7 @@ Usage:
 
 import fcntl
 import json
+import math
 import os
 import random
 import re
@@ -56,6 +57,8 @@ CHECKPOINT = 'ckpt.pt'
 BEST = 'ckpt_best.pt'
 # finetune.py's training state (its ckpt.pt is the best model)
 LAST = 'ckpt_last.pt'
+# the best val loss of a run before its first evaluation (nanoGPT's 1e9): any loss improves on it
+NO_BEST = 1e9
 # ckpt_<iter>.pt, the snapshots keep_checkpoints retains
 SNAPSHOT = re.compile(r'^ckpt_(\d+)\.pt$')
 # linux/fs.h: make this file a copy-on-write clone of another
@@ -226,10 +229,25 @@ class Checkpointer:
         self.keep = policy.keep_checkpoints
         # the earlier run's checkpoints, which this run's first save removes
         self.earlier = checkpoint_files(out_dir) if replaces_a_run and dist_info.master else []
-        self.best_val_loss = 1e9  # the best val loss so far (a resumed run sets the checkpoint's)
+        self.best_val_loss = NO_BEST  # the best val loss so far (a resumed run: resume_best)
 
     def path(self, name=CHECKPOINT):
         return os.path.join(self.out_dir, name)
+
+    def resume_best(self, saved, source):
+        """
+        A resumed run's best val loss: its checkpoint's (saved, at source). NaN (every comparison
+        with it is false) or one below 0 (no cross-entropy is) would never be improved on, so no
+        later evaluation would count as the best, and without always_save_checkpoint none would
+        be saved: such a value is taken as "no best yet", said in one line.
+        """
+        best = float(saved)
+        if math.isnan(best) or best < 0:
+            if self.dist_info.master:
+                print(f"note: {source} records best_val_loss={best}, which no val loss can improve on; "
+                      f"this run starts with no best, so its next evaluation counts as the best")
+            best = NO_BEST
+        self.best_val_loss = best
 
     # -------------------------------------------------------------------------
     # train.py's cadence

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from model import GPT, GPT2_NAMES, MODERN, GPTConfig
 from nanogpt_plus.checkpoint import CHECKPOINT, checkpoint_path, load_checkpoint, resume_point, saved_count
-from nanogpt_plus.dataset import check_dataset_tokenizer, find_dataset, read_dataset_meta, tokenizer_size
+from nanogpt_plus.dataset import check_dataset_tokenizer, check_prepared, find_dataset, read_dataset_meta, tokenizer_size
 from nanogpt_plus.errors import NothingToDo, UserError
 from nanogpt_plus.machine import check_model_memory
 
@@ -130,8 +130,10 @@ def check_new_model_fits(spec, dataset, batch_size, attention, on_cpu):
     train.py's check before any work, for a new model (init_from='scratch'; weights that trained
     before have a size that fitted): one of spec (a ModelSpec) whose first step can't fit in memory
     is refused in one line (check_model_memory), counted at the vocabulary of dataset (its name; its
-    meta alone is read).
+    meta alone is read). A dataset not prepared yet is said first (dataset.check_prepared): the
+    memory of a guessed vocabulary would hide the thing to fix.
     """
+    check_prepared(dataset)
     try:
         vocab_size = find_dataset(dataset, splits=()).vocab_size or 50304
     except UserError:
