@@ -247,7 +247,8 @@ def main():
     # the same settings, code, checkpoint and task files
     imposed, resumed = every_rank(dist_info, lambda: finetuning.start(
         user_cfg.select(finetuning.TaskFiles), user_cfg.select(ModelSource),
-        user_cfg.chosen(FIXED_BY_SOURCE), LAST_CKPT))
+        user_cfg.chosen(FIXED_BY_SOURCE), LAST_CKPT,
+        epochs=user_cfg.epochs if user_cfg.train_file else None))
     # the fine-tune's settings: the user's with what the source imposes, a new frozen Settings
     # (user_cfg stays as given), so that every part and each checkpoint's 'config' see one set
     cfg = user_cfg.replaced(imposed)

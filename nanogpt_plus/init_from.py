@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from model import GPT, GPT2_NAMES, MODERN, GPTConfig
 from nanogpt_plus.checkpoint import CHECKPOINT, checkpoint_path, load_checkpoint, resume_point, saved_count
-from nanogpt_plus.dataset import check_dataset_tokenizer, check_prepared, find_dataset, read_dataset_meta, tokenizer_size
+from nanogpt_plus.dataset import check_dataset_tokenizer, find_dataset, is_prepared, read_dataset_meta, tokenizer_size
 from nanogpt_plus.errors import NothingToDo, UserError
 from nanogpt_plus.machine import check_model_memory
 
@@ -130,10 +130,12 @@ def check_new_model_fits(spec, dataset, batch_size, attention, on_cpu):
     train.py's check before any work, for a new model (init_from='scratch'; weights that trained
     before have a size that fitted): one of spec (a ModelSpec) whose first step can't fit in memory
     is refused in one line (check_model_memory), counted at the vocabulary of dataset (its name; its
-    meta alone is read). A dataset not prepared yet is said first (dataset.check_prepared): the
-    memory of a guessed vocabulary would hide the thing to fix.
+    meta alone is read). A dataset not prepared yet is not judged here: a memory figure of a
+    guessed vocabulary would hide the thing to fix, which opening the data says (with the
+    prepare.py to run).
     """
-    check_prepared(dataset)
+    if not is_prepared(dataset):
+        return
     try:
         vocab_size = find_dataset(dataset, splits=()).vocab_size or 50304
     except UserError:
@@ -482,14 +484,14 @@ class ResumeSpec:
     max_iters: int
 
 
-def source_settings(source, chosen, keep_zero=(), resume=None, resume_file=None):
+def source_settings(source, chosen, keep_zero=(), resume=None, resume_file=None, epochs=None):
     """
     Before any work: the settings the model that source names imposes on the run, {name: value}, and
     the checkpoint it resumes (a path, or None). The script builds its run's settings from the
     user's and these (Settings.replaced) and decides nothing else from them. chosen: {name: value}
     of the FIXED_BY_SOURCE settings the user gave.
-    train.py passes resume (a ResumeSpec); finetune.py passes its resume_file and
-    keep_zero=('block_size',) (0: the model's own). auto_resume: init_from becomes 'resume' when
+    train.py passes resume (a ResumeSpec); finetune.py passes its resume_file,
+    keep_zero=('block_size',) (0: the model's own) and, when it trains, its epochs. auto_resume: init_from becomes 'resume' when
     out_dir holds the run's checkpoint (a requeued job), so one command starts a run and continues
     it. 'resume': resumed_run_settings's rules (finetune.py: resumed_finetune_settings's). Given
     weights (a checkpoint, an out_dir, gpt2*, a Hugging Face directory): the weights fix the model,
@@ -513,7 +515,7 @@ def source_settings(source, chosen, keep_zero=(), resume=None, resume_file=None)
         path = os.path.join(out_dir, resume_file)
         if requeued:
             requeued_run(source.init_from, out_dir, path)
-        imposed.update(resumed_finetune_settings(path, chosen))
+        imposed.update(resumed_finetune_settings(path, chosen, epochs, requeued=source.auto_resume))
     else:
         path = resume_point(out_dir, resume.resume_from)
         if requeued:
@@ -688,12 +690,13 @@ def resume_refusal(out_dir, chosen, max_iters):
     return None
 
 
-def resumed_finetune_settings(path, chosen):
+def resumed_finetune_settings(path, chosen, epochs=None, requeued=False):
     """
     finetune.py's --init_from=resume, before any work: its ckpt_last.pt must be there, and the run
     keeps its architecture (checkpoint_architecture, train.py's rule; finetune's block_size=0 means
-    the
-    model's own).
+    the model's own). A fine-tune that already ran its `epochs` (None: not training) has nothing
+    left to do, as train.py's complete run: a user error, but for a requeued job (auto_resume) one
+    line and exit 0 (NothingToDo), with nothing written.
     """
     if not os.path.exists(path):
         raise UserError(
@@ -702,4 +705,11 @@ def resumed_finetune_settings(path, chosen):
     ckpt = load_checkpoint(path)
     for key in ('iter_num', 'epoch', 'step_in_epoch'):  # where the fine-tune goes on
         saved_count(ckpt, path, key)
+    done = ckpt['epoch']  # epochs finished: the next one starts at step_in_epoch
+    if epochs is not None and done >= epochs:
+        complete = (f"the fine-tune in {os.path.dirname(path) or '.'} is already complete (its "
+                    f"{os.path.basename(path)} has finished {done} epoch(s); epochs={epochs})")
+        if requeued:
+            raise NothingToDo(f"auto_resume=True: {complete}; nothing to do")
+        raise UserError(f"{complete}; to train further, resume with a larger --epochs")
     return checkpoint_architecture(ckpt, path, chosen, keep_zero=('block_size',))

@@ -149,16 +149,17 @@ def missing_token_file(path, dataset=None):
     return f"no token file at {path}; {hint}"
 
 
-def check_prepared(dataset):
+def is_prepared(dataset):
     """
-    Refuse a dataset whose token files are not there, in one line naming the prepare.py that makes
-    them: said before anything that depends on the dataset (the memory a new model of its
-    vocabulary needs, out_dir), which would otherwise be judged on a guessed vocabulary first.
+    Whether a dataset's token files are there (what they hold is checked when they are opened):
+    what depends on the dataset (the memory a new model of its vocabulary needs) is judged only
+    then, so that a missing dataset is said first, with its prepare.py.
     """
-    for split in ('train', 'val'):
-        for path in split_files(dataset, split):
-            if not os.path.lexists(path):
-                raise UserError(missing_token_file(path, dataset))
+    try:
+        return all(os.path.lexists(path) for split in ('train', 'val')
+                   for path in split_files(dataset, split))
+    except UserError:  # shards without one split: said when the data is opened
+        return False
 
 
 def split_files(dataset, split):
