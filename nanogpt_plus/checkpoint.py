@@ -156,11 +156,22 @@ def load_checkpoint(path, map_location='cpu'):
     mmap = zipfile.is_zipfile(path)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except OSError as e:
+        if e.errno is None:  # not the file system's: what torch.load made of the content
+            raise load_error(path, e) from None
+        # the file system's (no read permission, a directory in its place): the content is not at
+        # fault
+        raise UserError(f"checkpoint {path} could not be read ({e.strerror or e}); check the file and "
+                        f"its permissions, or use another checkpoint") from None
     except Exception as e:  # truncated zip, foreign pickle, ... all mean the file can't be used
         raise load_error(path, e) from None
-    if not isinstance(ckpt, dict) or 'model' not in ckpt or 'model_args' not in ckpt:
-        raise UserError(
-            f"checkpoint {path} has no 'model'/'model_args' entries; is it a nanoGPT checkpoint?")
+    if not isinstance(ckpt, dict):
+        raise UserError(f"checkpoint {path} holds a {type(ckpt).__name__}, not a checkpoint's dict of "
+                        f"entries; use a checkpoint written by train.py (or nanoGPT)")
+    missing = [key for key in ('model', 'model_args') if key not in ckpt]
+    if missing:
+        raise UserError(f"checkpoint {path} has no {' or '.join(repr(k) for k in missing)} entry; "
+                        f"use a checkpoint written by train.py (or nanoGPT)")
     return ckpt
 
 
@@ -173,12 +184,24 @@ def saved_iter(path):
     return saved_count(load_checkpoint(path), path)
 
 
+def require_entries(ckpt, path, keys):
+    """
+    Refuse a checkpoint (at path) that lacks one of keys, naming the first missing one: a file of
+    ours always holds them, so one without was edited or written by other code.
+    """
+    missing = [key for key in keys if key not in ckpt]
+    if missing:
+        raise UserError(f"checkpoint {path} has no {missing[0]!r} entry: it was edited or written by "
+                        f"other code; use another checkpoint")
+
+
 def saved_count(ckpt, path, key='iter_num'):
     """
     A counter of a checkpoint (iter_num, a fine-tune's epoch): an int >= 0, else one line naming
     path (a file edited by hand, or written by other code, can hold anything there).
     """
-    value = ckpt.get(key)
+    require_entries(ckpt, path, [key])
+    value = ckpt[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise UserError(f"checkpoint {path} holds {key}={value!r}, not a count of steps: it was "
                         f"edited or written by other code; use another checkpoint")

@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
 from nanogpt_plus import init_from
-from nanogpt_plus.checkpoint import build_checkpoint, checkpoint_path, load_checkpoint
+from nanogpt_plus.checkpoint import build_checkpoint, checkpoint_path, load_checkpoint, require_entries
 from nanogpt_plus.distributed import all_reduce_sum, master_decides
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.files import atomic_write
@@ -814,6 +814,7 @@ def _predict(spec, dist_info):
                  inputs={'predict_file': spec.predict_file}, output_kind='predictions')
     ckpt = load_checkpoint(path)
     model = model_from_finetune_checkpoint(ckpt)
+    require_entries(ckpt, path, ('tokenizer', 'special_tokens', 'label_map'))  # what predicting reads
     if spec.task and spec.task != ckpt['task']:
         raise UserError(f"--task={spec.task} but {path} was fine-tuned for {ckpt['task']}; "
                         f"drop --task")

@@ -22,7 +22,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from model import GPT, GPT2_NAMES, MODERN, GPTConfig
-from nanogpt_plus.checkpoint import CHECKPOINT, checkpoint_path, load_checkpoint, resume_point, saved_count
+from nanogpt_plus.checkpoint import (
+    CHECKPOINT,
+    checkpoint_path,
+    load_checkpoint,
+    require_entries,
+    resume_point,
+    saved_count,
+)
 from nanogpt_plus.dataset import check_dataset_tokenizer, find_dataset, is_prepared, read_dataset_meta, tokenizer_size
 from nanogpt_plus.errors import NothingToDo, UserError
 from nanogpt_plus.machine import check_model_memory
@@ -66,7 +73,7 @@ def init_model(init_from, out_dir='out', dataset=None, spec=None, dropout=None,
     if ckpt_path is not None:
         ckpt = load_checkpoint(ckpt_path, map_location='cpu')
         return model_from_checkpoint(ckpt, dropout, on_meta,
-                                     ckpt_path), checkpoint_tokenizer_meta(ckpt), ckpt
+                                     ckpt_path), checkpoint_tokenizer_meta(ckpt, path=ckpt_path), ckpt
     if init_from in GPT2_NAMES or is_hf_dir(init_from):
         # only for Hugging Face weights
         from nanogpt_plus.hf_import import pretrained_tokenizer_meta
@@ -190,14 +197,19 @@ def model_config_from_checkpoint(ckpt, dropout=None):
         raise UserError(f"the checkpoint's model_args don't describe a GPT ({e})") from None
 
 
-def checkpoint_tokenizer_meta(ckpt, data_root='data'):
+def checkpoint_tokenizer_meta(ckpt, data_root='data', path='the checkpoint'):
     """
-    The tokenizer description for a checkpoint: our 'tokenizer' key; for nanoGPT's checkpoints, the
-    meta of the dataset they were trained on (data/<dataset>/meta.pkl, as nanoGPT's sample.py
-    looks), else GPT-2.
+    The tokenizer description for a checkpoint (at path, for messages): our 'tokenizer' key; for
+    nanoGPT's checkpoints, the meta of the dataset they were trained on (data/<dataset>/meta.pkl,
+    as nanoGPT's sample.py looks), else GPT-2.
     """
     if ckpt.get('tokenizer'):
         return ckpt['tokenizer']
+    if 'provenance' in ckpt:
+        # ours (nanoGPT's have no provenance) always hold their tokenizer: guessing GPT-2's would
+        # blame a missing meta.pkl
+        raise UserError(f"{path} has no 'tokenizer' entry, which every checkpoint of this project "
+                        f"holds: it was edited or written by other code; use another checkpoint")
     dataset = (ckpt.get('config') or {}).get('dataset')
     if dataset:
         meta = read_dataset_meta(os.path.join(data_root, dataset))
@@ -349,6 +361,7 @@ def loaded_model(config, state_dict, misfit, source='the checkpoint'):
         model = meta_model(config)
     except ValueError as e:  # e.g. n_embd not divisible by n_head
         raise UserError(f"{misfit} ({e})") from None
+    check_weight_kinds(config, state_dict, misfit, source)
     copies = fp32_copies(
         one_head(state_dict, misfit) if config.tie_embeddings else state_dict, source)
     try:
@@ -364,6 +377,26 @@ def loaded_model(config, state_dict, misfit, source='the checkpoint'):
     # GPT() on meta stays quiet
     print("number of parameters: %.2fM" % (model.get_num_params() / 1e6,))
     return model
+
+
+def check_weight_kinds(config, state_dict, misfit, source):
+    """
+    What a state_dict could be mistaken for otherwise, said first: integer tensors (a GPT's weights
+    are all floating point; copied into the model they fail with torch's words), and an embedding
+    or output head of another shape than config's vocab_size x n_embd (else taken for an untied
+    head, or a shape error about another tensor).
+    """
+    for name, t in state_dict.items():
+        if not t.is_floating_point():
+            raise UserError(f"{source} holds {name} as {str(t.dtype).replace('torch.', '')} values, not "
+                            f"floating-point weights: it was edited or written by other code; use "
+                            f"another copy")
+    table = (config.vocab_size, config.n_embd)
+    for name in ('transformer.wte.weight', 'lm_head.weight'):
+        t = state_dict.get(name)
+        if t is not None and tuple(t.shape) != table:
+            raise UserError(f"{misfit} (its {name} is {' x '.join(map(str, t.shape))}, where vocab_size "
+                            f"{config.vocab_size} and n_embd {config.n_embd} make {table[0]} x {table[1]})")
 
 
 def fp32_copies(state_dict, source='the weights'):
@@ -425,6 +458,8 @@ def one_head(state_dict, misfit):
         return state_dict
     # torch.equal: an fp16 file's tensors compare exactly
     if wte.shape != head.shape or not torch.equal(wte, head):
+        if not (finite(wte) and finite(head)):
+            return state_dict  # NaN is never equal to itself: fp32_copies names the tensor holding it
         raise UserError(
             f"{misfit} (its lm_head.weight differs from transformer.wte.weight: an untied output head, "
             f"which this GPT can't hold)")
@@ -703,6 +738,8 @@ def resumed_finetune_settings(path, chosen, epochs=None, requeued=False):
             f"init_from=resume but there is no {path}; check --out_dir or start a new fine-tune "
             f"with --init_from=<pretrained model>")
     ckpt = load_checkpoint(path)
+    # what the resume reads: the training state, and the task model with its tokens
+    require_entries(ckpt, path, ('optimizer', 'tokenizer', 'task', 'head', 'label_map', 'special_tokens'))
     for key in ('iter_num', 'epoch', 'step_in_epoch'):  # where the fine-tune goes on
         saved_count(ckpt, path, key)
     done = ckpt['epoch']  # epochs finished: the next one starts at step_in_epoch

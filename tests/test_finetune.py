@@ -598,3 +598,28 @@ def test_a_requeued_finished_fine_tune_says_it_is_finished_and_writes_nothing(tm
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     run_script(finetune, monkeypatch, *resume[:-1], '--init_from=resume', '--epochs=3')
     assert "resuming the fine-tune at epoch 2, step 0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('name, key, predicting', [
+    ('ckpt_last.pt', 'optimizer', False), ('ckpt_last.pt', 'tokenizer', False), ('ckpt_last.pt', 'iter_num', False),
+    ('ckpt.pt', 'special_tokens', True), ('ckpt.pt', 'tokenizer', True)])
+def test_a_fine_tune_checkpoint_lacking_an_entry_names_it(name, key, predicting, tmp_path, monkeypatch, capsys):
+    src = make_source(tmp_path / 'src')
+    train, val = make_task(tmp_path, 'classification', n_train=16, n_val=4)
+    out = tmp_path / 'ft'
+    finetune.finetune(config(task='classification', init_from=src, out_dir=str(out), train_file=train,
+                             val_file=val, epochs=1, batch_size=8), SINGLE)
+    ckpt = dict(torch.load(out / name, weights_only=True))
+    del ckpt[key]
+    torch.save(ckpt, tmp_path / 'edited.pt')
+    os.replace(tmp_path / 'edited.pt', out / name)
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    if predicting:
+        args = [f'--init_from={out}', f'--predict_file={val}', f'--predict_out={tmp_path / "p.jsonl"}']
+    else:
+        args = [f'--out_dir={out}', '--init_from=resume', '--epochs=2', f'--train_file={train}', f'--val_file={val}']
+    assert exit_code(lambda: run_script(finetune, monkeypatch, *args, '--device=cpu')) == 2
+    assert one_error_line(capsys) == (f"error: checkpoint {out / name} has no '{key}' entry: it was edited or "
+                                      f"written by other code; use another checkpoint")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not (tmp_path / 'p.jsonl').exists()
