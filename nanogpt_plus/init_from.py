@@ -526,14 +526,15 @@ def source_settings(source, chosen, keep_zero=(), resume=None, resume_file=None,
     user's and these (Settings.replaced) and decides nothing else from them. chosen: {name: value}
     of the FIXED_BY_SOURCE settings the user gave.
     train.py passes resume (a ResumeSpec); finetune.py passes its resume_file,
-    keep_zero=('block_size',) (0: the model's own) and, when it trains, its epochs. auto_resume: init_from becomes 'resume' when
-    out_dir holds the run's checkpoint (a requeued job), so one command starts a run and continues
-    it. 'resume': resumed_run_settings's rules (finetune.py: resumed_finetune_settings's). Given
-    weights (a checkpoint, an out_dir, gpt2*, a Hugging Face directory): the weights fix the model,
-    so an architecture setting the user gave that differs is refused in one line, and the others are
-    theirs, so that the saved 'config' agrees with 'model_args'; dropout may change and block_size
-    may be smaller (the model is cropped to it). Their files are read as far as the architecture
-    needs (the checkpoint memory-mapped, config.json alone).
+    keep_zero=('block_size',) (0: the model's own) and, when it trains, its epochs. auto_resume:
+    init_from becomes 'resume' when out_dir holds the run's checkpoint (a requeued job), so one
+    command starts a run and continues it. 'resume': resumed_run_settings's rules (finetune.py:
+    resumed_finetune_settings's). Given weights (a checkpoint, an out_dir, gpt2*, a Hugging Face
+    directory): the weights fix the model, so an architecture setting the user gave that differs is
+    refused in one line, and the others are theirs, so that the saved 'config' agrees with
+    'model_args'; dropout may change and block_size may be smaller (the model is cropped to it).
+    Their files are read as far as the architecture needs (the checkpoint memory-mapped, config.json
+    alone).
     """
     imposed = {}
     init_from, out_dir = source.init_from, source.out_dir

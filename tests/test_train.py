@@ -231,7 +231,7 @@ def test_settings_that_crashed_are_one_line(dataset, tmp_path, arg, message):
 
 @pytest.mark.usefixtures('one_thread')
 def test_a_missing_dataset_is_said_before_the_memory_a_model_of_it_needs(tmp_path, capsys, monkeypatch):
-    """ The GPT-2 defaults on a dataset not prepared: the prepare.py to run, not the memory a guessed vocabulary needs. """
+    """ The GPT-2 defaults on a dataset not prepared: its prepare.py to run, not the memory of a guessed vocabulary. """
     monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', '1')  # the 124M model's first step can't fit
     monkeypatch.chdir(tmp_path)
     args = ['--dataset=no_such_dataset', '--device=cpu', '--compile=False']
