@@ -44,7 +44,7 @@ from datetime import datetime
 from nanogpt_plus.checkpoint import CHECKPOINT, branch_off, checkpoint_files, is_checkpoint_name, sidecar_of
 from nanogpt_plus.dataset import RAW_NAMES, is_shard_name, tokenizer_identity
 from nanogpt_plus.distributed import master_decides
-from nanogpt_plus.errors import UserError
+from nanogpt_plus.errors import UserError, special_file
 from nanogpt_plus.files import flock_held, remove_stale_temps_in, temp_path
 
 LOCK_NAME = 'run.lock'
@@ -708,6 +708,10 @@ def check_out_dir(out_dir, writes, overwrite=False):
     files and meta are removed, so the new dataset replaces it (a loader refuses a directory with
     both kinds), and a run's files are left alone.
     """
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        # (else the write fails at the end, after all the work, as if the disk were full)
+        raise UserError(f"out_dir {out_dir} is {special_file(out_dir) or 'a file'}, not a directory; pass "
+                        f"another --out_dir")
     if not os.path.isdir(out_dir):
         return
     if flock_held(os.path.join(out_dir, LOCK_NAME)):
