@@ -814,7 +814,8 @@ def _predict(spec, dist_info):
                  inputs={'predict_file': spec.predict_file}, output_kind='predictions')
     ckpt = load_checkpoint(path)
     model = model_from_finetune_checkpoint(ckpt)
-    require_entries(ckpt, path, ('tokenizer', 'special_tokens', 'label_map'))  # what predicting reads
+    # what predicting reads
+    require_entries(ckpt, path, ('tokenizer', 'special_tokens', 'label_map'))
     if spec.task and spec.task != ckpt['task']:
         raise UserError(f"--task={spec.task} but {path} was fine-tuned for {ckpt['task']}; "
                         f"drop --task")

@@ -459,7 +459,8 @@ def one_head(state_dict, misfit):
     # torch.equal: an fp16 file's tensors compare exactly
     if wte.shape != head.shape or not torch.equal(wte, head):
         if not (finite(wte) and finite(head)):
-            return state_dict  # NaN is never equal to itself: fp32_copies names the tensor holding it
+            # NaN is never equal to itself: fp32_copies names the tensor holding it
+            return state_dict
         raise UserError(
             f"{misfit} (its lm_head.weight differs from transformer.wte.weight: an untied output head, "
             f"which this GPT can't hold)")

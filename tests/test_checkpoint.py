@@ -478,7 +478,8 @@ def test_a_checkpoint_lacking_an_entry_names_it(case, tmp_path, monkeypatch, cap
 def test_an_unreadable_checkpoint_is_not_called_corrupt(tmp_path, monkeypatch):
     path = _tiny_checkpoint(tmp_path)
 
-    def refused(*args, **kwargs):  # as a file without read permission does for a user who isn't root
+    # as a file without read permission does for a user who isn't root
+    def refused(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
     monkeypatch.setattr(checkpoint_mod.torch, 'load', refused)
     with pytest.raises(UserError) as e:
