@@ -126,8 +126,14 @@ def test_shapes_only_skips_meta_tensors_only():
 
 def test_a_misfit_checkpoint_is_one_clear_error():
     sd = random_gpt().state_dict()
-    with pytest.raises(UserError, match=r"don't fit its model_args \(.*size mismatch"):
+    # another width: the embedding says so first (of the model_args' size), not torch's list of every mismatch
+    with pytest.raises(UserError, match=r"don't fit its model_args \(its transformer.wte.weight is 50 x 32, where "
+                                        r"vocab_size 50 and n_embd 16 make 50 x 16\)$"):
         loaded_model(GPTConfig(**dict(TINY, n_embd=16)), sd, "the checkpoint's weights don't fit its model_args")
+    # another shape elsewhere: torch's words
+    sd_wide_mlp = dict(sd, **{'transformer.h.0.mlp.c_fc.weight': torch.zeros(4, 32)})
+    with pytest.raises(UserError, match=r"don't fit its model_args \(.*size mismatch"):
+        loaded_model(GPTConfig(**TINY), sd_wide_mlp, "the checkpoint's weights don't fit its model_args")
     with pytest.raises(UserError, match="Missing key"):
         loaded_model(GPTConfig(**dict(TINY, n_layer=3)), sd, "the checkpoint's weights don't fit its model_args")
 
@@ -223,7 +229,8 @@ def tiny_hf_dir(directory, **config):
     (dict(tie_word_embeddings=False), "has no tensor lm_head.weight"),
     (dict(n_layer=3), "has no tensor transformer.h.2.ln_1.weight"),
     (dict(n_layer=1), "holds tensors a GPT-2 has no place for .transformer.h.1"),
-    (dict(n_embd=64, n_head=4), "don't fit its config.json .*size mismatch"),
+    (dict(n_embd=64, n_head=4), "don't fit its config.json .*its transformer.wte.weight is 50 x 32, where "
+                                "vocab_size 50 and n_embd 64 make 50 x 64"),
 ])
 def test_what_our_gpt_cant_compute_is_refused(tmp_path, config, message):
     d = tiny_hf_dir(tmp_path / 'hf', **config)
