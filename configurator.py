@@ -34,7 +34,7 @@ import os
 import sys
 import types
 
-from nanogpt_plus.errors import ConfigError, UserError
+from nanogpt_plus.errors import ConfigError, UserError, special_file
 
 
 class Settings(dict):
@@ -267,6 +267,10 @@ def _check_type(key, value, defaults, source):
 
 def _read_config_file(path):
     """ The top-level settings assigned by a Python config file, run in its own namespace. """
+    kind = special_file(path)
+    if kind is not None:  # (/dev/null reads as an empty config; a FIFO would block the read)
+        raise ConfigError(f"config file {path} is {kind}, not a regular file; pass a config file "
+                          f"such as config/train_shakespeare_char.py")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} not found; pass an existing file such as "
                           f"config/train_shakespeare_char.py")

@@ -23,9 +23,12 @@ tokenizer, ckpt_last.pt the latest training state; the last line printed is JSON
 """
 # first, before torch is imported (seconds): from here on a signal ends the run in one line, exit
 # code 75 or 0
-from nanogpt_plus.signals import GracefulExit, early_exit_request
+from nanogpt_plus.signals import FINISH_AND_SAVE, GracefulExit, early_exit_request
 
-EXIT_REQUEST = early_exit_request(__name__)
+# until the settings say which work this is, a signal's line says what it does to each
+UNDECIDED = ("a fine-tune finishes its step, then saves a checkpoint; predictions alone (--predict_file "
+             "without --train_file) stop at once")
+EXIT_REQUEST = early_exit_request(__name__, notice=UNDECIDED)
 
 import dataclasses
 import json
@@ -247,7 +250,8 @@ def main():
     # the same settings, code, checkpoint and task files
     imposed, resumed = every_rank(dist_info, lambda: finetuning.start(
         user_cfg.select(finetuning.TaskFiles), user_cfg.select(ModelSource),
-        user_cfg.chosen(FIXED_BY_SOURCE), LAST_CKPT))
+        user_cfg.chosen(FIXED_BY_SOURCE), LAST_CKPT,
+        epochs=user_cfg.epochs if user_cfg.train_file else None))
     # the fine-tune's settings: the user's with what the source imposes, a new frozen Settings
     # (user_cfg stays as given), so that every part and each checkpoint's 'config' see one set
     cfg = user_cfg.replaced(imposed)
@@ -257,6 +261,8 @@ def main():
         if EXIT_REQUEST is not None:  # predictions alone: nothing to save, a signal stops them
             EXIT_REQUEST.interrupt_at_once()
         return finetuning.predict_with_checkpoint(cfg.select(finetuning.PredictSpec), dist_info)
+    if EXIT_REQUEST is not None:  # a fine-tune: a signal finishes the step and saves
+        EXIT_REQUEST.notice = FINISH_AND_SAVE
     # the best model's predictions come after the training: their path is checked now, by rank 0,
     # which writes them (every rank learns the outcome)
     if cfg.predict_file:

@@ -513,7 +513,7 @@ def setup(cfg, dist_info):
         state.spike_guard = SpikeGuard(cfg.skip_loss_z, cfg.skip_grad_z)
     if cfg.init_from == 'resume':  # continue where the checkpoint stopped, exactly
         state.iter_num = int(ckpt['iter_num'])
-        checkpointer.best_val_loss = float(ckpt['best_val_loss'])
+        checkpointer.resume_best(ckpt['best_val_loss'], checkpointer.path())
         restore_training_state(ckpt, optimizer, scaler, dist_info, train_loader, state.spike_guard)
         opt.apply_settings(optimizer, adamw, muon, master)  # a --beta2 given now applies
     # a resume continues its checkpoint's wandb run; a new run (or one started over) gets a new one

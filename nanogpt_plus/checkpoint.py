@@ -27,6 +27,7 @@ Usage:
 
 import fcntl
 import json
+import math
 import os
 import random
 import re
@@ -56,6 +57,8 @@ CHECKPOINT = 'ckpt.pt'
 BEST = 'ckpt_best.pt'
 # finetune.py's training state (its ckpt.pt is the best model)
 LAST = 'ckpt_last.pt'
+# the best val loss of a run before its first evaluation (nanoGPT's 1e9): any loss improves on it
+NO_BEST = 1e9
 # ckpt_<iter>.pt, the snapshots keep_checkpoints retains
 SNAPSHOT = re.compile(r'^ckpt_(\d+)\.pt$')
 # linux/fs.h: make this file a copy-on-write clone of another
@@ -153,11 +156,22 @@ def load_checkpoint(path, map_location='cpu'):
     mmap = zipfile.is_zipfile(path)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except OSError as e:
+        if e.errno is None:  # not the file system's: what torch.load made of the content
+            raise load_error(path, e) from None
+        # the file system's (no read permission, a directory in its place): the content is not at
+        # fault
+        raise UserError(f"checkpoint {path} could not be read ({e.strerror or e}); check the file and "
+                        f"its permissions, or use another checkpoint") from None
     except Exception as e:  # truncated zip, foreign pickle, ... all mean the file can't be used
         raise load_error(path, e) from None
-    if not isinstance(ckpt, dict) or 'model' not in ckpt or 'model_args' not in ckpt:
-        raise UserError(
-            f"checkpoint {path} has no 'model'/'model_args' entries; is it a nanoGPT checkpoint?")
+    if not isinstance(ckpt, dict):
+        raise UserError(f"checkpoint {path} holds a {type(ckpt).__name__}, not a checkpoint's dict of "
+                        f"entries; use a checkpoint written by train.py (or nanoGPT)")
+    missing = [key for key in ('model', 'model_args') if key not in ckpt]
+    if missing:
+        raise UserError(f"checkpoint {path} has no {' or '.join(repr(k) for k in missing)} entry; "
+                        f"use a checkpoint written by train.py (or nanoGPT)")
     return ckpt
 
 
@@ -170,12 +184,24 @@ def saved_iter(path):
     return saved_count(load_checkpoint(path), path)
 
 
+def require_entries(ckpt, path, keys):
+    """
+    Refuse a checkpoint (at path) that lacks one of keys, naming the first missing one: a file of
+    ours always holds them, so one without was edited or written by other code.
+    """
+    missing = [key for key in keys if key not in ckpt]
+    if missing:
+        raise UserError(f"checkpoint {path} has no {missing[0]!r} entry: it was edited or written by "
+                        f"other code; use another checkpoint")
+
+
 def saved_count(ckpt, path, key='iter_num'):
     """
     A counter of a checkpoint (iter_num, a fine-tune's epoch): an int >= 0, else one line naming
     path (a file edited by hand, or written by other code, can hold anything there).
     """
-    value = ckpt.get(key)
+    require_entries(ckpt, path, [key])
+    value = ckpt[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise UserError(f"checkpoint {path} holds {key}={value!r}, not a count of steps: it was "
                         f"edited or written by other code; use another checkpoint")
@@ -226,10 +252,25 @@ class Checkpointer:
         self.keep = policy.keep_checkpoints
         # the earlier run's checkpoints, which this run's first save removes
         self.earlier = checkpoint_files(out_dir) if replaces_a_run and dist_info.master else []
-        self.best_val_loss = 1e9  # the best val loss so far (a resumed run sets the checkpoint's)
+        self.best_val_loss = NO_BEST  # the best val loss so far (a resumed run: resume_best)
 
     def path(self, name=CHECKPOINT):
         return os.path.join(self.out_dir, name)
+
+    def resume_best(self, saved, source):
+        """
+        A resumed run's best val loss: its checkpoint's (saved, at source). NaN (every comparison
+        with it is false) or one below 0 (no cross-entropy is) would never be improved on, so no
+        later evaluation would count as the best, and without always_save_checkpoint none would
+        be saved: such a value is taken as "no best yet", said in one line.
+        """
+        best = float(saved)
+        if math.isnan(best) or best < 0:
+            if self.dist_info.master:
+                print(f"note: {source} records best_val_loss={best}, which no val loss can improve on; "
+                      f"this run starts with no best, so its next evaluation counts as the best")
+            best = NO_BEST
+        self.best_val_loss = best
 
     # -------------------------------------------------------------------------
     # train.py's cadence

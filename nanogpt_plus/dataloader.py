@@ -37,9 +37,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanogpt_plus.dataset import SAME_DATA, data_digests, find_dataset, has_header, raw_token_dtype, tokenizer_digest
+from nanogpt_plus.dataset import (
+    SAME_DATA,
+    data_digests,
+    find_dataset,
+    has_header,
+    missing_token_file,
+    raw_token_dtype,
+    tokenizer_digest,
+)
 from nanogpt_plus.distributed import every_rank
-from nanogpt_plus.errors import UserError
+from nanogpt_plus.errors import UserError, special_file
 
 # the data_order setting's choices: nanoGPT's random windows, or llm.c's pass over every token
 # (training_loader acts on them)
@@ -55,11 +63,7 @@ def open_tokens(path, dataset=None, dtype=None):
     (raw_token_dtype).
     """
     if not os.path.exists(path):
-        # a name under data/ has its prepare.py; a directory given as a path was prepared some other
-        # way
-        named = dataset and not os.path.isabs(dataset) and os.sep not in dataset
-        hint = f"run python data/{dataset}/prepare.py first" if named else "prepare the dataset first"
-        raise UserError(f"no token file at {path}; {hint}")
+        raise UserError(missing_token_file(path, dataset))
     size = os.path.getsize(path)
     if size == 0:  # (numpy can't memmap an empty file)
         raise UserError(f"{path} is empty (0 tokens); re-run the dataset's prepare.py on some text")
@@ -76,8 +80,12 @@ def open_token_file(path, dataset=None, dtype=None):
     Any token file split_files returns, validated, as a read-only memmap of its tokens (never read
     whole).
     """
-    if os.path.isdir(path):  # (else an IsADirectoryError from deep in numpy)
+    kind = special_file(path)
+    if kind == 'a directory':  # (else an IsADirectoryError from deep in numpy)
         raise UserError(f"{path} is a directory, not a token file; move it away and re-run the "
+                        f"dataset's prepare.py, or pass another --dataset")
+    if kind is not None:  # a FIFO's size is 0 and its reading never ends: said without opening it
+        raise UserError(f"{path} is {kind}, not a regular token file; move it away and re-run the "
                         f"dataset's prepare.py, or pass another --dataset")
     try:
         if not has_header(path):

@@ -19,6 +19,7 @@ Usage:
 
 import os
 import re
+import stat
 
 # the exit code of a run stopped cleanly by SIGTERM/SIGINT after saving its checkpoint: sysexits.h's
 # EX_TEMPFAIL ("temporary failure, retry"), so a scheduler can tell "interrupted, resume me" from
@@ -99,6 +100,24 @@ def printable(text):
     such as scripts/slurm_train.sh might read) or drive the terminal.
     """
     return ''.join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def special_file(path):
+    """
+    What path is when it is there but is not a regular file ('a FIFO', 'a character device', 'a
+    directory', ...), else None (a regular file, a link to one, or nothing at all). Told by os.stat
+    alone: a FIFO is never opened, so asking can't block.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    kinds = ((stat.S_ISDIR, 'a directory'), (stat.S_ISFIFO, 'a FIFO (named pipe)'),
+             (stat.S_ISCHR, 'a character device'), (stat.S_ISBLK, 'a block device'),
+             (stat.S_ISSOCK, 'a socket'))
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in kinds if test(mode)), 'not a regular file')
 
 
 def error_line(error, limit=200):

@@ -24,10 +24,9 @@ import glob
 import json
 import os
 import shutil
-import stat
 from contextlib import contextmanager
 
-from nanogpt_plus.errors import UserError
+from nanogpt_plus.errors import UserError, special_file
 from nanogpt_plus.signals import held
 
 # in every temp file's name, so that a sweep for the temps of killed runs removes only files this
@@ -369,25 +368,6 @@ def _fsync_dir(path):
 # -----------------------------------------------------------------------------
 # what an output may not be
 
-# what a path that is neither a regular file nor a directory is, by its stat mode
-SPECIAL_FILES = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
-                 (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def special_file(path):
-    """
-    What the thing at path is when it exists and is neither a regular file nor a directory (a FIFO,
-    a socket, a device; through a symbolic link too): 'a named pipe (FIFO)', ...; else None.
-    """
-    try:
-        mode = os.stat(path).st_mode  # follows a symbolic link: what a write would reach
-    except (OSError, ValueError):
-        return None  # nothing there (or a dangling link): a new file
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-        return None
-    return next((what for test, what in SPECIAL_FILES if test(mode)), "not a regular file")
-
-
 def check_not_special(path, setting):
     """
     Refuse, in one line and whatever --overwrite says, an output path that exists and is neither a
@@ -398,7 +378,7 @@ def check_not_special(path, setting):
     one.
     """
     what = special_file(path)
-    if what is not None:
+    if what is not None and what != 'a directory':  # a directory output is each script's own check
         if os.path.islink(os.path.normpath(path)):
             what = f"a symbolic link to {what}"
         raise UserError(

@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
 from nanogpt_plus import init_from
-from nanogpt_plus.checkpoint import build_checkpoint, checkpoint_path, load_checkpoint
+from nanogpt_plus.checkpoint import build_checkpoint, checkpoint_path, load_checkpoint, require_entries
 from nanogpt_plus.distributed import all_reduce_sum, master_decides
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.files import atomic_write
@@ -548,13 +548,14 @@ def add_special_tokens(gpt, source_ckpt):
     return {'start': v, 'delim': v + 1, 'extract': v + 2}
 
 
-def start(files, source, chosen, resume_file):
+def start(files, source, chosen, resume_file, epochs=None):
     """
     finetune.py's checks of what each rank reads, before any work (run by every rank, one verdict):
     the files (TaskFiles) are there, and the model's architecture is its source's
     (init_from.source_settings, train.py's rules; block_size 0 = the model's own; chosen: the
-    architecture settings the user gave, {name: value}). Returns source_settings's (the settings the
-    source imposes, the checkpoint resumed or None).
+    architecture settings the user gave, {name: value}; epochs: a training run's, whose resume of a
+    complete fine-tune is refused). Returns source_settings's (the settings the source imposes, the
+    checkpoint resumed or None).
     """
     for setting in ('train_file', 'val_file', 'predict_file'):
         path = getattr(files, setting)
@@ -562,7 +563,7 @@ def start(files, source, chosen, resume_file):
             raise UserError(f"--{setting}={path}: there is no file at that path on this machine; "
                             f"check the path (every node of a run must see it)")
     return init_from.source_settings(source, chosen, keep_zero=('block_size',),
-                                     resume_file=resume_file)
+                                     resume_file=resume_file, epochs=epochs)
 
 
 def task_model_and_data(gpt, tokenizer_meta, source, task, spec, files):
@@ -813,6 +814,8 @@ def _predict(spec, dist_info):
                  inputs={'predict_file': spec.predict_file}, output_kind='predictions')
     ckpt = load_checkpoint(path)
     model = model_from_finetune_checkpoint(ckpt)
+    # what predicting reads
+    require_entries(ckpt, path, ('tokenizer', 'special_tokens', 'label_map'))
     if spec.task and spec.task != ckpt['task']:
         raise UserError(f"--task={spec.task} but {path} was fine-tuned for {ckpt['task']}; "
                         f"drop --task")

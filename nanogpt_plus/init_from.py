@@ -22,8 +22,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from model import GPT, GPT2_NAMES, MODERN, GPTConfig
-from nanogpt_plus.checkpoint import CHECKPOINT, checkpoint_path, load_checkpoint, resume_point, saved_count
-from nanogpt_plus.dataset import check_dataset_tokenizer, find_dataset, read_dataset_meta, tokenizer_size
+from nanogpt_plus.checkpoint import (
+    CHECKPOINT,
+    checkpoint_path,
+    load_checkpoint,
+    require_entries,
+    resume_point,
+    saved_count,
+)
+from nanogpt_plus.dataset import check_dataset_tokenizer, find_dataset, is_prepared, read_dataset_meta, tokenizer_size
 from nanogpt_plus.errors import NothingToDo, UserError
 from nanogpt_plus.machine import check_model_memory
 
@@ -66,7 +73,7 @@ def init_model(init_from, out_dir='out', dataset=None, spec=None, dropout=None,
     if ckpt_path is not None:
         ckpt = load_checkpoint(ckpt_path, map_location='cpu')
         return model_from_checkpoint(ckpt, dropout, on_meta,
-                                     ckpt_path), checkpoint_tokenizer_meta(ckpt), ckpt
+                                     ckpt_path), checkpoint_tokenizer_meta(ckpt, path=ckpt_path), ckpt
     if init_from in GPT2_NAMES or is_hf_dir(init_from):
         # only for Hugging Face weights
         from nanogpt_plus.hf_import import pretrained_tokenizer_meta
@@ -130,8 +137,12 @@ def check_new_model_fits(spec, dataset, batch_size, attention, on_cpu):
     train.py's check before any work, for a new model (init_from='scratch'; weights that trained
     before have a size that fitted): one of spec (a ModelSpec) whose first step can't fit in memory
     is refused in one line (check_model_memory), counted at the vocabulary of dataset (its name; its
-    meta alone is read).
+    meta alone is read). A dataset not prepared yet is not judged here: a memory figure of a
+    guessed vocabulary would hide the thing to fix, which opening the data says (with the
+    prepare.py to run).
     """
+    if not is_prepared(dataset):
+        return
     try:
         vocab_size = find_dataset(dataset, splits=()).vocab_size or 50304
     except UserError:
@@ -186,14 +197,19 @@ def model_config_from_checkpoint(ckpt, dropout=None):
         raise UserError(f"the checkpoint's model_args don't describe a GPT ({e})") from None
 
 
-def checkpoint_tokenizer_meta(ckpt, data_root='data'):
+def checkpoint_tokenizer_meta(ckpt, data_root='data', path='the checkpoint'):
     """
-    The tokenizer description for a checkpoint: our 'tokenizer' key; for nanoGPT's checkpoints, the
-    meta of the dataset they were trained on (data/<dataset>/meta.pkl, as nanoGPT's sample.py
-    looks), else GPT-2.
+    The tokenizer description for a checkpoint (at path, for messages): our 'tokenizer' key; for
+    nanoGPT's checkpoints, the meta of the dataset they were trained on (data/<dataset>/meta.pkl,
+    as nanoGPT's sample.py looks), else GPT-2.
     """
     if ckpt.get('tokenizer'):
         return ckpt['tokenizer']
+    if 'provenance' in ckpt:
+        # ours (nanoGPT's have no provenance) always hold their tokenizer: guessing GPT-2's would
+        # blame a missing meta.pkl
+        raise UserError(f"{path} has no 'tokenizer' entry, which every checkpoint of this project "
+                        f"holds: it was edited or written by other code; use another checkpoint")
     dataset = (ckpt.get('config') or {}).get('dataset')
     if dataset:
         meta = read_dataset_meta(os.path.join(data_root, dataset))
@@ -345,6 +361,7 @@ def loaded_model(config, state_dict, misfit, source='the checkpoint'):
         model = meta_model(config)
     except ValueError as e:  # e.g. n_embd not divisible by n_head
         raise UserError(f"{misfit} ({e})") from None
+    check_weight_kinds(config, state_dict, misfit, source)
     copies = fp32_copies(
         one_head(state_dict, misfit) if config.tie_embeddings else state_dict, source)
     try:
@@ -360,6 +377,26 @@ def loaded_model(config, state_dict, misfit, source='the checkpoint'):
     # GPT() on meta stays quiet
     print("number of parameters: %.2fM" % (model.get_num_params() / 1e6,))
     return model
+
+
+def check_weight_kinds(config, state_dict, misfit, source):
+    """
+    What a state_dict could be mistaken for otherwise, said first: integer tensors (a GPT's weights
+    are all floating point; copied into the model they fail with torch's words), and an embedding
+    or output head of another shape than config's vocab_size x n_embd (else taken for an untied
+    head, or a shape error about another tensor).
+    """
+    for name, t in state_dict.items():
+        if not t.is_floating_point():
+            raise UserError(f"{source} holds {name} as {str(t.dtype).replace('torch.', '')} values, not "
+                            f"floating-point weights: it was edited or written by other code; use "
+                            f"another copy")
+    table = (config.vocab_size, config.n_embd)
+    for name in ('transformer.wte.weight', 'lm_head.weight'):
+        t = state_dict.get(name)
+        if t is not None and tuple(t.shape) != table:
+            raise UserError(f"{misfit} (its {name} is {' x '.join(map(str, t.shape))}, where vocab_size "
+                            f"{config.vocab_size} and n_embd {config.n_embd} make {table[0]} x {table[1]})")
 
 
 def fp32_copies(state_dict, source='the weights'):
@@ -421,6 +458,9 @@ def one_head(state_dict, misfit):
         return state_dict
     # torch.equal: an fp16 file's tensors compare exactly
     if wte.shape != head.shape or not torch.equal(wte, head):
+        if not (finite(wte) and finite(head)):
+            # NaN is never equal to itself: fp32_copies names the tensor holding it
+            return state_dict
         raise UserError(
             f"{misfit} (its lm_head.weight differs from transformer.wte.weight: an untied output head, "
             f"which this GPT can't hold)")
@@ -480,21 +520,22 @@ class ResumeSpec:
     max_iters: int
 
 
-def source_settings(source, chosen, keep_zero=(), resume=None, resume_file=None):
+def source_settings(source, chosen, keep_zero=(), resume=None, resume_file=None, epochs=None):
     """
     Before any work: the settings the model that source names imposes on the run, {name: value}, and
     the checkpoint it resumes (a path, or None). The script builds its run's settings from the
     user's and these (Settings.replaced) and decides nothing else from them. chosen: {name: value}
     of the FIXED_BY_SOURCE settings the user gave.
-    train.py passes resume (a ResumeSpec); finetune.py passes its resume_file and
-    keep_zero=('block_size',) (0: the model's own). auto_resume: init_from becomes 'resume' when
-    out_dir holds the run's checkpoint (a requeued job), so one command starts a run and continues
-    it. 'resume': resumed_run_settings's rules (finetune.py: resumed_finetune_settings's). Given
-    weights (a checkpoint, an out_dir, gpt2*, a Hugging Face directory): the weights fix the model,
-    so an architecture setting the user gave that differs is refused in one line, and the others are
-    theirs, so that the saved 'config' agrees with 'model_args'; dropout may change and block_size
-    may be smaller (the model is cropped to it). Their files are read as far as the architecture
-    needs (the checkpoint memory-mapped, config.json alone).
+    train.py passes resume (a ResumeSpec); finetune.py passes its resume_file,
+    keep_zero=('block_size',) (0: the model's own) and, when it trains, its epochs. auto_resume:
+    init_from becomes 'resume' when out_dir holds the run's checkpoint (a requeued job), so one
+    command starts a run and continues it. 'resume': resumed_run_settings's rules (finetune.py:
+    resumed_finetune_settings's). Given weights (a checkpoint, an out_dir, gpt2*, a Hugging Face
+    directory): the weights fix the model, so an architecture setting the user gave that differs is
+    refused in one line, and the others are theirs, so that the saved 'config' agrees with
+    'model_args'; dropout may change and block_size may be smaller (the model is cropped to it).
+    Their files are read as far as the architecture needs (the checkpoint memory-mapped, config.json
+    alone).
     """
     imposed = {}
     init_from, out_dir = source.init_from, source.out_dir
@@ -511,7 +552,7 @@ def source_settings(source, chosen, keep_zero=(), resume=None, resume_file=None)
         path = os.path.join(out_dir, resume_file)
         if requeued:
             requeued_run(source.init_from, out_dir, path)
-        imposed.update(resumed_finetune_settings(path, chosen))
+        imposed.update(resumed_finetune_settings(path, chosen, epochs, requeued=source.auto_resume))
     else:
         path = resume_point(out_dir, resume.resume_from)
         if requeued:
@@ -686,18 +727,28 @@ def resume_refusal(out_dir, chosen, max_iters):
     return None
 
 
-def resumed_finetune_settings(path, chosen):
+def resumed_finetune_settings(path, chosen, epochs=None, requeued=False):
     """
     finetune.py's --init_from=resume, before any work: its ckpt_last.pt must be there, and the run
     keeps its architecture (checkpoint_architecture, train.py's rule; finetune's block_size=0 means
-    the
-    model's own).
+    the model's own). A fine-tune that already ran its `epochs` (None: not training) has nothing
+    left to do, as train.py's complete run: a user error, but for a requeued job (auto_resume) one
+    line and exit 0 (NothingToDo), with nothing written.
     """
     if not os.path.exists(path):
         raise UserError(
             f"init_from=resume but there is no {path}; check --out_dir or start a new fine-tune "
             f"with --init_from=<pretrained model>")
     ckpt = load_checkpoint(path)
+    # what the resume reads: the training state, and the task model with its tokens
+    require_entries(ckpt, path, ('optimizer', 'tokenizer', 'task', 'head', 'label_map', 'special_tokens'))
     for key in ('iter_num', 'epoch', 'step_in_epoch'):  # where the fine-tune goes on
         saved_count(ckpt, path, key)
+    done = ckpt['epoch']  # epochs finished: the next one starts at step_in_epoch
+    if epochs is not None and done >= epochs:
+        complete = (f"the fine-tune in {os.path.dirname(path) or '.'} is already complete (its "
+                    f"{os.path.basename(path)} has finished {done} epoch(s); epochs={epochs})")
+        if requeued:
+            raise NothingToDo(f"auto_resume=True: {complete}; nothing to do")
+        raise UserError(f"{complete}; to train further, resume with a larger --epochs")
     return checkpoint_architecture(ckpt, path, chosen, keep_zero=('block_size',))

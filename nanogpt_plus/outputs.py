@@ -44,7 +44,7 @@ from datetime import datetime
 from nanogpt_plus.checkpoint import CHECKPOINT, branch_off, checkpoint_files, is_checkpoint_name, sidecar_of
 from nanogpt_plus.dataset import RAW_NAMES, is_shard_name, tokenizer_identity
 from nanogpt_plus.distributed import master_decides
-from nanogpt_plus.errors import UserError
+from nanogpt_plus.errors import UserError, special_file
 from nanogpt_plus.files import check_not_special, flock_held, remove_stale_temps_in, temp_path
 
 LOCK_NAME = 'run.lock'
@@ -87,9 +87,10 @@ class OutDirLock:
         self.out_dir = out_dir
         self.path = os.path.join(out_dir, LOCK_NAME)
         self.fd = None  # our lock file, flocked, while we hold it
+        self.created = []  # the directories acquire() made for out_dir, the outermost first
 
     def acquire(self):
-        make_out_dir(self.out_dir)
+        self.created = make_out_dir(self.out_dir)
         if os.path.lexists(self.path) and not os.path.isfile(self.path):
             raise UserError(
                 f"{self.path} is not a lock file (a directory or another kind of file is in its place); "
@@ -221,6 +222,11 @@ def flock_new_file(fd, out_dir):
 
 
 def make_out_dir(out_dir):
+    """
+    Create out_dir (and the directories above it that are missing), refusing a file or a dataset's
+    directory in its place; returns the directories it created, the outermost first ([]: out_dir
+    was there), which a refused run removes again while they are empty (remove_created).
+    """
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"out_dir {out_dir} is a file, not a directory; pass another --out_dir")
     # a run's files (ckpt.pt, metrics.jsonl, ...) beside a dataset's would mix two things that cost
@@ -231,12 +237,32 @@ def make_out_dir(out_dir):
         raise UserError(
             f"out_dir {out_dir} is a dataset's directory (it holds {held[0]}); pass another --out_dir"
         )
+    missing = []
+    place = os.path.abspath(out_dir)
+    while not os.path.lexists(place):
+        missing.insert(0, place)
+        place = os.path.dirname(place)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
+        remove_created(missing)  # the parents it made before it failed
         raise UserError(
             f"could not create out_dir {out_dir} ({e.strerror or e}); pass another --out_dir"
         ) from None
+    return missing
+
+
+def remove_created(created):
+    """
+    After a refused run: remove the directories it created for its out_dir (make_out_dir's list), the
+    innermost first, each only while it is still empty, so that a refusal leaves nothing behind and
+    never removes what anyone put there meanwhile.
+    """
+    for directory in reversed(created):
+        try:
+            os.rmdir(directory)  # fails on a directory that is not empty: it stays
+        except OSError:
+            return
 
 
 def write_lock_record(fd, path):
@@ -272,7 +298,8 @@ def read_holder(fd):
 @contextmanager
 def claim_out_dir(out_dir, dist_info, prepare=None):
     """
-    Hold out_dir's lock on rank 0 for the body of the with-block, released however it ends. Then
+    Hold out_dir's lock on rank 0 for the body of the with-block, released however it ends (and
+    out_dir removed again when the block fails and this claim created it, while it is empty). Then
     (still on rank 0) check that no checkpoint name there is taken by a directory, run prepare()
     (e.g. the overwrite check) and remove the temp files dead processes of ours left there. Every
     rank learns whether rank 0 succeeded (master_decides), so a refused run ends on all of them.
@@ -293,11 +320,17 @@ def claim_out_dir(out_dir, dist_info, prepare=None):
         except BaseException:
             lock.release()
             raise
-    master_decides(dist_info, claim)
     try:
-        yield lock
-    finally:
-        lock.release()
+        master_decides(dist_info, claim)
+        try:
+            yield lock
+        finally:
+            lock.release()
+    except BaseException:
+        # a refused run (its settings, data or disk) leaves no empty out_dir of its own making; one
+        # that wrote anything keeps it
+        remove_created(lock.created)
+        raise
 
 
 def live_holder(directory):
@@ -691,6 +724,10 @@ def check_out_dir(out_dir, writes, overwrite=False):
     files and meta are removed, so the new dataset replaces it (a loader refuses a directory with
     both kinds), and a run's files are left alone.
     """
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        # (else the write fails at the end, after all the work, as if the disk were full)
+        raise UserError(f"out_dir {out_dir} is {special_file(out_dir) or 'a file'}, not a directory; pass "
+                        f"another --out_dir")
     if not os.path.isdir(out_dir):
         return
     if flock_held(os.path.join(out_dir, LOCK_NAME)):

@@ -31,6 +31,8 @@ from nanogpt_plus.errors import exit_code
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # the exit code of work a signal stopped that can't resume: a shell's for Ctrl-C (128 + SIGINT)
 EXIT_STOPPED = 130
+# what a signal does to resumable work, said when it comes (GracefulExit's notice)
+FINISH_AND_SAVE = "finishing this iteration, then saving a checkpoint"
 
 
 class Stopped(KeyboardInterrupt):
@@ -66,12 +68,15 @@ class GracefulExit:
     rank has joined the agreement.
     """
 
-    def __init__(self, keep=False, resumable=True):
+    def __init__(self, keep=False, resumable=True, notice=FINISH_AND_SAVE):
         # keep: installed for the whole process (early_exit_request): uninstall() then only marks
         # the work done
         self.keep = keep
         # False: a signal stops the work at once (Stopped); True: it sets the flag a loop polls
         self.resumable = resumable
+        # what the handler says a signal does to resumable work: a script that doesn't know yet
+        # whether its work can resume (finetune.py: training, or predictions alone) says both
+        self.notice = notice
         self.working = False  # run_main has called the script's main() (work_started)
         self.done = False
         self.requested = False
@@ -122,7 +127,7 @@ class GracefulExit:
                 raise SystemExit(EXIT_STOPPED)
             raise Stopped(signum)
         if not _in_process_group():  # several processes: should_stop says it, once they all agreed
-            _say(f"\nreceived {name}: finishing this iteration, then saving a checkpoint")
+            _say(f"\nreceived {name}: {self.notice}")
 
     def interrupt_at_once(self):
         """
@@ -266,18 +271,19 @@ _KEPT = None
 _EXIT_CODE = None
 
 
-def early_exit_request(name, resumable=True):
+def early_exit_request(name, resumable=True, notice=FINISH_AND_SAVE):
     """
     For a script's first lines, before torch is imported (seconds): with name '__main__' (run as a
     script), a GracefulExit installed now and kept until the process ends, so that a signal at any
     moment ends the run in one line with exit code 75 (resumable work, before or during it), 130
     (work that can't resume) or the code the work earned (after it); None when the script is
-    imported (a test calls its main()). This module imports nothing heavy for that reason.
+    imported (a test calls its main()). notice: what a signal then does, said when it comes
+    (GracefulExit). This module imports nothing heavy for that reason.
     """
     global _KEPT
     if name != '__main__' or not _is_the_program(sys._getframe(1).f_globals.get('__file__')):
         return None
-    _KEPT = GracefulExit(keep=True, resumable=resumable).install()
+    _KEPT = GracefulExit(keep=True, resumable=resumable, notice=notice).install()
     # registered before any other module's exit function, so it runs after all of them
     atexit.register(_end_now)
     return _KEPT

@@ -28,7 +28,10 @@ def dataset(tmp_path):
     d = tmp_path / 'ds'
     d.mkdir()
     np.tile(np.arange(30, dtype=np.uint16), 200).tofile(d / 'train.bin')
-    (d / 'meta.json').write_text(json.dumps({'kind': 'char', 'vocab_size': 30, 'stoi': {}, 'itos': {}}))
+    # a vocabulary of its 30 ids (meta.json must agree with itself)
+    stoi = {chr(65 + i): i for i in range(30)}
+    (d / 'meta.json').write_text(json.dumps({'kind': 'char', 'vocab_size': 30, 'stoi': stoi,
+                                             'itos': {i: c for c, i in stoi.items()}}))
     return str(d)
 
 

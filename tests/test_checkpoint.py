@@ -445,3 +445,60 @@ def test_a_new_run_with_overwrite_removes_the_earlier_runs_other_checkpoints_at_
     # only the first save removes anything
     checkpointer.write('ckpt_last.pt', build, 2, training_state=False)
     assert (tmp_path / 'mine.pt').exists() and load_checkpoint(str(tmp_path / 'ckpt.pt'))['iter_num'] == 1
+
+
+# -----------------------------------------------------------------------------
+# a checkpoint that can't be used says why: the entry it lacks, the file system's error
+
+def _tiny_checkpoint(directory):
+    from helpers import save_test_checkpoint
+    from nanogpt_plus.tokenizer import CharTokenizer
+    tok = CharTokenizer.from_text("abcdefgh ")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=tok.vocab_size))
+    return save_test_checkpoint(model, tok.meta(), directory / 'ckpt.pt')
+
+
+def _without(key):
+    def edit(ckpt):
+        del ckpt[key]
+        return ckpt
+    return edit
+
+
+UNUSABLE = {
+    'no model_args': (_without('model_args'), "has no 'model_args' entry; use a checkpoint written by train.py"),
+    'no tokenizer': (_without('tokenizer'), "has no 'tokenizer' entry, which every checkpoint of this project holds"),
+    'a list': (lambda ckpt: [ckpt['model']], "holds a list, not a checkpoint's dict of entries"),
+}
+
+
+@pytest.mark.usefixtures('one_thread')
+@pytest.mark.parametrize('case', list(UNUSABLE))
+def test_a_checkpoint_lacking_an_entry_names_it(case, tmp_path, monkeypatch, capsys):
+    from helpers import assert_one_line_error, run
+    edit, message = UNUSABLE[case]
+    path = _tiny_checkpoint(tmp_path)
+    torch.save(edit(dict(torch.load(path, weights_only=True))), tmp_path / 'edited.pt')
+    os.replace(tmp_path / 'edited.pt', path)
+    before = sorted(os.listdir(tmp_path))
+    code, _, err = run('sample.py', monkeypatch, capsys, f'--out_dir={tmp_path}', '--device=cpu', '--start=abc',
+                       '--num_samples=1', '--max_new_tokens=2')
+    assert_one_line_error(code, err, message)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_an_unreadable_checkpoint_is_not_called_corrupt(tmp_path, monkeypatch):
+    path = _tiny_checkpoint(tmp_path)
+
+    # as a file without read permission does for a user who isn't root
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(checkpoint_mod.torch, 'load', refused)
+    with pytest.raises(UserError) as e:
+        load_checkpoint(path)
+    assert str(e.value) == (f"checkpoint {path} could not be read (Permission denied); check the file and its "
+                            f"permissions, or use another checkpoint")
+    monkeypatch.undo()
+    assert load_checkpoint(path)['iter_num'] == 0

@@ -10,7 +10,7 @@ import pytest
 
 import train
 from configurator import ConfigError, Settings, parse_config
-from helpers import REPO, run_python
+from helpers import REPO, exit_code, one_error_line, run_python
 
 DEFAULTS = dict(batch_size=12, learning_rate=6e-4, out_dir='out', compile=None, decay_lr=True, betas=(0.9, 0.95))
 
@@ -97,6 +97,22 @@ def test_malformed_and_missing(tmp_path):
     bad.write_text("batch_size = (\n")
     with pytest.raises(ConfigError, match="syntax error on line"):
         parse_config(DEFAULTS, [str(bad)])
+
+
+def test_a_config_file_that_is_not_a_regular_file_says_so(tmp_path, capsys):
+    fifo = tmp_path / "c.py"
+    os.mkfifo(fifo)  # reading it would wait for a writer forever
+    for path, kind in ((str(fifo), "a FIFO (named pipe)"), (os.devnull, "a character device"),
+                       (str(tmp_path), "a directory")):
+        with pytest.raises(ConfigError) as e:
+            parse_config(DEFAULTS, [path])
+        assert str(e.value) == (f"config file {path} is {kind}, not a regular file; pass a config file such as "
+                                f"config/train_shakespeare_char.py")
+    # train.py given the FIFO: exit 2, that one line, nothing made (out_dir is here)
+    out = tmp_path / "out"
+    assert exit_code(lambda: train.main([str(fifo), "--device=cpu", f"--out_dir={out}"])) == 2
+    assert "c.py is a FIFO (named pipe), not a regular file" in one_error_line(capsys)
+    assert sorted(os.listdir(tmp_path)) == ["c.py"]
 
 
 @pytest.mark.parametrize("args, message", [

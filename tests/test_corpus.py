@@ -379,7 +379,7 @@ def test_corpus_txt_files_and_file_errors(tmp_path):
     with pytest.raises(UserError, match="no files match"):
         expand_files(str(tmp_path / "*.txt"))
     (tmp_path / "a.csv").write_text("x")
-    with pytest.raises(UserError, match="can't read .csv"):
+    with pytest.raises(UserError, match=r"can.t read .*a\.csv: it has the extension \.csv"):
         expand_files(str(tmp_path / "a.csv"))
     (tmp_path / "e.txt").write_text("")
     with pytest.raises(UserError, match="empty"):
@@ -435,3 +435,22 @@ def test_files_an_earlier_preparation_left_are_removed(tmp_path):
     assert not (out / 'tokenizer.json').exists() and (out / 'meta.pkl').exists()
     prepare_corpus(str(out), files=str(corpus), tokenizer='gpt2', progress=False, overwrite=True)
     assert not (out / 'meta.pkl').exists() and json.load(open(out / 'meta.json'))['kind'] == 'gpt2'
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_an_input_without_a_known_extension_and_an_out_dir_that_is_a_file_say_so(tmp_path, monkeypatch, capsys):
+    from helpers import assert_one_line_error, run
+    (tmp_path / "notes").write_text("some text\n")
+    (tmp_path / "a.txt").write_text("some text\n")
+    (tmp_path / "taken").write_text("mine")
+    before = sorted(os.listdir(tmp_path))
+    script = os.path.join("data", "text", "prepare.py")
+    code, _, err = run(script, monkeypatch, capsys, f"--input={tmp_path / 'notes'}", "--tokenizer=char",
+                       f"--out_dir={tmp_path / 'ds'}")
+    assert_one_line_error(code, err, f"can't read {tmp_path / 'notes'}: it has no extension, and --input reads "
+                                     f".txt, .jsonl, .json and .parquet files (told by their extension)")
+    # an out_dir that is a file: said before the work, not as a full disk after it
+    code, _, err = run(script, monkeypatch, capsys, f"--input={tmp_path / 'a.txt'}", "--tokenizer=char",
+                       f"--out_dir={tmp_path / 'taken'}")
+    assert_one_line_error(code, err, f"out_dir {tmp_path / 'taken'} is a file, not a directory; pass another --out_dir")
+    assert sorted(os.listdir(tmp_path)) == before and (tmp_path / "taken").read_text() == "mine"

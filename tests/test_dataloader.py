@@ -398,3 +398,14 @@ def test_a_single_process_computes_none_of_the_digests_the_ranks_compare(tiny_da
     assert data.directory and set(eval_loaders) == {'train', 'val'}
     X, Y = train_loader.next_batch()
     assert X.shape == (2, 8) and torch.equal(X[:, 1:], Y[:, :-1])
+
+
+def test_a_token_file_that_is_not_a_regular_file_is_said_without_opening_it(tmp_path):
+    """ A FIFO's size is 0 (not "empty") and reading it waits forever: its kind is said, from os.stat alone. """
+    fifo = tmp_path / 'train.bin'
+    os.mkfifo(fifo)
+    with pytest.raises(UserError) as e:
+        open_token_file(str(fifo))
+    assert str(e.value) == (f"{fifo} is a FIFO (named pipe), not a regular token file; move it away and re-run the "
+                            f"dataset's prepare.py, or pass another --dataset")
+    assert os.listdir(tmp_path) == ['train.bin']

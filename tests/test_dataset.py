@@ -51,6 +51,12 @@ BAD_META = {
     "an unknown kind": ({"kind": "wordpiece", "vocab_size": 30000}, "names the tokenizer kind 'wordpiece', not one of"),
     "a list, not an object": ([CHAR_META], "holds a list, not a tokenizer description"),
     "eot_token a string": ({"kind": "gpt2", "eot_token": "50256"}, r"says eot_token='50256', not a token id"),
+    # a kind that contradicts the rest: the checkpoints would claim it (a GPT-2 model of 64 tokens)
+    "gpt2 with another size": ({"kind": "gpt2", "vocab_size": 64},
+                               r"says kind 'gpt2' with vocab_size=64, but GPT-2's tokenizer has 50,257 tokens"),
+    "gpt2 with characters": (dict(CHAR_META, kind="gpt2", vocab_size=None),
+                             r"says kind 'gpt2' but holds a character vocabulary \('stoi'/'itos'\)"),
+    "char of another size": (dict(CHAR_META, vocab_size=65), r"says vocab_size=65, but its 'stoi' has 3 characters"),
     "tokenizer_file a list": ({"kind": "bpe", "vocab_size": 512, "tokenizer_file": ["tokenizer.json"]},
                               "has a list as its tokenizer_file, not a string"),
     "tokenizer_json not a text": ({"kind": "bpe", "tokenizer_json": {"model": {}}},

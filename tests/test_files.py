@@ -11,15 +11,8 @@ import pytest
 
 from helpers import dead_pid, dead_runs_temp, run_train, run_with_file_size_limit, train_args
 from nanogpt_plus import finetuning
-from nanogpt_plus.errors import UserError
-from nanogpt_plus.files import (
-    WriteFailed,
-    atomic_write,
-    check_not_special,
-    file_digest,
-    remove_stale_temps_in,
-    special_file,
-)
+from nanogpt_plus.errors import UserError, special_file
+from nanogpt_plus.files import WriteFailed, atomic_write, check_not_special, file_digest, remove_stale_temps_in
 from nanogpt_plus.prepare.shakespeare import prepare_char
 
 
@@ -160,7 +153,7 @@ def test_an_output_that_is_a_device_fifo_or_socket_is_refused_even_for_root(tmp_
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(sock))
         link.symlink_to('/dev/null')
-        for path, what in ((fifo, 'a named pipe (FIFO)'), (sock, 'a socket'),
+        for path, what in ((fifo, 'a FIFO (named pipe)'), (sock, 'a socket'),
                            (link, 'a symbolic link to a character device')):
             with pytest.raises(UserError, match=rf"^--x={path} is {re.escape(what)}, not a regular file"):
                 check_not_special(str(path), 'x')

@@ -37,6 +37,7 @@ from helpers import (
     greedy_ids,
     make_source,
     make_task,
+    one_error_line,
     run_python,
     run_script,
     save_test_checkpoint,
@@ -592,3 +593,56 @@ def test_finetune_times_its_threads_for_training_and_predictions(tmp_path, monke
         assert fake.timed == [] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_a_requeued_finished_fine_tune_says_it_is_finished_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """ auto_resume on a fine-tune that ran its epochs: one line, exit 0, no "resuming", no start record. """
+    src = make_source(tmp_path / 'src')
+    train, val = make_task(tmp_path, 'classification', n_train=16, n_val=4)
+    out = tmp_path / 'ft'
+    args = ['--task=classification', f'--init_from={src}', f'--out_dir={out}', f'--train_file={train}',
+            f'--val_file={val}', '--epochs=2', '--batch_size=8', '--device=cpu', '--auto_resume=True']
+    run_script(finetune, monkeypatch, *args)
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for _ in range(2):  # requeued again and again
+        assert exit_code(lambda: run_script(finetune, monkeypatch, *args)) == 0
+        printed = capsys.readouterr()
+        lines = [line for line in printed.out.splitlines() if not line.startswith('Overriding')]
+        assert lines == [f"auto_resume=True: the fine-tune in {out} is already complete (its ckpt_last.pt has "
+                         f"finished 2 epoch(s); epochs=2); nothing to do"], printed
+        assert printed.err == ''
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # asked for by hand: a user error that says how to go on; a larger --epochs goes on
+    resume = [a for a in args if not a.startswith(('--init_from', '--auto_resume'))] + ['--init_from=resume']
+    assert exit_code(lambda: run_script(finetune, monkeypatch, *resume)) == 2
+    assert one_error_line(capsys).endswith("epochs=2); to train further, resume with a larger --epochs")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    run_script(finetune, monkeypatch, *resume[:-1], '--init_from=resume', '--epochs=3')
+    assert "resuming the fine-tune at epoch 2, step 0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('name, key, predicting', [
+    ('ckpt_last.pt', 'optimizer', False), ('ckpt_last.pt', 'tokenizer', False), ('ckpt_last.pt', 'iter_num', False),
+    ('ckpt.pt', 'special_tokens', True), ('ckpt.pt', 'tokenizer', True)])
+def test_a_fine_tune_checkpoint_lacking_an_entry_names_it(name, key, predicting, tmp_path, monkeypatch, capsys):
+    src = make_source(tmp_path / 'src')
+    train, val = make_task(tmp_path, 'classification', n_train=16, n_val=4)
+    out = tmp_path / 'ft'
+    finetune.finetune(config(task='classification', init_from=src, out_dir=str(out), train_file=train,
+                             val_file=val, epochs=1, batch_size=8), SINGLE)
+    ckpt = dict(torch.load(out / name, weights_only=True))
+    del ckpt[key]
+    torch.save(ckpt, tmp_path / 'edited.pt')
+    os.replace(tmp_path / 'edited.pt', out / name)
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    if predicting:
+        args = [f'--init_from={out}', f'--predict_file={val}', f'--predict_out={tmp_path / "p.jsonl"}']
+    else:
+        args = [f'--out_dir={out}', '--init_from=resume', '--epochs=2', f'--train_file={train}', f'--val_file={val}']
+    assert exit_code(lambda: run_script(finetune, monkeypatch, *args, '--device=cpu')) == 2
+    assert one_error_line(capsys) == (f"error: checkpoint {out / name} has no '{key}' entry: it was edited or "
+                                      f"written by other code; use another checkpoint")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not (tmp_path / 'p.jsonl').exists()

@@ -126,8 +126,14 @@ def test_shapes_only_skips_meta_tensors_only():
 
 def test_a_misfit_checkpoint_is_one_clear_error():
     sd = random_gpt().state_dict()
-    with pytest.raises(UserError, match=r"don't fit its model_args \(.*size mismatch"):
+    # another width: the embedding says so first (of the model_args' size), not torch's list of every mismatch
+    with pytest.raises(UserError, match=r"don't fit its model_args \(its transformer.wte.weight is 50 x 32, where "
+                                        r"vocab_size 50 and n_embd 16 make 50 x 16\)$"):
         loaded_model(GPTConfig(**dict(TINY, n_embd=16)), sd, "the checkpoint's weights don't fit its model_args")
+    # another shape elsewhere: torch's words
+    sd_wide_mlp = dict(sd, **{'transformer.h.0.mlp.c_fc.weight': torch.zeros(4, 32)})
+    with pytest.raises(UserError, match=r"don't fit its model_args \(.*size mismatch"):
+        loaded_model(GPTConfig(**TINY), sd_wide_mlp, "the checkpoint's weights don't fit its model_args")
     with pytest.raises(UserError, match="Missing key"):
         loaded_model(GPTConfig(**dict(TINY, n_layer=3)), sd, "the checkpoint's weights don't fit its model_args")
 
@@ -223,7 +229,8 @@ def tiny_hf_dir(directory, **config):
     (dict(tie_word_embeddings=False), "has no tensor lm_head.weight"),
     (dict(n_layer=3), "has no tensor transformer.h.2.ln_1.weight"),
     (dict(n_layer=1), "holds tensors a GPT-2 has no place for .transformer.h.1"),
-    (dict(n_embd=64, n_head=4), "don't fit its config.json .*size mismatch"),
+    (dict(n_embd=64, n_head=4), "don't fit its config.json .*its transformer.wte.weight is 50 x 32, where "
+                                "vocab_size 50 and n_embd 64 make 50 x 64"),
 ])
 def test_what_our_gpt_cant_compute_is_refused(tmp_path, config, message):
     d = tiny_hf_dir(tmp_path / 'hf', **config)
@@ -631,3 +638,52 @@ def test_a_requeued_complete_run_exits_0_with_one_line(tiny_dataset, finished, t
     )
     assert "resuming it" not in r.stdout and not r.stderr.strip()
     assert open(os.path.join(out_dir, 'ckpt.pt'), 'rb').read() == before
+
+
+# -----------------------------------------------------------------------------
+# weights that can't be loaded say their own cause (not an untied head, not torch's words)
+
+def _int64(sd):
+    return {k: v.long() for k, v in sd.items()}
+
+
+def _narrow_wte(sd):
+    return dict(sd, **{'transformer.wte.weight': torch.zeros(9, 8)})
+
+
+def _nan_in_a_separate_head(sd):
+    # the tied matrix saved twice (as a Hugging Face file may hold it), with a NaN in one copy: never equal
+    wte = sd['transformer.wte.weight'].clone()
+    wte[0, 0] = float('nan')
+    return dict(sd, **{'transformer.wte.weight': wte, 'lm_head.weight': wte.clone()})
+
+
+BAD_WEIGHTS = {
+    'int64': (_int64, "holds transformer.wte.weight as int64 values, not floating-point weights"),
+    'a narrow wte': (_narrow_wte, "(its transformer.wte.weight is 9 x 8, where vocab_size 9 and n_embd 16 make "
+                                  "9 x 16)"),
+    'a NaN in a separate head': (_nan_in_a_separate_head, "holds NaN or infinite values (the first in "
+                                                          "transformer.wte.weight)"),
+}
+
+
+@pytest.mark.usefixtures('one_thread')
+@pytest.mark.parametrize('case', list(BAD_WEIGHTS))
+def test_weights_that_cant_load_name_their_cause(case, tmp_path, monkeypatch, capsys):
+    from helpers import assert_one_line_error, run
+    from nanogpt_plus.tokenizer import CharTokenizer
+    edit, message = BAD_WEIGHTS[case]
+    tok = CharTokenizer.from_text("abcdefgh ")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=tok.vocab_size))
+    path = save_test_checkpoint(model, tok.meta(), tmp_path / 'ckpt.pt')
+    ckpt = dict(torch.load(path, weights_only=True))
+    ckpt['model'] = edit(dict(ckpt['model']))
+    torch.save(ckpt, tmp_path / 'edited.pt')
+    os.replace(tmp_path / 'edited.pt', path)
+    before = sorted(os.listdir(tmp_path))
+    code, _, err = run('sample.py', monkeypatch, capsys, f'--out_dir={tmp_path}', '--device=cpu', '--start=abc',
+                       '--num_samples=1', '--max_new_tokens=2')
+    assert_one_line_error(code, err, message)
+    assert 'untied' not in err
+    assert sorted(os.listdir(tmp_path)) == before

@@ -13,7 +13,7 @@ import torch
 
 import train
 from configurator import parse_config
-from helpers import run_python, train_args
+from helpers import run_python, train_args, write_split_files
 from model import GPT, GPTConfig
 from nanogpt_plus import machine
 from nanogpt_plus.errors import UserError
@@ -262,14 +262,17 @@ def test_a_first_step_that_cant_fit_is_refused_before_anything_is_built(monkeypa
 
 
 @pytest.mark.usefixtures('one_thread')
-def test_the_free_memory_figure_is_pinned_in_tests_and_can_be_set(monkeypatch):
-    # the suite's own pin (conftest): the GPT-2 default config passes whatever else the machine runs
+def test_the_free_memory_figure_is_pinned_in_tests_and_can_be_set(monkeypatch, tmp_path):
+    # the suite's own pin (conftest): the GPT-2 default config passes whatever else the machine runs (on a prepared
+    # dataset of GPT-2's vocabulary: one not prepared is said, with its prepare.py, before any memory figure)
+    gpt2_data = write_split_files(tmp_path / 'owt', range(1000), meta={'kind': 'gpt2', 'vocab_size': 50257})
+    defaults = ["--device=cpu", f"--dataset={gpt2_data}"]
     assert machine.available_host_memory() == 64 * 2**30
-    train.check_settings(parse_config(train.DEFAULTS, ["--device=cpu"]))
+    train.check_settings(parse_config(train.DEFAULTS, defaults))
     monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', '2.5')
     assert machine.available_host_memory() == int(2.5 * 2**30)
     with pytest.raises(UserError, match=r"this machine has 2.5 GiB free"):
-        train.check_settings(parse_config(train.DEFAULTS, ["--device=cpu"]))
+        train.check_settings(parse_config(train.DEFAULTS, defaults))
     for bad in ('lots', 'nan', '1e999', '-5'):
         monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', bad)
         with pytest.raises(UserError, match=f"NANOGPT_FREE_MEMORY_GIB='{bad}' is not a number of GiB"):

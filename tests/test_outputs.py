@@ -921,7 +921,7 @@ def test_an_output_that_is_not_a_regular_file_is_refused_in_every_script(char_ru
     for name, args in runs.items():
         for target in (fifo, link, '/dev/null'):
             code, stdout, err = run(name.split()[0], monkeypatch, capsys, *args[:-1], args[-1] + target)
-            what = 'a character device' if target == '/dev/null' else 'a named pipe (FIFO)'
+            what = 'a character device' if target == '/dev/null' else 'a FIFO (named pipe)'
             if target == link:
                 what = 'a symbolic link to ' + what
             assert_one_line_error(code, err, f"{args[-1]}{target} is {what}, not a regular file")
@@ -992,3 +992,79 @@ def test_two_prepares_in_one_directory_never_both_write(tmp_path, play, monkeypa
     # a refused prepare into a new directory leaves nothing either
     code, _, err = run(PREPARE_CHAR, monkeypatch, capsys, f'--input={tmp_path}/nothing.txt', f'--out_dir={tmp_path}/e')
     assert code == 2 and not (tmp_path / 'e').exists(), err
+
+
+# -----------------------------------------------------------------------------
+# a refused run leaves no out_dir of its own making behind
+
+def broken_dataset(dataset, to, break_it):
+    shutil.copytree(dataset, to)
+    break_it(to)
+    return str(to)
+
+
+def _fifo_train_bin(d):
+    os.remove(d / 'train.bin')
+    os.mkfifo(d / 'train.bin')
+
+
+def _val_id_past_the_vocabulary(d):
+    ids = np.fromfile(d / 'val.bin', dtype=np.uint16)
+    ids[7] = 40
+    ids.tofile(d / 'val.bin')
+
+
+REFUSED_DATASETS = {
+    'missing': (lambda d: shutil.rmtree(d), "no token file at"),
+    'a FIFO train.bin': (_fifo_train_bin, "train.bin is a FIFO (named pipe), not a regular token file"),
+    'meta.json not JSON': (lambda d: (d / 'meta.json').write_text('{"kind": "char"'), "meta.json is unreadable"),
+    "meta.json's kind gpt2 over characters": (
+        lambda d: (d / 'meta.json').write_text('{"kind": "gpt2", "vocab_size": 20}'),
+        "meta.json says kind 'gpt2' with vocab_size=20, but GPT-2's tokenizer has 50,257 tokens"),
+    'an id past the vocabulary': (_val_id_past_the_vocabulary, "val.bin holds token ids up to 40"),
+}
+
+
+@pytest.mark.usefixtures('one_thread')
+@pytest.mark.parametrize('case', list(REFUSED_DATASETS))
+def test_a_run_refused_for_its_data_leaves_no_out_dir(case, dataset, tmp_path, capsys):
+    break_it, message = REFUSED_DATASETS[case]
+    data = broken_dataset(dataset, tmp_path / 'data', break_it)
+    out = tmp_path / 'runs' / 'a' / 'out'  # three directories made for it, all removed again
+    assert exit_code(lambda: train.main(train_args(data, out, max_iters=1))) == 2
+    assert message in one_error_line(capsys)
+    assert sorted(os.listdir(tmp_path)) == (['data'] if case != 'missing' else [])
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_a_refused_run_keeps_an_out_dir_it_did_not_make_and_what_is_in_it(dataset, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from nanogpt_plus import outputs
+    data = broken_dataset(dataset, tmp_path / 'data', _fifo_train_bin)
+    (tmp_path / 'mine').mkdir()
+    assert exit_code(lambda: train.main(train_args(data, tmp_path / 'mine', max_iters=1))) == 2
+    assert "not a regular token file" in one_error_line(capsys)
+    assert os.listdir(tmp_path / 'mine') == []  # the user's own empty directory stays
+    # a full disk while writing the lock: the new out_dir goes again
+    monkeypatch.setattr(outputs.os, 'write', lambda fd, data: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    assert exit_code(lambda: train.main(train_args(dataset, tmp_path / 'new', max_iters=1))) == 2
+    assert "(No space left on device); make room on the disk" in one_error_line(capsys)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ['data', 'mine']
+
+
+@pytest.mark.usefixtures('one_thread')
+@pytest.mark.parametrize('bad', ['{"text": "abc", "label": 0}\n{"text": \n', '{"text": "abc"}\n'])
+def test_a_fine_tune_refused_for_its_task_file_leaves_no_out_dir(bad, tmp_path, monkeypatch, capsys):
+    from helpers import make_source
+    src = make_source(tmp_path / 'src')
+    train_file, val = make_task(tmp_path, 'classification', n_train=16, n_val=4)
+    (tmp_path / 'bad.jsonl').write_text(bad)
+    before = sorted(os.listdir(tmp_path))
+    args = ['--task=classification', f'--init_from={src}', f'--out_dir={tmp_path / "ft"}', f'--val_file={val}',
+            '--epochs=1', '--batch_size=8', '--device=cpu']
+    code = exit_code(lambda: run_script(finetune, monkeypatch, *args, f'--train_file={tmp_path / "bad.jsonl"}'))
+    assert code == 2 and 'bad.jsonl' in one_error_line(capsys)
+    assert sorted(os.listdir(tmp_path)) == before

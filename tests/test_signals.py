@@ -452,3 +452,35 @@ def test_a_script_run_inside_another_program_leaves_its_exit_code_alone(monkeypa
     code, _, _ = run("data/text/prepare.py", monkeypatch, capsys, "--tokenizer=nope")
     assert code == 2
     assert signals._KEPT is None and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_a_signal_before_finetune_knows_its_work_says_what_it_does_to_each(finetune_args, tmp_path, monkeypatch,
+                                                                              capsys):
+    """ Predictions alone, SIGTERM while the settings are checked: not "saving a checkpoint"; 130 and no output. """
+    import finetune
+    from helpers import exit_code, run_script
+    from nanogpt_plus import finetuning
+    ft = tmp_path / 'ft'
+    val_file = next(a.split('=', 1)[1] for a in finetune_args if a.startswith('--val_file='))
+    run_script(finetune, monkeypatch, *finetune_args[1:], '--epochs=1')  # the model to predict with
+    capsys.readouterr()
+    before = sorted(os.listdir(ft))
+    real_start = finetuning.start
+    monkeypatch.setattr(finetuning, 'start', lambda *a, **k: (os.kill(os.getpid(), signal.SIGTERM),
+                                                              real_start(*a, **k))[1])
+    request = GracefulExit(notice=finetune.UNDECIDED).install()
+    monkeypatch.setattr(finetune, 'EXIT_REQUEST', request)
+    monkeypatch.setattr(sys, 'argv', ['finetune.py', f'--init_from={ft}', f'--predict_file={val_file}',
+                                      f'--predict_out={tmp_path / "p.jsonl"}', '--device=cpu'])
+    try:
+        code = exit_code(finetune.main)
+    finally:
+        request.uninstall()
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert code == 130 and err == [
+        "received SIGTERM: a fine-tune finishes its step, then saves a checkpoint; predictions alone (--predict_file "
+        "without --train_file) stop at once",
+        "stopped by SIGTERM before the work was done; it can't be resumed, and no output was left "
+        "half-written (exit code 130)"], err
+    assert sorted(os.listdir(ft)) == before and not (tmp_path / 'p.jsonl').exists()

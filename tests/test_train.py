@@ -13,7 +13,19 @@ import pytest
 import torch
 
 import train
-from helpers import COMPILE, assert_losses_close, eval_losses, iter_losses, one_line, tiny_args, train_args, train_out
+from helpers import (
+    COMPILE,
+    assert_losses_close,
+    eval_losses,
+    exit_code,
+    iter_losses,
+    one_error_line,
+    one_line,
+    tiny_args,
+    train_args,
+    train_out,
+    write_split_files,
+)
 from model import GPT
 from nanogpt_plus import machine
 from nanogpt_plus.checkpoint import load_checkpoint
@@ -215,3 +227,46 @@ def test_train_retunes_threads_only_in_auto_mode(tiny_dataset, tmp_path, monkeyp
 def test_settings_that_crashed_are_one_line(dataset, tmp_path, arg, message):
     assert message in one_line(train_args(dataset, tmp_path / 'out') + arg.split())
     assert not (tmp_path / 'out').exists()
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_a_missing_dataset_is_said_before_the_memory_a_model_of_it_needs(tmp_path, capsys, monkeypatch):
+    """ The GPT-2 defaults on a dataset not prepared: its prepare.py to run, not the memory of a guessed vocabulary. """
+    monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', '1')  # the 124M model's first step can't fit
+    monkeypatch.chdir(tmp_path)
+    args = ['--dataset=no_such_dataset', '--device=cpu', '--compile=False']
+    assert exit_code(lambda: train.main(args)) == 2
+    line = one_error_line(capsys)
+    assert line == ("error: no token file at data/no_such_dataset/train.bin; run python "
+                    "data/no_such_dataset/prepare.py first")
+    assert os.listdir(tmp_path) == []  # no out_dir (nor anything else)
+    # a prepared one: then the memory is what to change
+    write_split_files(tmp_path / 'data' / 'mine', np.arange(1000) % 20)
+    assert exit_code(lambda: train.main(['--dataset=mine', '--device=cpu', '--compile=False'])) == 2
+    assert "GiB of memory" in one_error_line(capsys)
+    assert sorted(os.listdir(tmp_path)) == ['data']
+
+
+@pytest.mark.usefixtures('one_thread')
+@pytest.mark.parametrize('best', [float('nan'), -1.0])
+def test_a_checkpoint_whose_best_val_loss_cant_be_beaten_resumes_with_no_best(best, dataset, tmp_path, capsys):
+    """ NaN (or a negative loss) as the best so far: said in one line, and the next evaluation is the best again. """
+    settings = dict(always_save_checkpoint=False, eval_interval=3, lr_decay_iters=9)
+    train.main(tiny_args(dataset, tmp_path, max_iters=3, **settings))
+    ckpt = load_checkpoint(str(tmp_path / 'ckpt.pt'))
+    assert ckpt['iter_num'] == 4 and math.isfinite(ckpt['best_val_loss'])
+    ckpt['best_val_loss'] = best
+    torch.save(ckpt, tmp_path / 'edited.pt')  # (not over the file ckpt's tensors are mapped from)
+    os.replace(tmp_path / 'edited.pt', tmp_path / 'ckpt.pt')
+    best_before = (tmp_path / 'ckpt_best.pt').read_bytes()
+    capsys.readouterr()
+    train.main(tiny_args(dataset, tmp_path, max_iters=6, init_from='resume', **settings))
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if 'best_val_loss' in line]
+    assert notes == [f"note: {tmp_path / 'ckpt.pt'} records best_val_loss={best}, which no val loss can improve on; "
+                     f"this run starts with no best, so its next evaluation counts as the best"]
+    # iteration 6's evaluation was saved as the best: ckpt_best.pt moved on, with a real loss
+    saved = load_checkpoint(str(tmp_path / 'ckpt_best.pt'))
+    assert (tmp_path / 'ckpt_best.pt').read_bytes() != best_before and saved['iter_num'] == 6
+    assert 0 < saved['best_val_loss'] < 10
+    assert load_checkpoint(str(tmp_path / 'ckpt.pt'))['iter_num'] == 7

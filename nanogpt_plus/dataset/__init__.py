@@ -139,6 +139,29 @@ def dataset_dir(dataset):
     return os.path.join('data', dataset)
 
 
+def missing_token_file(path, dataset=None):
+    """
+    The line for a token file that isn't there: a name under data/ has its prepare.py to run; a
+    directory given as a path was prepared some other way.
+    """
+    named = dataset and not os.path.isabs(dataset) and os.sep not in dataset
+    hint = f"run python data/{dataset}/prepare.py first" if named else "prepare the dataset first"
+    return f"no token file at {path}; {hint}"
+
+
+def is_prepared(dataset):
+    """
+    Whether a dataset's token files are there (what they hold is checked when they are opened):
+    what depends on the dataset (the memory a new model of its vocabulary needs) is judged only
+    then, so that a missing dataset is said first, with its prepare.py.
+    """
+    try:
+        return all(os.path.lexists(path) for split in ('train', 'val')
+                   for path in split_files(dataset, split))
+    except UserError:  # shards without one split: said when the data is opened
+        return False
+
+
 def split_files(dataset, split):
     """
     The token files of a dataset's split ('train' or 'val'), in order: its llm.c shards (by
@@ -365,6 +388,14 @@ def _checked_meta(meta, path, data_dir):
             refuse("has an 'itos' that is not the inverse of its 'stoi'")
     if kind == "char" and "stoi" not in meta:
         refuse("describes a character vocabulary without its 'stoi'")
+    # a kind that contradicts the rest would train, and every checkpoint would then claim it (a
+    # GPT-2 model of 64 tokens that sample.py can't decode)
+    if kind == "gpt2" and ("stoi" in meta or "itos" in meta):
+        refuse("says kind 'gpt2' but holds a character vocabulary ('stoi'/'itos'); set \"kind\": \"char\"")
+    if kind == "gpt2" and size is not None and size != GPT2_TOKENS:
+        refuse(f"says kind 'gpt2' with vocab_size={size}, but GPT-2's tokenizer has {GPT2_TOKENS:,} tokens")
+    if kind == "char" and size is not None and size != len(meta["stoi"]):
+        refuse(f"says vocab_size={size}, but its 'stoi' has {len(meta['stoi'])} characters")
     if kind == "bpe":
         for key in ("tokenizer_file", "tokenizer_sha256", "tokenizer_json"):
             if meta.get(key) is not None and not isinstance(meta[key], str):

@@ -165,10 +165,14 @@ def expand_files(files):
                 f"no files match {pattern}; pass existing .txt, .jsonl or .parquet files")
         paths += matches
     kinds = {os.path.splitext(p)[1].lower() for p in paths}
-    unknown = kinds - set(LOCAL_BUILDERS)
+    unknown = [p for p in paths if os.path.splitext(p)[1].lower() not in LOCAL_BUILDERS]
     if unknown:
+        # a file's kind is told by its extension alone
+        ext = os.path.splitext(unknown[0])[1]
+        named = f"the extension {ext}" if ext else "no extension"
         raise UserError(
-            f"can't read {', '.join(sorted(unknown))} files; use .txt, .jsonl, .json or .parquet")
+            f"can't read {unknown[0]}: it has {named}, and --input reads .txt, .jsonl, .json and "
+            f".parquet files (told by their extension); rename it, e.g. to {os.path.splitext(unknown[0])[0]}.txt")
     # one load_dataset call reads one builder's files
     if len({LOCAL_BUILDERS[k] for k in kinds}) > 1:
         raise UserError(
