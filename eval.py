@@ -95,6 +95,7 @@ DATA = Group(
 SYSTEM = Group(
     'system',
     dist_timeout=settings.dist_timeout(0),
+    join_timeout=settings.join_timeout(120),
     device=settings.device('auto'),
     dtype=settings.dtype('auto'),
     compile=settings.compile(False),

@@ -89,6 +89,7 @@ MODEL = Group(
 SYSTEM = Group(
     'system',
     device=settings.device('auto'),
+    join_timeout=settings.join_timeout(120),
     dtype=settings.dtype('auto'),
     compile=settings.compile(False),
     num_threads=settings.num_threads(0),

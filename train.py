@@ -169,6 +169,7 @@ SYSTEM = Group(
     'system',
     backend=settings.backend('auto'),
     dist_timeout=settings.dist_timeout(0),
+    join_timeout=settings.join_timeout(120),
     parallelism=Setting('ddp', "under torchrun: 'ddp' (a full model copy per rank) or 'fsdp' (shard the "
                                "model, FSDP2)", choices=('ddp', 'fsdp')),
     device=settings.device('auto'),

@@ -20,11 +20,15 @@ import torch.distributed as dist
 from nanogpt_plus.errors import EXIT_USER_ERROR, PeerFailed, UserError, error_line, exit_code
 
 
-def join(device, device_type, backend='auto', timeout=0):
+def join(device, device_type, backend='auto', timeout=0, join_timeout=120):
     """
     Join torchrun's process group (RANK, LOCAL_RANK, WORLD_SIZE in the environment): nccl for CUDA,
     gloo for CPU, each CUDA rank on cuda:LOCAL_RANK. Returns (rank, local_rank, world_size, device).
     timeout: the seconds a collective may wait for the other ranks (0 = PyTorch's default).
+    join_timeout: the seconds this rank waits for every other rank to join (the store's and the
+    backend's rendezvous): a rank whose process ended before joining (killed in its first moments,
+    on a node whose worker never started) ends the others in one line that names it, not after the
+    30 minutes of gloo's default timeout.
     """
     rank = int(os.environ['RANK'])
     local_rank = int(os.environ['LOCAL_RANK'])
@@ -38,11 +42,68 @@ def join(device, device_type, backend='auto', timeout=0):
     if backend == 'auto':
         backend = 'nccl' if device_type == 'cuda' else 'gloo'
     if not dist.is_initialized():
+        arrivals = _Arrivals(rank, world_size, join_timeout)
         kwargs = dict(device_id=torch.device(device)) if backend == 'nccl' else {}
-        if timeout:
-            kwargs['timeout'] = datetime.timedelta(seconds=timeout)
-        dist.init_process_group(backend=backend, **kwargs)
+        # the whole of joining waits join_timeout at most (init_process_group's timeout is the
+        # store's and the rendezvous'), then the collectives wait timeout
+        kwargs['timeout'] = datetime.timedelta(seconds=join_timeout)
+        try:
+            dist.init_process_group(backend=backend, **kwargs)
+        except Exception as e:  # a timeout (DistStoreError, RuntimeError): whose?
+            absent = arrivals.absent()
+            if not absent:
+                raise
+            raise UserError(never_joined(absent, join_timeout)) from e
+        collective = (datetime.timedelta(seconds=timeout) if timeout else
+                      getattr(dist.distributed_c10d, 'default_pg_nccl_timeout', None)
+                      if backend == 'nccl' else dist.distributed_c10d.default_pg_timeout)
+        if collective is not None:
+            dist.distributed_c10d._set_pg_timeout(collective)
     return rank, local_rank, world_size, device
+
+
+def never_joined(absent, join_timeout):
+    """ The line for ranks that had not joined the process group join_timeout seconds after this one. """
+    per_node = int(os.environ.get('LOCAL_WORLD_SIZE', '1')) or 1
+    nodes = sorted({r // per_node for r in absent})
+    ranks = ', '.join(str(r) for r in absent)
+    names = ', '.join(str(n) for n in nodes)
+    return (f"node {names} never joined the process group (rank {ranks}, waited "
+            f"{join_timeout} s): its process ended or stalled before joining; see node {names}'s "
+            f"log (torchrun's summary there says how its worker ended), then start the run again on "
+            f"every node (--join_timeout=S waits longer for a node that is slow to start)")
+
+
+class _Arrivals:
+    """
+    Who has come to join: every rank marks its arrival in torchrun's store (the agent's, at
+    MASTER_ADDR:MASTER_PORT) before joining, so a rank whose join timed out can say which ranks
+    never came. Keys are of this run and restart (TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT).
+    Where the store can't be reached the marks are skipped: the join then fails with PyTorch's error.
+    """
+
+    def __init__(self, rank, world_size, join_timeout):
+        self.world_size = world_size
+        run = os.environ.get('TORCHELASTIC_RUN_ID', 'none')
+        restart = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+        self.prefix = f"nanogpt_plus/arrived/{run}/{restart}/"
+        self.store = None
+        try:
+            self.store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']),
+                                       is_master=False,
+                                       timeout=datetime.timedelta(seconds=join_timeout))
+            self.store.set(self.prefix + str(rank), socket.gethostname())
+        except Exception:  # no store to mark (not torchrun's), or not reachable
+            self.store = None
+
+    def absent(self):
+        """ The ranks that never marked their arrival (none where there was no store). """
+        if self.store is None:
+            return []
+        try:
+            return [r for r in range(self.world_size) if not self.store.check([self.prefix + str(r)])]
+        except Exception:
+            return []
 
 
 # -----------------------------------------------------------------------------
