@@ -88,6 +88,8 @@ class _Arrivals:
         restart = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
         self.prefix = f"nanogpt_plus/arrived/{run}/{restart}/"
         self.store = None
+        if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+            return  # no torchrun agent's store to mark: init_process_group makes the store itself
         try:
             self.store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']),
                                        is_master=False,

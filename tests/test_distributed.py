@@ -213,12 +213,23 @@ def test_dist_timeout_reaches_the_process_group(dataset, tmp_path, monkeypatch, 
     def init_process_group(**kwargs):
         made.append(kwargs)
         return real(**kwargs)
+    set_timeouts = []
+    real_set = dist.distributed_c10d._set_pg_timeout
+
+    def set_pg_timeout(timeout, group=None):
+        set_timeouts.append(timeout)
+        return real_set(timeout, group)
     monkeypatch.setattr(dist, 'init_process_group', init_process_group)
-    train.main(train_args(dataset, tmp_path / 'a', max_iters=1, eval_interval=1, num_threads=1, dist_timeout=77))
-    assert made == [{'backend': 'gloo', 'timeout': datetime.timedelta(seconds=77)}]
+    monkeypatch.setattr(dist.distributed_c10d, '_set_pg_timeout', set_pg_timeout)
+    train.main(train_args(dataset, tmp_path / 'a', max_iters=1, eval_interval=1, num_threads=1, dist_timeout=77,
+                          join_timeout=33))
+    # joining waits join_timeout, then the collectives dist_timeout
+    assert made == [{'backend': 'gloo', 'timeout': datetime.timedelta(seconds=33)}]
+    assert set_timeouts == [datetime.timedelta(seconds=77)]
     dist.destroy_process_group()
     train.main(train_args(dataset, tmp_path / 'b', max_iters=1, eval_interval=1, num_threads=1))
-    assert made[1] == {'backend': 'gloo'}  # 0: the default, not a timeout of 0 s
+    assert made[1] == {'backend': 'gloo', 'timeout': datetime.timedelta(seconds=120)}
+    assert set_timeouts[1] == datetime.timedelta(minutes=30)  # 0: gloo's default, not a timeout of 0 s
     capsys.readouterr()
 
 
