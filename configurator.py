@@ -34,7 +34,7 @@ import os
 import sys
 import types
 
-from nanogpt_plus.errors import ConfigError, UserError
+from nanogpt_plus.errors import ConfigError, ConfigFileError, UserError
 
 
 class Settings(dict):
@@ -260,7 +260,7 @@ def _check_type(key, value, defaults, source):
     if expected is float and type(value) is int:
         return float(value)
     if type(value) is not expected:
-        raise ConfigError(
+        raise ConfigFileError(
             f"{source}: {key} expects {expected.__name__}, got {type(value).__name__} ({value!r})")
     return value
 
@@ -268,16 +268,16 @@ def _check_type(key, value, defaults, source):
 def _read_config_file(path):
     """ The top-level settings assigned by a Python config file, run in its own namespace. """
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path} not found; pass an existing file such as "
+        raise ConfigFileError(f"config file {path} not found; pass an existing file such as "
                           f"config/train_shakespeare_char.py")
     try:
         with open(path, encoding="utf-8") as f:
             source = f.read()
     except UnicodeDecodeError as e:
-        raise ConfigError(
+        raise ConfigFileError(
             f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except OSError as e:
-        raise ConfigError(f"config file {path} could not be read ({e.strerror or e})") from None
+        raise ConfigFileError(f"config file {path} could not be read ({e.strerror or e})") from None
     namespace = {"__file__": os.path.abspath(path), "__name__": "__config__"}
     real_exit = os._exit
     # os._exit would end the process at once, exit code 0 and no word: while the file runs it is
@@ -286,16 +286,16 @@ def _read_config_file(path):
     try:
         exec(compile(source, path, "exec"), namespace)
     except SyntaxError as e:
-        raise ConfigError(
+        raise ConfigFileError(
             f"config file {path} has a syntax error on line {e.lineno}: {e.msg}") from None
     # sys.exit() or exit() in a config file must not end the run as if it had finished
     except SystemExit as e:
-        raise ConfigError(
+        raise ConfigFileError(
             f"config file {path} calls exit() on line {_failing_line(e, path)}; a config file only "
             f"assigns settings: remove that call") from None
     # NameError, ImportError, ZeroDivisionError, ...: the file's own code failed
     except Exception as e:
-        raise ConfigError(f"config file {path} failed on line {_failing_line(e, path)} "
+        raise ConfigFileError(f"config file {path} failed on line {_failing_line(e, path)} "
                           f"({type(e).__name__}: {e}); fix that line") from None
     finally:
         os._exit = real_exit

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogpt_plus.errors import UserError
+from nanogpt_plus.errors import MachineError, UserError
 from nanogpt_plus.machine import check_environment, device_type_of, resolve_device
 
 
@@ -101,7 +101,7 @@ def check_group_settings(device, backend):
     """ Refuse a device this machine lacks, or a backend that can't drive the device. """
     device_type = device_type_of(resolve_device(device))
     if backend == 'nccl' and device_type != 'cuda':
-        raise UserError(f"--backend=nccl needs CUDA, and this node's device is {device_type}: use "
+        raise MachineError(f"--backend=nccl needs CUDA, and this node's device is {device_type}: use "
                         f"--backend=gloo (or auto) on a CPU node, or --device=cuda where CUDA works")
 
 

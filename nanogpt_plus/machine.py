@@ -21,7 +21,7 @@ from contextlib import nullcontext
 
 import torch
 
-from nanogpt_plus.errors import UserError
+from nanogpt_plus.errors import MachineError, UserError
 
 # -----------------------------------------------------------------------------
 # the device, its precision and compile choice, its free memory
@@ -47,16 +47,16 @@ def resolve_device(device='auto'):
         raise UserError(f"unknown device '{device}': use auto, cpu, cuda, cuda:N or mps")
     if kind == 'cuda':
         if not torch.cuda.is_available():
-            raise UserError(
+            raise MachineError(
                 f"device '{device}' was asked for but CUDA is not available; use --device=cpu (or auto)"
             )
         if index and int(index) >= torch.cuda.device_count():
-            raise UserError(
+            raise MachineError(
                 f"device '{device}' does not exist: this machine has {torch.cuda.device_count()} GPU(s)"
             )
     if kind == 'mps' and not (getattr(torch.backends, 'mps', None) and
                               torch.backends.mps.is_available()):
-        raise UserError(
+        raise MachineError(
             "device 'mps' was asked for but MPS is not available; use --device=cpu (or auto)")
     return device
 
@@ -211,7 +211,7 @@ def environment_value(name):
     except ValueError:
         value = None
     if value is None or value < least or (exclusive and value == least):
-        raise UserError(f"the environment variable {name}={os.environ[name]!r} is not {what}; "
+        raise MachineError(f"the environment variable {name}={os.environ[name]!r} is not {what}; "
                         f"set it to one or unset it")
     return value
 
@@ -286,7 +286,7 @@ def check_model_memory(config, batch_size, attention, on_cpu):
             free = (f"NANOGPT_FREE_MEMORY_GIB={os.environ['NANOGPT_FREE_MEMORY_GIB']} says this "
                     f"machine has {available / 2**30:,.3g} GiB free (unset it to use what the "
                     f"machine has)")
-        raise UserError(f"this model needs at least {need / 2**30:,.1f} GiB of memory "
+        raise MachineError(f"this model needs at least {need / 2**30:,.1f} GiB of memory "
                         f"({'; '.join(parts)}), and {free}; use a smaller --block_size, "
                         f"--batch_size or model (a step may use "
                         f"{100 * (1 - MEMORY_MARGIN):.0f}% of the free memory)")

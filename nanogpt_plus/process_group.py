@@ -17,7 +17,16 @@ import socket
 import torch
 import torch.distributed as dist
 
-from nanogpt_plus.errors import EXIT_USER_ERROR, PeerFailed, UserError, error_line, exit_code
+from nanogpt_plus.errors import (
+    EXIT_USER_ERROR,
+    ConfigError,
+    ConfigFileError,
+    MachineError,
+    PeerFailed,
+    UserError,
+    error_line,
+    exit_code,
+)
 
 
 def join(device, device_type, backend='auto', timeout=0, join_timeout=120):
@@ -186,14 +195,11 @@ def every_rank(dist_info, fn, agree=None):
     if failed:
         first = failed[0]
         message = outcomes[first][3]
-        # a file one node has, another lacks
+        # what one node met, another didn't: where, and what differs between them
         if len(failed) < dist_info.world_size and outcomes[first][0] == EXIT_USER_ERROR:
             fine = sorted({o[1] for o in outcomes if o[0] is None})
-            message = (
-                f"{message} [rank {first} on {outcomes[first][1]}; ranks on {', '.join(fine)} "
-                f"found what they needed: every node must have the same files at the same paths "
-                f"(a shared file system, or the same copy on each node), see "
-                f"docs/training.md#many-machines]")
+            message = (f"{message} [rank {first} on {outcomes[first][1]}; ranks on {', '.join(fine)} "
+                       f"{_WHY_ONE_NODE[outcomes[first][5]]}]")
         if dist_info.rank == first and message == str(error):
             raise error
         if dist_info.rank == first:
@@ -210,11 +216,30 @@ def every_rank(dist_info, fn, agree=None):
 def _outcome(error, shown=None):
     """
     What a rank tells the others in a verdict: (its exit code, None when it is fine; its host; its
-    node, torchrun's node rank; its error's line; shown: the values that must agree).
+    node, torchrun's node rank; its error's line; shown: the values that must agree; what the error
+    is about: a key of _WHY_ONE_NODE).
     """
     code = None if error is None else exit_code(error)
     node = os.environ.get('GROUP_RANK', '0')
-    return (code, socket.gethostname(), node, str(error) if error else '', shown)
+    return (code, socket.gethostname(), node, str(error) if error else '', shown, _about(error))
+
+
+# what a user error met on some nodes only says of the others, by what it is about (_about)
+_WHY_ONE_NODE = {
+    'files': ("found what they needed: every node must have the same files at the same paths (a shared "
+              "file system, or the same copy on each node), see docs/training.md#many-machines"),
+    'settings': "read theirs: every node must be given the same command line",
+    'machine': "passed this check: fix this node's machine or environment, or leave the node out",
+}
+
+
+def _about(error):
+    """ What a user error is about: a node's machine, its command line's settings, else its files. """
+    if isinstance(error, MachineError):
+        return 'machine'
+    if isinstance(error, ConfigError) and not isinstance(error, ConfigFileError):
+        return 'settings'
+    return 'files'
 
 
 def end_together(dist_info, failure, group=None):

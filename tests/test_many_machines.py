@@ -62,17 +62,19 @@ def node_copy(dst, dataset):
     return dst
 
 
-def two_nodes(copies, args, timeout=60, script='train.py', node_args=None, meanwhile=None):
+def two_nodes(copies, args, timeout=60, script='train.py', node_args=None, meanwhile=None, node_env=None):
     """
     script under two torchrun agents (--nnodes=2, one process each), each in its own copy; both must end.
     node_args: per node, arguments after args (what differs between the nodes' command lines). meanwhile(procs):
-    what the test does while they run (it may read their stdout).
+    what the test does while they run (it may read their stdout). node_env: per node, more environment variables.
     """
     port = free_port()
     node_args = node_args or [[], []]
+    node_env = node_env or [{}, {}]
     procs = [start_python(TORCHRUN + ['--nnodes=2', '--nproc_per_node=1', f'--node_rank={i}',
                                       '--master_addr=127.0.0.1', f'--master_port={port}', script, *args,
-                                      *node_args[i]], cwd=copy, env=ENV, start_new_session=True)
+                                      *node_args[i]], cwd=copy, env=dict(ENV, **node_env[i]),
+                          start_new_session=True)
              for i, copy in enumerate(copies)]
     began = time.time()
     results = []
@@ -349,14 +351,14 @@ def nodes_with_sample(tmp_path, dataset):
     return nodes
 
 
-def ended_alike(nodes, args, *words, script='train.py', code=2, meanwhile=None):
+def ended_alike(nodes, args, *words, script='train.py', code=2, meanwhile=None, **per_node):
     """
     script on both nodes: both end within a minute, each with one `error:` line holding words, and
     every worker of both nodes with exit code `code` (torchrun's report of each failed worker).
-    Returns the results.
+    per_node: two_nodes' node_args, node_env. Returns the results.
     """
     began = time.time()
-    results = two_nodes(nodes, args, script=script, meanwhile=meanwhile)
+    results = two_nodes(nodes, args, script=script, meanwhile=meanwhile, **per_node)
     assert time.time() - began < 60, f"the nodes took {time.time() - began:.0f} s"
     assert_one_line_on_each_node(results, *words)
     codes = [WORKER_EXIT.findall(r.stderr) for r in results]
@@ -433,6 +435,56 @@ def test_eval_output_file_is_checked_by_rank_0_which_writes_it(tiny_dataset, tmp
     results = two_nodes(nodes, evaluate, script='eval.py')
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
     assert '"task": "loss"' in (nodes[0] / 'res' / 'eval.json').read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a node without CUDA: this machine has it")
+@pytest.mark.parametrize('refused, words', [
+    ('--device=cuda', "device 'cuda' was asked for but CUDA is not available"),
+    ('--backend=nccl', "--backend=nccl needs CUDA, and this node's device is cpu"),
+])
+def test_a_node_whose_device_or_backend_fails_still_joins_and_ends_every_node(tiny_dataset, tmp_path, refused,
+                                                                              words):
+    # the real-world case: one node whose driver is broken. It joins with gloo on the CPU and says why, instead
+    # of raising before joining while node 0 waits in init_process_group
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    results = ended_alike(nodes, tiny('out', max_iters=2), words, "[rank 1 on", node_args=[[], [refused]])
+    # no file is the matter: the line doesn't send the user looking for one
+    assert "same files" not in results[0].stderr
+    assert not (nodes[0] / 'out').exists()
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_before_joining_ends_the_other_node_in_one_line(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    # node 1's worker is killed in its first moments, before train.py can handle a signal (the issue's SIGTERM
+    # 0.1 s in, or kill -9): it never joins the process group
+    (nodes[1] / 'train.py').write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    began = time.time()
+    results = two_nodes(nodes, tiny('out', max_iters=2, join_timeout=10))
+    assert time.time() - began < 90
+    # torchrun's agents both exit 1 (its code for any failed worker); node 0's worker with the one line
+    assert [r.returncode for r in results] == [1, 1]
+    said = [line for line in results[0].stderr.splitlines() if line.startswith('error: ')]
+    assert said == ["error: node 1 never joined the process group (rank 1, waited 10 s): its process ended or "
+                    "stalled before joining; see node 1's log (torchrun's summary there says how its worker "
+                    "ended), then start the run again on every node (--join_timeout=S waits longer for a node "
+                    "that is slow to start)"], results[0].stderr[-3000:]
+    assert WORKER_EXIT.findall(results[0].stderr) == ['2']
+    # node 1's log: torchrun's own summary of its worker's end (nothing of ours ran there)
+    assert WORKER_EXIT.findall(results[1].stderr) == ['-9'], results[1].stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('value, what', [('989 TFLOPS', 'a number of FLOP/s above 0'),
+                                         ('0', 'a number of FLOP/s above 0')])
+def test_a_bad_environment_variable_on_one_node_is_one_verdict(tiny_dataset, tmp_path, value, what):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    results = ended_alike(nodes, tiny('out', max_iters=2),
+                          f"the environment variable NANOGPT_PEAK_FLOPS='{value}' is not {what}", "[rank 1 on",
+                          node_env=[{}, {'NANOGPT_PEAK_FLOPS': value}])
+    assert "same files" not in results[0].stderr
+    assert not (nodes[0] / 'out').exists()
 
 
 # -----------------------------------------------------------------------------
