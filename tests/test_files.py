@@ -11,7 +11,7 @@ import pytest
 from helpers import dead_pid, dead_runs_temp, run_train, run_with_file_size_limit, train_args
 from nanogpt_plus import finetuning
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.files import WriteFailed, atomic_write, file_digest, remove_stale_temps_in
+from nanogpt_plus.files import WriteFailed, atomic_write, file_digest, remove_stale_temps_in, sampled_digest
 from nanogpt_plus.prepare.shakespeare import prepare_char
 
 
@@ -116,3 +116,30 @@ def test_file_digest_tells_contents_of_one_size_apart_from_its_ends(tmp_path):
     data[12800] ^= 1
     c.write_bytes(bytes(data))
     assert file_digest(c, span=4096) == file_digest(a, span=4096) and file_digest(c) != file_digest(a)
+
+
+def test_sampled_digest_sees_a_change_in_the_middle_of_a_token_file(tmp_path):
+    # a token file small enough to be read whole: any byte counts, the middle one too
+    a, c = tmp_path / 'a', tmp_path / 'c'
+    a.write_bytes(os.urandom(1 << 20))
+    data = bytearray(a.read_bytes())
+    data[len(data) // 2] ^= 1
+    c.write_bytes(bytes(data))
+    assert sampled_digest(a) != sampled_digest(c)
+    assert sampled_digest(a) == sampled_digest(tmp_path / 'a')
+    # a larger file: blocks spread over it. 16 blocks of 4 KiB over 1 MiB: one every 64 KiB, so a region that
+    # differs in the middle (a token file prepared otherwise from there on) is seen, while the first and last
+    # 256 KiB, all that was compared before, are the same
+    sampled = dict(whole=1 << 16, blocks=16, block=1 << 12)
+    data = bytearray(a.read_bytes())
+    middle = len(data) // 2
+    data[middle - 40000:middle + 40000] = os.urandom(80000)
+    c.write_bytes(bytes(data))
+    assert sampled_digest(a, **sampled) != sampled_digest(c, **sampled)
+    assert file_digest(a, span=1 << 18) == file_digest(c, span=1 << 18)
+    # what is left unseen: a byte between two blocks (the price of not reading gigabytes)
+    data = bytearray(a.read_bytes())
+    data[(1 << 12) + 100] ^= 1
+    c.write_bytes(bytes(data))
+    assert sampled_digest(a, **sampled) == sampled_digest(c, **sampled)
+    assert sampled_digest(a).startswith(f"{1 << 20}:")
