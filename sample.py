@@ -29,7 +29,7 @@ docs/sampling.md.
 # exit code 130 (it can't resume; no output is left half-written), or is only said once it is done
 from nanogpt_plus.signals import early_exit_request
 
-early_exit_request(__name__, resumable=False)
+EXIT_REQUEST = early_exit_request(__name__, resumable=False)
 
 import codecs
 import sys
@@ -39,13 +39,13 @@ import torch
 
 from configurator import Group, Schema, Setting, read_settings
 from nanogpt_plus import settings
-from nanogpt_plus.distributed import GROUP_SETTINGS, every_rank, start
+from nanogpt_plus.distributed import GROUP_SETTINGS, every_rank, same_everywhere, start
 from nanogpt_plus.engine import MODES, check_sampling_args, generate_stream, typical_step
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.init_from import describe_source, init_model
 from nanogpt_plus.machine import PTDTYPE, auto_threads, device_type_of, precision, resolve_compile
 from nanogpt_plus.progress import Progress
-from nanogpt_plus.runtime import run_main
+from nanogpt_plus.runtime import SAME_START, run_main, same_start
 from nanogpt_plus.settings import flag, non_negative, positive
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
 from nanogpt_plus.weight_formats import WEIGHTS, can_pack, set_weights
@@ -237,11 +237,22 @@ def load_inputs(config):
     return model, tok, start_ids
 
 
+def prompt_files(config):
+    """ {name: path} of what sample.py reads besides the checkpoint: the FILE: prompt, if any. """
+    if config.start.startswith('FILE:'):
+        return {'prompt file': config.start[len('FILE:'):]}
+    return {}
+
+
 def main():
     # under torchrun every rank samples on its own device, after one verdict on its settings and on
     # what it reads: a node that lacks the checkpoint or the prompt file stops every rank at once
     config, failure, group = read_settings(DEFAULTS, sys.argv[1:], check_settings, __doc__, GROUP_SETTINGS)
     dist_info = start(failure, **group)
+    # under torchrun a signal to one rank stops every rank together, between sampling steps
+    together = EXIT_REQUEST is not None and dist_info.under_torchrun
+    if together:
+        EXIT_REQUEST.together()
     top_p = config.top_p
 
     device = dist_info.device
@@ -256,6 +267,9 @@ def main():
         torch.cuda.manual_seed(config.seed)
 
     model, tok, start_ids = every_rank(dist_info, lambda: load_inputs(config))
+    # and all of them the same: the checkpoint (what it is, not only that it exists), the prompt
+    # file, the code and settings; else every rank stops in one line
+    same_everywhere(dist_info, lambda: same_start(dict(config), data=prompt_files(config)), SAME_START)
     model.to(device)
     model.eval()
     model.set_attention(config.attention)
@@ -311,6 +325,11 @@ def main():
         if stream and (token := tokens[0].item()) != stop_token:
             sys.stdout.write(decoder.feed(token))
             sys.stdout.flush()
+        if together:
+            EXIT_REQUEST.stop_together(dist_info)
+    # a rank whose samples all ended early (a stop token) agrees until every rank is done
+    while together and not EXIT_REQUEST.stop_together(dist_info, done=True):
+        pass
     generated = printer.generated()
     dt = time.perf_counter() - t0  # .tolist() waited for the device
 
