@@ -31,6 +31,9 @@ from nanogpt_plus.errors import exit_code
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # the exit code of work a signal stopped that can't resume: a shell's for Ctrl-C (128 + SIGINT)
 EXIT_STOPPED = 130
+# should_stop's stand-in for a signal number: this node's torchrun agent is gone (no signal is
+# this number)
+AGENT_GONE = 1000
 
 
 class Stopped(KeyboardInterrupt):
@@ -89,6 +92,9 @@ class GracefulExit:
         # a process forked from this one (a data-loading or tokenizing pool's worker) inherits the
         # handler: there it gives way to the signal's default, so that its pool can end it
         self._pid = os.getpid()
+        # the process that started this one (under torchrun, the node's agent): should_stop sees it
+        # gone when this process's parent changes
+        self._parent = os.getppid()
 
     def install(self):
         for sig in SIGNALS:
@@ -153,6 +159,10 @@ class GracefulExit:
         process of every other node prints its line too (process_group.end_together).
         """
         failure = self.failure
+        if dist_info.under_torchrun and not self.signum and os.getppid() != self._parent:
+            # this node's torchrun agent ended (kill -9, a crash): stop and save as for a signal, so
+            # that every rank exits 75 and no agent waits its 300 s exit barrier for the gone one
+            self.signum = AGENT_GONE
         if not dist_info.under_torchrun:
             if failure is not None:
                 raise failure
@@ -171,10 +181,9 @@ class GracefulExit:
             from nanogpt_plus.process_group import end_together
             end_together(dist_info, failure, group=self._cpu_group())
         if signum and not self.agreed and dist_info.master:
-            print(
-                f"received {signal.Signals(signum).name}: all processes stop here and save a checkpoint",
-                file=sys.stderr,
-                flush=True)
+            why = (f"received {signal.Signals(signum).name}" if signum != AGENT_GONE else
+                   "the torchrun agent of a node is gone (killed, or it crashed)")
+            print(f"{why}: all processes stop here and save a checkpoint", file=sys.stderr, flush=True)
         self.agreed = self.agreed or bool(signum)
         return bool(signum)
 

@@ -514,6 +514,122 @@ def test_sample_with_the_checkpoint_on_one_node_only_is_one_verdict(tiny_dataset
     assert samples == [10, 10], [r.stdout for r in results]
 
 
+@pytest.mark.slow
+def test_sample_with_another_runs_checkpoint_on_one_node_is_refused_on_both(tiny_dataset, tmp_path):
+    nodes = nodes_with_sample(tmp_path, tiny_dataset)
+    trained(nodes)
+    # node 1's ckpt.pt: another run's, of the same settings and another seed
+    other = run_python(['train.py', *tiny('other', max_iters=2, seed=7)], cwd=nodes[1], env=ENV, timeout=120)
+    assert other.returncode == 0, other.stderr[-2000:]
+    shutil.copy(nodes[1] / 'other' / 'ckpt.pt', nodes[1] / 'out' / 'ckpt.pt')
+    for node in nodes:
+        (node / 'config').mkdir()
+        (node / 'config' / 'abc.py').write_text("start = 'abc'\n")
+    ended_alike(nodes, ['config/abc.py', *SCRIPT_ARGS['sample.py']], "the ranks differ in checkpoint",
+                script='sample.py')
+    # the same checkpoint, but a prompt file that differs
+    shutil.copy(nodes[0] / 'out' / 'ckpt.pt', nodes[1] / 'out' / 'ckpt.pt')
+    for node, prompt in zip(nodes, ('abc', 'cba')):
+        (node / 'prompt.txt').write_text(prompt)
+        (node / 'config' / 'file.py').write_text("start = 'FILE:prompt.txt'\n")
+    ended_alike(nodes, ['config/file.py', *SCRIPT_ARGS['sample.py']], "the ranks differ in data",
+                "prompt file", script='sample.py')
+
+
+def workers_of(proc, timeout=60):
+    """ The worker processes proc (a torchrun agent) started, once it has one. """
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = []
+        for thread in os.listdir(f'/proc/{proc.pid}/task'):
+            try:
+                with open(f'/proc/{proc.pid}/task/{thread}/children') as f:
+                    found += [int(pid) for pid in f.read().split()]
+            except FileNotFoundError:
+                pass
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError("torchrun started no worker")
+
+
+def signal_node_1_once(started, delay, sig=signal.SIGTERM, agent=False, stream='stdout'):
+    """
+    meanwhile for two_nodes: once node 0's stream has a line starting with `started` (both nodes are then in
+    the work), wait delay seconds and send sig to node 1's worker (or, agent=True, to its torchrun agent).
+    """
+    def act(procs):
+        worker = workers_of(procs[1])[0]
+        deadline = time.time() + 90
+        for line in getattr(procs[0], stream):
+            if line.startswith(started) or time.time() > deadline:
+                break
+        time.sleep(delay)
+        os.kill(procs[1].pid if agent else worker, sig)
+    return act
+
+
+def stopped_together(results, code):
+    """ Both nodes' workers ended with code, each node's log with the line of where the signal came. """
+    codes = [WORKER_EXIT.findall(r.stderr) for r in results]
+    assert codes == [[str(code)], [str(code)]], (codes, *(r.stderr[-3000:] for r in results))
+    for r in results:
+        assert "stopped by SIGTERM (received by rank 1 (node 1); every process of the run stopped with it)" \
+            in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_node_during_eval_stops_both_between_batches(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    trained(nodes)
+    # a loss evaluation of minutes: 50 times the val split, a window per batch
+    for node in nodes:
+        val = np.fromfile(node / 'data' / 'tiny' / 'val.bin', dtype=np.uint16)
+        np.tile(val, 50).tofile(node / 'data' / 'tiny' / 'val.bin')
+    began = time.time()
+    results = two_nodes(nodes, ['--init_from=resume', '--out_dir=out', '--device=cpu', '--batch_size=1',
+                                '--num_threads=1', '--dataset=data/tiny'], script='eval.py', timeout=90,
+                        meanwhile=signal_node_1_once('provenance', 5))
+    assert time.time() - began < 90
+    stopped_together(results, 130)
+    assert [r.returncode for r in results] == [1, 1]  # torchrun's code for any failed worker
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_node_during_sampling_stops_both(tiny_dataset, tmp_path):
+    nodes = nodes_with_sample(tmp_path, tiny_dataset)
+    trained(nodes)
+    for node in nodes:
+        (node / 'config').mkdir()
+        (node / 'config' / 'abc.py').write_text("start = 'abc'\n")
+    began = time.time()
+    results = two_nodes(nodes, ['config/abc.py', *SCRIPT_ARGS['sample.py'], '--max_new_tokens=100000',
+                                '--num_threads=1'],
+                        script='sample.py', timeout=90, meanwhile=signal_node_1_once('sampling ', 2, stream='stderr'))
+    # both end at once: node 0's worker stops too (130), so its torchrun skips the exit barrier (300 s) that a
+    # worker which ended well (0) would wait in for node 1's agent
+    assert time.time() - began < 90
+    stopped_together(results, 130)
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_nodes_agent_stops_and_saves_on_both(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    began = time.time()
+    # a run of minutes; node 1's torchrun is killed once training is under way
+    results = two_nodes(nodes, tiny('out', max_iters=100000, eval_interval=100000, log_interval=50),
+                        timeout=90, meanwhile=signal_node_1_once('provenance', 3, sig=signal.SIGKILL,
+                                                                         agent=True))
+    assert time.time() - began < 90
+    # node 1's worker, orphaned, sees its agent gone: every rank stops at one iteration and saves (75), so node
+    # 0's torchrun ends at once instead of waiting 300 s in its exit barrier for the agent that is gone
+    assert "the torchrun agent of a node is gone (killed, or it crashed): all processes stop here and save a " \
+        "checkpoint" in results[0].stderr, results[0].stderr[-3000:]
+    assert WORKER_EXIT.findall(results[0].stderr) == ['75'], results[0].stderr[-3000:]
+    assert results[0].returncode == 1 and results[1].returncode == -signal.SIGKILL
+    assert load_checkpoint(str(nodes[0] / 'out' / 'ckpt.pt'))['iter_num'] > 0
+
+
 # -----------------------------------------------------------------------------
 # a failure one rank meets alone is said on every node
 
