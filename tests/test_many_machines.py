@@ -821,7 +821,8 @@ def test_finetune_compares_the_source_weights_and_the_task_files(tmp_path):
     common = ['--task=classification', '--init_from=src', '--train_file=classification_train.jsonl',
               '--val_file=classification_val.jsonl', '--device=cpu', '--batch_size=8', '--epochs=1',
               '--out_dir=ft']
-    one_verdict(nodes, common, "the ranks differ in checkpoint: the copies of src/ckpt.pt differ (",
+    one_verdict(nodes, common,
+                "the ranks differ in the weights init_from starts from: the copies of src/ckpt.pt differ (",
                 "(iter 0) on node 0 (", "(iter 0) on node 1 (", "copy the one to start from to every node",
                 script='finetune.py')
     shutil.copy(nodes[0] / 'src' / 'ckpt.pt', nodes[1] / 'src' / 'ckpt.pt')
