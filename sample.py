@@ -69,6 +69,8 @@ SAMPLING = Group(
     'sampling',
     start=Setting("\n", "the prompt text, or \"FILE:path\" to read it from a file "
                         "('<|endoftext|>': BPE's end of text)"),
+    prompt=Setting('', "start under another name, for torchrun, which takes --start=... for its own "
+                       "--start_method and refuses the command; '' = start"),
     num_samples=positive(10, "samples to draw, all in one batch"),
     max_new_tokens=non_negative(500, "tokens added to each sample"),
     temperature=Setting(0.8, "divides the logits: < 1.0 sharper, > 1.0 flatter; 0 = greedy "
@@ -104,7 +106,17 @@ def say(line):
     print(line, file=sys.stderr, flush=True)
 
 
-def read_start(start):
+def prompt_setting(config):
+    """
+    (name, value) of the setting that gives the prompt: prompt where it is given, else start.
+    Under torchrun a --start=... on the command line never reaches this script: torchrun takes it for
+    a prefix of its own --start_method and ends with "ambiguous option"; --prompt=... (or start in a
+    config file) passes.
+    """
+    return ('prompt', config.prompt) if config.prompt else ('start', config.start)
+
+
+def read_start(start, name='start'):
     """ The prompt text: start itself, or the contents of the file named by FILE:path. """
     if not start.startswith('FILE:'):
         return start
@@ -114,10 +126,10 @@ def read_start(start):
             return f.read()
     except FileNotFoundError:
         raise UserError(
-            f"start=FILE:{path}: no such file; check the path of the prompt file") from None
+            f"{name}=FILE:{path}: no such file; check the path of the prompt file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(
-            f"start=FILE:{path} could not be read as UTF-8 text ({e}); pass a text file") from None
+            f"{name}=FILE:{path} could not be read as UTF-8 text ({e}); pass a text file") from None
 
 
 def encode_prompt(tok, text, block_size, vocab_size):
@@ -232,15 +244,16 @@ def load_inputs(config):
     tok = load_tokenizer(tokenizer_meta)
     check_tokenizer_fits(model.config, tokenizer_meta,
                          describe_source(config.init_from, config.out_dir))
-    start_ids = encode_prompt(tok, read_start(config.start), model.config.block_size,
+    start_ids = encode_prompt(tok, read_start(*reversed(prompt_setting(config))), model.config.block_size,
                               model.config.vocab_size)
     return model, tok, start_ids
 
 
 def prompt_files(config):
     """ {name: path} of what sample.py reads besides the checkpoint: the FILE: prompt, if any. """
-    if config.start.startswith('FILE:'):
-        return {'prompt file': config.start[len('FILE:'):]}
+    _, text = prompt_setting(config)
+    if text.startswith('FILE:'):
+        return {'prompt file': text[len('FILE:'):]}
     return {}
 
 

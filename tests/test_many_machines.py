@@ -599,11 +599,9 @@ def test_sigterm_to_one_node_during_eval_stops_both_between_batches(tiny_dataset
 def test_sigterm_to_one_node_during_sampling_stops_both(tiny_dataset, tmp_path):
     nodes = nodes_with_sample(tmp_path, tiny_dataset)
     trained(nodes)
-    for node in nodes:
-        (node / 'config').mkdir()
-        (node / 'config' / 'abc.py').write_text("start = 'abc'\n")
     began = time.time()
-    results = two_nodes(nodes, ['config/abc.py', *SCRIPT_ARGS['sample.py'], '--max_new_tokens=100000',
+    # --prompt: torchrun takes a --start=... for its own --start_method
+    results = two_nodes(nodes, [*SCRIPT_ARGS['sample.py'], '--prompt=abc', '--max_new_tokens=100000',
                                 '--num_threads=1'],
                         script='sample.py', timeout=90, meanwhile=signal_node_1_once('sampling ', 2, stream='stderr'))
     # both end at once: node 0's worker stops too (130), so its torchrun skips the exit barrier (300 s) that a
