@@ -406,6 +406,11 @@ def stop_cleanly(run, state, build):
     if run.dist_info.master:
         print(f"stopped cleanly; continue with --init_from=resume --out_dir={run.loop.out_dir} "
               f"(exit code 75)")
+    elif run.dist_info.local_rank == 0:
+        # the first process of another node: its log says why the run ended too, before whatever
+        # torchrun prints of its own (a signalled agent's SignalException traceback)
+        print(f"stopped with every node: rank 0 saved iteration {state.iter_num} to "
+              f"{run.loop.out_dir} on its node; continue with --init_from=resume (exit code 75)")
     return False
 
 

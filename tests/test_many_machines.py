@@ -626,6 +626,8 @@ def test_kill_9_of_one_nodes_agent_stops_and_saves_on_both(tiny_dataset, tmp_pat
     assert WORKER_EXIT.findall(results[0].stderr) == ['75'], results[0].stderr[-3000:]
     assert results[0].returncode == 1 and results[1].returncode == -signal.SIGKILL
     assert load_checkpoint(str(nodes[0] / 'out' / 'ckpt.pt'))['iter_num'] > 0
+    # node 1's log says why its run ended too (its agent can't)
+    assert "stopped with every node: rank 0 saved iteration" in results[1].stdout, results[1].stdout[-2000:]
 
 
 # -----------------------------------------------------------------------------
