@@ -63,11 +63,12 @@ def join(device, device_type, backend='auto', timeout=0, join_timeout=120):
             if not absent:
                 raise
             raise UserError(never_joined(absent, join_timeout)) from e
-        collective = (datetime.timedelta(seconds=timeout) if timeout else
-                      getattr(dist.distributed_c10d, 'default_pg_nccl_timeout', None)
-                      if backend == 'nccl' else dist.distributed_c10d.default_pg_timeout)
-        if collective is not None:
-            dist.distributed_c10d._set_pg_timeout(collective)
+        # PyTorch's defaults where timeout is 0: 10 minutes for nccl (None where torch has no
+        # nccl), 30 for the others
+        from torch.distributed import constants
+        collective = datetime.timedelta(seconds=timeout) if timeout else (
+            backend == 'nccl' and constants.default_pg_nccl_timeout or constants.default_pg_timeout)
+        dist.distributed_c10d._set_pg_timeout(collective)
     return rank, local_rank, world_size, device
 
 

@@ -596,3 +596,15 @@ def test_ddp_two_processes_equals_one_with_double_accumulation(dataset, tmp_path
     assert odd.returncode == 0, odd.stderr[-2000:]
     said = "gradient_accumulation_steps=3 does not split among 2 processes: each runs 2, so an iteration is 4"
     assert odd.stdout.count(said) == 1 and "tokens per iteration will be: 256" in odd.stdout
+
+
+def test_a_verdict_on_one_node_says_what_the_others_did_by_what_failed():
+    # every_rank's suffix: only a file sends the user to compare the nodes' files
+    from nanogpt_plus.errors import ConfigError, ConfigFileError, MachineError, UserError
+    from nanogpt_plus.process_group import _WHY_ONE_NODE, _about
+    assert _about(MachineError("device 'cuda' was asked for but CUDA is not available")) == 'machine'
+    assert _about(ConfigError("unknown setting 'bogus'")) == 'settings'
+    assert _about(ConfigFileError("config file config/x.py not found")) == 'files'
+    assert _about(UserError("no checkpoint at out/ckpt.pt")) == 'files'
+    assert "same files" in _WHY_ONE_NODE['files']
+    assert not any("files" in _WHY_ONE_NODE[k] for k in ('machine', 'settings'))
