@@ -229,7 +229,8 @@ def test_dist_timeout_reaches_the_process_group(dataset, tmp_path, monkeypatch, 
     dist.destroy_process_group()
     train.main(train_args(dataset, tmp_path / 'b', max_iters=1, eval_interval=1, num_threads=1))
     assert made[1] == {'backend': 'gloo', 'timeout': datetime.timedelta(seconds=120)}
-    assert set_timeouts[1] == datetime.timedelta(minutes=30)  # 0: gloo's default, not a timeout of 0 s
+    # 0: gloo's default, not a timeout of 0 s
+    assert set_timeouts[1] == datetime.timedelta(minutes=30)
     capsys.readouterr()
 
 
