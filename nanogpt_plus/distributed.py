@@ -101,8 +101,8 @@ def check_group_settings(device, backend):
     """ Refuse a device this machine lacks, or a backend that can't drive the device. """
     device_type = device_type_of(resolve_device(device))
     if backend == 'nccl' and device_type != 'cuda':
-        raise MachineError(f"--backend=nccl needs CUDA, and this node's device is {device_type}: use "
-                        f"--backend=gloo (or auto) on a CPU node, or --device=cuda where CUDA works")
+        raise MachineError(f"--backend=nccl needs CUDA, and this node's device is {device_type}: "
+                           f"use --backend=gloo (or auto) on a CPU node, or --device=cuda where CUDA works")
 
 
 def _start_verdict(failure):

@@ -44,14 +44,16 @@ class Stopped(KeyboardInterrupt):
     """
 
     def __init__(self, signum, where=''):
-        super().__init__(signal.Signals(signum).name)
+        super().__init__(signal.Signals(signum).name if signum != AGENT_GONE else
+                         "the end of a node's torchrun agent (killed, or it crashed)")
         self.signum = int(signum)
         # under torchrun, where the signal came (GracefulExit.stop_together): 'rank 1 (node 1)'
         self.where = where
 
     def line(self):
         # outputs are written whole or not at all (files.atomic_outputs)
-        at = f" (received by {self.where}; every process of the run stopped with it)" if self.where else ""
+        verb = 'noticed' if self.signum == AGENT_GONE else 'received'
+        at = f" ({verb} by {self.where}; every process of the run stopped with it)" if self.where else ""
         return (f"stopped by {self}{at} before the work was done; it can't be resumed, and no output "
                 f"was left half-written (exit code {EXIT_STOPPED})")
 
@@ -159,10 +161,7 @@ class GracefulExit:
         process of every other node prints its line too (process_group.end_together).
         """
         failure = self.failure
-        if dist_info.under_torchrun and not self.signum and os.getppid() != self._parent:
-            # this node's torchrun agent ended (kill -9, a crash): stop and save as for a signal, so
-            # that every rank exits 75 and no agent waits its 300 s exit barrier for the gone one
-            self.signum = AGENT_GONE
+        self._notice_the_agent(dist_info)
         if not dist_info.under_torchrun:
             if failure is not None:
                 raise failure
@@ -187,6 +186,15 @@ class GracefulExit:
         self.agreed = self.agreed or bool(signum)
         return bool(signum)
 
+    def _notice_the_agent(self, dist_info):
+        """
+        Under torchrun: where this node's agent has ended (kill -9, a crash; this process's parent
+        changed), stop as for a signal, so that every rank ends nonzero and no other agent waits its
+        300 s exit barrier (which follows workers that all exit 0) for the one that is gone.
+        """
+        if dist_info.under_torchrun and not self.signum and os.getppid() != self._parent:
+            self.signum = AGENT_GONE
+
     def together(self):
         """
         For work that can't resume (eval.py's batches, sample.py's tokens) under torchrun: from here
@@ -210,6 +218,7 @@ class GracefulExit:
             if self.requested and not self.done:
                 raise Stopped(self.signum)
             return done
+        self._notice_the_agent(dist_info)
         import torch
         import torch.distributed as dist
         # the signal, whether any rank still works, and the lowest signalled rank (as
