@@ -266,15 +266,34 @@ def test_a_token_file_that_differs_on_one_node_is_refused_on_both(tiny_dataset, 
                                  "but [30000] on rank 1 on", "give every node the same copy of the dataset")
 
 
-def test_a_bad_token_id_in_a_small_split_of_one_node_is_one_verdict(tiny_dataset, tmp_path):
+def test_a_token_file_that_differs_only_in_its_middle_is_refused_on_both(tiny_dataset, tmp_path):
     nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
-    # a train.bin of 648 KB on both nodes, whose middle the digest compared at start-up doesn't read (its first
-    # and last 256 KiB): only the scan at set-up finds node 1's bad id there
-    tokens = np.tile(np.fromfile(nodes[0] / 'data' / 'tiny' / 'train.bin', dtype=np.uint16), 6)
+    # one valid token changed in the middle of node 1's train.bin: same size, same first and last 256 KiB (all
+    # the digest compared before; the run trained silently different)
+    train_bin = nodes[1] / 'data' / 'tiny' / 'train.bin'
+    tokens = np.fromfile(train_bin, dtype=np.uint16)
+    tokens[tokens.size // 2] = (tokens[tokens.size // 2] + 1) % TINY_VOCAB
+    tokens.tofile(train_bin)
+    assert_one_line_on_each_node(two_nodes(nodes, tiny('out', max_iters=2)), "the ranks differ in tokens: train.bin=",
+                                 "rank 1 on", "give every node the same copy of each file")
+    assert not (nodes[0] / 'out').exists()
+
+
+def test_a_bad_token_id_in_a_small_split_of_one_node_is_one_verdict(tiny_dataset, tmp_path):
+    from nanogpt_plus.files import sampled_digest
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    # a train.bin of 18 MB on both nodes (under the 64M tokens scanned whole at set-up, over the 16 MiB the digest
+    # reads whole), node 1's with a bad id between two of the digest's sampled blocks: only the scan at set-up
+    # finds it
+    tokens = np.tile(np.fromfile(nodes[0] / 'data' / 'tiny' / 'train.bin', dtype=np.uint16), 167)
     for node in nodes:
         tokens.tofile(node / 'data' / 'tiny' / 'train.bin')
-    tokens[tokens.size // 2] = TINY_VOCAB + 7
+    size, block = tokens.nbytes, 1 << 14
+    between = round(127 * (size - block) / 255) + block + 1000  # past block 127's end, before block 128
+    tokens[between // 2] = TINY_VOCAB + 7
     tokens.tofile(nodes[1] / 'data' / 'tiny' / 'train.bin')
+    assert sampled_digest(nodes[0] / 'data' / 'tiny' / 'train.bin') == \
+        sampled_digest(nodes[1] / 'data' / 'tiny' / 'train.bin')
     results = two_nodes(nodes, tiny('out', max_iters=2))
     assert_one_line_on_each_node(results, f"holds token ids up to {TINY_VOCAB + 7}", "[rank 1 on",
                                  "every node must have the same files at the same paths")
