@@ -276,7 +276,7 @@ def test_a_token_file_that_differs_only_in_its_middle_is_refused_on_both(tiny_da
     tokens.tofile(train_bin)
     assert_one_line_on_each_node(two_nodes(nodes, tiny('out', max_iters=2)), "the ranks differ in tokens: train.bin=",
                                  "rank 1 on", "give every node the same copy of each file")
-    assert not (nodes[0] / 'out').exists()
+    assert not (nodes[0] / 'out' / 'ckpt.pt').exists()
 
 
 def test_a_bad_token_id_in_a_small_split_of_one_node_is_one_verdict(tiny_dataset, tmp_path):
