@@ -45,6 +45,7 @@ from nanogpt_plus.dataset import find_dataset, split_files
 from nanogpt_plus.distributed import wrap_model
 from nanogpt_plus.init_from import ModelSpec, init_model, scratch_model
 from nanogpt_plus.machine import (
+    check_environment,
     compute_setup,
     cpu_peak,
     describe_thread_choice,
@@ -159,6 +160,7 @@ def check_settings(cfg):
 def main(argv=None):
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     check_settings(cfg)
+    check_environment()  # NANOGPT_PEAK_FLOPS, before the timing it is used for
     device = resolve_device(cfg.device)
     device_type = device_type_of(device)
     torch.manual_seed(cfg.seed)

@@ -34,7 +34,7 @@ import os
 import sys
 import types
 
-from nanogpt_plus.errors import ConfigError, UserError, special_file
+from nanogpt_plus.errors import ConfigError, ConfigFileError, UserError, special_file
 
 
 class Settings(dict):
@@ -260,7 +260,7 @@ def _check_type(key, value, defaults, source):
     if expected is float and type(value) is int:
         return float(value)
     if type(value) is not expected:
-        raise ConfigError(
+        raise ConfigFileError(
             f"{source}: {key} expects {expected.__name__}, got {type(value).__name__} ({value!r})")
     return value
 
@@ -272,16 +272,16 @@ def _read_config_file(path):
         raise ConfigError(f"config file {path} is {kind}, not a regular file; pass a config file "
                           f"such as config/train_shakespeare_char.py")
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path} not found; pass an existing file such as "
+        raise ConfigFileError(f"config file {path} not found; pass an existing file such as "
                           f"config/train_shakespeare_char.py")
     try:
         with open(path, encoding="utf-8") as f:
             source = f.read()
     except UnicodeDecodeError as e:
-        raise ConfigError(
+        raise ConfigFileError(
             f"config file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except OSError as e:
-        raise ConfigError(f"config file {path} could not be read ({e.strerror or e})") from None
+        raise ConfigFileError(f"config file {path} could not be read ({e.strerror or e})") from None
     namespace = {"__file__": os.path.abspath(path), "__name__": "__config__"}
     real_exit = os._exit
     # os._exit would end the process at once, exit code 0 and no word: while the file runs it is
@@ -290,16 +290,16 @@ def _read_config_file(path):
     try:
         exec(compile(source, path, "exec"), namespace)
     except SyntaxError as e:
-        raise ConfigError(
+        raise ConfigFileError(
             f"config file {path} has a syntax error on line {e.lineno}: {e.msg}") from None
     # sys.exit() or exit() in a config file must not end the run as if it had finished
     except SystemExit as e:
-        raise ConfigError(
+        raise ConfigFileError(
             f"config file {path} calls exit() on line {_failing_line(e, path)}; a config file only "
             f"assigns settings: remove that call") from None
     # NameError, ImportError, ZeroDivisionError, ...: the file's own code failed
     except Exception as e:
-        raise ConfigError(f"config file {path} failed on line {_failing_line(e, path)} "
+        raise ConfigFileError(f"config file {path} failed on line {_failing_line(e, path)} "
                           f"({type(e).__name__}: {e}); fix that line") from None
     finally:
         os._exit = real_exit

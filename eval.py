@@ -30,7 +30,7 @@ unless --overwrite=True; an earlier result there is simply replaced).
 # exit code 130 (it can't resume; no output is left half-written), or is only said once it is done
 from nanogpt_plus.signals import early_exit_request
 
-early_exit_request(__name__, resumable=False)
+EXIT_REQUEST = early_exit_request(__name__, resumable=False)
 
 import functools
 import json
@@ -95,6 +95,7 @@ DATA = Group(
 SYSTEM = Group(
     'system',
     dist_timeout=settings.dist_timeout(0),
+    join_timeout=settings.join_timeout(120),
     device=settings.device('auto'),
     dtype=settings.dtype('auto'),
     compile=settings.compile(False),
@@ -204,10 +205,24 @@ def scored_files(cfg, dataset, data_file):
             'data_meta': read_dataset_meta(os.path.dirname(os.path.abspath(paths[0])))}
 
 
+def stop_poll(dist_info):
+    """
+    What the evaluation asks between its batches under torchrun: a signal to any rank stops every
+    rank there, with exit code 130 and a line on each node (train.py's agreement, for work that
+    can't resume); None for one process, which a signal stops at once.
+    """
+    if EXIT_REQUEST is None or not dist_info.under_torchrun:
+        return None
+    EXIT_REQUEST.together()
+    return lambda: EXIT_REQUEST.stop_together(dist_info)
+
+
 def main():
     # the settings, with one verdict for every rank; rank 0 writes the result, and checks where
     cfg, failure, group = read_settings(DEFAULTS, sys.argv[1:], check_settings, __doc__, GROUP_SETTINGS)
     dist_info = start(failure, **group)
+    # from here a signal to one rank stops every rank together, between batches
+    poll = stop_poll(dist_info)
     master_decides(dist_info, lambda: check_output_file(cfg))
     torch.manual_seed(cfg.seed)
     device = dist_info.device
@@ -237,7 +252,7 @@ def main():
     common = dict(data_file=data_file, dataset=dataset, split=cfg.split,
                   batch_size=cfg.batch_size, max_examples=cfg.max_examples, device=device,
                   ctx=ctx, dist_info=dist_info, pad_to=pad_to, progress=dist_info.master,
-                  threads=threads)
+                  threads=threads, poll=poll)
     if cfg.task == 'core':
         result = core.evaluate_bundle(model, tokenizer_meta, **common)
     else:

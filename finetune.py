@@ -164,6 +164,7 @@ SYSTEM = Group(
     'system',
     backend=settings.backend('auto'),
     dist_timeout=settings.dist_timeout(0),
+    join_timeout=settings.join_timeout(120),
     device=settings.device('auto'),
     dtype=settings.dtype('auto'),
     compile=settings.compile(False),

@@ -29,7 +29,7 @@ docs/sampling.md.
 # exit code 130 (it can't resume; no output is left half-written), or is only said once it is done
 from nanogpt_plus.signals import early_exit_request
 
-early_exit_request(__name__, resumable=False)
+EXIT_REQUEST = early_exit_request(__name__, resumable=False)
 
 import codecs
 import sys
@@ -39,13 +39,13 @@ import torch
 
 from configurator import Group, Schema, Setting, read_settings
 from nanogpt_plus import settings
-from nanogpt_plus.distributed import GROUP_SETTINGS, every_rank, start
+from nanogpt_plus.distributed import GROUP_SETTINGS, every_rank, same_everywhere, start
 from nanogpt_plus.engine import MODES, check_sampling_args, generate_stream, typical_step
 from nanogpt_plus.errors import TokenizerError, UserError
 from nanogpt_plus.init_from import describe_source, init_model
 from nanogpt_plus.machine import PTDTYPE, auto_threads, device_type_of, precision, resolve_compile
 from nanogpt_plus.progress import Progress
-from nanogpt_plus.runtime import run_main
+from nanogpt_plus.runtime import SAME_START, run_main, same_start
 from nanogpt_plus.settings import flag, non_negative, positive
 from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
 from nanogpt_plus.weight_formats import WEIGHTS, can_pack, set_weights
@@ -69,6 +69,8 @@ SAMPLING = Group(
     'sampling',
     start=Setting("\n", "the prompt text, or \"FILE:path\" to read it from a file "
                         "('<|endoftext|>': BPE's end of text)"),
+    prompt=Setting('', "start under another name, for torchrun, which takes --start=... for its own "
+                       "--start_method and refuses the command; '' = start"),
     num_samples=positive(10, "samples to draw, all in one batch"),
     max_new_tokens=non_negative(500, "tokens added to each sample"),
     temperature=Setting(0.8, "divides the logits: < 1.0 sharper, > 1.0 flatter; 0 = greedy "
@@ -89,6 +91,7 @@ MODEL = Group(
 SYSTEM = Group(
     'system',
     device=settings.device('auto'),
+    join_timeout=settings.join_timeout(120),
     dtype=settings.dtype('auto'),
     compile=settings.compile(False),
     num_threads=settings.num_threads(0),
@@ -103,7 +106,17 @@ def say(line):
     print(line, file=sys.stderr, flush=True)
 
 
-def read_start(start):
+def prompt_setting(config):
+    """
+    (name, value) of the setting that gives the prompt: prompt where it is given, else start.
+    Under torchrun a --start=... on the command line never reaches this script: torchrun takes it for
+    a prefix of its own --start_method and ends with "ambiguous option"; --prompt=... (or start in a
+    config file) passes.
+    """
+    return ('prompt', config.prompt) if config.prompt else ('start', config.start)
+
+
+def read_start(start, name='start'):
     """ The prompt text: start itself, or the contents of the file named by FILE:path. """
     if not start.startswith('FILE:'):
         return start
@@ -113,10 +126,10 @@ def read_start(start):
             return f.read()
     except FileNotFoundError:
         raise UserError(
-            f"start=FILE:{path}: no such file; check the path of the prompt file") from None
+            f"{name}=FILE:{path}: no such file; check the path of the prompt file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(
-            f"start=FILE:{path} could not be read as UTF-8 text ({e}); pass a text file") from None
+            f"{name}=FILE:{path} could not be read as UTF-8 text ({e}); pass a text file") from None
 
 
 def encode_prompt(tok, text, block_size, vocab_size):
@@ -231,9 +244,17 @@ def load_inputs(config):
     tok = load_tokenizer(tokenizer_meta)
     check_tokenizer_fits(model.config, tokenizer_meta,
                          describe_source(config.init_from, config.out_dir))
-    start_ids = encode_prompt(tok, read_start(config.start), model.config.block_size,
+    start_ids = encode_prompt(tok, read_start(*reversed(prompt_setting(config))), model.config.block_size,
                               model.config.vocab_size)
     return model, tok, start_ids
+
+
+def prompt_files(config):
+    """ {name: path} of what sample.py reads besides the checkpoint: the FILE: prompt, if any. """
+    _, text = prompt_setting(config)
+    if text.startswith('FILE:'):
+        return {'prompt file': text[len('FILE:'):]}
+    return {}
 
 
 def main():
@@ -241,6 +262,10 @@ def main():
     # what it reads: a node that lacks the checkpoint or the prompt file stops every rank at once
     config, failure, group = read_settings(DEFAULTS, sys.argv[1:], check_settings, __doc__, GROUP_SETTINGS)
     dist_info = start(failure, **group)
+    # under torchrun a signal to one rank stops every rank together, between sampling steps
+    together = EXIT_REQUEST is not None and dist_info.under_torchrun
+    if together:
+        EXIT_REQUEST.together()
     top_p = config.top_p
 
     device = dist_info.device
@@ -255,6 +280,9 @@ def main():
         torch.cuda.manual_seed(config.seed)
 
     model, tok, start_ids = every_rank(dist_info, lambda: load_inputs(config))
+    # and all of them the same: the checkpoint (what it is, not only that it exists), the prompt
+    # file, the code and settings; else every rank stops in one line
+    same_everywhere(dist_info, lambda: same_start(dict(config), data=prompt_files(config)), SAME_START)
     model.to(device)
     model.eval()
     model.set_attention(config.attention)
@@ -310,6 +338,11 @@ def main():
         if stream and (token := tokens[0].item()) != stop_token:
             sys.stdout.write(decoder.feed(token))
             sys.stdout.flush()
+        if together:
+            EXIT_REQUEST.stop_together(dist_info)
+    # a rank whose samples all ended early (a stop token) agrees until every rank is done
+    while together and not EXIT_REQUEST.stop_together(dist_info, done=True):
+        pass
     generated = printer.generated()
     dt = time.perf_counter() - t0  # .tolist() waited for the device
 

@@ -169,6 +169,7 @@ SYSTEM = Group(
     'system',
     backend=settings.backend('auto'),
     dist_timeout=settings.dist_timeout(0),
+    join_timeout=settings.join_timeout(120),
     parallelism=Setting('ddp', "under torchrun: 'ddp' (a full model copy per rank) or 'fsdp' (shard the "
                                "model, FSDP2)", choices=('ddp', 'fsdp')),
     device=settings.device('auto'),
@@ -405,6 +406,11 @@ def stop_cleanly(run, state, build):
     if run.dist_info.master:
         print(f"stopped cleanly; continue with --init_from=resume --out_dir={run.loop.out_dir} "
               f"(exit code 75)")
+    elif run.dist_info.local_rank == 0:
+        # the first process of another node: its log says why the run ended too, before whatever
+        # torchrun prints of its own (a signalled agent's SignalException traceback)
+        print(f"stopped with every node: rank 0 saved iteration {state.iter_num} to "
+              f"{run.loop.out_dir} on its node; continue with --init_from=resume (exit code 75)")
     return False
 
 

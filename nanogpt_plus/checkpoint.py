@@ -349,10 +349,12 @@ class Checkpointer:
                     after_write(path)
             # full disk, permissions, a directory in the way: the user's to fix
             except OSError as e:
+                # the write is atomic: a checkpoint saved before is still there, else none is
+                then = ("resume from the last checkpoint with --init_from=resume"
+                        if os.path.isfile(path) else "start the run again (no checkpoint was saved yet)")
                 raise UserError(
                     f"could not write the checkpoint {path} ({e.strerror or e}); make room or fix "
-                    f"--out_dir, then resume from the last checkpoint with --init_from=resume"
-                ) from None
+                    f"--out_dir, then {then}") from None
             if done:
                 print(done)
         master_decides(self.dist_info, save)  # rank 0 saves; all ranks learn whether it worked

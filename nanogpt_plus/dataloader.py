@@ -48,6 +48,7 @@ from nanogpt_plus.dataset import (
 )
 from nanogpt_plus.distributed import every_rank
 from nanogpt_plus.errors import UserError, special_file
+from nanogpt_plus.machine import environment_value
 
 # the data_order setting's choices: nanoGPT's random windows, or llm.c's pass over every token
 # (training_loader acts on them)
@@ -100,9 +101,15 @@ def open_token_file(path, dataset=None, dtype=None):
 
 # a split up to this many tokens (128 MB) is scanned whole when opened, in well under a second; a
 # larger one (OpenWebText's 9B tokens, FineWeb's 10B) is checked batch by batch instead, as its
-# windows are read. The environment variable lowers it, so that tests can take the per-batch path on
-# small files
-SCAN_TOKENS = int(os.environ.get('NANOGPT_PLUS_SCAN_TOKENS', 1 << 26))
+# windows are read. The environment variable NANOGPT_PLUS_SCAN_TOKENS replaces it, so that tests can
+# take the per-batch path on small files (read when a file is opened: scan_limit)
+SCAN_TOKENS = 1 << 26
+
+
+def scan_limit():
+    """ The size up to which a split is scanned whole: NANOGPT_PLUS_SCAN_TOKENS, else SCAN_TOKENS. """
+    limit = environment_value('NANOGPT_PLUS_SCAN_TOKENS')
+    return SCAN_TOKENS if limit is None else limit
 
 
 def check_token_ids(tokens, vocab_size, path, tokenizer_size=None):
@@ -192,7 +199,7 @@ class TokenSource:
         Refuse ids the model (or its tokenizer) doesn't have: now for a small split, else in each
         read.
         """
-        if self.sizes.sum() <= SCAN_TOKENS:
+        if self.sizes.sum() <= scan_limit():
             for i, path in enumerate(self.paths):
                 check_token_ids(self.tokens(i), vocab_size, path, tokenizer_size)  # all of it, now
         else:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogpt_plus.errors import UserError
-from nanogpt_plus.machine import device_type_of, resolve_device
+from nanogpt_plus.errors import MachineError, UserError
+from nanogpt_plus.machine import check_environment, device_type_of, resolve_device
 
 
 @dataclass
@@ -44,33 +44,34 @@ class DistInfo:
         return self.rank == 0  # rank 0 is the process that logs and writes the checkpoints
 
 
-def init_distributed(device='auto', backend='auto', timeout=0):
+def init_distributed(device='auto', backend='auto', timeout=0, join_timeout=120):
     """
     Under torchrun (RANK in the environment) join the process group (process_group.join: nccl for
     CUDA, gloo for CPU, each CUDA rank on cuda:LOCAL_RANK). Otherwise a single process on the
     resolved device. timeout: the seconds a collective may wait for the other ranks (the
-    dist_timeout setting; 0 = PyTorch's default).
+    dist_timeout setting; 0 = PyTorch's default); join_timeout: the seconds joining waits for them.
     """
     device = resolve_device(device)
     if int(os.environ.get('RANK', -1)) == -1:
         return DistInfo(False, 0, 0, 1, device)
     from nanogpt_plus import process_group  # a run of several processes only
     rank, local_rank, world_size, device = process_group.join(device, device_type_of(device), backend,
-                                                              timeout)
+                                                              timeout, join_timeout)
     return DistInfo(True, rank, local_rank, world_size, device)
 
 
 # the settings a process group is formed with (start's keywords: DistInfo's device, the backend,
-# the collectives' timeout), which a node that could not read its settings takes from its command
-# line alone (configurator.read_settings)
-GROUP_SETTINGS = ('device', 'backend', 'dist_timeout')
+# the collectives' timeout, the wait for every rank to join), which a node that could not read its
+# settings takes from its command line alone (configurator.read_settings)
+GROUP_SETTINGS = ('device', 'backend', 'dist_timeout', 'join_timeout')
 # the backend setting's choices: 'auto' = nccl for CUDA, gloo for CPU (init_distributed)
 BACKENDS = ('auto', 'nccl', 'gloo')
 
 
-def start(failure=None, device='auto', backend='auto', dist_timeout=0):
+def start(failure=None, device='auto', backend='auto', dist_timeout=0, join_timeout=120):
     """
-    A script's process group, with one verdict on its settings: DistInfo. Reading them
+    A script's process group, with one verdict on its settings and the environment variables the
+    project reads (machine.check_environment): DistInfo. Reading the settings
     (configurator.read_settings) may fail on one node only: a config file only node 0 has, a value
     one machine refuses; that failure is held and given here. Under torchrun the group is formed
     all the same (where the settings failed, with GROUP_SETTINGS as the command line gives them:
@@ -78,12 +79,36 @@ def start(failure=None, device='auto', backend='auto', dist_timeout=0):
     learns whether every rank read its settings (every_rank): a failure on any rank ends every rank
     at once with its exit code and its line on every node, instead of the ranks that read theirs
     waiting for it in their first collective until the group's timeout (30 minutes for gloo).
+    A node whose device or backend can't be used (--device=cuda where CUDA is missing, nccl on a
+    CPU) never raises before joining: it joins on the CPU with gloo, which works on every machine
+    (the other nodes' group then meets it where they use gloo too), and says why in the verdict.
     """
     if failure is not None and int(os.environ.get('RANK', -1)) == -1:
         raise failure  # a single process: no one waits for it
-    dist_info = init_distributed(device, backend, dist_timeout)
-    every_rank(dist_info, functools.partial(_raise, failure))
+    if int(os.environ.get('RANK', -1)) != -1:
+        try:
+            check_group_settings(device, backend)
+        except UserError as e:
+            failure = failure or e
+        if failure is not None:
+            device, backend = 'cpu', 'gloo'  # joins anywhere: the verdict says why this node stops
+    dist_info = init_distributed(device, backend, dist_timeout, join_timeout)
+    every_rank(dist_info, functools.partial(_start_verdict, failure))
     return dist_info
+
+
+def check_group_settings(device, backend):
+    """ Refuse a device this machine lacks, or a backend that can't drive the device. """
+    device_type = device_type_of(resolve_device(device))
+    if backend == 'nccl' and device_type != 'cuda':
+        raise MachineError(f"--backend=nccl needs CUDA, and this node's device is {device_type}: "
+                           f"use --backend=gloo (or auto) on a CPU node, or --device=cuda where CUDA works")
+
+
+def _start_verdict(failure):
+    """ A rank's part in start's verdict: its settings' failure, else its environment variables. """
+    _raise(failure)
+    check_environment()
 
 
 def _raise(error):

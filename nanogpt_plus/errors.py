@@ -3,7 +3,8 @@ The errors every script can end with and the exit code of each. This module impo
 so every other module (and configurator.py) may import it without a cycle.
 
   UserError      something the user can fix (a setting, a missing file, a bad checkpoint): one line, exit 2
-  ConfigError    a bad config file or --key=value (a UserError)
+  ConfigError    a bad config file or --key=value (a UserError); ConfigFileError: the file itself
+  MachineError   what this machine can't give: a device, a backend, an environment variable, memory (a UserError)
   TokenizerError text a tokenizer can't encode, tokenizer files that can't be used (a UserError)
   Interrupted    a signal stopped the run after it saved: exit 75, "resume me"
   PeerFailed     another rank failed at something all ranks depend on and said why: exit with its code
@@ -36,6 +37,17 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """ A bad config file or command-line argument; the message says which and what to do. """
+
+
+class ConfigFileError(ConfigError):
+    """ A config file that is missing, unreadable or wrong: a file, which every node must have alike. """
+
+
+class MachineError(UserError):
+    """
+    What this machine or its environment can't give (a device, a backend, an environment variable's
+    value, the free memory): not a file a node lacks, so a verdict over nodes says so (every_rank).
+    """
 
 
 class TokenizerError(UserError):

@@ -21,7 +21,7 @@ from contextlib import nullcontext
 
 import torch
 
-from nanogpt_plus.errors import UserError
+from nanogpt_plus.errors import MachineError, UserError
 
 # -----------------------------------------------------------------------------
 # the device, its precision and compile choice, its free memory
@@ -47,16 +47,16 @@ def resolve_device(device='auto'):
         raise UserError(f"unknown device '{device}': use auto, cpu, cuda, cuda:N or mps")
     if kind == 'cuda':
         if not torch.cuda.is_available():
-            raise UserError(
+            raise MachineError(
                 f"device '{device}' was asked for but CUDA is not available; use --device=cpu (or auto)"
             )
         if index and int(index) >= torch.cuda.device_count():
-            raise UserError(
+            raise MachineError(
                 f"device '{device}' does not exist: this machine has {torch.cuda.device_count()} GPU(s)"
             )
     if kind == 'mps' and not (getattr(torch.backends, 'mps', None) and
                               torch.backends.mps.is_available()):
-        raise UserError(
+        raise MachineError(
             "device 'mps' was asked for but MPS is not available; use --device=cpu (or auto)")
     return device
 
@@ -176,6 +176,52 @@ def compute_setup(device, dtype, compile_setting, num_threads, peak=True):
     return dtype, ctx, compile_model, peak_flops
 
 
+# -----------------------------------------------------------------------------
+# the environment variables the project reads, in one place: each is checked at start-up, on every
+# rank (check_environment, from distributed.start and bench.py), so a bad value is one line before
+# any work, never a traceback at the first step that uses it (an MFU estimate at iteration 5)
+
+def _number(text, whole):
+    value = int(text) if whole else float(text)
+    return value if math.isfinite(value) else None
+
+
+# name: (what it must be, as a user reads it; whole number?; the least value it may have; exclusive?)
+ENVIRONMENT = {
+    # the device's peak FLOP/s, the denominator of MFU (device_peak_flops): a number, not '989 TFLOPS'
+    'NANOGPT_PEAK_FLOPS': ("a number of FLOP/s above 0 (e.g. 989e12)", False, 0, True),
+    # the free host memory a new model is counted against (available_host_memory)
+    'NANOGPT_FREE_MEMORY_GIB': ("a number of GiB above 0 (e.g. 16)", False, 0, True),
+    # the token files' size up to which the loader scans them whole at start-up (dataloader.py)
+    'NANOGPT_PLUS_SCAN_TOKENS': ("a whole number of tokens, 0 or more (e.g. 67108864)", True, 0, False),
+}
+
+
+def environment_value(name):
+    """
+    The value of the environment variable name (one of ENVIRONMENT), or None where it is unset or
+    empty; a value that is not what ENVIRONMENT says raises a UserError that names it.
+    """
+    text = os.environ.get(name, '').strip()
+    if not text:
+        return None
+    what, whole, least, exclusive = ENVIRONMENT[name]
+    try:
+        value = _number(text, whole)
+    except ValueError:
+        value = None
+    if value is None or value < least or (exclusive and value == least):
+        raise MachineError(f"the environment variable {name}={os.environ[name]!r} is not {what}; "
+                        f"set it to one or unset it")
+    return value
+
+
+def check_environment():
+    """ Every variable of ENVIRONMENT checked (environment_value): one line for the first that is wrong. """
+    for name in ENVIRONMENT:
+        environment_value(name)
+
+
 def available_host_memory():
     """
     The bytes of RAM this machine can give a new allocation now (/proc/meminfo's MemAvailable), or
@@ -184,16 +230,8 @@ def available_host_memory():
     machine runs. A new
     model's memory is counted against it before the model is built (check_model_memory).
     """
-    override = os.environ.get('NANOGPT_FREE_MEMORY_GIB')
-    if override:
-        try:
-            gib = float(override)
-        except ValueError:
-            gib = math.nan
-        if not (math.isfinite(gib) and gib > 0):
-            raise UserError(
-                f"NANOGPT_FREE_MEMORY_GIB={override!r} is not a number of GiB; set it to one "
-                f"(e.g. 16) or unset it")
+    gib = environment_value('NANOGPT_FREE_MEMORY_GIB')
+    if gib is not None:
         return int(gib * 2**30)
     try:
         with open('/proc/meminfo', encoding='ascii') as f:
@@ -243,9 +281,14 @@ def check_model_memory(config, batch_size, attention, on_cpu):
         if activations:
             parts.append(f"{activations / 2**30:,.1f} GiB of activations for "
                          f"batch_size={batch_size}")
-        raise UserError(f"this model needs at least {need / 2**30:,.1f} GiB of memory "
-                        f"({'; '.join(parts)}), and this machine has {available / 2**30:,.1f} GiB "
-                        f"free; use a smaller --block_size, --batch_size or model (a step may use "
+        free = f"this machine has {available / 2**30:,.1f} GiB free"
+        if environment_value('NANOGPT_FREE_MEMORY_GIB') is not None:  # the figure is the user's
+            free = (f"NANOGPT_FREE_MEMORY_GIB={os.environ['NANOGPT_FREE_MEMORY_GIB']} says this "
+                    f"machine has {available / 2**30:,.3g} GiB free (unset it to use what the "
+                    f"machine has)")
+        raise MachineError(f"this model needs at least {need / 2**30:,.1f} GiB of memory "
+                        f"({'; '.join(parts)}), and {free}; use a smaller --block_size, "
+                        f"--batch_size or model (a step may use "
                         f"{100 * (1 - MEMORY_MARGIN):.0f}% of the free memory)")
 
 
@@ -291,9 +334,9 @@ def device_peak_flops(device, dtype=torch.float32):
     Peak FLOP/s of `device` for matmuls in `dtype`. The environment variable NANOGPT_PEAK_FLOPS
     (FLOP/s, e.g. 989e12) overrides the lookup, for hardware the table below doesn't know.
     """
-    override = os.environ.get('NANOGPT_PEAK_FLOPS')
-    if override:
-        return float(override)
+    override = environment_value('NANOGPT_PEAK_FLOPS')
+    if override is not None:
+        return override
     device = torch.device(device)
     if device.type == 'cuda':
         name = torch.cuda.get_device_name(device)

@@ -17,14 +17,27 @@ import socket
 import torch
 import torch.distributed as dist
 
-from nanogpt_plus.errors import EXIT_USER_ERROR, PeerFailed, UserError, error_line, exit_code
+from nanogpt_plus.errors import (
+    EXIT_USER_ERROR,
+    ConfigError,
+    ConfigFileError,
+    MachineError,
+    PeerFailed,
+    UserError,
+    error_line,
+    exit_code,
+)
 
 
-def join(device, device_type, backend='auto', timeout=0):
+def join(device, device_type, backend='auto', timeout=0, join_timeout=120):
     """
     Join torchrun's process group (RANK, LOCAL_RANK, WORLD_SIZE in the environment): nccl for CUDA,
     gloo for CPU, each CUDA rank on cuda:LOCAL_RANK. Returns (rank, local_rank, world_size, device).
     timeout: the seconds a collective may wait for the other ranks (0 = PyTorch's default).
+    join_timeout: the seconds this rank waits for every other rank to join (the store's and the
+    backend's rendezvous): a rank whose process ended before joining (killed in its first moments,
+    on a node whose worker never started) ends the others in one line that names it, not after the
+    30 minutes of gloo's default timeout.
     """
     rank = int(os.environ['RANK'])
     local_rank = int(os.environ['LOCAL_RANK'])
@@ -38,11 +51,71 @@ def join(device, device_type, backend='auto', timeout=0):
     if backend == 'auto':
         backend = 'nccl' if device_type == 'cuda' else 'gloo'
     if not dist.is_initialized():
+        arrivals = _Arrivals(rank, world_size, join_timeout)
         kwargs = dict(device_id=torch.device(device)) if backend == 'nccl' else {}
-        if timeout:
-            kwargs['timeout'] = datetime.timedelta(seconds=timeout)
-        dist.init_process_group(backend=backend, **kwargs)
+        # the whole of joining waits join_timeout at most (init_process_group's timeout is the
+        # store's and the rendezvous'), then the collectives wait timeout
+        kwargs['timeout'] = datetime.timedelta(seconds=join_timeout)
+        try:
+            dist.init_process_group(backend=backend, **kwargs)
+        except Exception as e:  # a timeout (DistStoreError, RuntimeError): whose?
+            absent = arrivals.absent()
+            if not absent:
+                raise
+            raise UserError(never_joined(absent, join_timeout)) from e
+        # PyTorch's defaults where timeout is 0: 10 minutes for nccl (None where torch has no
+        # nccl), 30 for the others
+        from torch.distributed import constants
+        collective = datetime.timedelta(seconds=timeout) if timeout else (
+            backend == 'nccl' and constants.default_pg_nccl_timeout or constants.default_pg_timeout)
+        dist.distributed_c10d._set_pg_timeout(collective)
     return rank, local_rank, world_size, device
+
+
+def never_joined(absent, join_timeout):
+    """ The line for ranks that had not joined the process group join_timeout seconds after this one. """
+    per_node = int(os.environ.get('LOCAL_WORLD_SIZE', '1')) or 1
+    nodes = sorted({r // per_node for r in absent})
+    ranks = ', '.join(str(r) for r in absent)
+    names = ', '.join(str(n) for n in nodes)
+    return (f"node {names} never joined the process group (rank {ranks}, waited "
+            f"{join_timeout} s): its process ended or stalled before joining; see node {names}'s "
+            f"log (torchrun's summary there says how its worker ended), then start the run again on "
+            f"every node (--join_timeout=S waits longer for a node that is slow to start)")
+
+
+class _Arrivals:
+    """
+    Who has come to join: every rank marks its arrival in torchrun's store (the agent's, at
+    MASTER_ADDR:MASTER_PORT) before joining, so a rank whose join timed out can say which ranks
+    never came. Keys are of this run and restart (TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT).
+    Where the store can't be reached the marks are skipped: the join then fails with PyTorch's error.
+    """
+
+    def __init__(self, rank, world_size, join_timeout):
+        self.world_size = world_size
+        run = os.environ.get('TORCHELASTIC_RUN_ID', 'none')
+        restart = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+        self.prefix = f"nanogpt_plus/arrived/{run}/{restart}/"
+        self.store = None
+        if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+            return  # no torchrun agent's store to mark: init_process_group makes the store itself
+        try:
+            self.store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']),
+                                       is_master=False,
+                                       timeout=datetime.timedelta(seconds=join_timeout))
+            self.store.set(self.prefix + str(rank), socket.gethostname())
+        except Exception:  # no store to mark (not torchrun's), or not reachable
+            self.store = None
+
+    def absent(self):
+        """ The ranks that never marked their arrival (none where there was no store). """
+        if self.store is None:
+            return []
+        try:
+            return [r for r in range(self.world_size) if not self.store.check([self.prefix + str(r)])]
+        except Exception:
+            return []
 
 
 # -----------------------------------------------------------------------------
@@ -123,14 +196,11 @@ def every_rank(dist_info, fn, agree=None):
     if failed:
         first = failed[0]
         message = outcomes[first][3]
-        # a file one node has, another lacks
+        # what one node met, another didn't: where, and what differs between them
         if len(failed) < dist_info.world_size and outcomes[first][0] == EXIT_USER_ERROR:
             fine = sorted({o[1] for o in outcomes if o[0] is None})
-            message = (
-                f"{message} [rank {first} on {outcomes[first][1]}; ranks on {', '.join(fine)} "
-                f"found what they needed: every node must have the same files at the same paths "
-                f"(a shared file system, or the same copy on each node), see "
-                f"docs/training.md#many-machines]")
+            message = (f"{message} [rank {first} on {outcomes[first][1]}; ranks on {', '.join(fine)} "
+                       f"{_WHY_ONE_NODE[outcomes[first][5]]}]")
         if dist_info.rank == first and message == str(error):
             raise error
         if dist_info.rank == first:
@@ -147,11 +217,30 @@ def every_rank(dist_info, fn, agree=None):
 def _outcome(error, shown=None):
     """
     What a rank tells the others in a verdict: (its exit code, None when it is fine; its host; its
-    node, torchrun's node rank; its error's line; shown: the values that must agree).
+    node, torchrun's node rank; its error's line; shown: the values that must agree; what the error
+    is about: a key of _WHY_ONE_NODE).
     """
     code = None if error is None else exit_code(error)
     node = os.environ.get('GROUP_RANK', '0')
-    return (code, socket.gethostname(), node, str(error) if error else '', shown)
+    return (code, socket.gethostname(), node, str(error) if error else '', shown, _about(error))
+
+
+# what a user error met on some nodes only says of the others, by what it is about (_about)
+_WHY_ONE_NODE = {
+    'files': ("found what they needed: every node must have the same files at the same paths (a shared "
+              "file system, or the same copy on each node), see docs/training.md#many-machines"),
+    'settings': "read theirs: every node must be given the same command line",
+    'machine': "passed this check: fix this node's machine or environment, or leave the node out",
+}
+
+
+def _about(error):
+    """ What a user error is about: a node's machine, its command line's settings, else its files. """
+    if isinstance(error, MachineError):
+        return 'machine'
+    if isinstance(error, ConfigError) and not isinstance(error, ConfigFileError):
+        return 'settings'
+    return 'files'
 
 
 def end_together(dist_info, failure, group=None):

@@ -311,11 +311,13 @@ def checkpoint_state(path):
     return state
 
 
-def checkpoint_difference(states, places):
+def checkpoint_difference(states, places, entry='checkpoint'):
     """
     The line for checkpoints (checkpoint_state's, one per rank) that are not the same on every
     node, naming each node's iteration and which is newer (places: (host, node rank) per rank), or
     None when the ranks read different paths (their settings differ, which that entry says).
+    entry: what the line calls them: 'checkpoint' (resumed or evaluated), or the weights init_from
+    starts from.
     """
     nodes = {}  # node -> (where, state): the ranks of a node read the same file
     for (host, node), state in zip(places, states):
@@ -329,7 +331,7 @@ def checkpoint_difference(states, places):
     share = "or keep it on a shared file system"
     if lack:
         where, state = max(have, key=lambda h: h[1]['iter_num'] or 0)
-        return (f"the ranks differ in checkpoint: {path} is on {where}{_at(state)} but not on "
+        return (f"the ranks differ in {entry}: {path} is on {where}{_at(state)} but not on "
                 f"{', '.join(lack)}, so they would not start from the same point; copy it from "
                 f"{where} to {path} on {', '.join(lack)} ({share}), then start again")
     iters = [s['iter_num'] for _, s in have]
@@ -338,10 +340,10 @@ def checkpoint_difference(states, places):
     if None not in iters and len({s['digest'] for _, s in have if s['iter_num'] == max(iters)}) == 1:
         others = [where for where, s in have if s['digest'] != kept['digest']]
         shown = ', '.join(f"iter {s['iter_num']} on {where}" for where, s in have)
-        return (f"the ranks differ in checkpoint: {path} is at {shown}; {newest} has the newer "
+        return (f"the ranks differ in {entry}: {path} is at {shown}; {newest} has the newer "
                 f"one: copy it over {path} on {', '.join(others)} ({share}), then start again")
     shown = ', '.join(f"{s['digest']}{_at(s)} on {where}" for where, s in have)
-    return (f"the ranks differ in checkpoint: the copies of {path} differ ({shown}): they are of "
+    return (f"the ranks differ in {entry}: the copies of {path} differ ({shown}): they are of "
             f"different runs or partly copied; copy the one to start from to every node ({share})")
 
 
@@ -358,7 +360,7 @@ SAME_START = {
     "outside a git checkout, their .py files): commit or undo the changes and check out the same "
     "commit on every node, or copy one node's copy to the others",
     'checkpoint': checkpoint_difference,
-    'weights': checkpoint_difference,
+    'weights': functools.partial(checkpoint_difference, entry="the weights init_from starts from"),
     'settings': "start every node with the same command line and config files",
     **SAME_DATA,
 }

@@ -153,6 +153,10 @@ dist_timeout = Shared(int, "under torchrun: seconds a rank waits in a collective
                            "fails (the process group's timeout); 0 = PyTorch's (10 minutes for "
                            "nccl, 30 for gloo). Raise it where a first compile or rank 0's "
                            "evaluation takes longer", low=0, high=7 * 24 * 3600)
+# at most a week, as dist_timeout
+join_timeout = Shared(int, "under torchrun: seconds a rank waits for every rank to join the process "
+                           "group; a node whose worker never joins then ends every node in one line "
+                           "naming it (not gloo's 30 minutes)", low=1, high=7 * 24 * 3600)
 device = Shared(str, "'auto' (cuda, else mps, else cpu), 'cpu', 'cuda', 'cuda:N', 'mps'",
                 not_empty=True)
 dtype = Shared(str, "'auto' (bfloat16 if the GPU has it, else float16; float32 on CPU), "

@@ -33,6 +33,9 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXIT_STOPPED = 130
 # what a signal does to resumable work, said when it comes (GracefulExit's notice)
 FINISH_AND_SAVE = "finishing this iteration, then saving a checkpoint"
+# should_stop's stand-in for a signal number: this node's torchrun agent is gone (no signal is
+# this number)
+AGENT_GONE = 1000
 
 
 class Stopped(KeyboardInterrupt):
@@ -42,13 +45,18 @@ class Stopped(KeyboardInterrupt):
     the way out; run_main says it in one line and exits 130.
     """
 
-    def __init__(self, signum):
-        super().__init__(signal.Signals(signum).name)
+    def __init__(self, signum, where=''):
+        super().__init__(signal.Signals(signum).name if signum != AGENT_GONE else
+                         "the end of a node's torchrun agent (killed, or it crashed)")
         self.signum = int(signum)
+        # under torchrun, where the signal came (GracefulExit.stop_together): 'rank 1 (node 1)'
+        self.where = where
 
     def line(self):
         # outputs are written whole or not at all (files.atomic_outputs)
-        return (f"stopped by {self} before the work was done; it can't be resumed, and no output "
+        verb = 'noticed' if self.signum == AGENT_GONE else 'received'
+        at = f" ({verb} by {self.where}; every process of the run stopped with it)" if self.where else ""
+        return (f"stopped by {self}{at} before the work was done; it can't be resumed, and no output "
                 f"was left half-written (exit code {EXIT_STOPPED})")
 
 
@@ -86,9 +94,14 @@ class GracefulExit:
         self.failure = None  # an error this rank met that every rank must stop for (fail)
         self._previous = {}
         self._flag_group = None  # the (gloo, CPU) process group the flag is all-reduced over
+        # work that can't resume, under torchrun: a signal waits for stop_together (together())
+        self.polled = False
         # a process forked from this one (a data-loading or tokenizing pool's worker) inherits the
         # handler: there it gives way to the signal's default, so that its pool can end it
         self._pid = os.getpid()
+        # the process that started this one (under torchrun, the node's agent): should_stop sees it
+        # gone when this process's parent changes
+        self._parent = os.getppid()
 
     def install(self):
         for sig in SIGNALS:
@@ -125,6 +138,8 @@ class GracefulExit:
                 _say(Stopped(signum).line())
                 work_ended(EXIT_STOPPED)
                 raise SystemExit(EXIT_STOPPED)
+            if self.polled and _in_process_group():  # every rank stops at the next stop_together
+                return
             raise Stopped(signum)
         if not _in_process_group():  # several processes: should_stop says it, once they all agreed
             _say(f"\nreceived {name}: {self.notice}")
@@ -151,6 +166,7 @@ class GracefulExit:
         process of every other node prints its line too (process_group.end_together).
         """
         failure = self.failure
+        self._notice_the_agent(dist_info)
         if not dist_info.under_torchrun:
             if failure is not None:
                 raise failure
@@ -169,12 +185,58 @@ class GracefulExit:
             from nanogpt_plus.process_group import end_together
             end_together(dist_info, failure, group=self._cpu_group())
         if signum and not self.agreed and dist_info.master:
-            print(
-                f"received {signal.Signals(signum).name}: all processes stop here and save a checkpoint",
-                file=sys.stderr,
-                flush=True)
+            why = (f"received {signal.Signals(signum).name}" if signum != AGENT_GONE else
+                   "the torchrun agent of a node is gone (killed, or it crashed)")
+            print(f"{why}: all processes stop here and save a checkpoint", file=sys.stderr, flush=True)
         self.agreed = self.agreed or bool(signum)
         return bool(signum)
+
+    def _notice_the_agent(self, dist_info):
+        """
+        Under torchrun: where this node's agent has ended (kill -9, a crash; this process's parent
+        changed), stop as for a signal, so that every rank ends nonzero and no other agent waits its
+        300 s exit barrier (which follows workers that all exit 0) for the one that is gone.
+        """
+        if dist_info.under_torchrun and not self.signum and os.getppid() != self._parent:
+            self.signum = AGENT_GONE
+
+    def together(self):
+        """
+        For work that can't resume (eval.py's batches, sample.py's tokens) under torchrun: from here
+        on a signal to any rank stops every rank at the same place, the next stop_together, with
+        exit code 130 and a line on each naming where it came; instead of that rank alone stopping
+        at once while the others go on alone (and then wait for it in a collective, or torchrun in
+        its exit barrier). One process stops at once, as before.
+        """
+        self.polled = True
+        return self
+
+    def stop_together(self, dist_info, done=False):
+        """
+        The agreement of together(), called at the same places on every rank: raises Stopped on
+        every rank once any rank got a signal. done: this rank has no more work (its last batch or
+        token), while others may have some: it keeps calling until every rank is done, which is
+        when this returns True (False while some rank works; `done` itself with one process). One
+        three-number all-reduce over a gloo group on the CPU, as should_stop's.
+        """
+        if not (dist_info.under_torchrun and dist_info.world_size > 1):
+            if self.requested and not self.done:
+                raise Stopped(self.signum)
+            return done
+        self._notice_the_agent(dist_info)
+        import torch
+        import torch.distributed as dist
+        # the signal, whether any rank still works, and the lowest signalled rank (as
+        # world_size - rank: a max), each the max over ranks
+        mine = dist_info.world_size - dist_info.rank if self.signum else 0
+        flag = torch.tensor([self.signum, 0 if done else 1, mine], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group())
+        signum, working, first = flag.tolist()
+        if signum:
+            rank = dist_info.world_size - first
+            per_node = int(os.environ.get('LOCAL_WORLD_SIZE', '1')) or 1
+            raise Stopped(signum, where=f"rank {rank} (node {rank // per_node})")
+        return working == 0
 
     def fail(self, error):
         """

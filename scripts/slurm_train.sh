@@ -36,11 +36,25 @@ fi
 CONFIG=${CONFIG:-config/train_gpt2.py}
 OUT_DIR=${OUT_DIR:-/shared/runs/gpt2}
 NPROC_PER_NODE=${NPROC_PER_NODE:-8}
-# torchrun's store listens on MASTER_ADDR:MASTER_PORT: a port of this job's own (10000-29999, below
-# Linux's ephemeral ports), so that two jobs sharing a node don't meet on one port
-MASTER_PORT=${MASTER_PORT:-$((10000 + 10#$SLURM_JOB_ID % 20000))}
-if [[ ! $MASTER_PORT =~ ^[0-9]{1,5}$ ]] || ((10#$MASTER_PORT < 1 || 10#$MASTER_PORT > 65535)); then
-    fail "MASTER_PORT=${MASTER_PORT@Q} is not a port: give one from 1 to 65535, or leave it unset"
+if [ -n "${MASTER_PORT:-}" ]; then
+    if [[ ! $MASTER_PORT =~ ^[0-9]{1,5}$ ]] || ((10#$MASTER_PORT < 1 || 10#$MASTER_PORT > 65535)); then
+        fail "MASTER_PORT=${MASTER_PORT@Q} is not a port: give one from 1 to 65535, or leave it unset"
+    fi
+else
+    # torchrun's store listens on MASTER_ADDR:MASTER_PORT: a port of this job's own (10000-29999,
+    # below Linux's ephemeral ports), so that two jobs sharing a node don't meet on one port. The
+    # job id picks the first port tried; ids 20000 apart pick the same one, so this shell (on
+    # MASTER_ADDR's node) takes the next port that nothing listens on yet. Left: two jobs that start
+    # in the same seconds may both find a port free before either's torchrun listens on it
+    # (docs/training.md, "Many machines").
+    MASTER_PORT=$((10000 + 10#$SLURM_JOB_ID % 20000))
+    for ((tries = 0; tries < 200; tries++)); do
+        # a connection that succeeds: something listens there
+        if ! (exec 3<>"/dev/tcp/127.0.0.1/$MASTER_PORT") 2>/dev/null; then
+            break
+        fi
+        MASTER_PORT=$((10000 + (MASTER_PORT - 10000 + 1) % 20000))
+    done
 fi
 # the job's first node: the batch shell runs there, and its SLURM_NODEID is 0 (node rank 0: rank 0)
 if ! hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST") || [ -z "$hosts" ]; then

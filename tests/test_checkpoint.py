@@ -136,9 +136,17 @@ def test_full_disk_while_saving_a_checkpoint(dataset, run_dir):
     r = run_with_file_size_limit(["train.py", *resume_args(dataset, run_dir, max_iters=9, eval_interval=9)], 100_000)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith(
-        f"error: could not write the checkpoint {run_dir / 'ckpt.pt'} (File too large); make room")
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: could not write the checkpoint {run_dir / 'ckpt.pt'} (File too large); make room or fix "
+        f"--out_dir, then resume from the last checkpoint with --init_from=resume")
     assert (run_dir / "ckpt.pt").read_bytes() == before  # the previous checkpoint is kept
+    # a first save that fails: no checkpoint to resume from, so the line says to start again
+    fresh = run_dir.parent / 'fresh'
+    r = run_with_file_size_limit(["train.py", *train_args(dataset, fresh, max_iters=2, eval_interval=2)], 100_000)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        "make room or fix --out_dir, then start the run again (no checkpoint was saved yet)"), r.stderr[-2000:]
+    assert not (fresh / 'ckpt.pt').exists()
     assert not [f for f in os.listdir(run_dir) if ".tmp." in f]  # and no temp file is left
 
 

@@ -202,7 +202,7 @@ def test_command_line_values_read_what_they_can_without_the_config_files(tmp_pat
     # the last value given; one that is no value of the setting (its type, choices, range) leaves
     # the one before
     assert command_line_values(train.DEFAULTS, argv, GROUP_SETTINGS) == dict(
-        device='cpu', backend='nccl', dist_timeout=0)
+        device='cpu', backend='nccl', dist_timeout=0, join_timeout=120)
     # a script without some of them (sample.py has no backend): those it has
     plain = dict(device='auto', seed=1)
     assert command_line_values(plain, ['--device=cuda:1'], GROUP_SETTINGS) == dict(device='cuda:1')
@@ -218,14 +218,14 @@ def test_read_settings_holds_a_failure_for_the_one_verdict(tmp_path, monkeypatch
     cfg, failure, group = read_settings(train.DEFAULTS, [missing, '--device=cpu'], train.check_settings,
                                         keep=GROUP_SETTINGS)
     assert cfg is None and isinstance(failure, ConfigError) and 'missing.py not found' in str(failure)
-    assert group == dict(device='cpu', backend='auto', dist_timeout=0)
+    assert group == dict(device='cpu', backend='auto', dist_timeout=0, join_timeout=120)
     monkeypatch.delenv('RANK', raising=False)
     with pytest.raises(ConfigError, match='missing.py not found'):
         start(failure, **group)
     cfg, failure, group = read_settings(train.DEFAULTS, ['--device=cpu', '--n_layer=2'], train.check_settings,
                                         keep=GROUP_SETTINGS)
     assert failure is None and cfg.n_layer == 2 and cfg.given == {'device', 'n_layer'}
-    assert group == dict(device='cpu', backend='auto', dist_timeout=0)
+    assert group == dict(device='cpu', backend='auto', dist_timeout=0, join_timeout=120)
     assert start(None, **group).device == 'cpu'
 
 

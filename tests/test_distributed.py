@@ -213,12 +213,24 @@ def test_dist_timeout_reaches_the_process_group(dataset, tmp_path, monkeypatch, 
     def init_process_group(**kwargs):
         made.append(kwargs)
         return real(**kwargs)
+    set_timeouts = []
+    real_set = dist.distributed_c10d._set_pg_timeout
+
+    def set_pg_timeout(timeout, group=None):
+        set_timeouts.append(timeout)
+        return real_set(timeout, group)
     monkeypatch.setattr(dist, 'init_process_group', init_process_group)
-    train.main(train_args(dataset, tmp_path / 'a', max_iters=1, eval_interval=1, num_threads=1, dist_timeout=77))
-    assert made == [{'backend': 'gloo', 'timeout': datetime.timedelta(seconds=77)}]
+    monkeypatch.setattr(dist.distributed_c10d, '_set_pg_timeout', set_pg_timeout)
+    train.main(train_args(dataset, tmp_path / 'a', max_iters=1, eval_interval=1, num_threads=1, dist_timeout=77,
+                          join_timeout=33))
+    # joining waits join_timeout, then the collectives dist_timeout
+    assert made == [{'backend': 'gloo', 'timeout': datetime.timedelta(seconds=33)}]
+    assert set_timeouts == [datetime.timedelta(seconds=77)]
     dist.destroy_process_group()
     train.main(train_args(dataset, tmp_path / 'b', max_iters=1, eval_interval=1, num_threads=1))
-    assert made[1] == {'backend': 'gloo'}  # 0: the default, not a timeout of 0 s
+    assert made[1] == {'backend': 'gloo', 'timeout': datetime.timedelta(seconds=120)}
+    # 0: gloo's default, not a timeout of 0 s
+    assert set_timeouts[1] == datetime.timedelta(minutes=30)
     capsys.readouterr()
 
 
@@ -585,3 +597,15 @@ def test_ddp_two_processes_equals_one_with_double_accumulation(dataset, tmp_path
     assert odd.returncode == 0, odd.stderr[-2000:]
     said = "gradient_accumulation_steps=3 does not split among 2 processes: each runs 2, so an iteration is 4"
     assert odd.stdout.count(said) == 1 and "tokens per iteration will be: 256" in odd.stdout
+
+
+def test_a_verdict_on_one_node_says_what_the_others_did_by_what_failed():
+    # every_rank's suffix: only a file sends the user to compare the nodes' files
+    from nanogpt_plus.errors import ConfigError, ConfigFileError, MachineError, UserError
+    from nanogpt_plus.process_group import _WHY_ONE_NODE, _about
+    assert _about(MachineError("device 'cuda' was asked for but CUDA is not available")) == 'machine'
+    assert _about(ConfigError("unknown setting 'bogus'")) == 'settings'
+    assert _about(ConfigFileError("config file config/x.py not found")) == 'files'
+    assert _about(UserError("no checkpoint at out/ckpt.pt")) == 'files'
+    assert "same files" in _WHY_ONE_NODE['files']
+    assert not any("files" in _WHY_ONE_NODE[k] for k in ('machine', 'settings'))

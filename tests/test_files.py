@@ -4,15 +4,14 @@ sweep of killed runs' temp files (only the names this project gave them), a full
 JSONL that is not UTF-8, and the file digest that tells contents of one size apart.
 """
 import os
-import re
 import shutil
 
 import pytest
 
 from helpers import dead_pid, dead_runs_temp, run_train, run_with_file_size_limit, train_args
 from nanogpt_plus import finetuning
-from nanogpt_plus.errors import UserError, special_file
-from nanogpt_plus.files import WriteFailed, atomic_write, check_not_special, file_digest, remove_stale_temps_in
+from nanogpt_plus.errors import UserError
+from nanogpt_plus.files import WriteFailed, atomic_write, file_digest, remove_stale_temps_in
 from nanogpt_plus.prepare.shakespeare import prepare_char
 
 
@@ -142,36 +141,3 @@ def test_file_digest_tells_contents_of_one_size_apart_from_its_ends(tmp_path):
     assert file_digest(c, span=4096) == file_digest(a, span=4096) and file_digest(c) != file_digest(a)
 
 
-def test_an_output_that_is_a_device_fifo_or_socket_is_refused_even_for_root(tmp_path):
-    import socket
-    # /dev/null: writable by everyone (root passes any permission check), and still no place for an output
-    with pytest.raises(UserError, match=r"^--output_file=/dev/null is a character device, not a regular file, which "
-                                        r"no output may replace or write into; pass the path of a regular file"):
-        check_not_special('/dev/null', 'output_file')
-    fifo, sock, link = tmp_path / 'p', tmp_path / 's', tmp_path / 'l'
-    os.mkfifo(fifo)
-    with socket.socket(socket.AF_UNIX) as s:
-        s.bind(str(sock))
-        link.symlink_to('/dev/null')
-        for path, what in ((fifo, 'a FIFO (named pipe)'), (sock, 'a socket'),
-                           (link, 'a symbolic link to a character device')):
-            with pytest.raises(UserError, match=rf"^--x={path} is {re.escape(what)}, not a regular file"):
-                check_not_special(str(path), 'x')
-    # what may be written: a regular file, a directory, a new name, a link to a file
-    (tmp_path / 'f').write_text('x')
-    (tmp_path / 'to-f').symlink_to(tmp_path / 'f')
-    for path in ('f', '.', 'new', 'to-f', 'dangling'):
-        check_not_special(str(tmp_path / path), 'x')
-    assert special_file('/dev/null') == 'a character device' and special_file(str(tmp_path / 'f')) is None
-
-
-def test_the_sweep_removes_a_killed_exports_temp_directory(tmp_path):
-    # what atomic_directory leaves when its process is killed mid-export: a marked directory beside hf/
-    pid = dead_pid()
-    for name in (f'.hf.nanogpt_plus.tmp.{pid}', f'.hf.old.nanogpt_plus.tmp.{pid}'):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / 'model.safetensors').write_bytes(b'half')
-    (tmp_path / 'hf').mkdir()
-    assert sorted(remove_stale_temps_in(str(tmp_path))) == [f'.hf.nanogpt_plus.tmp.{pid}',
-                                                             f'.hf.old.nanogpt_plus.tmp.{pid}']
-    assert os.listdir(tmp_path) == ['hf']

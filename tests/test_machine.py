@@ -5,6 +5,7 @@ tuner and retuner, and the memory check of a new model (causal masks and activat
 the tests pin).
 """
 import os
+import re
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -250,8 +251,9 @@ def test_a_first_step_that_cant_fit_is_refused_before_anything_is_built(monkeypa
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=40000, vocab_size=65)
     # the masks (2 x 40000^2 bytes) fit; the activations of a CPU step come on top of them
     check_model_memory(config, batch_size=12, attention='flash', on_cpu=False)
-    with pytest.raises(UserError, match=r"GiB of causal masks.*GiB of activations for batch_size=12\), and this "
-                                        r"machine has 8.0 GiB free; use a smaller --block_size, --batch_size or"):
+    with pytest.raises(UserError, match=r"GiB of causal masks.*GiB of activations for batch_size=12\), and "
+                                        r"NANOGPT_FREE_MEMORY_GIB=8 says this machine has 8 GiB free \(unset it to "
+                                        r"use what the machine has\); use a smaller --block_size, --batch_size or"):
         check_model_memory(config, batch_size=12, attention='manual', on_cpu=True)
     # the logits of a large vocabulary count too
     with pytest.raises(UserError, match="GiB of activations"):
@@ -271,12 +273,16 @@ def test_the_free_memory_figure_is_pinned_in_tests_and_can_be_set(monkeypatch, t
     train.check_settings(parse_config(train.DEFAULTS, defaults))
     monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', '2.5')
     assert machine.available_host_memory() == int(2.5 * 2**30)
-    with pytest.raises(UserError, match=r"this machine has 2.5 GiB free"):
+    with pytest.raises(UserError, match=r"NANOGPT_FREE_MEMORY_GIB=2.5 says this machine has 2.5 GiB free"):
         train.check_settings(parse_config(train.DEFAULTS, defaults))
     for bad in ('lots', 'nan', '1e999', '-5'):
         monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', bad)
         with pytest.raises(UserError, match=f"NANOGPT_FREE_MEMORY_GIB='{bad}' is not a number of GiB"):
             machine.available_host_memory()
+    # a figure too small to show as GiB with one decimal: the line names the variable and its value
+    monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', '0.001')
+    with pytest.raises(UserError, match=r"and NANOGPT_FREE_MEMORY_GIB=0.001 says this machine has 0.001 GiB free"):
+        train.check_settings(parse_config(train.DEFAULTS, defaults))
     # unset: the machine's own figure (Linux), or None
     monkeypatch.delenv('NANOGPT_FREE_MEMORY_GIB')
     assert machine.available_host_memory() is None or machine.available_host_memory() > 0
@@ -294,7 +300,8 @@ def test_a_long_context_on_a_tiny_model_is_refused_with_a_margin(monkeypatch):
     )
     with pytest.raises(
         UserError,
-        match=r"18.6 GiB of causal masks.*and this machine has 21.0 GiB free; use a "
+        match=r"18.6 GiB of causal masks.*and NANOGPT_FREE_MEMORY_GIB=21 says this machine has 21 GiB free \(unset "
+        r"it to use what the machine has\); use a "
         r"smaller --block_size, --batch_size or model \(a step may use 90% of",
     ):
         check_model_memory(config, batch_size=4, attention='flash', on_cpu=True)
@@ -394,3 +401,30 @@ def test_short_work_is_timed_for_at_least_min_seconds(monkeypatch):
         assert calls == [2] * 4 + [1] * 4
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize('name, bad, what', [
+    ('NANOGPT_PEAK_FLOPS', '989 TFLOPS', 'a number of FLOP/s above 0'),
+    ('NANOGPT_PEAK_FLOPS', '0', 'a number of FLOP/s above 0'),
+    ('NANOGPT_PEAK_FLOPS', 'inf', 'a number of FLOP/s above 0'),
+    ('NANOGPT_FREE_MEMORY_GIB', '0', 'a number of GiB above 0'),
+    ('NANOGPT_PLUS_SCAN_TOKENS', '1.5', 'a whole number of tokens, 0 or more'),
+    ('NANOGPT_PLUS_SCAN_TOKENS', '-1', 'a whole number of tokens, 0 or more'),
+])
+def test_every_environment_variable_is_checked_in_one_place(monkeypatch, name, bad, what):
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(UserError, match=rf"^the environment variable {name}='{re.escape(bad)}' is not {what}"
+                                        rf".*; set it to one or unset it$"):
+        machine.check_environment()
+    # and where it is read: one line there too, never a ValueError or ZeroDivisionError later
+    with pytest.raises(UserError, match=name):
+        machine.environment_value(name)
+
+
+def test_good_environment_values_are_read(monkeypatch):
+    monkeypatch.setenv('NANOGPT_PEAK_FLOPS', '989e12')
+    monkeypatch.setenv('NANOGPT_PLUS_SCAN_TOKENS', '0')
+    machine.check_environment()
+    assert machine.device_peak_flops('cpu') == 989e12
+    assert machine.environment_value('NANOGPT_PLUS_SCAN_TOKENS') == 0
+    assert set(machine.ENVIRONMENT) == {'NANOGPT_PEAK_FLOPS', 'NANOGPT_FREE_MEMORY_GIB', 'NANOGPT_PLUS_SCAN_TOKENS'}

@@ -62,17 +62,19 @@ def node_copy(dst, dataset):
     return dst
 
 
-def two_nodes(copies, args, timeout=60, script='train.py', node_args=None, meanwhile=None):
+def two_nodes(copies, args, timeout=60, script='train.py', node_args=None, meanwhile=None, node_env=None):
     """
     script under two torchrun agents (--nnodes=2, one process each), each in its own copy; both must end.
     node_args: per node, arguments after args (what differs between the nodes' command lines). meanwhile(procs):
-    what the test does while they run (it may read their stdout).
+    what the test does while they run (it may read their stdout). node_env: per node, more environment variables.
     """
     port = free_port()
     node_args = node_args or [[], []]
+    node_env = node_env or [{}, {}]
     procs = [start_python(TORCHRUN + ['--nnodes=2', '--nproc_per_node=1', f'--node_rank={i}',
                                       '--master_addr=127.0.0.1', f'--master_port={port}', script, *args,
-                                      *node_args[i]], cwd=copy, env=ENV, start_new_session=True)
+                                      *node_args[i]], cwd=copy, env=dict(ENV, **node_env[i]),
+                          start_new_session=True)
              for i, copy in enumerate(copies)]
     began = time.time()
     results = []
@@ -264,15 +266,34 @@ def test_a_token_file_that_differs_on_one_node_is_refused_on_both(tiny_dataset, 
                                  "but [30000] on rank 1 on", "give every node the same copy of the dataset")
 
 
-def test_a_bad_token_id_in_a_small_split_of_one_node_is_one_verdict(tiny_dataset, tmp_path):
+def test_a_token_file_that_differs_only_in_its_middle_is_refused_on_both(tiny_dataset, tmp_path):
     nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
-    # a train.bin of 648 KB on both nodes, whose middle the digest compared at start-up doesn't read (its first
-    # and last 256 KiB): only the scan at set-up finds node 1's bad id there
-    tokens = np.tile(np.fromfile(nodes[0] / 'data' / 'tiny' / 'train.bin', dtype=np.uint16), 6)
+    # one valid token changed in the middle of node 1's train.bin: same size, same first and last 256 KiB (all
+    # the digest compared before; the run trained silently different)
+    train_bin = nodes[1] / 'data' / 'tiny' / 'train.bin'
+    tokens = np.fromfile(train_bin, dtype=np.uint16)
+    tokens[tokens.size // 2] = (tokens[tokens.size // 2] + 1) % TINY_VOCAB
+    tokens.tofile(train_bin)
+    assert_one_line_on_each_node(two_nodes(nodes, tiny('out', max_iters=2)), "the ranks differ in tokens: train.bin=",
+                                 "rank 1 on", "give every node the same copy of each file")
+    assert not (nodes[0] / 'out' / 'ckpt.pt').exists()
+
+
+def test_a_bad_token_id_in_a_small_split_of_one_node_is_one_verdict(tiny_dataset, tmp_path):
+    from nanogpt_plus.files import sampled_digest
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    # a train.bin of 18 MB on both nodes (under the 64M tokens scanned whole at set-up, over the 16 MiB the digest
+    # reads whole), node 1's with a bad id between two of the digest's sampled blocks: only the scan at set-up
+    # finds it
+    tokens = np.tile(np.fromfile(nodes[0] / 'data' / 'tiny' / 'train.bin', dtype=np.uint16), 167)
     for node in nodes:
         tokens.tofile(node / 'data' / 'tiny' / 'train.bin')
-    tokens[tokens.size // 2] = TINY_VOCAB + 7
+    size, block = tokens.nbytes, 1 << 14
+    between = round(127 * (size - block) / 255) + block + 1000  # past block 127's end, before block 128
+    tokens[between // 2] = TINY_VOCAB + 7
     tokens.tofile(nodes[1] / 'data' / 'tiny' / 'train.bin')
+    assert sampled_digest(nodes[0] / 'data' / 'tiny' / 'train.bin') == \
+        sampled_digest(nodes[1] / 'data' / 'tiny' / 'train.bin')
     results = two_nodes(nodes, tiny('out', max_iters=2))
     assert_one_line_on_each_node(results, f"holds token ids up to {TINY_VOCAB + 7}", "[rank 1 on",
                                  "every node must have the same files at the same paths")
@@ -349,14 +370,14 @@ def nodes_with_sample(tmp_path, dataset):
     return nodes
 
 
-def ended_alike(nodes, args, *words, script='train.py', code=2, meanwhile=None):
+def ended_alike(nodes, args, *words, script='train.py', code=2, meanwhile=None, **per_node):
     """
     script on both nodes: both end within a minute, each with one `error:` line holding words, and
     every worker of both nodes with exit code `code` (torchrun's report of each failed worker).
-    Returns the results.
+    per_node: two_nodes' node_args, node_env. Returns the results.
     """
     began = time.time()
-    results = two_nodes(nodes, args, script=script, meanwhile=meanwhile)
+    results = two_nodes(nodes, args, script=script, meanwhile=meanwhile, **per_node)
     assert time.time() - began < 60, f"the nodes took {time.time() - began:.0f} s"
     assert_one_line_on_each_node(results, *words)
     codes = [WORKER_EXIT.findall(r.stderr) for r in results]
@@ -435,6 +456,56 @@ def test_eval_output_file_is_checked_by_rank_0_which_writes_it(tiny_dataset, tmp
     assert '"task": "loss"' in (nodes[0] / 'res' / 'eval.json').read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a node without CUDA: this machine has it")
+@pytest.mark.parametrize('refused, words', [
+    ('--device=cuda', "device 'cuda' was asked for but CUDA is not available"),
+    ('--backend=nccl', "--backend=nccl needs CUDA, and this node's device is cpu"),
+])
+def test_a_node_whose_device_or_backend_fails_still_joins_and_ends_every_node(tiny_dataset, tmp_path, refused,
+                                                                              words):
+    # the real-world case: one node whose driver is broken. It joins with gloo on the CPU and says why, instead
+    # of raising before joining while node 0 waits in init_process_group
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    results = ended_alike(nodes, tiny('out', max_iters=2), words, "[rank 1 on", node_args=[[], [refused]])
+    # no file is the matter: the line doesn't send the user looking for one
+    assert "same files" not in results[0].stderr
+    assert not (nodes[0] / 'out').exists()
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_before_joining_ends_the_other_node_in_one_line(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    # node 1's worker is killed in its first moments, before train.py can handle a signal (the issue's SIGTERM
+    # 0.1 s in, or kill -9): it never joins the process group
+    (nodes[1] / 'train.py').write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    began = time.time()
+    results = two_nodes(nodes, tiny('out', max_iters=2, join_timeout=10))
+    assert time.time() - began < 90
+    # torchrun's agents both exit 1 (its code for any failed worker); node 0's worker with the one line
+    assert [r.returncode for r in results] == [1, 1]
+    said = [line for line in results[0].stderr.splitlines() if line.startswith('error: ')]
+    assert said == ["error: node 1 never joined the process group (rank 1, waited 10 s): its process ended or "
+                    "stalled before joining; see node 1's log (torchrun's summary there says how its worker "
+                    "ended), then start the run again on every node (--join_timeout=S waits longer for a node "
+                    "that is slow to start)"], results[0].stderr[-3000:]
+    assert WORKER_EXIT.findall(results[0].stderr) == ['2']
+    # node 1's log: torchrun's own summary of its worker's end (nothing of ours ran there)
+    assert WORKER_EXIT.findall(results[1].stderr) == ['-9'], results[1].stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('value, what', [('989 TFLOPS', 'a number of FLOP/s above 0'),
+                                         ('0', 'a number of FLOP/s above 0')])
+def test_a_bad_environment_variable_on_one_node_is_one_verdict(tiny_dataset, tmp_path, value, what):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    results = ended_alike(nodes, tiny('out', max_iters=2),
+                          f"the environment variable NANOGPT_PEAK_FLOPS='{value}' is not {what}", "[rank 1 on",
+                          node_env=[{}, {'NANOGPT_PEAK_FLOPS': value}])
+    assert "same files" not in results[0].stderr
+    assert not (nodes[0] / 'out').exists()
+
+
 # -----------------------------------------------------------------------------
 # sample.py: one verdict on what each rank reads
 
@@ -460,6 +531,122 @@ def test_sample_with_the_checkpoint_on_one_node_only_is_one_verdict(tiny_dataset
     # nanoGPT's 10 samples each (the same seed on every rank)
     samples = [len(re.findall(r'^abc', r.stdout, re.M)) for r in results]
     assert samples == [10, 10], [r.stdout for r in results]
+
+
+@pytest.mark.slow
+def test_sample_with_another_runs_checkpoint_on_one_node_is_refused_on_both(tiny_dataset, tmp_path):
+    nodes = nodes_with_sample(tmp_path, tiny_dataset)
+    trained(nodes)
+    # node 1's ckpt.pt: another run's, of the same settings and another seed
+    other = run_python(['train.py', *tiny('other', max_iters=2, seed=7)], cwd=nodes[1], env=ENV, timeout=120)
+    assert other.returncode == 0, other.stderr[-2000:]
+    shutil.copy(nodes[1] / 'other' / 'ckpt.pt', nodes[1] / 'out' / 'ckpt.pt')
+    for node in nodes:
+        (node / 'config').mkdir()
+        (node / 'config' / 'abc.py').write_text("start = 'abc'\n")
+    ended_alike(nodes, ['config/abc.py', *SCRIPT_ARGS['sample.py']], "the ranks differ in checkpoint",
+                script='sample.py')
+    # the same checkpoint, but a prompt file that differs
+    shutil.copy(nodes[0] / 'out' / 'ckpt.pt', nodes[1] / 'out' / 'ckpt.pt')
+    for node, prompt in zip(nodes, ('abc', 'cba')):
+        (node / 'prompt.txt').write_text(prompt)
+        (node / 'config' / 'file.py').write_text("start = 'FILE:prompt.txt'\n")
+    ended_alike(nodes, ['config/file.py', *SCRIPT_ARGS['sample.py']], "the ranks differ in data",
+                "prompt file", script='sample.py')
+
+
+def workers_of(proc, timeout=60):
+    """ The worker processes proc (a torchrun agent) started, once it has one. """
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = []
+        for thread in os.listdir(f'/proc/{proc.pid}/task'):
+            try:
+                with open(f'/proc/{proc.pid}/task/{thread}/children') as f:
+                    found += [int(pid) for pid in f.read().split()]
+            except FileNotFoundError:
+                pass
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError("torchrun started no worker")
+
+
+def signal_node_1_once(started, delay, sig=signal.SIGTERM, agent=False, stream='stdout'):
+    """
+    meanwhile for two_nodes: once node 0's stream has a line starting with `started` (both nodes are then in
+    the work), wait delay seconds and send sig to node 1's worker (or, agent=True, to its torchrun agent).
+    """
+    def act(procs):
+        worker = workers_of(procs[1])[0]
+        deadline = time.time() + 90
+        for line in getattr(procs[0], stream):
+            if line.startswith(started) or time.time() > deadline:
+                break
+        time.sleep(delay)
+        os.kill(procs[1].pid if agent else worker, sig)
+    return act
+
+
+def stopped_together(results, code):
+    """ Both nodes' workers ended with code, each node's log with the line of where the signal came. """
+    codes = [WORKER_EXIT.findall(r.stderr) for r in results]
+    assert codes == [[str(code)], [str(code)]], (codes, *(r.stderr[-3000:] for r in results))
+    for r in results:
+        assert "stopped by SIGTERM (received by rank 1 (node 1); every process of the run stopped with it)" \
+            in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_node_during_eval_stops_both_between_batches(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    trained(nodes)
+    # a loss evaluation of minutes: 50 times the val split, a window per batch
+    for node in nodes:
+        val = np.fromfile(node / 'data' / 'tiny' / 'val.bin', dtype=np.uint16)
+        np.tile(val, 50).tofile(node / 'data' / 'tiny' / 'val.bin')
+    began = time.time()
+    results = two_nodes(nodes, ['--init_from=resume', '--out_dir=out', '--device=cpu', '--batch_size=1',
+                                '--num_threads=1', '--dataset=data/tiny'], script='eval.py', timeout=90,
+                        meanwhile=signal_node_1_once('provenance', 5))
+    assert time.time() - began < 90
+    stopped_together(results, 130)
+    assert [r.returncode for r in results] == [1, 1]  # torchrun's code for any failed worker
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_node_during_sampling_stops_both(tiny_dataset, tmp_path):
+    nodes = nodes_with_sample(tmp_path, tiny_dataset)
+    trained(nodes)
+    began = time.time()
+    # --prompt: torchrun takes a --start=... for its own --start_method
+    results = two_nodes(nodes, [*SCRIPT_ARGS['sample.py'], '--prompt=abc', '--max_new_tokens=100000',
+                                '--num_threads=1'],
+                        script='sample.py', timeout=90, meanwhile=signal_node_1_once('sampling ', 2, stream='stderr'))
+    # both end at once: node 0's worker stops too (130), so its torchrun skips the exit barrier (300 s) that a
+    # worker which ended well (0) would wait in for node 1's agent
+    assert time.time() - began < 90
+    stopped_together(results, 130)
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_nodes_agent_stops_and_saves_on_both(tiny_dataset, tmp_path):
+    nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
+    began = time.time()
+    # a run of minutes; node 1's torchrun is killed once training is under way
+    results = two_nodes(nodes, tiny('out', max_iters=100000, eval_interval=100000, log_interval=50),
+                        timeout=90, meanwhile=signal_node_1_once('provenance', 3, sig=signal.SIGKILL,
+                                                                         agent=True))
+    assert time.time() - began < 90
+    # node 1's worker, orphaned, sees its agent gone: every rank stops at one iteration and saves (75), so node
+    # 0's torchrun ends at once instead of waiting 300 s in its exit barrier for the agent that is gone
+    assert "the torchrun agent of a node is gone (killed, or it crashed): all processes stop here and save a " \
+        "checkpoint" in results[0].stderr, results[0].stderr[-3000:]
+    assert WORKER_EXIT.findall(results[0].stderr) == ['75'], results[0].stderr[-3000:]
+    assert results[0].returncode == 1 and results[1].returncode == -signal.SIGKILL
+    assert load_checkpoint(str(nodes[0] / 'out' / 'ckpt.pt'))['iter_num'] > 0
+    # node 1's log says why its run ended too (its agent can't)
+    assert "stopped with every node: rank 0 saved iteration" in results[1].stdout, results[1].stdout[-2000:]
 
 
 # -----------------------------------------------------------------------------
@@ -653,7 +840,8 @@ def test_finetune_compares_the_source_weights_and_the_task_files(tmp_path):
     common = ['--task=classification', '--init_from=src', '--train_file=classification_train.jsonl',
               '--val_file=classification_val.jsonl', '--device=cpu', '--batch_size=8', '--epochs=1',
               '--out_dir=ft']
-    one_verdict(nodes, common, "the ranks differ in checkpoint: the copies of src/ckpt.pt differ (",
+    one_verdict(nodes, common,
+                "the ranks differ in the weights init_from starts from: the copies of src/ckpt.pt differ (",
                 "(iter 0) on node 0 (", "(iter 0) on node 1 (", "copy the one to start from to every node",
                 script='finetune.py')
     shutil.copy(nodes[0] / 'src' / 'ckpt.pt', nodes[1] / 'src' / 'ckpt.pt')

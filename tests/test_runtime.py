@@ -128,6 +128,12 @@ def test_checkpoint_difference_names_each_nodes_iteration_and_the_newer():
     assert line == ("the ranks differ in checkpoint: out/ckpt.pt is at iter 3 on node 0 (host-a), iter 6 on "
                     "node 1 (host-b); node 1 (host-b) has the newer one: copy it over out/ckpt.pt on node 0 "
                     "(host-a) (or keep it on a shared file system), then start again")
+    # init_from's weights: named as such, not as a checkpoint resumed
+    line = _first_difference([(None, h, n, '', {'weights': state(3, path='src/ckpt.pt')}, 'files') for h, n in
+                              PLACES[:2]] + [(None, h, n, '', {'weights': state(3, '9:cd', 'src/ckpt.pt')}, 'files')
+                                             for h, n in PLACES[2:]], {'weights': SAME_START['weights']})
+    assert line.startswith("the ranks differ in the weights init_from starts from: the copies of src/ckpt.pt "
+                           "differ ("), line
     # three nodes: the copies that are not the newest are named; two other newest ones are the user's call
     three = [('a', '0'), ('b', '1'), ('c', '2')]
     line = checkpoint_difference([state(3), state(6, '9:cd'), state(6, '9:cd')], three)

@@ -311,3 +311,15 @@ def test_sampling_times_its_threads_on_a_sampling_step_and_retunes(char_model, m
         assert fake.timed == [] and torch.get_num_threads() == 2  # a fixed count: set, never timed
     finally:
         torch.set_num_threads(before)
+
+
+def test_prompt_is_start_under_a_name_torchrun_lets_through(tmp_path):
+    from configurator import parse_config
+    from nanogpt_plus.errors import UserError
+    assert sample.prompt_setting(parse_config(sample.DEFAULTS, ['--start=abc'])) == ('start', 'abc')
+    both = parse_config(sample.DEFAULTS, ['--start=abc', '--prompt=xyz'])
+    assert sample.prompt_setting(both) == ('prompt', 'xyz')
+    missing = parse_config(sample.DEFAULTS, [f'--prompt=FILE:{tmp_path / "nope.txt"}'])
+    assert sample.prompt_files(missing) == {'prompt file': str(tmp_path / 'nope.txt')}
+    with pytest.raises(UserError, match=r"^prompt=FILE:.*nope.txt: no such file"):
+        sample.read_start(*reversed(sample.prompt_setting(missing)))

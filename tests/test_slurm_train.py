@@ -370,3 +370,31 @@ def test_a_forged_value_does_not_requeue_a_failed_job(tiny_dataset, tmp_path, wh
     errors = [line for line in out.splitlines() if line.startswith('error: ')]
     assert errors and all(repr(FORGED)[1:-1] in line for line in errors), out[-3000:]
     assert not any(line.startswith('stopped cleanly') for line in out.splitlines())
+
+
+def test_job_ids_20000_apart_on_one_node_get_ports_of_their_own(tiny_dataset, tmp_path):
+    # job A listens on its port (port - 10000 from its id); job B's id is 20000 more, which picks the same port
+    port = port_free_below_ephemeral()
+    with socket.socket() as first_job:
+        first_job.bind(('127.0.0.1', port))
+        first_job.listen()
+        env = slurm_env(tmp_path, tiny_dataset, fakes=('srun', 'scontrol', 'torchrun'),
+                        SLURM_JOB_ID=str(port - 10000 + 20000), MASTER_PORT=None)
+        done = run_script(env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id, chosen = PORT_LINE.search(done.stdout).groups()
+    # the next port nothing listens on: another than the first job's
+    assert int(chosen) != port and 10000 <= int(chosen) < 30000, chosen
+    ran = (tmp_path / 'torchrun_ran').read_text().splitlines()
+    assert [line for line in ran if line != '--help'] == [
+        line for line in ran if f'--master_port={chosen} ' in line]
+    assert len(ran) == 3  # --help, then a torchrun on each node
+
+
+def test_a_job_id_picks_its_port_when_free(tiny_dataset, tmp_path):
+    port = port_free_below_ephemeral()
+    env = slurm_env(tmp_path, tiny_dataset, fakes=('srun', 'scontrol', 'torchrun'),
+                    SLURM_JOB_ID=str(port - 10000 + 40000), MASTER_PORT=None)
+    done = run_script(env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert PORT_LINE.search(done.stdout).groups() == (str(port - 10000 + 40000), str(port))

@@ -224,15 +224,16 @@ def loss_metrics(table, num_bytes):
 
 
 def evaluate_loss(model, parts, tokenizer, batch_size, device, ctx=nullcontext(), dist_info=None,
-                  pad_to=None, progress=False, threads=None):
+                  pad_to=None, progress=False, threads=None, poll=None):
     """
     The loss metrics of model over [(tokens, windows)] parts: a token array or memmap per file (a
     split's shards: no window spans two) and loss_windows' windows over it. tokenizer is the one the
-    tokens were made with: it says how many bytes of text they are, for bits per byte.
+    tokens were made with: it says how many bytes of text they are, for bits per byte. poll:
+    score_examples', a stop agreement that raises (eval.py's) rather than returns True.
     """
     rows = TokenWindows(parts)
     table = score_examples(model, rows, list(range(len(rows) + 1)), batch_size, device, ctx,
-                           dist_info, pad_to, progress, threads=threads)
+                           dist_info, pad_to, progress, poll, threads=threads)
     return loss_metrics(table, scored_bytes(parts, token_byte_lengths(tokenizer)))
 
 
@@ -326,10 +327,10 @@ def score_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist
 
 
 def evaluate_hellaswag(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None,
-                       pad_to=None, progress=False, threads=None):
+                       pad_to=None, progress=False, threads=None, poll=None):
     """ {'acc', 'acc_norm'} of model on examples, hellaswag_examples' (rows, offsets, labels). """
     return hellaswag_metrics(score_hellaswag(model, examples, batch_size, device, ctx, dist_info,
-                                             pad_to, progress, threads=threads))
+                                             pad_to, progress, poll, threads=threads))
 
 
 def lambada_examples(records, tokenizer, block_size, path='data'):
@@ -356,11 +357,11 @@ def lambada_metrics(table):
 
 
 def evaluate_lambada(model, examples, batch_size, device, ctx=nullcontext(), dist_info=None,
-                     pad_to=None, progress=False, threads=None):
+                     pad_to=None, progress=False, threads=None, poll=None):
     """ {'acc', 'ppl'} of model on examples, lambada_examples' (rows, offsets). """
     rows, offsets = examples
     return lambada_metrics(score_examples(model, rows, offsets, batch_size, device, ctx, dist_info,
-                                          pad_to, progress, threads=threads))
+                                          pad_to, progress, poll, threads=threads))
 
 
 # -----------------------------------------------------------------------------
@@ -474,20 +475,21 @@ def loss_task(model, tokenizer_meta, paths, dataset, stride, batch_size, max_exa
 
 def evaluate(model, task, tokenizer_meta, data_file='', dataset='', split='val', stride=0,
              batch_size=16, max_examples=0, device='cpu', ctx=nullcontext(), dist_info=None,
-             pad_to=None, progress=False, threads=None):
+             pad_to=None, progress=False, threads=None, poll=None):
     """
     Run one task (see TASKS) on model, whose tokenizer tokenizer_meta describes. data_file is the
     token file (loss: or a directory of shards) or the JSONL file; '' means the dataset's
     <split>.bin or <split> shards for the loss, and the public file otherwise.
     stride is loss_windows'. max_examples > 0 keeps the first examples (loss: windows) only.
-    threads: score_examples'.
+    threads: score_examples'; poll: its stop agreement, here one that raises (eval.py's: every
+    rank stops at the same batch).
     Returns {'task', 'metrics', 'num_examples', 'data_file'}.
     """
     if batch_size < 1 or max_examples < 0:
         raise UserError("batch_size must be at least 1 and max_examples at least 0 (0 = all)")
     block_size = model.config.block_size
     run = dict(device=device, ctx=ctx, dist_info=dist_info, pad_to=pad_to, progress=progress,
-               threads=threads)
+               threads=threads, poll=poll)
     if task == 'loss':
         metrics, num_examples, path = loss_task(model, tokenizer_meta,
                                                 loss_files(data_file, dataset, split), dataset,

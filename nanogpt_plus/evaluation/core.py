@@ -546,13 +546,15 @@ def task_line(label, scores):
 
 
 def evaluate_core(model, tokenizer, tasks, batch_size, max_examples=0, device='cpu',
-                  ctx=nullcontext(), dist_info=None, pad_to=None, progress=False, threads=None):
+                  ctx=nullcontext(), dist_info=None, pad_to=None, progress=False, threads=None,
+                  poll=None):
     """
     {'core', 'tasks': {label: score_task's dict}} of model on a bundle's tasks (read_bundle's), each
     task's examples split across the ranks (score_examples); progress: print each task's line as it
-    is done (rank 0); threads: score_examples' (the first task's first batch is timed).
+    is done (rank 0); threads: score_examples' (the first task's first batch is timed); poll: its
+    stop agreement (eval.py's raises).
     """
-    run = dict(device=device, ctx=ctx, dist_info=dist_info, pad_to=pad_to, threads=threads)
+    run = dict(device=device, ctx=ctx, dist_info=dist_info, pad_to=pad_to, threads=threads, poll=poll)
     scores = {}
     for task in tasks:
         scores[task.label] = score_task(model, task, tokenizer, model.config.block_size, batch_size,
@@ -589,7 +591,7 @@ def score_card(metrics, source, max_examples=0):
 
 def evaluate_bundle(model, tokenizer_meta, data_file='', dataset='', split='val', batch_size=16,
                     max_examples=0, device='cpu', ctx=nullcontext(), dist_info=None, pad_to=None,
-                    progress=False, threads=None):
+                    progress=False, threads=None, poll=None):
     """
     eval.py's core task, laid out as evaluation.evaluate's result: {'task': 'core', 'metrics':
     {'core', 'tasks', and <split>_bpb with a dataset}, 'num_examples', 'data_file': the bundle}.
@@ -597,7 +599,7 @@ def evaluate_bundle(model, tokenizer_meta, data_file='', dataset='', split='val'
     per byte too (the loss task's, over its first max_examples windows when > 0).
     """
     bundle = bundle_dir(data_file)
-    run = dict(device=device, ctx=ctx, dist_info=dist_info, pad_to=pad_to, threads=threads)
+    run = dict(device=device, ctx=ctx, dist_info=dist_info, pad_to=pad_to, threads=threads, poll=poll)
     metrics = evaluate_core(model, load_tokenizer(tokenizer_meta), read_bundle(bundle), batch_size,
                             max_examples, progress=progress, **run)
     if dataset:
