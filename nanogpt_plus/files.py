@@ -25,7 +25,7 @@ import os
 from contextlib import contextmanager
 
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.signals import held
+from nanogpt_plus.signals import held, published
 
 # in every temp file's name, so that a sweep for the temps of killed runs removes only files this
 # project wrote (a user's own .thesis.tmp.4242 has no such mark)
@@ -129,6 +129,7 @@ class AtomicOutputs:
             for tmp, final in self.pending:
                 self.writing = final
                 os.replace(tmp, final)
+                published(final)
             self.pending = []
             for path in self.outdated:
                 if os.path.isfile(path):

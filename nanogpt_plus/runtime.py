@@ -28,7 +28,7 @@ from nanogpt_plus.errors import EXIT_USER_ERROR, Interrupted, PeerFailed, error_
 from nanogpt_plus.files import file_digest
 from nanogpt_plus.init_from import is_hf_dir
 from nanogpt_plus.machine import device_type_of
-from nanogpt_plus.signals import EXIT_STOPPED, Stopped, work_ended, work_started
+from nanogpt_plus.signals import Stopped, work_ended, work_started
 
 
 def run_main(main):
@@ -43,8 +43,8 @@ def run_main(main):
     one message of the rank that failed. In every case the work is over once the exit code is known:
     a signal after that is said and changes nothing (signals.work_ended).
     """
-    work_started()
     try:
+        work_started()  # a signal that came during the imports stops the work here
         code = _run(main)
         work_ended(code)
     except Stopped as e:  # as main() ended, before work_ended: one line and 130, as any other
@@ -132,7 +132,7 @@ def record_for_torchrun(line):
 def _stopped(stop):
     """ Say that a signal stopped work that can't resume (signals.Stopped); its exit code. """
     print(stop.line(), file=sys.stderr)
-    return EXIT_STOPPED
+    return stop.code
 
 
 def _exit(code):
