@@ -35,6 +35,7 @@ import sys
 import types
 
 from nanogpt_plus.errors import ConfigError, UserError
+from nanogpt_plus.files import refuse_special_file
 
 
 class Settings(dict):
@@ -267,6 +268,7 @@ def _check_type(key, value, defaults, source):
 
 def _read_config_file(path):
     """ The top-level settings assigned by a Python config file, run in its own namespace. """
+    refuse_special_file(path, "config file", ConfigError)
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} not found; pass an existing file such as "
                           f"config/train_shakespeare_char.py")

@@ -32,6 +32,7 @@ from nanogpt_plus.signals import early_exit_request
 early_exit_request(__name__, resumable=False)
 
 import codecs
+import os
 import sys
 import time
 
@@ -42,6 +43,7 @@ from nanogpt_plus import settings
 from nanogpt_plus.distributed import GROUP_SETTINGS, every_rank, start
 from nanogpt_plus.engine import MODES, check_sampling_args, generate_stream, typical_step
 from nanogpt_plus.errors import TokenizerError, UserError
+from nanogpt_plus.files import refuse_special_file
 from nanogpt_plus.init_from import describe_source, init_model
 from nanogpt_plus.machine import PTDTYPE, auto_threads, device_type_of, precision, resolve_compile
 from nanogpt_plus.progress import Progress
@@ -103,14 +105,35 @@ def say(line):
     print(line, file=sys.stderr, flush=True)
 
 
-def read_start(start):
-    """ The prompt text: start itself, or the contents of the file named by FILE:path. """
+# the most of a prompt file read per token of block_size: a token of any of our tokenizers is a few
+# bytes of text on average (GPT-2's BPE ~4, a character 1-4), so the last block_size * 64 bytes hold
+# more tokens than the model can use; the rest would be cut after encoding anyway
+PROMPT_BYTES_PER_TOKEN = 64
+
+
+def read_start(start, block_size):
+    """
+    The prompt text: start itself, or the contents of the file named by FILE:path: its last
+    block_size * PROMPT_BYTES_PER_TOKEN bytes at most (said), since the model uses only its last
+    block_size tokens; a FIFO or a device (/dev/zero, which never ends) is refused.
+    """
     if not start.startswith('FILE:'):
         return start
     path = start[len('FILE:'):]
+    refuse_special_file(path, "start=FILE: prompt file")
+    limit = block_size * PROMPT_BYTES_PER_TOKEN
     try:
-        with open(path, 'r', encoding='utf-8') as f:
-            return f.read()
+        with open(path, 'rb') as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                f.seek(size - limit)
+                say(f"note: start=FILE:{path} is {size:,} bytes; reading its last {limit:,} (the model "
+                    f"uses only its last {block_size} tokens)")
+            data = f.read(limit)
+        if size > limit:  # the cut may fall inside a character: start at the next whole one
+            while data and (data[0] & 0xC0) == 0x80:
+                data = data[1:]
+        return data.decode('utf-8')
     except FileNotFoundError:
         raise UserError(
             f"start=FILE:{path}: no such file; check the path of the prompt file") from None
@@ -231,7 +254,7 @@ def load_inputs(config):
     tok = load_tokenizer(tokenizer_meta)
     check_tokenizer_fits(model.config, tokenizer_meta,
                          describe_source(config.init_from, config.out_dir))
-    start_ids = encode_prompt(tok, read_start(config.start), model.config.block_size,
+    start_ids = encode_prompt(tok, read_start(config.start, model.config.block_size), model.config.block_size,
                               model.config.vocab_size)
     return model, tok, start_ids
 

@@ -47,7 +47,7 @@ from nanogpt_plus.distributed import (
     master_decides,
 )
 from nanogpt_plus.errors import UserError, error_line, load_error
-from nanogpt_plus.files import atomic_write
+from nanogpt_plus.files import atomic_write, refuse_special_file
 
 # train.py's checkpoint: the training state to resume from (the best model without
 # always_save_checkpoint)
@@ -148,6 +148,7 @@ def load_checkpoint(path, map_location='cpu'):
         raise UserError(
             f"no checkpoint at {path}; train a model first (python train.py ...) or check --out_dir"
         )
+    refuse_special_file(path, "checkpoint")
     # mmap needs the zip format; an old or damaged file is read the ordinary way (and its error
     # reported below)
     mmap = zipfile.is_zipfile(path)

@@ -40,6 +40,7 @@ import torch
 from nanogpt_plus.dataset import SAME_DATA, data_digests, find_dataset, has_header, raw_token_dtype, tokenizer_digest
 from nanogpt_plus.distributed import every_rank
 from nanogpt_plus.errors import UserError
+from nanogpt_plus.files import refuse_special_file
 
 # the data_order setting's choices: nanoGPT's random windows, or llm.c's pass over every token
 # (training_loader acts on them)
@@ -60,6 +61,7 @@ def open_tokens(path, dataset=None, dtype=None):
         named = dataset and not os.path.isabs(dataset) and os.sep not in dataset
         hint = f"run python data/{dataset}/prepare.py first" if named else "prepare the dataset first"
         raise UserError(f"no token file at {path}; {hint}")
+    refuse_special_file(path, "token file")
     size = os.path.getsize(path)
     if size == 0:  # (numpy can't memmap an empty file)
         raise UserError(f"{path} is empty (0 tokens); re-run the dataset's prepare.py on some text")

@@ -22,6 +22,7 @@ import fcntl
 import glob
 import json
 import os
+import stat
 from contextlib import contextmanager
 
 from nanogpt_plus.errors import UserError
@@ -255,6 +256,25 @@ def _fsync_dir(path):
 # -----------------------------------------------------------------------------
 # reading
 
+def refuse_special_file(path, what, error=UserError):
+    """
+    Refuse, in one line naming it, an input that exists but is a FIFO, a device (/dev/zero) or a
+    socket: opening a FIFO to read waits for a writer that may never come, and a device may never
+    end, so neither returns to a loop that could hear a signal. os.stat opens nothing. A missing
+    path, or a directory, is left to the caller's own message.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return
+    kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    kind = next((name for test, name in kinds if test(mode)), None)
+    if kind is not None:
+        raise error(f"{what} {path} is {kind}, not a regular file: reading it could wait forever; "
+                    f"give a regular file")
+
+
 def file_digest(path, span=1 << 20):
     """
     What tells two nodes' copies of a file apart, cheaply (a stale ckpt.pt, a token file of another
@@ -263,6 +283,7 @@ def file_digest(path, span=1 << 20):
     not a read of gigabytes. Two files that differ only in between are not told apart.
     """
     import hashlib
+    refuse_special_file(path, "file")
     size = os.path.getsize(path)
     digest = hashlib.sha256()
     with open(path, 'rb') as f:
@@ -278,6 +299,7 @@ def read_jsonl(path, required_keys=(), missing_hint="pass an existing JSONL file
     line that is not a JSON object, or a record without one of required_keys is one UserError naming
     the line.
     """
+    refuse_special_file(path, "file")
     if not path or not os.path.isfile(path):
         raise UserError(f"no data file at {path or '(none given)'}; {missing_hint}")
     records = []

@@ -116,3 +116,51 @@ def test_file_digest_tells_contents_of_one_size_apart_from_its_ends(tmp_path):
     data[12800] ^= 1
     c.write_bytes(bytes(data))
     assert file_digest(c, span=4096) == file_digest(a, span=4096) and file_digest(c) != file_digest(a)
+
+
+# -----------------------------------------------------------------------------
+# an input that is a FIFO or a device: refused before it is opened
+
+def unblock_a_reader(fifo):
+    """ Opens the FIFO's other end once a reader does, so that a regression that opens it ends (on
+    EOF) rather than hanging the test run. """
+    import threading
+
+    def writer():
+        with open(fifo, "wb"):
+            pass
+    threading.Thread(target=writer, daemon=True).start()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
+@pytest.mark.parametrize("which", ["train.bin", "meta.json", "ckpt.pt", "config"])
+def test_a_fifo_where_an_input_is_read_is_refused_unopened(which, dataset, tmp_path, monkeypatch, capsys):
+    """ A FIFO where ckpt.pt, a dataset's meta.json or train.bin, or a config file is read used to block
+    forever (deaf to SIGTERM): one line naming it, exit 2, nothing made. """
+    from helpers import run, train_args
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    out_dir = tmp_path / "out"
+    fifo = {"train.bin": data / "train.bin", "meta.json": data / "meta.json", "ckpt.pt": out_dir / "ckpt.pt",
+            "config": tmp_path / "config.py"}[which]
+    if which == "ckpt.pt":
+        out_dir.mkdir()
+    if fifo.exists():
+        fifo.unlink()
+    os.mkfifo(fifo)
+    unblock_a_reader(fifo)
+    listed = lambda: {d: sorted(set(os.listdir(d)) - {"out"}) for d in (tmp_path, data)}  # noqa: E731
+    before = listed()
+    if which == "ckpt.pt":
+        args = ("sample.py", f"--out_dir={out_dir}", "--device=cpu")
+    else:
+        config = [str(fifo)] if which == "config" else []
+        args = ("train.py", *config, *train_args(str(data), out_dir, num_threads=1))
+    code, out, err = run(args[0], monkeypatch, capsys, *args[1:])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, (code, err)
+    assert lines[0].startswith("error: ") and lines[0].endswith(
+        f"{fifo} is a FIFO (named pipe), not a regular file: reading it could wait forever; give a regular file")
+    # (an empty out_dir may be left for now: it is made before the data is read)
+    assert listed() == before
+    assert not out_dir.exists() or os.listdir(out_dir) == (["ckpt.pt"] if which == "ckpt.pt" else [])

@@ -263,6 +263,36 @@ def test_start_file(char_model, tmp_path, monkeypatch, capsys):
     assert out.text().endswith("bcd\nab\n" + SEP + "\n")
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
+def test_a_prompt_file_that_never_ends_is_refused_and_a_long_one_is_read_from_its_end(
+        char_model, tmp_path, monkeypatch, capsys):
+    """ /dev/zero (4 GB in 15 s, deaf to SIGTERM) and a FIFO (blocks at open) are refused in one line,
+    unread; a prompt file longer than the model can use is read from its end, said in one line. """
+    _, _, out_dir = char_model
+    os.mkfifo(tmp_path / "fifo")
+    before = sorted(os.listdir(tmp_path))
+    for path, kind in (("/dev/zero", "a character device"), (tmp_path / "fifo", "a FIFO (named pipe)")):
+        err = expect_error(monkeypatch, capsys, f"--out_dir={out_dir}", "--device=cpu", f"--start=FILE:{path}")
+        assert err.strip().splitlines()[-1] == (
+            f"error: start=FILE: prompt file {path} is {kind}, not a regular file: reading it could wait "
+            f"forever; give a regular file")
+    assert sorted(os.listdir(tmp_path)) == before
+    # 'bcda' * ~25k: 100,000 bytes, of which the last 16 * 64 are read; the same sample as the whole file's
+    (tmp_path / "long.txt").write_text("é" + "bcda" * 25_000 + "bc", encoding="utf-8")
+    out = run_in_process(monkeypatch, f"--out_dir={out_dir}", "--device=cpu", "--num_samples=1",
+                         "--max_new_tokens=4", "--temperature=0", f"--start=FILE:{tmp_path / 'long.txt'}")
+    err = capsys.readouterr().err
+    assert (f"note: start=FILE:{tmp_path / 'long.txt'} is 100,004 bytes; reading its last 1,024 (the model "
+            f"uses only its last 16 tokens)") in err.splitlines()
+    assert out.text().endswith(("bcda" * 25_000 + "bc")[-16:] + "d\nab\n" + SEP + "\n")
+
+
+def test_a_prompt_file_cut_inside_a_character_starts_at_the_next_one(tmp_path, capsys):
+    (tmp_path / "p.txt").write_text("é" * 600 + "x", encoding="utf-8")  # 1,201 bytes; the cut at 177 is mid-é
+    assert sample.read_start(f"FILE:{tmp_path / 'p.txt'}", 16) == "é" * 511 + "x"
+    assert "is 1,201 bytes; reading its last 1,024" in capsys.readouterr().err
+
+
 def test_bad_settings(char_model, monkeypatch, capsys):
     _, _, out_dir = char_model
     for arg, msg in (("--mode=quick", "mode must be"), ("--top_p=1.5", "top_p must be"),
