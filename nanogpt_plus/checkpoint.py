@@ -584,7 +584,8 @@ def branch_off(out_dir, resume_from=''):
     leaving = resume_from and os.path.isfile(current)
     if later or leaving:
         n = 1 + max([int(d.rsplit('_', 1)[1]) for d in os.listdir(out_dir)
-                     if d.startswith('abandoned_') and d.rsplit('_', 1)[1].isdigit()] or [0])
+                     if d.startswith('abandoned_') and d.rsplit('_', 1)[1].isascii()
+                     and d.rsplit('_', 1)[1].isdigit()] or [0])
         keep_dir = os.path.join(out_dir, f'abandoned_{n}')
         os.makedirs(keep_dir)
         for name in later:  # moved (a kill halfway leaves each file in one of the two places)

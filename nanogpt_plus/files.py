@@ -200,15 +200,32 @@ def remove_stale_temps_in(directory):
 def _remove_stale(temps):
     removed = []
     for tmp in temps:
-        pid = tmp.rsplit(".", 1)[-1]
+        pid = _temp_pid(tmp)
         # a live pid may be another run writing the same output right now: leave its file alone
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
             try:
                 os.remove(tmp)
             except FileNotFoundError:
                 continue  # another process removed it first
             removed.append(os.path.basename(tmp))
     return removed
+
+
+# the largest pid any OS gives (Linux's pid_max is at most 2**22); a longer suffix is no pid
+MAX_PID = 2**31 - 1
+
+
+def _temp_pid(tmp):
+    """
+    The pid a temp file's name ends with (temp_path), or None where the suffix is not one a process
+    of ours wrote: ASCII digits only ('²' is a digit to str.isdigit, not to int's range of pids), at
+    most MAX_PID. Such a file is not ours, and is left alone.
+    """
+    suffix = tmp.rsplit(".", 1)[-1]
+    if not (suffix.isascii() and suffix.isdigit()) or len(suffix) > len(str(MAX_PID)):
+        return None
+    pid = int(suffix)
+    return pid if 0 < pid <= MAX_PID else None
 
 
 def _pid_alive(pid):

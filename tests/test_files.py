@@ -3,6 +3,7 @@ nanogpt_plus/files.py: atomic writes (a temp name, renamed when complete) for a 
 sweep of killed runs' temp files (only the names this project gave them), a full disk or a failed write as one line,
 JSONL that is not UTF-8, and the file digest that tells contents of one size apart.
 """
+import json
 import os
 import shutil
 
@@ -10,6 +11,7 @@ import pytest
 
 from helpers import dead_pid, dead_runs_temp, run_train, run_with_file_size_limit, train_args
 from nanogpt_plus import finetuning
+from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import WriteFailed, atomic_write, file_digest, remove_stale_temps_in
 from nanogpt_plus.prepare.shakespeare import prepare_char
@@ -62,6 +64,34 @@ def test_the_sweep_removes_only_files_this_project_named(tmp_path):
     ours.write_text("half a checkpoint")
     assert remove_stale_temps_in(str(tmp_path)) == [ours.name]
     assert all(f.read_text() == "mine" for f in users)
+
+
+ODD_PIDS = ("99999999999999999999", "\u00b2", "0", "2147483648", "-1")  # too big for a pid, a non-ASCII digit, ...
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_temp_names_with_odd_pid_suffixes_are_not_ours_and_crash_nothing(dataset, tmp_path, monkeypatch, capsys):
+    """ .ckpt.pt.nanogpt_plus.tmp.99999999999999999999 made a resume end in OverflowError, '.²' eval.py in
+    ValueError after scoring (its result lost): such names are left alone, and the run goes on. """
+    from helpers import run
+    out_dir, results = tmp_path / "out", tmp_path / "results"
+    run_train(capsys, train_args(dataset, out_dir, max_iters=2, eval_interval=2))
+    results.mkdir()
+    odd = [d / f".{name}.nanogpt_plus.tmp.{pid}" for d, name in ((out_dir, "ckpt.pt"), (results, "eval.json"))
+           for pid in ODD_PIDS]
+    for f in odd:
+        f.write_text("not ours")
+    assert remove_stale_temps_in(str(out_dir)) == []
+    # a resume, and an evaluation whose result goes beside them
+    run_train(capsys, train_args(dataset, out_dir, max_iters=4, eval_interval=2, init_from="resume"))
+    code, out, err = run("eval.py", monkeypatch, capsys, f"--init_from={out_dir}", f"--dataset={dataset}",
+                         "--device=cpu", "--max_examples=2", "--num_threads=1",
+                         f"--output_file={results / 'eval.json'}")
+    assert code == 0 and "Traceback" not in err, err
+    assert json.loads((results / "eval.json").read_text())["task"] == "loss"
+    assert load_checkpoint(str(out_dir / "ckpt.pt"))["iter_num"] == 5
+    assert all(f.read_text() == "not ours" for f in odd)
+    assert sorted(os.listdir(results)) == sorted(["eval.json", *(f.name for f in odd if f.parent == results)])
 
 
 @pytest.mark.usefixtures('one_thread')
