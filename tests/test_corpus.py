@@ -219,6 +219,9 @@ def other_tokenizer_json(kind):
 
 ERRORS = {
     "vocab_too_small": (["--vocab_size=256"], "vocab_size must be >= 257, got 256"),
+    # the tokenizer library used to abort (rc 134) on a 70 GB allocation: refused before any text is read
+    "vocab_absurd": (["--vocab_size=1000000000"], r"^error: vocab_size=1,000,000,000 is more than a BPE trained "
+                     r"here can sensibly have: at most 1,048,576 .*use --vocab_size=1048576 or less$"),
     "vocab_too_large": (["--vocab_size=5000"], r"the corpus fills only [\d,]+ of the 5,000 tokens asked for"),
     "corrupt_json": (["--tokenizer={tmp}/corrupt.json"], r"corrupt\.json is not valid JSON .*it is corrupt"),
     "not_bpe": (["--tokenizer={tmp}/wordlevel.json"], "is a WordLevel tokenizer, not a byte-level BPE"),
