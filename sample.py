@@ -35,6 +35,7 @@ import codecs
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -53,6 +54,12 @@ from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
 from nanogpt_plus.weight_formats import WEIGHTS, can_pack, set_weights
 
 SEPARATOR = '---------------'
+# samples drawn at once: a batch's KV cache and logits grow with it, so a larger num_samples is
+# drawn in batches of this many, each printed as it is done: memory stays bounded, and a signal is
+# heard between steps (num_samples=10**8 grew to 22 GB in one batch, deaf to SIGTERM). Up to it,
+# one batch, as nanoGPT draws them
+MAX_BATCH_SAMPLES = 64
+
 # num_threads=0: the thread count is re-checked every `interval` tokens, each other candidate timed
 # on `probe` of them (machine.ThreadRetuner). train.py's 250: a round costs a few steps on a count
 # that may be 20x slower under load, so it must be rare; a 500-token sample gets one
@@ -71,7 +78,7 @@ SAMPLING = Group(
     'sampling',
     start=Setting("\n", "the prompt text, or \"FILE:path\" to read it from a file "
                         "('<|endoftext|>': BPE's end of text)"),
-    num_samples=positive(10, "samples to draw, all in one batch"),
+    num_samples=positive(10, f"samples to draw, in batches of up to {MAX_BATCH_SAMPLES}"),
     max_new_tokens=non_negative(500, "tokens added to each sample"),
     temperature=Setting(0.8, "divides the logits: < 1.0 sharper, > 1.0 flatter; 0 = greedy "
                              "(argmax)"),
@@ -264,7 +271,6 @@ def main():
     # what it reads: a node that lacks the checkpoint or the prompt file stops every rank at once
     config, failure, group = read_settings(DEFAULTS, sys.argv[1:], check_settings, __doc__, GROUP_SETTINGS)
     dist_info = start(failure, **group)
-    top_p = config.top_p
 
     device = dist_info.device
     # num_threads=0 on a CPU: the count is timed on a sampling step once the model is ready, and
@@ -301,49 +307,65 @@ def main():
     if compile_model:
         model = torch.compile(model, dynamic=True)  # the cache makes shapes change every step
 
-    # the prompt's ids, one copy per sample: x is (num_samples, T)
-    num_samples = config.num_samples
-    stream = config.num_samples == 1
-    x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...].repeat(num_samples, 1)
-    # one generator for the whole batch: the same seed gives the same samples
-    generator = torch.Generator(device=device).manual_seed(config.seed)
-
     # one sample is streamed as its tokens arrive; several are printed as they finish: all at
-    # once at the end unless a stop token ends some earlier. A long wait for them (a minute for
-    # nanoGPT's 10 x 500 tokens on a busy CPU) is reported on stderr instead
-    decoder = StreamDecoder(tok)
-    printer = BatchPrinter(tok, start_ids, num_samples, stop_token)
-    meter = Progress(config.max_new_tokens, f"sampling {num_samples} samples in one batch",
-                     "tokens each", show=not stream, file=sys.stderr)
+    # once at the end of their batch unless a stop token ends some earlier. A long wait for them (a
+    # minute for nanoGPT's 10 x 500 tokens on a busy CPU) is reported on stderr instead
+    stream = config.num_samples == 1
     if stream:
         sys.stdout.write(tok.decode(start_ids))
         sys.stdout.flush()
+    # one generator for every batch: the same seed gives the same samples
+    generator = torch.Generator(device=device).manual_seed(config.seed)
     if threads is not None:
-        threads.choose(*typical_step(model, x, config.max_new_tokens, config.mode, ctx))
+        prompt = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
+        threads.choose(*typical_step(model, prompt.repeat(min(config.num_samples, MAX_BATCH_SAMPLES), 1),
+                                     config.max_new_tokens, config.mode, ctx))
     t0 = time.perf_counter()
+    n = 0
+    for first in range(0, config.num_samples, MAX_BATCH_SAMPLES):
+        batch = Batch(min(MAX_BATCH_SAMPLES, config.num_samples - first), config.num_samples, stream)
+        n += sample_batch(model, tok, start_ids, batch, config, generator, stop_token, threads, ctx)
+    dt = time.perf_counter() - t0  # .tolist() waited for the device
+    print(f"generated {n} tokens in {dt:.2f} s ({n / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)
+
+
+@dataclass
+class Batch:
+    size: int  # samples drawn together
+    num_samples: int  # of the whole run
+    stream: bool  # one sample, printed token by token
+
+
+def sample_batch(model, tok, start_ids, batch, config, generator, stop_token, threads, ctx):
+    """ Draw and print one batch of samples; the number of tokens it generated. """
+    device = generator.device
+    # the prompt's ids, one copy per sample: x is (batch.size, T)
+    x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...].repeat(batch.size, 1)
+    decoder = StreamDecoder(tok)
+    printer = BatchPrinter(tok, start_ids, batch.size, stop_token)
+    several = "" if batch.size == batch.num_samples else f" (of {batch.num_samples:,})"
+    meter = Progress(config.max_new_tokens, f"sampling {batch.size} samples in one batch{several}",
+                     "tokens each", show=not batch.stream, file=sys.stderr)
     tokens_per_step = generate_stream(model, x, config.max_new_tokens,
                                       temperature=config.temperature, top_k=config.top_k,
-                                      top_p=top_p, generator=generator, mode=config.mode,
+                                      top_p=config.top_p, generator=generator, mode=config.mode,
                                       stop_token=stop_token, vocab_size=tok.vocab_size, ctx=ctx)
     if threads is not None:
         # each step's time is fed to the retuner: the count follows the load
         tokens_per_step = threads.over(tokens_per_step)
     for tokens in meter.over(tokens_per_step):
-        printer.add(tokens, show=not stream)
-        if stream and (token := tokens[0].item()) != stop_token:
+        printer.add(tokens, show=not batch.stream)
+        if batch.stream and (token := tokens[0].item()) != stop_token:
             sys.stdout.write(decoder.feed(token))
             sys.stdout.flush()
     generated = printer.generated()
-    dt = time.perf_counter() - t0  # .tolist() waited for the device
-
-    if stream:
+    if batch.stream:
         print(decoder.flush())
         print(SEPARATOR)
     else:
         printer.finish()
     sys.stdout.flush()
-    n = sum(len(g) for g in generated)
-    print(f"generated {n} tokens in {dt:.2f} s ({n / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    return sum(len(g) for g in generated)
 
 
 if __name__ == "__main__":

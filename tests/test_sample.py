@@ -6,6 +6,7 @@ messages.
 import os
 import pickle
 import re
+import signal
 import sys
 
 import pytest
@@ -212,6 +213,44 @@ def test_stream_decoder_never_splits_multibyte_characters():
     ctok = CharTokenizer.from_text("ab\n")
     cdec = StreamDecoder(ctok)
     assert [cdec.feed(t) for t in ctok.encode("ba\n")] == ["b", "a", "\n"]
+
+
+def test_many_samples_are_drawn_in_bounded_batches_and_the_first_batch_is_unchanged(char_model, monkeypatch, capsys):
+    """ num_samples=10**8 drew one batch that grew to 22 GB, deaf to SIGTERM: now batches of at most
+    MAX_BATCH_SAMPLES, each printed when done; the first batch's samples are those of one batch of that size. """
+    _, _, out_dir = char_model
+    args = (f"--out_dir={out_dir}", "--device=cpu", "--max_new_tokens=3", "--start=ab", "--num_threads=1")
+    sizes = []
+    real = sample.generate_stream
+
+    def recorded(model, x, *a, **k):
+        sizes.append(x.shape[0])
+        return real(model, x, *a, **k)
+    monkeypatch.setattr(sample, "generate_stream", recorded)
+    many = samples_of(run_in_process(monkeypatch, *args, f"--num_samples={sample.MAX_BATCH_SAMPLES * 2 + 5}").text())
+    assert sizes == [sample.MAX_BATCH_SAMPLES] * 2 + [5]
+    assert len(many) == sample.MAX_BATCH_SAMPLES * 2 + 5
+    assert f"generated {len(many) * 3} tokens" in capsys.readouterr().err
+    one_batch = samples_of(run_in_process(monkeypatch, *args, f"--num_samples={sample.MAX_BATCH_SAMPLES}").text())
+    assert many[:sample.MAX_BATCH_SAMPLES] == one_batch
+
+
+def test_a_hundred_million_samples_stop_at_sigterm_between_steps(char_model):
+    """ The issue's case: memory bounded by one batch, and SIGTERM after the first samples ends it in 130,
+    one line. """
+    from helpers import start_python
+    _, _, out_dir = char_model
+    proc = start_python([SAMPLE, f"--out_dir={out_dir}", "--device=cpu", "--num_samples=100000000",
+                         "--max_new_tokens=3", "--start=ab", "--num_threads=1"], cwd=REPO)
+    for line in proc.stdout:
+        if line.rstrip("\n") == SEP:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == ("stopped by SIGTERM before the work was done; it can't be resumed, "
+                                           "and no output was left half-written (exit code 130)")
+    assert "Traceback" not in err and not os.path.exists(os.path.join(out_dir, "run.lock"))
 
 
 # -----------------------------------------------------------------------------
