@@ -133,7 +133,8 @@ def check_new_model_fits(spec, dataset, batch_size, attention, on_cpu):
     meta alone is read).
     """
     try:
-        vocab_size = find_dataset(dataset, splits=()).vocab_size or 50304
+        # (no dataset: random tokens, GPT-2's padded vocabulary)
+        vocab_size = (dataset and find_dataset(dataset, splits=()).vocab_size) or 50304
     except UserError:
         # a meta file that can't be read: said later, by every rank with one verdict (this runs
         # before they meet)

@@ -24,7 +24,7 @@ import torch
 from nanogpt_plus.checkpoint import CHECKPOINT, checkpoint_path, load_checkpoint
 from nanogpt_plus.dataset import SAME_DATA, data_digests, tokenizer_digest
 from nanogpt_plus.distributed import destroy_distributed, lost_peer, several_processes
-from nanogpt_plus.errors import EXIT_USER_ERROR, Interrupted, PeerFailed, error_line, exit_code
+from nanogpt_plus.errors import EXIT_USER_ERROR, Interrupted, PeerFailed, error_line, exit_code, host_memory_error
 from nanogpt_plus.files import file_digest
 from nanogpt_plus.init_from import is_hf_dir
 from nanogpt_plus.machine import device_type_of
@@ -83,6 +83,8 @@ def _run(main):
         print(e.code, file=sys.stderr)
         return 1
     except Exception as e:
+        # the machine's memory ran out (not CUDA's): the user's to fix, as a CUDA out-of-memory is
+        e = host_memory_error(e) or e
         # NothingToDo: a requeued job whose run is complete; said, exit 0 (every rank raised it: no
         # teardown, as for a user error)
         if exit_code(e) == 0:

@@ -569,3 +569,14 @@ def test_finetune_times_its_threads_for_training_and_predictions(tmp_path, monke
         assert fake.timed == [] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_new_model_that_cant_fit_is_refused_before_anything_is_made(dataset, tmp_path, monkeypatch, capsys):
+    """ --init_from=scratch skipped train.py's memory check: refused with the settings now, in one line. """
+    from helpers import assert_one_line_error, run
+    out_dir = tmp_path / "ft"
+    code, out, err = run("finetune.py", monkeypatch, capsys, "--init_from=scratch", f"--dataset={dataset}",
+                         "--task=classification", "--device=cpu", "--block_size=100000", "--n_layer=2",
+                         "--n_head=2", "--n_embd=32", f"--out_dir={out_dir}")
+    assert_one_line_error(code, err, "GiB of causal masks: n_layer x block_size^2 bytes")
+    assert os.listdir(tmp_path) == []
