@@ -292,6 +292,24 @@ def refuse_special_file(path, what, error=UserError):
                     f"give a regular file")
 
 
+def read_response(response, deadline_s):
+    """
+    The whole body of an HTTP response (urllib's), read in the pieces the server sends, within
+    deadline_s seconds in all: the socket's timeout bounds each read only, so a server trickling a
+    byte every few seconds could hold a download for ever. TimeoutError past it.
+    """
+    import time
+    end = time.monotonic() + deadline_s
+    pieces = []
+    read = getattr(response, 'read1', response.read)
+    while piece := read(1 << 16):  # what has arrived, at most 64 KiB: never waits to fill
+        pieces.append(piece)
+        if time.monotonic() > end:
+            raise TimeoutError(f"the download took more than {deadline_s:g} s in all (a server sending "
+                               f"too slowly)")
+    return b"".join(pieces)
+
+
 def file_digest(path, span=1 << 20):
     """
     What tells two nodes' copies of a file apart, cheaply (a stale ckpt.pt, a token file of another

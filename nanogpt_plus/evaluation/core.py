@@ -61,6 +61,9 @@ from nanogpt_plus.tokenizer import load_tokenizer
 # nanochat's copy of DCLM's bundle (scripts/base_eval.py's EVAL_BUNDLE_URL)
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 DOWNLOAD_TIMEOUT_S = 30
+# the most a downloaded bundle may unpack to, by its zip's own sizes (which zipfile holds each file
+# to): DCLM's unpacks to ~0.1 GB; a 1 MB zip of 1 GiB of zeros is refused before it is unpacked
+MAX_BUNDLE_BYTES = 2 * 2**30
 TASK_TYPES = ('multiple_choice', 'schema', 'language_modeling')
 # the bundle's own files beside its eval_data/ (what every rank compares of it too)
 BUNDLE_FILES = ('core.yaml', 'eval_meta_data.csv')
@@ -134,6 +137,7 @@ def download_bundle(url, target):
     try:
         try:
             with zipfile.ZipFile(io.BytesIO(content)) as archive:
+                check_unpacked_size(archive, url)
                 archive.extractall(scratch)  # zipfile drops absolute paths and '..' from names
         except zipfile.BadZipFile:
             raise UserError(f"{url} did not give a zip file; download it by hand and pass "
@@ -147,6 +151,38 @@ def download_bundle(url, target):
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def check_unpacked_size(archive, url):
+    """ Refuse a zip that would unpack to more than MAX_BUNDLE_BYTES (a zip bomb), before unpacking it. """
+    total = sum(info.file_size for info in archive.infolist())
+    if total > MAX_BUNDLE_BYTES:
+        raise UserError(f"{url} would unpack to {total / 2**30:,.1f} GiB, more than an eval bundle's "
+                        f"limit of {MAX_BUNDLE_BYTES / 2**30:g} GiB; nothing was unpacked: {BUNDLE_HINT}")
+
+
+class AliasRefused(Exception):
+    """ A YAML alias (*name) in a core.yaml: where, and its anchor's name. """
+
+    def __init__(self, anchor, line):
+        super().__init__(anchor)
+        self.anchor = str(anchor)[:40]
+        self.line = line
+
+
+def _loader_without_aliases(yaml):
+    """
+    yaml.SafeLoader refusing every alias as it meets it: nine anchors of nine aliases each (the
+    "billion laughs", 440 bytes) build a structure of 9^9 values, which an error echoing an entry
+    once printed as a 2.1 GB line.
+    """
+    class Loader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise AliasRefused(event.anchor, event.start_mark.line + 1)
+            return super().compose_node(parent, index)
+    return Loader
+
+
 def read_yaml(path):
     """ The parsed core.yaml, or one line saying why it can't be read. """
     import yaml
@@ -154,7 +190,11 @@ def read_yaml(path):
         raise UserError(f"no core.yaml in {os.path.dirname(path) or '.'}; {BUNDLE_HINT}")
     try:
         with open(path, encoding='utf-8') as f:
-            return yaml.safe_load(f)
+            return yaml.load(f, Loader=_loader_without_aliases(yaml))
+    except AliasRefused as e:
+        raise UserError(f"{path} uses a YAML alias (*{e.anchor}, line {e.line}); a core.yaml has no need "
+                        f"of anchors and aliases, and a few of them can expand to gigabytes: write the "
+                        f"values out, or unzip the bundle again") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         where = getattr(e, 'problem_mark', None)
         line = f" at line {where.line + 1}" if where is not None else ""
