@@ -333,7 +333,8 @@ def iteration(run, state, exit_request):
     rng_at_start = rng_state() if run.grad_accum > 1 else None
     for micro_step in range(run.grad_accum):
         if stop_between_micro_steps(micro_step, exit_request, dist_info):
-            set_rng_state(rng_at_start)  # the loader's resume point is this iteration's start already
+            # the loader's resume point is this iteration's start already
+            set_rng_state(rng_at_start)
             run.optimizer.zero_grad(set_to_none=True)  # no update from a part of the step
             return stop_cleanly(run, state, build)
         last = micro_step == run.grad_accum - 1

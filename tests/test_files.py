@@ -66,7 +66,8 @@ def test_the_sweep_removes_only_files_this_project_named(tmp_path):
     assert all(f.read_text() == "mine" for f in users)
 
 
-ODD_PIDS = ("99999999999999999999", "\u00b2", "0", "2147483648", "-1")  # too big for a pid, a non-ASCII digit, ...
+# too big for a pid, a non-ASCII digit, ...
+ODD_PIDS = ("99999999999999999999", "\u00b2", "0", "2147483648", "-1")
 
 
 @pytest.mark.usefixtures('one_thread')

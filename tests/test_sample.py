@@ -327,7 +327,8 @@ def test_a_prompt_file_that_never_ends_is_refused_and_a_long_one_is_read_from_it
 
 
 def test_a_prompt_file_cut_inside_a_character_starts_at_the_next_one(tmp_path, capsys):
-    (tmp_path / "p.txt").write_text("é" * 600 + "x", encoding="utf-8")  # 1,201 bytes; the cut at 177 is mid-é
+    # 1,201 bytes; the cut at 177 is mid-é
+    (tmp_path / "p.txt").write_text("é" * 600 + "x", encoding="utf-8")
     assert sample.read_start(f"FILE:{tmp_path / 'p.txt'}", 16) == "é" * 511 + "x"
     assert "is 1,201 bytes; reading its last 1,024" in capsys.readouterr().err
 
