@@ -215,3 +215,17 @@ def test_train_retunes_threads_only_in_auto_mode(tiny_dataset, tmp_path, monkeyp
 def test_settings_that_crashed_are_one_line(dataset, tmp_path, arg, message):
     assert message in one_line(train_args(dataset, tmp_path / 'out') + arg.split())
     assert not (tmp_path / 'out').exists()
+
+
+def test_a_resume_whose_batch_cant_fit_is_refused_before_any_work(dataset, tmp_path, monkeypatch, capsys):
+    """ The memory check covered new models only: a resume with --batch_size=200000 failed in the CPU's
+    allocator (a traceback). Now one line, exit 2, the run's files as they were. """
+    from helpers import assert_one_line_error, run, train_here
+    train_here(dataset, tmp_path, max_iters=2, eval_interval=2)
+    capsys.readouterr()
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', '1')
+    code, out, err = run("train.py", monkeypatch, capsys, *train_args(dataset, tmp_path, max_iters=4, num_threads=1),
+                         "--init_from=resume", "--batch_size=200000")
+    assert_one_line_error(code, err, "GiB of activations for batch_size=200000), and this machine has 1.0 GiB free")
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
