@@ -51,9 +51,10 @@ class Stopped(KeyboardInterrupt):
         if self.at_start_up:  # work_started: nothing of the work ran
             return (f"stopped by {self} during start-up, before any work began; nothing was written "
                     f"(exit code {self.code})")
-        if _PUBLISHED:  # its outputs were in place already (a signal waits for their renames)
-            return (f"stopped by {self} after its output was written ({_PUBLISHED[-1]}, complete), "
-                    f"before the script had finished (exit code {self.code})")
+        if _PUBLISHED:  # outputs were put in place before it (a signal waits for their renames)
+            return (f"stopped by {self} before the script had finished; it can't be resumed. What it "
+                    f"wrote is whole: the last output put in place was {_PUBLISHED[-1]} (exit code "
+                    f"{self.code})")
         # outputs are written whole or not at all (files.atomic_outputs)
         return (f"stopped by {self} before the work was done; it can't be resumed, and no output "
                 f"was left half-written (exit code {self.code})")

@@ -30,8 +30,8 @@ STOPPED = re.compile(r"stopped by SIG\w+ (before the work was done; it can't be 
                      r"output was left half-written|during start-up, before any work began; nothing was "
                      r"written) \(exit code 130\)")
 # a signal that came after the outputs were in place (the renames wait for none)
-PUBLISHED = re.compile(r"stopped by SIG\w+ after its output was written \(.+, complete\), before the "
-                       r"script had finished \(exit code 130\)")
+PUBLISHED = re.compile(r"stopped by SIG\w+ before the script had finished; it can't be resumed\. What it wrote "
+                       r"is whole: the last output put in place was .+ \(exit code 130\)")
 # a signal that came while the script's imports ran, acted on once they are done
 AT_START_UP = ("stopped by {} during start-up, before any work began; nothing was written "
                "(exit code {})")
@@ -459,7 +459,7 @@ def test_a_signal_during_the_renames_waits_until_every_output_is_in_place(tmp_pa
     assert renamed == ['train.bin', 'val.bin']
     assert [(tmp_path / n).read_bytes() for n in ('train.bin', 'val.bin')] == [b'new', b'new']
     # what is true: the outputs were published before the stop (not "before the work was done")
-    assert PUBLISHED.fullmatch(stopped.value.line()) and 'val.bin, complete' in stopped.value.line()
+    assert PUBLISHED.fullmatch(stopped.value.line()) and stopped.value.line().endswith('val.bin (exit code 130)')
     no_half_written(tmp_path)
 
 
