@@ -335,8 +335,9 @@ def work_started():
     if not _KEPT.resumable:
         raise Stopped(_KEPT.signum, at_start_up=True)
     # resumable work of one process ends too (nothing to save yet: run the command again); under
-    # torchrun the ranks agree first, at the end of their set-up (train.py: "stopped before iter N")
-    if int(os.environ.get('WORLD_SIZE', '1')) <= 1:
+    # torchrun (RANK set, even for one worker) the ranks agree first, at the end of their set-up
+    # (train.py: "stopped before iter N", the line scripts/slurm_train.sh requeues on)
+    if 'RANK' not in os.environ:
         raise Stopped(_KEPT.signum, at_start_up=True, code=EXIT_INTERRUPTED)
 
 
