@@ -43,7 +43,7 @@ from nanogpt_plus import settings
 from nanogpt_plus.dataloader import TokenWindowLoader
 from nanogpt_plus.dataset import find_dataset, split_files
 from nanogpt_plus.distributed import wrap_model
-from nanogpt_plus.init_from import ModelSpec, init_model, scratch_model
+from nanogpt_plus.init_from import ModelSpec, check_new_model_fits, init_model, scratch_model
 from nanogpt_plus.machine import (
     check_environment,
     compute_setup,
@@ -153,6 +153,11 @@ def check_settings(cfg):
     """
     DEFAULTS.check(cfg)
     check_model_shape(cfg.n_embd, cfg.n_head, cfg.pos)
+    # the model and its first step in this machine's memory, as train.py checks a new model
+    # (block_size=100000 used to fail in the CPU's allocator, a traceback)
+    check_new_model_fits(cfg.select(ModelSpec), dataset=cfg.dataset if cfg.real_data else None,
+                         batch_size=cfg.batch_size, attention=cfg.attention,
+                         on_cpu=resolve_device(cfg.device) == 'cpu')
     if cfg.profile:  # now, not after the benchmark: a file in the way, or a dataset's directory
         check_output(cfg.profile_dir, 'profile_dir', overwrite=None, kind='directory')
 

@@ -66,8 +66,8 @@ from nanogpt_plus.distributed import (
     wrap_model,
 )
 from nanogpt_plus.errors import Interrupted, UserError, out_of_memory_error
-from nanogpt_plus.init_from import FIXED_BY_SOURCE, ModelSource, ModelSpec, init_model
-from nanogpt_plus.machine import auto_threads, compute_setup, device_type_of
+from nanogpt_plus.init_from import FIXED_BY_SOURCE, ModelSource, ModelSpec, check_new_model_fits, init_model
+from nanogpt_plus.machine import auto_threads, compute_setup, device_type_of, resolve_device
 from nanogpt_plus.metrics import MetricsLogger, WandbSpec
 from nanogpt_plus.outputs import check_new_run, check_output, claim_out_dir
 from nanogpt_plus.runtime import SAME_START, provenance, run_main, same_start
@@ -290,6 +290,10 @@ def check_settings(cfg):
     DEFAULTS.check(cfg)
     settings.check_model_shape(cfg.n_embd, cfg.n_head, cfg.pos)
     settings.check_auto_resume(cfg.auto_resume, cfg.overwrite)
+    if cfg.init_from == 'scratch':  # a new model in this machine's memory, as train.py checks one
+        check_new_model_fits(dataclasses.replace(cfg.select(ModelSpec), block_size=cfg.block_size or 1024),
+                             dataset=cfg.dataset, batch_size=cfg.batch_size, attention=cfg.attention,
+                             on_cpu=resolve_device(cfg.device) == 'cpu')
     if cfg.task and cfg.task not in finetuning.TASKS:
         raise UserError(f"unknown task '{cfg.task}': use {', '.join(finetuning.TASKS)}")
     if cfg.weights != 'float32' and cfg.train_file:

@@ -32,8 +32,10 @@ from nanogpt_plus.signals import early_exit_request
 EXIT_REQUEST = early_exit_request(__name__, resumable=False)
 
 import codecs
+import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +44,7 @@ from nanogpt_plus import settings
 from nanogpt_plus.distributed import GROUP_SETTINGS, every_rank, same_everywhere, start
 from nanogpt_plus.engine import MODES, check_sampling_args, generate_stream, typical_step
 from nanogpt_plus.errors import TokenizerError, UserError
+from nanogpt_plus.files import refuse_special_file
 from nanogpt_plus.init_from import describe_source, init_model
 from nanogpt_plus.machine import PTDTYPE, auto_threads, device_type_of, precision, resolve_compile
 from nanogpt_plus.progress import Progress
@@ -51,6 +54,12 @@ from nanogpt_plus.tokenizer import check_tokenizer_fits, load_tokenizer
 from nanogpt_plus.weight_formats import WEIGHTS, can_pack, set_weights
 
 SEPARATOR = '---------------'
+# samples drawn at once: a batch's KV cache and logits grow with it, so a larger num_samples is
+# drawn in batches of this many, each printed as it is done: memory stays bounded, and a signal is
+# heard between steps (num_samples=10**8 grew to 22 GB in one batch, deaf to SIGTERM). Up to it,
+# one batch, as nanoGPT draws them
+MAX_BATCH_SAMPLES = 64
+
 # num_threads=0: the thread count is re-checked every `interval` tokens, each other candidate timed
 # on `probe` of them (machine.ThreadRetuner). train.py's 250: a round costs a few steps on a count
 # that may be 20x slower under load, so it must be rare; a 500-token sample gets one
@@ -71,7 +80,7 @@ SAMPLING = Group(
                         "('<|endoftext|>': BPE's end of text)"),
     prompt=Setting('', "start under another name, for torchrun, which takes --start=... for its own "
                        "--start_method and refuses the command; '' = start"),
-    num_samples=positive(10, "samples to draw, all in one batch"),
+    num_samples=positive(10, f"samples to draw, in batches of up to {MAX_BATCH_SAMPLES}"),
     max_new_tokens=non_negative(500, "tokens added to each sample"),
     temperature=Setting(0.8, "divides the logits: < 1.0 sharper, > 1.0 flatter; 0 = greedy "
                              "(argmax)"),
@@ -116,14 +125,35 @@ def prompt_setting(config):
     return ('prompt', config.prompt) if config.prompt else ('start', config.start)
 
 
-def read_start(start, name='start'):
-    """ The prompt text: start itself, or the contents of the file named by FILE:path. """
+# the most of a prompt file read per token of block_size: a token of any of our tokenizers is a few
+# bytes of text on average (GPT-2's BPE ~4, a character 1-4), so the last block_size * 64 bytes hold
+# more tokens than the model can use; the rest would be cut after encoding anyway
+PROMPT_BYTES_PER_TOKEN = 64
+
+
+def read_start(start, block_size, name='start'):
+    """
+    The prompt text: start itself, or the contents of the file named by FILE:path: its last
+    block_size * PROMPT_BYTES_PER_TOKEN bytes at most (said), since the model uses only its last
+    block_size tokens; a FIFO or a device (/dev/zero, which never ends) is refused.
+    """
     if not start.startswith('FILE:'):
         return start
     path = start[len('FILE:'):]
+    refuse_special_file(path, f"{name}=FILE: prompt file")
+    limit = block_size * PROMPT_BYTES_PER_TOKEN
     try:
-        with open(path, 'r', encoding='utf-8') as f:
-            return f.read()
+        with open(path, 'rb') as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                f.seek(size - limit)
+                say(f"note: {name}=FILE:{path} is {size:,} bytes; reading its last {limit:,} (the model "
+                    f"uses only its last {block_size} tokens)")
+            data = f.read(limit)
+        if size > limit:  # the cut may fall inside a character: start at the next whole one
+            while data and (data[0] & 0xC0) == 0x80:
+                data = data[1:]
+        return data.decode('utf-8')
     except FileNotFoundError:
         raise UserError(
             f"{name}=FILE:{path}: no such file; check the path of the prompt file") from None
@@ -242,9 +272,11 @@ def load_inputs(config):
     """
     model, tokenizer_meta, _ = init_model(config.init_from, config.out_dir)
     tok = load_tokenizer(tokenizer_meta)
+    prompt_name, prompt_text = prompt_setting(config)
     check_tokenizer_fits(model.config, tokenizer_meta,
                          describe_source(config.init_from, config.out_dir))
-    start_ids = encode_prompt(tok, read_start(*reversed(prompt_setting(config))), model.config.block_size,
+    text = read_start(prompt_text, model.config.block_size, prompt_name)
+    start_ids = encode_prompt(tok, text, model.config.block_size,
                               model.config.vocab_size)
     return model, tok, start_ids
 
@@ -266,7 +298,6 @@ def main():
     together = EXIT_REQUEST is not None and dist_info.under_torchrun
     if together:
         EXIT_REQUEST.together()
-    top_p = config.top_p
 
     device = dist_info.device
     # num_threads=0 on a CPU: the count is timed on a sampling step once the model is ready, and
@@ -306,54 +337,76 @@ def main():
     if compile_model:
         model = torch.compile(model, dynamic=True)  # the cache makes shapes change every step
 
-    # the prompt's ids, one copy per sample: x is (num_samples, T)
-    num_samples = config.num_samples
-    stream = config.num_samples == 1
-    x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...].repeat(num_samples, 1)
-    # one generator for the whole batch: the same seed gives the same samples
-    generator = torch.Generator(device=device).manual_seed(config.seed)
-
     # one sample is streamed as its tokens arrive; several are printed as they finish: all at
-    # once at the end unless a stop token ends some earlier. A long wait for them (a minute for
-    # nanoGPT's 10 x 500 tokens on a busy CPU) is reported on stderr instead
-    decoder = StreamDecoder(tok)
-    printer = BatchPrinter(tok, start_ids, num_samples, stop_token)
-    meter = Progress(config.max_new_tokens, f"sampling {num_samples} samples in one batch",
-                     "tokens each", show=not stream, file=sys.stderr)
+    # once at the end of their batch unless a stop token ends some earlier. A long wait for them (a
+    # minute for nanoGPT's 10 x 500 tokens on a busy CPU) is reported on stderr instead
+    stream = config.num_samples == 1
     if stream:
         sys.stdout.write(tok.decode(start_ids))
         sys.stdout.flush()
+    # one generator for every batch: the same seed gives the same samples
+    generator = torch.Generator(device=device).manual_seed(config.seed)
     if threads is not None:
-        threads.choose(*typical_step(model, x, config.max_new_tokens, config.mode, ctx))
+        prompt = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
+        threads.choose(*typical_step(model, prompt.repeat(min(config.num_samples, MAX_BATCH_SAMPLES), 1),
+                                     config.max_new_tokens, config.mode, ctx))
+    # under torchrun: every rank's call after each step; raises Stopped on all of them at a signal
+    agree = (lambda done=False: EXIT_REQUEST.stop_together(dist_info, done=done)) if together else None
     t0 = time.perf_counter()
+    n = 0
+    for first in range(0, config.num_samples, MAX_BATCH_SAMPLES):
+        batch = Batch(min(MAX_BATCH_SAMPLES, config.num_samples - first), config.num_samples, stream)
+        n += sample_batch(model, tok, start_ids, batch, config, generator, stop_token, threads, ctx,
+                          agree=agree)
+    dt = time.perf_counter() - t0  # .tolist() waited for the device
+    print(f"generated {n} tokens in {dt:.2f} s ({n / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)
+
+
+@dataclass
+class Batch:
+    size: int  # samples drawn together
+    num_samples: int  # of the whole run
+    stream: bool  # one sample, printed token by token
+
+
+def sample_batch(model, tok, start_ids, batch, config, generator, stop_token, threads, ctx, agree=None):
+    """
+    Draw and print one batch of samples; the number of tokens it generated. agree: under torchrun,
+    the stop agreement every rank makes after each step (a rank whose samples all ended early keeps
+    agreeing until every rank's batch is done).
+    """
+    device = generator.device
+    # the prompt's ids, one copy per sample: x is (batch.size, T)
+    x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...].repeat(batch.size, 1)
+    decoder = StreamDecoder(tok)
+    printer = BatchPrinter(tok, start_ids, batch.size, stop_token)
+    several = "" if batch.size == batch.num_samples else f" (of {batch.num_samples:,})"
+    meter = Progress(config.max_new_tokens, f"sampling {batch.size} samples in one batch{several}",
+                     "tokens each", show=not batch.stream, file=sys.stderr)
     tokens_per_step = generate_stream(model, x, config.max_new_tokens,
                                       temperature=config.temperature, top_k=config.top_k,
-                                      top_p=top_p, generator=generator, mode=config.mode,
+                                      top_p=config.top_p, generator=generator, mode=config.mode,
                                       stop_token=stop_token, vocab_size=tok.vocab_size, ctx=ctx)
     if threads is not None:
         # each step's time is fed to the retuner: the count follows the load
         tokens_per_step = threads.over(tokens_per_step)
     for tokens in meter.over(tokens_per_step):
-        printer.add(tokens, show=not stream)
-        if stream and (token := tokens[0].item()) != stop_token:
+        printer.add(tokens, show=not batch.stream)
+        if batch.stream and (token := tokens[0].item()) != stop_token:
             sys.stdout.write(decoder.feed(token))
             sys.stdout.flush()
-        if together:
-            EXIT_REQUEST.stop_together(dist_info)
-    # a rank whose samples all ended early (a stop token) agrees until every rank is done
-    while together and not EXIT_REQUEST.stop_together(dist_info, done=True):
+        if agree is not None:
+            agree()
+    while agree is not None and not agree(done=True):
         pass
     generated = printer.generated()
-    dt = time.perf_counter() - t0  # .tolist() waited for the device
-
-    if stream:
+    if batch.stream:
         print(decoder.flush())
         print(SEPARATOR)
     else:
         printer.finish()
     sys.stdout.flush()
-    n = sum(len(g) for g in generated)
-    print(f"generated {n} tokens in {dt:.2f} s ({n / max(dt, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    return sum(len(g) for g in generated)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from configurator import Group, Schema, Setting, read_settings
 from model import GPT
 from nanogpt_plus import distributed, progress, settings
 from nanogpt_plus import optimizer as opt
-from nanogpt_plus.checkpoint import Checkpointer, CheckpointPolicy, restore_training_state
+from nanogpt_plus.checkpoint import Checkpointer, CheckpointPolicy, restore_training_state, rng_state, set_rng_state
 from nanogpt_plus.dataloader import DataSpec, TokenWindowLoader, training_data
 from nanogpt_plus.distributed import grad_sync_context, local_param_count, wrap_model
 from nanogpt_plus.errors import Interrupted, UserError, non_finite_loss, out_of_memory_error
@@ -43,6 +43,7 @@ from nanogpt_plus.init_from import (
     ModelSource,
     ModelSpec,
     ResumeSpec,
+    check_new_model_fits,
     init_training_model,
     padded_tokenizer_size,
     resume_refusal,
@@ -258,6 +259,12 @@ def main(argv=None):
         # `imposed` handed to each part: every part of the run, and each checkpoint's 'config',
         # must see the same values (a resume's n_layer in the model, the memory check, the record)
         cfg = user_cfg.replaced(imposed)
+        if cfg.init_from != 'scratch':
+            # a resume or given weights: their model with this run's batch must fit as a new one must
+            # (--batch_size=200000 used to fail in the CPU's allocator); one verdict on every rank
+            distributed.every_rank(dist_info, lambda: check_new_model_fits(
+                cfg.select(ModelSpec), dataset=cfg.dataset, batch_size=cfg.batch_size,
+                attention=cfg.attention, on_cpu=device_type_of(dist_info.device) == 'cpu'))
         # every rank starts from the same settings, commit and checkpoint, else all stop in one line
         distributed.same_everywhere(dist_info, lambda: same_start(dict(cfg), resumed), SAME_START)
         # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run
@@ -329,7 +336,15 @@ def iteration(run, state, exit_request):
     # forward and backward over the micro-batches; DDP all-reduces the gradients once, after the
     # last backward. This rank's loss of the step: a tensor, so that no micro-step waits for the device
     step_loss = torch.zeros((), device=dist_info.device)
+    # a step of many micro-batches hears a signal between them too (hours, with a huge
+    # gradient_accumulation_steps): it then stops as if before this iteration, at its RNG state
+    rng_at_start = rng_state() if run.grad_accum > 1 else None
     for micro_step in range(run.grad_accum):
+        if stop_between_micro_steps(micro_step, exit_request, dist_info):
+            # the loader's resume point is this iteration's start already
+            set_rng_state(rng_at_start)
+            run.optimizer.zero_grad(set_to_none=True)  # no update from a part of the step
+            return stop_cleanly(run, state, build)
         last = micro_step == run.grad_accum - 1
         with grad_sync_context(run.model, sync=last):
             X, Y = state.batch
@@ -396,6 +411,21 @@ def iteration(run, state, exit_request):
         exit_request.uninstall()  # the work is done: a signal from now on is only said
         return True
     return stop_cleanly(run, state, build) if stopping else None
+
+
+# micro-steps between two polls for a signal inside one iteration: a flag read with one process, an
+# all-reduce of two numbers under torchrun (0.5-0.7 ms), a few ms at most next to 8 micro-steps
+MICRO_STEPS_PER_POLL = 8
+
+
+def stop_between_micro_steps(micro_step, exit_request, dist_info):
+    """ Whether a signal stops the run before this micro-step (never before the first: the iteration's
+    own poll came just before it); every rank polls at the same micro-steps. """
+    if micro_step == 0:
+        return False
+    if dist_info.under_torchrun and micro_step % MICRO_STEPS_PER_POLL:
+        return False
+    return exit_request.should_stop(dist_info)
 
 
 def stop_cleanly(run, state, build):

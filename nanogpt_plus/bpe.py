@@ -26,6 +26,10 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 MIN_BPE_VOCAB = 257  # the 256 byte tokens every byte-level BPE starts from, plus <|endoftext|>
+# the largest BPE trained here: 1,048,576 tokens, 4x the largest vocabularies in use (256k) and 20x
+# GPT-2's. The tokenizers library allocates for vocab_size up front (~70 bytes a token: 70 GB and an
+# abort for 10**9), and a corpus rarely has that many distinct byte pairs to merge anyway
+MAX_BPE_VOCAB = 2**20
 
 
 @functools.lru_cache(maxsize=None)
@@ -323,11 +327,17 @@ def _token_byte_table(spec, tok, vocab_size, name):
 # training one, reading one, naming one
 
 def check_bpe_vocab_size(vocab_size):
-    """ Refuse a vocab_size with no room for merges, before any text is read. """
+    """ Refuse a vocab_size with no room for merges, or more than MAX_BPE_VOCAB, before any text is read. """
     if vocab_size < MIN_BPE_VOCAB:
         raise TokenizerError(
             f"vocab_size={vocab_size} is smaller than a byte-level BPE's base vocabulary (256 "
             f"bytes + {EOT_TEXT} = {MIN_BPE_VOCAB}); use --vocab_size={MIN_BPE_VOCAB} or more")
+    if vocab_size > MAX_BPE_VOCAB:
+        raise TokenizerError(
+            f"vocab_size={vocab_size:,} is more than a BPE trained here can sensibly have: at most "
+            f"{MAX_BPE_VOCAB:,} (the tokenizer library allocates memory for every token up front, "
+            f"and a corpus has rarely that many byte pairs to merge); use --vocab_size={MAX_BPE_VOCAB} "
+            f"or less")
 
 
 def train_bpe(texts, vocab_size, length=None, show_progress=True):

@@ -48,7 +48,7 @@ from nanogpt_plus.distributed import (
     master_decides,
 )
 from nanogpt_plus.errors import UserError, error_line, load_error
-from nanogpt_plus.files import atomic_write
+from nanogpt_plus.files import atomic_write, refuse_special_file
 
 # train.py's checkpoint: the training state to resume from (the best model without
 # always_save_checkpoint)
@@ -151,6 +151,7 @@ def load_checkpoint(path, map_location='cpu'):
         raise UserError(
             f"no checkpoint at {path}; train a model first (python train.py ...) or check --out_dir"
         )
+    refuse_special_file(path, "checkpoint")
     # mmap needs the zip format; an old or damaged file is read the ordinary way (and its error
     # reported below)
     mmap = zipfile.is_zipfile(path)
@@ -643,7 +644,8 @@ def branch_off(out_dir, resume_from=''):
     leaving = resume_from and os.path.isfile(current)
     if later or leaving:
         n = 1 + max([int(d.rsplit('_', 1)[1]) for d in os.listdir(out_dir)
-                     if d.startswith('abandoned_') and d.rsplit('_', 1)[1].isdigit()] or [0])
+                     if d.startswith('abandoned_') and d.rsplit('_', 1)[1].isascii()
+                     and d.rsplit('_', 1)[1].isdigit()] or [0])
         keep_dir = os.path.join(out_dir, f'abandoned_{n}')
         os.makedirs(keep_dir)
         for name in later:  # moved (a kill halfway leaves each file in one of the two places)

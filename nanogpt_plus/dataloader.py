@@ -48,6 +48,7 @@ from nanogpt_plus.dataset import (
 )
 from nanogpt_plus.distributed import every_rank
 from nanogpt_plus.errors import UserError, special_file
+from nanogpt_plus.files import refuse_special_file
 from nanogpt_plus.machine import environment_value
 
 # the data_order setting's choices: nanoGPT's random windows, or llm.c's pass over every token
@@ -65,6 +66,7 @@ def open_tokens(path, dataset=None, dtype=None):
     """
     if not os.path.exists(path):
         raise UserError(missing_token_file(path, dataset))
+    refuse_special_file(path, "token file")
     size = os.path.getsize(path)
     if size == 0:  # (numpy can't memmap an empty file)
         raise UserError(f"{path} is empty (0 tokens); re-run the dataset's prepare.py on some text")

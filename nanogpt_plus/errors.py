@@ -164,6 +164,27 @@ def out_of_memory_error(iter_num, checkpoint_path, fsdp=True):
                      ", ".join(fixes[:-1]) + f" or {fixes[-1]}, then {then}")
 
 
+def host_memory_error(error):
+    """
+    The one line (a UserError) for memory the machine could not give: torch's CPU allocator failing
+    ('DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes') or Python's
+    MemoryError, anywhere in a script (a resume or a source with a huge batch_size, a long
+    block_size in bench.py, millions of samples); None for any other error. A CUDA out-of-memory has
+    lines of its own (out_of_memory_error).
+    """
+    text = str(error)
+    if isinstance(error, MemoryError):
+        asked = "memory"
+    elif isinstance(error, RuntimeError) and "DefaultCPUAllocator" in text:
+        found = re.search(r"allocate (\d+) bytes", text)
+        asked = f"{int(found.group(1)) / 2**30:,.1f} GiB" if found else "memory"
+    else:
+        return None
+    return UserError(f"this machine could not allocate {asked} (out of CPU memory); use a smaller "
+                     f"--batch_size, --block_size or model (sample.py: fewer --num_samples), or a "
+                     f"machine with more memory")
+
+
 def non_finite_loss(value, iter_num, checkpoint_path):
     """
     The one line a NaN or infinite loss stops a training run with: nothing is saved over the last

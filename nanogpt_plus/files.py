@@ -27,7 +27,7 @@ import shutil
 from contextlib import contextmanager
 
 from nanogpt_plus.errors import UserError, special_file
-from nanogpt_plus.signals import held
+from nanogpt_plus.signals import held, published
 
 # in every temp file's name, so that a sweep for the temps of killed runs removes only files this
 # project wrote (a user's own .thesis.tmp.4242 has no such mark)
@@ -131,6 +131,7 @@ class AtomicOutputs:
             for tmp, final in self.pending:
                 self.writing = final
                 os.replace(tmp, final)
+                published(final)
             self.pending = []
             for path in self.outdated:
                 if os.path.isfile(path):
@@ -301,9 +302,9 @@ def remove_stale_temps_in(directory):
 def _remove_stale(temps):
     removed = []
     for tmp in temps:
-        pid = tmp.rsplit(".", 1)[-1]
+        pid = _temp_pid(tmp)
         # a live pid may be another run writing the same output right now: leave its file alone
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
             try:
                 _remove_temp(tmp)
             except FileNotFoundError:
@@ -321,6 +322,23 @@ def _remove_temp(tmp):
         shutil.rmtree(tmp)
     else:
         os.remove(tmp)
+
+
+# the largest pid any OS gives (Linux's pid_max is at most 2**22); a longer suffix is no pid
+MAX_PID = 2**31 - 1
+
+
+def _temp_pid(tmp):
+    """
+    The pid a temp file's name ends with (temp_path), or None where the suffix is not one a process
+    of ours wrote: ASCII digits only ('²' is a digit to str.isdigit, not to int's range of pids), at
+    most MAX_PID. Such a file is not ours, and is left alone.
+    """
+    suffix = tmp.rsplit(".", 1)[-1]
+    if not (suffix.isascii() and suffix.isdigit()) or len(suffix) > len(str(MAX_PID)):
+        return None
+    pid = int(suffix)
+    return pid if 0 < pid <= MAX_PID else None
 
 
 def _pid_alive(pid):
@@ -389,6 +407,39 @@ def check_not_special(path, setting):
 # -----------------------------------------------------------------------------
 # reading
 
+def refuse_special_file(path, what, error=UserError):
+    """
+    Refuse, in one line naming it, an input that exists but is a FIFO, a device (/dev/zero) or a
+    socket: opening a FIFO to read waits for a writer that may never come, and a device may never
+    end, so neither returns to a loop that could hear a signal. os.stat opens nothing. A missing
+    path, or a directory, is left to the caller's own message.
+    """
+    kind = special_file(path)
+    if kind == 'a directory':
+        kind = None
+    if kind is not None:
+        raise error(f"{what} {path} is {kind}, not a regular file: reading it could wait forever; "
+                    f"give a regular file")
+
+
+def read_response(response, deadline_s):
+    """
+    The whole body of an HTTP response (urllib's), read in the pieces the server sends, within
+    deadline_s seconds in all: the socket's timeout bounds each read only, so a server trickling a
+    byte every few seconds could hold a download for ever. TimeoutError past it.
+    """
+    import time
+    end = time.monotonic() + deadline_s
+    pieces = []
+    read = getattr(response, 'read1', response.read)
+    while piece := read(1 << 16):  # what has arrived, at most 64 KiB: never waits to fill
+        pieces.append(piece)
+        if time.monotonic() > end:
+            raise TimeoutError(f"the download took more than {deadline_s:g} s in all (a server sending "
+                               f"too slowly)")
+    return b"".join(pieces)
+
+
 def file_digest(path, span=1 << 20):
     """
     What tells two nodes' copies of a file apart, cheaply (a stale ckpt.pt, a token file of another
@@ -397,6 +448,7 @@ def file_digest(path, span=1 << 20):
     not a read of gigabytes. Two files that differ only in between are not told apart.
     """
     import hashlib
+    refuse_special_file(path, "file")
     size = os.path.getsize(path)
     digest = hashlib.sha256()
     with open(path, 'rb') as f:
@@ -436,6 +488,7 @@ def read_jsonl(path, required_keys=(), missing_hint="pass an existing JSONL file
     line that is not a JSON object, or a record without one of required_keys is one UserError naming
     the line.
     """
+    refuse_special_file(path, "file")
     if not path or not os.path.isfile(path):
         raise UserError(f"no data file at {path or '(none given)'}; {missing_hint}")
     records = []

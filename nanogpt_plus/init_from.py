@@ -141,10 +141,11 @@ def check_new_model_fits(spec, dataset, batch_size, attention, on_cpu):
     guessed vocabulary would hide the thing to fix, which opening the data says (with the
     prepare.py to run).
     """
-    if not is_prepared(dataset):
+    if dataset is not None and not is_prepared(dataset):  # (None: bench.py's random tokens)
         return
     try:
-        vocab_size = find_dataset(dataset, splits=()).vocab_size or 50304
+        # (no dataset: random tokens, GPT-2's padded vocabulary)
+        vocab_size = (dataset and find_dataset(dataset, splits=()).vocab_size) or 50304
     except UserError:
         # a meta file that can't be read: said later, by every rank with one verdict (this runs
         # before they meet)

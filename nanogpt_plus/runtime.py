@@ -24,11 +24,19 @@ import torch
 from nanogpt_plus.checkpoint import CHECKPOINT, checkpoint_path, load_checkpoint
 from nanogpt_plus.dataset import SAME_DATA, data_digests, tokenizer_digest
 from nanogpt_plus.distributed import destroy_distributed, lost_peer, several_processes
-from nanogpt_plus.errors import EXIT_USER_ERROR, Interrupted, PeerFailed, error_line, exit_code, printable
+from nanogpt_plus.errors import (
+    EXIT_USER_ERROR,
+    Interrupted,
+    PeerFailed,
+    error_line,
+    exit_code,
+    host_memory_error,
+    printable,
+)
 from nanogpt_plus.files import file_digest
 from nanogpt_plus.init_from import is_hf_dir
 from nanogpt_plus.machine import device_type_of
-from nanogpt_plus.signals import EXIT_STOPPED, Stopped, work_ended, work_started
+from nanogpt_plus.signals import Stopped, work_ended, work_started
 
 
 def run_main(main):
@@ -43,8 +51,8 @@ def run_main(main):
     one message of the rank that failed. In every case the work is over once the exit code is known:
     a signal after that is said and changes nothing (signals.work_ended).
     """
-    work_started()
     try:
+        work_started()  # a signal that came during the imports stops the work here
         code = _run(main)
         work_ended(code)
     except Stopped as e:  # as main() ended, before work_ended: one line and 130, as any other
@@ -105,6 +113,8 @@ def _run(main):
         print(e.code, file=sys.stderr)
         return 1
     except Exception as e:
+        # the machine's memory ran out (not CUDA's): the user's to fix, as a CUDA out-of-memory is
+        e = host_memory_error(e) or e
         # NothingToDo: a requeued job whose run is complete; said, exit 0 (every rank raised it: no
         # teardown, as for a user error)
         if exit_code(e) == 0:
@@ -154,7 +164,7 @@ def record_for_torchrun(line):
 def _stopped(stop):
     """ Say that a signal stopped work that can't resume (signals.Stopped); its exit code. """
     print(stop.line(), file=sys.stderr)
-    return EXIT_STOPPED
+    return stop.code
 
 
 def _exit(code):

@@ -166,8 +166,12 @@ compile = Shared(bool, "torch.compile the model: None = auto (on for CUDA, where
                        "itself), True/False to force", choices=(None, True, False), none_ok=True)
 activation_checkpointing = Shared(bool, "True: recompute each Block in the backward pass (less "
                                         "memory, more compute)")
+# the most CPU threads a script may ask torch for: 4 per logical CPU, far past the fastest count
+# (oversubscribed threads only slow torch down); 100,000 crashed torch's thread pool (SIGSEGV)
+MAX_THREADS = 4 * (os.cpu_count() or 1)
 num_threads = Shared(int, "CPU threads for torch; 0 = auto (time all cores, half, ..., 1; keep the "
-                          "fastest; re-checked while running as the load changes)", low=0)
+                          f"fastest; re-checked while running as the load changes); at most 4 per CPU, "
+                          f"{MAX_THREADS} here", low=0, high=MAX_THREADS)
 seed = Shared(int, "the seed of the model's initialisation, the data order, dropout and sampling",
               low=0, high=2**32 - 1)
 

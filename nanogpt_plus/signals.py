@@ -25,7 +25,7 @@ import signal
 import sys
 from contextlib import contextmanager
 
-from nanogpt_plus.errors import exit_code
+from nanogpt_plus.errors import EXIT_INTERRUPTED, exit_code
 
 # the signals a script stops on: Ctrl-C, a scheduler's or kill's SIGTERM, a closed terminal
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -40,24 +40,43 @@ AGENT_GONE = 1000
 
 class Stopped(KeyboardInterrupt):
     """
-    A signal stopped work that can't resume (GracefulExit with resumable=False): a
-    KeyboardInterrupt, as Ctrl-C's is, so that only the code that cleans up (finally, with) runs on
-    the way out; run_main says it in one line and exits 130.
+    A signal stopped work that can't resume (GracefulExit with resumable=False), or any work when it
+    came during the script's start-up (its imports; at_start_up): a KeyboardInterrupt, as Ctrl-C's
+    is, so that only the code that cleans up (finally, with) runs on the way out; run_main says it
+    in one line and exits with code (130; 75 for resumable work stopped at start-up).
     """
 
-    def __init__(self, signum, where=''):
+    def __init__(self, signum, where='', at_start_up=False, code=EXIT_STOPPED):
         super().__init__(signal.Signals(signum).name if signum != AGENT_GONE else
                          "the end of a node's torchrun agent (killed, or it crashed)")
         self.signum = int(signum)
         # under torchrun, where the signal came (GracefulExit.stop_together): 'rank 1 (node 1)'
         self.where = where
+        self.at_start_up = at_start_up
+        self.code = code
 
     def line(self):
+        if self.at_start_up:  # work_started: nothing of the work ran
+            return (f"stopped by {self} during start-up, before any work began; nothing was written "
+                    f"(exit code {self.code})")
+        if _PUBLISHED:  # outputs were put in place before it (a signal waits for their renames)
+            return (f"stopped by {self} before the script had finished; it can't be resumed. What it "
+                    f"wrote is whole: the last output put in place was {_PUBLISHED[-1]} (exit code "
+                    f"{self.code})")
         # outputs are written whole or not at all (files.atomic_outputs)
         verb = 'noticed' if self.signum == AGENT_GONE else 'received'
         at = f" ({verb} by {self.where}; every process of the run stopped with it)" if self.where else ""
         return (f"stopped by {self}{at} before the work was done; it can't be resumed, and no output "
-                f"was left half-written (exit code {EXIT_STOPPED})")
+                f"was left half-written (exit code {self.code})")
+
+
+# the outputs this process has put in place (files.AtomicOutputs.commit), the last one last
+_PUBLISHED = []
+
+
+def published(path):
+    """ files.py's call once an output is in place: a stop after it no longer says none was written. """
+    _PUBLISHED.append(path)
 
 
 class GracefulExit:
@@ -122,6 +141,14 @@ class GracefulExit:
         name = signal.Signals(signum).name
         if signum == signal.SIGHUP:
             _leave_the_terminal()
+        if self.keep and not self.working and not self.done:
+            # start-up: the script's imports run (torch's: seconds, much of it C++, which swallows an
+            # exception raised inside it, or aborts on it); the signal is only recorded here, and
+            # work_started acts on it once they are done
+            if not self.requested:
+                self.requested = True
+                self.signum = int(signum)
+            return
         if self.done:  # the work is over and saved: the process ends as it would have
             _say(f"\nreceived {name} after the run ended; exiting")
             return
@@ -134,10 +161,6 @@ class GracefulExit:
         self.requested = True
         self.signum = int(signum)
         if not self.resumable:
-            if not self.working:  # still importing (torch: seconds): no run_main to say it yet
-                _say(Stopped(signum).line())
-                work_ended(EXIT_STOPPED)
-                raise SystemExit(EXIT_STOPPED)
             if self.polled and _in_process_group():  # every rank stops at the next stop_together
                 return
             raise Stopped(signum)
@@ -365,9 +388,25 @@ def _is_the_program(script):
 
 
 def work_started():
-    """ run_main's first call: from here a Stopped is said by run_main. """
-    if _KEPT is not None:
-        _KEPT.working = True
+    """
+    run_main's first call, once the script's imports are done: from here on a signal is handled as
+    it comes (Stopped, said by run_main). One that came during start-up (the handler only recorded
+    it) is acted on now: work that can't resume stops (Stopped: one line, 130) before anything was
+    written; resumable work has its flag set, and stops before its first iteration (75).
+    """
+    _PUBLISHED.clear()  # a script's main() run in-process by a test starts with none
+    if _KEPT is None:
+        return
+    _KEPT.working = True
+    if not _KEPT.requested:
+        return
+    if not _KEPT.resumable:
+        raise Stopped(_KEPT.signum, at_start_up=True)
+    # resumable work of one process ends too (nothing to save yet: run the command again); under
+    # torchrun (RANK set, even for one worker) the ranks agree first, at the end of their set-up
+    # (train.py: "stopped before iter N", the line scripts/slurm_train.sh requeues on)
+    if 'RANK' not in os.environ:
+        raise Stopped(_KEPT.signum, at_start_up=True, code=EXIT_INTERRUPTED)
 
 
 def work_ended(code):

@@ -11,6 +11,12 @@ Usage:
     python scripts/bench_loader.py
     python scripts/bench_loader.py --tokens=1000000000 --shard_tokens=100000000 --batches=1000
 """
+# first, before torch is imported (seconds): a signal from here on stops the script in one line
+# and exit code 130, a signal during the imports once they are done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
+
 import os
 import statistics
 import time

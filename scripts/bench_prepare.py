@@ -7,6 +7,12 @@ Usage:
     python scripts/bench_prepare.py
     python scripts/bench_prepare.py --size_mb=200 --num_procs=1,2,4,8
 """
+# first, before torch is imported (seconds): a signal from here on stops the script in one line
+# and exit code 130, a signal during the imports once they are done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
+
 import os
 import time
 

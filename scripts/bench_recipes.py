@@ -43,6 +43,11 @@ $ python scripts/bench_recipes.py --mode=muon
 $ python scripts/bench_recipes.py --mode=speedrun --device=cuda --speedrun_iters=900     # ~10 minutes on one H200
 $ python scripts/bench_recipes.py --mode=speedrun --device=cuda --dataset=fineweb --speedrun_iters=3000
 """
+# first, before torch is imported (seconds): a signal from here on stops the script in one line
+# and exit code 130, a signal during the imports once they are done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
 
 import glob
 import json

@@ -13,6 +13,11 @@ nanogpt_samples: how many of nanoGPT's num_samples sequential samples to actuall
 the same computation (same prompt, same length), so the time of the others is extrapolated (and said so).
 threads: torch intra-op threads (0: torch's default).
 """
+# first, before torch is imported (seconds): a signal from here on stops the script in one line
+# and exit code 130, a signal during the imports once they are done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
 
 import os
 import sys

@@ -11,6 +11,12 @@ Usage:
     python scripts/bench_tokenizer.py                       # both parts (~20 min on 2 CPU cores)
     python scripts/bench_tokenizer.py --part=bpb --max_iters=500 --tokenizers=char,bpe:4096
 """
+# first, before torch is imported (seconds): a signal from here on stops the script in one line
+# and exit code 130, a signal during the imports once they are done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
+
 import json
 import os
 import sys

@@ -25,6 +25,11 @@ $ python scripts/bench_train_cpu.py --max_iters=2000 --rounds=1   # the full lap
 $ python scripts/bench_train_cpu.py --mode=nanogpt --max_iters=50 # just the baseline loop
 $ python scripts/bench_train_cpu.py --mode=floor                  # matmul floor vs whole steps
 """
+# first, before torch is imported (seconds): a signal from here on stops the script in one line
+# and exit code 130, a signal during the imports once they are done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
 
 import math
 import os

@@ -16,6 +16,11 @@ part: speed | startup | process | quality | all. The 124M checkpoint and Hugging
 weights) are written to work_dir (a temporary directory by default). Run nothing else meanwhile: the
 figures are medians of `repeats` runs, formats interleaved, on a machine whose other load shows in them.
 """
+# first, before torch is imported (seconds): a signal from here on stops the script in one line
+# and exit code 130, a signal during the imports once they are done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
 
 import copy
 import os

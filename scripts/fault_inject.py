@@ -14,6 +14,11 @@ Usage:
 $ python scripts/fault_inject.py                    # 20 kills, in a temp directory
 $ python scripts/fault_inject.py --kills=50 --seed=1 --max_delay=3.0
 """
+# first, before torch is imported (seconds): a signal from here on stops the script in one line
+# and exit code 130, a signal during the imports once they are done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
 
 import hashlib
 import json

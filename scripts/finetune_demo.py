@@ -23,6 +23,12 @@ Usage (from the repo root; data/shakespeare_char must be prepared):
     python scripts/finetune_demo.py --task=plays --plays=tragedies/macbeth,comedies/a-midsummer-night-s-dream
     python scripts/finetune_demo.py --task_only=True --out_dir=ft-task      # step 1 alone: the task's JSONL files
 """
+# first, before torch is imported (seconds): a signal from here on stops the script in one line
+# and exit code 130, a signal during the imports once they are done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
+
 import json
 import os
 import random

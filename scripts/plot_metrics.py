@@ -13,6 +13,11 @@ $ python scripts/plot_metrics.py --out_dir=out --output=loss.png
 $ python scripts/plot_metrics.py --out_dir=out-shakespeare-char-cpu --compare=out-shakespeare --bpb=True
 $ python scripts/plot_metrics.py --out_dir=out-shakespeare-char-cpu --compare=out-shakespeare-char-fast --x=time
 """
+# first, before torch is imported (seconds): a signal from here on stops the script in one line
+# and exit code 130, a signal during the imports once they are done
+from nanogpt_plus.signals import early_exit_request
+
+early_exit_request(__name__, resumable=False)
 
 import math
 import os

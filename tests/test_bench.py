@@ -112,7 +112,7 @@ def test_missing_dataset_is_one_clear_error(tmp_path):
 
 def test_negative_thread_count_is_one_clear_error():
     from nanogpt_plus.errors import UserError
-    with pytest.raises(UserError, match=r"num_threads must be >= 0, got -1"):
+    with pytest.raises(UserError, match=r"num_threads must be >= 0 and <= \d+, got -1"):
         bench.main(TINY + ['--num_threads=-1'])
 
 
@@ -152,3 +152,14 @@ def test_bench_profile_dir_that_is_a_file_is_refused_before_the_benchmark(tmp_pa
                     '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=16', '--batch_size=2'])
     assert 'ms' not in capsys.readouterr().out  # nothing was timed
     assert (tmp_path / 'trace').read_text() == 'mine'
+
+
+def test_a_model_that_cant_fit_is_refused_before_it_is_built(tmp_path, monkeypatch, capsys):
+    """ bench.py skipped train.py's memory check: --block_size=100000 failed in the CPU's allocator (a
+    traceback) after minutes of building. Now refused with the settings, in one line. """
+    from helpers import assert_one_line_error, run
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run("bench.py", monkeypatch, capsys, "--device=cpu", "--real_data=False", "--block_size=100000",
+                         "--n_layer=2", "--n_head=2", "--n_embd=32", "--compile=False")
+    assert_one_line_error(code, err, "GiB of causal masks: n_layer x block_size^2 bytes")
+    assert "use a smaller --block_size, --batch_size or model" in err and os.listdir(tmp_path) == []

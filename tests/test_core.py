@@ -713,3 +713,74 @@ def test_a_file_size_limit_while_unpacking_is_one_line(tmp_path):
     assert r.stderr.count('\n') == 1 and r.stderr.startswith(
         f'error: could not unpack {archive.as_uri()} into {target.parent} (File too large); nothing was kept'), r.stderr
     assert os.listdir(target.parent) == []
+
+
+# bounded work: a trickling download, a zip bomb, YAML aliases
+
+def test_a_trickling_download_is_given_up_on_at_its_overall_deadline(tmp_path, monkeypatch):
+    """ Each read had a timeout, the whole download none: a server sending a byte now and then kept
+    --task=core downloading past 100 s. """
+    import http.server
+    import threading
+    import time
+
+    from nanogpt_plus import evaluation
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header('Content-Length', str(10**6))
+            self.end_headers()
+            try:
+                for _ in range(400):  # a byte every 20 ms: no read ever times out
+                    self.wfile.write(b'x')
+                    self.wfile.flush()
+                    time.sleep(0.02)
+            except OSError:  # the client gave up
+                pass
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Trickle)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(evaluation, 'DOWNLOAD_DEADLINE_S', 0.5)
+    target = tmp_path / 'data' / 'eval_bundle'
+    try:
+        with pytest.raises(UserError) as e:
+            core_eval.download_bundle(f'http://127.0.0.1:{server.server_address[1]}/eval_bundle.zip', str(target))
+    finally:
+        server.shutdown()
+    assert str(e.value).startswith(f'could not download http://127.0.0.1:{server.server_address[1]}/eval_bundle.zip '
+                                   f'(TimeoutError: the download took more than 0.5 s in all (a server sending too '
+                                   f'slowly)); offline, download and unzip it elsewhere')
+    assert not target.exists() and '\n' not in str(e.value)
+
+
+def test_a_bundle_that_would_unpack_past_the_limit_is_refused_unpacked(tmp_path, monkeypatch):
+    """ A 1 MB zip of 1 GiB of zeros was unpacked: its own sizes are added up first. """
+    archive = tmp_path / 'bomb.zip'
+    with zipfile.ZipFile(archive, 'w', compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr('eval_bundle/core.yaml', b'\0' * 5 * 2**20)  # 5 MiB of zeros: ~5 KB zipped
+    monkeypatch.setattr(core_eval, 'MAX_BUNDLE_BYTES', 2**20)
+    target = tmp_path / 'data' / 'eval_bundle'
+    with pytest.raises(UserError) as e:
+        core_eval.download_bundle(archive.as_uri(), str(target))
+    assert str(e.value).startswith(f"{archive.as_uri()} would unpack to 0.0 GiB, more than an eval bundle's limit "
+                                   f"of 0.000976562 GiB; nothing was unpacked: pass --core_dir=DIR")
+    assert os.listdir(tmp_path / 'data') == []
+
+
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
+    """ 440 bytes of anchors and aliases (nine levels of nine) made a 2.1 GB one-line error. """
+    bundle = write_bundle(tmp_path / 'b')
+    levels = ['a0: &a0 ["lol"]'] + [f'a{i}: &a{i} [' + ', '.join([f'*a{i - 1}'] * 9) + ']' for i in range(1, 10)]
+    path = os.path.join(bundle, 'core.yaml')
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write('\n'.join(levels) + '\nicl_tasks: *a9\n')
+    before = os.path.getsize(path)
+    with pytest.raises(UserError) as e:
+        core_eval.read_bundle(bundle)
+    assert str(e.value) == (f"{path} uses a YAML alias (*a0, line 2); a core.yaml has no need of anchors and "
+                            f"aliases, and a few of them can expand to gigabytes: write the values out, or unzip "
+                            f"the bundle again")
+    assert os.path.getsize(path) == before

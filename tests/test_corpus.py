@@ -227,6 +227,9 @@ def other_tokenizer_json(kind):
 
 ERRORS = {
     "vocab_too_small": (["--vocab_size=256"], "vocab_size must be >= 257, got 256"),
+    # the tokenizer library used to abort (rc 134) on a 70 GB allocation: refused before any text is read
+    "vocab_absurd": (["--vocab_size=1000000000"], r"^error: vocab_size=1,000,000,000 is more than a BPE trained "
+                     r"here can sensibly have: at most 1,048,576 .*use --vocab_size=1048576 or less$"),
     "vocab_too_large": (["--vocab_size=5000"], r"the corpus fills only [\d,]+ of the 5,000 tokens asked for"),
     "corrupt_json": (["--tokenizer={tmp}/corrupt.json"], r"corrupt\.json is not valid JSON .*it is corrupt"),
     "not_bpe": (["--tokenizer={tmp}/wordlevel.json"], "is a WordLevel tokenizer, not a byte-level BPE"),
@@ -452,5 +455,6 @@ def test_an_input_without_a_known_extension_and_an_out_dir_that_is_a_file_say_so
     # an out_dir that is a file: said before the work, not as a full disk after it
     code, _, err = run(script, monkeypatch, capsys, f"--input={tmp_path / 'a.txt'}", "--tokenizer=char",
                        f"--out_dir={tmp_path / 'taken'}")
-    assert_one_line_error(code, err, f"out_dir {tmp_path / 'taken'} is a file, not a directory; pass another --out_dir")
+    assert_one_line_error(code, err,
+                          f"--out_dir={tmp_path / 'taken'} is a file, not a directory; pass another --out_dir")
     assert sorted(os.listdir(tmp_path)) == before and (tmp_path / "taken").read_text() == "mine"

@@ -3,6 +3,7 @@ nanogpt_plus/files.py: atomic writes (a temp name, renamed when complete) for a 
 sweep of killed runs' temp files (only the names this project gave them), a full disk or a failed write as one line,
 JSONL that is not UTF-8, and the file digest that tells contents of one size apart.
 """
+import json
 import os
 import shutil
 
@@ -10,6 +11,7 @@ import pytest
 
 from helpers import dead_pid, dead_runs_temp, run_train, run_with_file_size_limit, train_args
 from nanogpt_plus import finetuning
+from nanogpt_plus.checkpoint import load_checkpoint
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.files import WriteFailed, atomic_write, file_digest, remove_stale_temps_in
 from nanogpt_plus.prepare.shakespeare import prepare_char
@@ -62,6 +64,35 @@ def test_the_sweep_removes_only_files_this_project_named(tmp_path):
     ours.write_text("half a checkpoint")
     assert remove_stale_temps_in(str(tmp_path)) == [ours.name]
     assert all(f.read_text() == "mine" for f in users)
+
+
+# too big for a pid, a non-ASCII digit, ...
+ODD_PIDS = ("99999999999999999999", "\u00b2", "0", "2147483648", "-1")
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_temp_names_with_odd_pid_suffixes_are_not_ours_and_crash_nothing(dataset, tmp_path, monkeypatch, capsys):
+    """ .ckpt.pt.nanogpt_plus.tmp.99999999999999999999 made a resume end in OverflowError, '.²' eval.py in
+    ValueError after scoring (its result lost): such names are left alone, and the run goes on. """
+    from helpers import run
+    out_dir, results = tmp_path / "out", tmp_path / "results"
+    run_train(capsys, train_args(dataset, out_dir, max_iters=2, eval_interval=2))
+    results.mkdir()
+    odd = [d / f".{name}.nanogpt_plus.tmp.{pid}" for d, name in ((out_dir, "ckpt.pt"), (results, "eval.json"))
+           for pid in ODD_PIDS]
+    for f in odd:
+        f.write_text("not ours")
+    assert remove_stale_temps_in(str(out_dir)) == []
+    # a resume, and an evaluation whose result goes beside them
+    run_train(capsys, train_args(dataset, out_dir, max_iters=4, eval_interval=2, init_from="resume"))
+    code, out, err = run("eval.py", monkeypatch, capsys, f"--init_from={out_dir}", f"--dataset={dataset}",
+                         "--device=cpu", "--max_examples=2", "--num_threads=1",
+                         f"--output_file={results / 'eval.json'}")
+    assert code == 0 and "Traceback" not in err, err
+    assert json.loads((results / "eval.json").read_text())["task"] == "loss"
+    assert load_checkpoint(str(out_dir / "ckpt.pt"))["iter_num"] == 5
+    assert all(f.read_text() == "not ours" for f in odd)
+    assert sorted(os.listdir(results)) == sorted(["eval.json", *(f.name for f in odd if f.parent == results)])
 
 
 @pytest.mark.usefixtures('one_thread')
@@ -141,3 +172,51 @@ def test_file_digest_tells_contents_of_one_size_apart_from_its_ends(tmp_path):
     assert file_digest(c, span=4096) == file_digest(a, span=4096) and file_digest(c) != file_digest(a)
 
 
+
+
+
+# -----------------------------------------------------------------------------
+# an input that is a FIFO or a device: refused before it is opened
+
+def unblock_a_reader(fifo):
+    """ Opens the FIFO's other end once a reader does, so that a regression that opens it ends (on
+    EOF) rather than hanging the test run. """
+    import threading
+
+    def writer():
+        with open(fifo, "wb"):
+            pass
+    threading.Thread(target=writer, daemon=True).start()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
+@pytest.mark.parametrize("which", ["train.bin", "meta.json", "ckpt.pt", "config"])
+def test_a_fifo_where_an_input_is_read_is_refused_unopened(which, dataset, tmp_path, monkeypatch, capsys):
+    """ A FIFO where ckpt.pt, a dataset's meta.json or train.bin, or a config file is read used to block
+    forever (deaf to SIGTERM): one line naming it, exit 2, nothing made. """
+    from helpers import run, train_args
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    out_dir = tmp_path / "out"
+    fifo = {"train.bin": data / "train.bin", "meta.json": data / "meta.json", "ckpt.pt": out_dir / "ckpt.pt",
+            "config": tmp_path / "config.py"}[which]
+    if which == "ckpt.pt":
+        out_dir.mkdir()
+    if fifo.exists():
+        fifo.unlink()
+    os.mkfifo(fifo)
+    unblock_a_reader(fifo)
+    listed = lambda: {d: sorted(set(os.listdir(d)) - {"out"}) for d in (tmp_path, data)}  # noqa: E731
+    before = listed()
+    if which == "ckpt.pt":
+        args = ("sample.py", f"--out_dir={out_dir}", "--device=cpu")
+    else:
+        config = [str(fifo)] if which == "config" else []
+        args = ("train.py", *config, *train_args(str(data), out_dir, num_threads=1))
+    code, out, err = run(args[0], monkeypatch, capsys, *args[1:])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, (code, err)
+    assert lines[0].startswith("error: ") and f"{fifo} is a FIFO (named pipe), not a regular" in lines[0]
+    # (an empty out_dir may be left for now: it is made before the data is read)
+    assert listed() == before
+    assert not out_dir.exists() or os.listdir(out_dir) == (["ckpt.pt"] if which == "ckpt.pt" else [])

@@ -646,3 +646,14 @@ def test_a_fine_tune_checkpoint_lacking_an_entry_names_it(name, key, predicting,
     assert one_error_line(capsys) == (f"error: checkpoint {out / name} has no '{key}' entry: it was edited or "
                                       f"written by other code; use another checkpoint")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not (tmp_path / 'p.jsonl').exists()
+
+
+def test_a_new_model_that_cant_fit_is_refused_before_anything_is_made(dataset, tmp_path, monkeypatch, capsys):
+    """ --init_from=scratch skipped train.py's memory check: refused with the settings now, in one line. """
+    from helpers import assert_one_line_error, run
+    out_dir = tmp_path / "ft"
+    code, out, err = run("finetune.py", monkeypatch, capsys, "--init_from=scratch", f"--dataset={dataset}",
+                         "--task=classification", "--device=cpu", "--block_size=100000", "--n_layer=2",
+                         "--n_head=2", "--n_embd=32", f"--out_dir={out_dir}")
+    assert_one_line_error(code, err, "GiB of causal masks: n_layer x block_size^2 bytes")
+    assert os.listdir(tmp_path) == []

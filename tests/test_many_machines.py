@@ -289,7 +289,8 @@ def test_a_bad_token_id_in_a_small_split_of_one_node_is_one_verdict(tiny_dataset
     for node in nodes:
         tokens.tofile(node / 'data' / 'tiny' / 'train.bin')
     size, block = tokens.nbytes, 1 << 14
-    between = round(127 * (size - block) / 255) + block + 1000  # past block 127's end, before block 128
+    # past block 127's end, before block 128
+    between = round(127 * (size - block) / 255) + block + 1000
     tokens[between // 2] = TINY_VOCAB + 7
     tokens.tofile(nodes[1] / 'data' / 'tiny' / 'train.bin')
     assert sampled_digest(nodes[0] / 'data' / 'tiny' / 'train.bin') == \

@@ -202,3 +202,23 @@ def test_each_rank_records_its_exit_code_where_the_job_asks(tmp_path, monkeypatc
         assert e.code == code
     assert os.listdir(tmp_path) == ['rank-3'] and (tmp_path / 'rank-3').read_text() == f"{code}\n"
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("failure", ["torch", "python"])
+def test_a_failed_cpu_allocation_is_one_line_and_exit_2(failure, tmp_path, capsys):
+    """ Only torch.OutOfMemoryError (CUDA's) was caught: the CPU allocator's RuntimeError or a MemoryError
+    anywhere (a resume with a huge batch_size, millions of samples) ended in a traceback. """
+    import torch
+
+    def main():
+        if failure == "torch":
+            torch.empty(10**13)  # 40 TB: refused by the allocator on any machine
+        raise MemoryError()
+    with pytest.raises(SystemExit) as e:
+        run_main(main)
+    err = capsys.readouterr().err.strip().splitlines()
+    asked = "37,252.9 GiB" if failure == "torch" else "memory"
+    assert e.value.code == 2 and err == [
+        f"error: this machine could not allocate {asked} (out of CPU memory); use a smaller --batch_size, "
+        f"--block_size or model (sample.py: fewer --num_samples), or a machine with more memory"]
+    assert os.listdir(tmp_path) == []

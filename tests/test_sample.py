@@ -6,6 +6,7 @@ messages.
 import os
 import pickle
 import re
+import signal
 import sys
 
 import pytest
@@ -214,6 +215,44 @@ def test_stream_decoder_never_splits_multibyte_characters():
     assert [cdec.feed(t) for t in ctok.encode("ba\n")] == ["b", "a", "\n"]
 
 
+def test_many_samples_are_drawn_in_bounded_batches_and_the_first_batch_is_unchanged(char_model, monkeypatch, capsys):
+    """ num_samples=10**8 drew one batch that grew to 22 GB, deaf to SIGTERM: now batches of at most
+    MAX_BATCH_SAMPLES, each printed when done; the first batch's samples are those of one batch of that size. """
+    _, _, out_dir = char_model
+    args = (f"--out_dir={out_dir}", "--device=cpu", "--max_new_tokens=3", "--start=ab", "--num_threads=1")
+    sizes = []
+    real = sample.generate_stream
+
+    def recorded(model, x, *a, **k):
+        sizes.append(x.shape[0])
+        return real(model, x, *a, **k)
+    monkeypatch.setattr(sample, "generate_stream", recorded)
+    many = samples_of(run_in_process(monkeypatch, *args, f"--num_samples={sample.MAX_BATCH_SAMPLES * 2 + 5}").text())
+    assert sizes == [sample.MAX_BATCH_SAMPLES] * 2 + [5]
+    assert len(many) == sample.MAX_BATCH_SAMPLES * 2 + 5
+    assert f"generated {len(many) * 3} tokens" in capsys.readouterr().err
+    one_batch = samples_of(run_in_process(monkeypatch, *args, f"--num_samples={sample.MAX_BATCH_SAMPLES}").text())
+    assert many[:sample.MAX_BATCH_SAMPLES] == one_batch
+
+
+def test_a_hundred_million_samples_stop_at_sigterm_between_steps(char_model):
+    """ The issue's case: memory bounded by one batch, and SIGTERM after the first samples ends it in 130,
+    one line. """
+    from helpers import start_python
+    _, _, out_dir = char_model
+    proc = start_python([SAMPLE, f"--out_dir={out_dir}", "--device=cpu", "--num_samples=100000000",
+                         "--max_new_tokens=3", "--start=ab", "--num_threads=1"], cwd=REPO)
+    for line in proc.stdout:
+        if line.rstrip("\n") == SEP:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == ("stopped by SIGTERM before the work was done; it can't be resumed, "
+                                           "and no output was left half-written (exit code 130)")
+    assert "Traceback" not in err and not os.path.exists(os.path.join(out_dir, "run.lock"))
+
+
 # -----------------------------------------------------------------------------
 # bad input: one clear line on stderr, exit code 2, no traceback
 
@@ -261,6 +300,37 @@ def test_start_file(char_model, tmp_path, monkeypatch, capsys):
     out = run_in_process(monkeypatch, f"--out_dir={out_dir}", "--device=cpu", "--num_samples=1",
                          "--max_new_tokens=4", "--temperature=0", f"--start=FILE:{tmp_path / 'prompt.txt'}")
     assert out.text().endswith("bcd\nab\n" + SEP + "\n")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
+def test_a_prompt_file_that_never_ends_is_refused_and_a_long_one_is_read_from_its_end(
+        char_model, tmp_path, monkeypatch, capsys):
+    """ /dev/zero (4 GB in 15 s, deaf to SIGTERM) and a FIFO (blocks at open) are refused in one line,
+    unread; a prompt file longer than the model can use is read from its end, said in one line. """
+    _, _, out_dir = char_model
+    os.mkfifo(tmp_path / "fifo")
+    before = sorted(os.listdir(tmp_path))
+    for path, kind in (("/dev/zero", "a character device"), (tmp_path / "fifo", "a FIFO (named pipe)")):
+        err = expect_error(monkeypatch, capsys, f"--out_dir={out_dir}", "--device=cpu", f"--start=FILE:{path}")
+        assert err.strip().splitlines()[-1] == (
+            f"error: start=FILE: prompt file {path} is {kind}, not a regular file: reading it could wait "
+            f"forever; give a regular file")
+    assert sorted(os.listdir(tmp_path)) == before
+    # 'bcda' * ~25k: 100,000 bytes, of which the last 16 * 64 are read; the same sample as the whole file's
+    (tmp_path / "long.txt").write_text("é" + "bcda" * 25_000 + "bc", encoding="utf-8")
+    out = run_in_process(monkeypatch, f"--out_dir={out_dir}", "--device=cpu", "--num_samples=1",
+                         "--max_new_tokens=4", "--temperature=0", f"--start=FILE:{tmp_path / 'long.txt'}")
+    err = capsys.readouterr().err
+    assert (f"note: start=FILE:{tmp_path / 'long.txt'} is 100,004 bytes; reading its last 1,024 (the model "
+            f"uses only its last 16 tokens)") in err.splitlines()
+    assert out.text().endswith(("bcda" * 25_000 + "bc")[-16:] + "d\nab\n" + SEP + "\n")
+
+
+def test_a_prompt_file_cut_inside_a_character_starts_at_the_next_one(tmp_path, capsys):
+    # 1,201 bytes; the cut at 177 is mid-é
+    (tmp_path / "p.txt").write_text("é" * 600 + "x", encoding="utf-8")
+    assert sample.read_start(f"FILE:{tmp_path / 'p.txt'}", 16) == "é" * 511 + "x"
+    assert "is 1,201 bytes; reading its last 1,024" in capsys.readouterr().err
 
 
 def test_bad_settings(char_model, monkeypatch, capsys):
@@ -322,4 +392,5 @@ def test_prompt_is_start_under_a_name_torchrun_lets_through(tmp_path):
     missing = parse_config(sample.DEFAULTS, [f'--prompt=FILE:{tmp_path / "nope.txt"}'])
     assert sample.prompt_files(missing) == {'prompt file': str(tmp_path / 'nope.txt')}
     with pytest.raises(UserError, match=r"^prompt=FILE:.*nope.txt: no such file"):
-        sample.read_start(*reversed(sample.prompt_setting(missing)))
+        name, text = sample.prompt_setting(missing)
+        sample.read_start(text, 64, name)

@@ -520,3 +520,17 @@ def test_the_real_command_lines(tmp_path):
     assert "  --overwrite   = False\n      True: write even where out_dir holds another dataset" in r.stdout
     r = run_python(["scripts/bench_sample.py", "--which=all"], timeout=120)
     assert r.returncode == 2 and r.stderr == "error: which must be 'both', 'gpt2' or 'char', got 'all'\n", r.stderr
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "eval.py", "bench.py", "finetune.py"])
+def test_a_thread_count_past_4_per_cpu_is_refused_in_one_line(script, tmp_path, monkeypatch, capsys):
+    """ --num_threads=100000 crashed torch's thread pool (SIGSEGV) and left run.lock: refused with the
+    settings, before anything is made. """
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "mine.txt").write_text("kept")
+    where = f"--profile_dir={out_dir}" if script == "bench.py" else f"--out_dir={out_dir}"
+    code, out, err = run(script, monkeypatch, capsys, where, "--device=cpu", "--num_threads=100000")
+    assert_one_line_error(code, err, f"num_threads must be >= 0 and <= {settings.MAX_THREADS}, got 100000")
+    assert settings.MAX_THREADS == 4 * (os.cpu_count() or 1)
+    assert os.listdir(out_dir) == ["mine.txt"]

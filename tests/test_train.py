@@ -270,3 +270,47 @@ def test_a_checkpoint_whose_best_val_loss_cant_be_beaten_resumes_with_no_best(be
     assert (tmp_path / 'ckpt_best.pt').read_bytes() != best_before and saved['iter_num'] == 6
     assert 0 < saved['best_val_loss'] < 10
     assert load_checkpoint(str(tmp_path / 'ckpt.pt'))['iter_num'] == 7
+
+
+def test_a_resume_whose_batch_cant_fit_is_refused_before_any_work(dataset, tmp_path, monkeypatch, capsys):
+    """ The memory check covered new models only: a resume with --batch_size=200000 failed in the CPU's
+    allocator (a traceback). Now one line, exit 2, the run's files as they were. """
+    from helpers import assert_one_line_error, run, train_here
+    train_here(dataset, tmp_path, max_iters=2, eval_interval=2)
+    capsys.readouterr()
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    monkeypatch.setenv('NANOGPT_FREE_MEMORY_GIB', '1')
+    code, out, err = run("train.py", monkeypatch, capsys, *train_args(dataset, tmp_path, max_iters=4, num_threads=1),
+                         "--init_from=resume", "--batch_size=200000")
+    assert_one_line_error(code, err, "GiB of activations for batch_size=200000), and NANOGPT_FREE_MEMORY_GIB=1 says "
+                                     "this machine has 1 GiB free")
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+
+
+def test_a_stop_between_micro_steps_resumes_exactly(dataset, tmp_path, capsys, monkeypatch):
+    """ A signal inside a step of several micro-steps (with dropout: the RNG moves in each) stops before the
+    next one and saves the state before that step: resumed, the same iteration losses, bitwise. """
+    import signal
+
+    from nanogpt_plus.errors import Interrupted
+    settings = dict(max_iters=8, gradient_accumulation_steps=4, dropout=0.1, eval_interval=100, lr_decay_iters=8)
+    full = train_out(capsys, tiny_args(dataset, tmp_path / "full", **settings))
+    real = train.grad_sync_context
+    micro_steps = []
+
+    def signalled_at_the_second_micro_step_of_iter_3(model, sync):
+        micro_steps.append(sync)
+        if len(micro_steps) == 3 * 4 + 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets the flag
+        return real(model, sync)
+    monkeypatch.setattr(train, "grad_sync_context", signalled_at_the_second_micro_step_of_iter_3)
+    with pytest.raises(Interrupted):
+        train.main(tiny_args(dataset, tmp_path / "split", **settings))
+    part1 = capsys.readouterr().out
+    assert len(micro_steps) == 3 * 4 + 2  # stopped before the third micro-step of iter 3
+    assert "saving checkpoint to" in part1 and "(interrupted at iter 3)" in part1
+    assert load_checkpoint(str(tmp_path / "split" / "ckpt.pt"))["iter_num"] == 3
+    monkeypatch.setattr(train, "grad_sync_context", real)
+    part2 = train_out(capsys, tiny_args(dataset, tmp_path / "split", init_from="resume", **settings))
+    assert min(iter_losses(part2)) == 3
+    assert {**iter_losses(part1), **iter_losses(part2)} == iter_losses(full)

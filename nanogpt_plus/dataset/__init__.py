@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanogpt_plus.errors import TokenizerError, UserError, error_line
-from nanogpt_plus.files import sampled_digest
+from nanogpt_plus.files import refuse_special_file, sampled_digest
 
 # the checkout above the package nanogpt_plus: data/<name> is looked up here too, wherever a script runs
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -199,6 +199,7 @@ def raw_token_dtype(path):
     meta_path = os.path.join(os.path.dirname(path), 'meta.json')
     if not os.path.exists(meta_path):
         return np.dtype(np.uint16)
+    refuse_special_file(meta_path, "the dataset's")
     try:
         with open(meta_path, encoding='utf-8') as f:
             meta = json.load(f)
@@ -308,6 +309,8 @@ def _read_meta(data_dir):
     """
     json_path = os.path.join(data_dir, "meta.json")
     pkl_path = os.path.join(data_dir, "meta.pkl")
+    for path in (json_path, pkl_path):
+        refuse_special_file(path, "the dataset's", TokenizerError)
     if os.path.exists(json_path):
         try:
             with open(json_path, encoding="utf-8") as f:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.files import atomic_write
+from nanogpt_plus.files import atomic_write, refuse_special_file
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4  # 1024: the tokens start here
@@ -91,6 +91,7 @@ def read_header(path):
     """
     The validated header of the shard at path; anything else is one UserError naming the file.
     """
+    refuse_special_file(path, "token shard")
     if not os.path.isfile(path):
         raise UserError(f"no token shard at {path}; prepare the dataset first")
     size = os.path.getsize(path)

@@ -34,7 +34,7 @@ from torch.nn import functional as F
 from nanogpt_plus.dataloader import check_token_ids, open_token_file
 from nanogpt_plus.dataset import REPO_DIR, read_dataset_meta, split_files
 from nanogpt_plus.errors import UserError
-from nanogpt_plus.files import atomic_write, read_jsonl
+from nanogpt_plus.files import atomic_write, read_jsonl, read_response
 from nanogpt_plus.progress import Progress
 from nanogpt_plus.tokenizer import load_tokenizer, token_byte_lengths
 
@@ -49,6 +49,8 @@ DATA_URLS = {
     'lambada': 'https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl',
 }
 DOWNLOAD_TIMEOUT_S = 10
+# a whole download's limit (DOWNLOAD_TIMEOUT_S bounds each read): a trickling server is given up on
+DOWNLOAD_DEADLINE_S = 900
 # where the in-loop HellaSwag (train.py's hellaswag_file, whose default it is) and eval.py keep the
 # download, relative to the repository
 HELLASWAG_FILE = 'data/hellaswag/hellaswag_val.jsonl'
@@ -376,13 +378,13 @@ def public_task_file(task):
 
 def download(url, target, instead, timeout=DOWNLOAD_TIMEOUT_S):
     """
-    The bytes at url (said as going to target); when they can't be had, one line ending in instead:
-    what to do offline.
+    The bytes at url (said as going to target), within DOWNLOAD_DEADLINE_S in all; when they can't
+    be had, one line ending in instead: what to do offline.
     """
     print(f"downloading {url} to {target}")
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.read()
+            return read_response(response, DOWNLOAD_DEADLINE_S)
     except Exception as e:  # URLError, timeouts, HTTP errors: all mean "get the file another way"
         raise UserError(f"could not download {url} ({type(e).__name__}: {e}); {instead}") from None
 

@@ -64,6 +64,9 @@ from nanogpt_plus.tokenizer import load_tokenizer
 # nanochat's copy of DCLM's bundle (scripts/base_eval.py's EVAL_BUNDLE_URL)
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 DOWNLOAD_TIMEOUT_S = 30
+# the most a downloaded bundle may unpack to, by its zip's own sizes (which zipfile holds each file
+# to): DCLM's unpacks to ~0.1 GB; a 1 MB zip of 1 GiB of zeros is refused before it is unpacked
+MAX_BUNDLE_BYTES = 2 * 2**30
 TASK_TYPES = ('multiple_choice', 'schema', 'language_modeling')
 # the bundle's own files beside its eval_data/ (what every rank compares of it too)
 BUNDLE_FILES = ('core.yaml', 'eval_meta_data.csv')
@@ -150,6 +153,7 @@ def download_bundle(url, target):
         try:
             os.makedirs(parent, exist_ok=True)
             with zipfile.ZipFile(io.BytesIO(content)) as archive:
+                check_unpacked_size(archive, url)
                 # zipfile writes a link's target as a file's text: a bundle has only plain files
                 links = links_in(archive)
                 if links:
@@ -172,6 +176,23 @@ def download_bundle(url, target):
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def check_unpacked_size(archive, url):
+    """ Refuse a zip that would unpack to more than MAX_BUNDLE_BYTES (a zip bomb), before unpacking it. """
+    total = sum(info.file_size for info in archive.infolist())
+    if total > MAX_BUNDLE_BYTES:
+        raise UserError(f"{url} would unpack to {total / 2**30:,.1f} GiB, more than an eval bundle's "
+                        f"limit of {MAX_BUNDLE_BYTES / 2**30:g} GiB; nothing was unpacked: {BUNDLE_HINT}")
+
+
+class AliasRefused(Exception):
+    """ A YAML alias (*name) in a core.yaml: where, and its anchor's name. """
+
+    def __init__(self, anchor, line):
+        super().__init__(anchor)
+        self.anchor = str(anchor)[:40]
+        self.line = line
+
+
 class DuplicateKey(Exception):
     """ A key given twice in one YAML mapping, at a line (from 1). """
 
@@ -179,11 +200,19 @@ class DuplicateKey(Exception):
 def strict_yaml_loader():
     """
     yaml.SafeLoader (plain values only, no tags that make objects) that also refuses a key given
-    twice in one mapping, where PyYAML would keep the last one silently.
+    twice in one mapping, where PyYAML would keep the last one silently, and every alias (*name) as
+    it meets it: nine anchors of nine aliases each (the "billion laughs", 440 bytes) build a
+    structure of 9^9 values, which an error echoing an entry once printed as a 2.1 GB line.
     """
     import yaml
 
     class StrictLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise AliasRefused(event.anchor, event.start_mark.line + 1)
+            return super().compose_node(parent, index)
+
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
@@ -217,6 +246,10 @@ def read_yaml(path):
         key, line = e.args
         raise UserError(f"{path} gives the key {key!r} twice in one mapping (line {line}); keep "
                         f"one") from None
+    except AliasRefused as e:
+        raise UserError(f"{path} uses a YAML alias (*{e.anchor}, line {e.line}); a core.yaml has no need "
+                        f"of anchors and aliases, and a few of them can expand to gigabytes: write the "
+                        f"values out, or unzip the bundle again") from None
     except RecursionError:  # thousands of nested [ or {: PyYAML builds them recursively
         raise UserError(f"{path} is nested too deeply to read; fix it or unzip the bundle "
                         f"again") from None

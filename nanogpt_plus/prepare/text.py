@@ -14,6 +14,7 @@ import os
 import urllib.request
 
 from nanogpt_plus.errors import UserError
+from nanogpt_plus.files import read_response
 
 
 def read_text_file(path):
@@ -72,7 +73,10 @@ def find_invalid_utf8(paths, chunk_bytes=1 << 24):
     return None
 
 
-def download_text(url, timeout=10.0):
-    """ The UTF-8 text at url; raises OSError (URLError, timeouts) when there is no network. """
+def download_text(url, timeout=10.0, deadline_s=900):
+    """
+    The UTF-8 text at url, within deadline_s in all (timeout: each read); raises OSError (URLError,
+    timeouts) when there is no network.
+    """
     with urllib.request.urlopen(url, timeout=timeout) as response:
-        return decode_utf8(response.read(), url)
+        return decode_utf8(read_response(response, deadline_s), url)
