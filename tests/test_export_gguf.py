@@ -44,7 +44,8 @@ def test_a_checkpoint_is_exported_and_its_earlier_file_replaced(bpe_run, monkeyp
     f32 = path.stat().st_size
     code, out, err = export(monkeypatch, capsys, f'--out_dir={bpe_run}', f'--gguf_file={path}', '--gguf_type=q8_0')
     assert code == 0 and 'warning' not in err, err
-    assert exported_here(str(path)) and path.stat().st_size < f32 / 2  # replaced: no --overwrite needed
+    # replaced: no --overwrite needed
+    assert exported_here(str(path)) and path.stat().st_size < f32 / 2
     assert sorted(os.listdir(bpe_run)) == ['ckpt.json', 'ckpt.pt', 'model-f32.gguf']
 
 

@@ -93,7 +93,8 @@ def test_tensors_and_metadata_read_back(bpe512, tmp_path):
                                                for m in spec['model']['merges']]
     assert len(fields['tokenizer.ggml.merges']) == 512 - 257
     types = fields['tokenizer.ggml.token_type']
-    assert types[tok.eot_token] == 3 and types.count(3) == 1 and set(types) == {1, 3}  # CONTROL, NORMAL
+    # CONTROL (3) for <|endoftext|>, NORMAL (1) for the rest
+    assert types[tok.eot_token] == 3 and types.count(3) == 1 and set(types) == {1, 3}
     assert fields['tokenizer.ggml.bos_token_id'] == fields['tokenizer.ggml.eos_token_id'] == tok.eot_token
     assert fields['tokenizer.ggml.add_bos_token'] is False
     assert SUPPRESS_KEY not in fields
