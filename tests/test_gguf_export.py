@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import CHAR_TEXT, PADDED_VOCAB, tiny_gpt
-from nanogpt_plus.bpe import EOT_TEXT
+from helpers import BPE_TEXT, CHAR_TEXT, PADDED_VOCAB, TEXT, greedy_ids, llama_cpp, llama_greedy, tiny_gpt
+from model import GPT, GPTConfig
+from nanogpt_plus.bpe import EOT_TEXT, ROUND_TRIP_PROBE
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.gguf_export import (
     GPT2_SPLIT,
@@ -24,7 +25,7 @@ from nanogpt_plus.gguf_export import (
     exported_here,
     gpt2_vocab,
 )
-from nanogpt_plus.tokenizer import CharTokenizer
+from nanogpt_plus.tokenizer import CharTokenizer, GPT2Tokenizer
 
 BLOCK_NAMES = ['attn_norm', 'attn_qkv', 'attn_output', 'ffn_norm', 'ffn_up', 'ffn_down']
 
@@ -248,3 +249,132 @@ def test_an_earlier_export_is_told_apart_from_other_files(bpe512, tmp_path):
     text.write_text('GGUF is a format')
     assert exported_here(str(ours))
     assert not any(exported_here(str(p)) for p in (theirs, cut, text, tmp_path / 'missing.gguf'))
+
+
+# -----------------------------------------------------------------------------
+# llama.cpp itself: its tokens, logits and greedy text against ours (slow: llama_cpp loads native code)
+
+# spaces (runs of them, leading), tabs, line ends of both kinds, digits, punctuation, accents, CJK, Greek, emoji
+TEXTS = ["Hello world", "  two  spaces,\tand a tab\n\nnew lines\r\nand more  \n",
+         "3.14159 + 42 = 1,000,000; 2024-12-06 at 23:59", "It's \"quoted\" (parens) [x] {y} @#$%^&*!? ~/a_b.txt",
+         "naïve café — 日本語のテキスト Ελλάδα Москва 🎉🚀 👩\u200d👩\u200d👧", ROUND_TRIP_PROBE]
+
+
+def trained_gpt(ids, vocab_size, steps=120, seed=0):
+    """
+    A tiny GPT (GPT-2's tanh GELU, as llama.cpp computes it) trained briefly on the token ids: trained, its
+    greedy continuations have clear winners (top two logits well apart), so that equal greedy text from
+    llama.cpp means equal models, not luck among near-ties (the tests check the gaps too). A gentle rate keeps
+    its activations moderate: llama.cpp's GELU rounds its input to float16, an error that grows with them.
+    """
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=vocab_size, gelu='tanh'))
+    data = torch.tensor(ids)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - 33, (4,), generator=g).tolist()
+        x = torch.stack([data[i:i + 32] for i in starts])
+        y = torch.stack([data[i + 1:i + 33] for i in starts])
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.fixture(scope='module')
+def exports(bpe512, tmp_path_factory):
+    """ {kind: (model, tokenizer, {gguf_type: path})} for a GPT-2 BPE, a bpe and a character model, each
+    trained briefly on its text, exported as f32 and q8_0. """
+    root = tmp_path_factory.mktemp('gguf')
+    bpe, _ = bpe512
+    char = CharTokenizer.from_text(CHAR_TEXT + TEXT)
+    out = {}
+    # GPT-2's 50,304 rows make its steps slow: fewer of them (the two small vocabularies need more to learn)
+    for kind, tok, text, vocab_size, steps in (('gpt2', GPT2Tokenizer(), BPE_TEXT + TEXT, 50304, 120),
+                                               ('bpe', bpe, BPE_TEXT + TEXT, PADDED_VOCAB, 500),
+                                               ('char', char, CHAR_TEXT + TEXT, char.vocab_size, 500)):
+        model = trained_gpt(tok.encode_ordinary(text), vocab_size, steps)
+        paths = {}
+        for gguf_type in ('f32', 'q8_0'):
+            paths[gguf_type] = root / f'{kind}-{gguf_type}.gguf'
+            export_gguf(model, tok.meta(), str(paths[gguf_type]), gguf_type)
+        out[kind] = model, tok, paths
+    return out
+
+
+def prompts(kind):
+    if kind == 'char':
+        return ["the café sells", "First Citizen:\n", "crème brûlée for 5 €"]
+    # lines of the training text where what follows is certain (not "it was the" best, worst or age)
+    return ["First Citizen:\nBefore we", "naïve and wise alike — €3", "Speak, speak.\n\nFirst"]
+
+
+@pytest.mark.parametrize('kind', ['gpt2', 'bpe'])
+def test_llama_cpp_tokenizes_text_as_we_do(exports, kind):
+    _, tok, paths = exports[kind]
+    llm = llama_cpp(paths['f32'], vocab_only=True)
+    for text in TEXTS + prompts(kind):
+        assert llm.tokenize(text.encode('utf-8'), add_bos=False, special=False) == tok.encode_ordinary(text), text
+    # the end-of-text marker in a prompt: the special token in both
+    text = f"one document.{EOT_TEXT}\nThe next one"
+    assert llm.tokenize(text.encode('utf-8'), add_bos=False, special=True) == tok.encode(text)
+    assert llm.token_eos() == tok.eot_token
+
+
+def test_llama_cpp_tokenizes_a_character_vocabulary_as_we_do(exports):
+    """ Every text in the vocabulary's characters (1-, 2- and 3-byte ones); a character outside it is refused
+    by our tokenizer, and dropped by llama.cpp. """
+    _, tok, paths = exports['char']
+    llm = llama_cpp(paths['f32'], vocab_only=True)
+    texts = CHAR_TEXT.splitlines()[:1] + TEXT.splitlines()[:6] + ["  crème\n\n€€ 5.. café—", "é€ûè"[::-1]]
+    texts = [t for t in texts if all(ch in tok.stoi for ch in t)]
+    assert len(texts) >= 6
+    for text in texts:
+        assert llm.tokenize(text.encode('utf-8'), add_bos=False, special=False) == tok.encode(text), text
+    assert llm.tokenize("caZfé".encode('utf-8'), add_bos=False, special=False) == tok.encode("café")
+    assert llm.token_eos() == tok.vocab_size and llm.n_vocab() == tok.vocab_size + 1
+
+
+def logits(model, llm, ids, n_tokens):
+    """ (ours, llama.cpp's) float32 logits at every position of ids, the first n_tokens of each. """
+    llm.reset()
+    llm.eval(ids)
+    theirs = np.array(llm.scores[:len(ids)])[:, :n_tokens]
+    with torch.no_grad():
+        ours = model(torch.tensor([ids]), targets=torch.tensor([ids]))[0][0, :, :n_tokens].numpy()
+    return ours, theirs
+
+
+@pytest.mark.parametrize('kind', ['gpt2', 'bpe', 'char'])
+def test_llama_cpps_float32_logits_and_greedy_text_are_ours(exports, kind):
+    """ Three prompts: llama.cpp's float32 logits within 2e-2 of ours at every position (its GELU is a float16
+    table; measured 1e-4 to 1e-3 here), and its greedy 32 tokens ours. Honest about ties: at each greedy step
+    our winner leads the runner-up by more than twice the largest difference of the two logits along the
+    text, so the agreement measured decides every step, on any CPU. The character model's end-of-text row
+    (suppressed) is left out. """
+    model, tok, paths = exports[kind]
+    n_tokens = tok.vocab_size
+    llm = llama_cpp(paths['f32'])
+    for prompt in prompts(kind):
+        ids = tok.encode(prompt)
+        ours, theirs = logits(model, llm, ids, n_tokens)
+        assert np.abs(theirs - ours).max() < 2e-2, (prompt, np.abs(theirs - ours).max())
+        expected = greedy_ids(model, ids, 32, n_tokens)
+        assert llama_greedy(llm, ids, 32, n_tokens) == expected, prompt
+        ours, theirs = logits(model, llm, expected[:-1], n_tokens)
+        difference = np.abs(theirs - ours).max()
+        top = np.sort(ours[len(ids) - 1:], axis=-1)[:, -2:]
+        assert difference < 2e-2 and (top[:, 1] - top[:, 0]).min() > 2 * difference, prompt
+
+
+@pytest.mark.parametrize('kind', ['gpt2', 'bpe', 'char'])
+def test_q8_0s_greedy_text_agrees_with_float32s(exports, kind):
+    _, tok, paths = exports[kind]
+    f32, q8 = llama_cpp(paths['f32']), llama_cpp(paths['q8_0'])
+    for prompt in prompts(kind):
+        ids = tok.encode(prompt)
+        a = llama_greedy(f32, ids, 32, tok.vocab_size)[len(ids):]
+        b = llama_greedy(q8, ids, 32, tok.vocab_size)[len(ids):]
+        assert sum(x == y for x, y in zip(a, b)) >= 0.9 * 32, (prompt, a, b)
