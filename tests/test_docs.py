@@ -186,6 +186,10 @@ PIPELINE = "python -c \"from transformers import pipeline; print(pipeline('text-
 PREDICT = 'python finetune.py --init_from=out-ft --predict_file=test.jsonl'
 
 
+LLAMA_CPP = "python -c \"from llama_cpp import Llama; m = Llama('shakespeare.gguf', n_ctx=64, verbose=False); " \
+            "print(m('ROMEO:', max_tokens=40)['choices'][0]['text'])\""
+
+
 AUTO_MODEL = "python -c \"from transformers import AutoModelForCausalLM as M; " \
              "m = M.from_pretrained('fast-hf', trust_remote_code=True); print(type(m).__name__)\""
 
@@ -231,6 +235,8 @@ RUN = (
       '--train_file=ft-task/spelling_train.jsonl --val_file=ft-task/spelling_val.jsonl'],
      ['torchrun --standalone --nproc_per_node=2 finetune.py ... --device=cpu',
       'python finetune.py ... --init_from=scratch --dataset=shakespeare_char'],
+     ['python export_gguf.py --out_dir=out-shakespeare-char-cpu --gguf_file=shakespeare.gguf --gguf_type=q8_0',
+      LLAMA_CPP],
      ['python export_hf.py --out_dir=out --hf_dir=out/hf',
       PIPELINE.format('Hello, I am'),
       PIPELINE.format('Hello'),
