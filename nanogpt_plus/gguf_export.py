@@ -270,7 +270,9 @@ def write_gguf(path, model, vocab, gguf_type, source):
     file_type = {'f32': gguf.LlamaFileType.ALL_F32, 'f16': gguf.LlamaFileType.MOSTLY_F16,
                  'q8_0': gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type]
     w = gguf.GGUFWriter(path, ARCH)
-    w.add_name(os.path.basename(os.path.dirname(os.path.abspath(source))) or 'nanogpt')
+    # the name programs show: a checkpoint's run directory ('out-shakespeare-char-cpu'), else gpt2* or a directory's
+    w.add_name(os.path.basename(os.path.dirname(source) if source.endswith('.pt') else source.rstrip('/'))
+               or 'nanogpt')
     w.add_string(SOURCE_KEY, source)
     w.add_context_length(config.block_size)
     w.add_embedding_length(config.n_embd)

@@ -81,6 +81,7 @@ def test_tensors_and_metadata_read_back(bpe512, tmp_path):
     assert list(tensors['blk.0.ffn_up.weight'].shape) == [32, 128]
     assert list(tensors['token_embd.weight'].shape) == [32, 512]
     assert fields['general.architecture'] == 'gpt2' and fields[SOURCE_KEY] == 'runs/x/ckpt.pt'
+    assert fields['general.name'] == 'x'
     sizes = {'context_length': 64, 'embedding_length': 32, 'feed_forward_length': 128, 'block_count': 2,
              'attention.head_count': 2}
     assert {k: fields[f'gpt2.{k}'] for k in sizes} == sizes
