@@ -351,7 +351,7 @@ def logits(model, llm, ids, n_tokens):
 @pytest.mark.parametrize('kind', ['gpt2', 'bpe', 'char'])
 def test_llama_cpps_float32_logits_and_greedy_text_are_ours(exports, kind):
     """ Three prompts: llama.cpp's float32 logits within 2e-2 of ours at every position (its GELU is a float16
-    table; measured 1e-4 to 1e-3 here), and its greedy 32 tokens ours. Honest about ties: at each greedy step
+    table; measured 1e-3 to 4e-3 here), and its greedy 32 tokens ours. Honest about ties: at each greedy step
     our winner leads the runner-up by more than twice the largest difference of the two logits along the
     text, so the agreement measured decides every step, on any CPU. The character model's end-of-text row
     (suppressed) is left out. """
