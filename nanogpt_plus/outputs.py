@@ -8,10 +8,11 @@ work, so nothing is computed for an output that is then refused, and a refusal i
    settings would), write elsewhere, or start over (--overwrite=True) (prepare_out_dir, check_new_run); a
    resume from a snapshot branches off (checkpoint.branch_off). The checkpoint files themselves (their names,
    snapshots, going back to one) are checkpoint.py's.
-2. An output path a user names (eval.py --output_file, export_hf.py --hf_dir, finetune.py --predict_out,
-   bench.py's results): check_output refuses one that would replace a checkpoint, a dataset's files, a
-   directory holding them, a file the run reads, or any other existing file that is not an earlier output of
-   the same kind (an eval result, a predictions file: recognised by what they hold), unless --overwrite=True.
+2. An output path a user names (eval.py --output_file, export_hf.py --hf_dir, export_gguf.py --gguf_file,
+   finetune.py --predict_out, bench.py's results): check_output refuses one that would replace a checkpoint,
+   a dataset's files, a directory holding them, a file the run reads, or any other existing file that is not
+   an earlier output of the same kind (an eval result, a predictions file, a GGUF export: recognised by what
+   they hold), unless --overwrite=True.
    Re-running a script replaces its own earlier output.
 3. A dataset's directory (data/<name>/prepare.py): check_out_dir refuses to write one kind of dataset where
    another kind lies, or into a training run's out_dir; check_same_dataset refuses to replace a train.bin/
@@ -609,7 +610,7 @@ def _check_writable(path, setting, kind):
             f"another --{setting}")
 
 
-def _conflict(path, kind, inputs, earlier, output_kind=None):
+def _conflict(path, kind, inputs, earlier, output_kind=None, recognise=None):
     """ What writing the output at path would replace (check_output's words), or None. """
     if kind == 'file':
         # a .pt name is a checkpoint's even before one is there: finetune.py writes its ckpt.pt
@@ -620,7 +621,8 @@ def _conflict(path, kind, inputs, earlier, output_kind=None):
         what = protected(path) if os.path.isfile(path) else None
         if what:
             return f"would replace {what}"
-        if output_kind and os.path.isfile(path) and not earlier_output(path, output_kind):
+        if output_kind and os.path.isfile(path) and not (recognise(path) if recognise else
+                                                         earlier_output(path, output_kind)):
             return f"would replace {path}, a file{_whose(path)} that is not an earlier {output_kind}"
     elif os.path.isdir(path):
         what = _protected_in(path)
@@ -653,11 +655,13 @@ def check_not_link(path, setting):
             f"would replace; pass the path it points to, or another --{setting}")
 
 
-def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(), output_kind=None):
+def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(), output_kind=None,
+                 recognise=None):
     """
     Refuse, in one line naming setting, an output path (kind 'file', or 'directory' for one written
     into) that would replace a checkpoint or a dataset's file (protected), an existing file that is
-    not an earlier output_kind (OUTPUT_KINDS: the file output the script writes), write into a
+    not an earlier output_kind (OUTPUT_KINDS: the file output the script writes, as JSON lines; or a file
+    recognise(path) tells apart, export_gguf.py's GGUF file), write into a
     directory holding a protected file (or, given earlier: the names an earlier output of the script
     there holds, into a directory of other files), or replace one of inputs ({setting: path} the run
     reads), unless overwrite (None: the script has no --overwrite, and its advice names none);
@@ -687,7 +691,7 @@ def check_output(path, setting, overwrite, kind='file', inputs=None, earlier=(),
     if kind == 'file' and os.path.isdir(path):
         raise UserError(f"--{setting}={path} is a directory; pass a file path")
     _check_writable(path, setting, kind)
-    conflict = _conflict(path, kind, inputs, earlier, output_kind)
+    conflict = _conflict(path, kind, inputs, earlier, output_kind, recognise)
     if conflict is None:
         return
     if overwrite is None:  # a script without --overwrite (bench.py): never replaced

@@ -67,13 +67,13 @@ class Shared:
         return Setting(default, self.help, kind=self.kind, **self.accepts, **accepts)
 
 
-# I/O: train.py, finetune.py, sample.py, eval.py, export_hf.py
+# I/O: train.py, finetune.py, sample.py, eval.py, export_hf.py, export_gguf.py
 out_dir = Shared(str, "the run's directory: ckpt.pt, metrics.jsonl, run.lock (init_from='resume' "
                       "reads it)", not_empty=True)
 log_interval = Shared(int, "print and log the loss every N iterations", low=1)
 overwrite = Shared(bool, "True: an output may replace what is otherwise refused: an earlier run's "
                          "checkpoints in out_dir; a checkpoint, a dataset's files or an input "
-                         "named by output_file, hf_dir or predict_out")
+                         "named by output_file, hf_dir, gguf_file or predict_out")
 init_from = Shared(str, "'scratch', 'resume' (out_dir's run), gpt2*, a Hugging Face GPT-2 "
                         "directory, or a ckpt.pt / training out_dir", not_empty=True)
 auto_resume = Shared(bool, "True: resume the run in out_dir when its checkpoint is there (a "

@@ -743,3 +743,26 @@ class FakeThreadTiming:
         monkeypatch.setattr(machine, 'time_thread_counts', self.time_thread_counts)
         monkeypatch.setattr(machine, 'ThreadRetuner', Recording)
         return self
+
+
+# -----------------------------------------------------------------------------
+# llama.cpp itself (llama-cpp-python) on a GGUF export
+
+@slow
+def llama_cpp(path, n_ctx=64, vocab_only=False):
+    """ llama.cpp's model of a GGUF file, through llama-cpp-python: the logits of every position kept (scores),
+    two threads; vocab_only: its tokenizer alone. Slow: it loads a library of native code and the vocabulary. """
+    from llama_cpp import Llama
+    return Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, vocab_only=vocab_only, n_threads=2,
+                 n_batch=n_ctx, seed=0, verbose=False)
+
+
+def llama_greedy(llm, prompt_ids, n, n_tokens):
+    """ llama.cpp's greedy continuation of prompt_ids: n tokens, each the largest of the first n_tokens logits. """
+    llm.reset()
+    llm.eval(list(prompt_ids))
+    ids = list(prompt_ids)
+    for _ in range(n):
+        ids.append(int(np.argmax(llm.scores[llm.n_tokens - 1][:n_tokens])))
+        llm.eval([ids[-1]])
+    return ids

@@ -24,7 +24,8 @@ import pytest
 from configurator import parse_config
 from helpers import REPO, TORCHRUN, run_python
 
-ENTRY_POINTS = ('train.py', 'sample.py', 'eval.py', 'finetune.py', 'bench.py', 'export_hf.py')
+ENTRY_POINTS = ('train.py', 'sample.py', 'eval.py', 'finetune.py', 'bench.py', 'export_hf.py',
+                'export_gguf.py')
 
 
 # a line is a command when its program (after `$ ` and VAR=value words) is one of these
@@ -143,6 +144,7 @@ SKIP = {
     'python eval.py --out_dir=out-gpt2-fineweb --task=hellaswag': FINEWEB_RUN,
     'python sample.py --out_dir=out-gpt2-fineweb --start="The meaning of life is"': FINEWEB_RUN,
     'python export_hf.py --out_dir=out-gpt2-fineweb --hf_dir=gpt2-fineweb-hf': FINEWEB_RUN,
+    'python export_gguf.py --init_from=gpt2 --gguf_file=gpt2-q8_0.gguf --gguf_type=q8_0': GPT2,
     'lm_eval --model hf --model_args pretrained=gpt2-fineweb-hf,dtype=float32 '
     '--tasks lambada_openai,hellaswag --device cuda:0': LM_EVAL,
     'lm_eval --model hf --model_args pretrained=speedrun-hf,trust_remote_code=True,dtype=float32 '
@@ -182,6 +184,10 @@ PIPELINE = "python -c \"from transformers import pipeline; print(pipeline('text-
 
 
 PREDICT = 'python finetune.py --init_from=out-ft --predict_file=test.jsonl'
+
+
+LLAMA_CPP = "python -c \"from llama_cpp import Llama; m = Llama('shakespeare.gguf', n_ctx=64, verbose=False); " \
+            "print(m('ROMEO:', max_tokens=40)['choices'][0]['text'])\""
 
 
 AUTO_MODEL = "python -c \"from transformers import AutoModelForCausalLM as M; " \
@@ -229,10 +235,13 @@ RUN = (
       '--train_file=ft-task/spelling_train.jsonl --val_file=ft-task/spelling_val.jsonl'],
      ['torchrun --standalone --nproc_per_node=2 finetune.py ... --device=cpu',
       'python finetune.py ... --init_from=scratch --dataset=shakespeare_char'],
+     ['python export_gguf.py --out_dir=out-shakespeare-char-cpu --gguf_file=shakespeare.gguf --gguf_type=q8_0',
+      LLAMA_CPP],
      ['python export_hf.py --out_dir=out --hf_dir=out/hf',
       PIPELINE.format('Hello, I am'),
       PIPELINE.format('Hello'),
-      'python export_hf.py --out_dir=out --weights=bfloat16'],
+      'python export_hf.py --out_dir=out --weights=bfloat16',
+      'python export_gguf.py --out_dir=out --gguf_file=out/model.gguf --gguf_type=f32'],
      ['python sample.py --out_dir=out --start=FILE:prompt.txt --num_samples=1',
       'python eval.py --init_from=resume --out_dir=out --task=loss',
       'python sample.py --out_dir=out-mytext'],

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import REPO, run_python
 
-ENTRY_POINTS = ['train', 'sample', 'bench', 'eval', 'finetune', 'export_hf']
+ENTRY_POINTS = ['train', 'sample', 'bench', 'eval', 'finetune', 'export_hf', 'export_gguf']
 
 
 TOP_LEVEL = ['model', 'configurator']  # the front-door modules the package imports
@@ -176,6 +176,7 @@ def settings_declarations(source):
     ('eval', dict(task="'loss'", batch_size='16', init_from="'resume'")),
     ('bench', dict(batch_size='12', learning_rate='1e-4', steps='20', burnin='10')),
     ('export_hf', dict(hf_dir="''", init_from="'resume'")),
+    ('export_gguf', dict(gguf_file="''", gguf_type="'f32'", init_from="'resume'")),
 ])
 def test_a_script_declares_its_settings_at_its_top(script, own):
     """ A reader finds a script's settings with their defaults in the script, one per line, as in

@@ -15,6 +15,7 @@ import pytest
 
 import bench
 import eval as eval_script
+import export_gguf
 import export_hf
 import finetune
 import sample
@@ -28,7 +29,7 @@ from nanogpt_plus.runtime import run_main
 from nanogpt_plus.settings import default_num_proc
 
 SCRIPTS = {'train': train, 'finetune': finetune, 'sample': sample, 'eval': eval_script, 'bench': bench,
-           'export_hf': export_hf}
+           'export_hf': export_hf, 'export_gguf': export_gguf}
 
 
 # nanoGPT's train.py settings, with their defaults there (the interface other tools and users rely on)
@@ -57,7 +58,7 @@ def test_every_setting_has_a_type_and_a_one_line_help(name):
         assert spec.problem(key, spec.default) is None, key  # every default is valid
 
 
-@pytest.mark.parametrize("name", ['train', 'finetune', 'sample', 'eval', 'export_hf'])
+@pytest.mark.parametrize("name", ['train', 'finetune', 'sample', 'eval', 'export_hf', 'export_gguf'])
 def test_help_lists_every_setting_with_default_and_help(name):
     r = run_python([f"{name}.py", "--help"], timeout=120)
     assert r.returncode == 0, r.stderr

@@ -139,6 +139,8 @@ def script_case(name, trained, tmp_path):
                  r'^\{"task"', [tmp_path]),
         'export_hf': (['export_hf.py', f'--out_dir={out_dir}', f'--hf_dir={tmp_path / "hf"}'],
                       r'^\{"hf_dir"', [tmp_path / 'hf']),
+        'export_gguf': (['export_gguf.py', f'--out_dir={out_dir}', f'--gguf_file={tmp_path / "m.gguf"}'],
+                        r'^\{"gguf_file"', [tmp_path]),
         'bench': (['bench.py', f'--dataset={dataset}', '--device=cpu', '--n_layer=2', '--n_head=2',
                    '--n_embd=32', '--block_size=16', '--batch_size=4', '--burnin=1', '--steps=2',
                    '--num_threads=1'],
@@ -157,7 +159,7 @@ def script_case(name, trained, tmp_path):
     return cases[name]
 
 
-NON_RESUMABLE = ['sample', 'eval', 'export_hf', 'bench', 'prepare_char', 'prepare_text',
+NON_RESUMABLE = ['sample', 'eval', 'export_hf', 'export_gguf', 'bench', 'prepare_char', 'prepare_text',
                  'prepare_bpe']
 
 
