@@ -103,14 +103,23 @@ def exit_code(error):
     return 130 if isinstance(error, KeyboardInterrupt) else 1
 
 
-def printable(text):
+# the most characters a printed line keeps of what it echoes: a value a user gave (a setting, a
+# YAML entry) can be megabytes, and a line of gigabytes once came of 440 bytes of YAML aliases
+MAX_LINE_CHARS = 2000
+
+
+def printable(text, limit=MAX_LINE_CHARS):
     """
     text as one line a terminal shows as it is: every character that is not printable (a newline,
     a tab, a terminal's escape sequence, a zero-width one) written as Python writes it in a string
     literal (\\n, \\x1b, \\u200b). The one place every error line goes through (runtime.run_main),
     so that a value a user gave can't break the line in two, forge a line of its own (one a script
-    such as scripts/slurm_train.sh might read) or drive the terminal.
+    such as scripts/slurm_train.sh might read) or drive the terminal. Past limit characters the
+    middle is cut, and the line says how much.
     """
+    if len(text) > limit:
+        keep = limit // 2
+        text = f"{text[:keep]} [... {len(text) - 2 * keep:,} characters cut ...] {text[-keep:]}"
     return ''.join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 

@@ -33,3 +33,20 @@ def test_an_error_line_shows_a_users_control_characters_escaped(capsys):
         run_main(main)
     assert e.value.code == 2
     assert capsys.readouterr().err == f"error: no dataset {printable(value)}; pass another --dataset\n"
+
+
+def test_an_error_line_keeps_both_ends_of_a_huge_value_and_says_what_it_cut(capsys):
+    """ A value of megabytes (a YAML entry, a setting) made an error line of gigabytes: bounded, both ends kept. """
+    from nanogpt_plus.errors import MAX_LINE_CHARS
+    from nanogpt_plus.runtime import run_main
+    message = f"HEAD {'a' * 3_000_000}TAIL; pass another --dataset"
+
+    def main():
+        raise UserError(message)
+    with pytest.raises(SystemExit) as e:
+        run_main(main)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count('\n') == 1
+    assert len(err) < MAX_LINE_CHARS + 100
+    assert err.startswith("error: HEAD aaa") and err.endswith("TAIL; pass another --dataset\n")
+    assert f"[... {len(message) - MAX_LINE_CHARS:,} characters cut ...]" in err
