@@ -259,12 +259,13 @@ def main(argv=None):
         # `imposed` handed to each part: every part of the run, and each checkpoint's 'config',
         # must see the same values (a resume's n_layer in the model, the memory check, the record)
         cfg = user_cfg.replaced(imposed)
-        if cfg.init_from != 'scratch':
-            # a resume or given weights: their model with this run's batch must fit as a new one must
-            # (--batch_size=200000 used to fail in the CPU's allocator); one verdict on every rank
-            distributed.every_rank(dist_info, lambda: check_new_model_fits(
-                cfg.select(ModelSpec), dataset=cfg.dataset, batch_size=cfg.batch_size,
-                attention=cfg.attention, on_cpu=device_type_of(dist_info.device) == 'cpu'))
+        # a resume or given weights: their model with this run's batch must fit as a new one must
+        # (--batch_size=200000 used to fail in the CPU's allocator); one verdict, which every rank
+        # joins even where it starts a new model (checked with the settings): a node whose
+        # auto_resume found no checkpoint must reach the comparison below that says so
+        distributed.every_rank(dist_info, lambda: cfg.init_from == 'scratch' or check_new_model_fits(
+            cfg.select(ModelSpec), dataset=cfg.dataset, batch_size=cfg.batch_size,
+            attention=cfg.attention, on_cpu=device_type_of(dist_info.device) == 'cpu'))
         # every rank starts from the same settings, commit and checkpoint, else all stop in one line
         distributed.same_everywhere(dist_info, lambda: same_start(dict(cfg), resumed), SAME_START)
         # rank 0 holds out_dir/run.lock for the whole run, set-up included (released however the run

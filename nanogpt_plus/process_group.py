@@ -138,7 +138,9 @@ def master_decides(dist_info, fn):
         raise error
     if outcome is not None:
         code, line = outcome
-        raise PeerFailed("rank 0 failed", code, say=_said_on_this_node(line, source_node='0'),
+        # rank 0 alone read or wrote what failed (its file, its disk): another node's log says whose
+        said = f"on node 0 (rank 0, whose files these are): {line}"
+        raise PeerFailed("rank 0 failed", code, say=_said_on_this_node(said, source_node='0'),
                          line=line)
 
 

@@ -98,12 +98,19 @@ def tiny(out_dir, **settings):
     return train_args('data/tiny', out_dir, num_threads=1, **settings)
 
 
+# how another node's line begins when rank 0 alone read or wrote what failed (process_group.master_decides)
+RANK_0_SAID = "on node 0 (rank 0, whose files these are): "
+
+
 def assert_one_line_on_each_node(results, *words, code=2):
-    """ Both nodes ended with the same exit code and each printed the same one `error:` line, holding words. """
+    """
+    Both nodes ended with the same exit code and each printed the same one `error:` line, holding words
+    (node 1's naming node 0 first where rank 0 alone read or wrote what failed).
+    """
     assert all(r.returncode != 0 for r in results), [r.returncode for r in results]
     lines = [[line for line in r.stderr.splitlines() if line.startswith('error: ')] for r in results]
     assert [len(node) for node in lines] == [1, 1], (lines, results[0].stderr[-2000:], results[1].stderr[-2000:])
-    assert lines[0] == lines[1], lines
+    assert lines[0] == [lines[1][0].replace(RANK_0_SAID, '')], lines
     for w in words:
         assert w in lines[0][0], lines[0][0]
 
@@ -657,8 +664,10 @@ def test_kill_9_of_one_nodes_agent_stops_and_saves_on_both(tiny_dataset, tmp_pat
 def test_a_hellaswag_file_rank_0_lacks_is_said_on_both_nodes(tiny_dataset, tmp_path):
     nodes = [node_copy(tmp_path / f'node{i}', tiny_dataset) for i in range(2)]
     write_hellaswag(nodes[1] / 'hs.jsonl')  # rank 0 reads it and sends it to the others
-    ended_alike(nodes, tiny('out', max_iters=4, hellaswag_interval=2, hellaswag_file='hs.jsonl'),
-                "hs.jsonl")
+    results = ended_alike(nodes, tiny('out', max_iters=4, hellaswag_interval=2, hellaswag_file='hs.jsonl'),
+                          "hs.jsonl")
+    # node 1 has the file: its line says whose file was missing
+    assert f"error: {RANK_0_SAID}" in results[1].stderr
 
 
 @pytest.mark.slow
