@@ -28,6 +28,7 @@ import glob
 import json
 import math
 import os
+import re
 import statistics
 
 from nanogpt_plus.errors import UserError
@@ -169,15 +170,57 @@ def short_digest(key):
     return f"{key.get('tokenizer')} text sha256 {key.get('text_sha256', '')[:12]}"
 
 
+def given_reference(path, mine, key, say):
+    """ The curve of --reference=path: of this run's data (else one line), compared with whatever differs. """
+    ref = load_reference(path)
+    if not same_data(ref, key):
+        here = short_digest(key) if key else "data whose text digest is not recorded"
+        raise UserError(f"reference file {path} belongs to other data ({short_digest(ref['data'])}; this "
+                        f"run's: {here}); pass a reference made on this dataset, or --reference=none")
+    # the user asked for this curve: compared even where a setting differs, which is said
+    diffs = differences(mine, ref['settings'])
+    unlike = f" although this run differs in {', '.join(diffs[:3])}" if diffs else ""
+    say(f"reference: comparing each evaluation with {path}{unlike}")
+    return ref
+
+
+def matching_reference(directory, mine, key, say):
+    """
+    The curve in directory of this run's data and settings, said at start; else None, said with the
+    closest curve (the fewest differences, the data counting as one) and what differs.
+    """
+    candidates = [(path, load_reference(path)) for path in reference_files(directory)]
+    if not candidates:
+        return None
+    if key is None:
+        say("reference: none matches: this dataset's meta.json doesn't record its text's digest "
+            "(prepare it again with data/*/prepare.py to compare with config/reference/)")
+        return None
+    scored = []
+    for path, ref in candidates:
+        diffs = [] if same_data(ref, key) else [f"the data ({short_digest(key)} here, "
+                                                 f"{short_digest(ref['data'])} there)"]
+        diffs += differences(mine, ref['settings'])
+        scored.append((len(diffs), path, ref, diffs))
+    count, path, ref, diffs = min(scored, key=lambda s: s[0])
+    name = os.path.relpath(path, PROJECT_DIR)
+    if count == 0:
+        say(f"reference: comparing each evaluation with {name} ({len(ref['seeds'])} seeds, to iter "
+            f"{ref['points'][-1]['iter']})")
+        return ref
+    more = " and more" if len(diffs) > 3 else ""
+    say(f"reference: none matches this run; the closest, {name}, differs in {', '.join(diffs[:3])}{more}")
+    return None
+
+
 class ReferenceCheck:
     """
-    A run's comparison with the reference curve its settings match: after_eval gives the line to print
-    after each evaluation, band_at the band recorded beside the val loss. reference None: no matching curve.
+    A run's comparison with one reference curve: after_eval gives the lines to print after each evaluation,
+    band_at the band recorded beside the val loss. reference None: no curve, nothing said.
     """
 
-    def __init__(self, reference, path=None):
+    def __init__(self, reference):
         self.reference = reference
-        self.path = path
         self.points = {p['iter']: p for p in reference['points']} if reference else {}
         self.out_of_band = 0  # evaluations out of the band so far
         self.hinted = False
@@ -185,49 +228,18 @@ class ReferenceCheck:
     @classmethod
     def for_run(cls, cfg, data_dir, choice='', directory=REFERENCE_DIR, say=print):
         """
-        The check for a train.py run: cfg its settings, data_dir its dataset's directory,
-        choice its --reference ('' = the files in config/reference/ whose data and settings match,
-        'none' = no check, else one file: made on this run's data (one line otherwise), and compared
-        with even where a setting differs, which is said once). A run that matches none says so once, naming the closest
-        reference and what differs.
+        The check of a train.py run: cfg its settings, data_dir its dataset's directory, choice its
+        --reference: 'none' = no check; a file = that curve, which must be of this run's data (one line
+        otherwise) and is compared with even where a setting differs (said once); '' = the curve of
+        config/reference/ whose data and settings match, or none, said once with the closest curve and
+        what differs.
         """
         if choice == 'none':
             return cls(None)
         mine, key = curve_settings(cfg), data_key(data_dir)
         if choice:
-            ref = load_reference(choice)
-            if not same_data(ref, key):
-                here = short_digest(key) if key else "data whose text digest is not recorded"
-                raise UserError(f"reference file {choice} belongs to other data ({short_digest(ref['data'])}; "
-                                f"this run's: {here}); pass a reference made on this dataset, or none")
-            # the user asked for this curve: compared even where a setting differs, which is said
-            diffs = differences(mine, ref['settings'])
-            unlike = f" although this run differs in {', '.join(diffs[:3])}" if diffs else ""
-            say(f"reference: comparing each evaluation with {choice}{unlike}")
-            return cls(ref, choice)
-        candidates = [(p, load_reference(p)) for p in reference_files(directory)]
-        if key is None:
-            if candidates:
-                say("reference: none matches: this dataset's meta.json doesn't record its text's digest "
-                    "(prepare it again with data/*/prepare.py to compare with config/reference/)")
-            return cls(None)
-        scored = []
-        for path, ref in candidates:
-            diffs = [] if same_data(ref, key) else [f"the data ({short_digest(key)} here, "
-                                                     f"{short_digest(ref['data'])} there)"]
-            diffs += differences(mine, ref['settings'])
-            scored.append((len(diffs), path, ref, diffs))
-        matching = [s for s in scored if s[0] == 0]
-        if matching:
-            _, path, ref, _ = matching[0]
-            say(f"reference: comparing each evaluation with {os.path.relpath(path, PROJECT_DIR)} "
-                f"({len(ref['seeds'])} seeds, to iter {ref['points'][-1]['iter']})")
-            return cls(ref, path)
-        if scored:
-            _, path, _, diffs = min(scored, key=lambda s: s[0])
-            say(f"reference: none matches this run; the closest, {os.path.relpath(path, PROJECT_DIR)}, "
-                f"differs in {', '.join(diffs[:3])}{' and more' if len(diffs) > 3 else ''}")
-        return cls(None)
+            return cls(given_reference(choice, mine, key, say))
+        return cls(matching_reference(directory, mine, key, say))
 
     def band_at(self, iter_num):
         """ The band at an evaluated iteration, for metrics.jsonl ({} where the reference has no point). """
@@ -270,5 +282,7 @@ def dumps(ref):
     """ A reference as readable JSON: the header indented, each evaluation's point on its own lines. """
     points = ref['points']
     text = json.dumps(dict(ref, points='@POINTS@'), indent=1, ensure_ascii=False)
+    # a list of numbers (the seeds) on one line
+    text = re.sub(r'\[\n[\d\s,.]+\]', lambda m: json.dumps(json.loads(m.group(0))), text)
     lines = ',\n'.join('  ' + json.dumps(p, ensure_ascii=False) for p in points)
     return text.replace('"@POINTS@"', '[\n' + lines + '\n ]') + '\n'
