@@ -256,8 +256,7 @@ class ReferenceCheck:
             return []
         point = self.points.get(iter_num)
         if point is None:
-            return [f"reference: no point at iter {iter_num} (it has every "
-                    f"{self._interval()} iterations)"]
+            return [f"reference: no point at iter {iter_num} ({self._points_held()})"]
         mean, half = point['val']['mean'], point['val']['half_width']
         if val_loss > mean + half:
             verdict = f"above the band by {val_loss - (mean + half):.4f}"
@@ -273,9 +272,12 @@ class ReferenceCheck:
             lines.append(HINT)
         return lines
 
-    def _interval(self):
+    def _points_held(self):
+        """ Words for the iterations the curve has points at. """
         iters = sorted(self.points)
-        return iters[1] - iters[0] if len(iters) > 1 else iters[0]
+        if len(iters) > 1:
+            return f"the curve has one every {iters[1] - iters[0]} iterations, to iter {iters[-1]}"
+        return f"the curve has one at iter {iters[0]}"
 
 
 def dumps(ref):
