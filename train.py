@@ -52,6 +52,7 @@ from nanogpt_plus.init_from import (
 from nanogpt_plus.machine import choose_threads, compute_setup, device_type_of
 from nanogpt_plus.metrics import MetricsLogger, WandbSpec
 from nanogpt_plus.outputs import OutDirSpec, claim_out_dir, prepare_out_dir
+from nanogpt_plus.reference import ReferenceCheck
 from nanogpt_plus.runtime import SAME_START, provenance, run_main, same_start
 from nanogpt_plus.settings import flag, non_negative, positive
 
@@ -79,6 +80,9 @@ IO = Group(
     resume_from=Setting('', "with init_from='resume': go back to a snapshot, its iteration (2000) "
                             "or name (ckpt_2000.pt); '' = ckpt.pt"),
     auto_resume=settings.auto_resume(False),
+    reference=Setting('', "the reference curve each evaluation is compared with: '' = the one in "
+                          "config/reference/ whose data and settings match, a file of "
+                          "scripts/make_reference.py's, or 'none'"),
 )
 # in-loop evaluation (nanogpt_plus/evaluation/periodic.py; hellaswag_file's default is evaluation.HELLASWAG_FILE,
 # written out here: the evaluation code loads only when a run scores HellaSwag)
@@ -224,6 +228,8 @@ class Run:
     tokens_per_iter: int
     peak_flops: float  # the device's peak FLOP/s for MFU (rank 0 only: None on the others)
     thread_retuner: object = None  # threads.ThreadRetuner (num_threads=0 on a CPU), or None
+    # reference.ReferenceCheck: the reference curve this run's settings match (rank 0's; none: says nothing)
+    reference: object = None
 
 
 @dataclass
@@ -494,6 +500,10 @@ def setup(cfg, dist_info):
                                                           peak=master)
     # the dataset, worked out once, and its loaders: one verdict for all ranks
     data, train_loader, eval_loaders = training_data(cfg.select(DataSpec), dist_info)
+    # the reference curve its data and settings match, or a line naming the closest; a --reference
+    # file that is malformed or of other data stops every rank in one line
+    reference = distributed.every_rank(dist_info, lambda: ReferenceCheck.for_run(
+        dict(cfg), data.directory, cfg.reference, say=print if master else lambda line: None))
 
     # the model: under FSDP only rank 0 holds the full one, the others build it on the meta device
     # (no memory)
@@ -569,7 +579,8 @@ def setup(cfg, dist_info):
               eval_loaders=eval_loaders, checkpointer=checkpointer, tasks=tasks, logger=logger,
               tokenizer_meta=tokenizer_meta, bytes_per_token=bytes_per_token,
               provenance=run_provenance, grad_accum=grad_accum,
-              tokens_per_iter=tokens_per_iter, peak_flops=peak_flops, thread_retuner=thread_retuner)
+              tokens_per_iter=tokens_per_iter, peak_flops=peak_flops, thread_retuner=thread_retuner,
+              reference=reference)
     return run, state
 
 
@@ -625,9 +636,12 @@ def evaluate(run, state, lr, poll=None):
         print(
             f"step {state.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
         )
+        # then, where a reference curve matches, whether the val loss is within its band
+        for line in run.reference.after_eval(state.iter_num, losses['val']):
+            print(line)
         run.logger.log({'type': 'eval', 'iter': state.iter_num, 'train_loss': losses['train'],
-                        'val_loss': losses['val'], **bits_per_byte(losses, run.bytes_per_token),
-                        'lr': lr})
+                        'val_loss': losses['val'], **run.reference.band_at(state.iter_num),
+                        **bits_per_byte(losses, run.bytes_per_token), 'lr': lr})
     if not math.isfinite(losses['val']):
         failure = non_finite_loss(losses['val'], state.iter_num, run.checkpointer.path())
         distributed.fail_everywhere(failure, run.dist_info)

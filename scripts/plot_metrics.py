@@ -5,7 +5,8 @@ second axis beside the losses), and the learning rate. --bpb draws bits per byte
 which doesn't depend on the tokenizer, so runs with different ones (a character model, a GPT-2 BPE one)
 share the axis; --compare adds other runs to the same axes, each run in one colour on every panel, named by
 its out_dir's name (or as much of its path as tells it from the others). --x chooses the horizontal axis:
-iterations, the run's wall time, or the tokens trained on.
+iterations, the run's wall time, or the tokens trained on. Where the run matched a reference curve
+(config/reference/), its band is shaded under the val curve.
 
 Usage:
 $ python scripts/plot_metrics.py --out_dir=out-shakespeare-char-cpu   # writes its metrics.png
@@ -49,6 +50,9 @@ STYLES = {
     'val (eval)': dict(ls='-', marker='o', ms=4, lw=1.8),
     'hellaswag acc_norm (right axis)': dict(ls=':', marker='s', ms=4, lw=1.2),
 }
+# the reference curve's band (train.py logs it beside each val loss when a reference matches), under the curves
+BAND = 'reference band (val)'
+BAND_STYLE = dict(alpha=0.18, lw=0)
 
 
 # the records plotted: iterations, evaluations, in-loop HellaSwag scores
@@ -81,8 +85,17 @@ def in_bits_per_byte(path, iters, evals):
     per_token = [r for r in records if r.get('type') == 'bytes_per_token' and r.get('train')]
     divisor = math.log(2) * per_token[-1]['train'] if per_token else None
     iters = [dict(r, loss=r['loss'] / divisor) for r in iters] if divisor else []
-    evals = [dict(r, train_loss=r.get('train_bpb', math.nan), val_loss=r['val_bpb']) for r in evals]
+    evals = [dict(r, train_loss=r.get('train_bpb', math.nan), val_loss=r['val_bpb'], **band_in_bits(r))
+             for r in evals]
     return iters, evals
+
+
+def band_in_bits(record):
+    """ An eval record's reference band in bits per byte (the val loss's own factor), or {} without one. """
+    if 'ref_val_low' not in record:
+        return {}
+    factor = record['val_bpb'] / record['val_loss']
+    return {k: record[k] * factor for k in ('ref_val_low', 'ref_val_high', 'ref_val_mean')}
 
 
 def run_names(paths):
@@ -211,6 +224,11 @@ def plot_run(axes, run, color, scale):
     if iters:
         draw(ax_loss, iters, 'loss', 'train (per iter)')
         draw(ax_lr, iters, 'lr', 'learning rate')
+    banded = [r for r in evals if 'ref_val_low' in r]
+    if banded:
+        # under the curves: the band of the reference curve the run matched, at its evaluations
+        ax_loss.fill_between([r['x'] / scale for r in banded], [r['ref_val_low'] for r in banded],
+                             [r['ref_val_high'] for r in banded], color=color, zorder=0, **BAND_STYLE)
     if evals:
         draw(ax_loss, evals, 'train_loss', 'train (eval)')
         draw(ax_loss, evals, 'val_loss', 'val (eval)')
@@ -228,6 +246,7 @@ def figure(paths, bpb=False, x='iter'):
     matplotlib.use('Agg')  # no display needed
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
     from matplotlib.ticker import FuncFormatter
     names = run_names(paths)
     runs, counts = [], None
@@ -268,6 +287,8 @@ def figure(paths, bpb=False, x='iter'):
     kinds = [k for k in STYLES if ax_hellaswag is not None or not k.startswith('hellaswag')]
     handles += [Line2D([], [], color='0.3', label=f"{k.replace(' (per iter)', ' loss (per iter)')}",
                        **{**STYLES[k], 'alpha': 1}) for k in kinds]
+    if any('ref_val_low' in r for _, _, evals, _ in runs for r in evals):
+        handles.append(Patch(color='0.3', label=BAND, **BAND_STYLE))
     fig.legend(handles=handles, loc='outside right upper', frameon=False)
     return fig, counts
 

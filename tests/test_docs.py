@@ -83,6 +83,9 @@ CORE_BUNDLE = "needs DCLM's eval bundle (a download; tests/test_core.py writes a
 TWO_RUNS = "needs a character and a GPT-2 BPE training run (tests/test_plot_metrics.py plots two on one axis)"
 
 
+REFERENCE = "trains a config once per seed: an hour of CPU (tests/test_make_reference.py makes a small curve)"
+
+
 NODE_RUN = ('torchrun --nnodes=2 --nproc_per_node=8 --node_rank={} --master_addr=10.0.0.1 '
             '--master_port=29500 train.py config/train_gpt2.py')
 
@@ -131,6 +134,7 @@ SKIP = {
     'python data/fineweb/prepare.py --streaming=True --max_tokens=1000000000': HUB,
     'python data/fineweb/prepare.py --dataset=HuggingFaceFW/fineweb --name=sample-10BT '
     '--prefix=fineweb --out_dir=data/fineweb_classic': HUB,
+    'python scripts/make_reference.py --config=config/my_config.py --seeds=5 --dataset=data/my_data': REFERENCE,
     'python bench.py': OWT,
     'python bench.py --profile=True': OWT,
     'python bench.py --activation_checkpointing=True': OWT,

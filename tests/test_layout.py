@@ -234,7 +234,7 @@ def test_no_long_line_ends_in_a_comment():
 # (no tokenizer: each split's bytes per token, for the bits per byte, are the ones its prepare.py recorded)
 DEFAULT_PATH = {'errors', 'settings', 'runtime', 'signals', 'distributed', 'machine', 'files',
                 'dataset', 'dataloader', 'checkpoint', 'init_from', 'outputs', 'optimizer', 'metrics',
-                'progress'}
+                'progress', 'reference'}
 
 
 @pytest.fixture(scope='module')

@@ -181,3 +181,43 @@ def test_plot_time_of_a_run_without_times_is_one_line(tmp_path, monkeypatch, cap
     with pytest.raises(SystemExit) as e:
         runpy.run_path(os.path.join(REPO, 'scripts', 'plot_metrics.py'), run_name='__main__')
     assert e.value.code == 2 and "x must be 'iter', 'time' or 'tokens', got 'days'" in capsys.readouterr().err
+
+
+# --- the reference curve's band (train.py logs it beside each val loss when a reference matches)
+
+def png_size(path):
+    """ (width, height) from a PNG's IHDR chunk. """
+    data = open(path, 'rb').read(24)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b'IHDR'
+    return int.from_bytes(data[16:20], 'big'), int.from_bytes(data[20:24], 'big')
+
+
+def test_plot_draws_the_reference_band_under_the_val_curve(tmp_path):
+    path = tmp_path / 'banded' / 'metrics.jsonl'
+    banded = [dict(evaluation(it, it, 1, loss=4.0 - it / 100), ref_val_mean=4.1 - it / 100,
+                   ref_val_low=4.0 - it / 100, ref_val_high=4.2 - it / 100, val_bpb=1.0, train_bpb=1.0)
+              for it in (0, 100, 200)]
+    write_records(path, [start(0, 1), iteration(0, 100, 0.1, 100, 1), *banded])
+    main = runpy.run_path(os.path.join(REPO, 'scripts', 'plot_metrics.py'))
+    png = tmp_path / 'band.png'
+    assert main['plot'](str(path), str(png)) == (1, 3, 0)
+    assert png_size(png) == (1000, 700)  # figsize 10 x 7 at 100 dpi
+    fig, _ = main['figure']([str(path)])
+    (legend,) = fig.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert 'val (eval)' in labels and labels[-1] == 'reference band (val)'
+    # the band: one shaded area on the loss panel, from the low to the high edge at each evaluation, under the curves
+    (band,) = fig.axes[0].collections
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert min(ys) == pytest.approx(2.0) and max(ys) == pytest.approx(4.2)
+    assert band.get_zorder() < min(line.get_zorder() for line in fig.axes[0].get_lines())
+    # in bits per byte the band takes the val loss's own factor (here 1 / val_loss)
+    fig, _ = main['figure']([str(path)], bpb=True)
+    ys = fig.axes[0].collections[0].get_paths()[0].vertices[:, 1]
+    assert max(ys) == pytest.approx(max((4.2 - d) / (4.1 - d) for d in (0, 1, 2)))
+    # a run without a band: no shaded area, no legend entry
+    plain = tmp_path / 'plain' / 'metrics.jsonl'
+    write_records(plain, [start(0, 1), iteration(0, 100, 0.1, 100, 1), evaluation(0, 0.2, 1)])
+    fig, _ = main['figure']([str(plain)])
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert not fig.axes[0].collections and 'reference band (val)' not in labels
