@@ -131,7 +131,8 @@ class AtomicOutputs:
             for tmp, final in self.pending:
                 self.writing = final
                 os.replace(tmp, final)
-                published(final)
+                if TEMP_MARK not in os.path.dirname(final):  # (inside atomic_directory's temp: not yet)
+                    published(final)
             self.pending = []
             for path in self.outdated:
                 if os.path.isfile(path):
@@ -224,6 +225,8 @@ def atomic_directory(final, whole=True, outdated=()):
                     if not os.path.lexists(os.path.join(tmp, name)) and \
                             os.path.isfile(os.path.join(final, name)):
                         os.remove(os.path.join(final, name))
+            # (a stop from here on says what is in place: the directory, not the files it was built of)
+            published(final)
         _fsync_dir(os.path.dirname(final))
         if os.path.lexists(aside):
             # the earlier output, no longer named
