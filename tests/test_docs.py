@@ -94,6 +94,7 @@ SKIP = {
     'python -m venv .venv': INSTALL,
     'pip install torch==2.13.0': INSTALL,
     'pip install -e ".[dev]"': INSTALL,
+    'pip install -e .': INSTALL,
     'python -m pytest -v': SUITE,
     'python -m pytest -v --runslow': SUITE,
     'ruff check .': SUITE,
