@@ -131,7 +131,8 @@ class AtomicOutputs:
             for tmp, final in self.pending:
                 self.writing = final
                 os.replace(tmp, final)
-                if TEMP_MARK not in os.path.dirname(final):  # (inside atomic_directory's temp: not yet)
+                # (a file inside atomic_directory's temp is not in place yet: its directory is, later)
+                if TEMP_MARK not in os.path.dirname(final):
                     published(final)
             self.pending = []
             for path in self.outdated:
