@@ -29,7 +29,7 @@ import os
 
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus import settings
-from nanogpt_plus.gguf_export import GGUF_TYPES, check_architecture, check_gguf_type, export_gguf, exported_here
+from nanogpt_plus.gguf_export import GGUF_TYPES, check_architecture, export_gguf, exported_here
 from nanogpt_plus.init_from import describe_source, init_model
 from nanogpt_plus.outputs import check_output
 from nanogpt_plus.runtime import run_main
@@ -59,7 +59,6 @@ DEFAULTS = Schema(IO, EXPORT)
 def main():
     cfg = configure(DEFAULTS, doc=__doc__)
     DEFAULTS.check(cfg)
-    check_gguf_type(cfg.gguf_type)
     gguf_file = cfg.gguf_file or os.path.join(cfg.out_dir, f'model-{cfg.gguf_type}.gguf')
     # before the model is loaded: a new file or an earlier export of ours, never a checkpoint, a dataset's
     # file, the model read, another GGUF file or a file in a live run's out_dir
