@@ -80,6 +80,7 @@ ADAMW = Group(
     muon_lr=settings.muon_lr(0.02),
     muon_momentum=settings.muon_momentum(0.95),
     muon_weight_decay=settings.muon_weight_decay(0.0),
+    muon_ns_steps=settings.muon_ns_steps(5),
 )
 BENCH = Group(
     'what bench.py measures',

@@ -133,7 +133,7 @@ class MuonWithAdamW:
     """
 
     def __init__(self, model, adamw, learning_rate, muon_lr, momentum, muon_weight_decay,
-                 float32_ns=False):
+                 ns_steps=5, float32_ns=False):
         hidden = [p for n, p in model.named_parameters()
                   if p.requires_grad and p.dim() == 2 and n.startswith('transformer.h.')]
         hidden_ids = {id(p) for p in hidden}
@@ -147,7 +147,8 @@ class MuonWithAdamW:
         }],
                                      lr=muon_lr,
                                      momentum=momentum,
-                                     weight_decay=muon_weight_decay)
+                                     weight_decay=muon_weight_decay,
+                                     ns_steps=ns_steps)
         self.adamw = adamw(params=rest)
         # what state_dict holds, and load_optimizer_state loads
         self.parts = {'muon': self.muon, 'adamw': self.adamw}

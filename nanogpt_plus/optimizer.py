@@ -98,6 +98,7 @@ class MuonSpec:
     muon_lr: float
     muon_momentum: float
     muon_weight_decay: float
+    muon_ns_steps: int = 5
 
 
 def make_optimizer(model, adamw, device_type, muon=None, fused=None):
@@ -113,7 +114,8 @@ def make_optimizer(model, adamw, device_type, muon=None, fused=None):
         return make_adamw()
     from nanogpt_plus.muon import MuonWithAdamW  # only runs with optimizer='muon' import it
     return MuonWithAdamW(model, make_adamw, adamw.learning_rate, muon.muon_lr, muon.muon_momentum,
-                         muon.muon_weight_decay, float32_ns=device_type == 'cpu')
+                         muon.muon_weight_decay, ns_steps=muon.muon_ns_steps,
+                         float32_ns=device_type == 'cpu')
 
 
 def apply_settings(optimizer, adamw, muon=None, master=True):
@@ -145,6 +147,7 @@ def apply_settings(optimizer, adamw, muon=None, master=True):
         for group in optimizer.parts['muon'].param_groups:
             put(group, 'momentum', muon.muon_momentum, 'muon_momentum')
             put(group, 'weight_decay', muon.muon_weight_decay, 'muon_weight_decay')
+            put(group, 'ns_steps', muon.muon_ns_steps, 'muon_ns_steps')
             put(group, 'lr_ratio', muon.muon_lr / adamw.learning_rate, 'muon_lr / learning_rate')
     if changed and master:
         print("resuming with this run's optimizer settings: " + ", ".join(

@@ -54,7 +54,7 @@ SHAPING = {
     'schedule': ('learning_rate', 'min_lr', 'warmup_iters', 'lr_decay_iters', 'decay_lr', 'lr_schedule',
                  'cooldown_frac'),
     'optimizer': ('optimizer', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'muon_lr', 'muon_momentum',
-                  'muon_weight_decay'),
+                  'muon_weight_decay', 'muon_ns_steps'),
     'start': ('init',),
 }
 

@@ -109,6 +109,8 @@ muon_momentum = Shared(float, "optimizer='muon': Muon's (Nesterov) "
                               "momentum", low=0.0, high=1.0, high_open=True)
 muon_weight_decay = Shared(float, "optimizer='muon': Muon's decoupled weight decay (p -= lr * wd * "
                                   "p)", low=0)
+muon_ns_steps = Shared(int, "optimizer='muon': Newton-Schulz steps per orthogonalisation (PyTorch's "
+                            "5; fewer are cheaper and leave the singular values further from 1)", low=1, high=10)
 
 # learning rate decay: train.py, finetune.py
 decay_lr = Shared(bool, "linear warmup, then the lr_schedule's decay to min_lr; False: "
