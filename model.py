@@ -319,6 +319,7 @@ class GPT(nn.Module):
         self.init_weights()
         # recompute the Blocks in the backward pass: set_activation_checkpointing
         self.activation_checkpointing = False
+        self.loss_chunk = 0  # set_chunked_loss
 
         # report number of parameters (meta-device models are built only to count, stay quiet)
         if self.lm_head.weight.device.type != 'meta':
@@ -409,6 +410,17 @@ class GPT(nn.Module):
         """
         self.activation_checkpointing = bool(enabled)
 
+    def set_chunked_loss(self, rows):
+        """
+        rows > 0: a forward with targets computes the head and the loss `rows` positions at a time
+        (chunked_cross_entropy), so the (positions, vocab_size) logits are never made whole, and
+        returns no logits (None). 0: the logits, then F.cross_entropy. The same loss and gradients up
+        to float rounding. A run-time switch like set_attention: with GPT-2's 50,304 tokens on a CPU
+        the whole logits' memory traffic is a third of a small model's step (train.py turns it on).
+        A model with a soft cap keeps the plain path.
+        """
+        self.loss_chunk = int(rows)
+
     def embed(self, idx, pos0=0):
         """
         Token + position embeddings (after dropout) of the tokens idx (B, T) at positions
@@ -457,6 +469,10 @@ class GPT(nn.Module):
             # indexing with the list [-1] keeps the time dimension; lm_head runs for one position
             # only
             return self.head(x[:, [-1], :]), None
+        if targets is not None and self.loss_chunk and not self.config.logit_softcap:
+            loss = chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight,
+                                         targets.reshape(-1), self.loss_chunk)
+            return None, loss
         logits = self.head(x)
         if targets is None:
             return logits, None
@@ -699,6 +715,61 @@ _HF_CONV1D = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'ml
 # the modern options GPT2LMHeadModel computes too (ReLU^2 as its activation, an untied head); the
 # others need our own code in an export (nanogpt_plus/hf_modeling.py)
 GPT2_HOLDS = ('mlp_act', 'tie_embeddings')
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """
+    F.cross_entropy(x @ weight.T, targets, ignore_index=-1), mean over the targets that aren't -1,
+    computed `chunk` rows at a time. The gradients are taken in the forward, while a chunk's logits
+    are in cache: d loss / d logits = (softmax - one_hot) / count, made in place of the logits,
+    then multiplied out into the gradients of x and weight; backward only scales them.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunk):
+        valid = targets != -1
+        count = valid.sum()
+        safe_targets = targets.clamp(min=0)[:, None]  # -1 rows: any index, their terms are zeroed
+        grad_x = torch.empty_like(x)
+        grad_weight = torch.zeros_like(weight)
+        total = x.new_zeros(())
+        for start in range(0, x.size(0), chunk):
+            rows = slice(start, start + chunk)
+            logits = x[rows] @ weight.T
+            lse = torch.logsumexp(logits, dim=1)
+            picked = logits.gather(1, safe_targets[rows])[:, 0]
+            total += ((lse - picked) * valid[rows]).sum()
+            # softmax - one_hot, in place, each row scaled by 1/count (0 for an ignored row)
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad.scatter_add_(1, safe_targets[rows], grad.new_full(safe_targets[rows].shape, -1.0))
+            grad.mul_((valid[rows] / count)[:, None])
+            grad_x[rows] = grad @ weight
+            grad_weight.addmm_(grad.T, x[rows])
+        ctx.save_for_backward(grad_x, grad_weight)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_weight = ctx.saved_tensors
+        return grad_x * grad_loss, grad_weight * grad_loss, None, None
+
+
+def chunked_cross_entropy(x, weight, targets, chunk):
+    """
+    The mean cross-entropy of the logits x @ weight.T (x: (N, n_embd), targets: (N,), -1 ignored)
+    without making the (N, vocab) logits whole: ChunkedCrossEntropy where a gradient is needed,
+    else only each chunk's log-sum-exp.
+    """
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return ChunkedCrossEntropy.apply(x, weight, targets, chunk)
+    valid = targets != -1
+    total = x.new_zeros(())
+    for start in range(0, x.size(0), chunk):
+        rows = slice(start, start + chunk)
+        logits = x[rows] @ weight.T
+        picked = logits.gather(1, targets[rows].clamp(min=0)[:, None])[:, 0]
+        total += ((torch.logsumexp(logits, dim=1) - picked) * valid[rows]).sum()
+    return total / valid.sum()
 
 
 def hf_activation(config):

@@ -1172,3 +1172,52 @@ def test_activation_checkpointing_gives_the_plain_gradients():
     model.eval()
     with torch.no_grad():  # evaluation never recomputes (nothing to save memory on)
         torch.testing.assert_close(model(x, y)[1], GPT.forward(model, x, y)[1])
+
+
+# -----------------------------------------------------------------------------
+# the loss a chunk of positions at a time (GPT.set_chunked_loss): train.py's path for a large vocabulary on the CPU
+
+@pytest.mark.parametrize('chunk', [1, 7, 64, 1000])
+def test_the_chunked_loss_gives_the_plain_loss_and_gradients(chunk):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=1000, dropout=0.0))
+    x, y = torch.randint(0, 1000, (2, 3, 16))
+    y[0, :5] = -1  # ignored targets, as finetune.py's prompts
+    _, plain = model(x, y)
+    plain.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model.set_chunked_loss(chunk)
+    logits, loss = model(x, y)
+    loss.backward()
+    assert logits is None
+    assert_close(loss, plain, rtol=1e-6, atol=1e-6)
+    for name, p in model.named_parameters():  # the tied wte/lm_head included
+        assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    with torch.no_grad():  # an evaluation: only the log-sum-exp of each chunk
+        assert_close(model(x, y)[1], plain, rtol=1e-6, atol=1e-6)
+
+
+def test_a_soft_capped_model_keeps_the_plain_loss_when_chunked():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=1000, logit_softcap=15.0))
+    x, y = torch.randint(0, 1000, (2, 2, 16))
+    model.set_chunked_loss(8)
+    logits, loss = model(x, y)
+    assert logits.shape == (2, 16, 1000)
+    assert_close(loss, F.cross_entropy(logits.view(-1, 1000), y.view(-1)))
+
+
+@pytest.mark.parametrize('vocab_size, device_type, dtype, compiled, fsdp, chunked', [
+    (50304, 'cpu', 'float32', False, False, True),
+    (8192, 'cpu', 'float32', False, False, True),
+    (65, 'cpu', 'float32', False, False, False),  # the character model: nothing to gain
+    (50304, 'cuda', 'float32', False, False, False),
+    (50304, 'cpu', 'bfloat16', False, False, False),
+    (50304, 'cpu', 'float32', True, False, False),
+    (50304, 'cpu', 'float32', False, True, False),
+])
+def test_train_chunks_the_loss_of_a_large_vocabulary_on_the_cpu_only(vocab_size, device_type, dtype, compiled, fsdp,
+                                                                     chunked):
+    config = GPTConfig(vocab_size=vocab_size)
+    assert train.chunk_the_loss(config, device_type, dtype, compiled, fsdp) is chunked
