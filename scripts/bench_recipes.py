@@ -11,6 +11,19 @@ machine load hits them alike, and the figures are medians over the rounds (the w
 ratio: the median of each round's pair).
 
 Modes:
+  laptop    the laptop speedrun, the default: nanoGPT's laptop run against config/train_shakespeare_char_fast.py
+            (char) and, at GPT-2's vocabulary, nanoGPT's laptop run for 600 iterations against
+            config/train_shakespeare_fast.py (bpe), as whole processes on the text of --text, with 0, 1 and 2
+            other processes keeping cores busy (--busy_loops: a Python busy loop each). Every process picks
+            its own thread count, as a user's would (nanoGPT: torch's default, a thread per core; ours:
+            train.py's num_threads=0). For each load the two alternate for `rounds` rounds; each final
+            checkpoint is scored by eval.py --task=loss on the whole val split, with the loops stopped.
+            Prints each one's wall time and loss, the ratio (ours / nanoGPT's, the median of each round's
+            pair) and whether ours reached nanoGPT's loss. nanoGPT itself runs from --nanogpt_dir (a checkout
+            of karpathy/nanoGPT: its train.py, model.py, configurator.py and config/, on datasets this script
+            prepares); without one, this project's train.py runs nanoGPT's recipe
+            (config/train_shakespeare_char_cpu.py) on a thread per core, number for number the same training
+            but not nanoGPT's own code.
   compare   nanoGPT's laptop run (config/train_shakespeare_char_cpu.py) vs config/train_shakespeare_char_fast.py:
             the curve of each, the baseline's final loss, when the fast recipe first reaches it, and the ratio
             of that time to the baseline's whole run (the issue's goal: <= 0.5).
@@ -35,7 +48,9 @@ Modes:
             to its run): median ms/iter, median MFU, wall time and the final loss on the whole val shard.
 
 Usage:
-$ python scripts/bench_recipes.py                                  # compare, 1 round
+$ python scripts/bench_recipes.py --nanogpt_dir=../nanoGPT --text=input.txt   # laptop: ~40 min on 2 cores
+$ python scripts/bench_recipes.py --recipes=char --busy_loops=0            # the character model, quiet only
+$ python scripts/bench_recipes.py --mode=compare                          # curves of nanoGPT's recipe vs ours
 $ python scripts/bench_recipes.py --mode=ablation
 $ python scripts/bench_recipes.py --mode=fineweb --rounds=1
 $ python data/shakespeare/prepare.py && python scripts/bench_recipes.py --mode=bpe
@@ -49,10 +64,14 @@ from nanogpt_plus.signals import early_exit_request
 
 early_exit_request(__name__, resumable=False)
 
+import contextlib
 import glob
 import json
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import sysconfig
 import time
@@ -61,6 +80,7 @@ import time
 from benchtools import cpu_model, run_checked, work_directory, write_jsonl_corpus
 from configurator import Group, Schema, Setting, configure
 from nanogpt_plus.checkpoint import CHECKPOINT, sidecar_of, snapshots
+from nanogpt_plus.errors import UserError
 from nanogpt_plus.metrics import read_metrics
 from nanogpt_plus.runtime import run_main
 
@@ -68,8 +88,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULTS = Schema(Group(
     'benchmark',
-    mode=Setting('compare', "'compare', 'ablation', 'bpe', 'fineweb', 'muon' or 'speedrun' (see above)",
-                 choices=('compare', 'ablation', 'bpe', 'fineweb', 'muon', 'speedrun')),
+    mode=Setting('laptop', "'laptop', 'compare', 'ablation', 'bpe', 'fineweb', 'muon' or 'speedrun' (see above)",
+                 choices=('laptop', 'compare', 'ablation', 'bpe', 'fineweb', 'muon', 'speedrun')),
+    nanogpt_dir=Setting('', "laptop: a checkout of karpathy/nanoGPT to run as the baseline; '' = its recipe "
+                            "in this project's train.py"),
+    text=Setting('', "laptop: the text to train on, prepared for both recipes ('' = data/shakespeare_char's "
+                     "input.txt, as data/shakespeare_char/prepare.py fetched or made it)"),
+    recipes=Setting('char,bpe', "laptop: which of 'char' and 'bpe' to run, comma-separated", not_empty=True),
+    busy_loops=Setting('0,1,2', "laptop: the loads, as how many busy loops run beside the training, "
+                                "comma-separated", not_empty=True),
     profile_steps=Setting(30, "muon: the timed steps of each part", low=3),
     speedrun_iters=Setting(900, "speedrun: the GPT-2 recipe's steps (the speedrun's: a third)", low=6),
     device=Setting('cuda', "speedrun: the device of both runs", not_empty=True),
@@ -373,6 +400,142 @@ def speedrun(work, cfg, data):
           f"({finals['speedrun']:.4f} vs {finals['gpt2']:.4f})")
 
 
+# nanoGPT's laptop command (its README's CPU line), and the same at GPT-2's vocabulary for 600 iterations; the
+# stand-in without a checkout: that recipe in this train.py (config/train_shakespeare_char_cpu.py)
+NANOGPT_LAPTOP = ['config/train_shakespeare_char.py', '--device=cpu', '--compile=False', '--eval_iters=20',
+                  '--log_interval=1', '--block_size=64', '--batch_size=12', '--n_layer=4', '--n_head=4',
+                  '--n_embd=128', '--max_iters=2000', '--lr_decay_iters=2000', '--dropout=0.0']
+NANOGPT_BPE = ['--dataset=shakespeare', '--max_iters=600', '--lr_decay_iters=600']
+# recipe: (the dataset's name under data/, its prepare.py, our config, nanoGPT's extra arguments)
+LAPTOP = {
+    'char': ('shakespeare_char', 'data/shakespeare_char/prepare.py', FAST, []),
+    'bpe': ('shakespeare', 'data/shakespeare/prepare.py', 'config/train_shakespeare_fast.py', NANOGPT_BPE),
+}
+BUSY_LOOP = 'while True: pass'
+
+
+@contextlib.contextmanager
+def busy_loops(n):
+    """ n Python processes spinning for as long as the block runs: the load of the 'laptop' mode. """
+    loops = [subprocess.Popen([sys.executable, '-c', BUSY_LOOP]) for _ in range(n)]
+    try:
+        yield loops
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+def laptop_datasets(work, text):
+    """ Both recipes' datasets of the text, in work/data/<name> (nanoGPT's layout), by our prepare.py scripts. """
+    text = text or os.path.join(REPO, 'data', 'shakespeare_char', 'input.txt')
+    if not os.path.isfile(text):
+        raise UserError(f"no text at {text}: run python data/shakespeare_char/prepare.py first, or pass --text")
+    for name, prepare, _, _ in LAPTOP.values():
+        run_checked([sys.executable, prepare, f'--input={os.path.abspath(text)}',
+                     f'--out_dir={os.path.join(work, "data", name)}', '--overwrite=True'], prepare, cwd=REPO)
+    print(f"text: {text}, prepared for both recipes in {os.path.join(work, 'data')}", flush=True)
+
+
+def nanogpt_checkout(work, nanogpt_dir):
+    """ nanoGPT's training code in work/nanogpt, its data/ the prepared datasets; the directory, or None. """
+    if not nanogpt_dir:
+        return None
+    here = os.path.join(work, 'nanogpt')
+    os.makedirs(here, exist_ok=True)
+    for name in ('train.py', 'model.py', 'configurator.py', 'config'):
+        source = os.path.join(nanogpt_dir, name)
+        if not os.path.exists(source):
+            raise UserError(f"--nanogpt_dir={nanogpt_dir} has no {name}: pass a checkout of karpathy/nanoGPT")
+        target = os.path.join(here, name)
+        if os.path.isdir(source):
+            shutil.copytree(source, target, dirs_exist_ok=True)
+        else:
+            shutil.copy(source, target)
+    if not os.path.exists(os.path.join(here, 'data')):
+        os.symlink(os.path.join(work, 'data'), os.path.join(here, 'data'))
+    return here
+
+
+def laptop_commands(work, recipe, nanogpt, out):
+    """ {'nanogpt': (cmd, cwd), 'ours': (cmd, cwd)} of one recipe, each writing into out + its name. """
+    name, _, config, extra = LAPTOP[recipe]
+    data = os.path.join(work, 'data', name)
+    if nanogpt:
+        base = ([sys.executable, 'train.py', *NANOGPT_LAPTOP, *extra, f'--out_dir={out}_nanogpt'], nanogpt)
+    else:  # nanoGPT's recipe in this train.py, on a thread per core as nanoGPT's (torch's default)
+        base = ([sys.executable, 'train.py', BASELINE, *extra, f'--dataset={data}', f'--out_dir={out}_nanogpt',
+                 '--overwrite=True', f'--num_threads={os.cpu_count()}'], REPO)
+    ours = ([sys.executable, 'train.py', config, f'--dataset={data}', f'--out_dir={out}_ours', '--overwrite=True'],
+            REPO)
+    return {'nanogpt': base, 'ours': ours}
+
+
+def timed_run(cmd, cwd, what):
+    """ One whole training process; (seconds, the thread-count lines it printed). """
+    # no thread count from this process's environment: each picks its own, as a user's run would
+    env = {k: v for k, v in os.environ.items() if k not in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS')}
+    start = time.perf_counter()
+    out = run_checked(cmd, what, cwd=cwd, env=env)
+    seconds = time.perf_counter() - start
+    return seconds, re.findall(r'^using (\d+) CPU threads', out, re.M)
+
+
+def laptop_loss(work, out_dir, val_file, num_threads):
+    """
+    The final checkpoint's loss on the whole val split. Run in work, whose data/ holds the datasets: a nanoGPT
+    checkpoint names its dataset only by name (its vocabulary is read from data/<name>/meta.pkl, as nanoGPT's
+    sample.py reads it).
+    """
+    env = dict(os.environ, OMP_NUM_THREADS=str(num_threads))
+    checkpoint = os.path.join(out_dir, CHECKPOINT)
+    out = run_checked([sys.executable, os.path.join(REPO, 'eval.py'), f'--init_from={checkpoint}', '--task=loss',
+                       f'--data_file={val_file}', f'--num_threads={num_threads}'], f"eval.py on {out_dir}",
+                      cwd=work, env=env)
+    return json.loads(out.strip().splitlines()[-1])['metrics']['loss']
+
+
+def load_name(n):
+    return 'quiet' if n == 0 else f"{n} busy loop{'s' if n > 1 else ''}"
+
+
+def laptop(work, cfg):
+    """ The 'laptop' mode (the module docstring): per recipe and load, nanoGPT and ours alternating. """
+    recipes = [r.strip() for r in cfg.recipes.split(',')]
+    loads = [int(n) for n in cfg.busy_loops.split(',')]
+    if not set(recipes) <= set(LAPTOP) or min(loads) < 0:
+        raise UserError(f"--recipes takes 'char' and/or 'bpe', --busy_loops counts >= 0; got "
+                        f"--recipes={cfg.recipes} --busy_loops={cfg.busy_loops}")
+    laptop_datasets(work, cfg.text)
+    nanogpt = nanogpt_checkout(work, cfg.nanogpt_dir)
+    print(f"baseline: {'nanoGPT from ' + cfg.nanogpt_dir if nanogpt else 'nanoGPT recipe in this train.py'}")
+    rows = []
+    for recipe in recipes:
+        val_file = os.path.join(work, 'data', LAPTOP[recipe][0], 'val.bin')
+        for n in loads:
+            runs = {'nanogpt': [], 'ours': []}
+            for r in range(cfg.rounds):
+                out = os.path.join(work, f"{recipe}_{n}busy_{r}")
+                commands = laptop_commands(work, recipe, nanogpt, out)
+                with busy_loops(n):
+                    for who, (cmd, cwd) in commands.items():
+                        seconds, threads = timed_run(cmd, cwd, f"{who}'s {recipe} run")
+                        runs[who].append((seconds, f"{out}_{who}", threads))
+                        print(f"  {recipe}, {load_name(n)}, round {r}: {who} {seconds:.1f} s"
+                              + (f" (threads: {' -> '.join(threads)})" if threads else ""), flush=True)
+            # scored with the loops stopped: the loss doesn't depend on the load
+            losses = {who: [laptop_loss(work, out_dir, val_file, cfg.num_threads) for _, out_dir, _ in done]
+                      for who, done in runs.items()}
+            ratios = [b[0] / a[0] for a, b in zip(runs['nanogpt'], runs['ours'])]
+            rows.append((recipe, load_name(n), *(statistics.median(s for s, _, _ in runs[w]) for w in runs),
+                         *(statistics.median(losses[w]) for w in runs), statistics.median(ratios)))
+    print(f"\n{'recipe':6s} {'load':14s} {'nanoGPT s':>9s} {'loss':>7s} {'ours s':>7s} {'loss':>7s} {'ratio':>7s}")
+    for recipe, load, base_s, ours_s, base_loss, ours_loss, ratio in rows:
+        reached = "reached" if ours_loss <= base_loss else "NOT reached"
+        print(f"{recipe:6s} {load:14s} {base_s:9.1f} {base_loss:7.4f} {ours_s:7.1f} {ours_loss:7.4f} "
+              f"{ratio:6.3f}x  nanoGPT's loss {reached}")
+
+
 def main(argv=None):
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     DEFAULTS.check(cfg)
@@ -380,7 +543,9 @@ def main(argv=None):
     if cfg.mode == 'muon':
         return muon_profile(cfg)
     with work_directory(cfg.out_dir, 'bench_recipes_') as work:
-        if cfg.mode == 'compare':
+        if cfg.mode == 'laptop':
+            laptop(work, cfg)
+        elif cfg.mode == 'compare':
             compare(work, cfg, {'nanogpt': [], 'fast': []}, {'nanogpt': BASELINE, 'fast': FAST}.get)
         elif cfg.mode == 'ablation':
             ablation(work, cfg)
