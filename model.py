@@ -736,13 +736,18 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, x.size(0), chunk):
             rows = slice(start, start + chunk)
             logits = x[rows] @ weight.T
-            lse = torch.logsumexp(logits, dim=1)
             picked = logits.gather(1, safe_targets[rows])[:, 0]
+            # the softmax in place of the logits, one pass for the exponentials (logsumexp would
+            # make its own)
+            top = logits.amax(dim=1, keepdim=True)
+            grad = logits.sub_(top).exp_()
+            sums = grad.sum(dim=1)
+            lse = top[:, 0] + sums.log()
             total += ((lse - picked) * valid[rows]).sum()
-            # softmax - one_hot, in place, each row scaled by 1/count (0 for an ignored row)
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad.scatter_add_(1, safe_targets[rows], grad.new_full(safe_targets[rows].shape, -1.0))
-            grad.mul_((valid[rows] / count)[:, None])
+            # softmax - one_hot, each row scaled by 1/count (0 for an ignored row)
+            grad.mul_((valid[rows] / count / sums)[:, None])
+            scale = (valid[rows] / count)[:, None]
+            grad.scatter_add_(1, safe_targets[rows], -scale)
             grad_x[rows] = grad @ weight
             grad_weight.addmm_(grad.T, x[rows])
         ctx.save_for_backward(grad_x, grad_weight)

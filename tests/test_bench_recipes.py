@@ -9,7 +9,7 @@ import re
 import pytest
 
 from configurator import Settings
-from helpers import REPO
+from helpers import REPO, slow
 from nanogpt_plus.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -59,13 +59,18 @@ def bench_module(monkeypatch):
     return bench_recipes
 
 
-@pytest.mark.slow  # two Python processes, for a moment
+@slow
+def spinning(bench_recipes, n):
+    """ bench_recipes.busy_loops(n): n real processes, so the tests that use it are in the slow tier. """
+    return bench_recipes.busy_loops(n)
+
+
 def test_busy_loops_spin_while_the_block_runs_and_are_gone_after(monkeypatch):
     bench_recipes = bench_module(monkeypatch)
-    with bench_recipes.busy_loops(2) as loops:
+    with spinning(bench_recipes, 2) as loops:
         assert len(loops) == 2 and all(loop.poll() is None for loop in loops)
     assert all(loop.poll() is not None for loop in loops)
-    with pytest.raises(RuntimeError), bench_recipes.busy_loops(1) as loops:
+    with pytest.raises(RuntimeError), spinning(bench_recipes, 1) as loops:
         raise RuntimeError("a failed run stops the loops too")
     assert loops[0].poll() is not None
 

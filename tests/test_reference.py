@@ -181,6 +181,22 @@ def test_quick_start_on_the_offline_substitute_is_within_at_every_evaluation(off
     assert verdicts(out) == ['within', 'within'], out
 
 
+def test_the_fast_laptop_recipe_is_within_its_curve_and_ends_below_nanogpts_recipe(offline, tmp_path):
+    """ The laptop quality test: config/train_shakespeare_char_fast.py, whole (300 iterations), on the offline
+    substitute with another seed, two threads and AVX2 kernels: within its checked-in band at every evaluation,
+    and its final val loss below nanoGPT's recipe's after 2000 iterations (that curve's mean plus one standard
+    deviation of its seeds: the fast recipe's seeds end 0.018 lower on average, 1.6 of their own deviations). """
+    env = dict(os.environ, ATEN_CPU_CAPABILITY='avx2')
+    r = run_python(['train.py', 'config/train_shakespeare_char_fast.py', f'--dataset={offline}',
+                    f'--out_dir={tmp_path}', '--seed=7', '--num_threads=2'], timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "reference: comparing each evaluation with config/reference/shakespeare_char_fast.offline.json" in r.stdout
+    assert verdicts(r.stdout) == ['within'] * 3, r.stdout
+    final = [e for e in read_metrics(str(tmp_path / 'metrics.jsonl')) if e['type'] == 'eval'][-1]
+    nanogpt = json.load(open(OFFLINE_CURVE))['points'][-1]['val']
+    assert final['iter'] == 300 and final['val_loss'] < nanogpt['mean'] + nanogpt['std'], (final, nanogpt)
+
+
 def test_quick_start_with_a_learning_rate_100x_too_small_is_above_with_the_hint(offline, tmp_path):
     # on its own it matches no reference: the learning rate shapes the curve
     out = quick_start(offline, tmp_path / 'alone', '--max_iters=0', '--eval_iters=1', '--learning_rate=1e-5',
