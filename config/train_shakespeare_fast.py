@@ -1,10 +1,11 @@
 # The laptop model on GPT-2 tokens (the BPE Shakespeare of data/shakespeare/prepare.py) with the modern recipe:
 # the size, data and batch of nanoGPT's laptop run (config/train_shakespeare_char_cpu.py with
 # dataset='shakespeare', 600 iterations), trained for 165 iterations instead of 600. With GPT-2's 50,304-token
-# head most of a step is the head, so the gain has to come from fewer steps: Muon for the Blocks' matrices
-# and an 8x higher AdamW rate for what Muon doesn't take (the tied embedding/head and the gains), rotary
-# positions, QK-norm and a warmup-stable-decay schedule. The figures are in README.md ("Faster recipes") and
-# come from `python scripts/bench_recipes.py --mode=bpe`.
+# head most of a step is the head and its loss, so the gain comes from fewer steps (Muon for the Blocks'
+# matrices and an 8x higher AdamW rate for what Muon doesn't take: the tied embedding/head and the gains;
+# rotary positions, QK-norm, a warmup-stable-decay schedule) and from a cheaper step: on the CPU train.py
+# computes the loss 128 positions at a time, never the whole logits (model.py's set_chunked_loss). The figures
+# are in docs/recipes.md and come from `python scripts/bench_recipes.py`.
 #   python data/shakespeare/prepare.py && python train.py config/train_shakespeare_fast.py
 
 out_dir = 'out-shakespeare-fast'
