@@ -549,15 +549,19 @@ class ThreadRetuner:
     on shared cores the cost of too many threads is mostly rare long stalls (a thread descheduled at
     a barrier), which a median hides and throughput pays for. A candidate whose first timed
     iteration takes over 1.5x the current mean is dropped at once, so a round costs little. Feed it
-    the time of every ordinary iteration (not those that evaluated or saved a checkpoint).
+    the time of every ordinary iteration (not those that evaluated or saved a checkpoint). first:
+    the iterations before the first round (default: interval), fewer where the count in use was
+    timed on a few passes only: beside busy processes a few passes can all miss the stalls of too
+    many threads.
     """
 
-    def __init__(self, candidates, interval=250, probe=8, window=50):
+    def __init__(self, candidates, interval=250, probe=8, window=50, first=None):
         self.candidates = list(candidates)
         self.interval = interval
         self.probe = probe
         self.recent = collections.deque(maxlen=window)  # the current count's latest iteration times
-        self.since_round = 0  # ordinary iterations since the last round
+        # ordinary iterations since the last round (as if a round had ended `first` iterations ago)
+        self.since_round = interval - (interval if first is None else first)
         self.todo = []  # candidates still to time in this round; the first one is being timed
         self.times = []  # the timed iterations of todo[0]
         self.means = {}  # thread count -> mean seconds per iteration, this round
@@ -603,6 +607,13 @@ class ThreadRetuner:
         self.warmup = 1
 
 
+# train.py's first re-check of the thread count, after this many iterations: the start-up choice times 4 passes
+# of each count, and beside two busy processes 2 threads once won those 4 and then stalled for seconds at a time
+# (a laptop run took 99 s where 1 thread took 57 s); a round costs ~9 iterations at the other count, or 2 where
+# that count is hopeless
+FIRST_RECHECK = 30
+
+
 def choose_threads(model, loader, ctx, dist_info, fsdp=False):
     """
     num_threads=0 on the CPU: small models run faster on fewer threads than cores (per-op overhead
@@ -623,7 +634,7 @@ def choose_threads(model, loader, ctx, dist_info, fsdp=False):
     dist.broadcast_object_list(choice, src=0)
     threads, candidates = choice
     torch.set_num_threads(threads)
-    return ThreadRetuner(candidates) if candidates else None
+    return ThreadRetuner(candidates, first=FIRST_RECHECK) if candidates else None
 
 
 def _time_threads(model, loader, ctx, master):
@@ -634,7 +645,7 @@ def _time_threads(model, loader, ctx, master):
         return None
     if master:
         print(describe_thread_choice(threads, timings))
-    return ThreadRetuner(list(timings))  # the thread counts it timed
+    return ThreadRetuner(list(timings), first=FIRST_RECHECK)  # the thread counts it timed
 
 
 class AutoThreads:

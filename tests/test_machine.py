@@ -19,6 +19,7 @@ from model import GPT, GPTConfig
 from nanogpt_plus import machine
 from nanogpt_plus.errors import UserError
 from nanogpt_plus.machine import (
+    FIRST_RECHECK,
     ThreadRetuner,
     check_model_memory,
     cpu_peak_flops,
@@ -226,6 +227,29 @@ def test_thread_retuner_follows_the_load():
         # a single candidate never starts a round
         lone = ThreadRetuner([1], interval=1)
         assert drive_retuner(lone, speed, 5) == [] and not lone.todo
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_wrong_start_up_choice_is_corrected_at_the_first_recheck_then_every_interval():
+    """ train.py's retuner (first=FIRST_RECHECK): a start-up choice that stalls is undone after `first` iterations,
+    not after a whole interval; the rounds after it come every interval. """
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # chosen at start-up, but beside busy processes 2 threads stall
+        retuner = ThreadRetuner([2, 1], interval=250, probe=4, window=50, first=30)
+        speed = {2: 300.0, 1: 100.0}
+        assert drive_retuner(retuner, speed, 29) == [] and torch.get_num_threads() == 2
+        messages = drive_retuner(retuner, speed, 1 + (1 + 4))
+        assert torch.get_num_threads() == 1 and messages == [
+            "using 1 CPU threads instead of 2 (ms/iter: 2 threads 300.0, 1 threads 100.0)"]
+        # the machine got quiet: the next round is a whole interval later
+        speed = {2: 50.0, 1: 100.0}
+        assert drive_retuner(retuner, speed, 249) == [] and torch.get_num_threads() == 1
+        drive_retuner(retuner, speed, 1 + (1 + 4))
+        assert torch.get_num_threads() == 2
+        # train.py's retuner checks first after FIRST_RECHECK iterations
+        assert 10 <= FIRST_RECHECK <= 50
     finally:
         torch.set_num_threads(before)
 
