@@ -104,7 +104,8 @@ DEFAULTS = Schema(Group(
                         "'' = the local corpus (small: a few passes over it)"),
     rounds=Setting(1, "how many times the runs alternate", low=1),
     snapshot_every=Setting(100, "iterations between scored snapshots (the fast recipe: half of it)", low=1),
-    num_threads=Setting(2, "torch threads of every run (fixed, so the runs are comparable)", low=1),
+    num_threads=Setting(2, "torch threads of every run (fixed, so the runs are comparable); laptop: of the "
+                           "scoring only", low=1),
     out_dir=Setting('', "where the runs go ('' = a temporary directory)"),
 ))
 
@@ -478,7 +479,8 @@ def timed_run(cmd, cwd, what):
     start = time.perf_counter()
     out = run_checked(cmd, what, cwd=cwd, env=env)
     seconds = time.perf_counter() - start
-    return seconds, re.findall(r'^using (\d+) CPU threads', out, re.M)
+    # the choice at start, then each change of the re-checks ('at iter N, using ...')
+    return seconds, re.findall(r'^(?:at iter \d+, )?using (\d+) CPU threads', out, re.M)
 
 
 def laptop_loss(work, out_dir, val_file, num_threads):
@@ -529,6 +531,9 @@ def laptop(work, cfg):
             ratios = [b[0] / a[0] for a, b in zip(runs['nanogpt'], runs['ours'])]
             rows.append((recipe, load_name(n), *(statistics.median(s for s, _, _ in runs[w]) for w in runs),
                          *(statistics.median(losses[w]) for w in runs), statistics.median(ratios)))
+            # said as each load ends: a long benchmark stopped part-way keeps what it measured
+            print(f"  {recipe}, {load_name(n)}: full-val loss nanoGPT {rows[-1][4]:.4f}, ours {rows[-1][5]:.4f}; "
+                  f"ratio {rows[-1][6]:.3f}x", flush=True)
     print(f"\n{'recipe':6s} {'load':14s} {'nanoGPT s':>9s} {'loss':>7s} {'ours s':>7s} {'loss':>7s} {'ratio':>7s}")
     for recipe, load, base_s, ours_s, base_loss, ours_loss, ratio in rows:
         reached = "reached" if ours_loss <= base_loss else "NOT reached"
@@ -539,7 +544,10 @@ def laptop(work, cfg):
 def main(argv=None):
     cfg = configure(DEFAULTS, argv, doc=__doc__)
     DEFAULTS.check(cfg)
-    print(f"cpu: {cpu_model()}, {cfg.num_threads} threads")
+    if cfg.mode == 'laptop':  # every training process picks its own thread count
+        print(f"cpu: {cpu_model()}, {os.cpu_count()} cores; scoring with {cfg.num_threads} threads")
+    else:
+        print(f"cpu: {cpu_model()}, {cfg.num_threads} threads")
     if cfg.mode == 'muon':
         return muon_profile(cfg)
     with work_directory(cfg.out_dir, 'bench_recipes_') as work:

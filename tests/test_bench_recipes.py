@@ -112,6 +112,9 @@ def test_the_laptop_mode_alternates_the_two_under_each_load_and_prints_each_rati
                       *["score"] * 4]
     out = capsys.readouterr().out
     assert "char, 2 busy loops, round 0: ours 60.0 s (threads: 2 -> 1)" in out
+    # each load's losses and ratio as soon as they are scored
+    said = "char, quiet: full-val loss nanoGPT 1.8800, ours 1.8600; ratio 0.250x"
+    assert said in out and out.index(said) < out.index("char, 2 busy loops, round 0")
     table = out.split('ratio')[-1]
     assert re.search(r"char\s+quiet\s+90\.0\s+1\.8800\s+22\.5\s+1\.8600\s+0\.250x  nanoGPT's loss reached", table)
     assert re.search(r"char\s+2 busy loops\s+250\.0\s+1\.8800\s+60\.0\s+1\.8600\s+0\.250x", table)
