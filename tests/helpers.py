@@ -555,10 +555,10 @@ def modern_model(seed=0, **options):
     return randomized(GPT(modern_config(**options)), seed)
 
 
-def muon_optimizer(model, learning_rate=1e-3, muon_lr=0.02):
+def muon_optimizer(model, learning_rate=1e-3, muon_lr=0.02, ns_steps=5):
     """ What train.py builds for optimizer='muon' on the CPU (make_optimizer). """
     adamw = AdamWSpec(learning_rate=learning_rate, weight_decay=0.1, beta1=0.9, beta2=0.95)
-    muon = MuonSpec(muon_lr=muon_lr, muon_momentum=0.95, muon_weight_decay=0.0)
+    muon = MuonSpec(muon_lr=muon_lr, muon_momentum=0.95, muon_weight_decay=0.0, muon_ns_steps=ns_steps)
     opt = make_optimizer(model, adamw, 'cpu', muon=muon)
     assert isinstance(opt, MuonWithAdamW) and opt.float32_ns
     return opt

@@ -86,12 +86,15 @@ def test_orthogonalise_batches_by_shape_and_is_each_matrix_alone():
     assert same == [False, False, False, True, False, True, False], same
 
 
-def test_muon_batched_step_is_pytorchs_step():
+@pytest.mark.parametrize('ns_steps', [5, 3])
+def test_muon_batched_step_is_pytorchs_step(ns_steps):
     """ Three CPU steps of MuonWithAdamW (batched orthogonalisation) against PyTorch's own loop (float32 NS):
-    the same weights within float32 rounding, and the same state, under PyTorch's keys. """
+    the same weights within float32 rounding, and the same state, under PyTorch's keys; with PyTorch's 5
+    Newton-Schulz steps and with muon_ns_steps=3 (both loops take the group's count). """
     models = [modern_model(**ALL_OPTIONS).train() for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    opts = [muon_optimizer(m) for m in models]
+    opts = [muon_optimizer(m, ns_steps=ns_steps) for m in models]
+    assert [opt.muon.param_groups[0]['ns_steps'] for opt in opts] == [ns_steps] * 2
     idx = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
         for model in models:

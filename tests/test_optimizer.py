@@ -135,8 +135,8 @@ def test_muon_settings_given_on_resume_are_applied(dataset, tmp_path, capsys):
     run = dict(max_iters=4, eval_interval=4, num_threads=1, optimizer='muon')
     run_train(capsys, train_args(dataset, tmp_path, **run))
     run_train(capsys, train_args(dataset, tmp_path, **dict(run, max_iters=6), init_from='resume', muon_momentum=0.9,
-                                 muon_lr=0.01, muon_weight_decay=0.01))
+                                 muon_lr=0.01, muon_weight_decay=0.01, muon_ns_steps=3))
     muon = load_checkpoint(str(tmp_path / 'ckpt.pt'))['optimizer']['muon']['param_groups'][0]
-    assert muon['momentum'] == 0.9 and muon['weight_decay'] == 0.01
+    assert muon['momentum'] == 0.9 and muon['weight_decay'] == 0.01 and muon['ns_steps'] == 3
     # muon_lr / learning_rate (tests' learning_rate 1e-2)
     assert muon['lr_ratio'] == pytest.approx(0.01 / 1e-2)
