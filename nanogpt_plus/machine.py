@@ -642,7 +642,11 @@ def _time_threads(model, loader, ctx, master):
     announce = functools.partial(print, flush=True) if master else None
     threads, timings = tune_cpu_threads(model, *loader.next_batch(), ctx, announce=announce)
     if not timings:
-        return None
+        # too large to time before training (a GPT-2-vocabulary model) or nothing to choose: the running
+        # iterations are timed instead. Beside two busy loops the laptop model at GPT-2's vocabulary kept 2
+        # threads, stalled at every operation's end and took 270 s against 56 s quiet
+        candidates = thread_candidates()
+        return ThreadRetuner(candidates, first=FIRST_RECHECK) if len(candidates) > 1 else None
     if master:
         print(describe_thread_choice(threads, timings))
     return ThreadRetuner(list(timings), first=FIRST_RECHECK)  # the thread counts it timed

@@ -48,7 +48,7 @@ Modes:
             to its run): median ms/iter, median MFU, wall time and the final loss on the whole val shard.
 
 Usage:
-$ python scripts/bench_recipes.py --nanogpt_dir=../nanoGPT --text=input.txt   # laptop: ~40 min on 2 cores
+$ python scripts/bench_recipes.py --nanogpt_dir=../nanoGPT --text=input.txt   # laptop: hours on 2 cores
 $ python scripts/bench_recipes.py --recipes=char --busy_loops=0            # the character model, quiet only
 $ python scripts/bench_recipes.py --mode=compare                          # curves of nanoGPT's recipe vs ours
 $ python scripts/bench_recipes.py --mode=ablation

@@ -10,7 +10,7 @@ import torch
 import train
 from helpers import run_script, save_test_checkpoint
 from model import GPT, GPTConfig
-from nanogpt_plus import progress
+from nanogpt_plus import machine, progress
 from nanogpt_plus.distributed import DistInfo
 from nanogpt_plus.machine import choose_threads
 from nanogpt_plus.tokenizer import CharTokenizer
@@ -186,6 +186,26 @@ def test_thread_timing_is_announced_before_it_starts(capsys):
         rank1 = DistInfo(under_torchrun=False, rank=1, local_rank=1, world_size=1, device='cpu')
         choose_threads(model, loader, torch.autocast('cpu', enabled=False), rank1)
         assert capsys.readouterr().out == ""
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_model_too_large_to_time_is_rechecked_on_its_running_iterations(monkeypatch, capsys):
+    """ Past max_flops nothing is timed before training (nothing said), but the re-checks still run, the first
+    after FIRST_RECHECK iterations: on busy cores a thread per core can stall a GPT-2-vocabulary model too. """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    loader = CountingLoader()
+    loader.next_batch = lambda: (torch.zeros(2, 8, dtype=torch.long),) * 2
+    monkeypatch.setattr(machine, 'tune_cpu_threads', lambda *args, **kwargs: (2, {}))
+    model = tiny_model()
+    capsys.readouterr()
+    try:
+        retuner = choose_threads(model, loader, torch.autocast('cpu', enabled=False), SINGLE)
+        assert capsys.readouterr().out == "" and torch.get_num_threads() == 2
+        assert retuner.candidates == [2, 1] and retuner.since_round == retuner.interval - machine.FIRST_RECHECK
+        torch.set_num_threads(1)  # one candidate: nothing to re-check
+        assert choose_threads(model, loader, torch.autocast('cpu', enabled=False), SINGLE) is None
     finally:
         torch.set_num_threads(threads)
 
