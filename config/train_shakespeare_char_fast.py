@@ -6,7 +6,7 @@
 #   python train.py config/train_shakespeare_char_fast.py
 
 out_dir = 'out-shakespeare-char-fast'
-eval_interval = 150
+eval_interval = 300  # at the start and the end: an evaluation and its save cost ~10 iterations
 eval_iters = 20
 log_interval = 10
 always_save_checkpoint = False

@@ -191,7 +191,7 @@ def test_the_fast_laptop_recipe_is_within_its_curve_and_ends_below_nanogpts_reci
                     f'--out_dir={tmp_path}', '--seed=7', '--num_threads=2'], timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "reference: comparing each evaluation with config/reference/shakespeare_char_fast.offline.json" in r.stdout
-    assert verdicts(r.stdout) == ['within'] * 3, r.stdout
+    assert verdicts(r.stdout) == ['within'] * 2, r.stdout  # at iterations 0 and 300
     final = [e for e in read_metrics(str(tmp_path / 'metrics.jsonl')) if e['type'] == 'eval'][-1]
     nanogpt = json.load(open(OFFLINE_CURVE))['points'][-1]['val']
     assert final['iter'] == 300 and final['val_loss'] < nanogpt['mean'] + nanogpt['std'], (final, nanogpt)
