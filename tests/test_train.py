@@ -193,9 +193,9 @@ def test_train_retunes_threads_only_in_auto_mode(tiny_dataset, tmp_path, monkeyp
 
     made = []
 
-    def make(candidates):
+    def make(candidates, first=None):
         made.append(Recording(candidates, interval=2, probe=1))
-        made[-1].seen = []
+        made[-1].seen, made[-1].first = [], first
         return made[-1]
 
     monkeypatch.setattr(machine, 'ThreadRetuner', make)  # what train.py's thread choice makes
@@ -206,7 +206,7 @@ def test_train_retunes_threads_only_in_auto_mode(tiny_dataset, tmp_path, monkeyp
                 '--block_size=8', '--batch_size=2', '--max_iters=12', '--eval_interval=5', '--eval_iters=1',
                 '--log_interval=100', '--compile=False', '--always_save_checkpoint=False']
         train.main(args + ['--num_threads=0', f'--out_dir={tmp_path}/auto'])
-        assert len(made) == 1 and made[0].candidates == [2, 1]
+        assert len(made) == 1 and made[0].candidates == [2, 1] and made[0].first == machine.FIRST_RECHECK
         # iterations 0..12 ran; 0, 5 and 10 evaluated (their time is not the training step's), so 10 were seen,
         # with real times, and both thread counts were tried during training
         assert len(made[0].seen) == 10 and all(dt > 0 for dt, _ in made[0].seen)
